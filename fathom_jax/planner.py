@@ -1,0 +1,221 @@
+"""Per-query read depths by reverse water-filling (paper Eq. 3 and 4).
+
+For the G query heads that share a KV head, channel j carries score variance
+``g_j = sum_h q_j^(h)^2 Var(k_j)`` (raw basis) or ``sum_h ((q V)_j)^2 lambda_j`` (KLT basis). Reading
+``t_j`` planes leaves error ``~ g_j 4^-t_j``; under a budget ``sum_j t_j <= B`` the optimum is
+``t_j = clip(round(log4(g_j / theta)), 0, 4)`` at the smallest water line ``theta`` that fits, found
+by 30 bisection steps on ``log theta``.
+
+Rounding ``log4(g/theta)`` gives channel j its t-th plane exactly when ``g_j 4^-t >= theta / 2``, the
+same order as the marginal gains ``3/4 g_j 4^-(t-1)``. So the bisection reproduces the exact greedy
+integer allocation (``plan_exact``) except for ties; ``scripts/bench_planner.py`` measures both.
+
+Everything here is jit- and vmap-friendly: leading axes of ``importance`` (groups, heads, layers,
+batch) broadcast against ``budget``; budgets may be traced (per-layer budgets inside ``lax.scan``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from fathom_jax.store import BLOCK_TOKENS, N_PLANES, SCALE_BITS
+
+BISECTION_STEPS = 30
+_LOG4 = math.log(4.0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ReadPlan:
+    """Depths for one query group, with its water line and exact bit accounting."""
+
+    depths: Int[Array, "*G D"]  # planes read per channel, 0..4
+    theta: Float[Array, "*G"]  # water line (for plan_exact: the smallest marginal gain taken)
+    code_bits: Int[Array, "*G"]  # sum_j t_j
+    bits_per_token: Float[Array, "*G"]  # code bits + 16 bits per 64 tokens per active channel
+
+    @property
+    def active(self) -> Int[Array, "*G D"]:
+        return self.depths > 0
+
+
+def _plan(depths: Array, theta: Array) -> ReadPlan:
+    depths = depths.astype(jnp.int32)
+    active = jnp.sum(depths > 0, axis=-1)
+    code_bits = jnp.sum(depths, axis=-1)
+    return ReadPlan(
+        depths=depths,
+        theta=theta,
+        code_bits=code_bits,
+        bits_per_token=code_bits.astype(jnp.float32) + active.astype(jnp.float32) * (SCALE_BITS / BLOCK_TOKENS),
+    )
+
+
+def importance(q: Float[Array, "*G H D"], variance: Float[Array, "*G D"]) -> Float[Array, "*G D"]:
+    """Eq. 3: ``g_j = sum_h q_j^2 Var(k_j)`` over the query heads of the group (axis -2).
+
+    For the KLT store pass queries already rotated (``q V``) and the eigenvalues as ``variance``.
+    """
+    q = jnp.asarray(q, jnp.float32)
+    return jnp.sum(q * q, axis=-2) * jnp.asarray(variance, jnp.float32)
+
+
+def importance_klt(
+    q: Float[Array, "*G H D"], basis: Float[Array, "*G D D"], eigenvalues: Float[Array, "*G D"]
+) -> Float[Array, "*G D"]:
+    """The KLT form of Eq. 3: ``g_j = sum_h ((q V)_j)^2 lambda_j`` for raw (unrotated) queries."""
+    return importance(jnp.einsum("...hd,...de->...he", q, basis), eigenvalues)
+
+
+def depths_at(g: Float[Array, "*G D"], theta: Float[Array, "*G"]) -> Int[Array, "*G D"]:
+    """Eq. 4 at a given water line: ``clip(round(log4(g / theta)), 0, 4)``; zero importance reads nothing."""
+    log4_ratio = (jnp.log(g) - jnp.log(jnp.asarray(theta))[..., None]) / _LOG4
+    return jnp.where(g > 0, jnp.clip(jnp.round(log4_ratio), 0, N_PLANES), 0).astype(jnp.int32)
+
+
+def _check_budget(budget, d: int) -> None:
+    if isinstance(budget, jax.core.Tracer):
+        return
+    b = np.asarray(budget)
+    if np.any(~np.isfinite(b)) or np.any(b < 0) or np.any(b > N_PLANES * d):
+        raise ValueError(f"budget must lie in [0, {N_PLANES * d}] code bits (4 x D channels), got {b}")
+
+
+def _check_importance(g) -> None:
+    if g.ndim < 1:
+        raise ValueError(f"importance must be [..., D], got shape {g.shape}")
+    if isinstance(g, jax.core.Tracer):
+        return
+    arr = np.asarray(g)
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError("importance must be finite and non-negative (sum of squared query weights x variances)")
+
+
+def bisection_trace(
+    g: Float[Array, "*G D"],
+    budget: Int[Array, "*G"] | int,
+    *,
+    bracket: tuple[float, float] | None = None,
+    steps: int = BISECTION_STEPS,
+) -> tuple[ReadPlan, Float[Array, "steps *G"], Int[Array, "steps *G"]]:
+    """Bisection on ``log theta``, returning the plan and every trial's ``theta`` and bit sum.
+
+    Each trial is the geometric mean of the bracket; a trial whose depths overflow the budget becomes
+    the new lower end, otherwise the new upper end, and the plan is read at the final upper end.
+    The default bracket spans from ``4^-4.5`` below the smallest positive importance (every channel at
+    full depth) to 4x the largest (nothing read), so it always contains the water line.
+    """
+    g = jnp.asarray(g, jnp.float32)
+    _check_importance(g)
+    _check_budget(budget, g.shape[-1])
+    budget = jnp.broadcast_to(jnp.asarray(budget, jnp.float32), g.shape[:-1])
+    if bracket is None:
+        positive = g > 0
+        log_max = jnp.log(jnp.max(jnp.where(positive, g, 1.0), axis=-1))
+        log_min = jnp.log(jnp.min(jnp.where(positive, g, jnp.inf), axis=-1))
+        log_min = jnp.where(jnp.isfinite(log_min), log_min, 0.0)
+        log_lo = log_min - (N_PLANES + 0.5) * _LOG4
+        log_hi = log_max + _LOG4
+    else:
+        log_lo = jnp.full(g.shape[:-1], math.log(bracket[0]), jnp.float32)
+        log_hi = jnp.full(g.shape[:-1], math.log(bracket[1]), jnp.float32)
+
+    def step(carry, _):
+        lo, hi = carry
+        mid = 0.5 * (lo + hi)
+        used = jnp.sum(depths_at(g, jnp.exp(mid)), axis=-1)
+        over = used > budget
+        return (jnp.where(over, mid, lo), jnp.where(over, hi, mid)), (jnp.exp(mid), used)
+
+    (_, log_hi), (trials, sums) = jax.lax.scan(step, (log_lo, log_hi), None, length=steps)
+    theta = jnp.exp(log_hi)
+    return _plan(depths_at(g, theta), theta), trials, sums
+
+
+def plan_bisection(
+    g: Float[Array, "*G D"],
+    budget: Int[Array, "*G"] | int,
+    *,
+    bracket: tuple[float, float] | None = None,
+    steps: int = BISECTION_STEPS,
+) -> ReadPlan:
+    """The paper's planner: depths at the water line found by ``steps`` bisection steps on log theta."""
+    return bisection_trace(g, budget, bracket=bracket, steps=steps)[0]
+
+
+def plan_exact(g: Float[Array, "*G D"], budget: Int[Array, "*G"] | int) -> ReadPlan:
+    """Exact integer allocation: the ``budget`` largest marginal gains ``g_j 4^-t`` (t = 0..3).
+
+    Marginal gains fall by 4x per plane within a channel, so taking the largest ones overall gives every
+    channel a prefix of its planes; zero-importance channels are never read.
+    """
+    g = jnp.asarray(g, jnp.float32)
+    _check_importance(g)
+    d = g.shape[-1]
+    _check_budget(budget, d)
+    budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), g.shape[:-1])
+    gains = g[..., :, None] * (0.25 ** jnp.arange(N_PLANES, dtype=jnp.float32))  # [*G, D, 4]
+    flat = gains.reshape(*g.shape[:-1], d * N_PLANES)
+    order = jnp.argsort(-flat, axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1, stable=True)
+    taken = (rank < budget[..., None]) & (flat > 0)
+    depths = jnp.sum(taken.reshape(*g.shape[:-1], d, N_PLANES), axis=-1)
+    smallest = jnp.min(jnp.where(taken, flat, jnp.inf), axis=-1)
+    return _plan(depths, jnp.where(jnp.isfinite(smallest), smallest, 0.0))
+
+
+def plan(
+    g: Float[Array, "*G D"], budget: Int[Array, "*G"] | int, *, method: str = "bisection"
+) -> ReadPlan:
+    """Plan read depths with ``method`` = ``"bisection"`` (the paper's) or ``"exact"``."""
+    if method == "bisection":
+        return plan_bisection(g, budget)
+    if method == "exact":
+        return plan_exact(g, budget)
+    raise ValueError(f"method must be 'bisection' or 'exact', got {method!r}")
+
+
+def greedy_layer_budgets(
+    errors: Float[Array, "L K"] | np.ndarray,
+    grid: Int[Array, "K"] | np.ndarray,
+    target_mean: float,
+) -> np.ndarray:
+    """The per-layer plan of section 3.3: budgets ``B_l`` from ``grid`` at a mean of ``target_mean``.
+
+    ``errors[l, i]`` is layer l's calibration error at budget ``grid[i]``. Every layer starts at the
+    smallest budget; each step moves the layer with the largest error drop per extra bit one grid step
+    up, as long as the mean budget stays within ``target_mean``. Runs once, offline, on host numbers.
+    """
+    errors = np.asarray(errors, np.float64)
+    grid = np.asarray(grid)
+    if errors.ndim != 2 or errors.shape[1] != grid.shape[0]:
+        raise ValueError(f"errors must be [layers, len(grid)] = [L, {grid.shape[0]}], got {errors.shape}")
+    if np.any(np.diff(grid) <= 0):
+        raise ValueError(f"grid must be strictly increasing, got {grid}")
+    if not grid[0] <= target_mean <= grid[-1]:
+        raise ValueError(f"target_mean must lie in [{grid[0]}, {grid[-1]}], got {target_mean}")
+    n_layers = errors.shape[0]
+    level = np.zeros(n_layers, np.int64)
+    total_cap = target_mean * n_layers
+    while True:
+        best, best_gain = -1, -np.inf
+        for layer in range(n_layers):
+            i = level[layer]
+            if i + 1 >= grid.shape[0]:
+                continue
+            cost = grid[i + 1] - grid[i]
+            if grid[level].sum() + cost > total_cap + 1e-9:
+                continue
+            gain = (errors[layer, i] - errors[layer, i + 1]) / cost
+            if gain > best_gain:
+                best, best_gain = layer, gain
+        if best < 0:
+            break
+        level[best] += 1
+    return grid[level]

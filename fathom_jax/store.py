@@ -1,0 +1,325 @@
+"""The bit-plane key store: 4-bit block-scaled key codes, stored channel-major as bit planes.
+
+Semantics (fixed by the design; every test of exactness leans on them):
+
+* Tokens are grouped in blocks of ``BLOCK_TOKENS = 64``. For block ``b`` and channel ``j`` the scale is
+  ``a = max |k|`` over the block's valid tokens, stored as float16. The quantizer cell is ``s = a / 8``
+  and the code is ``c = clip(floor(k / s), -8, 7) + 8`` in ``[0, 16)``; codes are computed from the
+  *fp16-rounded* scale so that dequantization with the stored scale is self-consistent.
+* Bit ``p`` (0 = most significant) of the codes is plane ``p``. Reading the first ``t`` planes gives
+  ``c_t = c >> (4 - t)`` and the value ``(c_t + 1/2 - 2^(t-1)) * a / 2^(t-1)``: exactly the t-bit
+  mid-rise quantizer of ``[-a, a)`` under the same scale. ``t = 0`` reads nothing (value 0).
+
+Memory layout, per sequence and KV head (leading batch axes ``*B`` in front of everything)::
+
+    planes  uint32  [*B, D, 4, W]   W = capacity / 32; token i of a plane is bit (i % 32) of word i // 32
+    scales  float16 [*B, D, NB]     NB = capacity / 64
+    tail    float32 [*B, 64, D]     raw keys of the last, partially filled block (for requantization)
+    length  int32   [*B]            valid tokens
+
+Channel-major means that the first ``t`` planes of channel ``j`` are one contiguous run of
+``t * capacity / 8`` bytes (``planes[..., j, :t, :]``), and its scales are a second run of
+``capacity / 32`` bytes. At 32k tokens a plane is 4 KiB, at 1M tokens 128 KiB, so a per-query read is
+a short list of long contiguous runs: one per active channel (plus one for its scales). Across
+sequences and heads the runs of ``(b, h, j)`` start at word ``((b * H + h) * D + j) * 4 * W``.
+
+A serving cache also appends decode tokens: the last block's scale changes as it fills, so ``append``
+requantizes that block from the raw keys kept in ``tail``. Building from all keys at once and
+appending them one by one give the same store, bit for bit.
+
+The KLT variant stores planes of ``(k - mu) V`` (see :class:`KeyRotation`); a store built with a
+rotation remembers it, and queries are rotated with :func:`rotate_queries` before scoring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Float16, Int, UInt32
+
+BLOCK_TOKENS = 64
+N_PLANES = 4
+WORD_BITS = 32
+SCALE_BITS = 16
+FP16_MAX = float(np.finfo(np.float16).max)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KeyRotation:
+    """A fixed orthogonal change of key basis: ``k -> (k - mean) @ basis``.
+
+    ``basis`` columns are ordered by decreasing calibration score variance (see ``calibrate.py``);
+    ``mean`` is subtracted from keys only: ``q . mean`` is the same for every key, so rankings and
+    softmax weights are unchanged.
+    """
+
+    mean: Float[Array, "*B D"]
+    basis: Float[Array, "*B D D"]
+
+
+def rotate_keys(keys: Float[Array, "*B n D"], rotation: KeyRotation | None) -> Float[Array, "*B n D"]:
+    if rotation is None:
+        return keys
+    return jnp.einsum("...nd,...de->...ne", keys - rotation.mean[..., None, :], rotation.basis)
+
+
+def rotate_queries(q: Float[Array, "*B G D"], rotation: KeyRotation | None) -> Float[Array, "*B G D"]:
+    if rotation is None:
+        return q
+    return jnp.einsum("...gd,...de->...ge", q, rotation.basis)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PlaneStore:
+    """Bit-plane key store for a batch of sequences (see the module docstring for the layout)."""
+
+    planes: UInt32[Array, "*B D 4 W"]
+    scales: Float16[Array, "*B D NB"]
+    tail: Float[Array, "*B 64 D"]
+    length: Int[Array, "*B"]
+    rotation: KeyRotation | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.planes.shape[-1] * WORD_BITS
+
+    @property
+    def head_dim(self) -> int:
+        return self.planes.shape[-3]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scales.shape[-1]
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return self.planes.shape[:-3]
+
+    def plane_run_bytes(self) -> int:
+        """Bytes of one plane of one channel: the unit of a contiguous read."""
+        return self.capacity // 8
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantization
+
+
+def quantize_blocks(
+    keys: Float[Array, "*B NB 64 D"], valid: Any = None
+) -> tuple[Int[Array, "*B NB 64 D"], Float16[Array, "*B NB D"]]:
+    """4-bit codes and fp16 absmax scales of whole blocks. ``valid`` masks tokens out of the scale."""
+    keys = keys.astype(jnp.float32)
+    if valid is not None:
+        keys = jnp.where(valid[..., None], keys, 0.0)
+    absmax = jnp.max(jnp.abs(keys), axis=-2)
+    scale16 = jnp.minimum(absmax, FP16_MAX).astype(jnp.float16)
+    cell = scale16.astype(jnp.float32)[..., None, :] / 8.0
+    ratio = jnp.where(cell > 0, keys / jnp.where(cell > 0, cell, 1.0), 0.0)
+    codes = jnp.clip(jnp.floor(ratio), -8, 7).astype(jnp.int32) + 8
+    return codes, scale16
+
+
+def dequantize_codes(
+    code_t: Int[Array, "... D"], scales: Float[Array, "... D"], depth: Int[Array, "*#... D"] | int
+) -> Float[Array, "... D"]:
+    """Value of a ``depth``-bit code ``c_t = c >> (4 - t)``: ``(c_t + 1/2 - 2^(t-1)) * a / 2^(t-1)``; 0 at t = 0."""
+    depth = jnp.asarray(depth, jnp.int32)
+    half_range = jnp.left_shift(1, jnp.maximum(depth, 1) - 1).astype(jnp.float32)
+    value = (jnp.asarray(code_t).astype(jnp.float32) + 0.5 - half_range) * (scales.astype(jnp.float32) / half_range)
+    return jnp.where(depth > 0, value, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing
+
+
+def pack_planes(codes: Int[Array, "*B n D"]) -> UInt32[Array, "*B D 4 W"]:
+    """Pack token-major 4-bit codes (n a multiple of 32) into channel-major bit planes."""
+    *batch, n, d = codes.shape
+    if n % WORD_BITS:
+        raise ValueError(f"pack_planes: token count must be a multiple of {WORD_BITS}, got {n}")
+    codes = jnp.swapaxes(codes.astype(jnp.uint32), -1, -2)  # [*B, D, n]
+    shifts = jnp.arange(N_PLANES - 1, -1, -1, dtype=jnp.uint32)  # plane p holds bit 3 - p
+    bits = (codes[..., None, :] >> shifts[:, None]) & 1  # [*B, D, 4, n]
+    bits = bits.reshape(*batch, d, N_PLANES, n // WORD_BITS, WORD_BITS)
+    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(WORD_BITS, dtype=jnp.uint32))
+    return jnp.sum(bits * weights, axis=-1, dtype=jnp.uint32)
+
+
+def unpack_planes(planes: UInt32[Array, "*B D 4 W"], depth: Int[Array, "*B D"] | int = N_PLANES) -> Int[Array, "*B n D"]:
+    """Codes from the first ``depth`` planes (per channel): ``c >> (4 - depth)``, token-major."""
+    *batch, d, _, w = planes.shape
+    bit_index = jnp.arange(WORD_BITS, dtype=jnp.uint32)
+    bits = ((planes[..., None] >> bit_index) & 1).astype(jnp.int32).reshape(*batch, d, N_PLANES, w * WORD_BITS)
+    depth = jnp.broadcast_to(jnp.asarray(depth, jnp.int32), (*batch, d))
+    plane = jnp.arange(N_PLANES, dtype=jnp.int32)
+    # Plane p contributes bit (depth - 1 - p) of the truncated code, and nothing once p >= depth.
+    weight = jnp.where(plane < depth[..., None], jnp.left_shift(1, jnp.maximum(depth[..., None] - 1 - plane, 0)), 0)
+    codes = jnp.sum(bits * weight[..., None], axis=-2)
+    return jnp.swapaxes(codes, -1, -2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building, reading and appending
+
+
+def _check_finite(name: str, x) -> None:
+    if isinstance(x, jax.core.Tracer):
+        return  # value checks happen eagerly; inside jit the caller owns them
+    arr = np.asarray(x, dtype=np.float32)
+    if not np.all(np.isfinite(arr)):
+        bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
+        raise ValueError(f"{name} contains {bad} NaN or inf value(s); the key store needs finite keys")
+    if arr.size and np.max(np.abs(arr)) > FP16_MAX:
+        raise ValueError(f"{name} has |k| up to {np.max(np.abs(arr)):.3g}, beyond the fp16 block scale range {FP16_MAX}")
+
+
+def round_capacity(n: int) -> int:
+    return max(BLOCK_TOKENS, math.ceil(n / BLOCK_TOKENS) * BLOCK_TOKENS)
+
+
+def build_store(
+    keys: Float[Array, "*B n D"],
+    *,
+    capacity: int | None = None,
+    length: Int[Array, "*B"] | int | None = None,
+    rotation: KeyRotation | None = None,
+) -> PlaneStore:
+    """Quantize and pack ``keys`` into a store with room for ``capacity`` tokens (rounded up to 64).
+
+    ``length`` (default ``n``) marks how many leading tokens of each sequence are valid; the rest are
+    ignored (they take no part in the block scales). ``n`` need not be a multiple of 64: the tail block
+    is partial, exactly as if those tokens had been appended one by one.
+    """
+    keys = jnp.asarray(keys)
+    if keys.ndim < 2:
+        raise ValueError(f"build_store: keys must be [..., n, D], got shape {keys.shape}")
+    if not jnp.issubdtype(keys.dtype, jnp.floating):
+        raise TypeError(f"build_store: keys must be floating point, got {keys.dtype}")
+    *batch, n, d = keys.shape
+    capacity = round_capacity(n if capacity is None else capacity)
+    if capacity < n:
+        raise ValueError(f"build_store: capacity={capacity} is smaller than the {n} keys given")
+    _check_finite("build_store: keys", keys)
+    if length is None:
+        length = jnp.full(batch, n, jnp.int32)
+    else:
+        if not isinstance(length, jax.core.Tracer) and np.any((np.asarray(length) < 0) | (np.asarray(length) > n)):
+            raise ValueError(f"build_store: length must lie in [0, {n}], got {np.asarray(length)}")
+        length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), batch)
+
+    keys = rotate_keys(keys.astype(jnp.float32), rotation)
+    padded = jnp.zeros((*batch, capacity, d), jnp.float32).at[..., :n, :].set(keys)
+    valid = jnp.arange(capacity) < length[..., None]
+    nb = capacity // BLOCK_TOKENS
+    codes, scales = quantize_blocks(
+        padded.reshape(*batch, nb, BLOCK_TOKENS, d), valid.reshape(*batch, nb, BLOCK_TOKENS)
+    )
+    codes = jnp.where(valid.reshape(*batch, nb, BLOCK_TOKENS)[..., None], codes, 0)
+    planes = pack_planes(codes.reshape(*batch, capacity, d))
+
+    # The raw keys of the partially filled last block, so that appends can requantize it.
+    tail_start = (length // BLOCK_TOKENS) * BLOCK_TOKENS
+    idx = tail_start[..., None] + jnp.arange(BLOCK_TOKENS)
+    tail = jnp.take_along_axis(padded, jnp.minimum(idx, capacity - 1)[..., None], axis=-2)
+    tail = jnp.where((idx < length[..., None])[..., None], tail, 0.0)
+    return PlaneStore(
+        planes=planes, scales=jnp.swapaxes(scales, -1, -2), tail=tail, length=length, rotation=rotation
+    )
+
+
+def read_codes(store: PlaneStore, depth: Int[Array, "*B D"] | int = N_PLANES) -> Int[Array, "*B n D"]:
+    """Truncated codes ``c >> (4 - t_j)`` of every stored token (capacity rows; rows >= length are 0)."""
+    return unpack_planes(store.planes, depth)
+
+
+def token_scales(store: PlaneStore) -> Float[Array, "*B n D"]:
+    """Each token's block scale, broadcast to token-major ``[*B, capacity, D]`` (f32)."""
+    per_block = jnp.swapaxes(store.scales, -1, -2).astype(jnp.float32)  # [*B, NB, D]
+    return jnp.repeat(per_block, BLOCK_TOKENS, axis=-2)
+
+
+def dequantize(store: PlaneStore, depth: Int[Array, "*B D"] | int = N_PLANES) -> Float[Array, "*B n D"]:
+    """Keys as read to per-channel depth ``depth`` (in the store's basis), ``[*B, capacity, D]``."""
+    depth = jnp.broadcast_to(jnp.asarray(depth, jnp.int32), (*store.batch_shape, store.head_dim))
+    codes = read_codes(store, depth)
+    values = dequantize_codes(codes, token_scales(store), depth[..., None, :])
+    valid = jnp.arange(store.capacity) < store.length[..., None]
+    return jnp.where(valid[..., None], values, 0.0)
+
+
+def _append_one(planes, scales, tail, length, key):
+    """Append one key ``[D]`` to one sequence and requantize its last block."""
+    block = length // BLOCK_TOKENS
+    offset = length % BLOCK_TOKENS
+    tail = jnp.where(offset == 0, 0.0, tail).at[offset].set(key)
+    valid = jnp.arange(BLOCK_TOKENS) <= offset
+    codes, scale = quantize_blocks(tail, valid)
+    codes = jnp.where(valid[:, None], codes, 0)
+    words = pack_planes(codes)  # [D, 4, 2]
+    planes = jax.lax.dynamic_update_slice(planes, words, (0, 0, block * (BLOCK_TOKENS // WORD_BITS)))
+    scales = jax.lax.dynamic_update_slice(scales, scale[:, None], (0, block))
+    return planes, scales, tail, length + 1
+
+
+def _raise_overflow(length, count, capacity):
+    raise ValueError(
+        f"append: {int(count)} token(s) past capacity (length {int(length)}, capacity {capacity}); "
+        "build the store with a larger capacity"
+    )
+
+
+def append(store: PlaneStore, keys: Float[Array, "*B m D"], *, check: bool = True) -> PlaneStore:
+    """Append ``m`` keys to every sequence of the store (requantizing each partial block).
+
+    Appending past capacity is an error: raised at call time when lengths are concrete, and at run
+    time (through a host callback that fires only on overflow) when traced, unless ``check=False``
+    for loops whose bounds were checked before entering them.
+    """
+    keys = jnp.asarray(keys)
+    expect = (*store.batch_shape, keys.shape[-2] if keys.ndim >= 2 else -1, store.head_dim)
+    if keys.ndim != len(store.batch_shape) + 2 or keys.shape[:-2] != store.batch_shape or keys.shape[-1] != store.head_dim:
+        raise ValueError(f"append: keys must have shape [*batch, m, D] = {expect}, got {keys.shape}")
+    m = keys.shape[-2]
+    capacity = store.capacity
+    if check:
+        if isinstance(store.length, jax.core.Tracer):
+            over = jnp.max(store.length) + m > capacity
+            jax.lax.cond(
+                over,
+                lambda: jax.debug.callback(_raise_overflow, jnp.max(store.length), jnp.max(store.length) + m - capacity, capacity),
+                lambda: None,
+            )
+        elif int(np.max(np.asarray(store.length), initial=0)) + m > capacity:
+            _raise_overflow(np.max(np.asarray(store.length)), np.max(np.asarray(store.length)) + m - capacity, capacity)
+    _check_finite("append: keys", keys)
+
+    keys = rotate_keys(keys.astype(jnp.float32), store.rotation)
+    batch = store.batch_shape
+    flat = lambda x: x.reshape(-1, *x.shape[len(batch):])
+    planes, scales, tail, length = flat(store.planes), flat(store.scales), flat(store.tail), store.length.reshape(-1)
+    step = jax.vmap(_append_one)
+
+    def body(i, carry):
+        return step(*carry, flat(keys)[:, i])
+
+    planes, scales, tail, length = jax.lax.fori_loop(0, m, body, (planes, scales, tail, length))
+    unflat = lambda x: x.reshape(*batch, *x.shape[1:])
+    return PlaneStore(
+        planes=unflat(planes), scales=unflat(scales), tail=unflat(tail), length=length.reshape(batch),
+        rotation=store.rotation,
+    )
+
+
+def bits_per_token(depth: Int[Array, "... D"]) -> Float[Array, "..."]:
+    """The paper's byte convention: code bits read plus 16 bits per 64 tokens per channel read."""
+    depth = jnp.asarray(depth)
+    active = jnp.sum(depth > 0, axis=-1)
+    return jnp.sum(depth, axis=-1).astype(jnp.float32) + active.astype(jnp.float32) * (SCALE_BITS / BLOCK_TOKENS)
