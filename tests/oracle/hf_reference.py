@@ -1,0 +1,130 @@
+"""Reference outputs from Hugging Face `transformers` (PyTorch, CPU, float32).
+
+Runs in the oracle venv `.venv-ref` (Python 3.11: the only local CPU torch wheel), never inside
+the JAX test process. The pytest suite calls it as a subprocess and compares against the .npz
+files it writes.
+
+  python hf_reference.py tiny --out DIR
+      For each case (llama, llama3, qwen2, qwen3): write a tiny random checkpoint with
+      `save_pretrained` to DIR/<case>/ and DIR/<case>/ref.npz with
+      tokens [T], logits [T, V] and, from the 8-token prompt tokens[:8], greedy [32].
+  python hf_reference.py gguf --gguf FILE --prompt TEXT --new-tokens N --out NPZ
+      Load FILE with transformers' own GGUF loader, dump tokens, logits and N greedy tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import torch
+import transformers
+
+TINY = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=128,
+    initializer_range=0.1,  # wide logit gaps: greedy parity must not hinge on near-ties
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+CASES = {
+    # case: (config class, extra kwargs, rope_theta, rope scaling or None, save kwargs)
+    "llama": ("LlamaConfig", dict(attention_bias=True, tie_word_embeddings=False), 10000.0, None, {}),
+    "llama3": (
+        "LlamaConfig",
+        dict(tie_word_embeddings=True),
+        500000.0,
+        dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+             original_max_position_embeddings=64),
+        {},
+    ),
+    # Sharded on purpose: exercises model.safetensors.index.json.
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False), 1000000.0, None, dict(max_shard_size="40KB")),
+    # head_dim != hidden / heads, as in real Qwen3 configs.
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True), 1000000.0, None, {}),
+}
+
+PROMPT_LEN, GEN_LEN, SEQ_LEN = 8, 32, 24
+
+
+def _config(case: str):
+    cls_name, extra, theta, scaling, _ = CASES[case]
+    kw = dict(TINY, **extra)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        kw["rope_parameters"] = dict(rope_type="default", rope_theta=theta) if scaling is None else dict(
+            scaling, rope_theta=theta
+        )
+    else:
+        kw["rope_theta"] = theta
+        kw["rope_scaling"] = scaling
+    return getattr(transformers, cls_name)(**kw)
+
+
+@torch.no_grad()
+def greedy(model, prompt: torch.Tensor, n: int) -> np.ndarray:
+    """Greedy decode through HF's own KV cache (no `generate`: no EOS or min-length logit edits)."""
+    out = model(prompt, use_cache=True)
+    past, nxt, toks = out.past_key_values, out.logits[:, -1].argmax(-1), []
+    for _ in range(n):
+        toks.append(int(nxt))
+        out = model(nxt[:, None], past_key_values=past, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+    return np.array(toks, np.int64)
+
+
+@torch.no_grad()
+def tiny(out_dir: str) -> None:
+    for i, case in enumerate(CASES):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(_config(case), dtype=torch.float32).eval()
+        # Norm weights init to 1 and biases to 0 would hide swapped or dropped tensors: randomise.
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+        path = os.path.join(out_dir, case)
+        model.save_pretrained(path, **CASES[case][4])
+        tokens = torch.from_numpy(np.random.default_rng(i).integers(0, TINY["vocab_size"], SEQ_LEN))
+        logits = model(tokens[None]).logits[0].float().numpy()
+        gen = greedy(model, tokens[None, :PROMPT_LEN], GEN_LEN)
+        np.savez(os.path.join(path, "ref.npz"), tokens=tokens.numpy(), logits=logits, greedy=gen)
+
+
+@torch.no_grad()
+def gguf(path: str, prompt: str, new_tokens: int, out: str) -> None:
+    d, f = os.path.split(os.path.abspath(path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    logits = model(ids).logits[0].float().numpy()
+    np.savez(out, tokens=ids[0].numpy(), logits=logits, greedy=greedy(model, ids, new_tokens))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tiny")
+    t.add_argument("--out", required=True)
+    g = sub.add_parser("gguf")
+    g.add_argument("--gguf", required=True)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--new-tokens", type=int, default=16)
+    g.add_argument("--out", required=True)
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    if a.cmd == "tiny":
+        tiny(a.out)
+    else:
+        gguf(a.gguf, a.prompt, a.new_tokens, a.out)
+
+
+if __name__ == "__main__":
+    main()
