@@ -270,9 +270,10 @@ class LlamaForCausalLM(nnx.Module):
         T*V floats on long prompts) and the cache with length += T. Starting from a non-empty
         cache (chunked prefill) works: the chunk attends to everything already cached.
         """
+        tokens = jnp.asarray(tokens, jnp.int32)
         _check_fits(tokens.shape[1], cache)
-        h, cache, _ = self._forward(tokens, cache, _dense_attend, capture=False)
-        return self.logits(h[:, -1] if last_only else h), cache
+        graphdef, state = nnx.split(self)
+        return _prefill(graphdef, state, tokens, cache, last_only)
 
     def decode_step(
         self,
@@ -292,11 +293,28 @@ class LlamaForCausalLM(nnx.Module):
             cache = dataclasses.replace(cache, length=jnp.asarray(position, jnp.int32))
         _check_fits(1, cache)
 
-        def attend(q, k, v, start, layer):
-            return attention_fn(q[:, :, :, 0], k, v, start + 1, layer)[:, :, :, None]
+        graphdef, state = nnx.split(self)
+        return _decode_step(graphdef, state, jnp.asarray(token, jnp.int32), cache, attention_fn)
 
-        h, cache, _ = self._forward(jnp.asarray(token, jnp.int32)[:, None], cache, attend, capture=False)
-        return self.logits(h[:, 0]), cache
+
+# The public methods run through these jitted pure functions, so eager calls are fast too (the
+# module is split into a static graphdef and a state pytree, and rebuilt inside the trace).
+@functools.partial(jax.jit, static_argnames=("graphdef", "last_only"))
+def _prefill(graphdef, state, tokens, cache, last_only):
+    model = nnx.merge(graphdef, state)
+    h, cache, _ = model._forward(tokens, cache, _dense_attend, capture=False)
+    return model.logits(h[:, -1] if last_only else h), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attention_fn"))
+def _decode_step(graphdef, state, token, cache, attention_fn):
+    model = nnx.merge(graphdef, state)
+
+    def attend(q, k, v, start, layer):
+        return attention_fn(q[:, :, :, 0], k, v, start + 1, layer)[:, :, :, None]
+
+    h, cache, _ = model._forward(token[:, None], cache, attend, capture=False)
+    return model.logits(h[:, 0]), cache
 
 
 def _dense_attend(q, k, v, start, layer):
