@@ -64,9 +64,22 @@ class KeyRotation:
 
 
 def rotate_keys(keys: Float[Array, "*B n D"], rotation: KeyRotation | None) -> Float[Array, "*B n D"]:
+    """``(k - mean) @ basis``, computed the same way for every token.
+
+    A matmul may sum in a different order for different token counts, and the store must come out the
+    same whether its keys arrive at once or one by one, so this is a per-token multiply-and-sum,
+    mapped over chunks of 64 tokens to bound the ``[64, D, D]`` intermediate.
+    """
     if rotation is None:
         return keys
-    return jnp.einsum("...nd,...de->...ne", keys - rotation.mean[..., None, :], rotation.basis)
+    centered = keys - rotation.mean[..., None, :]
+    *batch, n, d = centered.shape
+    chunk = min(n, BLOCK_TOKENS)
+    pad = (-n) % chunk
+    centered = jnp.pad(centered, [(0, 0)] * len(batch) + [(0, pad), (0, 0)])
+    chunks = jnp.moveaxis(centered.reshape(*batch, -1, chunk, d), -3, 0)  # [C, *B, chunk, D]
+    rotated = jax.lax.map(lambda x: jnp.sum(x[..., :, None] * rotation.basis[..., None, :, :], axis=-2), chunks)
+    return jnp.moveaxis(rotated, 0, -3).reshape(*batch, n + pad, d)[..., :n, :]
 
 
 def rotate_queries(q: Float[Array, "*B G D"], rotation: KeyRotation | None) -> Float[Array, "*B G D"]:
@@ -120,9 +133,15 @@ def quantize_blocks(
         keys = jnp.where(valid[..., None], keys, 0.0)
     absmax = jnp.max(jnp.abs(keys), axis=-2)
     scale16 = jnp.minimum(absmax, FP16_MAX).astype(jnp.float16)
-    cell = scale16.astype(jnp.float32)[..., None, :] / 8.0
-    ratio = jnp.where(cell > 0, keys / jnp.where(cell > 0, cell, 1.0), 0.0)
-    codes = jnp.clip(jnp.floor(ratio), -8, 7).astype(jnp.int32) + 8
+    width = scale16.astype(jnp.float32)[..., None, :] / 8.0
+    ratio = jnp.where(width > 0, keys / jnp.where(width > 0, width, 1.0), 0.0)
+    index = jnp.floor(ratio)
+    # XLA flushes subnormal quotients (and inputs) to zero; a strictly negative key still belongs to a
+    # negative cell, so take its sign from the bits rather than from the flushed quotient.
+    bits = jax.lax.bitcast_convert_type(keys, jnp.uint32)
+    negative = (bits >> 31 == 1) & ((bits & 0x7FFFFFFF) != 0)
+    index = jnp.where(negative & (index >= 0) & (width > 0), -1.0, index)
+    codes = jnp.clip(index, -8, 7).astype(jnp.int32) + 8
     return codes, scale16
 
 
