@@ -161,7 +161,7 @@ def test_fixed_byte_counts_at_d128():
         assert float(scan(m, q, index, calib).bits_per_token) == bits, m.label
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 2**16), budget=st.integers(0, 64), exact_plan=st.booleans())
 def test_fathom_bits_are_planes_plus_active_scales(seed, budget, exact_plan):
     keys, q, calib = random_setting(seed, n=64, d=16)
