@@ -1,0 +1,123 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra import numpy as hnp
+
+from conftest import APPENDIX_Q, APPENDIX_VAR
+from fathom_jax import planner as P
+
+
+def appendix_importance():
+    return P.importance(APPENDIX_Q, APPENDIX_VAR)
+
+
+def test_appendix_importance():
+    np.testing.assert_allclose(np.asarray(appendix_importance()), [12.22, 3.775, 0.635, 0.00005], rtol=1e-5)
+
+
+def test_appendix_bisection_trace_b8():
+    plan, trials, sums = P.bisection_trace(appendix_importance(), 8, bracket=(0.001, 10.0))
+    # The table of Appendix A: trial theta and the bit sum of its depths, step by step.
+    np.testing.assert_allclose(np.asarray(trials[:8]), [0.1, 0.01, 0.0316, 0.0562, 0.075, 0.0866, 0.0806, 0.0777],
+                               rtol=2e-3)
+    np.testing.assert_array_equal(np.asarray(sums[:8]), [7, 11, 9, 9, 9, 8, 8, 9])
+    np.testing.assert_array_equal(np.asarray(plan.depths), [4, 3, 1, 0])
+    assert abs(float(plan.theta) - 0.079) < 5e-4
+    # The water line sits where channel 2's second plane would overflow: 0.63 / 4^1.5 < theta.
+    assert 0.635 / 4**1.5 < float(plan.theta) <= 0.635 / 4**0.5
+    assert int(plan.code_bits) == 8 and float(plan.bits_per_token) == 8 + 3 * 0.25
+
+
+def test_appendix_bisection_b6():
+    plan = P.plan_bisection(appendix_importance(), 6, bracket=(0.001, 10.0))
+    np.testing.assert_array_equal(np.asarray(plan.depths), [3, 2, 1, 0])
+    assert abs(float(plan.theta) - 0.118) < 5e-4
+    # The paper prints (3.35, 2.50, 1.21, -5.3); its -5.3 for the negligible channel 3 is rounded loosely.
+    log4 = np.log(np.asarray(appendix_importance()) / float(plan.theta)) / np.log(4)
+    np.testing.assert_allclose(log4[:3], [3.35, 2.50, 1.21], atol=0.006)
+    assert log4[3] < -5
+
+
+@pytest.mark.parametrize("method", ["bisection", "exact"])
+@pytest.mark.parametrize("budget,depths", [(8, [4, 3, 1, 0]), (6, [3, 2, 1, 0]), (0, [0, 0, 0, 0]), (16, [4, 4, 4, 4])])
+def test_default_bracket_and_exact_agree_on_appendix(method, budget, depths):
+    plan = P.plan(appendix_importance(), budget, method=method)
+    np.testing.assert_array_equal(np.asarray(plan.depths), depths)
+
+
+@settings(max_examples=30, deadline=None)
+@given(g=hnp.arrays(np.float32, st.integers(1, 48),
+                   elements=st.one_of(st.just(0.0), st.floats(2.0**-20, 1e4, width=32))),
+       frac=st.floats(0, 1))
+def test_bisection_fits_budget_and_matches_exact(g, frac):
+    budget = int(round(frac * 4 * g.size))
+    bis = P.plan_bisection(g, budget)
+    ex = P.plan_exact(g, budget)
+    assert int(bis.code_bits) <= budget and int(ex.code_bits) <= budget
+    d_b, d_e = np.asarray(bis.depths), np.asarray(ex.depths)
+    assert np.all((d_b >= 0) & (d_b <= 4)) and np.all(d_b[g == 0] == 0)
+    # The exact allocation is optimal for sum g 4^-t; bisection matches it unless marginal gains tie.
+    cost = lambda d: float(np.sum(g.astype(np.float64) * 4.0 ** -d))
+    assert cost(d_e) <= cost(d_b) * (1 + 1e-5) + 1e-12
+    # The exact allocation spends the whole budget (up to channels with g > 0 at full depth).
+    assert int(ex.code_bits) == min(budget, 4 * int(np.sum(g > 0)))
+
+
+def test_exact_beats_bisection_only_on_ties():
+    """Three equal importances: the bit sum jumps 6 -> 9 at one water line, so bisection stops at 6."""
+    g = np.array([0.0, 1.0, 1.0, 1.0], np.float32)
+    assert int(P.plan_bisection(g, 8).code_bits) == 6
+    assert int(P.plan_exact(g, 8).code_bits) == 8
+    g_untied = np.array([0.0, 1.0, 1.1, 1.2], np.float32)
+    np.testing.assert_array_equal(np.asarray(P.plan_bisection(g_untied, 8).depths),
+                                  np.asarray(P.plan_exact(g_untied, 8).depths))
+
+
+def test_vmapped_over_layers_heads_batch_and_traced_budgets(rng):
+    q = rng.standard_normal((3, 2, 4, 5, 16)).astype(np.float32)  # layers, batch, kv heads, G, D
+    var = np.exp(rng.normal(size=(3, 1, 4, 16))).astype(np.float32)
+    budgets = jnp.array([8, 24, 40])[:, None, None]  # per-layer budgets
+    fn = jax.jit(lambda q, v, b: P.plan_bisection(P.importance(q, v), b))
+    plan = fn(q, var, budgets)
+    assert plan.depths.shape == (3, 2, 4, 16)
+    np.testing.assert_array_equal(np.asarray(plan.code_bits).max(axis=(1, 2)) <= [8, 24, 40], True)
+    one = P.plan_bisection(P.importance(q[1, 1, 2], var[1, 0, 2]), 24)
+    np.testing.assert_array_equal(np.asarray(plan.depths[1, 1, 2]), np.asarray(one.depths))
+
+
+def test_klt_importance_is_raw_importance_of_rotated_queries(rng):
+    q = rng.standard_normal((4, 8)).astype(np.float32)
+    basis = np.linalg.qr(rng.standard_normal((8, 8)))[0].astype(np.float32)
+    lam = np.sort(np.exp(rng.normal(size=8)))[::-1].astype(np.float32)
+    want = np.sum((q @ basis) ** 2, axis=0) * lam
+    np.testing.assert_allclose(np.asarray(P.importance_klt(q, basis, lam)), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [-1, 17, np.nan])
+def test_budget_out_of_range(budget):
+    with pytest.raises(ValueError, match="budget"):
+        P.plan_bisection(appendix_importance(), budget)
+    with pytest.raises(ValueError, match="budget"):
+        P.plan_exact(appendix_importance(), budget)
+
+
+def test_bad_importance_and_method():
+    with pytest.raises(ValueError, match="importance"):
+        P.plan_bisection(np.array([1.0, -2.0]), 2)
+    with pytest.raises(ValueError, match="importance"):
+        P.plan_bisection(np.array([1.0, np.nan]), 2)
+    with pytest.raises(ValueError, match="method"):
+        P.plan(appendix_importance(), 4, method="greedy")
+
+
+def test_greedy_layer_budgets():
+    grid = np.arange(24, 129, 8)
+    # Layer 0 gains a lot from bits, layer 2 nothing: the plan moves bits from 2 to 0.
+    errors = np.stack([np.exp(-grid / 16.0), np.exp(-grid / 64.0), np.full(grid.shape, 0.5)])
+    budgets = P.greedy_layer_budgets(errors, grid, 48)
+    assert budgets.mean() <= 48 and budgets[2] == 24 and budgets[0] > budgets[2]
+    assert set(budgets) <= set(grid)
+    with pytest.raises(ValueError, match="target_mean"):
+        P.greedy_layer_budgets(errors, grid, 200)
