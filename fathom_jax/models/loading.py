@@ -71,7 +71,7 @@ def build_model(
         return a
 
     pure: dict = {}
-    for path, var in state.flat_state():
+    for path, var in nnx.to_flat_state(state):
         path = tuple(str(p) for p in path)
         if path not in name_map:
             raise ValueError(f"no name-map entry for model parameter {'.'.join(path)}")
@@ -90,13 +90,13 @@ def build_model(
         for p in path[:-1]:
             node = node.setdefault(p, {})
         node[path[-1]] = jnp.asarray(arr, dtype=dtype)
-    state.replace_by_pure_dict(pure)
+    nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 
 
 def _module_paths(config: LlamaConfig) -> list[Path]:
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-    return [tuple(str(p) for p in path) for path, _ in nnx.state(abstract).flat_state()]
+    return [tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(nnx.state(abstract))]
 
 
 # ---------------------------------------------------------------------------------------------

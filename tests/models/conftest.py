@@ -2,12 +2,17 @@
 
 The oracle (`tests/oracle/hf_reference.py`) runs under `.venv-ref` (Python 3.11 + CPU torch +
 transformers), made by `scripts/setup_env.sh`. Parity tests skip only when that venv is absent.
+Oracle runs take ~5-20 s each (mostly torch/transformers start-up and GGUF dequantisation), so
+they are started in the background as soon as collection shows a test needs them, and overlap
+with the JAX side's own loading and compiling.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 
 import numpy as np
 import pytest
@@ -16,27 +21,68 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ORACLE_SCRIPT = os.path.join(REPO, "tests", "oracle", "hf_reference.py")
 ORACLE_PYTHON = os.environ.get("FATHOM_ORACLE_PYTHON", os.path.join(REPO, ".venv-ref", "bin", "python"))
 
-TINY_CASES = ("llama", "llama3", "qwen2", "qwen3")
 SMOL_PROMPT = (
     "<|im_start|>user\nWhat is the capital of France? Answer in 3 words.<|im_end|>\n<|im_start|>assistant\n"
 )
 SMOL_NEW_TOKENS = 16
 
+_jobs: dict[str, tuple[subprocess.Popen | None, str]] = {}  # fixture name -> (process, output path)
+_tmp = tempfile.mkdtemp(prefix="fathom_oracle_")
 
-def run_oracle(*args: str) -> None:
+
+def _oracle_args(name: str) -> tuple[list[str], str]:
+    if name == "tiny_checkpoints":
+        out = os.path.join(_tmp, "tiny")
+        return ["tiny", "--out", out], out
+    from fathom_jax.models.hub import fetch_model
+
+    out = os.path.join(_tmp, "smol.npz")
+    args = ["gguf", "--gguf", fetch_model("smollm2"), "--prompt", SMOL_PROMPT,
+            "--new-tokens", str(SMOL_NEW_TOKENS), "--out", out]
+    return args, out
+
+
+def _start(name: str) -> None:
+    if name in _jobs:
+        return
     if not os.path.exists(ORACLE_PYTHON):
+        _jobs[name] = (None, "")
+        return
+    args, out = _oracle_args(name)
+    proc = subprocess.Popen([ORACLE_PYTHON, ORACLE_SCRIPT, *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _jobs[name] = (proc, out)
+
+
+def _result(name: str) -> str:
+    _start(name)
+    proc, out = _jobs[name]
+    if proc is None:
         pytest.skip(f"HF oracle venv missing ({ORACLE_PYTHON}); create it with scripts/setup_env.sh")
-    res = subprocess.run([ORACLE_PYTHON, ORACLE_SCRIPT, *args], capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"oracle {args[0]} failed:\n{res.stderr[-4000:]}")
+    _, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"oracle for {name} failed (exit {proc.returncode}):\n{err[-4000:]}")
+    return out
+
+
+def pytest_collection_modifyitems(session, config, items):
+    wanted = {f for item in items for f in getattr(item, "fixturenames", ()) if f in ("tiny_checkpoints", "smollm2_ref")}
+    for name in sorted(wanted):
+        _start(name)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for proc, _ in _jobs.values():
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory) -> str:
-    """Directory with one tiny random HF checkpoint + ref.npz per case in TINY_CASES."""
-    out = tmp_path_factory.mktemp("hf_tiny")
-    run_oracle("tiny", "--out", str(out))
-    return str(out)
+def tiny_checkpoints() -> str:
+    """Directory with one tiny random HF checkpoint + ref.npz per case (see hf_reference.CASES)."""
+    return _result("tiny_checkpoints")
 
 
 @pytest.fixture(scope="session")
@@ -47,11 +93,9 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_ref(smollm2_path, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("hf_smol") / "smol.npz"
-    run_oracle("gguf", "--gguf", smollm2_path, "--prompt", SMOL_PROMPT,
-               "--new-tokens", str(SMOL_NEW_TOKENS), "--out", str(out))
-    return dict(np.load(out))
+def smollm2_ref() -> dict:
+    """transformers' tokens, logits [T, V] and greedy tokens for SMOL_PROMPT on the SmolLM2 GGUF."""
+    return dict(np.load(_result("smollm2_ref")), prompt=SMOL_PROMPT)
 
 
 @pytest.fixture(scope="session")
@@ -60,9 +104,3 @@ def smollm2(smollm2_path):
     from fathom_jax.models.hub import load_smollm2
 
     return load_smollm2()
-
-
-def max_rel_err(a, b) -> float:
-    """max |a - b| / max |b|: relative to the logit scale (elementwise ratios blow up near 0)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
