@@ -1,0 +1,131 @@
+"""Token selection and exact attention over the selected set.
+
+Per query head the selected set is 4 sink tokens + the 32 most recent tokens + the top-(k - 36) of the
+rest by the scan's approximate score (the paper's protocol for every method). The G heads of a KV
+group fetch the union of their winners once; each head still attends over its own k tokens.
+Shapes are static: ``k`` and the union size ``G * k`` are fixed, slots past the context are masked.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+SINK_TOKENS = 4
+LOCAL_TOKENS = 32
+
+
+def _check_k(k: int, n: int, sink: int, local: int) -> None:
+    if not isinstance(k, (int, np.integer)) or k <= 0:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if k > n:
+        raise ValueError(f"k={k} is larger than the context capacity n={n}")
+    if sink < 0 or local < 0 or sink + local > k:
+        raise ValueError(f"sink + local = {sink} + {local} must not exceed k={k}")
+
+
+def select_topk(
+    scores: Float[Array, "*B G n"],
+    length: Int[Array, "*B"] | int,
+    k: int,
+    *,
+    sink: int = SINK_TOKENS,
+    local: int = LOCAL_TOKENS,
+) -> tuple[Int[Array, "*B G k"], Bool[Array, "*B G k"]]:
+    """Indices of the ``k`` selected tokens per query head and a mask of the slots that hold one.
+
+    Positions ``< sink`` and ``>= length - local`` are always taken; the remaining slots go to the
+    highest scores among the other valid positions. With ``length < k`` every valid token is taken
+    and the spare slots are masked. NaN scores rank below every real score.
+    """
+    scores = jnp.asarray(scores)
+    if scores.ndim < 2:
+        raise ValueError(f"scores must be [..., G, n], got shape {scores.shape}")
+    n = scores.shape[-1]
+    _check_k(k, n, sink, local)
+    length = jnp.asarray(length, jnp.int32)
+    if not isinstance(length, jax.core.Tracer) and np.any(np.asarray(length) > n):
+        raise ValueError(f"length {np.asarray(length)} exceeds the {n} scored positions")
+    length = length[..., None, None]  # broadcast over heads and positions
+    pos = jnp.arange(n, dtype=jnp.int32)
+    valid = pos < length
+    forced = valid & ((pos < sink) | (pos >= length - local))
+    ranked = jnp.where(jnp.isnan(scores), -jnp.finfo(jnp.float32).max, scores.astype(jnp.float32))
+    priority = jnp.where(forced, jnp.inf, jnp.where(valid, ranked, -jnp.inf))
+    top, idx = jax.lax.top_k(priority, k)
+    return idx.astype(jnp.int32), top > -jnp.inf
+
+
+def group_union(
+    indices: Int[Array, "*B G k"], mask: Bool[Array, "*B G k"]
+) -> tuple[Int[Array, "*B U"], Bool[Array, "*B U"], Bool[Array, "*B G U"]]:
+    """The union of a group's selected tokens (U = G * k slots, duplicates masked out).
+
+    Returns the union's indices, its mask, and per head which union slots belong to that head's set,
+    so one fetch of the union rows serves every head of the group.
+    """
+    *batch, g, k = indices.shape
+    flat = jnp.where(mask, indices, jnp.iinfo(jnp.int32).max).reshape(*batch, g * k)
+    flat = jnp.sort(flat, axis=-1)
+    first = jnp.concatenate([jnp.ones((*batch, 1), bool), flat[..., 1:] != flat[..., :-1]], axis=-1)
+    union_mask = first & (flat != jnp.iinfo(jnp.int32).max)
+    union = jnp.where(union_mask, flat, 0)
+    member = jnp.any(
+        (union[..., None, :, None] == indices[..., :, None, :]) & mask[..., :, None, :], axis=-1
+    ) & union_mask[..., None, :]
+    return union, union_mask, member
+
+
+def attend(
+    q: Float[Array, "*B G D"],
+    keys: Float[Array, "*B m D"],
+    values: Float[Array, "*B m D"],
+    mask: Bool[Array, "*B G m"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "*B G D"]:
+    """Exact softmax attention of each head over the rows its mask admits (f32 accumulation)."""
+    d = q.shape[-1]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    logits = jnp.einsum("...gd,...md->...gm", q.astype(jnp.float32), keys.astype(jnp.float32)) * scale
+    logits = jnp.where(mask, logits, -jnp.inf)
+    weights = jax.nn.softmax(logits, axis=-1, where=mask)
+    weights = jnp.where(mask, weights, 0.0)
+    return jnp.einsum("...gm,...md->...gd", weights, values.astype(jnp.float32))
+
+
+def sparse_attention(
+    q: Float[Array, "*B G D"],
+    keys: Float[Array, "*B n D"],
+    values: Float[Array, "*B n D"],
+    indices: Int[Array, "*B G k"],
+    mask: Bool[Array, "*B G k"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "*B G D"]:
+    """Attention of each head over its own selected rows only (gathered from the full K/V)."""
+    rows_k = jnp.take_along_axis(keys[..., None, :, :], indices[..., None], axis=-2)  # [*B, G, k, D]
+    rows_v = jnp.take_along_axis(values[..., None, :, :], indices[..., None], axis=-2)
+    d = q.shape[-1]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    logits = jnp.einsum("...gd,...gkd->...gk", q.astype(jnp.float32), rows_k.astype(jnp.float32)) * scale
+    weights = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1, where=mask)
+    weights = jnp.where(mask, weights, 0.0)
+    return jnp.einsum("...gk,...gkd->...gd", weights, rows_v.astype(jnp.float32))
+
+
+def dense_attention(
+    q: Float[Array, "*B G D"],
+    keys: Float[Array, "*B n D"],
+    values: Float[Array, "*B n D"],
+    length: Int[Array, "*B"] | int,
+    *,
+    scale: float | None = None,
+) -> Float[Array, "*B G D"]:
+    """Attention over every valid position ``< length``."""
+    n = keys.shape[-2]
+    length = jnp.asarray(length, jnp.int32)[..., None, None]
+    mask = jnp.broadcast_to(jnp.arange(n) < length, (*q.shape[:-1], n))
+    return attend(q, keys, values, mask, scale=scale)

@@ -1,0 +1,78 @@
+import numpy as np
+import pytest
+
+from conftest import random_keys
+from fathom_jax import calibrate as cal
+from fathom_jax import fidelity as fid
+from fathom_jax.scorers import ScanMethod
+
+
+def make_capture(rng, layers=2, heads=4, kv=2, tokens=160, d=16):
+    q = random_keys(rng, (layers, heads, tokens, d))
+    k = random_keys(rng, (layers, kv, tokens, d))
+    v = rng.standard_normal((layers, kv, tokens, d)).astype(np.float32)
+    return fid.Capture(q=q, k=k, v=v)
+
+
+def reference_error(cap, layer, head, p, k_sel):
+    """Plain numpy: exact top-k (4 sink + 32 local + best of the rest) vs dense, one query."""
+    g = cap.group_size
+    q = np.asarray(cap.q[layer, head, p])
+    keys = np.asarray(cap.k[layer, head // g, : p + 1])
+    vals = np.asarray(cap.v[layer, head // g, : p + 1])
+    s = keys @ q
+    forced = {i for i in range(p + 1) if i < 4 or i > p - 32}
+    rest = [i for i in np.argsort(-s, kind="stable") if i not in forced][: k_sel - len(forced)]
+    chosen = sorted(forced | set(rest))
+
+    def attn(idx):
+        logit = s[idx] / np.sqrt(q.size)
+        w = np.exp(logit - logit.max())
+        return (w / w.sum()) @ vals[idx]
+
+    dense = attn(np.arange(p + 1))
+    return np.linalg.norm(attn(np.array(chosen)) - dense) / np.linalg.norm(dense)
+
+
+def test_oracle_error_matches_plain_reference(rng):
+    cap = make_capture(rng)
+    positions = np.array([100, 130, 159])
+    err, bits = fid.attention_errors(fid.method_score_fn(ScanMethod.exact()), cap, 48, positions=positions)
+    assert err.shape == (2, 3, 2, 2) and np.all(bits == 16 * 16)
+    for layer in range(2):
+        for pi, p in enumerate(positions):
+            for h in range(4):
+                want = reference_error(cap, layer, h, p, 48)
+                np.testing.assert_allclose(err[layer, pi, h // 2, h % 2], want, rtol=1e-4, atol=1e-6)
+
+
+def test_selecting_everything_is_exact(rng):
+    cap = make_capture(rng, tokens=64)
+    err, _ = fid.attention_errors(fid.method_score_fn(ScanMethod.sparq(2)), cap, 64, positions=np.array([63]))
+    assert np.max(err) < 1e-5
+
+
+def test_methods_order_by_bits(rng):
+    """More bits, closer to the oracle: full 4-bit vs a 1-channel SparQ on loud-channel keys."""
+    cap = make_capture(rng, tokens=256, d=32)
+    calib = cal.calibrate(cap.k[:, :, :128], cap.q[:, :, :128])
+    pos = np.arange(200, 256, 8)
+    run = lambda m: fid.mean_attention_error(fid.method_score_fn(m), cap, 48, positions=pos, layer_states=calib)
+    oracle, _ = run(ScanMethod.exact())
+    full, full_bits = run(ScanMethod.full4())
+    sparq1, _ = run(ScanMethod.sparq(1))
+    fathom, fathom_bits = run(ScanMethod.fathom(64))
+    assert full_bits == 4 * 32 + 32 / 4
+    assert 16 <= fathom_bits - 0 and fathom_bits <= 64 + 32 / 4
+    assert oracle <= full <= sparq1
+    assert fathom <= sparq1
+
+
+def test_bad_inputs(rng):
+    cap = make_capture(rng, tokens=64)
+    with pytest.raises(ValueError, match="larger than the captured context"):
+        fid.attention_errors(fid.method_score_fn(ScanMethod.exact()), cap, 65)
+    with pytest.raises(ValueError, match="positions"):
+        fid.attention_errors(fid.method_score_fn(ScanMethod.exact()), cap, 40, positions=np.array([64]))
+    with pytest.raises(ValueError, match="Capture"):
+        fid.Capture(q=np.zeros((2, 4, 8, 4)), k=np.zeros((2, 3, 8, 4)), v=np.zeros((2, 3, 8, 4)))

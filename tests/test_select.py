@@ -1,0 +1,94 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fathom_jax import select as sel
+
+
+def numpy_selection(scores, length, k, sink=4, local=32):
+    """Independent reference: forced sink/local positions, then the best of the rest."""
+    forced = [p for p in range(length) if p < sink or p >= length - local]
+    rest = [p for p in np.argsort(-scores[:length], kind="stable") if p not in forced]
+    return set(forced) | set(int(p) for p in rest[: max(k - len(forced), 0)])
+
+
+@pytest.mark.parametrize("n,length,k", [(256, 256, 64), (256, 200, 64), (300, 50, 64), (128, 40, 40), (64, 64, 36)])
+def test_select_matches_reference(rng, n, length, k):
+    scores = rng.standard_normal((2, 3, n)).astype(np.float32)
+    idx, mask = sel.select_topk(scores, np.full(2, length), k)
+    assert idx.shape == (2, 3, k) and mask.shape == (2, 3, k)
+    for b in range(2):
+        for h in range(3):
+            got = set(np.asarray(idx[b, h])[np.asarray(mask[b, h])].tolist())
+            assert got == numpy_selection(scores[b, h], length, k)
+            assert len(got) == int(mask[b, h].sum())  # no slot selected twice
+
+
+def test_per_sequence_lengths_and_nan(rng):
+    scores = rng.standard_normal((2, 1, 128)).astype(np.float32)
+    scores[0, 0, 50] = np.nan
+    idx, mask = sel.select_topk(scores, np.array([128, 60]), 40)
+    chosen0 = set(np.asarray(idx[0, 0]).tolist())
+    assert 50 not in chosen0
+    chosen1 = set(np.asarray(idx[1, 0])[np.asarray(mask[1, 0])].tolist())
+    assert max(chosen1) < 60 and set(range(4)) <= chosen1 and set(range(28, 60)) <= chosen1
+
+
+def test_bad_k():
+    scores = np.zeros((1, 100), np.float32)
+    with pytest.raises(ValueError, match="larger than the context"):
+        sel.select_topk(scores, 100, 101)
+    with pytest.raises(ValueError, match="sink \\+ local"):
+        sel.select_topk(scores, 100, 20)
+    with pytest.raises(ValueError, match="positive"):
+        sel.select_topk(scores, 100, 0)
+
+
+def test_group_union(rng):
+    idx = np.array([[[1, 2, 3, 9], [3, 4, 9, 0]]], np.int32)
+    mask = np.array([[[True, True, True, False], [True, True, True, True]]])
+    union, umask, member = sel.group_union(idx, mask)
+    assert union.shape == (1, 8)
+    assert set(np.asarray(union[0])[np.asarray(umask[0])].tolist()) == {0, 1, 2, 3, 4, 9}
+    u = np.asarray(union[0])
+    for h in range(2):
+        got = set(u[np.asarray(member[0, h])].tolist())
+        assert got == set(idx[0, h][mask[0, h]].tolist())
+
+
+def test_sparse_attention_equals_dense_when_all_selected(rng):
+    q = rng.standard_normal((3, 2, 16)).astype(np.float32)
+    k = rng.standard_normal((3, 80, 16)).astype(np.float32)
+    v = rng.standard_normal((3, 80, 16)).astype(np.float32)
+    idx, mask = sel.select_topk(np.einsum("hgd,hnd->hgn", q, k), np.array([80, 70, 40]), 80)
+    got = sel.sparse_attention(q, k, v, idx, mask)
+    want = sel.dense_attention(q, k, v, np.array([80, 70, 40]))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    # Plain numpy softmax attention for the third sequence (40 valid keys).
+    logits = q[2] @ k[2, :40].T / 4.0
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(want[2]), (w / w.sum(-1, keepdims=True)) @ v[2, :40], rtol=2e-5, atol=2e-6)
+
+
+def test_attend_over_union_equals_per_head_sparse_attention(rng):
+    q = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 300, 8)).astype(np.float32)
+    v = rng.standard_normal((2, 300, 8)).astype(np.float32)
+    scores = rng.standard_normal((2, 4, 300)).astype(np.float32)
+    idx, mask = sel.select_topk(scores, 300, 64)
+    union, umask, member = sel.group_union(idx, mask)
+    rows_k = jnp.take_along_axis(k, union[..., None], axis=-2)
+    rows_v = jnp.take_along_axis(v, union[..., None], axis=-2)
+    got = sel.attend(q, rows_k, rows_v, member)
+    want = sel.sparse_attention(q, k, v, idx, mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+def test_select_jits_with_traced_length(rng):
+    scores = rng.standard_normal((4, 256)).astype(np.float32)
+    fn = jax.jit(sel.select_topk, static_argnums=2)
+    for length in (256, 100):
+        idx, mask = fn(scores, length, 64)
+        idx2, mask2 = sel.select_topk(scores, length, 64)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(idx2))
