@@ -70,6 +70,12 @@ class AttentionFn(Protocol):
       layer: int32 scalar, the layer index (traced: the decoder scans over layers).
     Returns:
       [B, Hkv, G, D] attention output (any float dtype; cast to the model dtype by the caller).
+
+    Either a plain function (a static jit argument: reuse the same object to avoid recompiling;
+    arrays it closes over are baked in as constants), or a callable pytree, e.g. a frozen
+    dataclass registered with `jax.tree_util.register_dataclass` whose array fields (calibration
+    statistics, budgets as arrays) are traced: new values of the same shapes do not recompile.
+    Runs inside `lax.scan` over layers, so index per-layer tables with `layer`.
     """
 
     def __call__(
@@ -294,7 +300,8 @@ class LlamaForCausalLM(nnx.Module):
         _check_fits(1, cache)
 
         graphdef, state = nnx.split(self)
-        return _decode_step(graphdef, state, jnp.asarray(token, jnp.int32), cache, attention_fn)
+        attn_static, attn_leaves = _split_attention(attention_fn)
+        return _decode_step(graphdef, state, jnp.asarray(token, jnp.int32), cache, attn_static, attn_leaves)
 
 
 # The public methods run through these jitted pure functions, so eager calls are fast too (the
@@ -306,15 +313,34 @@ def _prefill(graphdef, state, tokens, cache, last_only):
     return model.logits(h[:, -1] if last_only else h), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attention_fn"))
-def _decode_step(graphdef, state, token, cache, attention_fn):
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_static"))
+def _decode_step(graphdef, state, token, cache, attn_static, attn_leaves):
     model = nnx.merge(graphdef, state)
+    attention_fn = _join_attention(attn_static, attn_leaves)
 
     def attend(q, k, v, start, layer):
         return attention_fn(q[:, :, :, 0], k, v, start + 1, layer)[:, :, :, None]
 
     h, cache, _ = model._forward(token[:, None], cache, attend, capture=False)
     return model.logits(h[:, 0]), cache
+
+
+def _split_attention(fn) -> tuple:
+    """(static part, traced leaves) of an attention_fn.
+
+    A plain callable (no pytree leaves but itself) is a static jit argument: hashed, baked into
+    the program. A callable *pytree* (e.g. a frozen dataclass registered with
+    `jax.tree_util.register_dataclass` that holds calibration arrays) passes its array leaves as
+    traced arguments, so new arrays of the same shapes reuse the compiled program.
+    """
+    leaves, treedef = jax.tree.flatten(fn)
+    if len(leaves) == 1 and leaves[0] is fn:
+        return fn, ()
+    return treedef, tuple(leaves)
+
+
+def _join_attention(static, leaves):
+    return jax.tree.unflatten(static, leaves) if isinstance(static, jax.tree_util.PyTreeDef) else static
 
 
 def _dense_attend(q, k, v, start, layer):
@@ -339,9 +365,10 @@ def _check_fits(n_new: int, cache: KVCache) -> None:
 # Jitted entry points over (graphdef, state): pure functions, the module is rebuilt inside.
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "capacity", "attention_fn"))
-def _generate(graphdef, state, prompt, max_new_tokens: int, capacity: int, attention_fn):
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "capacity", "attn_static"))
+def _generate(graphdef, state, prompt, max_new_tokens: int, capacity: int, attn_static, attn_leaves):
     model = nnx.merge(graphdef, state)
+    attention_fn = _join_attention(attn_static, attn_leaves)
     b = prompt.shape[0]
     cache = KVCache.init(model.config, b, capacity, model.dtype)
     logits, cache = model.prefill(prompt, cache, last_only=True)
@@ -366,10 +393,10 @@ def generate(
 ) -> Int[Array, "B N"]:
     """Greedy decoding of `max_new_tokens` tokens (no EOS stop: fixed length, static shapes).
 
-    One compiled program per (prompt shape, max_new_tokens, capacity, attention_fn): pass a fixed
-    `capacity` to reuse it across prompt lengths' decode loops. `attention_fn` must be hashable
-    (a module-level function or a `functools.partial` of one). Returns [B, N] (or [N] for a 1-D
-    prompt) new token ids.
+    One compiled program per (prompt shape, max_new_tokens, capacity, attention_fn). A plain
+    `attention_fn` is a static jit argument (keep the same function object to reuse the program);
+    a callable pytree passes its arrays as traced arguments (see `AttentionFn`). Returns [B, N]
+    (or [N] for a 1-D prompt) new token ids.
     """
     prompt = jnp.asarray(prompt_ids, jnp.int32)
     squeeze = prompt.ndim == 1
@@ -382,7 +409,7 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     graphdef, state = nnx.split(model)
-    out = _generate(graphdef, state, prompt, max_new_tokens, capacity, attention_fn)
+    out = _generate(graphdef, state, prompt, max_new_tokens, capacity, *_split_attention(attention_fn))
     return out[0] if squeeze else out
 
 

@@ -68,8 +68,7 @@ def from_gguf(reader) -> Tokenizer:
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(
-        [tokenizers.AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _GGUF_CONTROL]
-    )
+    control = [t for t, ty in zip(tokens, types, strict=True) if ty == _GGUF_CONTROL]
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in control])
     get = lambda k: int(f[k].contents()) if k in f else None  # noqa: E731
     return Tokenizer(tok, get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id"))

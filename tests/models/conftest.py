@@ -66,7 +66,8 @@ def _result(name: str) -> str:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    wanted = {f for item in items for f in getattr(item, "fixturenames", ()) if f in ("tiny_checkpoints", "smollm2_ref")}
+    oracles = ("tiny_checkpoints", "smollm2_ref")
+    wanted = {f for item in items for f in getattr(item, "fixturenames", ()) if f in oracles}
     for name in sorted(wanted):
         _start(name)
 

@@ -156,3 +156,31 @@ def test_bf16_model_runs_close_to_f32(model, full_logits):
     out, cache = m16.prefill(jnp.asarray(TOKENS), KVCache.init(CFG, 2, 16, jnp.bfloat16))
     assert out.dtype == jnp.float32 and cache.k.dtype == jnp.bfloat16
     assert np.abs(np.asarray(out) - logits).max() < 0.05 * np.abs(logits).max()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScaledAttention:
+    """A callable pytree hook: per-layer logit scales are traced data, not baked constants."""
+
+    scale: jax.Array  # [n_layers]
+
+    def __call__(self, q, k, v, length, layer):
+        return dense_attention(q * self.scale[layer], k, v, length, layer)
+
+
+def test_pytree_attention_fn_is_traced_not_recompiled(model, full_logits):
+    logits, _ = full_logits
+    prompt = TOKENS[:, :5]
+    ones = ScaledAttention(jnp.ones(CFG.n_layers))
+    out = np.asarray(generate(model, prompt, 4, capacity=16, attention_fn=ones))
+    assert out.tolist() == np.asarray(generate(model, prompt, 4, capacity=16)).tolist()
+    size = llama._generate._cache_size()
+    hot = ScaledAttention(jnp.full(CFG.n_layers, 30.0, jnp.float32))  # same dtype, not weak-typed
+    generate(model, prompt, 4, capacity=16, attention_fn=hot)
+    assert llama._generate._cache_size() == size  # new arrays, same program
+    _, cache = model.prefill(jnp.asarray(TOKENS[:, :11]), KVCache.init(CFG, 2, 16))
+    a, _ = model.decode_step(jnp.asarray(TOKENS[:, 11]), cache, attention_fn=ones)
+    b, _ = model.decode_step(jnp.asarray(TOKENS[:, 11]), cache, attention_fn=hot)
+    np.testing.assert_allclose(a, logits[:, 11], atol=1e-5 * np.abs(logits).max())
+    assert np.abs(np.asarray(b) - np.asarray(a)).max() > 1e-3

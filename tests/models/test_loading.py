@@ -12,7 +12,6 @@ from fathom_jax.models.llama import KVCache, generate
 from fathom_jax.models.loading import (
     MissingTensorError,
     config_from_gguf,
-    load_gguf,
     load_hf_checkpoint,
     permute_rope_rows,
     unpermute_rope_rows,
