@@ -16,7 +16,7 @@ needs (calibration slice, budget); it returns scores [Hkv, G, T] and the bits pe
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -74,16 +74,19 @@ def default_positions(num_tokens: int, count: int = 128) -> np.ndarray:
     return np.arange(num_tokens - count, num_tokens, dtype=np.int32)
 
 
-def _layer_errors(score_fn: ScoreFn, k_sel: int):
+def _layer_errors(score_fn: ScoreFn, k_sel: tuple[int, ...]):
     def one_position(q_p, keys, values, p, layer_state):
         length = p + 1
         scores, bits = score_fn(q_p, keys, length, layer_state)
         lengths = jnp.broadcast_to(length, scores.shape[:1])
-        idx, mask = select_topk(scores[..., : keys.shape[-2]], lengths, k_sel)
-        out = sparse_attention(q_p, keys, values, idx, mask)
         ref = dense_attention(q_p, keys, values, lengths)
-        err = jnp.linalg.norm(out - ref, axis=-1) / jnp.maximum(jnp.linalg.norm(ref, axis=-1), 1e-30)
-        return err, jnp.broadcast_to(bits, lengths.shape)
+        ref_norm = jnp.maximum(jnp.linalg.norm(ref, axis=-1), 1e-30)
+        errs = []
+        for k in k_sel:  # one scan, every selection size
+            idx, mask = select_topk(scores[..., : keys.shape[-2]], lengths, k)
+            out = sparse_attention(q_p, keys, values, idx, mask)
+            errs.append(jnp.linalg.norm(out - ref, axis=-1) / ref_norm)
+        return jnp.stack(errs), jnp.broadcast_to(bits, lengths.shape)
 
     @jax.jit
     def run(q, keys, values, positions, layer_state):
@@ -94,18 +97,20 @@ def _layer_errors(score_fn: ScoreFn, k_sel: int):
 
 
 def attention_errors(
-    score_fn: ScoreFn,
+    score_fn: ScoreFn | Sequence[ScoreFn],
     capture: Capture,
-    k_sel: int,
+    k_sel: int | Sequence[int],
     *,
     positions: Int[Array, "P"] | None = None,
     layer_states: Any = None,
     progress: bool = False,
     desc: str = "",
-) -> tuple[Float[np.ndarray, "L P Hkv G"], Float[np.ndarray, "L P Hkv"]]:
+) -> tuple[Float[np.ndarray, "*K L P Hkv G"], Float[np.ndarray, "L P Hkv"]]:
     """Relative L2 error of every (layer, position, head), and the bits per token read at each.
 
-    ``layer_states`` is a pytree with a leading layer axis (sliced per layer) or None.
+    ``score_fn`` is one function for every layer or a sequence of per-layer functions (per-layer
+    budgets). ``k_sel`` is one selection size or several (a leading K axis on the errors: one scan
+    serves every k). ``layer_states`` is a pytree with a leading layer axis (sliced per layer) or None.
     """
     n_layers, n_heads, n_tokens, d = capture.q.shape
     n_kv = capture.k.shape[1]
@@ -114,9 +119,15 @@ def attention_errors(
     positions = np.asarray(positions, np.int32)
     if positions.size == 0 or positions.min() < 0 or positions.max() >= n_tokens:
         raise ValueError(f"positions must lie in [0, {n_tokens}), got {positions}")
-    if k_sel > n_tokens:
-        raise ValueError(f"k={k_sel} is larger than the captured context of {n_tokens} tokens")
-    run = _layer_errors(score_fn, k_sel)
+    several = not isinstance(k_sel, (int, np.integer))
+    ks = tuple(int(k) for k in (k_sel if several else (k_sel,)))
+    for k in ks:
+        if k > n_tokens:
+            raise ValueError(f"k={k} is larger than the captured context of {n_tokens} tokens")
+    fns = list(score_fn) if isinstance(score_fn, Sequence) else [score_fn] * n_layers
+    if len(fns) != n_layers:
+        raise ValueError(f"score_fn: got {len(fns)} per-layer functions for {n_layers} layers")
+    runs: dict[int, Callable] = {}
     layers = range(n_layers)
     if progress:
         from tqdm.auto import tqdm
@@ -124,13 +135,16 @@ def attention_errors(
         layers = tqdm(layers, desc=desc or "layers", leave=False)
     errors, bits = [], []
     for layer in layers:
+        fn = fns[layer]
+        run = runs.setdefault(id(fn), _layer_errors(fn, ks))
         q = capture.q[layer][:, positions]  # [H, P, D]
         q = jnp.moveaxis(q.reshape(n_kv, n_heads // n_kv, positions.size, d), 2, 0)  # [P, Hkv, G, D]
         state = None if layer_states is None else jax.tree.map(lambda x: x[layer], layer_states)
         err, b = run(q, capture.k[layer], capture.v[layer], jnp.asarray(positions), state)
-        errors.append(np.asarray(err))
+        errors.append(np.moveaxis(np.asarray(err), 1, 0))  # [K, P, Hkv, G]
         bits.append(np.asarray(b))
-    return np.stack(errors), np.stack(bits)
+    errors = np.stack(errors, axis=1)  # [K, L, P, Hkv, G]
+    return (errors if several else errors[0]), np.stack(bits)
 
 
 def mean_attention_error(score_fn: ScoreFn, capture: Capture, k_sel: int, **kwargs) -> tuple[float, float]:

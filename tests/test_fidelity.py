@@ -76,3 +76,18 @@ def test_bad_inputs(rng):
         fid.attention_errors(fid.method_score_fn(ScanMethod.exact()), cap, 40, positions=np.array([64]))
     with pytest.raises(ValueError, match="Capture"):
         fid.Capture(q=np.zeros((2, 4, 8, 4)), k=np.zeros((2, 3, 8, 4)), v=np.zeros((2, 3, 8, 4)))
+
+
+def test_several_k_and_per_layer_functions(rng):
+    cap = make_capture(rng, tokens=128)
+    pos = np.array([90, 127])
+    exact = fid.method_score_fn(ScanMethod.exact())
+    both, _ = fid.attention_errors(exact, cap, (40, 64), positions=pos)
+    one, _ = fid.attention_errors(exact, cap, 64, positions=pos)
+    np.testing.assert_array_equal(both[1], one)
+    per_layer = [fid.method_score_fn(ScanMethod.sparq(2)), exact]
+    err, bits = fid.attention_errors(per_layer, cap, 40, positions=pos)
+    np.testing.assert_array_equal(err[1], both[0][1])
+    assert np.all(bits[0] == 2 * 4 + 2 / 4) and np.all(bits[1] == 16 * 16)
+    with pytest.raises(ValueError, match="per-layer"):
+        fid.attention_errors([exact], cap, 40, positions=pos)
