@@ -4,6 +4,7 @@ Heavy imports stay lazy: importing this package never touches the network or the
 """
 
 from fathom_jax.models.config import LlamaConfig, RopeScaling
+from fathom_jax.models.hub import fetch_model, load_smollm2
 from fathom_jax.models.llama import (
     AttentionFn,
     KVCache,
@@ -12,6 +13,8 @@ from fathom_jax.models.llama import (
     dense_attention,
     generate,
 )
+from fathom_jax.models.loading import MissingTensorError, load_gguf, load_hf_checkpoint
+from fathom_jax.models.tokenizer import Tokenizer
 
 __all__ = [
     "AttentionFn",
@@ -20,6 +23,12 @@ __all__ = [
     "LlamaForCausalLM",
     "RopeScaling",
     "capture_qkv",
+    "MissingTensorError",
+    "Tokenizer",
     "dense_attention",
+    "fetch_model",
     "generate",
+    "load_gguf",
+    "load_hf_checkpoint",
+    "load_smollm2",
 ]
