@@ -224,8 +224,8 @@ def plane_scan(
     depths,  # i32 [*, C]
     *,
     implementation: str = "pallas",
-    tile: int = 512,
-    num_warps: int = 1,
+    tile: int = 2048,
+    num_warps: int = 2,
     num_stages: int | None = None,
     interpret: bool | None = None,
     assume_sorted: bool = False,
