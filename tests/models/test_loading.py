@@ -1,17 +1,22 @@
 """Weight loading, proved by logit parity with HF transformers (run in the oracle venv)."""
 
+import json
 import os
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from fathom_jax.models.llama import KVCache, generate
+from fathom_jax.models.config import LlamaConfig
+from fathom_jax.models.llama import KVCache, LlamaForCausalLM, generate
 from fathom_jax.models.loading import (
     MissingTensorError,
     config_from_gguf,
+    gguf_name_map,
+    hf_name_map,
+    load_gguf,
     load_hf_checkpoint,
     permute_rope_rows,
     unpermute_rope_rows,
@@ -49,18 +54,52 @@ def test_hf_bf16_load_is_close(tiny_checkpoints):
     assert max_rel_err(logits[0], ref["logits"]) < 5e-2
 
 
-def test_missing_tensor_is_named(tiny_checkpoints, tmp_path):
-    src = os.path.join(tiny_checkpoints, "llama")
-    shutil.copy(os.path.join(src, "config.json"), tmp_path)
-    tensors = load_file(os.path.join(src, "model.safetensors"))
+def _write_hf_checkpoint(path, seed=0):
+    """A tiny random Llama written in HF layout by our own name map (no transformers needed)."""
+    cfg = LlamaConfig(vocab=50, hidden=16, intermediate=24, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4)
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed))
+    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+          "rope_theta": 10000.0, "tie_word_embeddings": False}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    tensors = {}
+    for p, var in nnx.to_flat_state(nnx.state(model)):
+        spec = hf_name_map(cfg)[tuple(p)]
+        a = np.asarray(var.get_value())
+        for i, layer_a in enumerate(a if p[0] == "layers" else [a]):
+            tensors[spec.name.format(i=i)] = np.ascontiguousarray(spec.transform(layer_a))  # T is self-inverse
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return model, cfg
+
+
+def test_hf_layout_roundtrip_without_oracle(tmp_path):
+    model, cfg = _write_hf_checkpoint(tmp_path)
+    loaded, cfg2 = load_hf_checkpoint(tmp_path)
+    assert cfg2 == cfg
+    tokens = jnp.arange(10)[None]
+    a, _ = model.prefill(tokens, KVCache.init(cfg, 1, 10))
+    b, _ = loaded.prefill(tokens, KVCache.init(cfg, 1, 10))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    _write_hf_checkpoint(tmp_path)
+    tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
     with pytest.raises(MissingTensorError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         load_hf_checkpoint(tmp_path)
 
 
-def test_no_weights_file(tmp_path, tiny_checkpoints):
-    shutil.copy(os.path.join(tiny_checkpoints, "llama", "config.json"), tmp_path)
+def test_wrong_shape_and_no_weights_file(tmp_path):
+    _write_hf_checkpoint(tmp_path)
+    tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
+    tensors["model.norm.weight"] = np.ones(17, np.float32)
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.*\(17,\)"):
+        load_hf_checkpoint(tmp_path)
+    os.remove(os.path.join(tmp_path, "model.safetensors"))
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_hf_checkpoint(tmp_path)
 
@@ -92,3 +131,56 @@ def test_smollm2_gguf_parity_with_transformers(smollm2, smollm2_ref):
     gen = np.asarray(generate(model, np.asarray(tokens), len(ref["greedy"]), capacity=64))
     np.testing.assert_array_equal(gen, ref["greedy"])
     assert "Paris" in tok.decode(gen)
+
+
+def _write_gguf(path, arch="llama", drop=()):
+    """A tiny random Llama in llama.cpp layout (F32, Q/K rows permuted as llama.cpp's converter does)."""
+    import gguf
+
+    cfg = LlamaConfig(vocab=50, hidden=16, intermediate=24, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4,
+                      rms_norm_eps=float(np.float32(1e-5)), tie_word_embeddings=True, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(3))
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, val in [("block_count", 2), ("context_length", 64), ("embedding_length", 16),
+                     ("feed_forward_length", 24), ("attention.head_count", 4), ("attention.head_count_kv", 2),
+                     ("vocab_size", 50)]:
+        w.add_uint32(f"{arch}.{key}", val)
+    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    permute = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+    for p, var in nnx.to_flat_state(nnx.state(model)):
+        spec = gguf_name_map(cfg)[tuple(p)]
+        a = np.asarray(var.get_value())
+        for i, layer_a in enumerate(a if p[0] == "layers" else [a]):
+            name = spec.name.format(i=i)
+            if p[-1] == "kernel":
+                layer_a = layer_a.T  # back to [out, in]
+            heads = permute.get(name.split(".")[-2])
+            if heads:
+                layer_a = permute_rope_rows(layer_a, heads)
+            if name not in drop:
+                w.add_tensor(name, np.ascontiguousarray(layer_a, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model, cfg
+
+
+def test_gguf_roundtrip_undoes_qk_permutation(tmp_path):
+    model, cfg = _write_gguf(tmp_path / "m.gguf")
+    loaded, cfg2 = load_gguf(tmp_path / "m.gguf")
+    assert cfg2 == cfg
+    tokens = jnp.arange(12)[None]
+    a, _ = model.prefill(tokens, KVCache.init(cfg, 1, 12))
+    b, _ = loaded.prefill(tokens, KVCache.init(cfg, 1, 12))
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_gguf_bad_inputs(tmp_path):
+    _write_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        load_gguf(tmp_path / "gpt2.gguf")
+    _write_gguf(tmp_path / "short.gguf", drop=("blk.1.ffn_down.weight",))
+    with pytest.raises(MissingTensorError, match=r"blk\.1\.ffn_down\.weight"):
+        load_gguf(tmp_path / "short.gguf")
