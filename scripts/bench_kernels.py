@@ -28,6 +28,9 @@ import numpy as np
 from fathom_jax import planner
 from pallas_kernels import nibble_scan as NS
 from pallas_kernels import plane_scan as PS
+from pallas_kernels import row_fetch as RF
+from pallas_kernels import run_gather as RG
+from pallas_kernels import topk as TK
 
 AUTHORS = {  # DESIGN.md: the authors' Triton kernels on this H200 (ms), batch 4 x 8 KV heads, G=4, D=128
     32768: {"sparq_r16": 0.024, "nibble_32": 0.056, "full_4bit": 0.156, "fathom_48": 0.048, "fathom_64": 0.058},
@@ -83,7 +86,7 @@ def scan_cases(n, tune=False):
         plan_stats[budget] = active
         bits = float(jnp.mean(plan.bits_per_token))
         nbytes = bh * n * bits / 8 + bh * 4 * n * 4  # reads (codes + scales) + f32 scores written
-        cfgs = [(512, 1)] if not tune else [(t, w) for t in (256, 512, 1024, 2048) for w in (1, 2, 4)]
+        cfgs = [(2048, 2)] if not tune else [(1024, 1), (2048, 2), (4096, 4)]
         for tile, warps in cfgs:
             step = lambda c, ch=ch, dep=dep, tile=tile, warps=warps: c + 1e-30 * PS.plane_scan(
                 q + c, planes, scales, length, ch, dep, tile=tile, num_warps=warps, assume_sorted=True
@@ -97,7 +100,7 @@ def scan_cases(n, tune=False):
         ch = jnp.broadcast_to(jnp.arange(r_ch, dtype=jnp.int32), (4, 8, r_ch))
         bits = r_ch * 4 + r_ch * 16 / 64
         nbytes = bh * n * bits / 8 + bh * 4 * n * 4
-        cfgs = [(512, 1)] if not tune else [(t, w) for t in (512, 1024, 2048) for w in (1, 2, 4)]
+        cfgs = [(512, 1)] if not tune else [(512, 1), (1024, 2)]
         for tile, warps in cfgs:
             step = lambda c, ch=ch, tile=tile, warps=warps: c + 1e-30 * NS.nibble_scan(
                 q + c, nib, scales, length, ch, tile=tile, num_warps=warps
@@ -117,6 +120,94 @@ def scan_cases(n, tune=False):
         r["GBps"] = r["bytes"] / (r["median_ms"] * 1e-3) / 1e9
         r["authors_ms"] = AUTHORS.get(n, {}).get(r["kernel"])
     return out, plan_stats
+
+
+def _host(x):
+    dev = jax.devices()[0]
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+
+
+def gather_cases():
+    """Run gather from pinned host memory vs run size (4 planes of one channel = 16 W bytes)."""
+    out = []
+    bh, d = 8, 128
+    for run_kb in (1, 8, 64, 512):
+        w = run_kb * 1024 // 16
+        rng = np.random.default_rng(run_kb)
+        planes_np = rng.integers(0, 2**32, (bh, d, 4, w), dtype=np.uint32)
+        scales_np = rng.uniform(0.5, 2, (bh, d, w // 2)).astype(np.float16)
+        ch = jnp.broadcast_to(jnp.arange(d, dtype=jnp.int32), (bh, d))
+        dep = jnp.full((bh, d), 4, jnp.int32)
+        nbytes = planes_np.nbytes + scales_np.nbytes
+        iters = max(3, min(200, int(2e8 // nbytes)))
+        for where, planes, scales in (("pinned_host", _host(planes_np), _host(scales_np)),
+                                      ("hbm", jnp.asarray(planes_np), jnp.asarray(scales_np))):
+            def step(c, planes=planes, scales=scales):
+                p, sc = RG.run_gather(planes, scales, ch + (c > 1e30).astype(jnp.int32), dep)
+                return c + p[0, 0, 0, 0].astype(jnp.float32) * 1e-30
+            r = timeit(step, jnp.zeros((), jnp.float32), iters=iters, repeats=3)
+            r.update(kernel="run_gather", source=where, run_bytes=run_kb * 1024, bytes=nbytes)
+            r["GBps"] = nbytes / (r["median_ms"] * 1e-3) / 1e9
+            out.append(r)
+        host = _host(planes_np)
+        dev = jax.devices()[0]
+        ts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            jax.block_until_ready(jax.device_put(host, dev))
+            ts.append((time.perf_counter() - t) * 1e3)
+        r = {"kernel": "device_put", "source": "pinned_host", "run_bytes": run_kb * 1024, "bytes": planes_np.nbytes,
+             "median_ms": float(np.median(ts)), "min_ms": float(np.min(ts)), "max_ms": float(np.max(ts))}
+        r["GBps"] = r["bytes"] / (r["median_ms"] * 1e-3) / 1e9
+        out.append(r)
+        for r in out[-3:]:
+            print(f"{r['kernel']:11s} {r['source']:11s} run={r['run_bytes']:7d}B total={r['bytes']/1e6:.1f}MB "
+                  f"{r['median_ms']:.3f} ms {r['GBps']:.1f} GB/s", flush=True)
+        del host
+    return out
+
+
+def topk_cases():
+    out = []
+    k = 512
+    for n in (32768, 131072, 1 << 20):
+        rng = np.random.default_rng(n)
+        scores = jnp.asarray(rng.standard_normal((32, n)), jnp.float32)
+        length = jnp.full((32,), n, jnp.int32)
+        a = TK.topk_select(scores, length, k=k)
+        b = TK.topk_select_reference(scores, length, k=k)
+        same = bool(jnp.array_equal(a, b))
+        iters = 50 if n < (1 << 20) else 20
+        for name, fn in (("ours", lambda s: TK.topk_select(s, length, k=k)),
+                         ("reference_lax_top_k", lambda s: TK.topk_select_reference(s, length, k=k)),
+                         ("lax.top_k_only", lambda s: jax.lax.top_k(s, k - 36)[1])):
+            step = lambda c, fn=fn: c + fn(scores + c).astype(jnp.float32)[:, :1] * 1e-30
+            r = timeit(step, jnp.zeros((32, 1), jnp.float32), iters=iters, repeats=3)
+            r.update(kernel=f"topk_{name}", n=n, k=k, rows=32, same_set_as_reference=same)
+            out.append(r)
+            print(f"topk {name:20s} n={n:8d} {r['median_ms']:.4f} ms same={same}", flush=True)
+    return out
+
+
+def rowfetch_cases():
+    out = []
+    bh, n, dh, s = 8, 131072, 128, 2048
+    rng = np.random.default_rng(3)
+    k_np = rng.standard_normal((bh, n, dh)).astype(jnp.bfloat16)
+    v_np = rng.standard_normal((bh, n, dh)).astype(jnp.bfloat16)
+    idx = jnp.asarray(np.sort(rng.choice(n, (bh, s)), axis=-1), jnp.int32)
+    nbytes = 2 * bh * s * dh * 2
+    for where, k_, v_ in (("pinned_host", _host(k_np), _host(v_np)), ("hbm", jnp.asarray(k_np), jnp.asarray(v_np))):
+        a = RF.row_fetch(k_, v_, idx)
+        ok = bool(jnp.array_equal(a[0], RF.row_fetch_reference(jnp.asarray(k_np), jnp.asarray(v_np), idx)[0]))
+        step = lambda c, k_=k_, v_=v_: c + RF.row_fetch(k_, v_, idx + (c > 1e30).astype(jnp.int32))[0][0, 0, 0].astype(jnp.float32) * 1e-30
+        r = timeit(step, jnp.zeros((), jnp.float32), iters=100, repeats=3)
+        r.update(kernel="row_fetch", source=where, rows=bh * s, bytes=nbytes, exact=ok)
+        r["GBps"] = nbytes / (r["median_ms"] * 1e-3) / 1e9
+        r["rows_per_s"] = bh * s / (r["median_ms"] * 1e-3)
+        out.append(r)
+        print(f"row_fetch {where:11s} {r['median_ms']:.4f} ms {r['GBps']:.1f} GB/s {r['rows_per_s']:.3g} rows/s exact={ok}", flush=True)
+    return out
 
 
 def check_scans():
@@ -164,9 +255,76 @@ def main():
                 print(f"{r['kernel']:22s} n={n:7d} tile={r['tile']:5d} w={r['num_warps']} "
                       f"{r['median_ms']:.4f} ms [{r['min_ms']:.4f},{r['max_ms']:.4f}] {r['GBps']:.0f} GB/s "
                       f"authors {r['authors_ms']}", flush=True)
+    if "gather" in sections:
+        res["gather"] = gather_cases()
+    if "topk" in sections:
+        res["topk"] = topk_cases()
+    if "rowfetch" in sections:
+        res["row_fetch"] = rowfetch_cases()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "kernels_h200.json"), "w") as f:
         json.dump(res, f, indent=1)
+    write_report(res, args.out)
+
+
+def write_report(res, out):
+    L = [f"# Kernel benchmarks ({res['machine']['device']})", "",
+         f"JAX {res['jax']}, {res['date']}. Median of repeats of a jitted fori_loop (ms per call), [min, max].",
+         f"HBM copy rate (read+write, 1 GiB): {res['copy']['GBps']:.0f} GB/s.", ""]
+    if "scan" in res:
+        L += ["## Scans (HBM-resident, batch 4 x 8 KV heads, G=4, D=128)", "",
+              f"Correctness on the GPU: {res['scan_check']}; mean active channels per plan: {res['plan_active_channels']}.", "",
+              "| kernel | n | tile | warps | ms (median) | [min, max] | GB/s (reads + f32 scores) | authors' ms |",
+              "|---|---|---|---|---|---|---|---|"]
+        for r in res["scan"]:
+            L.append(f"| {r['kernel']} | {r['n']} | {r['tile']} | {r['num_warps']} | {r['median_ms']:.4f} | "
+                     f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['GBps']:.0f} | {r['authors_ms']} |")
+        L.append("")
+    if "gather" in res:
+        L += ["## Run gather vs run size (8 KV heads x 128 channels x 4 planes)", "",
+              "| kernel | source | run bytes | total MB | ms | GB/s |", "|---|---|---|---|---|---|"]
+        for r in res["gather"]:
+            L.append(f"| {r['kernel']} | {r['source']} | {r['run_bytes']} | {r['bytes']/1e6:.1f} | {r['median_ms']:.3f} | {r['GBps']:.1f} |")
+        L.append("")
+    if "topk" in res:
+        L += ["## Top-k (4 sink + 32 local + top-476), [32, n], k = 512", "",
+              "| method | n | ms | [min, max] | same set as reference |", "|---|---|---|---|---|"]
+        for r in res["topk"]:
+            L.append(f"| {r['kernel']} | {r['n']} | {r['median_ms']:.4f} | [{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['same_set_as_reference']} |")
+        L.append("")
+    if "row_fetch" in res:
+        L += ["## Row fetch (2048 rows x 8 KV heads, K and V, bf16, Dh = 128)", "",
+              "| source | ms | GB/s | rows/s | exact |", "|---|---|---|---|---|"]
+        for r in res["row_fetch"]:
+            L.append(f"| {r['source']} | {r['median_ms']:.4f} | {r['GBps']:.1f} | {r['rows_per_s']:.3g} | {r['exact']} |")
+        L.append("")
+    with open(os.path.join(out, "kernels_h200.md"), "w") as f:
+        f.write("\n".join(L))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    if "scan" not in res:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = ["sparq_r16", "nibble_32", "full_4bit", "fathom_48", "fathom_64"]
+    ns = sorted({r["n"] for r in res["scan"]})
+    for i, n in enumerate(ns):
+        ours = [min((r["median_ms"] for r in res["scan"] if r["kernel"] == k and r["n"] == n), default=np.nan) for k in names]
+        theirs = [AUTHORS.get(n, {}).get(k, np.nan) for k in names]
+        x = np.arange(len(names)) + i * 0.4
+        ax.bar(x, ours, 0.2, label=f"ours n={n}")
+        ax.bar(x + 0.2, theirs, 0.2, label=f"authors n={n}", alpha=0.6)
+    ax.set_xticks(np.arange(len(names)) + 0.3)
+    ax.set_xticklabels(names)
+    ax.set_ylabel("ms per layer")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "kernels_h200.png"), dpi=100)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""Top-k selection (4 sink + 32 local + top-(k-36)): the same set as the lax.top_k reference."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _common as C
+from pallas_kernels import topk as TK
+from tests.pallas_kernels.base import MODES, assert_ran, fresh_rng, interpret_flag
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n,k,lengths", [
+    (3000, 100, [3000, 1000, 50, 37, 0, 136]),
+    (777, 64, [777, 700, 20, 64, 65, 100]),
+    (4096, 512, [4096, 4000, 511, 513, 36, 1]),
+])
+def test_topk_same_set(request, mode, n, k, lengths):
+    rng = fresh_rng(request)
+    scores = jnp.asarray(rng.standard_normal((len(lengths), n)), jnp.float32)  # ties have probability ~0
+    length = jnp.asarray(lengths, jnp.int32)
+    got = TK.topk_select(scores, length, k=k, interpret=interpret_flag(mode))
+    want = TK.topk_select_reference(scores, length, k=k)
+    assert got.shape == (len(lengths), k)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    # structure: sinks and the local window are always in
+    for r, ln in enumerate(lengths):
+        row = set(np.asarray(got[r]).tolist()) - {-1}
+        assert set(range(min(4, ln))) <= row and set(range(max(4, ln - 32), ln)) <= row
+        assert len(row) == min(k, ln)
+    assert np.array_equal(np.asarray(TK.topk_select(scores, length, k=k, interpret=interpret_flag(mode))), np.asarray(got))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kth_largest_exact(request, mode):
+    rng = fresh_rng(request)
+    x = jnp.asarray(rng.standard_normal((5, 999)) * 10, jnp.float32)
+    keys = TK.sortable_key(x)
+    for k in (1, 7, 500, 999, 1000):
+        got = TK.kth_largest(keys, k=k, tile=128, interpret=interpret_flag(mode))
+        srt = -np.sort(-np.asarray(keys), axis=-1)
+        want = srt[:, k - 1] if k <= 999 else np.full(5, TK.INT_MIN)
+        assert np.array_equal(np.asarray(got), want)
+    assert_ran(TK.topk_select, x, jnp.full((5,), 999, jnp.int32), name=TK.KERNEL_NAME, k=100, interpret=interpret_flag(mode))
+
+
+def test_sortable_key_order():
+    x = jnp.asarray([-jnp.inf, -3.5, -0.0, 0.0, 1e-30, 2.0, jnp.inf], jnp.float32)
+    k = np.asarray(TK.sortable_key(x))
+    assert np.all(np.diff(k) >= 0)
+
+
+def test_topk_lowers_to_triton_and_validates():
+    text = C.lower_triton_text(TK.topk_select, jnp.zeros((4, 4096)), jnp.zeros((4,), jnp.int32), k=64, interpret=False)
+    assert text.count(f'name = "{TK.KERNEL_NAME}"') == 2
+    with pytest.raises(ValueError, match="k > sink"):
+        TK.topk_select(jnp.zeros((4, 100)), 100, k=36)
