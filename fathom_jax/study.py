@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import platform
 from collections.abc import Sequence
 from typing import Any
@@ -326,6 +327,7 @@ def plot(results: dict, path: str) -> None:
 
 def write_report(results: dict, prefix: str) -> list[str]:
     """Write ``prefix.json``, ``prefix.md`` and ``prefix.png``; return the paths."""
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
     paths = [prefix + ".json", prefix + ".md", prefix + ".png"]
     with open(paths[0], "w") as f:
         json.dump(results, f, indent=1)

