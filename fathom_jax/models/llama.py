@@ -277,6 +277,8 @@ class LlamaForCausalLM(nnx.Module):
         cache (chunked prefill) works: the chunk attends to everything already cached.
         """
         tokens = jnp.asarray(tokens, jnp.int32)
+        if tokens.ndim != 2:
+            raise ValueError(f"prefill takes tokens [batch, T], got shape {tokens.shape}")
         _check_fits(tokens.shape[1], cache)
         graphdef, state = nnx.split(self)
         return _prefill(graphdef, state, tokens, cache, last_only)

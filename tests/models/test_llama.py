@@ -103,6 +103,8 @@ def test_prompt_longer_than_cache_raises(model):
     _, cache = model.prefill(jnp.asarray(TOKENS[:, :6]), KVCache.init(CFG, 2, 8))
     with pytest.raises(ValueError, match="exceeds capacity 8"):
         model.prefill(jnp.asarray(TOKENS[:, :3]), cache)
+    with pytest.raises(ValueError, match=r"tokens \[batch, T\]"):
+        model.prefill(jnp.asarray(TOKENS[0]), KVCache.init(CFG, 1, 16))
     full = dataclasses.replace(cache, length=jnp.int32(8))
     with pytest.raises(ValueError, match="exceeds capacity 8"):
         model.decode_step(jnp.asarray(TOKENS[:, 0]), full)
