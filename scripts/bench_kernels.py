@@ -86,7 +86,7 @@ def scan_cases(n, tune=False):
         plan_stats[budget] = active
         bits = float(jnp.mean(plan.bits_per_token))
         nbytes = bh * n * bits / 8 + bh * 4 * n * 4  # reads (codes + scales) + f32 scores written
-        cfgs = [(2048, 2)] if not tune else [(1024, 1), (2048, 2), (4096, 4)]
+        cfgs = [(2048, 2)] if not (tune and n >= 131072) else [(1024, 1), (2048, 2), (4096, 4)]
         for tile, warps in cfgs:
             step = lambda c, ch=ch, dep=dep, tile=tile, warps=warps: c + 1e-30 * PS.plane_scan(
                 q + c, planes, scales, length, ch, dep, tile=tile, num_warps=warps, assume_sorted=True
@@ -100,7 +100,7 @@ def scan_cases(n, tune=False):
         ch = jnp.broadcast_to(jnp.arange(r_ch, dtype=jnp.int32), (4, 8, r_ch))
         bits = r_ch * 4 + r_ch * 16 / 64
         nbytes = bh * n * bits / 8 + bh * 4 * n * 4
-        cfgs = [(512, 1)] if not tune else [(512, 1), (1024, 2)]
+        cfgs = [(512, 1)]
         for tile, warps in cfgs:
             step = lambda c, ch=ch, tile=tile, warps=warps: c + 1e-30 * NS.nibble_scan(
                 q + c, nib, scales, length, ch, tile=tile, num_warps=warps
@@ -108,8 +108,8 @@ def scan_cases(n, tune=False):
             r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
             r.update(kernel=name, n=n, tile=tile, num_warps=warps, bits_per_token=bits, bytes=nbytes)
             out.append(r)
-        if tune and r_ch == 32:  # the same scan from the plane store at depth 4
-            for tile, warps in ((512, 1), (1024, 2)):
+        if tune and r_ch == 32 and n >= 131072:  # the same scan from the plane store at depth 4
+            for tile, warps in ((2048, 2),):
                 step = lambda c, ch=ch, tile=tile, warps=warps: c + 1e-30 * NS.nibble_scan_planes(
                     q + c, planes, scales, length, ch, tile=tile, num_warps=warps
                 )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
@@ -154,7 +154,7 @@ def gather_cases():
         ts = []
         for _ in range(5):
             t = time.perf_counter()
-            jax.block_until_ready(jax.device_put(host, dev))
+            jax.block_until_ready(jax.device_put(host, jax.sharding.SingleDeviceSharding(dev, memory_kind="device")))
             ts.append((time.perf_counter() - t) * 1e3)
         r = {"kernel": "device_put", "source": "pinned_host", "run_bytes": run_kb * 1024, "bytes": planes_np.nbytes,
              "median_ms": float(np.median(ts)), "min_ms": float(np.min(ts)), "max_ms": float(np.max(ts))}

@@ -9,7 +9,7 @@ from pallas_kernels import _common as C
 from pallas_kernels import plane_scan as PS
 from pallas_kernels import row_fetch as RF
 from pallas_kernels import run_gather as RG
-from tests.pallas_kernels.base import HAS_GPU, MODES, assert_ran, assert_scores_close, fresh_rng, interpret_flag, random_store_arrays
+from kernel_test_base import HAS_GPU, MODES, assert_ran, assert_scores_close, fresh_rng, interpret_flag, random_store_arrays
 
 D = 16
 

@@ -9,7 +9,7 @@ from fathom_jax import store as S
 from pallas_kernels import _common as C
 from pallas_kernels import nibble_scan as NS
 from pallas_kernels import plane_scan as PS
-from tests.pallas_kernels.base import MODES, assert_ran, assert_scores_close, fresh_rng, interpret_flag, random_store_arrays
+from kernel_test_base import MODES, assert_ran, assert_scores_close, fresh_rng, interpret_flag, random_store_arrays
 
 D, G = 16, 4
 

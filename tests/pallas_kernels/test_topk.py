@@ -6,7 +6,7 @@ import pytest
 
 from pallas_kernels import _common as C
 from pallas_kernels import topk as TK
-from tests.pallas_kernels.base import MODES, assert_ran, fresh_rng, interpret_flag
+from kernel_test_base import MODES, assert_ran, fresh_rng, interpret_flag
 
 
 @pytest.mark.parametrize("mode", MODES)
