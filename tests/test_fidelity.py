@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from conftest import random_keys
+from tests.conftest import random_keys
 from fathom_jax import calibrate as cal
 from fathom_jax import fidelity as fid
 from fathom_jax.scorers import ScanMethod

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from conftest import APPENDIX_Q, APPENDIX_VAR
+from tests.conftest import APPENDIX_Q, APPENDIX_VAR
 from fathom_jax import planner as P
 
 

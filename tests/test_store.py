@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from conftest import APPENDIX_KEYS, APPENDIX_Q, random_keys
+from tests.conftest import APPENDIX_KEYS, APPENDIX_Q, random_keys
 from fathom_jax import store as S
 
 

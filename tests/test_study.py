@@ -2,7 +2,7 @@ import json
 
 import numpy as np
 
-from conftest import random_keys
+from tests.conftest import random_keys
 from fathom_jax import fidelity as fid
 from fathom_jax import study
 
