@@ -1,0 +1,28 @@
+"""The research notebooks run end to end on the CPU (code cells executed in order, plots off-screen)."""
+
+import json
+import pathlib
+
+import matplotlib
+import pytest
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path, monkeypatch):
+    pytest.importorskip("fathom_jax.models")
+    from fathom_jax.models.hub import cached_model_path
+
+    if not pathlib.Path(cached_model_path("smollm2")).exists():
+        pytest.skip("SmolLM2 is not cached: run scripts/setup_env.sh (it fetches the model)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(plt, "show", lambda *a, **k: plt.close("all"))
+    cells = json.loads(path.read_text())["cells"]
+    namespace: dict = {}
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] == "code":
+            exec(compile("".join(cell["source"]), f"{path.name}[{i}]", "exec"), namespace)
+    assert namespace["results"], "the notebook's comparison produced no rows"
