@@ -66,20 +66,22 @@ class KeyRotation:
 def rotate_keys(keys: Float[Array, "*B n D"], rotation: KeyRotation | None) -> Float[Array, "*B n D"]:
     """``(k - mean) @ basis``, computed the same way for every token.
 
-    A matmul may sum in a different order for different token counts, and the store must come out the
-    same whether its keys arrive at once or one by one, so this is a per-token multiply-and-sum,
-    mapped over chunks of 64 tokens to bound the ``[64, D, D]`` intermediate.
+    A matmul (or a ``sum`` reduction) may add in a different order for different token counts, and the
+    store must come out the same whether its keys arrive at once or one by one, so the product is an
+    explicit left fold over the input channels: ``acc += (k - mean)_j * basis[j, :]`` for j = 0..D-1,
+    the same sequence of rounded operations for every token whatever the batch of tokens.
     """
     if rotation is None:
         return keys
     centered = keys - rotation.mean[..., None, :]
-    *batch, n, d = centered.shape
-    chunk = min(n, BLOCK_TOKENS)
-    pad = (-n) % chunk
-    centered = jnp.pad(centered, [(0, 0)] * len(batch) + [(0, pad), (0, 0)])
-    chunks = jnp.moveaxis(centered.reshape(*batch, -1, chunk, d), -3, 0)  # [C, *B, chunk, D]
-    rotated = jax.lax.map(lambda x: jnp.sum(x[..., :, None] * rotation.basis[..., None, :, :], axis=-2), chunks)
-    return jnp.moveaxis(rotated, 0, -3).reshape(*batch, n + pad, d)[..., :n, :]
+    basis = rotation.basis
+
+    def body(j, acc):
+        col = jax.lax.dynamic_index_in_dim(centered, j, axis=-1, keepdims=True)  # [*B, n, 1]
+        row = jax.lax.dynamic_index_in_dim(basis, j, axis=-2, keepdims=True)  # [*B, 1, D]
+        return acc + col * row
+
+    return jax.lax.fori_loop(0, centered.shape[-1], body, jnp.zeros(centered.shape, jnp.result_type(centered, basis)))
 
 
 def rotate_queries(q: Float[Array, "*B G D"], rotation: KeyRotation | None) -> Float[Array, "*B G D"]:
