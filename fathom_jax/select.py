@@ -87,13 +87,16 @@ def attend(
     scale: float | None = None,
 ) -> Float[Array, "*B G D"]:
     """Exact softmax attention of each head over the rows its mask admits (f32 accumulation)."""
-    d = q.shape[-1]
-    scale = 1.0 / np.sqrt(d) if scale is None else scale
-    logits = jnp.einsum("...gd,...md->...gm", q.astype(jnp.float32), keys.astype(jnp.float32)) * scale
-    logits = jnp.where(mask, logits, -jnp.inf)
-    weights = jax.nn.softmax(logits, axis=-1, where=mask)
+    return _masked_attention(q, keys[..., None, :, :], values[..., None, :, :], mask, scale)
+
+
+def _masked_attention(q, keys, values, mask, scale):
+    """Per-head softmax attention, f32: q [*B, G, D] over rows [*B, G or 1, m, D] where ``mask``."""
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    logits = jnp.einsum("...gd,...gmd->...gm", q.astype(jnp.float32), keys.astype(jnp.float32)) * scale
+    weights = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1, where=mask)
     weights = jnp.where(mask, weights, 0.0)
-    return jnp.einsum("...gm,...md->...gd", weights, values.astype(jnp.float32))
+    return jnp.einsum("...gm,...gmd->...gd", weights, values.astype(jnp.float32))
 
 
 def sparse_attention(
@@ -108,12 +111,7 @@ def sparse_attention(
     """Attention of each head over its own selected rows only (gathered from the full K/V)."""
     rows_k = jnp.take_along_axis(keys[..., None, :, :], indices[..., None], axis=-2)  # [*B, G, k, D]
     rows_v = jnp.take_along_axis(values[..., None, :, :], indices[..., None], axis=-2)
-    d = q.shape[-1]
-    scale = 1.0 / np.sqrt(d) if scale is None else scale
-    logits = jnp.einsum("...gd,...gkd->...gk", q.astype(jnp.float32), rows_k.astype(jnp.float32)) * scale
-    weights = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1, where=mask)
-    weights = jnp.where(mask, weights, 0.0)
-    return jnp.einsum("...gk,...gkd->...gd", weights, rows_v.astype(jnp.float32))
+    return _masked_attention(q, rows_k, rows_v, mask, scale)
 
 
 def dense_attention(
