@@ -3,6 +3,7 @@ group, plus an exact bits-per-token count under the paper's byte convention.
 
     method = ScanMethod.fathom(48)                        # static, hashable
     index = build_index(keys, calib, [method, ...])       # once per sequence (pytree)
+    index = append_index(index, new_keys)                 # decode: the same index, bit for bit
     result = scan_scores(method, q, index, calib)         # jit with method static; vmap over layers
 
 Every method reads the *same* 4-bit codes with the *same* fp16 64-token block scales (a
@@ -277,6 +278,9 @@ class KeyIndex:
     raw: planes of the keys; klt: planes of ``(k - mu) V``; loki: planes of ``(k - mu) V_loki``;
     landmarks: fp16 block means ``[*B, capacity / 8, D]``; keys: the keys as given ``[*B, capacity, D]``
     (for the exact oracle and dense attention); length: valid tokens ``[*B]``.
+    landmark_tail: the raw keys (f32) of the partially filled last 8-token block, zeros elsewhere
+    (present with ``landmarks``): what :func:`append_index` recomputes that block's mean from, as the
+    plane store's ``tail`` does for its 64-token block.
     """
 
     length: Int[Array, "*B"]
@@ -285,6 +289,7 @@ class KeyIndex:
     loki: PlaneStore | None = None
     landmarks: Float[Array, "*B NL D"] | None = None
     keys: Float[Array, "*B n D"] | None = None
+    landmark_tail: Float[Array, "*B 8 D"] | None = None
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
@@ -307,15 +312,34 @@ class KeyIndex:
         return (self.keys if self.keys is not None else self.landmarks).shape[-1]
 
 
+def _block_mean(blocks: jax.Array, count: jax.Array) -> jax.Array:
+    """fp16 mean of ``[..., 8, D]`` blocks (invalid rows zero) over ``count`` valid rows.
+
+    The sum is an explicit left fold so that building at once and appending (one block at a time)
+    add in the same order and round the same way.
+    """
+    total = blocks[..., 0, :]
+    for i in range(1, LANDMARK_TOKENS):
+        total = total + blocks[..., i, :]
+    return (total / jnp.maximum(count, 1.0)[..., None]).astype(jnp.float16)
+
+
 def _landmarks(keys: jax.Array, length: jax.Array) -> jax.Array:
     """fp16 mean of each 8-token block over its valid tokens, ``[*B, n / 8, D]``."""
     *batch, n, d = keys.shape
     nl = n // LANDMARK_TOKENS
-    valid = (jnp.arange(n) < length[..., None]).astype(jnp.float32)
-    blocks = (keys * valid[..., None]).reshape(*batch, nl, LANDMARK_TOKENS, d)
-    count = jnp.sum(valid.reshape(*batch, nl, LANDMARK_TOKENS), axis=-1)
-    mean = jnp.sum(blocks, axis=-2) / jnp.maximum(count, 1.0)[..., None]
-    return mean.astype(jnp.float16)
+    valid = jnp.arange(n) < length[..., None]
+    blocks = jnp.where(valid[..., None], keys, 0.0).reshape(*batch, nl, LANDMARK_TOKENS, d)
+    count = jnp.sum(valid.reshape(*batch, nl, LANDMARK_TOKENS), axis=-1).astype(jnp.float32)
+    return _block_mean(blocks, count)
+
+
+def _landmark_tail(keys: jax.Array, length: jax.Array) -> jax.Array:
+    """Raw keys of the partially filled last 8-token block ``[*B, 8, D]`` (zeros past length)."""
+    n = keys.shape[-2]
+    idx = (length // LANDMARK_TOKENS * LANDMARK_TOKENS)[..., None] + jnp.arange(LANDMARK_TOKENS)
+    tail = jnp.take_along_axis(keys, jnp.minimum(idx, n - 1)[..., None], axis=-2)
+    return jnp.where((idx < length[..., None])[..., None], tail, 0.0)
 
 
 def build_index(
@@ -369,9 +393,83 @@ def build_index(
     padded = None
     if needs & {"keys", "landmarks"}:
         padded = jnp.zeros((*batch, capacity, d), keys.dtype).at[..., :n, :].set(keys)
-    landmarks = _landmarks(padded.astype(jnp.float32), length_arr) if "landmarks" in needs else None
+    landmarks = tail = None
+    if "landmarks" in needs:
+        landmarks = _landmarks(padded.astype(jnp.float32), length_arr)
+        tail = _landmark_tail(padded.astype(jnp.float32), length_arr)
     exact_keys = padded if "keys" in needs else None
-    return KeyIndex(length=length_arr, raw=raw, klt=klt, loki=loki, landmarks=landmarks, keys=exact_keys)
+    return KeyIndex(
+        length=length_arr, raw=raw, klt=klt, loki=loki, landmarks=landmarks, keys=exact_keys, landmark_tail=tail
+    )
+
+
+def _append_landmark(landmarks, tail, length, key):
+    """Append one key ``[D]`` to one sequence's landmarks ``[NL, D]`` (recompute its 8-token block)."""
+    offset = length % LANDMARK_TOKENS
+    tail = jnp.where(offset == 0, 0.0, tail).at[offset].set(key)
+    mean = _block_mean(tail, (offset + 1).astype(jnp.float32))
+    landmarks = jax.lax.dynamic_update_slice(landmarks, mean[None], (length // LANDMARK_TOKENS, 0))
+    return landmarks, tail
+
+
+def append_index(index: KeyIndex, keys: Float[Array, "*B m D"], *, check: bool = True) -> KeyIndex:
+    """Append ``m`` keys to every sequence of ``index``, to every part it holds.
+
+    Plane stores (raw, KLT, Loki) requantize their last 64-token block (``store.append``), landmarks
+    recompute their last 8-token block mean from ``landmark_tail``, exact keys are written at rows
+    ``length ..``. The result equals :func:`build_index` over all the keys, bit for bit. Appending
+    past capacity raises (eagerly when lengths are concrete, through a host callback under jit) unless
+    ``check=False``, for loops whose bounds were checked before entering them.
+    """
+    if not isinstance(index, KeyIndex):
+        raise TypeError(f"append_index: index must be a KeyIndex (from build_index), got {type(index).__name__}")
+    keys = jnp.asarray(keys)
+    batch, d = index.batch_shape, index.head_dim
+    if keys.ndim != len(batch) + 2 or keys.shape[:-2] != batch or keys.shape[-1] != d:
+        raise ValueError(f"append_index: keys must have shape [*batch, m, D] with *batch = {batch}, D = {d}; "
+                         f"got {keys.shape}")
+    if not jnp.issubdtype(keys.dtype, jnp.floating):
+        raise TypeError(f"append_index: keys must be floating point, got {keys.dtype}")
+    m, capacity = keys.shape[-2], index.capacity
+    if index.keys is not None:
+        capacity = min(capacity, index.keys.shape[-2])
+    if check:
+        if isinstance(index.length, jax.core.Tracer):
+            top = jnp.max(index.length)
+            jax.lax.cond(
+                top + m > capacity,
+                lambda: jax.debug.callback(store_lib._raise_overflow, top, top + m - capacity, capacity),
+                lambda: None,
+            )
+        elif int(jnp.max(index.length, initial=0)) + m > capacity:
+            top = int(jnp.max(index.length))
+            store_lib._raise_overflow(top, top + m - capacity, capacity)
+
+    def store(part):
+        return None if part is None else store_lib.append(part, keys, check=False)
+
+    raw, klt = store(index.raw), store(index.klt)
+    loki = klt if (index.loki is not None and index.loki is index.klt) else store(index.loki)
+
+    flat = lambda x: x.reshape(-1, *x.shape[len(batch):])  # noqa: E731
+    unflat = lambda x: x.reshape(*batch, *x.shape[1:])  # noqa: E731
+    length = flat(index.length)
+    new_keys = flat(keys.astype(jnp.float32))
+    landmarks, tail = index.landmarks, index.landmark_tail
+    if landmarks is not None:
+        if tail is None:
+            raise ValueError("append_index: the index has landmarks but no landmark_tail (build it with build_index)")
+        step = jax.vmap(_append_landmark)
+        lm, tl = flat(landmarks), flat(tail)
+        lm, tl = jax.lax.fori_loop(0, m, lambda i, c: step(c[0], c[1], length + i, new_keys[:, i]), (lm, tl))
+        landmarks, tail = unflat(lm), unflat(tl)
+    exact = index.keys
+    if exact is not None:
+        write = jax.vmap(lambda rows, new, at: jax.lax.dynamic_update_slice(rows, new, (at, 0)))
+        exact = unflat(write(flat(exact), flat(keys.astype(exact.dtype)), length))
+    return KeyIndex(
+        length=index.length + m, raw=raw, klt=klt, loki=loki, landmarks=landmarks, keys=exact, landmark_tail=tail
+    )
 
 
 # ----------------------------------------------------------------------------------------------
