@@ -12,7 +12,9 @@ Heavy imports stay lazy: importing this package never touches the network or the
     new_ids = generate(model, ids[0], max_new_tokens=32, capacity=256)
 
 `attention_fn(q [B,Hkv,G,D], k [B,Hkv,C,D], v, length, layer) -> [B,Hkv,G,D]` is the decode-time
-hook (see `llama.AttentionFn`); the cache holds post-RoPE keys.
+hook (see `llama.AttentionFn`); the cache holds post-RoPE keys. A stateful hook (with `init_state`,
+e.g. `fathom_jax.decode.SparseAttention`) keeps per-layer state in `cache.aux`:
+`cache = init_attention_state(cache, attn)` after prefill; `generate` does this itself.
 """
 
 from fathom_jax.models.config import LlamaConfig, RopeScaling
@@ -21,9 +23,11 @@ from fathom_jax.models.llama import (
     AttentionFn,
     KVCache,
     LlamaForCausalLM,
+    StatefulAttentionFn,
     capture_qkv,
     dense_attention,
     generate,
+    init_attention_state,
 )
 from fathom_jax.models.loading import MissingTensorError, load_gguf, load_hf_checkpoint
 from fathom_jax.models.tokenizer import Tokenizer
@@ -34,12 +38,14 @@ __all__ = [
     "LlamaConfig",
     "LlamaForCausalLM",
     "RopeScaling",
+    "StatefulAttentionFn",
     "capture_qkv",
     "MissingTensorError",
     "Tokenizer",
     "dense_attention",
     "fetch_model",
     "generate",
+    "init_attention_state",
     "load_gguf",
     "load_hf_checkpoint",
     "load_smollm2",

@@ -10,6 +10,9 @@ Layout choices, and why:
   the scan carry so that XLA updates it in place.
 - `prefill` (many tokens, dense causal attention) and `decode_step` (one token, pluggable
   `attention_fn`) are separate entry points; `generate` jit-compiles a greedy loop around them.
+- Decode-time attention may carry per-layer state (a sparse index appended every step): the cache's
+  optional `aux` pytree has a leading [n_layers] axis and rides in the layer-scan carry next to k/v,
+  so each layer reads and writes its own slice in place (see `StatefulAttentionFn`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +41,16 @@ class KVCache:
 
     One shared `length` (not per sequence): batches are equal-length, which keeps every shape and
     mask static-size.
+
+    `aux` is the decode-time state of a stateful attention function (None for plain attention):
+    any pytree whose leaves have a leading [n_layers] axis; layer i reads and writes `aux[i]`.
+    Set it after prefill with `init_attention_state(cache, attention_fn)`.
     """
 
     k: Float[Array, "layers batch kv_heads capacity head_dim"]
     v: Float[Array, "layers batch kv_heads capacity head_dim"]
     length: Int[Array, ""]
+    aux: Any = None
 
     @classmethod
     def init(cls, config: LlamaConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
@@ -86,6 +94,31 @@ class AttentionFn(Protocol):
         length: Int[Array, ""],
         layer: Int[Array, ""],
     ) -> Float[Array, "B Hkv G D"]: ...
+
+
+class StatefulAttentionFn(Protocol):
+    """Decode-time attention that carries per-layer state through decoding (e.g. a sparse index
+    appended with every new key).
+
+    `init_state(cache)` builds the state from a prefilled cache: a pytree whose leaves all have a
+    leading [n_layers] axis (it is stored as `cache.aux`). It runs under jit (static shapes, traced
+    length). `__call__` gets the `AttentionFn` arguments plus this layer's slice of the state (the
+    leading axis removed) and returns (output, new slice), the new slice with the same structure,
+    shapes and dtypes. At decode step t the cache slot length - 1 holds the new key/value and the
+    state was built from / appended with slots [0, length - 1): the state is kept in step with the
+    cache, so decode only at position = cache.length (no rewinding).
+
+    Detected by the presence of an `init_state` method; plain or pytree, as for `AttentionFn`.
+    """
+
+    def init_state(self, cache: "KVCache") -> Any: ...
+
+    def __call__(self, q, k, v, length, layer, state) -> tuple[Float[Array, "B Hkv G D"], Any]: ...
+
+
+def is_stateful(attention_fn) -> bool:
+    """Whether `attention_fn` is a `StatefulAttentionFn` (has an `init_state` method)."""
+    return callable(getattr(attention_fn, "init_state", None))
 
 
 def dense_attention(q, k, v, length, layer):
@@ -230,9 +263,15 @@ class LlamaForCausalLM(nnx.Module):
 
     # -- core ------------------------------------------------------------------------------
 
-    def _forward(self, tokens: Int[Array, "B T"], cache: KVCache, attend: _Attend, capture: bool):
+    def _forward(
+        self, tokens: Int[Array, "B T"], cache: KVCache, attend: _Attend, capture: bool, stateful: bool = False
+    ):
         """Runs all layers on tokens at positions cache.length + [0, T); returns final hidden,
-        the updated cache, and (if capture) per-layer post-RoPE q/k/v."""
+        the updated cache, and (if capture) per-layer post-RoPE q/k/v.
+
+        With `stateful`, `attend(q, k, v, start, layer, aux_layer)` returns (out, new aux_layer) and
+        layer i's slice of `cache.aux` is read and written back in the scan carry; otherwise `aux`
+        passes through untouched."""
         cfg = self.config
         b, t = tokens.shape
         start = cache.length
@@ -241,7 +280,7 @@ class LlamaForCausalLM(nnx.Module):
         graphdef, layer_state = nnx.split(self.layers)
 
         def body(carry, xs):
-            x, k_all, v_all = carry
+            x, k_all, v_all, aux = carry
             state, idx = xs
             layer = nnx.merge(graphdef, state)
             q, k, v = layer.self_attn.qkv(cfg, layer.input_layernorm(x), positions)
@@ -249,17 +288,24 @@ class LlamaForCausalLM(nnx.Module):
             at = (idx, 0, 0, start, 0)
             k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
             v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
-            o = attend(q, k_all[idx], v_all[idx], start, idx).astype(x.dtype)  # [B,Hkv,G,T,D]
+            if stateful:
+                aux_layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, keepdims=False), aux)
+                o, new_layer = attend(q, k_all[idx], v_all[idx], start, idx, aux_layer)
+                _check_same_structure(aux_layer, new_layer)
+                aux = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u, idx, 0), aux, new_layer)
+            else:
+                o = attend(q, k_all[idx], v_all[idx], start, idx)
+            o = o.astype(x.dtype)  # [B,Hkv,G,T,D]
             o = o.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.n_heads * cfg.head_dim)
             x = x + layer.self_attn.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             ys = (q, k, v) if capture else None
-            return (x, k_all, v_all), ys
+            return (x, k_all, v_all, aux), ys
 
-        (x, k_all, v_all), ys = jax.lax.scan(
-            body, (x, cache.k, cache.v), (layer_state, jnp.arange(cfg.n_layers, dtype=jnp.int32))
+        (x, k_all, v_all, aux), ys = jax.lax.scan(
+            body, (x, cache.k, cache.v, cache.aux), (layer_state, jnp.arange(cfg.n_layers, dtype=jnp.int32))
         )
-        return self.norm(x), KVCache(k_all, v_all, start + t), ys
+        return self.norm(x), KVCache(k_all, v_all, start + t, aux), ys
 
     def logits(self, h: Float[Array, "... E"]) -> Float[Array, "... V"]:
         out = self.embed_tokens.attend(h) if self.config.tie_word_embeddings else self.lm_head(h)
@@ -279,6 +325,11 @@ class LlamaForCausalLM(nnx.Module):
         tokens = jnp.asarray(tokens, jnp.int32)
         if tokens.ndim != 2:
             raise ValueError(f"prefill takes tokens [batch, T], got shape {tokens.shape}")
+        if cache.aux is not None:
+            raise ValueError(
+                "prefill is dense and does not update attention state: prefill first, then "
+                "init_attention_state(cache, attention_fn)"
+            )
         _check_fits(tokens.shape[1], cache)
         graphdef, state = nnx.split(self)
         return _prefill(graphdef, state, tokens, cache, last_only)
@@ -296,7 +347,22 @@ class LlamaForCausalLM(nnx.Module):
         The new key/value is written to slot `position` and `attention_fn` sees length
         position + 1. Returns f32 logits [B, V] and the cache with length = position + 1.
         `position` must be < capacity (under jit it cannot be checked; XLA would clamp the write).
+
+        A `StatefulAttentionFn` needs `cache.aux` (from `init_attention_state`) and decodes at
+        position = cache.length only (its state cannot rewind); the returned cache carries the
+        updated state.
         """
+        if is_stateful(attention_fn):
+            if cache.aux is None:
+                raise ValueError(
+                    "decode_step: a stateful attention_fn needs its state in the cache: "
+                    "cache = init_attention_state(cache, attention_fn) after prefill"
+                )
+            if position is not None and _concrete_int(position) != _concrete_int(cache.length):
+                raise ValueError(
+                    f"decode_step: a stateful attention_fn decodes at position = cache.length "
+                    f"({_concrete_int(cache.length)}) only, got position {_concrete_int(position)}"
+                )
         if position is not None:
             cache = dataclasses.replace(cache, length=jnp.asarray(position, jnp.int32))
         _check_fits(1, cache)
@@ -319,12 +385,46 @@ def _prefill(graphdef, state, tokens, cache, last_only):
 def _decode_step(graphdef, state, token, cache, attn_static, attn_leaves):
     model = nnx.merge(graphdef, state)
     attention_fn = _join_attention(attn_static, attn_leaves)
+    stateful = is_stateful(attention_fn)
 
-    def attend(q, k, v, start, layer):
+    def attend(q, k, v, start, layer, *aux):
+        if stateful:
+            o, new = attention_fn(q[:, :, :, 0], k, v, start + 1, layer, *aux)
+            return o[:, :, :, None], new
         return attention_fn(q[:, :, :, 0], k, v, start + 1, layer)[:, :, :, None]
 
-    h, cache, _ = model._forward(token[:, None], cache, attend, capture=False)
+    h, cache, _ = model._forward(token[:, None], cache, attend, capture=False, stateful=stateful)
     return model.logits(h[:, 0]), cache
+
+
+@functools.partial(jax.jit, static_argnames=("attn_static",))
+def _init_state(cache, attn_static, attn_leaves):
+    return _join_attention(attn_static, attn_leaves).init_state(cache)
+
+
+def init_attention_state(cache: KVCache, attention_fn: StatefulAttentionFn) -> KVCache:
+    """The cache with `aux = attention_fn.init_state(cache)` (jitted; call it after prefill)."""
+    if not is_stateful(attention_fn):
+        raise TypeError(f"init_attention_state: {attention_fn!r} has no init_state method (it is stateless)")
+    aux = _init_state(dataclasses.replace(cache, aux=None), *_split_attention(attention_fn))
+    return dataclasses.replace(cache, aux=aux)
+
+
+def _check_same_structure(old, new) -> None:
+    """A stateful attention_fn must return its state slice with unchanged structure/shapes/dtypes."""
+    spec = lambda t: [(jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(t)]  # noqa: E731
+    if jax.tree.structure(old) != jax.tree.structure(new) or spec(old) != spec(new):
+        raise TypeError(
+            "stateful attention_fn returned a state slice whose structure, shapes or dtypes differ from "
+            f"the one it was given:\n  got      {spec(new)}\n  expected {spec(old)}"
+        )
+
+
+def _concrete_int(x):
+    try:
+        return int(x)
+    except (jax.errors.ConcretizationTypeError, TypeError):
+        return x
 
 
 def _split_attention(fn) -> tuple:
@@ -374,6 +474,8 @@ def _generate(graphdef, state, prompt, max_new_tokens: int, capacity: int, attn_
     b = prompt.shape[0]
     cache = KVCache.init(model.config, b, capacity, model.dtype)
     logits, cache = model.prefill(prompt, cache, last_only=True)
+    if is_stateful(attention_fn):  # build the state (e.g. a sparse index) from the prefill cache
+        cache = dataclasses.replace(cache, aux=attention_fn.init_state(cache))
     out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(jnp.argmax(logits, -1).astype(jnp.int32))
 
     def body(i, carry):
@@ -397,8 +499,9 @@ def generate(
 
     One compiled program per (prompt shape, max_new_tokens, capacity, attention_fn). A plain
     `attention_fn` is a static jit argument (keep the same function object to reuse the program);
-    a callable pytree passes its arrays as traced arguments (see `AttentionFn`). Returns [B, N]
-    (or [N] for a 1-D prompt) new token ids.
+    a callable pytree passes its arrays as traced arguments (see `AttentionFn`). A
+    `StatefulAttentionFn` builds its state from the prefill cache inside the same program and
+    carries it through the loop. Returns [B, N] (or [N] for a 1-D prompt) new token ids.
     """
     prompt = jnp.asarray(prompt_ids, jnp.int32)
     squeeze = prompt.ndim == 1
