@@ -53,18 +53,39 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
     from fathom_jax.models import generate, load_smollm2
 
     model, tokenizer, _ = load_smollm2()
     prompt = tokenizer.encode(args.prompt)
-    attention_fn = None
+    capacity = len(prompt) + args.max_new_tokens
+    kwargs = {}
     if args.method != "dense":
-        from fathom_jax.decode import sparse_attention_from_spec
+        from fathom_jax.decode import SparseAttention, needs_calibration, parse_method, sparse_attention_from_spec
 
-        attention_fn = sparse_attention_from_spec(args.method, k=args.k, prompt_len=len(prompt), model=model,
-                                                  prompt=prompt)
-    kwargs = {} if attention_fn is None else {"attention_fn": attention_fn}
-    out = generate(model, prompt, args.max_new_tokens, **kwargs)
+        calibration = "session"
+        if args.calibration == "corpus" and needs_calibration(parse_method(args.method)):
+            from fathom_jax import texts
+            from fathom_jax.calibrate import calibrate
+            from fathom_jax.models import capture_qkv
+
+            text, _ = texts.calibration_text()
+            ids = texts.token_window(tokenizer.encode(text), args.calib_tokens, name="calibration text")
+            cap = capture_qkv(model, jnp.asarray(ids))
+            calibration = calibrate(cap["k"], cap["q"])
+        attention_fn = sparse_attention_from_spec(args.method, k=args.k, calibration=calibration)
+        if isinstance(attention_fn, SparseAttention):
+            if args.k >= capacity:
+                print(f"[generate] note: k={args.k} >= prompt + new tokens ({capacity}): every token is "
+                      "selected, the output is dense decoding's", file=sys.stderr)
+            capacity = max(capacity, args.k)  # the cache must hold at least k rows
+            print(f"[generate] {attention_fn.label}", file=sys.stderr)
+        kwargs["attention_fn"] = attention_fn
+    t0 = time.time()
+    out = generate(model, prompt, args.max_new_tokens, capacity=capacity, **kwargs)
+    out.block_until_ready()
+    print(f"[generate] {args.max_new_tokens} tokens in {time.time() - t0:.1f} s (compile included)", file=sys.stderr)
     print(args.prompt + tokenizer.decode(out.tolist()))
     return 0
 
@@ -88,8 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", help="greedy decoding with SmolLM2, dense or with a sparse scan")
     p.add_argument("prompt")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--method", default="dense", help="dense, or a scan such as fathom:48, sparq:8, exact")
-    p.add_argument("--k", type=int, default=128)
+    p.add_argument("--method", default="dense",
+                   help="dense, or a scan: fathom:BUDGET, fathom_klt:BUDGET, sparq:R, sparq_union:R, "
+                        "double_sparsity:C, loki:R, thumbnail[:DEPTH], landmark, full4, exact")
+    p.add_argument("--k", type=int, default=128, help="tokens attended per query head (4 sink + 32 local + top)")
+    p.add_argument("--calibration", choices=["session", "corpus"], default="session",
+                   help="statistics for Fathom/KLT/DS/Loki: the prompt's own keys, or a capture of the "
+                        "calibration text (Python's language reference)")
+    p.add_argument("--calib-tokens", type=int, default=1024, help="tokens of calibration text (corpus)")
     p.set_defaults(func=_generate)
 
     args = parser.parse_args(argv)
