@@ -34,7 +34,7 @@ def _sweep(args: argparse.Namespace) -> int:
         eval_cap = fid.Capture(**capture_qkv(model, jnp.asarray(eval_ids)))
         cfg = study.StudyConfig(context=context, positions=args.positions, ks=tuple(args.k or ()))
         meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "calib_text": calib_info,
-                "eval_text": eval_info}
+                "eval_text": eval_info, "commit": _git_commit()}
         res = study.run_study(eval_cap, calib_cap, cfg, meta=meta, progress=not args.quiet)
         prefix = os.path.join(args.out, f"fidelity_smollm2_{context // 1024}k")
         paths = study.write_report(res, prefix)
@@ -43,6 +43,17 @@ def _sweep(args: argparse.Namespace) -> int:
         print(f"[sweep] wrote {', '.join(paths)}")
     print(f"[sweep] done in {time.time() - t0:.0f} s")
     return 0
+
+
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _fetch(args: argparse.Namespace) -> int:

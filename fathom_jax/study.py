@@ -245,10 +245,13 @@ def headline(results: dict) -> list[str]:
         best = max(cheaper, key=lambda f: f["bits"])
         for k in s["error"]:
             ratio = s["error"][k] / best["error"][k] if best["error"][k] > 0 else float("nan")
-            verdict = "beats" if best["error"][k] < s["error"][k] else "does not beat"
+            verdict = "matches" if abs(ratio - 1) < 0.01 else ("beats" if ratio > 1 else "does not beat")
+            excess = ""
+            if "excess" in s:
+                excess = f"; excess over the oracle {best['excess'][k]:.4f} vs {s['excess'][k]:.4f}"
             lines.append(
                 f"k={k}: {best['name']} ({best['bits']:.1f} bits) {verdict} {s['name']} ({s['bits']:.1f} bits): "
-                f"error {best['error'][k]:.4f} vs {s['error'][k]:.4f} (SparQ / Fathom = {ratio:.2f})"
+                f"error {best['error'][k]:.4f} vs {s['error'][k]:.4f} (SparQ / Fathom = {ratio:.2f}){excess}"
             )
     return lines
 
