@@ -305,16 +305,19 @@ def plot(results: dict, path: str) -> None:
     families: dict[str, list[dict]] = {}
     for r in results["rows"]:
         families.setdefault(r["family"], []).append(r)
+    colors = plt.get_cmap("tab20").colors
+    markers = "osD^v<>ph*Xd8"
     for ax, k in zip(axes[0], ks):
-        for fam, rows in families.items():
+        for i, (fam, rows) in enumerate(families.items()):
             rows = sorted(rows, key=lambda r: r["bits"])
             x = [r["bits"] for r in rows]
             y = [max(r["error"][k], 1e-6) for r in rows]
             if fam == "oracle":
                 ax.axhline(y[0], color="k", ls="--", lw=1, label="exact top-k oracle")
                 continue
-            style = "-o" if fam.startswith("Fathom") and len(rows) > 1 else "o"
-            ax.plot(x, y, style, ms=4, label=fam)
+            line = "-" if fam.startswith("Fathom") and len(rows) > 1 else ""
+            ax.plot(x, y, line + markers[i % len(markers)], color=colors[(2 * i) % 20 + (i // 10) % 2], ms=5,
+                    label=fam)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("scan bits per token (per KV head, per layer)")
