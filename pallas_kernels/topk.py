@@ -18,7 +18,9 @@ mapped to order-preserving int32 keys, then:
 4. ``v`` = the exact k'-th largest candidate (the same kernel), select ``> v`` plus the first ``== v``
    ties, compact to k' slots.
 
-The set equals ``lax.top_k``'s except among tied scores.
+The set equals ``lax.top_k``'s except among tied scores. That is the ``path="radix"`` version; the default
+``path="fused"`` (below) does the same selection in three Pallas kernels with a one-bit-per-round search
+over registers instead of the radix kernel, and no XLA pass over ``[R, n]``.
 """
 
 from __future__ import annotations
@@ -175,6 +177,118 @@ def _topk_pallas(scores, length, *, k, sink, local, interpret, tile, num_warps):
     return _finish(sink_idx, local_idx, mid_idx, k)
 
 
+# ----------------------------------------------------------------------------------------------
+# Fused path ("fused"): three Pallas kernels, no XLA pass over [R, n] and no XLA cumsum/scatter.
+#
+# 1. ``bucket_max``: grid (R, tiles): masked order-preserving keys of a tile, max over each 32-token bucket.
+# 2. ``select_buckets``: one program per row holds the row's bucket maxima in registers, finds the k'-th
+#    largest by a 32-round bitwise search (one compare per element per round), and writes the ids of
+#    the buckets >= tau (the first k' in index order, cumsum-compacted; nb-padded).
+# 3. ``select_tokens``: one program per row gathers the k' x 32 candidate scores, the exact k'-th largest
+#    candidate v (the same search), selects ``> v`` plus the first ``== v`` ties and writes their positions.
+
+
+def _bitwise_kth(x, valid, k):
+    """k-th largest of the int32 keys ``x`` where ``valid`` (INT_MIN if fewer than k): 32 one-bit rounds."""
+    xu = jnp.where(valid, x, INT_MIN) ^ jnp.int32(INT_MIN)  # unsigned order as bits; compare in signed space
+
+    def rnd(i, prefix):
+        cand = prefix | jnp.left_shift(jnp.int32(1), 31 - i)
+        cnt = jnp.sum((xu ^ jnp.int32(INT_MIN) >= cand ^ jnp.int32(INT_MIN)).astype(jnp.int32))
+        return jnp.where(cnt >= k, cand, prefix)
+
+    return jax.lax.fori_loop(0, 32, rnd, jnp.int32(0)) ^ jnp.int32(INT_MIN)
+
+
+def _middle(pos, length, sink, local):
+    return (pos >= sink) & (pos < length - local)
+
+
+def _bucket_max_kernel(len_ref, s_ref, out_ref, *, tb, nb, sink, local):
+    r = pl.program_id(0)
+    b0 = pl.program_id(1) * tb
+    b = b0 + jnp.arange(tb, dtype=jnp.int32)
+    pos = b[:, None] * BUCKET + jnp.arange(BUCKET, dtype=jnp.int32)[None, :]
+    ok = _middle(pos, len_ref[r], sink, local) & (b[:, None] < nb)
+    x = plgpu.load(s_ref.at[r, pl.ds(b0, tb), :], mask=(b < nb)[:, None], other=0.0)
+    key = jnp.where(ok, sortable_key(x), INT_MIN)
+    plgpu.store(out_ref.at[r, pl.ds(b0, tb)], jnp.max(key, axis=1), mask=b < nb)
+
+
+def _select_buckets_kernel(bmax_ref, out_ref, *, nbp, nb, kp, kpp):
+    r = pl.program_id(0)
+    i = jnp.arange(nbp, dtype=jnp.int32)
+    m = i < nb
+    x = plgpu.load(bmax_ref.at[r, pl.ds(0, nbp)], mask=m, other=INT_MIN)
+    valid = m & (x > INT_MIN)
+    tau = _bitwise_kth(x, valid, kp)
+    cb = valid & (x >= tau)
+    pos = jnp.cumsum(cb.astype(jnp.int32)) - 1
+    w = cb & (pos < kp)
+    plgpu.store(out_ref.at[r, jnp.where(w, pos, kp)], i, mask=w)  # column kp: a dummy for masked lanes
+    cnt = jnp.minimum(jnp.sum(cb.astype(jnp.int32)), kp)
+    s = jnp.arange(kpp, dtype=jnp.int32)
+    w = (s >= cnt) & (s < kp)
+    plgpu.store(out_ref.at[r, jnp.where(w, s, kp)], jnp.full((kpp,), nb, jnp.int32), mask=w)
+
+
+def _select_tokens_kernel(len_ref, bid_ref, s_ref, out_ref, *, kp, kpp, nb, n, sink, local):
+    r = pl.program_id(0)
+    s = jnp.arange(kpp, dtype=jnp.int32)
+    bid = plgpu.load(bid_ref.at[r, pl.ds(0, kpp)], mask=s < kp, other=nb)
+    pos = bid[:, None] * BUCKET + jnp.arange(BUCKET, dtype=jnp.int32)[None, :]  # [kpp, 32]
+    ok = (bid[:, None] < nb) & (pos < n) & _middle(pos, len_ref[r], sink, local)
+    x = plgpu.load(s_ref.at[r, jnp.minimum(pos, n - 1)], mask=ok, other=0.0)
+    key = jnp.where(ok, sortable_key(x), INT_MIN)
+    v = _bitwise_kth(key, ok, kp)
+    above = ok & (key > v)
+    tie = ok & (key == v)
+    need = kp - jnp.sum(above.astype(jnp.int32))
+    tie_rank = jnp.cumsum(tie.reshape(kpp * BUCKET).astype(jnp.int32)).reshape(kpp, BUCKET)
+    sel = above | (tie & (tie_rank <= need))
+    slot = (jnp.cumsum(sel.reshape(kpp * BUCKET).astype(jnp.int32)) - 1).reshape(kpp, BUCKET)
+    w = sel & (slot < kp)
+    plgpu.store(out_ref.at[r, jnp.where(w, slot, kp)], pos, mask=w)
+    cnt = jnp.minimum(jnp.sum(sel.astype(jnp.int32)), kp)
+    w = (s >= cnt) & (s < kp)
+    plgpu.store(out_ref.at[r, jnp.where(w, s, kp)], jnp.full((kpp,), -1, jnp.int32), mask=w)
+
+
+MAX_FUSED_BUCKETS = 32768  # bucket maxima of a row held in one program's registers
+
+
+@functools.partial(jax.jit, static_argnames=("k", "sink", "local", "interpret", "num_warps"))
+def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps):
+    r, n = scores.shape
+    kp = k - sink - local
+    kpp = pl.next_power_of_2(kp)
+    nb = pl.cdiv(n, BUCKET)
+    nbp = pl.next_power_of_2(nb)
+    scores = scores.astype(jnp.float32)
+    padded = jnp.pad(scores, ((0, 0), (0, nb * BUCKET - n))) if nb * BUCKET != n else scores
+    tb = min(64, nbp)
+    bmax = pl.pallas_call(
+        functools.partial(_bucket_max_kernel, tb=tb, nb=nb, sink=sink, local=local),
+        out_shape=jax.ShapeDtypeStruct((r, nb), jnp.int32),
+        grid=(r, pl.cdiv(nb, tb)), interpret=interpret, name="topk_bucket_max",
+        compiler_params=C.compiler_params(4),
+    )(length, padded.reshape(r, nb, BUCKET))
+    bid = pl.pallas_call(
+        functools.partial(_select_buckets_kernel, nbp=nbp, nb=nb, kp=kp, kpp=kpp),
+        out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32),
+        grid=(r,), interpret=interpret, name="topk_select_buckets",
+        compiler_params=C.compiler_params(num_warps),
+    )(bmax)
+    mid_idx = pl.pallas_call(
+        functools.partial(_select_tokens_kernel, kp=kp, kpp=kpp, nb=nb, n=n, sink=sink, local=local),
+        out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32),
+        grid=(r,), interpret=interpret, name="topk_select_tokens",
+        compiler_params=C.compiler_params(num_warps),
+    )(length, bid, scores)[:, :kp]
+    sink_idx, local_idx = _sink_local(n, length, sink, local)
+    return _finish(sink_idx, local_idx, mid_idx, k)
+
+
 def topk_select(
     scores,  # f32 [R, n]
     length,  # i32 [R] or scalar
@@ -184,15 +298,27 @@ def topk_select(
     local: int = 32,
     implementation: str = "pallas",
     tile: int = 1024,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     interpret: bool | None = None,
+    path: str = "fused",
 ):
-    """Selected positions ``i32 [R, k]`` (increasing, -1 padded); see the module docstring."""
+    """Selected positions ``i32 [R, k]`` (increasing, -1 padded); see the module docstring.
+
+    ``path="fused"`` (default; rows of up to 32768 buckets = 1M tokens, longer rows fall back) runs the three
+    fused kernels (16 warps), ``"radix"`` the first version (XLA bucket maxima + two radix selects, 4 warps).
+    H200, [32, n], k = 512: fused 0.072 / 0.085 / 0.219 ms at 32k / 128k / 1M, radix 0.169 / 0.190 / 0.458.
+    """
     C.check_implementation(implementation)
+    if path not in ("radix", "fused"):
+        raise ValueError(f"path must be 'radix' or 'fused', got {path!r}")
     _validate(scores, length, k, sink, local)
     length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (scores.shape[0],))
     if implementation == "xla" or k - sink - local > scores.shape[1]:
         return topk_select_reference(scores, length, k=k, sink=sink, local=local)
     C.check_pow2("tile", tile)
+    if path == "fused" and pl.cdiv(scores.shape[1], BUCKET) <= MAX_FUSED_BUCKETS:
+        return _topk_fused(scores, length, k=k, sink=sink, local=local, interpret=C.resolve_interpret(interpret),
+                           num_warps=16 if num_warps is None else num_warps)
+    num_warps = 4 if num_warps is None else num_warps
     return _topk_pallas(scores, length, k=k, sink=sink, local=local, interpret=C.resolve_interpret(interpret),
                         tile=tile, num_warps=num_warps)

@@ -106,13 +106,18 @@ def scan_cases(n, tune=False):
         plan_stats[budget] = active
         bits = float(jnp.mean(plan.bits_per_token))
         nbytes = bh * n * bits / 8 + bh * 4 * n * 4  # reads (codes + scales) + f32 scores written
-        cfgs = [(2048, 2)] if not (tune and n >= 131072) else [(1024, 1), (2048, 2), (4096, 4)]
-        for tile, warps in cfgs:
-            step = lambda c, ch=ch, dep=dep, tile=tile, warps=warps: c + 1e-30 * PS.plane_scan(
-                q + c, planes, scales, length, ch, dep, tile=tile, num_warps=warps, assume_sorted=True
+        # (lanes, tile, warps): lanes = 0 is the blocked kernel, 8/16/32 the "lanes" kernel
+        cfgs = [(0, 2048, 2), (16, 512, 1), (32, 1024, 1), (8, 512, 2)]
+        if n >= 131072:
+            cfgs.insert(2, (16, 1024, 2))
+        if tune and n >= 131072:
+            cfgs += [(0, 1024, 1), (0, 4096, 4), (32, 2048, 2), (8, 256, 1)]
+        for lanes, tile, warps in cfgs:
+            step = lambda c, ch=ch, dep=dep, tile=tile, warps=warps, lanes=lanes: c + 1e-30 * PS.plane_scan(
+                q + c, planes, scales, length, ch, dep, tile=tile, num_warps=warps, assume_sorted=True, lanes=lanes
             )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
             r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
-            r.update(kernel=f"fathom_{budget}", n=n, tile=tile, num_warps=warps, active_channels=active,
+            r.update(kernel=f"fathom_{budget}", n=n, lanes=lanes, tile=tile, num_warps=warps, active_channels=active,
                      bits_per_token=bits, bytes=nbytes)
             out.append(r)
     nib = NS.pack_nibbles(planes)
@@ -126,7 +131,7 @@ def scan_cases(n, tune=False):
                 q + c, nib, scales, length, ch, tile=tile, num_warps=warps
             )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
             r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
-            r.update(kernel=name, n=n, tile=tile, num_warps=warps, bits_per_token=bits, bytes=nbytes)
+            r.update(kernel=name, n=n, lanes=0, tile=tile, num_warps=warps, bits_per_token=bits, bytes=nbytes)
             out.append(r)
         if tune and r_ch == 32 and n >= 131072:  # the same scan from the plane store at depth 4
             for tile, warps in ((2048, 2),):
@@ -134,7 +139,7 @@ def scan_cases(n, tune=False):
                     q + c, planes, scales, length, ch, tile=tile, num_warps=warps
                 )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
                 r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
-                r.update(kernel="nibble_32_from_planes", n=n, tile=tile, num_warps=warps, bits_per_token=bits, bytes=nbytes)
+                r.update(kernel="nibble_32_from_planes", n=n, lanes=0, tile=tile, num_warps=warps, bits_per_token=bits, bytes=nbytes)
                 out.append(r)
     for r in out:
         r["GBps"] = r["bytes"] / (r["median_ms"] * 1e-3) / 1e9
@@ -194,13 +199,13 @@ def topk_cases():
         rng = np.random.default_rng(n)
         scores = jnp.asarray(rng.standard_normal((32, n)), jnp.float32)
         length = jnp.full((32,), n, jnp.int32)
-        a = TK.topk_select(scores, length, k=k)
         b = TK.topk_select_reference(scores, length, k=k)
-        same = bool(jnp.array_equal(a, b))
         iters = 50 if n < (1 << 20) else 20
-        for name, fn in (("ours", lambda s: TK.topk_select(s, length, k=k)),
+        for name, fn in (("ours_radix", lambda s: TK.topk_select(s, length, k=k, path="radix", num_warps=4)),
+                         ("ours_fused", lambda s: TK.topk_select(s, length, k=k, path="fused", num_warps=16)),
                          ("reference_lax_top_k", lambda s: TK.topk_select_reference(s, length, k=k)),
                          ("lax.top_k_only", lambda s: jax.lax.top_k(s, k - 36)[1])):
+            same = bool(jnp.array_equal(fn(scores), b)) if name.startswith("ours") else True
             step = lambda c, fn=fn: c + fn(scores + c).astype(jnp.float32)[:, :1] * 1e-30
             r = timeit(step, jnp.zeros((32, 1), jnp.float32), iters=iters, repeats=3)
             r.update(kernel=f"topk_{name}", n=n, k=k, rows=32, same_set_as_reference=same)
@@ -236,14 +241,17 @@ def check_scans():
     length = jnp.asarray([[1984, 1000, 65], [7, 1984, 1500]], jnp.int32)
     plan = planner.plan_bisection(planner.importance(q, var), 48)
     ch, dep = PS.active_channels(plan.depths)
-    a = PS.plane_scan(q, planes, scales, length, ch, dep)
+    a = PS.plane_scan(q, planes, scales, length, ch, dep, lanes=0, tile=2048, num_warps=2)
     b = PS.plane_scan_reference(q, planes, scales, length, ch, dep)
+    e = {f"plane_scan_lanes{lanes}_rel_err": float(jnp.linalg.norm(
+        PS.plane_scan(q, planes, scales, length, ch, dep, lanes=lanes, tile=32 * lanes, num_warps=2) - b) / jnp.linalg.norm(b))
+        for lanes in (8, 16, 32)}
     nib = NS.pack_nibbles(planes)
     ch16 = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 3, 16))
     c = NS.nibble_scan(q, nib, scales, length, ch16)
     d = NS.nibble_scan_reference(q, nib, scales, length, ch16)
     rel = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
-    return {"plane_scan_rel_err": rel(a, b), "nibble_scan_rel_err": rel(c, d)}
+    return {"plane_scan_rel_err": rel(a, b), **e, "nibble_scan_rel_err": rel(c, d)}
 
 
 def main():
@@ -272,19 +280,26 @@ def main():
             res["scan"] += rows
             res["plan_active_channels"][n] = stats
             for r in rows:
-                print(f"{r['kernel']:22s} n={n:7d} tile={r['tile']:5d} w={r['num_warps']} "
+                print(f"{r['kernel']:22s} n={n:7d} lanes={r['lanes']:2d} tile={r['tile']:5d} w={r['num_warps']} "
                       f"{r['median_ms']:.4f} ms [{r['min_ms']:.4f},{r['max_ms']:.4f}] {r['GBps']:.0f} GB/s "
                       f"authors {r['authors_ms']}", flush=True)
-    if "gather" in sections:
-        res["gather"] = gather_cases()
+    os.makedirs(args.out, exist_ok=True)
+
+    def save():  # after every section, so a run stopped at its time limit keeps what it measured
+        with open(os.path.join(args.out, "kernels_h200.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        write_report(res, args.out)
+
+    save()
     if "topk" in sections:
         res["topk"] = topk_cases()
+        save()
+    if "gather" in sections:
+        res["gather"] = gather_cases()
+        save()
     if "rowfetch" in sections:
         res["row_fetch"] = rowfetch_cases()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "kernels_h200.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    write_report(res, args.out)
+        save()
 
 
 def write_report(res, out):
@@ -294,10 +309,11 @@ def write_report(res, out):
     if "scan" in res:
         L += ["## Scans (HBM-resident, batch 4 x 8 KV heads, G=4, D=128)", "",
               f"Correctness on the GPU: {res['scan_check']}; mean active channels per plan: {res['plan_active_channels']}.", "",
-              "| kernel | n | tile | warps | ms (median) | [min, max] | GB/s (reads + f32 scores) | authors' ms |",
-              "|---|---|---|---|---|---|---|---|"]
+              "lanes = 0: blocked kernel ([blocks, 2 words, 32] tiles); 8/16/32: lanes kernel (a thread owns that many tokens).", "",
+              "| kernel | n | lanes | tile | warps | ms (median) | [min, max] | GB/s (reads + f32 scores) | authors' ms |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for r in res["scan"]:
-            L.append(f"| {r['kernel']} | {r['n']} | {r['tile']} | {r['num_warps']} | {r['median_ms']:.4f} | "
+            L.append(f"| {r['kernel']} | {r['n']} | {r.get('lanes', 0)} | {r['tile']} | {r['num_warps']} | {r['median_ms']:.4f} | "
                      f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['GBps']:.0f} | {r['authors_ms']} |")
         L.append("")
     if "gather" in res:

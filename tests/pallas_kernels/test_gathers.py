@@ -53,7 +53,7 @@ def test_gather_then_scan_equals_direct_scan(request, mode):
                            ch, dep, interpret=interpret_flag(mode))
     q_staged = jnp.take_along_axis(q, ch[:, None, :], axis=-1)
     iota = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (4, 10))
-    staged = PS.plane_scan(q_staged, sp, ss, length, iota, dep, tile=128, interpret=interpret_flag(mode), assume_sorted=True)
+    staged = PS.plane_scan(q_staged, sp, ss, length, iota, dep, interpret=interpret_flag(mode), assume_sorted=True)
     assert_scores_close(staged, PS.plane_scan_reference(q, planes, scales, length, ch, dep))
     assert_ran(RG.run_gather, planes, scales, ch, dep, name=RG.KERNEL_NAME, interpret=interpret_flag(mode))
 

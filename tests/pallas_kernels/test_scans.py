@@ -37,7 +37,23 @@ def test_plane_scan_matches_reference(request, mode, kind, n_cap, tile):
     planes, scales, length = random_store_arrays(rng, batch, D, n_cap)
     q = jnp.asarray(rng.standard_normal((*batch, G, D)), jnp.float32)
     ch, dep = PS.active_channels(_depth_plan(rng, kind, batch), max_active=D)
-    got = PS.plane_scan(q, planes, scales, length, ch, dep, tile=tile, num_warps=1, interpret=interpret_flag(mode))
+    got = PS.plane_scan(q, planes, scales, length, ch, dep, tile=tile, num_warps=1, lanes=0, interpret=interpret_flag(mode))
+    assert got.shape == (*batch, G, n_cap)
+    assert_scores_close(got, PS.plane_scan_reference(q, planes, scales, length, ch, dep))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["random", "four", "one"])
+@pytest.mark.parametrize("lanes,n_cap,tile,warps", [(16, 320, 512, 1), (32, 1024, 1024, 1), (8, 1984, 512, 2), (16, 64, 1024, 2)])
+def test_plane_scan_lanes_matches_reference(request, mode, kind, lanes, n_cap, tile, warps):
+    """The "lanes" kernel (a thread owns ``lanes`` tokens; magic-number codes; folded weights)."""
+    rng = fresh_rng(request)
+    batch = (2, 3)
+    planes, scales, length = random_store_arrays(rng, batch, D, n_cap)
+    q = jnp.asarray(rng.standard_normal((*batch, G, D)), jnp.float32)
+    ch, dep = PS.active_channels(_depth_plan(rng, kind, batch), max_active=D)
+    got = PS.plane_scan(q, planes, scales, length, ch, dep, tile=tile, num_warps=warps, lanes=lanes,
+                        interpret=interpret_flag(mode))
     assert got.shape == (*batch, G, n_cap)
     assert_scores_close(got, PS.plane_scan_reference(q, planes, scales, length, ch, dep))
 
@@ -57,7 +73,7 @@ def test_plane_scan_equals_dequantized_store(request, mode, rotate):
     st = S.build_store(keys, capacity=320, rotation=rotation)
     q = S.rotate_queries(jnp.asarray(rng.standard_normal((2, G, D)), jnp.float32), rotation)
     depths = _depth_plan(rng, "random", (2,))
-    got = PS.plane_scan_store(q, st, depths, tile=128, num_warps=1, interpret=interpret_flag(mode))
+    got = PS.plane_scan_store(q, st, depths, interpret=interpret_flag(mode))  # default kernel (lanes)
     want = jnp.einsum("bgd,bnd->bgn", q, S.dequantize(st, depths), precision="highest")
     assert_scores_close(got, want)
 
@@ -69,7 +85,7 @@ def test_plane_scan_unsorted_list_and_determinism(request, mode):
     q = jnp.asarray(rng.standard_normal((3, G, D)), jnp.float32)
     ch = jnp.asarray(rng.permutation(D)[:9][None].repeat(3, 0), jnp.int32)  # unsorted depths
     dep = jnp.asarray(rng.integers(0, 5, (3, 9)), jnp.int32)
-    run = lambda: PS.plane_scan(q, planes, scales, length, ch, dep, tile=256, interpret=interpret_flag(mode))
+    run = lambda: PS.plane_scan(q, planes, scales, length, ch, dep, interpret=interpret_flag(mode))
     a, b = run(), run()
     assert np.array_equal(np.asarray(a), np.asarray(b))
     assert_scores_close(a, PS.plane_scan_reference(q, planes, scales, length, ch, dep))
@@ -96,8 +112,11 @@ def test_scans_lower_to_triton():
     z = jnp.zeros
     q, planes, scales = z((2, G, D)), z((2, D, 4, 20), jnp.uint32), z((2, D, 10), jnp.float16)
     ln, ch = z((2,), jnp.int32), z((2, 8), jnp.int32)
-    text = C.lower_triton_text(PS.plane_scan, q, planes, scales, ln, ch, ch, interpret=False)
+    text = C.lower_triton_text(PS.plane_scan, q, planes, scales, ln, ch, ch, interpret=False, lanes=0)
     assert text.count(f'name = "{PS.KERNEL_NAME}"') == 1
+    for lanes in (8, 16, 32):
+        text = C.lower_triton_text(PS.plane_scan, q, planes, scales, ln, ch, ch, interpret=False, lanes=lanes, tile=32 * lanes)
+        assert text.count(f'name = "{PS.KERNEL_NAME}"') == 1
     text = C.lower_triton_text(NS.nibble_scan, q, z((2, D, 80), jnp.uint32), scales, ln, ch, interpret=False)
     assert text.count(f'name = "{NS.KERNEL_NAME}"') == 1
 
@@ -115,7 +134,9 @@ def test_scan_validation():
     with pytest.raises(ValueError, match="depths"):
         PS.plane_scan(q, planes, scales, ln, ch, ch + 5)
     with pytest.raises(ValueError, match="power of two"):
-        PS.plane_scan(q, planes, scales, ln, ch, ch, tile=96)
+        PS.plane_scan(q, planes, scales, ln, ch, ch, tile=96, lanes=0)
+    with pytest.raises(ValueError, match="lanes"):
+        PS.plane_scan(q, planes, scales, ln, ch, ch, tile=256, lanes=16)
     with pytest.raises(ValueError, match="channels"):
         NS.nibble_scan(q, z((2, D, 80), jnp.uint32), scales, ln, ch + D)
     # value checks are skipped (not failed) under jit: the caller owns them there

@@ -10,16 +10,17 @@ from kernel_test_base import MODES, assert_ran, fresh_rng, interpret_flag
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("path", ["radix", "fused"])
 @pytest.mark.parametrize("n,k,lengths", [
     (3000, 100, [3000, 1000, 50, 37, 0, 136]),
     (777, 64, [777, 700, 20, 64, 65, 100]),
     (4096, 512, [4096, 4000, 511, 513, 36, 1]),
 ])
-def test_topk_same_set(request, mode, n, k, lengths):
+def test_topk_same_set(request, mode, path, n, k, lengths):
     rng = fresh_rng(request)
     scores = jnp.asarray(rng.standard_normal((len(lengths), n)), jnp.float32)  # ties have probability ~0
     length = jnp.asarray(lengths, jnp.int32)
-    got = TK.topk_select(scores, length, k=k, interpret=interpret_flag(mode))
+    got = TK.topk_select(scores, length, k=k, interpret=interpret_flag(mode), path=path)
     want = TK.topk_select_reference(scores, length, k=k)
     assert got.shape == (len(lengths), k)
     assert np.array_equal(np.asarray(got), np.asarray(want))
@@ -28,7 +29,26 @@ def test_topk_same_set(request, mode, n, k, lengths):
         row = set(np.asarray(got[r]).tolist()) - {-1}
         assert set(range(min(4, ln))) <= row and set(range(max(4, ln - 32), ln)) <= row
         assert len(row) == min(k, ln)
-    assert np.array_equal(np.asarray(TK.topk_select(scores, length, k=k, interpret=interpret_flag(mode))), np.asarray(got))
+    assert np.array_equal(np.asarray(TK.topk_select(scores, length, k=k, interpret=interpret_flag(mode), path=path)),
+                          np.asarray(got))
+    if path == "fused":
+        assert_ran(TK.topk_select, scores, length, name="topk_select_tokens", k=k, path=path, interpret=interpret_flag(mode))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_topk_fused_ties(request, mode):
+    """Heavily tied integer scores: the fused path returns k distinct valid positions incl. sinks/local."""
+    rng = fresh_rng(request)
+    scores = jnp.asarray(rng.integers(0, 5, (3, 2000)), jnp.float32)
+    lengths = [2000, 1500, 700]
+    got = np.asarray(TK.topk_select(scores, jnp.asarray(lengths, jnp.int32), k=100, path="fused",
+                                    interpret=interpret_flag(mode)))
+    want = np.asarray(TK.topk_select_reference(scores, jnp.asarray(lengths, jnp.int32), k=100))
+    for r, ln in enumerate(lengths):
+        row = got[r]
+        assert np.all(np.diff(row) > 0) and row.min() >= 0 and row.max() < ln
+        # same multiset of selected scores as lax.top_k (ties may pick other positions)
+        assert sorted(np.asarray(scores[r])[row].tolist()) == sorted(np.asarray(scores[r])[want[r]].tolist())
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -41,7 +61,8 @@ def test_kth_largest_exact(request, mode):
         srt = -np.sort(-np.asarray(keys), axis=-1)
         want = srt[:, k - 1] if k <= 999 else np.full(5, TK.INT_MIN)
         assert np.array_equal(np.asarray(got), want)
-    assert_ran(TK.topk_select, x, jnp.full((5,), 999, jnp.int32), name=TK.KERNEL_NAME, k=100, interpret=interpret_flag(mode))
+    assert_ran(TK.topk_select, x, jnp.full((5,), 999, jnp.int32), name=TK.KERNEL_NAME, k=100, path="radix",
+               interpret=interpret_flag(mode))
 
 
 def test_sortable_key_order():
@@ -51,7 +72,13 @@ def test_sortable_key_order():
 
 
 def test_topk_lowers_to_triton_and_validates():
-    text = C.lower_triton_text(TK.topk_select, jnp.zeros((4, 4096)), jnp.zeros((4,), jnp.int32), k=64, interpret=False)
+    text = C.lower_triton_text(TK.topk_select, jnp.zeros((4, 4096)), jnp.zeros((4,), jnp.int32), k=64, interpret=False,
+                               path="radix")
     assert text.count(f'name = "{TK.KERNEL_NAME}"') == 2
+    text = C.lower_triton_text(TK.topk_select, jnp.zeros((4, 1 << 20)), jnp.zeros((4,), jnp.int32), k=512,
+                               interpret=False)  # default: fused
+    assert all(f'name = "{nm}"' in text for nm in ("topk_bucket_max", "topk_select_buckets", "topk_select_tokens"))
     with pytest.raises(ValueError, match="k > sink"):
         TK.topk_select(jnp.zeros((4, 100)), 100, k=36)
+    with pytest.raises(ValueError, match="path"):
+        TK.topk_select(jnp.zeros((4, 100)), 100, k=64, path="sort")
