@@ -85,7 +85,8 @@ def _generate(args: argparse.Namespace) -> int:
             ids = texts.token_window(tokenizer.encode(text), args.calib_tokens, name="calibration text")
             cap = capture_qkv(model, jnp.asarray(ids))
             calibration = calibrate(cap["k"], cap["q"])
-        attention_fn = sparse_attention_from_spec(args.method, k=args.k, calibration=calibration)
+        attention_fn = sparse_attention_from_spec(args.method, k=args.k, calibration=calibration,
+                                                  implementation=args.implementation)
         if isinstance(attention_fn, SparseAttention):
             if args.k >= capacity:
                 print(f"[generate] note: k={args.k} >= prompt + new tokens ({capacity}): every token is "
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="statistics for Fathom/KLT/DS/Loki: the prompt's own keys, or a capture of the "
                         "calibration text (Python's language reference)")
     p.add_argument("--calib-tokens", type=int, default=1024, help="tokens of calibration text (corpus)")
+    p.add_argument("--implementation", choices=["xla", "pallas"], default="xla",
+                   help="scan and top-k: jnp reference or Pallas kernels (GPU; interpreted on CPU)")
     p.set_defaults(func=_generate)
 
     args = parser.parse_args(argv)

@@ -64,7 +64,9 @@ class SparseAttention:
     """Top-k sparse decode attention driven by a scan method (a callable pytree, stateful hook).
 
     Static (part of the compiled program): ``method``, ``k`` (tokens per query head, sinks and
-    local window included), ``calibration_source``, ``sink``, ``local``, ``skip_tokens``.
+    local window included), ``calibration_source``, ``sink``, ``local``, ``skip_tokens``,
+    ``implementation`` (``"xla"``: the jnp reference scan and ``lax.top_k``; ``"pallas"``: the Pallas
+    plane scan and top-k kernels, interpreted on CPU).
     Traced: ``calibration``, a corpus :class:`Calibration` with leading axes ``[n_layers, Hkv]``
     (new arrays of the same shapes reuse the compiled program).
 
@@ -81,6 +83,7 @@ class SparseAttention:
     sink: int = SINK_TOKENS
     local: int = LOCAL_TOKENS
     skip_tokens: int = SKIP_TOKENS
+    implementation: str = "xla"
 
     def __post_init__(self):
         # Only static fields and `calibration is None` are checked here: jax rebuilds this object
@@ -97,6 +100,8 @@ class SparseAttention:
             raise ValueError(
                 f"SparseAttention: sink + local = {self.sink} + {self.local} must not exceed k = {self.k}"
             )
+        if self.implementation not in ("xla", "pallas"):
+            raise ValueError(f"SparseAttention: implementation must be 'xla' or 'pallas', got {self.implementation!r}")
         if self.calibration_source not in _SOURCES:
             raise ValueError(
                 f"SparseAttention: calibration_source must be one of {_SOURCES}, got {self.calibration_source!r}"
@@ -167,8 +172,12 @@ class SparseAttention:
             new_key = jax.lax.dynamic_slice_in_dim(k, length - 1, 1, axis=-2)  # [B, Hkv, 1, D]
             index = append_index(index, new_key.astype(jnp.float32), check=False)  # decoder checked capacity
             scan_index = index
-        scores = scan_scores(self.method, q.astype(jnp.float32), scan_index, state.calib).scores
-        idx, mask = select_topk(scores, length, self.k, sink=self.sink, local=self.local)
+        scores = scan_scores(
+            self.method, q.astype(jnp.float32), scan_index, state.calib, implementation=self.implementation
+        ).scores
+        idx, mask = select_topk(
+            scores, length, self.k, sink=self.sink, local=self.local, implementation=self.implementation
+        )
         idx = jnp.where(mask, idx, 0)  # masked slots may point past the cache (store capacity rounds up)
         out = sparse_attention(q, k, v, idx, mask)
         return out, DecodeState(index=index, calib=state.calib)
@@ -194,7 +203,7 @@ class SparseAttention:
 jax.tree_util.register_dataclass(
     SparseAttention,
     data_fields=["calibration"],
-    meta_fields=["method", "k", "calibration_source", "sink", "local", "skip_tokens"],
+    meta_fields=["method", "k", "calibration_source", "sink", "local", "skip_tokens", "implementation"],
 )
 
 
@@ -252,13 +261,15 @@ def sparse_attention_from_spec(
     calibration: Calibration | str | None = "session",
     sink: int = SINK_TOKENS,
     local: int = LOCAL_TOKENS,
+    implementation: str = "xla",
 ):
     """The decode attention for a method spec (see :func:`parse_method`).
 
     ``"dense"`` gives the decoder's dense attention (every token); anything else a
     :class:`SparseAttention` selecting ``k`` tokens per query head. ``calibration``: ``"session"``
     (default: statistics of the prompt's own keys), a :class:`Calibration` ``[n_layers, Hkv]`` (corpus),
-    or None; it is ignored by scans that read no statistics.
+    or None; it is ignored by scans that read no statistics. ``implementation``: ``"xla"`` or
+    ``"pallas"`` (the plane-scan and top-k kernels).
     """
     if isinstance(spec, str) and spec.strip().lower() == "dense":
         from fathom_jax.models.llama import dense_attention
@@ -266,9 +277,10 @@ def sparse_attention_from_spec(
         return dense_attention
     method = parse_method(spec)
     if not needs_calibration(method):
-        return SparseAttention(method, k, sink=sink, local=local)
+        return SparseAttention(method, k, sink=sink, local=local, implementation=implementation)
     if isinstance(calibration, str):
         if calibration != "session":
             raise ValueError(f"calibration must be 'session', a Calibration or None, got {calibration!r}")
-        return SparseAttention(method, k, calibration_source="session", sink=sink, local=local)
-    return SparseAttention(method, k, calibration=calibration, sink=sink, local=local)
+        return SparseAttention(method, k, calibration_source="session", sink=sink, local=local,
+                               implementation=implementation)
+    return SparseAttention(method, k, calibration=calibration, sink=sink, local=local, implementation=implementation)

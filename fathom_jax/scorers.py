@@ -537,13 +537,29 @@ def scan_scores(
     q: Float[Array, "*B G D"],
     index: KeyIndex,
     calib: Calibration | None = None,
+    *,
+    implementation: str = "xla",
 ) -> ScanResult:
     """Approximate scores of every key for the G query heads of each KV group, and the bits read.
 
-    jit with ``method`` static (``jax.jit(scan_scores, static_argnums=0)``); vmap over leading axes of
-    ``q``, ``index`` and ``calib`` together (e.g. layers).
+    jit with ``method`` (and ``implementation``) static (``jax.jit(scan_scores, static_argnums=0,
+    static_argnames="implementation")``); vmap over leading axes of ``q``, ``index`` and ``calib``
+    together (e.g. layers). ``implementation="pallas"`` reads the plane stores with the Pallas plane
+    scan (``pallas_kernels.plane_scan``: only the planes of the active channels, never a dequantized
+    copy); ``"xla"`` dequantizes and multiplies (the reference). Landmark and exact scans are XLA both ways.
     """
+    if implementation not in ("xla", "pallas"):
+        raise ValueError(f"scan_scores: implementation must be 'xla' or 'pallas', got {implementation!r}")
     q = _check_inputs(method, q, index, calib)
+
+    def read(qs, store, depths):
+        """``qs . k_hat(depths)`` for every stored token: the plane-store read of every method."""
+        if implementation == "xla":
+            return _dot(qs, store_lib.dequantize(store, depths))
+        from pallas_kernels.plane_scan import plane_scan_store
+
+        return plane_scan_store(qs, store, depths)
+
     batch, d = index.batch_shape, index.head_dim
     kind = method.kind
     depths = None
@@ -563,7 +579,7 @@ def scan_scores(
             shift = jnp.einsum("...gd,...d->...g", q, calib.mean)
         plan = planner_lib.plan(planner_lib.importance(qs, var), method.budget, method=method.planner)
         depths = plan.depths
-        scores = _dot(qs, store_lib.dequantize(store, depths))
+        scores = read(qs, store, depths)
         if shift is not None:
             scores = scores + shift[..., None]
         bits = plan.bits_per_token
@@ -576,17 +592,17 @@ def scan_scores(
             depths = jnp.where(mask, N_PLANES, 0).astype(jnp.int32)
         else:
             depths = uniform(method.depth if kind == "thumbnail" else N_PLANES)
-        scores = _dot(q, store_lib.dequantize(index.raw, depths))
+        scores = read(q, index.raw, depths)
         bits = store_lib.bits_per_token(depths)
     elif kind == "sparq_union":
         head_mask = _top_r_mask(jnp.abs(q), method.r)  # [*B, G, D]
         depths = jnp.where(jnp.any(head_mask, axis=-2), N_PLANES, 0).astype(jnp.int32)
-        scores = _dot(jnp.where(head_mask, q, 0.0), store_lib.dequantize(index.raw, depths))
+        scores = read(jnp.where(head_mask, q, 0.0), index.raw, depths)
         bits = store_lib.bits_per_token(depths)
     elif kind == "loki":
         qs = store_lib.rotate_queries(q, loki_rotation(calib))
         depths = jnp.broadcast_to(jnp.where(jnp.arange(d) < method.r, N_PLANES, 0).astype(jnp.int32), (*batch, d))
-        scores = _dot(qs, store_lib.dequantize(index.loki, depths))
+        scores = read(qs, index.loki, depths)
         scores = scores + jnp.einsum("...gd,...d->...g", q, calib.mean)[..., None]
         bits = store_lib.bits_per_token(depths)
     elif kind == "landmark":

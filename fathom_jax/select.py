@@ -33,13 +33,18 @@ def select_topk(
     *,
     sink: int = SINK_TOKENS,
     local: int = LOCAL_TOKENS,
+    implementation: str = "xla",
 ) -> tuple[Int[Array, "*B G k"], Bool[Array, "*B G k"]]:
     """Indices of the ``k`` selected tokens per query head and a mask of the slots that hold one.
 
     Positions ``< sink`` and ``>= length - local`` are always taken; the remaining slots go to the
     highest scores among the other valid positions. With ``length < k`` every valid token is taken
-    and the spare slots are masked. NaN scores rank below every real score.
+    and the spare slots are masked. NaN scores rank below every real score (XLA path).
+    ``implementation="pallas"`` uses the radix-select kernel (``pallas_kernels.topk``: the same set,
+    ties aside, in increasing position order); ``"xla"`` uses ``lax.top_k``.
     """
+    if implementation not in ("xla", "pallas"):
+        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
     scores = jnp.asarray(scores)
     if scores.ndim < 2:
         raise ValueError(f"scores must be [..., G, n], got shape {scores.shape}")
@@ -48,6 +53,13 @@ def select_topk(
     length = jnp.asarray(length, jnp.int32)
     if not isinstance(length, jax.core.Tracer) and np.any(np.asarray(length) > n):
         raise ValueError(f"length {np.asarray(length)} exceeds the {n} scored positions")
+    if implementation == "pallas":
+        from pallas_kernels.topk import topk_select
+
+        rows = scores.reshape(-1, n).astype(jnp.float32)
+        lengths = jnp.broadcast_to(length[..., None], scores.shape[:-1]).reshape(-1)
+        idx = topk_select(rows, lengths, k=k, sink=sink, local=local).reshape(*scores.shape[:-1], k)
+        return jnp.maximum(idx, 0), idx >= 0
     length = length[..., None, None]  # broadcast over heads and positions
     pos = jnp.arange(n, dtype=jnp.int32)
     valid = pos < length

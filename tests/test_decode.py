@@ -254,3 +254,15 @@ def test_bad_inputs_give_clear_errors(model, calib):
     with pytest.raises(TypeError, match="stateless"):
         init_attention_state(cache, dense_attention)
     assert dataclasses.replace(cache, aux=None).aux is None
+
+
+@pytest.mark.parametrize("spec", ["fathom:16"])
+def test_pallas_kernels_decode_like_the_reference(model, spec):
+    """implementation="pallas" (plane scan + top-k kernels, interpreted on CPU) decodes like "xla"."""
+    ref = sparse_attention_from_spec(spec, k=40)
+    pal = dataclasses.replace(ref, implementation="pallas")
+    want, _ = _forced_logits(model, LONG, LONG[:, :4], ref, capacity=72)
+    got, _ = _forced_logits(model, LONG, LONG[:, :4], pal, capacity=72)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(ValueError, match="implementation"):
+        dataclasses.replace(ref, implementation="cuda")

@@ -387,3 +387,24 @@ def test_jit_static_method_and_vmap_over_layers():
         np.testing.assert_allclose(per_layer.scores, batched.scores, rtol=1e-5, atol=1e-5, err_msg=m.label)
         np.testing.assert_allclose(one.scores, batched.scores[1], rtol=1e-5, atol=1e-5, err_msg=m.label)
         np.testing.assert_array_equal(per_layer.bits_per_token, batched.bits_per_token)
+
+
+@pytest.mark.parametrize("make", [lambda d: M.fathom(d), lambda d: M.fathom_klt(d), lambda d: M.sparq(d // 4),
+                                  lambda d: M.sparq_union(d // 4), lambda d: M.loki(d // 2), lambda d: M.thumbnail(2)],
+                         ids=["fathom", "fathom_klt", "sparq", "sparq_union", "loki", "thumbnail"])
+def test_pallas_plane_scan_equals_reference(make):
+    """implementation="pallas" reads the same planes with the Pallas plane scan (interpret mode on CPU)."""
+    rng = np.random.default_rng(7)
+    d, n = 16, 200
+    keys = (rng.standard_normal((2, n, d)) * np.exp(rng.normal(size=d))).astype(np.float32)
+    q = rng.standard_normal((2, 3, d)).astype(np.float32)
+    calib = C.calibrate_session(keys)
+    method = make(d)
+    index = S.build_index(keys, calib, [method], length=np.array([n, 150]))
+    want = S.scan_scores(method, q, index, calib)
+    got = S.scan_scores(method, q, index, calib, implementation="pallas")
+    np.testing.assert_array_equal(np.asarray(got.bits_per_token), np.asarray(want.bits_per_token))
+    w, g = np.asarray(want.scores), np.asarray(got.scores)
+    np.testing.assert_array_equal(np.isinf(w), np.isinf(g))
+    finite = np.isfinite(w)
+    np.testing.assert_allclose(g[finite], w[finite], rtol=2e-5, atol=2e-5 * np.abs(w[finite]).max())

@@ -92,3 +92,17 @@ def test_select_jits_with_traced_length(rng):
         idx, mask = fn(scores, length, 64)
         idx2, mask2 = sel.select_topk(scores, length, 64)
         np.testing.assert_array_equal(np.asarray(idx), np.asarray(idx2))
+
+
+@pytest.mark.parametrize("length", [300, 120, 50])
+def test_pallas_selection_is_the_same_set(rng, length):
+    """The Pallas top-k kernel (interpret mode on CPU) selects the same set as lax.top_k."""
+    scores = rng.standard_normal((2, 3, 300)).astype(np.float32)
+    lengths = np.array([length, length - 7])
+    idx_x, mask_x = sel.select_topk(scores, lengths, 48)
+    idx_p, mask_p = sel.select_topk(scores, lengths, 48, implementation="pallas")
+    for b in range(2):
+        for h in range(3):
+            want = set(np.asarray(idx_x[b, h])[np.asarray(mask_x[b, h])].tolist())
+            got = set(np.asarray(idx_p[b, h])[np.asarray(mask_p[b, h])].tolist())
+            assert got == want
