@@ -36,7 +36,9 @@ def _sweep(args: argparse.Namespace) -> int:
         meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "calib_text": calib_info,
                 "eval_text": eval_info, "commit": _git_commit()}
         res = study.run_study(eval_cap, calib_cap, cfg, meta=meta, progress=not args.quiet)
-        prefix = os.path.join(args.out, f"fidelity_smollm2_{context // 1024}k")
+        # The committed study uses the paper's 128 positions; other runs get their own files.
+        suffix = "" if args.positions == 128 else f"_{args.positions}pos"
+        prefix = os.path.join(args.out, f"fidelity_smollm2_{context // 1024}k{suffix}")
         paths = study.write_report(res, prefix)
         results_all.append(res)
         print(study.render_markdown(res))
