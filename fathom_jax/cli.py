@@ -22,13 +22,13 @@ def _sweep(args: argparse.Namespace) -> int:
     from fathom_jax.models import capture_qkv, load_smollm2
 
     t0 = time.time()
-    model, tokenizer, config = load_smollm2()
+    model, tokenizer, _ = load_smollm2()
     calib_text, calib_info = texts.calibration_text()
     eval_text, eval_info = texts.evaluation_text()
-    results_all = []
+    calib_all, eval_all = tokenizer.encode(calib_text), tokenizer.encode(eval_text)  # once, for every context
     for context in args.context:
-        calib_ids = texts.token_window(tokenizer.encode(calib_text), context, name="calibration text")
-        eval_ids = texts.token_window(tokenizer.encode(eval_text), context, name="evaluation text")
+        calib_ids = texts.token_window(calib_all, context, name="calibration text")
+        eval_ids = texts.token_window(eval_all, context, name="evaluation text")
         print(f"[sweep] capturing q/k/v of SmolLM2 over {context} tokens of each text", flush=True)
         calib_cap = fid.Capture(**capture_qkv(model, jnp.asarray(calib_ids)))
         eval_cap = fid.Capture(**capture_qkv(model, jnp.asarray(eval_ids)))
@@ -40,7 +40,6 @@ def _sweep(args: argparse.Namespace) -> int:
         suffix = "" if args.positions == 128 else f"_{args.positions}pos"
         prefix = os.path.join(args.out, f"fidelity_smollm2_{context // 1024}k{suffix}")
         paths = study.write_report(res, prefix)
-        results_all.append(res)
         print(study.render_markdown(res))
         print(f"[sweep] wrote {', '.join(paths)}")
     print(f"[sweep] done in {time.time() - t0:.0f} s")

@@ -334,14 +334,6 @@ def _landmarks(keys: jax.Array, length: jax.Array) -> jax.Array:
     return _block_mean(blocks, count)
 
 
-def _landmark_tail(keys: jax.Array, length: jax.Array) -> jax.Array:
-    """Raw keys of the partially filled last 8-token block ``[*B, 8, D]`` (zeros past length)."""
-    n = keys.shape[-2]
-    idx = (length // LANDMARK_TOKENS * LANDMARK_TOKENS)[..., None] + jnp.arange(LANDMARK_TOKENS)
-    tail = jnp.take_along_axis(keys, jnp.minimum(idx, n - 1)[..., None], axis=-2)
-    return jnp.where((idx < length[..., None])[..., None], tail, 0.0)
-
-
 def build_index(
     keys: Float[Array, "*B n D"],
     calib: Calibration | None,
@@ -396,7 +388,7 @@ def build_index(
     landmarks = tail = None
     if "landmarks" in needs:
         landmarks = _landmarks(padded.astype(jnp.float32), length_arr)
-        tail = _landmark_tail(padded.astype(jnp.float32), length_arr)
+        tail = store_lib.block_tail(padded.astype(jnp.float32), length_arr, LANDMARK_TOKENS)
     exact_keys = padded if "keys" in needs else None
     return KeyIndex(
         length=length_arr, raw=raw, klt=klt, loki=loki, landmarks=landmarks, keys=exact_keys, landmark_tail=tail
@@ -434,16 +426,7 @@ def append_index(index: KeyIndex, keys: Float[Array, "*B m D"], *, check: bool =
     if index.keys is not None:
         capacity = min(capacity, index.keys.shape[-2])
     if check:
-        if isinstance(index.length, jax.core.Tracer):
-            top = jnp.max(index.length)
-            jax.lax.cond(
-                top + m > capacity,
-                lambda: jax.debug.callback(store_lib._raise_overflow, top, top + m - capacity, capacity),
-                lambda: None,
-            )
-        elif int(jnp.max(index.length, initial=0)) + m > capacity:
-            top = int(jnp.max(index.length))
-            store_lib._raise_overflow(top, top + m - capacity, capacity)
+        store_lib.check_capacity(index.length, m, capacity)
 
     def store(part):
         return None if part is None else store_lib.append(part, keys, check=False)

@@ -247,10 +247,7 @@ def build_store(
     planes = pack_planes(codes.reshape(*batch, capacity, d))
 
     # The raw keys of the partially filled last block, so that appends can requantize it.
-    tail_start = (length // BLOCK_TOKENS) * BLOCK_TOKENS
-    idx = tail_start[..., None] + jnp.arange(BLOCK_TOKENS)
-    tail = jnp.take_along_axis(padded, jnp.minimum(idx, capacity - 1)[..., None], axis=-2)
-    tail = jnp.where((idx < length[..., None])[..., None], tail, 0.0)
+    tail = block_tail(padded, length, BLOCK_TOKENS)
     return PlaneStore(
         planes=planes, scales=jnp.swapaxes(scales, -1, -2), tail=tail, length=length, rotation=rotation
     )
@@ -297,6 +294,32 @@ def _raise_overflow(length, count, capacity):
     )
 
 
+def check_capacity(length: Int[Array, "*B"], m: int, capacity: int) -> None:
+    """Raise if appending ``m`` tokens to sequences of ``length`` would pass ``capacity``.
+
+    Eagerly when lengths are concrete; under tracing through a host callback inside a ``cond``, so it
+    costs nothing unless the overflow happens.
+    """
+    if isinstance(length, jax.core.Tracer):
+        top = jnp.max(length)
+        jax.lax.cond(
+            top + m > capacity,
+            lambda: jax.debug.callback(_raise_overflow, top, top + m - capacity, capacity),
+            lambda: None,
+        )
+    elif int(np.max(np.asarray(length), initial=0)) + m > capacity:
+        top = int(np.max(np.asarray(length)))
+        _raise_overflow(top, top + m - capacity, capacity)
+
+
+def block_tail(keys: Float[Array, "*B n D"], length: Int[Array, "*B"], block: int) -> Float[Array, "*B block D"]:
+    """Raw keys of each sequence's last, partially filled ``block``-token block (zeros past ``length``)."""
+    n = keys.shape[-2]
+    idx = (length // block * block)[..., None] + jnp.arange(block)
+    tail = jnp.take_along_axis(keys, jnp.minimum(idx, n - 1)[..., None], axis=-2)
+    return jnp.where((idx < length[..., None])[..., None], tail, 0.0)
+
+
 def append(store: PlaneStore, keys: Float[Array, "*B m D"], *, check: bool = True) -> PlaneStore:
     """Append ``m`` keys to every sequence of the store (requantizing each partial block).
 
@@ -311,15 +334,7 @@ def append(store: PlaneStore, keys: Float[Array, "*B m D"], *, check: bool = Tru
     m = keys.shape[-2]
     capacity = store.capacity
     if check:
-        if isinstance(store.length, jax.core.Tracer):
-            over = jnp.max(store.length) + m > capacity
-            jax.lax.cond(
-                over,
-                lambda: jax.debug.callback(_raise_overflow, jnp.max(store.length), jnp.max(store.length) + m - capacity, capacity),
-                lambda: None,
-            )
-        elif int(np.max(np.asarray(store.length), initial=0)) + m > capacity:
-            _raise_overflow(np.max(np.asarray(store.length)), np.max(np.asarray(store.length)) + m - capacity, capacity)
+        check_capacity(store.length, m, capacity)
     _check_finite("append: keys", keys)
 
     keys = rotate_keys(keys.astype(jnp.float32), store.rotation)
