@@ -123,18 +123,23 @@ def layer_error_table(
 
 def choose_basis(
     capture: fid.Capture, calib: cal.Calibration, *, budgets: Sequence[int] = (48, 64), k: int = 128,
-    positions: int = 64, progress: bool = False,
+    positions: int = 64, progress: bool = False, known: dict[tuple[str, int], float] | None = None,
 ) -> dict[str, Any]:
     """The basis rule of section 3.5: evaluate raw and KLT planes on calibration text, keep the better.
 
     Returns ``{"basis": "raw" | "klt", "raw": [errors], "klt": [errors], "budgets": [...]}`` where
-    the choice is by mean error over ``budgets``.
+    the choice is by mean error over ``budgets``. ``known[(basis, budget)]`` supplies errors already
+    measured under the same protocol (e.g. from :func:`layer_error_table`) instead of re-running them.
     """
     pos = fid.default_positions(capture.q.shape[2], positions)
+    known = known or {}
     out: dict[str, Any] = {"budgets": list(budgets), "k": k}
     for name, make in (("raw", ScanMethod.fathom), ("klt", ScanMethod.fathom_klt)):
         errs = []
         for b in budgets:
+            if (name, b) in known:
+                errs.append(known[(name, b)])
+                continue
             e, _ = fid.mean_attention_error(
                 fid.method_score_fn(make(b)), capture, k, positions=pos, layer_states=calib,
                 progress=progress, desc=f"basis rule: {make(b).label}",
@@ -166,7 +171,7 @@ def run_study(
     default_rows = rows is None
     rows = fathom_rows(d, config) + baseline_rows(d) if default_rows else list(rows)
     layer_plans = {}
-    basis_rule = None
+    basis_rule = table = None
     if default_rows and config.layer_plan_means:
         table = layer_error_table(calib_capture, corpus, config.layer_plan_grid, ks[0], config.calib_positions, progress)
         for mean in config.layer_plan_means:
@@ -175,7 +180,10 @@ def run_study(
             rows.append(Row(f"Fathom per-layer {mean}", "Fathom per-layer", None, "corpus", tuple(layer_plans[mean])))
 
     if default_rows:
-        basis_rule = choose_basis(calib_capture, corpus, k=ks[0], positions=config.calib_positions, progress=progress)
+        # The layer-plan table already holds raw Fathom on the calibration capture (same k and positions).
+        known = {} if table is None else {("raw", b): float(table[:, i].mean()) for i, b in enumerate(config.layer_plan_grid)}
+        basis_rule = choose_basis(calib_capture, corpus, k=ks[0], positions=config.calib_positions,
+                                  progress=progress, known=known)
 
     results = []
     iterator = rows
