@@ -1,14 +1,35 @@
 """fathom-jax: per-query read-depth bit-plane key scans for top-k sparse decoding, in JAX and Pallas.
 
-Modules: ``store`` (bit-plane key store), ``planner`` (reverse water-filling), ``calibrate``
-(channel statistics, KLT), ``scorers`` (Fathom and every baseline behind one interface), ``select``
-(sink/local/top-k selection, sparse attention), ``fidelity`` and ``study`` (the error-vs-bits
-protocol), ``decode`` (sparse decoding in the Flax decoder), ``models`` (Llama / Qwen decoders and
-loaders, imported on demand). Kernels live in the sibling package ``pallas_kernels``.
+The decode step's data flow, module by module:
+
+``format``     the index format in one place (block size, planes, scale bits, bits per token)
+``store``      the bit-plane key store (4-bit codes, fp16 block scales, exact prefix reads, appends)
+``calibrate``  channel statistics, KLT, Double Sparsity order, Loki basis (corpus or session)
+``planner``    per-query read depths by reverse water-filling (Eq. 3 and 4)
+``methods``    Fathom and every baseline as types, with a registry (``methods.parse("fathom:48")``)
+``index``      the key index a set of methods reads, built at once or appended to
+``scan``       approximate scores from a method's read (jnp reference or Pallas kernels)
+``select``     4 sink + 32 local + top-(k - 36) per head, the group's union, exact attention
+``placement``  where the cache lives (HBM or ``pinned_host``, one device or a mesh)
+``sparse_step``  one sparse step: plan -> read -> scan -> select -> union -> fetch -> attend
+``decode``     the decoder's sparse attention hook and its stacked cache
+``models``     Llama / Qwen decoders, loaders, generation (dense, sparse, offloaded)
+``eval``       the attention-error study and the downstream evaluations
+Kernels live in the sibling package ``pallas_kernels``.
 """
 
-from fathom_jax import calibrate, fidelity, planner, scorers, select, store
+import importlib
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-__all__ = ["calibrate", "fidelity", "planner", "scorers", "select", "store", "__version__"]
+_MODULES = ("calibrate", "decode", "format", "index", "landmarks", "methods", "placement", "planner", "scan",
+            "select", "sparse_step", "store", "models", "eval")
+
+
+def __getattr__(name):  # lazy submodules: `pallas_kernels` imports `fathom_jax.format` without a cycle
+    if name in _MODULES:
+        return importlib.import_module(f"fathom_jax.{name}")
+    raise AttributeError(f"module 'fathom_jax' has no attribute {name!r}")
+
+
+__all__ = [*_MODULES, "__version__"]

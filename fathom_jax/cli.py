@@ -17,8 +17,8 @@ import time
 def _sweep(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
-    from fathom_jax import fidelity as fid
-    from fathom_jax import study, texts
+    from fathom_jax.eval import fidelity as fid
+    from fathom_jax.eval import study, texts
     from fathom_jax.models import capture_qkv, load_smollm2
 
     t0 = time.time()
@@ -67,33 +67,34 @@ def _fetch(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
+    from fathom_jax import decode, methods
     from fathom_jax.models import generate, load_smollm2
 
     model, tokenizer, _ = load_smollm2()
     prompt = tokenizer.encode(args.prompt)
     capacity = len(prompt) + args.max_new_tokens
     kwargs = {}
-    if args.method != "dense":
-        from fathom_jax.decode import SparseAttention, needs_calibration, parse_method, sparse_attention_from_spec
-
+    if args.method != "dense" or args.placement != "device":
+        method = methods.parse(args.method)
         calibration = "session"
-        if args.calibration == "corpus" and needs_calibration(parse_method(args.method)):
-            from fathom_jax import texts
+        if args.calibration == "corpus" and method.needs_calibration:
             from fathom_jax.calibrate import calibrate
+            from fathom_jax.eval import texts
             from fathom_jax.models import capture_qkv
 
             text, _ = texts.calibration_text()
             ids = texts.token_window(tokenizer.encode(text), args.calib_tokens, name="calibration text")
             cap = capture_qkv(model, jnp.asarray(ids))
             calibration = calibrate(cap["k"], cap["q"])
-        attention_fn = sparse_attention_from_spec(args.method, k=args.k, calibration=calibration,
-                                                  implementation=args.implementation)
-        if isinstance(attention_fn, SparseAttention):
-            if args.k >= capacity:
-                print(f"[generate] note: k={args.k} >= prompt + new tokens ({capacity}): every token is "
-                      "selected, the output is dense decoding's", file=sys.stderr)
-            capacity = max(capacity, args.k)  # the cache must hold at least k rows
-            print(f"[generate] {attention_fn.label}", file=sys.stderr)
+        attention_fn = decode.from_spec(method, k=args.k, calibration=calibration,
+                                        implementation=args.implementation, placement=args.placement)
+        if args.k >= capacity:
+            print(f"[generate] note: k={args.k} >= prompt + new tokens ({capacity}): every token is "
+                  "selected, the output is dense decoding's", file=sys.stderr)
+        capacity = max(capacity, args.k)  # the cache must hold at least k rows
+        if attention_fn.placement.note:
+            print(f"[generate] note: {attention_fn.placement.note}", file=sys.stderr)
+        print(f"[generate] {attention_fn.label}", file=sys.stderr)
         kwargs["attention_fn"] = attention_fn
     t0 = time.time()
     out = generate(model, prompt, args.max_new_tokens, capacity=capacity, **kwargs)
@@ -104,6 +105,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fathom_jax import methods
+
     parser = argparse.ArgumentParser(prog="fathom", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -122,16 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", help="greedy decoding with SmolLM2, dense or with a sparse scan")
     p.add_argument("prompt")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--method", default="dense",
-                   help="dense, or a scan: fathom:BUDGET, fathom_klt:BUDGET, sparq:R, sparq_union:R, "
-                        "double_sparsity:C, loki:R, thumbnail[:DEPTH], landmark, full4, exact")
+    p.add_argument("--method", default="dense", help="dense, or a scan: " + methods.spec_help(", "))
     p.add_argument("--k", type=int, default=128, help="tokens attended per query head (4 sink + 32 local + top)")
     p.add_argument("--calibration", choices=["session", "corpus"], default="session",
                    help="statistics for Fathom/KLT/DS/Loki: the prompt's own keys, or a capture of the "
                         "calibration text (Python's language reference)")
     p.add_argument("--calib-tokens", type=int, default=1024, help="tokens of calibration text (corpus)")
-    p.add_argument("--implementation", choices=["xla", "pallas"], default="xla",
-                   help="scan and top-k: jnp reference or Pallas kernels (GPU; interpreted on CPU)")
+    p.add_argument("--implementation", choices=["xla", "pallas"], default=None,
+                   help="scan and top-k: jnp reference or Pallas kernels (default: pallas on a GPU, xla elsewhere)")
+    p.add_argument("--placement", choices=["device", "pinned_host"], default="device",
+                   help="where the K/V cache and key index live: device memory or pinned host memory")
     p.set_defaults(func=_generate)
 
     args = parser.parse_args(argv)

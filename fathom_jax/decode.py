@@ -1,114 +1,173 @@
-"""Sparse decoding with any scan method, inside the decoder's jit-compiled greedy loop.
+"""Sparse decoding with any scan method: the decoder's attention hook and the cache it reads.
 
-    from fathom_jax.decode import SparseAttention, sparse_attention_from_spec
-    from fathom_jax.models import generate
-    attn = SparseAttention(ScanMethod.fathom(48), k=128, calibration=calib)     # corpus: calib [L, Hkv]
-    attn = sparse_attention_from_spec("fathom_klt:48", k=128)                  # session calibration
-    ids = generate(model, prompt, 64, attention_fn=attn)                        # one compiled program
+    from fathom_jax import decode, methods
+    attn = decode.SparseAttention(methods.Fathom(48), k=128, calibration=calib)   # corpus: calib [L, Hkv]
+    attn = decode.from_spec("fathom_klt:48", k=128)                              # session calibration
+    attn = decode.from_spec("fathom:48", k=512, placement="pinned_host")          # offloaded
+    ids = generate(model, prompt, 64, attention_fn=attn)                         # fathom_jax.models
 
-`SparseAttention` is a `StatefulAttentionFn` of the decoder (`fathom_jax.models.llama`): after the
-dense prefill, `init_state(cache)` builds every layer's :class:`~fathom_jax.scorers.KeyIndex` from
-the prefill keys (and, with session calibration, the per-layer statistics of those keys,
-`calibrate_session`); it lives in `cache.aux` ([n_layers] leading axis) and rides through the
-decode loop. Every decode step, per layer:
+:class:`SparseCache` holds every layer's K/V rows and key index stacked ``[L, R, ...]`` (``R = batch x KV
+heads``, sequence-major), bulk arrays where the placement puts them (HBM or ``pinned_host``), and one
+length per sequence: a batch of different lengths decodes together.
 
-1. append the new key (cache slot length - 1) to the index (`append_index`: the plane stores
-   requantize their last 64-token block, landmarks their last 8-token mean) - the index equals one
-   built from all keys at once, bit for bit;
-2. `scan_scores` for the G query heads of each KV head;
-3. `select_topk`: per query head 4 sink + 32 local + the top-(k - 36) by approximate score;
-4. exact attention over each head's k selected rows of the cache (`select.sparse_attention`).
-
-The exact oracle (`exact` / `dense` scans) reads the cache's own keys, so its index holds no copy of
-them. Batched sequences share the cache length (the decoder's convention); each sequence has its own
-index (and, with session calibration, its own statistics).
+A decode step (``fathom_jax.models.sparse``) runs all layers in one ``lax.scan``; per layer the hook's
+:meth:`SparseAttention.attend` computes the new token's block of every index part in device memory
+(:class:`~fathom_jax.sparse_step.NewToken`) and runs the one sparse step (plan, read, scan, select,
+union, fetch, attend). The stored cache is written once per step, after the layer scan
+(:meth:`SparseAttention.commit`: the new K/V row and the newest block's plane words of every layer, in
+place), so the host arrays are loop invariants of the layer scan, read only by the kernels.
+Calibration is a constant of the hook (corpus statistics, or the session's own prefill statistics
+set once by :meth:`SparseAttention.with_calibration`), not decode state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from fathom_jax import landmarks as landmarks_lib
+from fathom_jax import methods as methods_lib
+from fathom_jax import store as store_lib
 from fathom_jax.calibrate import SKIP_TOKENS, Calibration, calibrate_session
-from fathom_jax.scorers import KeyIndex, ScanMethod, append_index, build_index, scan_scores
-from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, select_topk, sparse_attention
+from fathom_jax.format import BLOCK_TOKENS, LANDMARK_TOKENS, N_PLANES, WORDS_PER_BLOCK, plane_words, round_capacity
+from fathom_jax.index import KeyIndex, build_index
+from fathom_jax.methods.base import ScanMethod
+from fathom_jax.placement import Placement
+from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
+from fathom_jax.sparse_step import NewToken, sparse_attention_step
+from fathom_jax.store import KeyRotation, PlaneStore
+from pallas_kernels import backend
+from pallas_kernels.cache_write import cache_write
 
-_CALIBRATED = ("fathom", "fathom_klt", "double_sparsity", "loki")  # scans that read a Calibration
+CalibrationSource = Literal["corpus", "session"]
 _SOURCES = ("corpus", "session")
-
-
-def needs_calibration(method: ScanMethod) -> bool:
-    """Whether ``method`` reads calibration statistics (Fathom, Fathom KLT, Double Sparsity, Loki)."""
-    return method.kind in _CALIBRATED
+PLANE_PARTS = ("raw", "klt", "loki")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DecodeState:
-    """Per-layer decode state of :class:`SparseAttention` (stacked on [n_layers] in ``cache.aux``).
+class SparseCache:
+    """K/V rows and key index of every layer, stacked ``[L, R, ...]`` (``R = batch x KV heads``).
 
-    index: the layer's KeyIndex, batch ``[B, Hkv]`` (no ``keys`` part: the exact oracle reads the
-    cache); calib: the Calibration the scans use, ``[B, Hkv]`` (the corpus one broadcast over the
-    batch, or each sequence's session statistics), None for scans that need none.
+    ``k``, ``v``: ``[L, R, C, Dh]`` in the model dtype (``[1, R, C, Dh]``: one row buffer shared by every
+    layer, a benchmark mode for caches larger than the host); ``index``: a :class:`KeyIndex` whose
+    leaves are ``[L, R, ...]`` (no ``keys`` part: the oracle reads ``k``); ``length``: tokens per
+    sequence ``[B]``.
     """
 
+    k: Float[Array, "L R C Dh"]
+    v: Float[Array, "L R C Dh"]
     index: KeyIndex
-    calib: Calibration | None = None
+    length: Int[Array, "B"]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def n_layers(self) -> int:
+        return self.index.length.shape[0]
+
+    @property
+    def groups(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.length.shape[0]
+
+    @property
+    def shared_kv(self) -> bool:
+        return self.k.shape[0] != self.n_layers
+
+    def group_length(self) -> Int[Array, "R"]:
+        return jnp.repeat(self.length, self.groups // self.batch)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the bulk arrays (K/V rows, planes + scales, landmarks): what lives in host memory."""
+        out = {"kv": self.k.nbytes + self.v.nbytes, "planes": 0, "landmarks": 0}
+        for store in self.index.stores:
+            out["planes"] += store.planes.nbytes + store.scales.nbytes
+        if self.index.landmarks is not None:
+            out["landmarks"] = self.index.landmarks.nbytes
+        return out
+
+
+def cache_bytes(method: ScanMethod, *, n_layers: int, groups: int, capacity: int, head_dim: int,
+                kv_itemsize: int, shared_kv: bool = False) -> dict[str, int]:
+    """Bulk bytes of a :class:`SparseCache` before allocating it (the host memory it will need)."""
+    capacity = round_capacity(capacity)
+    kv_layers = 1 if shared_kv else n_layers
+    out = {"kv": 2 * kv_layers * groups * capacity * head_dim * kv_itemsize, "planes": 0, "landmarks": 0}
+    stores = len({"raw", "klt", "loki"} & method.parts)
+    per_store = groups * head_dim * (N_PLANES * plane_words(capacity) * 4 + capacity // BLOCK_TOKENS * 2)
+    out["planes"] = n_layers * stores * per_store
+    if "landmarks" in method.parts:
+        out["landmarks"] = n_layers * groups * capacity // LANDMARK_TOKENS * head_dim * 2
+    return out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerUpdate:
+    """What one decode step changes in one layer (stacked on [L] by the layer scan)."""
+
+    key: Float[Array, "R Dh"]
+    value: Float[Array, "R Dh"]
+    blocks: dict  # part -> (plane words [R, D, 4, 2], scales [R, D], raw tail [R, 64, D])
+    landmark: tuple | None = None  # (fp16 mean [R, D], raw tail [R, 8, D])
 
 
 @dataclasses.dataclass(frozen=True)
 class SparseAttention:
-    """Top-k sparse decode attention driven by a scan method (a callable pytree, stateful hook).
+    """Top-k sparse decode attention driven by a scan method (a callable pytree hook of the decoder).
 
-    Static (part of the compiled program): ``method``, ``k`` (tokens per query head, sinks and
-    local window included), ``calibration_source``, ``sink``, ``local``, ``skip_tokens``,
-    ``implementation`` (``"xla"``: the jnp reference scan and ``lax.top_k``; ``"pallas"``: the Pallas
-    plane scan and top-k kernels, interpreted on CPU).
-    Traced: ``calibration``, a corpus :class:`Calibration` with leading axes ``[n_layers, Hkv]``
-    (new arrays of the same shapes reuse the compiled program).
+    Static: ``method``, ``k`` (tokens per query head, sinks and local window included),
+    ``calibration_source``, ``sink``, ``local``, ``skip_tokens``, ``implementation`` (None: pallas on a
+    GPU, xla elsewhere), ``placement`` (where the cache lives). Traced: ``calibration``, a
+    :class:`Calibration` with leading axes ``[n_layers, Hkv]`` (corpus) or ``[n_layers, batch x Hkv]``
+    (the session's own, set after prefill); new arrays of the same shapes reuse the compiled program.
 
-    ``calibration_source="corpus"`` scans with ``calibration``; ``"session"`` computes
-    ``calibrate_session`` on each sequence's prefill keys, per layer, inside the compiled program
-    (``calibration`` must then be None). Scans without statistics (SparQ, thumbnail, landmark,
-    full 4-bit, exact) take neither.
+    ``calibration_source="session"`` computes :func:`calibrate_session` on each sequence's prefill keys
+    (per layer, during prefill). Methods without statistics (SparQ, thumbnail, landmark, full 4-bit,
+    exact, dense) take neither.
     """
 
     method: ScanMethod
     k: int
     calibration: Calibration | None = None
-    calibration_source: str = "corpus"
+    calibration_source: CalibrationSource = "corpus"
     sink: int = SINK_TOKENS
     local: int = LOCAL_TOKENS
     skip_tokens: int = SKIP_TOKENS
-    implementation: str = "xla"
+    implementation: backend.Implementation | None = None
+    placement: Placement = Placement()
 
     def __post_init__(self):
-        # Only static fields and `calibration is None` are checked here: jax rebuilds this object
-        # from traced (or placeholder) leaves, so array contents are checked in init_state.
+        # Only static fields and `calibration is None` are checked here: jax rebuilds this object from
+        # traced (or placeholder) leaves, so array contents are checked in check().
         if not isinstance(self.method, ScanMethod):
-            raise TypeError(f"SparseAttention: method must be a ScanMethod, got {self.method!r}")
+            raise TypeError(f"SparseAttention: method must be a ScanMethod (fathom_jax.methods), got {self.method!r}")
         for name in ("k", "sink", "local", "skip_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"SparseAttention: {name} must be an int >= 0, got {value!r}")
         if self.k < 1:
-            raise ValueError(f"SparseAttention: k must be >= 1, got {self.k}")
+            raise ValueError(f"SparseAttention: k must be an int >= 1, got {self.k}")
         if self.sink + self.local > self.k:
             raise ValueError(
                 f"SparseAttention: sink + local = {self.sink} + {self.local} must not exceed k = {self.k}"
             )
-        if self.implementation not in ("xla", "pallas"):
-            raise ValueError(f"SparseAttention: implementation must be 'xla' or 'pallas', got {self.implementation!r}")
+        backend.resolve_implementation(self.implementation)
+        if not isinstance(self.placement, Placement):
+            object.__setattr__(self, "placement", Placement.parse(self.placement))
         if self.calibration_source not in _SOURCES:
             raise ValueError(
                 f"SparseAttention: calibration_source must be one of {_SOURCES}, got {self.calibration_source!r}"
-            )
-        if self.calibration_source == "session" and self.calibration is not None:
-            raise ValueError(
-                "SparseAttention: session calibration is computed from the prefill; pass calibration=None"
             )
         if self.uses_calibration and self.calibration_source == "corpus" and self.calibration is None:
             raise ValueError(
@@ -117,170 +176,232 @@ class SparseAttention:
                 "calibration_source='session'"
             )
 
+    # -- description ---------------------------------------------------------------------------
     @property
     def uses_calibration(self) -> bool:
-        return needs_calibration(self.method)
-
-    @property
-    def _reads_cache_keys(self) -> bool:
-        return self.method.needs == frozenset({"keys"})
+        return self.method.needs_calibration
 
     @property
     def label(self) -> str:
         src = f", {self.calibration_source} calibration" if self.uses_calibration else ""
-        return f"{self.method.label}, k={self.k}{src}"
+        where = f", {self.placement.memory}" if self.placement.offloaded else ""
+        return f"{self.method.label}, k={self.k}{src}{where}"
 
-    # -- the decoder's StatefulAttentionFn protocol -----------------------------------------
+    @property
+    def resolved_implementation(self) -> backend.Implementation:
+        return self.placement.check(self.implementation)
 
-    def init_state(self, cache) -> DecodeState:
-        """Per-layer index (and session calibration) from the prefill cache ``k [L, B, Hkv, C, D]``."""
-        n_layers, batch, hkv, capacity, d = cache.k.shape
-        self._check(n_layers, hkv, capacity, d)
-        keys = cache.k.astype(jnp.float32)
-        length = jnp.asarray(cache.length, jnp.int32)
-        calib = None
-        if self.uses_calibration:
-            if self.calibration_source == "session":
-                calib = jax.lax.map(
-                    lambda kl: calibrate_session(kl, length=length, skip_tokens=self.skip_tokens), keys
-                )
-            else:
-                calib = jax.tree.map(
-                    lambda a: jnp.broadcast_to(a[:, None], (n_layers, batch, *a.shape[1:])), self.calibration
-                )
-        parts = () if self._reads_cache_keys else (self.method,)
-        index = jax.lax.map(
-            lambda xs: build_index(xs[0], xs[1], parts, capacity=capacity, length=length), (keys, calib)
-        )
-        return DecodeState(index=index, calib=calib)
+    def with_calibration(self, calibration: Calibration | None) -> "SparseAttention":
+        """The same hook with ``calibration`` (the session statistics computed during prefill)."""
+        return dataclasses.replace(self, calibration=calibration)
 
-    def __call__(
-        self,
-        q: Float[Array, "B Hkv G D"],
-        k: Float[Array, "B Hkv C D"],
-        v: Float[Array, "B Hkv C D"],
-        length: Int[Array, ""],
-        layer: Int[Array, ""],
-        state: DecodeState,
-    ) -> tuple[Float[Array, "B Hkv G D"], DecodeState]:
-        del layer  # the state slice is this layer's already
-        index = state.index
-        if self._reads_cache_keys:
-            index = dataclasses.replace(index, length=index.length + 1)
-            scan_index = dataclasses.replace(index, keys=k)
-        else:
-            new_key = jax.lax.dynamic_slice_in_dim(k, length - 1, 1, axis=-2)  # [B, Hkv, 1, D]
-            index = append_index(index, new_key.astype(jnp.float32), check=False)  # decoder checked capacity
-            scan_index = index
-        scores = scan_scores(
-            self.method, q.astype(jnp.float32), scan_index, state.calib, implementation=self.implementation
-        ).scores
-        idx, mask = select_topk(
-            scores, length, self.k, sink=self.sink, local=self.local, implementation=self.implementation
-        )
-        idx = jnp.where(mask, idx, 0)  # masked slots may point past the cache (store capacity rounds up)
-        out = sparse_attention(q, k, v, idx, mask)
-        return out, DecodeState(index=index, calib=state.calib)
+    @property
+    def index_parts(self) -> frozenset[str]:
+        return self.method.parts - {"keys"}
 
-    def _check(self, n_layers: int, hkv: int, capacity: int, d: int) -> None:
-        self.method.validate(d)
+    def check(self, *, n_layers: int, hkv: int, groups: int, capacity: int, head_dim: int) -> None:
+        """Shape checks against the model and cache (raises ValueError naming the argument)."""
+        self.method.validate(head_dim)
+        self.placement.check(self.implementation)
+        self.placement.check_groups(groups)
         if self.k > capacity:
             raise ValueError(
                 f"SparseAttention: k={self.k} is larger than the KV cache capacity {capacity}; "
                 "use a larger capacity or a smaller k"
             )
-        if self.calibration is not None:
-            c = self.calibration
+        c = self.calibration
+        if c is not None:
             if not isinstance(c, Calibration):
                 raise TypeError(f"SparseAttention: calibration must be a Calibration, got {type(c).__name__}")
-            if c.batch_shape != (n_layers, hkv) or c.head_dim != d:
+            if c.batch_shape not in ((n_layers, hkv), (n_layers, groups)) or c.head_dim != head_dim:
                 raise ValueError(
                     f"SparseAttention: calibration has leading axes {c.batch_shape} and head_dim {c.head_dim}; "
-                    f"the model needs [n_layers, Hkv] = {(n_layers, hkv)} and head_dim {d}"
+                    f"the model needs [n_layers, Hkv] = {(n_layers, hkv)} and head_dim {head_dim}"
                 )
+
+    # -- the cache ---------------------------------------------------------------------------
+    def init_cache(self, *, n_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
+                   dtype, shared_kv: bool = False) -> SparseCache:
+        """An empty cache (zeros) of ``capacity`` tokens per sequence, placed by :attr:`placement`."""
+        capacity = round_capacity(capacity)
+        r, d = batch * kv_heads, head_dim
+        zeros = self.placement.zeros
+        small = lambda shape, dtype: zeros(shape, dtype, bulk=False)  # noqa: E731
+        lengths = small((n_layers, r), jnp.int32)
+        parts = self.index_parts
+
+        def store(rotated: bool):
+            rotation = None
+            if rotated:
+                rotation = KeyRotation(mean=small((n_layers, r, d), jnp.float32),
+                                       basis=small((n_layers, r, d, d), jnp.float32))
+            return PlaneStore(
+                planes=zeros((n_layers, r, d, N_PLANES, plane_words(capacity)), jnp.uint32),
+                scales=zeros((n_layers, r, d, capacity // BLOCK_TOKENS), jnp.float16),
+                tail=small((n_layers, r, BLOCK_TOKENS, d), jnp.float32), length=lengths, rotation=rotation,
+            )
+
+        index = KeyIndex(
+            length=lengths,
+            raw=store(False) if "raw" in parts else None,
+            klt=store(True) if "klt" in parts else None,
+            loki=store(True) if "loki" in parts else None,
+            landmarks=zeros((n_layers, r, capacity // LANDMARK_TOKENS, d), jnp.float16) if "landmarks" in parts else None,
+            landmark_tail=small((n_layers, r, LANDMARK_TOKENS, d), jnp.float32) if "landmarks" in parts else None,
+        )
+        kv_layers = 1 if shared_kv else n_layers
+        return SparseCache(
+            k=zeros((kv_layers, r, capacity, d), dtype), v=zeros((kv_layers, r, capacity, d), dtype),
+            index=index, length=small((batch,), jnp.int32),
+        )
+
+    def layer_calibration(self, layer, groups: int) -> Calibration | None:
+        """This layer's statistics per group ``[R, ...]`` (corpus statistics tiled over the batch)."""
+        if self.calibration is None or not self.uses_calibration:
+            return None
+        calib = jax.tree.map(lambda a: a[layer], self.calibration)
+        if calib.batch_shape[0] != groups:
+            calib = jax.tree.map(lambda a: jnp.tile(a, (groups // a.shape[0],) + (1,) * (a.ndim - 1)), calib)
+        return calib
+
+    def write_layer(self, cache: SparseCache, layer, keys: Float[Array, "R T Dh"], values: Float[Array, "R T Dh"],
+                    length: Int[Array, "R"], calib: Calibration | None) -> SparseCache:
+        """Prefill: layer ``layer``'s K/V rows and index (built from ``keys``, post-RoPE) written in place."""
+        impl = self.resolved_implementation
+        zero = jnp.zeros_like(length)
+        write = lambda dst, src, axis: cache_write(dst, src[None], zero, axis=axis, layer=layer, implementation=impl)  # noqa: E731
+        kv_layer = 0 if cache.shared_kv else layer
+        k = cache_write(cache.k, keys[None].astype(cache.k.dtype), zero, axis=2, layer=kv_layer, implementation=impl)
+        v = cache_write(cache.v, values[None].astype(cache.v.dtype), zero, axis=2, layer=kv_layer, implementation=impl)
+        built = build_index(keys.astype(jnp.float32), calib, (self.method,), capacity=cache.capacity, length=length,
+                            parts=self.index_parts)
+        set_small = lambda dst, src: dst.at[layer].set(src.astype(dst.dtype))  # noqa: E731
+        lengths = set_small(cache.index.length, built.length)
+
+        def store(old: PlaneStore | None, new: PlaneStore | None):
+            if old is None:
+                return None
+            rotation = None
+            if old.rotation is not None:
+                rotation = KeyRotation(mean=set_small(old.rotation.mean, new.rotation.mean),
+                                       basis=set_small(old.rotation.basis, new.rotation.basis))
+            return PlaneStore(planes=write(old.planes, new.planes, 4), scales=write(old.scales, new.scales, 3),
+                              tail=set_small(old.tail, new.tail), length=lengths, rotation=rotation)
+
+        old = cache.index
+        raw, klt = store(old.raw, built.raw), store(old.klt, built.klt)
+        loki = store(old.loki, built.loki)
+        landmarks = landmark_tail = None
+        if old.landmarks is not None:
+            landmarks = write(old.landmarks, built.landmarks, 2)
+            landmark_tail = set_small(old.landmark_tail, built.landmark_tail)
+        index = KeyIndex(length=lengths, raw=raw, klt=klt, loki=loki, landmarks=landmarks, landmark_tail=landmark_tail)
+        batch_length = length.reshape(cache.batch, -1)[:, 0]
+        return SparseCache(k=k, v=v, index=index, length=batch_length)
+
+    def session_calibration(self, keys: Float[Array, "R T D"], length: Int[Array, "R"]) -> Calibration | None:
+        """The session statistics of one layer's prefill keys (None unless ``calibration_source="session"``)."""
+        if not (self.uses_calibration and self.calibration_source == "session"):
+            return None
+        return calibrate_session(keys.astype(jnp.float32), length=length, skip_tokens=self.skip_tokens)
+
+    # -- one decode step, per layer ----------------------------------------------------------
+    def attend(self, q: Float[Array, "R G D"], key: Float[Array, "R D"], value: Float[Array, "R D"],
+               cache: SparseCache, layer) -> tuple[Float[Array, "R G D"], LayerUpdate]:
+        """Sparse attention of the new token's queries at layer ``layer`` (inside the layer scan).
+
+        ``key`` / ``value`` are the new token's post-RoPE key and value; the cache does not hold them yet.
+        Returns the attention output and what :meth:`commit` writes after the layer scan.
+        """
+        impl = self.resolved_implementation
+        position = cache.group_length()
+        small = lambda a: a[layer]  # noqa: E731
+        index = cache.index
+        key32 = key.astype(jnp.float32)
+        blocks, view = {}, {"length": small(index.length)}
+        for part in PLANE_PARTS:
+            store = getattr(index, part)
+            if store is None:
+                continue
+            rotation = None if store.rotation is None else jax.tree.map(small, store.rotation)
+            rotated = store_lib.rotate_keys(key32[:, None, :], rotation)[:, 0]
+            words, scale, tail = jax.vmap(store_lib.append_block)(small(store.tail), position, rotated)
+            blocks[part] = (words, scale, tail)
+            view[part] = PlaneStore(planes=store.planes, scales=store.scales, tail=tail, length=position + 1,
+                                    rotation=rotation)
+        landmark = None
+        if index.landmarks is not None:
+            mean, ltail = jax.vmap(landmarks_lib.append_block)(small(index.landmark_tail), position, key32)
+            landmark = (mean, ltail)
+            view["landmarks"], view["landmark_tail"] = index.landmarks, ltail
+        new = NewToken(position=position, key=key32, value=value,
+                       blocks={p: b[:2] for p, b in blocks.items()}, landmark=None if landmark is None else landmark[0])
+        out, _ = sparse_attention_step(
+            self.method, q, KeyIndex(**view), cache.k, cache.v, position + 1,
+            self.layer_calibration(layer, cache.groups),
+            k=self.k, sink=self.sink, local=self.local, layer=layer, kv_layer=0 if cache.shared_kv else layer,
+            new=new, placement=self.placement, implementation=impl,
+        )
+        return out, LayerUpdate(key=key, value=value, blocks=blocks, landmark=landmark)
+
+    def commit(self, cache: SparseCache, update: LayerUpdate) -> SparseCache:
+        """Write every layer's new K/V row and newest index blocks (``update`` stacked on [L]) in place."""
+        impl = self.resolved_implementation
+        p = cache.group_length()
+        write = lambda dst, src, start, axis: cache_write(dst, src, start, axis=axis, implementation=impl)  # noqa: E731
+        kv_src = lambda x: (x[-1:] if cache.shared_kv else x)[:, :, None, :].astype(cache.k.dtype)  # noqa: E731
+        k = write(cache.k, kv_src(update.key), p, 2)
+        v = write(cache.v, kv_src(update.value), p, 2)
+        lengths = cache.index.length + 1
+        block = p // BLOCK_TOKENS
+
+        def store(old: PlaneStore | None, part: str):
+            if old is None:
+                return None
+            words, scale, tail = update.blocks[part]
+            return PlaneStore(planes=write(old.planes, words, block * WORDS_PER_BLOCK, 4),
+                              scales=write(old.scales, scale[..., None], block, 3),
+                              tail=tail, length=lengths, rotation=old.rotation)
+
+        index = cache.index
+        landmarks, landmark_tail = index.landmarks, index.landmark_tail
+        if landmarks is not None:
+            mean, landmark_tail = update.landmark
+            landmarks = write(landmarks, mean[:, :, None, :], p // LANDMARK_TOKENS, 2)
+        index = KeyIndex(length=lengths, raw=store(index.raw, "raw"), klt=store(index.klt, "klt"),
+                         loki=store(index.loki, "loki"), landmarks=landmarks, landmark_tail=landmark_tail)
+        return SparseCache(k=k, v=v, index=index, length=cache.length + 1)
 
 
 jax.tree_util.register_dataclass(
     SparseAttention,
     data_fields=["calibration"],
-    meta_fields=["method", "k", "calibration_source", "sink", "local", "skip_tokens", "implementation"],
+    meta_fields=["method", "k", "calibration_source", "sink", "local", "skip_tokens", "implementation", "placement"],
 )
 
 
-# ----------------------------------------------------------------------------------------------
-# Spec strings (the CLI's --method)
-
-_SPEC_PARAM = {  # kind -> (parameter name, required)
-    "fathom": ("budget", True),
-    "fathom_klt": ("budget", True),
-    "sparq": ("r", True),
-    "sparq_union": ("r", True),
-    "double_sparsity": ("r", True),
-    "loki": ("r", True),
-    "thumbnail": ("depth", False),
-    "landmark": (None, False),
-    "full4": (None, False),
-    "exact": (None, False),
-}
-SPEC_HELP = (
-    "dense | exact | fathom:BUDGET[:exact] | fathom_klt:BUDGET[:exact] | sparq:R | sparq_union:R | "
-    "double_sparsity:C | loki:R | thumbnail[:DEPTH] | landmark | full4"
-)
-
-
-def parse_method(spec: str) -> ScanMethod:
-    """A ScanMethod from ``kind[:param][:planner]``, e.g. ``fathom:48``, ``fathom:48:exact``,
-    ``sparq:8``, ``loki:16``, ``thumbnail:2``, ``landmark``, ``exact``. Fathom budgets are code
-    bits per token at the model's own head_dim (not rescaled from D = 128)."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"method spec must be a non-empty string ({SPEC_HELP}), got {spec!r}")
-    kind, *args = spec.strip().lower().split(":")
-    if kind not in _SPEC_PARAM:
-        raise ValueError(f"unknown scan method {kind!r} in {spec!r}; expected {SPEC_HELP}")
-    param, required = _SPEC_PARAM[kind]
-    planner = None
-    if kind in ("fathom", "fathom_klt") and len(args) == 2:
-        args, planner = args[:1], args[1]
-    if len(args) > (1 if param else 0) or (required and not args):
-        raise ValueError(f"bad method spec {spec!r}: expected {SPEC_HELP}")
-    kwargs = {}
-    if args:
-        try:
-            kwargs[param] = int(args[0])
-        except ValueError:
-            raise ValueError(f"bad method spec {spec!r}: {param} must be an integer, got {args[0]!r}") from None
-    if planner is not None:
-        kwargs["planner"] = planner
-    return ScanMethod(kind, **kwargs)
-
-
-def sparse_attention_from_spec(
-    spec: str,
+def from_spec(
+    spec: str | ScanMethod,
     *,
     k: int,
     calibration: Calibration | str | None = "session",
     sink: int = SINK_TOKENS,
     local: int = LOCAL_TOKENS,
-    implementation: str = "xla",
-):
-    """The decode attention for a method spec (see :func:`parse_method`).
+    implementation: backend.Implementation | None = None,
+    placement: Placement | str | None = None,
+) -> SparseAttention:
+    """The decode attention for a method spec (see :func:`fathom_jax.methods.parse`).
 
-    ``"dense"`` gives the decoder's dense attention (every token); anything else a
-    :class:`SparseAttention` selecting ``k`` tokens per query head. ``calibration``: ``"session"``
-    (default: statistics of the prompt's own keys), a :class:`Calibration` ``[n_layers, Hkv]`` (corpus),
-    or None; it is ignored by scans that read no statistics. ``implementation``: ``"xla"`` or
-    ``"pallas"`` (the plane-scan and top-k kernels).
+    ``calibration``: ``"session"`` (default: statistics of the prompt's own keys), a :class:`Calibration`
+    ``[n_layers, Hkv]`` (corpus), or None; ignored by methods that read no statistics. ``placement``:
+    ``"device"`` (default) or ``"pinned_host"``.
     """
-    if isinstance(spec, str) and spec.strip().lower() == "dense":
-        from fathom_jax.models.llama import dense_attention
-
-        return dense_attention
-    method = parse_method(spec)
-    if not needs_calibration(method):
-        return SparseAttention(method, k, sink=sink, local=local, implementation=implementation)
+    method = methods_lib.parse(spec)
+    common = dict(sink=sink, local=local, implementation=implementation, placement=Placement.parse(placement))
+    if not method.needs_calibration:
+        return SparseAttention(method, k, **common)
     if isinstance(calibration, str):
         if calibration != "session":
             raise ValueError(f"calibration must be 'session', a Calibration or None, got {calibration!r}")
-        return SparseAttention(method, k, calibration_source="session", sink=sink, local=local,
-                               implementation=implementation)
-    return SparseAttention(method, k, calibration=calibration, sink=sink, local=local, implementation=implementation)
+        return SparseAttention(method, k, calibration_source="session", **common)
+    return SparseAttention(method, k, calibration=calibration, **common)

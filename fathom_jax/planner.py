@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from fathom_jax.store import BLOCK_TOKENS, N_PLANES, SCALE_BITS
+from fathom_jax import format as fmt
+from fathom_jax.format import N_PLANES
 
 BISECTION_STEPS = 30
 _LOG4 = math.log(4.0)
@@ -47,14 +48,7 @@ class ReadPlan:
 
 def _plan(depths: Array, theta: Array) -> ReadPlan:
     depths = depths.astype(jnp.int32)
-    active = jnp.sum(depths > 0, axis=-1)
-    code_bits = jnp.sum(depths, axis=-1)
-    return ReadPlan(
-        depths=depths,
-        theta=theta,
-        code_bits=code_bits,
-        bits_per_token=code_bits.astype(jnp.float32) + active.astype(jnp.float32) * (SCALE_BITS / BLOCK_TOKENS),
-    )
+    return ReadPlan(depths=depths, theta=theta, code_bits=jnp.sum(depths, axis=-1), bits_per_token=fmt.bits_per_token(depths))
 
 
 def importance(q: Float[Array, "*G H D"], variance: Float[Array, "*G D"]) -> Float[Array, "*G D"]:
@@ -74,9 +68,13 @@ def importance_klt(
 
 
 def depths_at(g: Float[Array, "*G D"], theta: Float[Array, "*G"]) -> Int[Array, "*G D"]:
-    """Eq. 4 at a given water line: ``clip(round(log4(g / theta)), 0, 4)``; zero importance reads nothing."""
+    """Eq. 4 at a given water line: ``clip(round(log4(g / theta)), 0, 4)``; zero importance reads nothing.
+
+    Exact halves round up (``floor(x + 1/2)``), as Appendix A does: a channel whose gain for its t-th
+    plane is exactly ``theta / 2`` gets that plane (``jnp.round`` would round half to even).
+    """
     log4_ratio = (jnp.log(g) - jnp.log(jnp.asarray(theta))[..., None]) / _LOG4
-    return jnp.where(g > 0, jnp.clip(jnp.round(log4_ratio), 0, N_PLANES), 0).astype(jnp.int32)
+    return jnp.where(g > 0, jnp.clip(jnp.floor(log4_ratio + 0.5), 0, N_PLANES), 0).astype(jnp.int32)
 
 
 def _check_budget(budget, d: int) -> None:

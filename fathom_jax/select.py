@@ -13,6 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels import backend
+from pallas_kernels.topk import topk_select
+
 SINK_TOKENS = 4
 LOCAL_TOKENS = 32
 
@@ -33,18 +36,17 @@ def select_topk(
     *,
     sink: int = SINK_TOKENS,
     local: int = LOCAL_TOKENS,
-    implementation: str = "xla",
+    implementation: backend.Implementation | None = None,
 ) -> tuple[Int[Array, "*B G k"], Bool[Array, "*B G k"]]:
     """Indices of the ``k`` selected tokens per query head and a mask of the slots that hold one.
 
     Positions ``< sink`` and ``>= length - local`` are always taken; the remaining slots go to the
     highest scores among the other valid positions. With ``length < k`` every valid token is taken
     and the spare slots are masked. NaN scores rank below every real score (XLA path).
-    ``implementation="pallas"`` uses the radix-select kernel (``pallas_kernels.topk``: the same set,
-    ties aside, in increasing position order); ``"xla"`` uses ``lax.top_k``.
+    ``implementation="pallas"`` uses the top-k kernels (``pallas_kernels.topk``: the same set, ties
+    aside, in increasing position order); ``"xla"`` uses ``lax.top_k``; None: pallas on a GPU.
     """
-    if implementation not in ("xla", "pallas"):
-        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+    implementation = backend.resolve_implementation(implementation)
     scores = jnp.asarray(scores)
     if scores.ndim < 2:
         raise ValueError(f"scores must be [..., G, n], got shape {scores.shape}")
@@ -54,11 +56,10 @@ def select_topk(
     if not isinstance(length, jax.core.Tracer) and np.any(np.asarray(length) > n):
         raise ValueError(f"length {np.asarray(length)} exceeds the {n} scored positions")
     if implementation == "pallas":
-        from pallas_kernels.topk import topk_select
-
         rows = scores.reshape(-1, n).astype(jnp.float32)
         lengths = jnp.broadcast_to(length[..., None], scores.shape[:-1]).reshape(-1)
-        idx = topk_select(rows, lengths, k=k, sink=sink, local=local).reshape(*scores.shape[:-1], k)
+        idx = topk_select(rows, lengths, k=k, sink=sink, local=local, implementation="pallas")
+        idx = idx.reshape(*scores.shape[:-1], k)
         return jnp.maximum(idx, 0), idx >= 0
     length = length[..., None, None]  # broadcast over heads and positions
     pos = jnp.arange(n, dtype=jnp.int32)

@@ -2,7 +2,7 @@
 
 Semantics (fixed by the design; every test of exactness leans on them):
 
-* Tokens are grouped in blocks of ``BLOCK_TOKENS = 64``. For block ``b`` and channel ``j`` the scale is
+* Tokens are grouped in blocks of ``BLOCK_TOKENS = 64`` (``fathom_jax.format``). For block ``b`` and channel ``j`` the scale is
   ``a = max |k|`` over the block's valid tokens, stored as float16. The quantizer cell is ``s = a / 8``
   and the code is ``c = clip(floor(k / s), -8, 7) + 8`` in ``[0, 16)``; codes are computed from the
   *fp16-rounded* scale so that dequantization with the stored scale is self-consistent.
@@ -34,7 +34,6 @@ rotation remembers it, and queries are rotated with :func:`rotate_queries` befor
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -42,11 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Float16, Int, UInt32
 
-BLOCK_TOKENS = 64
-N_PLANES = 4
-WORD_BITS = 32
-SCALE_BITS = 16
-FP16_MAX = float(np.finfo(np.float16).max)
+from fathom_jax import format as fmt
+from fathom_jax.format import BLOCK_TOKENS, FP16_MAX, N_PLANES, WORD_BITS, round_capacity  # noqa: F401
 
 
 @jax.tree_util.register_dataclass
@@ -119,7 +115,7 @@ class PlaneStore:
 
     def plane_run_bytes(self) -> int:
         """Bytes of one plane of one channel: the unit of a contiguous read."""
-        return self.capacity // 8
+        return fmt.plane_run_bytes(self.capacity)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,19 +127,21 @@ def quantize_blocks(
 ) -> tuple[Int[Array, "*B NB 64 D"], Float16[Array, "*B NB D"]]:
     """4-bit codes and fp16 absmax scales of whole blocks. ``valid`` masks tokens out of the scale."""
     keys = keys.astype(jnp.float32)
+    # XLA flushes subnormal quotients (and, inside a fusion, inputs) to zero; a strictly negative key
+    # still belongs to a negative cell (Eq. 2), so its sign comes from the bits. The barrier keeps XLA
+    # from folding the bit test into a float comparison that would see the flushed value (it did: under
+    # jit a -1e-42 key got code 8, eagerly 7).
+    bits = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(keys, jnp.uint32))
+    negative = (bits >> 31 == 1) & ((bits & 0x7FFFFFFF) != 0)
     if valid is not None:
         keys = jnp.where(valid[..., None], keys, 0.0)
+        negative = negative & valid[..., None]
     absmax = jnp.max(jnp.abs(keys), axis=-2)
     scale16 = jnp.minimum(absmax, FP16_MAX).astype(jnp.float16)
     width = scale16.astype(jnp.float32)[..., None, :] / 8.0
     ratio = jnp.where(width > 0, keys / jnp.where(width > 0, width, 1.0), 0.0)
-    index = jnp.floor(ratio)
-    # XLA flushes subnormal quotients (and inputs) to zero; a strictly negative key still belongs to a
-    # negative cell, so take its sign from the bits rather than from the flushed quotient.
-    bits = jax.lax.bitcast_convert_type(keys, jnp.uint32)
-    negative = (bits >> 31 == 1) & ((bits & 0x7FFFFFFF) != 0)
-    index = jnp.where(negative & (index >= 0) & (width > 0), -1.0, index)
-    codes = jnp.clip(index, -8, 7).astype(jnp.int32) + 8
+    codes = jnp.clip(jnp.floor(ratio), -8, 7).astype(jnp.int32) + 8
+    codes = jnp.where(negative & (codes >= 8) & (width > 0), 7, codes)
     return codes, scale16
 
 
@@ -200,10 +198,6 @@ def _check_finite(name: str, x) -> None:
         raise ValueError(f"{name} contains {bad} NaN or inf value(s); the key store needs finite keys")
     if arr.size and np.max(np.abs(arr)) > FP16_MAX:
         raise ValueError(f"{name} has |k| up to {np.max(np.abs(arr)):.3g}, beyond the fp16 block scale range {FP16_MAX}")
-
-
-def round_capacity(n: int) -> int:
-    return max(BLOCK_TOKENS, math.ceil(n / BLOCK_TOKENS) * BLOCK_TOKENS)
 
 
 def build_store(
@@ -273,16 +267,28 @@ def dequantize(store: PlaneStore, depth: Int[Array, "*B D"] | int = N_PLANES) ->
     return jnp.where(valid[..., None], values, 0.0)
 
 
-def _append_one(planes, scales, tail, length, key):
-    """Append one key ``[D]`` to one sequence and requantize its last block."""
-    block = length // BLOCK_TOKENS
+def append_block(
+    tail: Float[Array, "64 D"], length: Int[Array, ""], key: Float[Array, "D"]
+) -> tuple[UInt32[Array, "D 4 2"], Float16[Array, "D"], Float[Array, "64 D"]]:
+    """The last block after appending one key (already in the store's basis) at position ``length``.
+
+    Returns the block's plane words (the two words of each plane at word ``2 * (length // 64)``), its fp16
+    scales and the new raw tail. This is all an append changes, so a decode step can score the newest
+    block from these and write them to the store (wherever it lives) afterwards.
+    """
     offset = length % BLOCK_TOKENS
     tail = jnp.where(offset == 0, 0.0, tail).at[offset].set(key)
     valid = jnp.arange(BLOCK_TOKENS) <= offset
     codes, scale = quantize_blocks(tail, valid)
     codes = jnp.where(valid[:, None], codes, 0)
-    words = pack_planes(codes)  # [D, 4, 2]
-    planes = jax.lax.dynamic_update_slice(planes, words, (0, 0, block * (BLOCK_TOKENS // WORD_BITS)))
+    return pack_planes(codes), scale, tail
+
+
+def _append_one(planes, scales, tail, length, key):
+    """Append one key ``[D]`` to one sequence and requantize its last block."""
+    words, scale, tail = append_block(tail, length, key)
+    block = length // BLOCK_TOKENS
+    planes = jax.lax.dynamic_update_slice(planes, words, (0, 0, block * fmt.WORDS_PER_BLOCK))
     scales = jax.lax.dynamic_update_slice(scales, scale[:, None], (0, block))
     return planes, scales, tail, length + 1
 
@@ -353,9 +359,3 @@ def append(store: PlaneStore, keys: Float[Array, "*B m D"], *, check: bool = Tru
         rotation=store.rotation,
     )
 
-
-def bits_per_token(depth: Int[Array, "... D"]) -> Float[Array, "..."]:
-    """The paper's byte convention: code bits read plus 16 bits per 64 tokens per channel read."""
-    depth = jnp.asarray(depth)
-    active = jnp.sum(depth > 0, axis=-1)
-    return jnp.sum(depth, axis=-1).astype(jnp.float32) + active.astype(jnp.float32) * (SCALE_BITS / BLOCK_TOKENS)

@@ -1,6 +1,6 @@
 """Fathom plane scan: approximate scores of all tokens from the first ``t_j`` bit planes of active channels.
 
-For one (sequence, KV head) and its ``G`` query heads::
+For one (sequence, KV head) group and its ``G`` query heads::
 
     score[h, i] = sum_j q[h, j] * value_j(i; t_j)
     value(t) = (c_t + 1/2 - 2^(t-1)) * a / 2^(t-1),  c_t = c >> (4 - t),  0 at t = 0
@@ -9,18 +9,23 @@ with ``a`` the token's fp16 block scale (64-token blocks). Tokens at positions `
 so the result equals ``q @ store.dequantize(store, depth).T`` (in the store's basis: pass KLT-rotated
 queries for a KLT store).
 
-The active channels come as a fixed-size list ``channels [*, C]`` / ``depths [*, C]``; slots of depth 0
+The active channels come as a fixed-size list ``channels [R, C]`` / ``depths [R, C]``; slots of depth 0
 cost nothing. :func:`active_channels` builds the list from per-channel depths (e.g. ``ReadPlan.depths``),
-sorted by decreasing depth. Two kernels (``lanes=``): the default "lanes" kernel is described at
-``_plane_scan_lanes_kernel``; the first ("blocked", ``lanes=0``) kernel runs one loop per *depth class* (t = 4, 3, 2, 1) with the depth a
-compile-time constant, so each channel loads exactly its ``t`` planes and assembles its integer code
-``c_t`` with static shifts; accumulation is f32. One program handles one (sequence, KV head) and a tile of
-``tile`` tokens for all ``G`` heads; the tile is laid out ``[tile/64 blocks, 2 words, 32 bits]`` so a
-block's scale broadcasts over its 64 tokens without a gather.
+sorted by decreasing depth, so the kernel runs one loop per *depth class* (t = 4, 3, 2, 1) with the
+depth a compile-time constant.
+
+The kernel: one program per (group, tile of tokens); a thread owns ``lanes`` consecutive tokens (a
+whole plane word or a part of one), unrolled at compile time, so each token's bit is one constant shift
+and one mask-or; codes become floats by the 2^23 magic-number trick (OR into the mantissa, one exact
+FADD); the block scale and 1/2^(t-1) are folded into per-(channel, element) weights
+``w_h = q_h * a / 2^(t-1)``: ``score = sum_j w_h c_t + sum_j w_h (1/2 - 2^(t-1))``, the second sum once
+per element, not per token. Planes and scales are read in place through ``memory_space=ANY`` refs, so
+they may live in ``pinned_host`` memory (a stacked ``[L, R, ...]`` cache indexed by ``layer``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,11 +34,36 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common as C
+from fathom_jax.format import BLOCK_TOKENS, N_PLANES, WORD_BITS
+from pallas_kernels import backend as B
 
 KERNEL_NAME = "fathom_plane_scan"
-BLOCK_TOKENS = 64
-N_PLANES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaneScanConfig:
+    """Static tuning of the plane scan.
+
+    ``tile``: tokens per program (a power of two, >= 32 * lanes); ``lanes``: consecutive tokens per
+    thread (8, 16 or 32); ``num_warps`` / ``num_stages``: Triton launch parameters.
+    """
+
+    tile: int = 512
+    lanes: int = 16
+    num_warps: int = 1
+    num_stages: int | None = None
+
+    def __post_init__(self):
+        B.check_pow2("tile", self.tile)
+        if self.lanes not in (8, 16, 32) or self.tile < WORD_BITS * self.lanes:
+            raise ValueError(f"lanes must be 8, 16 or 32 with tile >= 32 * lanes, got lanes={self.lanes}, tile={self.tile}")
+
+    @classmethod
+    def heuristic(cls, capacity: int) -> "PlaneScanConfig":
+        """H200 (results/kernels_h200.md): 16 lanes, 512-token tiles, 1 warp was best from 32k to 128k
+        (0.140 ms for Fathom 48 at 128k, batch 4 x 8 heads); small stores keep the same shape."""
+        del capacity
+        return cls()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -49,7 +79,7 @@ def active_channels(depths, max_active: int | None = None):
     """
     depths = jnp.asarray(depths, jnp.int32)
     d = depths.shape[-1]
-    c = d if max_active is None else int(max_active)
+    c = d if not max_active else int(max_active)
     if not 1 <= c <= d:
         raise ValueError(f"max_active must lie in [1, {d}], got {c}")
     order = jnp.argsort(-depths, axis=-1, stable=True)[..., :c].astype(jnp.int32)
@@ -66,13 +96,17 @@ def _class_bounds(depths):
 # Validation
 
 
-def _validate(q, planes, scales, length, channels, depths):
-    C.check_array("q", q, ndim_min=2, dtypes=(jnp.float32, jnp.bfloat16, jnp.float16))
-    C.check_array("planes", planes, ndim_min=3, dtypes=(jnp.uint32,))
-    C.check_array("scales", scales, ndim_min=2, dtypes=(jnp.float16, jnp.float32))
-    C.check_array("channels", channels, ndim_min=1, dtypes=(jnp.int32,))
-    C.check_array("depths", depths, ndim_min=1, dtypes=(jnp.int32,))
-    *batch, d, four, w = planes.shape
+def _validate(q, planes, scales, length, channels, depths, layer):
+    B.check_array("q", q, ndim_min=2, dtypes=(jnp.float32, jnp.bfloat16, jnp.float16))
+    B.check_array("planes", planes, ndim_min=3, dtypes=(jnp.uint32,))
+    B.check_array("scales", scales, ndim_min=2, dtypes=(jnp.float16, jnp.float32))
+    B.check_array("channels", channels, ndim_min=1, dtypes=(jnp.int32,))
+    B.check_array("depths", depths, ndim_min=1, dtypes=(jnp.int32,))
+    lead = 1 if layer is not None else 0
+    if layer is not None and (planes.ndim != 5 or scales.ndim != 4):
+        raise ValueError(f"planes/scales: with a layer index they must be [L, R, D, 4, W] / [L, R, D, NB], "
+                         f"got {planes.shape} / {scales.shape}")
+    *batch, d, four, w = planes.shape[lead:]
     batch = tuple(batch)
     if four != N_PLANES:
         raise ValueError(f"planes must be [*, D, 4, W], got {planes.shape}")
@@ -80,8 +114,8 @@ def _validate(q, planes, scales, length, channels, depths):
         raise ValueError(f"plane width W={w} must be even (capacity a multiple of 64)")
     if q.shape[:-2] != batch or q.shape[-1] != d:
         raise ValueError(f"q must be [*batch, G, D] = [{batch}, G, {d}], got {q.shape}")
-    if scales.shape != (*batch, d, w // 2):
-        raise ValueError(f"scales must be {(*batch, d, w // 2)}, got {scales.shape}")
+    if scales.shape[lead:] != (*batch, d, w // 2) or scales.shape[:lead] != planes.shape[:lead]:
+        raise ValueError(f"scales must be {planes.shape[:lead] + (*batch, d, w // 2)}, got {scales.shape}")
     if jnp.shape(length) != batch:
         raise ValueError(f"length must have the batch shape {batch}, got {jnp.shape(length)}")
     if channels.shape[:-1] != batch or depths.shape != channels.shape:
@@ -90,7 +124,7 @@ def _validate(q, planes, scales, length, channels, depths):
 
 def check_values(channels, depths, head_dim: int) -> None:
     """Value checks (eager only: skipped for traced arrays)."""
-    if not C.is_concrete(channels, depths):
+    if not B.is_concrete(channels, depths):
         return
     ch, dp = np.asarray(channels), np.asarray(depths)
     if np.any((ch < 0) | (ch >= head_dim)):
@@ -103,13 +137,15 @@ def check_values(channels, depths, head_dim: int) -> None:
 # Reference (plain jnp, independent of the kernel)
 
 
-def plane_scan_reference(q, planes, scales, length, channels, depths):
+def plane_scan_reference(q, planes, scales, length, channels, depths, *, layer=None):
     """Scores ``[*, G, n]`` by unpacking the selected channels' planes to codes and dequantizing."""
-    _validate(q, planes, scales, length, channels, depths)
+    _validate(q, planes, scales, length, channels, depths, layer)
+    if layer is not None:
+        planes, scales = planes[layer], scales[layer]
     *batch, d, _, w = planes.shape
-    n = 32 * w
+    n = WORD_BITS * w
     sel = jnp.take_along_axis(planes, channels[..., :, None, None], axis=-3)  # [*, C, 4, W]
-    bits = (sel[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1  # [*, C, 4, W, 32]
+    bits = (sel[..., None] >> jnp.arange(WORD_BITS, dtype=jnp.uint32)) & 1  # [*, C, 4, W, 32]
     bits = bits.reshape(*sel.shape[:-1], n).astype(jnp.int32)  # [*, C, 4, n]
     t = depths[..., :, None]  # [*, C, 1]
     code = jnp.zeros(bits.shape[:-2] + (n,), jnp.int32)
@@ -127,68 +163,6 @@ def plane_scan_reference(q, planes, scales, length, channels, depths):
 # ----------------------------------------------------------------------------------------------
 # Kernel
 
-
-def _plane_scan_kernel(
-    # inputs
-    qc_ref,  # f32 [BH, G, C]       query weights of the listed channels
-    ch_ref,  # i32 [BH, C]          channel list, sorted by decreasing depth
-    bounds_ref,  # i32 [BH, 4]      end offsets of depth classes 4, 3, 2, 1
-    len_ref,  # i32 [BH]            valid tokens
-    planes_ref,  # u32 [BH, D, 4, NB, 2]
-    scales_ref,  # f16 [BH, D, NB]
-    # outputs
-    out_ref,  # f32 [BH, G, NB, 2, 32]
-    *,
-    groups: int,
-    tile_blocks: int,
-    num_blocks: int,
-):
-    bh = pl.program_id(0)
-    b0 = pl.program_id(1) * tile_blocks
-    blk = b0 + jnp.arange(tile_blocks, dtype=jnp.int32)
-    bmask = blk < num_blocks
-    lanes = jnp.arange(32, dtype=jnp.uint32)[None, None, :]
-    acc = tuple(jnp.zeros((tile_blocks, 2, 32), jnp.float32) for _ in range(groups))
-
-    start = jnp.int32(0)
-    for cls, t in enumerate((4, 3, 2, 1)):
-        end = bounds_ref[bh, cls]
-        half = float(2 ** (t - 1))
-
-        def body(k, acc, t=t, half=half):
-            j = ch_ref[bh, k]
-            a = plgpu.load(scales_ref.at[bh, j, pl.ds(b0, tile_blocks)], mask=bmask, other=0.0)
-            a = a.astype(jnp.float32) * (1.0 / half)
-            code = None
-            for p in range(t):
-                w = plgpu.load(planes_ref.at[bh, j, jnp.int32(p), pl.ds(b0, tile_blocks), :], mask=bmask[:, None], other=0)
-                bit = (w[:, :, None] >> lanes) & 1
-                if t - 1 - p:
-                    bit = bit << (t - 1 - p)
-                code = bit if code is None else code | bit
-            va = (code.astype(jnp.float32) + (0.5 - half)) * a[:, None, None]
-            return tuple(acc[h] + qc_ref[bh, h, k] * va for h in range(groups))
-
-        acc = jax.lax.fori_loop(start, end, body, acc)
-        start = end
-
-    tok = (blk[:, None, None] * 2 + jnp.arange(2, dtype=jnp.int32)[None, :, None]) * 32 + jnp.arange(
-        32, dtype=jnp.int32
-    )[None, None, :]
-    valid = tok < len_ref[bh]
-    for h in range(groups):
-        plgpu.store(
-            out_ref.at[bh, jnp.int32(h), pl.ds(b0, tile_blocks)], jnp.where(valid, acc[h], 0.0), mask=bmask[:, None, None]
-        )
-
-
-# ----------------------------------------------------------------------------------------------
-# Kernel, "lanes" variant: one thread owns ``lanes`` consecutive tokens (a whole plane word or a part of one),
-# unrolled at compile time, so each token's bit is one constant shift + one mask-or (no per-token layout
-# broadcasts); codes become floats by the 2^23 magic-number trick (OR into the mantissa, one exact FADD)
-# and the block scale and 1/2^(t-1) are folded into per-(channel, element) weights w_h = q_h * a / 2^(t-1):
-# score = sum_j w_h c_t + sum_j w_h (1/2 - 2^(t-1)), the second sum once per element, not per token.
-
 _MAGIC = 0x4B000000  # float32 bits of 2^23: bitcast(_MAGIC | c) == 2^23 + c exactly for c < 2^23
 
 
@@ -201,22 +175,26 @@ def _stack_lanes(xs):
     return jnp.stack([a, b], axis=-1).reshape(e, 2 * m)
 
 
-def _plane_scan_lanes_kernel(
-    qc_ref,  # f32 [BH, G, C]
-    ch_ref,  # i32 [BH, C]
-    bounds_ref,  # i32 [BH, 4]
-    len_ref,  # i32 [BH]
-    planes_ref,  # u32 [BH, D, 4, W]
-    scales_ref,  # f16 [BH, D, NB]
-    out_ref,  # f32 [BH, G, W * S, lanes]
+def _plane_scan_kernel(
+    # inputs
+    qc_ref,  # f32 [R, G, C]          query weights of the listed channels
+    ch_ref,  # i32 [R, C]             channel list, sorted by decreasing depth
+    bounds_ref,  # i32 [R, 4]         end offsets of depth classes 4, 3, 2, 1
+    len_ref,  # i32 [R]               valid tokens
+    layer_ref,  # i32 [1]             layer of the stacked store
+    planes_ref,  # u32 [L, R, D, 4, W]  (any memory space: HBM or pinned host)
+    scales_ref,  # f16 [L, R, D, NB]
+    # outputs
+    out_ref,  # f32 [R, G, W * S, lanes]
     *,
     groups: int,
     elems: int,
     lanes: int,
     num_words: int,
 ):
-    split = 32 // lanes
-    bh = pl.program_id(0)
+    split = WORD_BITS // lanes
+    r = pl.program_id(0)
+    layer = layer_ref[0]
     e0 = pl.program_id(1) * elems
     e = e0 + jnp.arange(elems, dtype=jnp.int32)
     word = e // split if split > 1 else e
@@ -229,135 +207,114 @@ def _plane_scan_lanes_kernel(
 
     start = jnp.int32(0)
     for cls, t in enumerate((4, 3, 2, 1)):
-        end = bounds_ref[bh, cls]
+        end = bounds_ref[r, cls]
         half = float(2 ** (t - 1))
 
         def body(k, carry, t=t, half=half):
             acc, bias = carry
-            j = ch_ref[bh, k]
-            a = plgpu.load(scales_ref.at[bh, j, block], mask=emask, other=0.0).astype(jnp.float32) * (1.0 / half)
-            wts = [qc_ref[bh, h, k] * a for h in range(groups)]
+            j = ch_ref[r, k]
+            a = plgpu.load(scales_ref.at[layer, r, j, block], mask=emask, other=0.0).astype(jnp.float32) * (1.0 / half)
+            wts = [qc_ref[r, h, k] * a for h in range(groups)]
             bias = tuple(bias[h] + wts[h] * (0.5 - half) for h in range(groups))
             words = []
             for p in range(t):
                 if split > 1:
-                    w = plgpu.load(planes_ref.at[bh, j, jnp.int32(p), word], mask=emask, other=0)
+                    w = plgpu.load(planes_ref.at[layer, r, j, jnp.int32(p), word], mask=emask, other=0)
                     w = w >> part_shift
                 else:
-                    w = plgpu.load(planes_ref.at[bh, j, jnp.int32(p), pl.ds(e0, elems)], mask=emask, other=0)
+                    w = plgpu.load(planes_ref.at[layer, r, j, jnp.int32(p), pl.ds(e0, elems)], mask=emask, other=0)
                 words.append(w)
-            new = []
-            for h in range(groups):
-                new.append(list(acc[h]))
-            for l in range(lanes):
+            new = [list(acc[h]) for h in range(groups)]
+            for lane in range(lanes):
                 code = magic
                 for p in range(t):
                     s = t - 1 - p  # plane p is bit s of c_t
                     w = words[p]
-                    if l > s:
-                        w = w >> (l - s)
-                    elif l < s:
-                        w = w << (s - l)
+                    if lane > s:
+                        w = w >> (lane - s)
+                    elif lane < s:
+                        w = w << (s - lane)
                     code = code | (w & jnp.uint32(1 << s))
                 v = jax.lax.bitcast_convert_type(code, jnp.float32) - float(2**23)  # exact: c_t
                 for h in range(groups):
-                    new[h][l] = new[h][l] + wts[h] * v
+                    new[h][lane] = new[h][lane] + wts[h] * v
             return tuple(tuple(x) for x in new), bias
 
         acc, bias = jax.lax.fori_loop(start, end, body, (acc, bias))
         start = end
 
     tok = e[:, None] * lanes + jnp.arange(lanes, dtype=jnp.int32)[None, :]
-    valid = tok < len_ref[bh]
+    valid = tok < len_ref[r]
     for h in range(groups):
-        plgpu.store(out_ref.at[bh, jnp.int32(h), pl.ds(e0, elems), :],
+        plgpu.store(out_ref.at[r, jnp.int32(h), pl.ds(e0, elems), :],
                     jnp.where(valid, _stack_lanes([x + bias[h] for x in acc[h]]), 0.0), mask=emask[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "num_warps", "num_stages", "interpret", "assume_sorted", "lanes"))
-def _plane_scan_pallas(q, planes, scales, length, channels, depths, *, tile, num_warps, num_stages, interpret, assume_sorted,
-                       lanes):
-    *batch, d, _, w = planes.shape
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "assume_sorted"))
+def _plane_scan_pallas(q, planes, scales, length, channels, depths, layer, *, config, interpret, assume_sorted):
+    """q [R, G, D], planes [L, R, D, 4, W], scales [L, R, D, NB], length/channels/depths over R, layer i32[1]."""
+    _, r, d, _, w = planes.shape
     g = q.shape[-2]
-    nb = w // 2
-    bh = C.prod(batch)
     if not assume_sorted:
         order = jnp.argsort(-depths, axis=-1, stable=True)
         channels = jnp.take_along_axis(channels, order, axis=-1)
         depths = jnp.take_along_axis(depths, order, axis=-1)
-    c = channels.shape[-1]
-    channels = channels.reshape(bh, c)
-    bounds = _class_bounds(depths.reshape(bh, c))
-    qc = jnp.take_along_axis(q.astype(jnp.float32).reshape(bh, g, d), channels[:, None, :], axis=-1)
-    args = (qc, channels, bounds, jnp.asarray(length, jnp.int32).reshape(bh))
-    if lanes:
-        split = 32 // lanes
-        elems = tile // lanes
-        kernel = functools.partial(_plane_scan_lanes_kernel, groups=g, elems=elems, lanes=lanes, num_words=w)
-        out = pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((bh, g, w * split, lanes), jnp.float32),
-            grid=(bh, pl.cdiv(w * split, elems)),
-            interpret=interpret,
-            name=KERNEL_NAME,
-            compiler_params=C.compiler_params(num_warps, num_stages),
-        )(*args, planes.reshape(bh, d, N_PLANES, w), scales.reshape(bh, d, nb))
-        return out.reshape(*batch, g, w * 32)
-    tile_blocks = tile // BLOCK_TOKENS
-    kernel = functools.partial(_plane_scan_kernel, groups=g, tile_blocks=tile_blocks, num_blocks=nb)
+    bounds = _class_bounds(depths)
+    qc = jnp.take_along_axis(q.astype(jnp.float32), channels[:, None, :], axis=-1)
+    split = WORD_BITS // config.lanes
+    elems = config.tile // config.lanes
+    kernel = functools.partial(_plane_scan_kernel, groups=g, elems=elems, lanes=config.lanes, num_words=w)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((bh, g, nb, 2, 32), jnp.float32),
-        grid=(bh, pl.cdiv(nb, tile_blocks)),
+        out_shape=jax.ShapeDtypeStruct((r, g, w * split, config.lanes), jnp.float32),
+        grid=(r, pl.cdiv(w * split, elems)),
+        in_specs=[B.any_spec()] * 7,
         interpret=interpret,
         name=KERNEL_NAME,
-        compiler_params=C.compiler_params(num_warps, num_stages),
-    )(*args, planes.reshape(bh, d, N_PLANES, nb, 2), scales.reshape(bh, d, nb))
-    return out.reshape(*batch, g, nb * BLOCK_TOKENS)
+        compiler_params=B.compiler_params(config.num_warps, config.num_stages),
+    )(qc, channels, bounds, length, layer, planes, scales)
+    return out.reshape(r, g, w * WORD_BITS)
 
 
 def plane_scan(
     q,  # [*, G, D] queries (store basis)
-    planes,  # u32 [*, D, 4, W]
-    scales,  # f16 [*, D, NB]
+    planes,  # u32 [*, D, 4, W]  (or [L, R, D, 4, W] with layer)
+    scales,  # f16 [*, D, NB]    (or [L, R, D, NB] with layer)
     length,  # i32 [*]
     channels,  # i32 [*, C]
     depths,  # i32 [*, C]
     *,
-    implementation: str = "pallas",
-    tile: int = 512,
-    num_warps: int = 1,
-    num_stages: int | None = None,
+    layer=None,
+    implementation: B.Implementation | None = None,
+    config: PlaneScanConfig | None = None,
     interpret: bool | None = None,
     assume_sorted: bool = False,
-    lanes: int = 16,
 ):
     """Approximate scores ``f32 [*, G, n]`` (``n = 32 W``) of every token for the ``G`` query heads.
 
-    ``assume_sorted=True`` skips the (tiny) sort of the list by depth when it comes from
-    :func:`active_channels`. ``tile`` (tokens, a power of two >= 64) and ``num_warps`` are static tuning knobs.
-    ``lanes`` picks the kernel: 16 (default; also 8 or 32, ``tile >= 32 * lanes``) the lanes kernel, 0 the
-    first (blocked) kernel. H200, batch 4 x 8 KV heads, 128k, Fathom 48: 0.140 ms (lanes 16, tile 512, 1 warp)
-    vs 0.181 ms (blocked, tile 2048, 2 warps); results/kernels_h200.md.
+    ``layer`` (an int or traced scalar) reads layer ``layer`` of a stacked ``[L, R, ...]`` store in place
+    (no copy or reshape of the store: it may be a ``pinned_host`` array). ``assume_sorted=True`` skips
+    the (tiny) sort of the list by depth when it comes from :func:`active_channels`.
     """
-    C.check_implementation(implementation)
-    _validate(q, planes, scales, length, channels, depths)
+    implementation = B.resolve_implementation(implementation)
+    _validate(q, planes, scales, length, channels, depths, layer)
     check_values(channels, depths, planes.shape[-3])
     if implementation == "xla":
-        return plane_scan_reference(q, planes, scales, length, channels, depths)
-    C.check_pow2("tile", tile)
-    if tile < BLOCK_TOKENS:
-        raise ValueError(f"tile must be >= {BLOCK_TOKENS} tokens, got {tile}")
-    if lanes and (lanes not in (8, 16, 32) or tile < 32 * lanes):
-        raise ValueError(f"lanes must be 0 (blocked kernel) or 8, 16, 32 with tile >= 32 * lanes, got {lanes}, tile {tile}")
-    return _plane_scan_pallas(
-        q, planes, scales, jnp.asarray(length, jnp.int32), channels, depths,
-        tile=tile, num_warps=num_warps, num_stages=num_stages, interpret=C.resolve_interpret(interpret),
-        assume_sorted=assume_sorted, lanes=int(lanes),
+        return plane_scan_reference(q, planes, scales, length, channels, depths, layer=layer)
+    config = config or PlaneScanConfig.heuristic(planes.shape[-1] * WORD_BITS)
+    batch = q.shape[:-2]
+    planes, layer_arr = B.layered(planes, layer, 3, "planes")
+    scales, _ = B.layered(scales, layer, 2, "scales")
+    r = B.prod(batch)
+    out = _plane_scan_pallas(
+        q.reshape(r, *q.shape[-2:]), planes, scales, jnp.asarray(length, jnp.int32).reshape(r),
+        channels.reshape(r, -1), depths.reshape(r, -1), layer_arr,
+        config=config, interpret=B.resolve_interpret(interpret), assume_sorted=assume_sorted,
     )
+    return out.reshape(*batch, *out.shape[1:])
 
 
 def plane_scan_store(q, store, depths, *, max_active: int | None = None, **kwargs):
-    """Convenience: scan a ``fathom_jax.store.PlaneStore`` at per-channel ``depths [*, D]`` (e.g. a ReadPlan's)."""
+    """Scan a ``fathom_jax.store.PlaneStore`` at per-channel ``depths [*, D]`` (e.g. a ReadPlan's)."""
     channels, dep = active_channels(depths, max_active)
     return plane_scan(q, store.planes, store.scales, store.length, channels, dep, assume_sorted=True, **kwargs)

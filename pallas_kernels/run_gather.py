@@ -1,12 +1,12 @@
 """Host run gather: copy each active channel's first ``t_j`` planes and its scales into an HBM staging buffer.
 
 From a store (on the GPU a ``pinned_host`` array, read directly by the kernel through
-``memory_space=pl.ANY``; on CPU / interpret mode the same code on device memory) and a fixed-size run
-list ``channels [*, C]`` / ``depths [*, C]`` (one slot per channel; slot ``c`` reads channel
+``memory_space=ANY``; on CPU / interpret mode the same code on device memory) and a fixed-size run
+list ``channels [R, C]`` / ``depths [R, C]`` (one slot per channel; slot ``c`` reads channel
 ``channels[c]`` to depth ``depths[c]``, 0 = nothing), write::
 
-    staged_planes  u32 [*, C, 4, W]   slot c, plane p < t_c: planes[channels[c], p]; planes p >= t_c: 0
-    staged_scales  f16 [*, C, NB]     slot c: scales[channels[c]] if t_c > 0 else 0
+    staged_planes  u32 [R, C, 4, W]   slot c, plane p < t_c: planes[channels[c], p]; planes p >= t_c: 0
+    staged_scales  f16 [R, C, NB]     slot c: scales[channels[c]] if t_c > 0 else 0
 
 inside ``jit`` with no host sync. Each (slot, plane) is one contiguous run of ``W`` words in the
 channel-major store; one program copies ``chunk`` words of all four planes of a slot (loads of planes
@@ -17,6 +17,7 @@ iota(C), depths)`` with ``q_staged = q[..., channels]``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,38 +26,58 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common as C
+from fathom_jax.format import N_PLANES
+from pallas_kernels import backend as B
 
 KERNEL_NAME = "run_gather"
 
 
-def _validate(planes, scales, channels, depths):
-    C.check_array("planes", planes, ndim_min=3, dtypes=(jnp.uint32,))
-    C.check_array("scales", scales, ndim_min=2, dtypes=(jnp.float16, jnp.float32))
-    C.check_array("channels", channels, ndim_min=1, dtypes=(jnp.int32,))
-    C.check_array("depths", depths, ndim_min=1, dtypes=(jnp.int32,))
-    *batch, d, four, w = planes.shape
-    if four != 4 or w % 2:
+@dataclasses.dataclass(frozen=True)
+class RunGatherConfig:
+    """``chunk``: words of each plane run copied per program (a power of two); ``num_warps``: Triton warps.
+
+    H200: 45-50 GB/s from pinned_host for runs of 8 KiB and more with chunk 2048, 4 warps
+    (results/kernels_h200.md)."""
+
+    chunk: int = 2048
+    num_warps: int = 4
+
+    def __post_init__(self):
+        B.check_pow2("chunk", self.chunk)
+        if self.chunk < 2:
+            raise ValueError("chunk must be >= 2 words")
+
+
+def _validate(planes, scales, channels, depths, layer):
+    B.check_array("planes", planes, ndim_min=3, dtypes=(jnp.uint32,))
+    B.check_array("scales", scales, ndim_min=2, dtypes=(jnp.float16, jnp.float32))
+    B.check_array("channels", channels, ndim_min=1, dtypes=(jnp.int32,))
+    B.check_array("depths", depths, ndim_min=1, dtypes=(jnp.int32,))
+    lead = 1 if layer is not None else 0
+    *batch, d, four, w = planes.shape[lead:]
+    if four != N_PLANES or w % 2:
         raise ValueError(f"planes must be [*, D, 4, W] with W even, got {planes.shape}")
-    if scales.shape != (*batch, d, w // 2):
-        raise ValueError(f"scales must be {(*batch, d, w // 2)}, got {scales.shape}")
+    if scales.shape[lead:] != (*batch, d, w // 2):
+        raise ValueError(f"scales must be {(*batch, d, w // 2)} after the layer axis, got {scales.shape}")
     if channels.shape[:-1] != tuple(batch) or depths.shape != channels.shape:
         raise ValueError(f"channels/depths must be [*batch, C], got {channels.shape}, {depths.shape}")
 
 
 def check_values(channels, depths, head_dim: int) -> None:
-    if not C.is_concrete(channels, depths):
+    if not B.is_concrete(channels, depths):
         return
     ch, dp = np.asarray(channels), np.asarray(depths)
-    if np.any((ch < 0) | (ch >= head_dim)) or np.any((dp < 0) | (dp > 4)):
+    if np.any((ch < 0) | (ch >= head_dim)) or np.any((dp < 0) | (dp > N_PLANES)):
         raise ValueError(f"channels must lie in [0, {head_dim}) and depths in [0, 4]")
 
 
-def run_gather_reference(planes, scales, channels, depths):
+def run_gather_reference(planes, scales, channels, depths, *, layer=None):
     """Plain-jnp gather of the same staging buffers."""
-    _validate(planes, scales, channels, depths)
+    _validate(planes, scales, channels, depths, layer)
+    if layer is not None:
+        planes, scales = planes[layer], scales[layer]
     sel = jnp.take_along_axis(planes, channels[..., :, None, None], axis=-3)  # [*, C, 4, W]
-    keep = jnp.arange(4)[:, None] < depths[..., :, None, None]
+    keep = jnp.arange(N_PLANES)[:, None] < depths[..., :, None, None]
     staged_planes = jnp.where(keep, sel, jnp.uint32(0))
     sc = jnp.take_along_axis(scales, channels[..., :, None], axis=-2)
     staged_scales = jnp.where(depths[..., :, None] > 0, sc, jnp.zeros((), scales.dtype))
@@ -65,81 +86,77 @@ def run_gather_reference(planes, scales, channels, depths):
 
 def _run_gather_kernel(
     # inputs
-    ch_ref,  # i32 [BH, C]
-    dep_ref,  # i32 [BH, C]
-    planes_ref,  # u32 [BH, D, 4, W]   (any memory space: HBM or pinned host)
-    scales_ref,  # f16 [BH, D, NB]
+    ch_ref,  # i32 [R, C]
+    dep_ref,  # i32 [R, C]
+    layer_ref,  # i32 [1]
+    planes_ref,  # u32 [L, R, D, 4, W]   (any memory space: HBM or pinned host)
+    scales_ref,  # f16 [L, R, D, NB]
     # outputs
-    out_planes_ref,  # u32 [BH, C, 4, W]
-    out_scales_ref,  # f16 [BH, C, NB]
+    out_planes_ref,  # u32 [R, C, 4, W]
+    out_scales_ref,  # f16 [R, C, NB]
     *,
     chunk: int,
     width: int,
 ):
-    bh, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    j = ch_ref[bh, c]
-    t = dep_ref[bh, c]
+    r, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    j = ch_ref[r, c]
+    t = dep_ref[r, c]
     w0 = i * chunk
     wmask = w0 + jnp.arange(chunk, dtype=jnp.int32) < width
-    for p in range(4):
-        data = plgpu.load(planes_ref.at[bh, j, jnp.int32(p), pl.ds(w0, chunk)], mask=wmask & (p < t), other=0)
-        plgpu.store(out_planes_ref.at[bh, c, jnp.int32(p), pl.ds(w0, chunk)], data, mask=wmask)
+    for p in range(N_PLANES):
+        data = plgpu.load(planes_ref.at[layer, r, j, jnp.int32(p), pl.ds(w0, chunk)], mask=wmask & (p < t), other=0)
+        plgpu.store(out_planes_ref.at[r, c, jnp.int32(p), pl.ds(w0, chunk)], data, mask=wmask)
     half = chunk // 2
     s0 = i * half
     smask = s0 + jnp.arange(half, dtype=jnp.int32) < width // 2
-    sc = plgpu.load(scales_ref.at[bh, j, pl.ds(s0, half)], mask=smask & (t > 0), other=0)
-    plgpu.store(out_scales_ref.at[bh, c, pl.ds(s0, half)], sc, mask=smask)
+    sc = plgpu.load(scales_ref.at[layer, r, j, pl.ds(s0, half)], mask=smask & (t > 0), other=0)
+    plgpu.store(out_scales_ref.at[r, c, pl.ds(s0, half)], sc, mask=smask)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "interpret"))
-def _run_gather_pallas(planes, scales, channels, depths, *, chunk, num_warps, interpret):
-    *batch, d, _, w = planes.shape
-    bh = C.prod(batch)
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _run_gather_pallas(planes, scales, channels, depths, layer, *, config, interpret):
+    _, r, d, _, w = planes.shape
     c = channels.shape[-1]
-    chunk = min(chunk, pl.next_power_of_2(w))
+    chunk = min(config.chunk, pl.next_power_of_2(w))
     kernel = functools.partial(_run_gather_kernel, chunk=chunk, width=w)
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out_planes, out_scales = pl.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((bh, c, 4, w), jnp.uint32),
-            jax.ShapeDtypeStruct((bh, c, w // 2), scales.dtype),
+            jax.ShapeDtypeStruct((r, c, N_PLANES, w), jnp.uint32),
+            jax.ShapeDtypeStruct((r, c, w // 2), scales.dtype),
         ),
-        grid=(bh, c, pl.cdiv(w, chunk)),
-        in_specs=[any_spec, any_spec, any_spec, any_spec],
-        out_specs=(any_spec, any_spec),
+        grid=(r, c, pl.cdiv(w, chunk)),
+        in_specs=[B.any_spec()] * 5,
+        out_specs=(B.any_spec(), B.any_spec()),
         interpret=interpret,
         name=KERNEL_NAME,
-        compiler_params=C.compiler_params(num_warps),
-    )(
-        channels.reshape(bh, c),
-        depths.reshape(bh, c),
-        # no reshape of an already flat store: XLA ops cannot touch a pinned_host array inside jit
-        planes if planes.ndim == 4 else planes.reshape(bh, d, 4, w),
-        scales if scales.ndim == 3 else scales.reshape(bh, d, w // 2),
-    )
-    return out_planes.reshape(*batch, c, 4, w), out_scales.reshape(*batch, c, w // 2)
+        compiler_params=B.compiler_params(config.num_warps),
+    )(channels, depths, layer, planes, scales)
+    return out_planes, out_scales
 
 
 def run_gather(
-    planes,  # u32 [*, D, 4, W]   store planes (pinned_host on the GPU, or HBM)
+    planes,  # u32 [*, D, 4, W]   store planes (pinned_host on the GPU, or HBM); [L, R, ...] with layer
     scales,  # f16 [*, D, NB]
     channels,  # i32 [*, C]
     depths,  # i32 [*, C]
     *,
-    implementation: str = "pallas",
-    chunk: int = 2048,
-    num_warps: int = 4,
+    layer=None,
+    implementation: B.Implementation | None = None,
+    config: RunGatherConfig | None = None,
     interpret: bool | None = None,
 ):
     """Staged ``(planes u32 [*, C, 4, W], scales [*, C, NB])`` of the run list (see the module docstring)."""
-    C.check_implementation(implementation)
-    _validate(planes, scales, channels, depths)
+    implementation = B.resolve_implementation(implementation)
+    _validate(planes, scales, channels, depths, layer)
     check_values(channels, depths, planes.shape[-3])
     if implementation == "xla":
-        return run_gather_reference(planes, scales, channels, depths)
-    C.check_pow2("chunk", chunk)
-    if chunk < 2:
-        raise ValueError("chunk must be >= 2 words")
-    return _run_gather_pallas(planes, scales, channels, depths, chunk=chunk, num_warps=num_warps,
-                              interpret=C.resolve_interpret(interpret))
+        return run_gather_reference(planes, scales, channels, depths, layer=layer)
+    batch = channels.shape[:-1]
+    planes, layer_arr = B.layered(planes, layer, 3, "planes")
+    scales, _ = B.layered(scales, layer, 2, "scales")
+    r, c = B.prod(batch), channels.shape[-1]
+    sp, ss = _run_gather_pallas(planes, scales, channels.reshape(r, c), depths.reshape(r, c), layer_arr,
+                                config=config or RunGatherConfig(), interpret=B.resolve_interpret(interpret))
+    return sp.reshape(*batch, *sp.shape[1:]), ss.reshape(*batch, *ss.shape[1:])

@@ -25,6 +25,7 @@ over registers instead of the radix kernel, and no XLA pass over ``[R, n]``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common as C
+from pallas_kernels import backend as C
 
 KERNEL_NAME = "kth_largest"
 BUCKET = 32
@@ -289,6 +290,23 @@ def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps):
     return _finish(sink_idx, local_idx, mid_idx, k)
 
 
+@dataclasses.dataclass(frozen=True)
+class TopkConfig:
+    """``path``: ``"fused"`` (three fused kernels, rows of up to 32768 buckets = 1M tokens; longer rows fall
+    back to ``"radix"``) or ``"radix"`` (XLA bucket maxima + two radix selects); ``num_warps`` (default 16
+    fused, 4 radix); ``tile``: elements per step of the radix kernel.
+    H200, [32, n], k = 512: fused 0.072 / 0.085 / 0.219 ms at 32k / 128k / 1M, radix 0.169 / 0.190 / 0.458."""
+
+    path: str = "fused"
+    num_warps: int | None = None
+    tile: int = 1024
+
+    def __post_init__(self):
+        if self.path not in ("radix", "fused"):
+            raise ValueError(f"path must be 'radix' or 'fused', got {self.path!r}")
+        C.check_pow2("tile", self.tile)
+
+
 def topk_select(
     scores,  # f32 [R, n]
     length,  # i32 [R] or scalar
@@ -296,29 +314,20 @@ def topk_select(
     k: int = 512,
     sink: int = 4,
     local: int = 32,
-    implementation: str = "pallas",
-    tile: int = 1024,
-    num_warps: int | None = None,
+    implementation: C.Implementation | None = None,
+    config: TopkConfig | None = None,
     interpret: bool | None = None,
-    path: str = "fused",
 ):
-    """Selected positions ``i32 [R, k]`` (increasing, -1 padded); see the module docstring.
-
-    ``path="fused"`` (default; rows of up to 32768 buckets = 1M tokens, longer rows fall back) runs the three
-    fused kernels (16 warps), ``"radix"`` the first version (XLA bucket maxima + two radix selects, 4 warps).
-    H200, [32, n], k = 512: fused 0.072 / 0.085 / 0.219 ms at 32k / 128k / 1M, radix 0.169 / 0.190 / 0.458.
-    """
-    C.check_implementation(implementation)
-    if path not in ("radix", "fused"):
-        raise ValueError(f"path must be 'radix' or 'fused', got {path!r}")
+    """Selected positions ``i32 [R, k]`` (increasing, -1 padded); see the module docstring."""
+    implementation = C.resolve_implementation(implementation)
+    config = config or TopkConfig()
     _validate(scores, length, k, sink, local)
     length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (scores.shape[0],))
     if implementation == "xla" or k - sink - local > scores.shape[1]:
         return topk_select_reference(scores, length, k=k, sink=sink, local=local)
-    C.check_pow2("tile", tile)
-    if path == "fused" and pl.cdiv(scores.shape[1], BUCKET) <= MAX_FUSED_BUCKETS:
-        return _topk_fused(scores, length, k=k, sink=sink, local=local, interpret=C.resolve_interpret(interpret),
-                           num_warps=16 if num_warps is None else num_warps)
-    num_warps = 4 if num_warps is None else num_warps
-    return _topk_pallas(scores, length, k=k, sink=sink, local=local, interpret=C.resolve_interpret(interpret),
-                        tile=tile, num_warps=num_warps)
+    interpret = C.resolve_interpret(interpret)
+    if config.path == "fused" and pl.cdiv(scores.shape[1], BUCKET) <= MAX_FUSED_BUCKETS:
+        return _topk_fused(scores, length, k=k, sink=sink, local=local, interpret=interpret,
+                           num_warps=16 if config.num_warps is None else config.num_warps)
+    return _topk_pallas(scores, length, k=k, sink=sink, local=local, interpret=interpret, tile=config.tile,
+                        num_warps=4 if config.num_warps is None else config.num_warps)

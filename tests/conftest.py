@@ -1,30 +1,43 @@
-"""Shared fixtures: the paper's Appendix A example and seeded random keys."""
+"""Shared fixtures: the paper's Appendix A example, seeded random keys, a tiny random decoder."""
 
 import os
+import types
 
-# Tests run on the CPU with several virtual devices off; keep XLA from grabbing every core twice.
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+# Tests run on the CPU with two virtual devices (the sharded decode step runs over them); keep XLA from
+# grabbing every core twice.
+os.environ.setdefault(
+    "XLA_FLAGS",
+    "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1 --xla_force_host_platform_device_count=2",
+)
 
-import jax
-import numpy as np
-import pytest
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
-# Appendix A (reconstructed in DESIGN.md): six keys, four channels, one block.
-APPENDIX_KEYS = np.array(
-    [
-        [1.8, 0.4, -0.2, 0.05],
-        [-1.1, 0.9, 0.3, -0.02],
-        [0.3, -1.2, 0.1, 0.04],
-        [1.2, 0.7, 0.4, 0.01],
-        [-0.6, -0.3, -0.5, 0.03],
-        [0.9, 1.1, -0.3, -0.05],
-    ],
-    np.float32,
-)
-APPENDIX_VAR = np.array([1.222, 0.755, 0.127, 0.001], np.float32)
-APPENDIX_Q = np.array([[3.0, 1.0, 2.0, 0.1], [1.0, 2.0, -1.0, 0.2]], np.float32)  # heads A, B
+
+@pytest.fixture(scope="session")
+def appendix():
+    """Appendix A (reconstructed in DESIGN.md): six keys, four channels, one block; heads A and B."""
+    keys = np.array(
+        [
+            [1.8, 0.4, -0.2, 0.05],
+            [-1.1, 0.9, 0.3, -0.02],
+            [0.3, -1.2, 0.1, 0.04],
+            [1.2, 0.7, 0.4, 0.01],
+            [-0.6, -0.3, -0.5, 0.03],
+            [0.9, 1.1, -0.3, -0.05],
+        ],
+        np.float32,
+    )
+    return types.SimpleNamespace(
+        keys=keys,
+        var=np.array([1.222, 0.755, 0.127, 0.001], np.float32),
+        q=np.array([[3.0, 1.0, 2.0, 0.1], [1.0, 2.0, -1.0, 0.2]], np.float32),
+        exact_scores=np.array([[5.40, -1.80, -0.10, 5.10, -3.10, 3.19], [2.81, 0.40, -2.19, 2.20, -0.69, 3.39]]),
+        right=[{0, 3}, {5, 0}],  # the true top-2 of heads A and B
+    )
 
 
 @pytest.fixture
@@ -32,9 +45,33 @@ def rng():
     return np.random.default_rng(20261129)
 
 
-def random_keys(rng, shape, *, lognormal_channels=True):
+def _random_keys(rng, shape, *, lognormal_channels=True):
     """Keys with log-normal per-channel scales, like real post-RoPE keys (a few loud channels)."""
     keys = rng.standard_normal(shape).astype(np.float32)
     if lognormal_channels:
         keys *= np.exp(rng.normal(0.0, 1.0, size=shape[-1])).astype(np.float32)
     return keys
+
+
+@pytest.fixture(scope="session")
+def random_keys():
+    """``random_keys(rng, shape)``: keys with log-normal per-channel scales."""
+    return _random_keys
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """A tiny Qwen3-style decoder (q/k/v bias, q/k norm): 3 layers, 6 query heads over 2 KV heads, D = 8."""
+    from fathom_jax.models.config import LlamaConfig
+
+    return LlamaConfig(vocab=97, hidden=32, intermediate=48, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=8,
+                       rope_theta=1e4, rms_norm_eps=1e-6, attention_bias=True, qk_norm=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_config):
+    from flax import nnx
+
+    from fathom_jax.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM(tiny_config, rngs=nnx.Rngs(0))

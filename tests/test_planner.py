@@ -5,20 +5,20 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from tests.conftest import APPENDIX_Q, APPENDIX_VAR
 from fathom_jax import planner as P
 
 
-def appendix_importance():
-    return P.importance(APPENDIX_Q, APPENDIX_VAR)
+@pytest.fixture
+def appendix_importance(appendix):
+    return P.importance(appendix.q, appendix.var)
 
 
-def test_appendix_importance():
-    np.testing.assert_allclose(np.asarray(appendix_importance()), [12.22, 3.775, 0.635, 0.00005], rtol=1e-5)
+def test_appendix_importance(appendix_importance):
+    np.testing.assert_allclose(np.asarray(appendix_importance), [12.22, 3.775, 0.635, 0.00005], rtol=1e-5)
 
 
-def test_appendix_bisection_trace_b8():
-    plan, trials, sums = P.bisection_trace(appendix_importance(), 8, bracket=(0.001, 10.0))
+def test_appendix_bisection_trace_b8(appendix_importance):
+    plan, trials, sums = P.bisection_trace(appendix_importance, 8, bracket=(0.001, 10.0))
     # The table of Appendix A: trial theta and the bit sum of its depths, step by step.
     np.testing.assert_allclose(np.asarray(trials[:8]), [0.1, 0.01, 0.0316, 0.0562, 0.075, 0.0866, 0.0806, 0.0777],
                                rtol=2e-3)
@@ -30,20 +30,20 @@ def test_appendix_bisection_trace_b8():
     assert int(plan.code_bits) == 8 and float(plan.bits_per_token) == 8 + 3 * 0.25
 
 
-def test_appendix_bisection_b6():
-    plan = P.plan_bisection(appendix_importance(), 6, bracket=(0.001, 10.0))
+def test_appendix_bisection_b6(appendix_importance):
+    plan = P.plan_bisection(appendix_importance, 6, bracket=(0.001, 10.0))
     np.testing.assert_array_equal(np.asarray(plan.depths), [3, 2, 1, 0])
     assert abs(float(plan.theta) - 0.118) < 5e-4
     # The paper prints (3.35, 2.50, 1.21, -5.3); its -5.3 for the negligible channel 3 is rounded loosely.
-    log4 = np.log(np.asarray(appendix_importance()) / float(plan.theta)) / np.log(4)
+    log4 = np.log(np.asarray(appendix_importance) / float(plan.theta)) / np.log(4)
     np.testing.assert_allclose(log4[:3], [3.35, 2.50, 1.21], atol=0.006)
     assert log4[3] < -5
 
 
 @pytest.mark.parametrize("method", ["bisection", "exact"])
 @pytest.mark.parametrize("budget,depths", [(8, [4, 3, 1, 0]), (6, [3, 2, 1, 0]), (0, [0, 0, 0, 0]), (16, [4, 4, 4, 4])])
-def test_default_bracket_and_exact_agree_on_appendix(method, budget, depths):
-    plan = P.plan(appendix_importance(), budget, method=method)
+def test_default_bracket_and_exact_agree_on_appendix(method, budget, depths, appendix_importance):
+    plan = P.plan(appendix_importance, budget, method=method)
     np.testing.assert_array_equal(np.asarray(plan.depths), depths)
 
 
@@ -96,20 +96,20 @@ def test_klt_importance_is_raw_importance_of_rotated_queries(rng):
 
 
 @pytest.mark.parametrize("budget", [-1, 17, np.nan])
-def test_budget_out_of_range(budget):
+def test_budget_out_of_range(budget, appendix_importance):
     with pytest.raises(ValueError, match="budget"):
-        P.plan_bisection(appendix_importance(), budget)
+        P.plan_bisection(appendix_importance, budget)
     with pytest.raises(ValueError, match="budget"):
-        P.plan_exact(appendix_importance(), budget)
+        P.plan_exact(appendix_importance, budget)
 
 
-def test_bad_importance_and_method():
+def test_bad_importance_and_method(appendix_importance):
     with pytest.raises(ValueError, match="importance"):
         P.plan_bisection(np.array([1.0, -2.0]), 2)
     with pytest.raises(ValueError, match="importance"):
         P.plan_bisection(np.array([1.0, np.nan]), 2)
     with pytest.raises(ValueError, match="method"):
-        P.plan(appendix_importance(), 4, method="greedy")
+        P.plan(appendix_importance, 4, method="greedy")
 
 
 def test_greedy_layer_budgets():
@@ -121,3 +121,9 @@ def test_greedy_layer_budgets():
     assert set(budgets) <= set(grid)
     with pytest.raises(ValueError, match="target_mean"):
         P.greedy_layer_budgets(errors, grid, 200)
+
+
+def test_depths_at_rounds_exact_halves_up():
+    """log4(g / theta) = 0.5, 1.5, 2.5, 3.5: Appendix A and the docstring round half up (jnp.round gave 0, 2, 2, 4)."""
+    np.testing.assert_array_equal(np.asarray(P.depths_at(jnp.array([2.0, 8.0, 32.0, 128.0]), 1.0)), [1, 2, 3, 4])
+    np.testing.assert_array_equal(np.asarray(jax.jit(P.depths_at)(jnp.array([2.0, 8.0]), 1.0)), [1, 2])

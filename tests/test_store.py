@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from tests.conftest import APPENDIX_KEYS, APPENDIX_Q, random_keys
+from fathom_jax import format as fmt
 from fathom_jax import store as S
 
 
@@ -27,8 +27,8 @@ def error_bound(keys, scales):
     return scales / 16 * (1 + 1e-5) + np.maximum(np.abs(keys) - scales, 0) + 1e-6
 
 
-def test_appendix_codes_and_scale():
-    store = S.build_store(APPENDIX_KEYS)
+def test_appendix_codes_and_scale(appendix):
+    store = S.build_store(appendix.keys)
     assert store.capacity == 64 and int(store.length) == 6
     np.testing.assert_array_equal(np.asarray(S.read_codes(store))[:6, 2], [4, 12, 9, 14, 0, 3])
     assert float(store.scales[2, 0]) == 0.5
@@ -37,13 +37,13 @@ def test_appendix_codes_and_scale():
     np.testing.assert_array_equal(one, [-0.25, 0.25, 0.25, 0.25, -0.25, -0.25])
 
 
-def test_appendix_approximate_scores():
-    store = S.build_store(APPENDIX_KEYS)
+def test_appendix_approximate_scores(appendix):
+    store = S.build_store(appendix.keys)
     keys = np.asarray(S.dequantize(store, jnp.array([4, 3, 1, 0])))[:6]
-    scores = APPENDIX_Q @ keys.T
+    scores = appendix.q @ keys.T
     np.testing.assert_allclose(scores[0], [5.01, -1.79, 0.46, 4.96, -2.34, 3.59], atol=0.005)
     np.testing.assert_allclose(scores[1], [2.84, 0.24, -2.01, 2.49, -0.61, 3.36], atol=0.005)
-    exact = APPENDIX_Q @ APPENDIX_KEYS.T
+    exact = appendix.q @ appendix.keys.T
     np.testing.assert_allclose(exact[0], [5.40, -1.80, -0.10, 5.10, -3.10, 3.19], atol=0.005)
     np.testing.assert_allclose(exact[1], [2.81, 0.40, -2.19, 2.20, -0.69, 3.39], atol=0.005)
     assert set(np.argsort(-scores[0])[:2]) == {0, 3}  # head A: {t0, t3}
@@ -76,7 +76,7 @@ def test_pack_unpack_round_trip(codes):
         np.testing.assert_array_equal(np.asarray(S.unpack_planes(planes, t)), codes >> (4 - t))
 
 
-def test_channel_major_runs_are_contiguous(rng):
+def test_channel_major_runs_are_contiguous(rng, random_keys):
     """The first t planes of channel j are one contiguous slice of the flat word array."""
     keys = random_keys(rng, (2, 256, 8))
     store = S.build_store(keys)
@@ -88,7 +88,7 @@ def test_channel_major_runs_are_contiguous(rng):
     assert store.plane_run_bytes() == 256 // 8
 
 
-def test_tail_block_and_length(rng):
+def test_tail_block_and_length(rng, random_keys):
     keys = random_keys(rng, (3, 100, 4))
     store = S.build_store(keys, capacity=200)
     assert store.capacity == 256 and store.num_blocks == 4
@@ -103,7 +103,7 @@ def test_tail_block_and_length(rng):
 
 
 @pytest.mark.parametrize("split", [0, 1, 63, 64, 65, 130])
-def test_append_equals_build(rng, split):
+def test_append_equals_build(rng, split, random_keys):
     keys = random_keys(rng, (2, 3, 150, 8))
     full = S.build_store(keys, capacity=256)
     part = S.append(S.build_store(keys[..., :split, :], capacity=256), keys[..., split:, :])
@@ -111,7 +111,7 @@ def test_append_equals_build(rng, split):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_append_under_jit_and_rotation(rng):
+def test_append_under_jit_and_rotation(rng, random_keys):
     keys = random_keys(rng, (2, 70, 4))
     basis = np.linalg.qr(rng.standard_normal((4, 4)))[0].astype(np.float32)
     rot = S.KeyRotation(mean=jnp.asarray(keys.mean(1)), basis=jnp.broadcast_to(basis, (2, 4, 4)))
@@ -127,7 +127,7 @@ def test_append_under_jit_and_rotation(rng):
     assert np.all(np.abs(np.asarray(S.dequantize(full))[:, :70] - want) <= error_bound(want, S.token_scales(full)[:, :70]))
 
 
-def test_append_past_capacity_is_an_error(rng):
+def test_append_past_capacity_is_an_error(rng, random_keys):
     store = S.build_store(random_keys(rng, (64, 4)))
     with pytest.raises(ValueError, match="past capacity"):
         S.append(store[None] if False else store, jnp.zeros((1, 4)))
@@ -137,7 +137,7 @@ def test_append_past_capacity_is_an_error(rng):
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_keys_rejected(rng, bad):
+def test_non_finite_keys_rejected(rng, bad, random_keys):
     keys = random_keys(rng, (10, 4))
     keys[3, 1] = bad
     with pytest.raises(ValueError, match="NaN or inf"):
@@ -171,8 +171,19 @@ def test_zero_block_and_extreme_values():
 
 
 def test_bits_per_token_convention():
-    assert float(S.bits_per_token(np.full(128, 4))) == 544
-    assert float(S.bits_per_token(np.r_[np.full(32, 4), np.zeros(96)])) == 136
-    assert float(S.bits_per_token(np.r_[np.full(16, 4), np.zeros(112)])) == 68
-    assert float(S.bits_per_token(np.full(128, 2))) == 288
-    assert float(S.bits_per_token(np.array([4, 3, 1, 0]))) == 8.75
+    assert float(fmt.bits_per_token(np.full(128, 4))) == 544
+    assert float(fmt.bits_per_token(np.r_[np.full(32, 4), np.zeros(96)])) == 136
+    assert float(fmt.bits_per_token(np.r_[np.full(16, 4), np.zeros(112)])) == 68
+    assert float(fmt.bits_per_token(np.full(128, 2))) == 288
+    assert float(fmt.bits_per_token(np.array([4, 3, 1, 0]))) == 8.75
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_subnormal_negative_key_takes_a_negative_cell(jit):
+    """Eq. 2 puts every strictly negative key in a negative cell; XLA's fusion flushed -1e-42 to -0 under jit."""
+    keys = np.zeros((64, 3), np.float32)
+    keys[0] = 1.0
+    keys[1] = [-1e-42, 1e-42, -0.0]
+    build = jax.jit(S.build_store) if jit else S.build_store
+    codes = np.asarray(S.read_codes(build(keys)))
+    np.testing.assert_array_equal(codes[1], [7, 8, 8])  # -tiny: cell -1; +tiny and -0.0: cell 0

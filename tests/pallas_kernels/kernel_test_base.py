@@ -1,12 +1,15 @@
-"""Shared test base of the kernel tests: execution modes, seeded inputs, proof that a kernel ran.
+"""Shared test base of the kernel suites: implementations, seeded inputs, tolerances, proof that a kernel ran.
 
-Every kernel test is parametrized over ``mode``: ``"interpret"`` (Pallas interpret mode, runs on the
-CPU in CI) and ``"gpu"`` (the compiled Triton kernel; marked ``gpu``, skipped cleanly without a GPU;
-run on the device with ``pytest -m gpu``).
+Every kernel op has one suite (a ``Test*`` class deriving :class:`KernelTestBase`) whose tests run over
+every implementation through the ``impl`` fixture: ``xla`` (the jnp reference, checked against an
+independent numpy oracle), ``interpret`` (the Pallas kernel in interpret mode, on the CPU in CI) and
+``gpu`` (the compiled Triton kernel; marked ``gpu``, skipped without a GPU; ``pytest -m gpu`` on the
+device).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax
@@ -14,26 +17,57 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _common as C
+from pallas_kernels import backend
 
-HAS_GPU = C.on_gpu()
+HAS_GPU = backend.on_gpu()
 
-MODES = [
-    pytest.param("interpret", id="interpret"),
-    pytest.param(
-        "gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")]
-    ),
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    implementation: str
+    interpret: bool | None
+
+    @property
+    def kw(self) -> dict:
+        return {"implementation": self.implementation, "interpret": self.interpret}
+
+    @property
+    def is_kernel(self) -> bool:
+        return self.implementation == "pallas"
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.is_kernel and not self.interpret
+
+
+IMPLS = [
+    pytest.param(Impl("xla", None), id="xla"),
+    pytest.param(Impl("pallas", True), id="interpret"),
+    pytest.param(Impl("pallas", False), id="gpu",
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")]),
 ]
 
-
-def interpret_flag(mode: str) -> bool:
-    return mode == "interpret"
+TOLERANCE = {jnp.dtype(jnp.float32): 2e-6, jnp.dtype(jnp.bfloat16): 8e-3, jnp.dtype(jnp.float16): 1e-3}
 
 
-def fresh_rng(request) -> np.random.Generator:
-    """A seeded generator per test (seed from the test id: fresh inputs per test, reproducible)."""
-    seed = zlib.crc32(request.node.nodeid.encode())
-    return np.random.default_rng(seed)
+class KernelTestBase:
+    """Base of a kernel suite: ``impl`` runs each test over every implementation."""
+
+    @pytest.fixture(params=IMPLS)
+    def impl(self, request) -> Impl:
+        return request.param
+
+    @pytest.fixture
+    def rng(self, request) -> np.random.Generator:
+        """A seeded generator per test (seed from the test id: fresh inputs per test, reproducible)."""
+        return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def host(x, impl: Impl):
+    """On the GPU: a pinned_host copy (the real offload path: kernels read it in place). Else unchanged."""
+    if not impl.on_gpu:
+        return x
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
 
 
 def random_store_arrays(rng, batch, d, n_cap, *, length=None):
@@ -46,17 +80,26 @@ def random_store_arrays(rng, batch, d, n_cap, *, length=None):
     return planes, scales, jnp.asarray(np.broadcast_to(length, batch), jnp.int32)
 
 
-def assert_scores_close(got, want):
+def assert_scores_close(got, want, dtype=jnp.float32):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert got.shape == want.shape
     assert np.all(np.isfinite(got))
+    tol = TOLERANCE[jnp.dtype(dtype)]
     scale = max(1.0, float(np.max(np.abs(want))))
-    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * scale)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale)
 
 
-def assert_ran(fn, *args, name: str, **kwargs):
-    """The named pallas_call is in the jaxpr (and, on the GPU, in the compiled HLO)."""
-    assert C.count_pallas_calls(fn, *args, name=name, **kwargs) >= 1
-    if HAS_GPU and kwargs.get("interpret") is False:
-        text = jax.jit(lambda *a: fn(*a, **kwargs)).lower(*args).as_text()
-        assert name in text
+def assert_equal(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape, got.dtype, want.dtype)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def assert_ran(fn, *args, name: str, impl: Impl, **kwargs):
+    """With the kernel implementation, the named pallas_call is in the jaxpr (and the compiled HLO on GPU)."""
+    from tests.support import count_pallas_calls
+
+    calls = count_pallas_calls(fn, *args, name=name, **impl.kw, **kwargs)
+    assert calls >= 1 if impl.is_kernel else calls == 0
+    if impl.on_gpu:
+        assert name in jax.jit(lambda *a: fn(*a, **impl.kw, **kwargs)).lower(*args).as_text()

@@ -4,65 +4,57 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _common as C
+from kernel_test_base import KernelTestBase, assert_ran
+from oracles import select as np_select
 from pallas_kernels import topk as TK
-from kernel_test_base import MODES, assert_ran, fresh_rng, interpret_flag
+from tests.support import lower_triton_text
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("path", ["radix", "fused"])
-@pytest.mark.parametrize("n,k,lengths", [
-    (3000, 100, [3000, 1000, 50, 37, 0, 136]),
-    (777, 64, [777, 700, 20, 64, 65, 100]),
-    (4096, 512, [4096, 4000, 511, 513, 36, 1]),
-])
-def test_topk_same_set(request, mode, path, n, k, lengths):
-    rng = fresh_rng(request)
-    scores = jnp.asarray(rng.standard_normal((len(lengths), n)), jnp.float32)  # ties have probability ~0
-    length = jnp.asarray(lengths, jnp.int32)
-    got = TK.topk_select(scores, length, k=k, interpret=interpret_flag(mode), path=path)
-    want = TK.topk_select_reference(scores, length, k=k)
-    assert got.shape == (len(lengths), k)
-    assert np.array_equal(np.asarray(got), np.asarray(want))
-    # structure: sinks and the local window are always in
-    for r, ln in enumerate(lengths):
-        row = set(np.asarray(got[r]).tolist()) - {-1}
-        assert set(range(min(4, ln))) <= row and set(range(max(4, ln - 32), ln)) <= row
-        assert len(row) == min(k, ln)
-    assert np.array_equal(np.asarray(TK.topk_select(scores, length, k=k, interpret=interpret_flag(mode), path=path)),
-                          np.asarray(got))
-    if path == "fused":
-        assert_ran(TK.topk_select, scores, length, name="topk_select_tokens", k=k, path=path, interpret=interpret_flag(mode))
+class TestTopk(KernelTestBase):
+    @pytest.mark.parametrize("path", ["radix", "fused"])
+    @pytest.mark.parametrize("n,k,lengths", [
+        (3000, 100, [3000, 1000, 50, 37, 0, 136]),
+        (777, 64, [777, 700, 20, 64, 65, 100]),
+        (4096, 512, [4096, 4000, 511, 513, 36, 1]),
+    ])
+    def test_same_set_as_numpy_oracle(self, impl, rng, path, n, k, lengths):
+        scores = jnp.asarray(rng.standard_normal((len(lengths), n)), jnp.float32)  # ties have probability ~0
+        length = jnp.asarray(lengths, jnp.int32)
+        config = TK.TopkConfig(path=path)
+        got = np.asarray(TK.topk_select(scores, length, k=k, config=config, **impl.kw))
+        assert got.shape == (len(lengths), k)
+        for r, ln in enumerate(lengths):
+            row = got[r]
+            assert set(row.tolist()) - {-1} == np_select(np.asarray(scores[r]), ln, k)
+            assert np.all(np.diff(row[row >= 0]) > 0) and np.all(row[min(k, ln):] == -1)
+        assert np.array_equal(np.asarray(TK.topk_select(scores, length, k=k, config=config, **impl.kw)), got)
+        if path == "fused":
+            assert_ran(TK.topk_select, scores, length, name="topk_select_tokens", impl=impl, k=k, config=config)
 
+    def test_fused_ties(self, impl, rng):
+        """Heavily tied integer scores: k distinct valid positions incl. sinks/local, the same score multiset."""
+        scores = jnp.asarray(rng.integers(0, 5, (3, 2000)), jnp.float32)
+        lengths = [2000, 1500, 700]
+        got = np.asarray(TK.topk_select(scores, jnp.asarray(lengths, jnp.int32), k=100, **impl.kw))
+        want = np.asarray(TK.topk_select_reference(scores, jnp.asarray(lengths, jnp.int32), k=100))
+        for r, ln in enumerate(lengths):
+            row = got[r]
+            assert np.all(np.diff(row) > 0) and row.min() >= 0 and row.max() < ln
+            # same multiset of selected scores as lax.top_k (ties may pick other positions)
+            assert sorted(np.asarray(scores[r])[row].tolist()) == sorted(np.asarray(scores[r])[want[r]].tolist())
 
-@pytest.mark.parametrize("mode", MODES)
-def test_topk_fused_ties(request, mode):
-    """Heavily tied integer scores: the fused path returns k distinct valid positions incl. sinks/local."""
-    rng = fresh_rng(request)
-    scores = jnp.asarray(rng.integers(0, 5, (3, 2000)), jnp.float32)
-    lengths = [2000, 1500, 700]
-    got = np.asarray(TK.topk_select(scores, jnp.asarray(lengths, jnp.int32), k=100, path="fused",
-                                    interpret=interpret_flag(mode)))
-    want = np.asarray(TK.topk_select_reference(scores, jnp.asarray(lengths, jnp.int32), k=100))
-    for r, ln in enumerate(lengths):
-        row = got[r]
-        assert np.all(np.diff(row) > 0) and row.min() >= 0 and row.max() < ln
-        # same multiset of selected scores as lax.top_k (ties may pick other positions)
-        assert sorted(np.asarray(scores[r])[row].tolist()) == sorted(np.asarray(scores[r])[want[r]].tolist())
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_kth_largest_exact(request, mode):
-    rng = fresh_rng(request)
-    x = jnp.asarray(rng.standard_normal((5, 999)) * 10, jnp.float32)
-    keys = TK.sortable_key(x)
-    for k in (1, 7, 500, 999, 1000):
-        got = TK.kth_largest(keys, k=k, tile=128, interpret=interpret_flag(mode))
-        srt = -np.sort(-np.asarray(keys), axis=-1)
-        want = srt[:, k - 1] if k <= 999 else np.full(5, TK.INT_MIN)
-        assert np.array_equal(np.asarray(got), want)
-    assert_ran(TK.topk_select, x, jnp.full((5,), 999, jnp.int32), name=TK.KERNEL_NAME, k=100, path="radix",
-               interpret=interpret_flag(mode))
+    def test_kth_largest_exact(self, impl, rng):
+        if not impl.is_kernel:
+            pytest.skip("kth_largest is a kernel of the radix path; the reference uses lax.top_k")
+        x = jnp.asarray(rng.standard_normal((5, 999)) * 10, jnp.float32)
+        keys = TK.sortable_key(x)
+        for k in (1, 7, 500, 999, 1000):
+            got = TK.kth_largest(keys, k=k, tile=128, interpret=impl.interpret)
+            srt = -np.sort(-np.asarray(keys), axis=-1)
+            want = srt[:, k - 1] if k <= 999 else np.full(5, TK.INT_MIN)
+            assert np.array_equal(np.asarray(got), want)
+        assert_ran(TK.topk_select, x, jnp.full((5,), 999, jnp.int32), name=TK.KERNEL_NAME, impl=impl, k=100,
+                   config=TK.TopkConfig(path="radix"))
 
 
 def test_sortable_key_order():
@@ -72,13 +64,13 @@ def test_sortable_key_order():
 
 
 def test_topk_lowers_to_triton_and_validates():
-    text = C.lower_triton_text(TK.topk_select, jnp.zeros((4, 4096)), jnp.zeros((4,), jnp.int32), k=64, interpret=False,
-                               path="radix")
+    text = lower_triton_text(TK.topk_select, jnp.zeros((4, 4096)), jnp.zeros((4,), jnp.int32), k=64, interpret=False,
+                             implementation="pallas", config=TK.TopkConfig(path="radix"))
     assert text.count(f'name = "{TK.KERNEL_NAME}"') == 2
-    text = C.lower_triton_text(TK.topk_select, jnp.zeros((4, 1 << 20)), jnp.zeros((4,), jnp.int32), k=512,
-                               interpret=False)  # default: fused
+    text = lower_triton_text(TK.topk_select, jnp.zeros((4, 1 << 20)), jnp.zeros((4,), jnp.int32), k=512,
+                             interpret=False, implementation="pallas")  # default: fused
     assert all(f'name = "{nm}"' in text for nm in ("topk_bucket_max", "topk_select_buckets", "topk_select_tokens"))
     with pytest.raises(ValueError, match="k > sink"):
         TK.topk_select(jnp.zeros((4, 100)), 100, k=36)
     with pytest.raises(ValueError, match="path"):
-        TK.topk_select(jnp.zeros((4, 100)), 100, k=64, path="sort")
+        TK.TopkConfig(path="sort")

@@ -30,9 +30,22 @@ import jax
 import numpy as np
 
 from fathom_jax import calibrate as cal
-from fathom_jax import fidelity as fid
 from fathom_jax import planner as planner_lib
-from fathom_jax.scorers import ScanMethod
+from fathom_jax.eval import fidelity as fid
+from fathom_jax.eval.report import headline, plot, render_markdown, write_report  # noqa: F401  (re-exported)
+from fathom_jax.methods import (
+    DoubleSparsity,
+    Exact,
+    Fathom,
+    FathomKLT,
+    Full4,
+    Landmark,
+    Loki,
+    ScanMethod,
+    SparQ,
+    SparQUnion,
+    Thumbnail,
+)
 
 DEFAULT_BUDGETS = (16, 24, 28, 32, 40, 48, 64, 80, 128)
 DEFAULT_KLT_BUDGETS = (16, 32, 48, 64)
@@ -72,35 +85,34 @@ class Row:
 def baseline_rows(head_dim: int) -> list[Row]:
     d = head_dim
     methods = [
-        ("SparQ", ScanMethod.sparq(d // 8)),
-        ("SparQ", ScanMethod.sparq(d // 4)),
-        ("SparQ union", ScanMethod.sparq_union(d // 8)),
-        ("Double Sparsity", ScanMethod.double_sparsity(d // 4)),
-        ("Loki", ScanMethod.loki(d // 4)),
-        ("Loki", ScanMethod.loki(d // 2)),
-        ("thumbnail", ScanMethod.thumbnail(2)),
-        ("landmark", ScanMethod.landmark()),
-        ("full 4-bit", ScanMethod.full4()),
-        ("oracle", ScanMethod.exact()),
+        ("SparQ", SparQ(d // 8)),
+        ("SparQ", SparQ(d // 4)),
+        ("SparQ union", SparQUnion(d // 8)),
+        ("Double Sparsity", DoubleSparsity(d // 4)),
+        ("Loki", Loki(d // 4)),
+        ("Loki", Loki(d // 2)),
+        ("thumbnail", Thumbnail(2)),
+        ("landmark", Landmark()),
+        ("full 4-bit", Full4()),
+        ("oracle", Exact()),
     ]
-    uses_calib = {"double_sparsity", "loki"}
-    return [Row(m.label, fam, m, "corpus" if m.kind in uses_calib else "none") for fam, m in methods]
+    return [Row(m.label, fam, m, "corpus" if m.needs_calibration else "none") for fam, m in methods]
 
 
 def fathom_rows(head_dim: int, config: StudyConfig) -> list[Row]:
     cap = 4 * head_dim
-    rows = [Row(ScanMethod.fathom(b).label, "Fathom", ScanMethod.fathom(b)) for b in config.budgets if b <= cap]
-    rows += [Row(ScanMethod.fathom_klt(b).label, "Fathom KLT", ScanMethod.fathom_klt(b)) for b in config.klt_budgets if b <= cap]
+    rows = [Row(Fathom(b).label, "Fathom", Fathom(b)) for b in config.budgets if b <= cap]
+    rows += [Row(FathomKLT(b).label, "Fathom KLT", FathomKLT(b)) for b in config.klt_budgets if b <= cap]
     rows += [
-        Row(f"Fathom {b} (session calib)", "Fathom session", ScanMethod.fathom(b), "session")
+        Row(f"Fathom {b} (session calib)", "Fathom session", Fathom(b), "session")
         for b in config.session_budgets if b <= cap
     ]
     rows += [
-        Row(f"Fathom KLT {b} (session calib)", "Fathom KLT session", ScanMethod.fathom_klt(b), "session")
+        Row(f"Fathom KLT {b} (session calib)", "Fathom KLT session", FathomKLT(b), "session")
         for b in config.session_budgets if b <= cap
     ]
     rows += [
-        Row(ScanMethod.fathom(b, planner="exact").label, "Fathom exact plan", ScanMethod.fathom(b, planner="exact"))
+        Row(Fathom(b, planner="exact").label, "Fathom exact plan", Fathom(b, planner="exact"))
         for b in config.exact_planner_budgets if b <= cap
     ]
     return rows
@@ -114,7 +126,7 @@ def layer_error_table(
     table = []
     for b in grid:
         err, _ = fid.attention_errors(
-            fid.method_score_fn(ScanMethod.fathom(b)), capture, k, positions=pos, layer_states=calib,
+            fid.method_score_fn(Fathom(b)), capture, k, positions=pos, layer_states=calib,
             progress=progress, desc=f"layer plan: Fathom {b}",
         )
         table.append(err.mean(axis=(1, 2, 3)))  # [L]
@@ -134,7 +146,7 @@ def choose_basis(
     pos = fid.default_positions(capture.q.shape[2], positions)
     known = known or {}
     out: dict[str, Any] = {"budgets": list(budgets), "k": k}
-    for name, make in (("raw", ScanMethod.fathom), ("klt", ScanMethod.fathom_klt)):
+    for name, make in (("raw", Fathom), ("klt", FathomKLT)):
         errs = []
         for b in budgets:
             if (name, b) in known:
@@ -194,7 +206,7 @@ def run_study(
     fn_cache: dict[ScanMethod, Any] = {}
     for row in iterator:
         if row.layer_budgets is not None:
-            fns = [fn_cache.setdefault(ScanMethod.fathom(b), fid.method_score_fn(ScanMethod.fathom(b)))
+            fns = [fn_cache.setdefault(Fathom(b), fid.method_score_fn(Fathom(b)))
                    for b in row.layer_budgets]
         else:
             fns = fid.method_score_fn(row.method)
@@ -236,116 +248,3 @@ def run_study(
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# Reports
-
-
-def headline(results: dict) -> list[str]:
-    """Fathom against SparQ at equal or fewer bits, per k (the issue's question, answered from data)."""
-    rows = results["rows"]
-    lines = []
-    sparqs = [r for r in rows if r["kind"] == "sparq"]
-    fathoms = [r for r in rows if r["family"] == "Fathom"]
-    for s in sorted(sparqs, key=lambda r: r["bits"]):
-        cheaper = [f for f in fathoms if f["bits"] <= s["bits"] + 1e-9]
-        if not cheaper:
-            continue
-        best = max(cheaper, key=lambda f: f["bits"])
-        for k in s["error"]:
-            ratio = s["error"][k] / best["error"][k] if best["error"][k] > 0 else float("nan")
-            verdict = "matches" if abs(ratio - 1) < 0.01 else ("beats" if ratio > 1 else "does not beat")
-            excess = ""
-            if "excess" in s:
-                excess = f"; excess over the oracle {best['excess'][k]:.4f} vs {s['excess'][k]:.4f}"
-            lines.append(
-                f"k={k}: {best['name']} ({best['bits']:.1f} bits) {verdict} {s['name']} ({s['bits']:.1f} bits): "
-                f"error {best['error'][k]:.4f} vs {s['error'][k]:.4f} (SparQ / Fathom = {ratio:.2f}){excess}"
-            )
-    return lines
-
-
-def render_markdown(results: dict) -> str:
-    meta = results["meta"]
-    ks = [str(k) for k in meta["ks"]]
-    out = [
-        f"# Attention-output error vs scan bits: {meta.get('model', 'model')}",
-        "",
-        f"- context {meta['context']} tokens, last {meta['positions']} positions, {meta['layers']} layers, "
-        f"D = {meta['head_dim']}; selection: 4 sink + 32 local + top-(k-36) per query head; k = {', '.join(ks)}",
-        f"- calibration text: {meta.get('calib_text', {}).get('kind', '?')}; evaluation text: "
-        f"{meta.get('eval_text', {}).get('kind', '?')} (disjoint)",
-        f"- {meta['date']}, {meta['machine']}, JAX {meta['jax']}",
-        f"- D = {meta['head_dim']}, not the paper's 128: the paper's settings run as the same fractions of D "
-        f"(SparQ r = D/8 and D/4, Double Sparsity c = D/4, Loki r = D/4 and D/2, Fathom budgets in code bits).",
-        "- bits: per token per KV head per layer (code bits + 16 bits per 64 tokens per channel read); "
-        "excess: error minus the exact top-k oracle's.",
-        "",
-        "| method | calib | bits | " + " | ".join(f"err k={k}" for k in ks) + " | " + " | ".join(f"excess k={k}" for k in ks) + " |",
-        "|---|---|---:|" + "---:|" * (2 * len(ks)),
-    ]
-    for r in sorted(results["rows"], key=lambda r: (r["family"] != "oracle", r["bits"])):
-        errs = " | ".join(f"{r['error'][k]:.4f}" for k in ks)
-        exc = " | ".join(f"{r.get('excess', {}).get(k, float('nan')):+.4f}" for k in ks)
-        out.append(f"| {r['name']} | {r['calibration']} | {r['bits']:.1f} | {errs} | {exc} |")
-    if results.get("layer_plans"):
-        out += ["", "Per-layer budgets (greedy plan on the calibration capture):", ""]
-        for mean, b in results["layer_plans"].items():
-            out.append(f"- mean {mean}: {b}")
-    if results.get("basis_rule"):
-        br = results["basis_rule"]
-        out += ["", f"Basis rule (calibration text, k={br['k']}, budgets {br['budgets']}): raw {['%.4f' % e for e in br['raw']]}, "
-                f"KLT {['%.4f' % e for e in br['klt']]} -> **{br['basis']}**"]
-    lines = headline(results)
-    if lines:
-        out += ["", "Fathom vs SparQ at equal or fewer bits:", ""] + [f"- {line}" for line in lines]
-    return "\n".join(out) + "\n"
-
-
-def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    meta = results["meta"]
-    ks = [str(k) for k in meta["ks"]]
-    fig, axes = plt.subplots(1, len(ks), figsize=(5.2 * len(ks), 4.2), squeeze=False)
-    families: dict[str, list[dict]] = {}
-    for r in results["rows"]:
-        families.setdefault(r["family"], []).append(r)
-    colors = plt.get_cmap("tab20").colors
-    markers = "osD^v<>ph*Xd8"
-    for ax, k in zip(axes[0], ks):
-        for i, (fam, rows) in enumerate(families.items()):
-            rows = sorted(rows, key=lambda r: r["bits"])
-            x = [r["bits"] for r in rows]
-            y = [max(r["error"][k], 1e-6) for r in rows]
-            if fam == "oracle":
-                ax.axhline(y[0], color="k", ls="--", lw=1, label="exact top-k oracle")
-                continue
-            line = "-" if fam.startswith("Fathom") and len(rows) > 1 else ""
-            ax.plot(x, y, line + markers[i % len(markers)], color=colors[(2 * i) % 20 + (i // 10) % 2], ms=5,
-                    label=fam)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("scan bits per token (per KV head, per layer)")
-        ax.set_ylabel("attention-output relative L2 error")
-        ax.set_title(f"k = {k}")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{meta.get('model', '')}: {meta['context']} tokens, {meta['date']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_report(results: dict, prefix: str) -> list[str]:
-    """Write ``prefix.json``, ``prefix.md`` and ``prefix.png``; return the paths."""
-    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
-    paths = [prefix + ".json", prefix + ".md", prefix + ".png"]
-    with open(paths[0], "w") as f:
-        json.dump(results, f, indent=1)
-    with open(paths[1], "w") as f:
-        f.write(render_markdown(results))
-    plot(results, paths[2])
-    return paths

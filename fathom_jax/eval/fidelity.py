@@ -10,7 +10,7 @@ A method enters as a *score function* ``score_fn(q, keys, length, layer_state) -
 window, ``length = p + 1`` (keys at or past it are the future and must be ignored: a store built with
 that length is exactly the decode-time store), ``layer_state`` whatever per-layer pytree the method
 needs (calibration slice, budget); it returns scores [Hkv, G, T] and the bits per token it read
-[Hkv]. :func:`method_score_fn` makes one from any :class:`~fathom_jax.scorers.ScanMethod`.
+[Hkv]. :func:`method_score_fn` makes one from any :class:`~fathom_jax.methods.ScanMethod`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from fathom_jax.scorers import ScanMethod, build_index, scan_scores
+from fathom_jax.index import build_index
+from fathom_jax.methods import ScanMethod
+from fathom_jax.scan import scan_scores
 from fathom_jax.select import dense_attention, select_topk, sparse_attention
 
 ScoreFn = Callable[[Array, Array, Array, Any], Array]

@@ -1,0 +1,73 @@
+"""The key-index format in one place: block size, planes, word and scale bits, landmark size, byte counts.
+
+Every module that lays out, reads or counts the index (the store, the planner, the scan methods and
+``pallas_kernels``) takes these numbers from here.
+
+* Tokens are grouped in blocks of :data:`BLOCK_TOKENS`; every (block, channel) has one fp16 absmax
+  scale (:data:`SCALE_BITS` bits) and 4-bit codes (:data:`N_PLANES` bit planes, MSB first).
+* A plane of one channel is packed :data:`WORD_BITS` tokens per uint32 word, so a 64-token block is
+  :data:`WORDS_PER_BLOCK` words of every plane.
+* The landmark baseline keeps the fp16 mean of every :data:`LANDMARK_TOKENS`-token block; the exact
+  oracle and dense attention read :data:`KEY_BITS`-bit keys.
+
+Byte convention (the paper's; bits per token per KV head per layer): the code bits read, plus
+``SCALE_BITS / BLOCK_TOKENS`` = 0.25 bits per token for the fp16 scale of every channel read. At
+D = 128: 32 channels x 4 bits = 136, 16 channels = 68, the 2-bit thumbnail 288, the full 4-bit scan 544,
+the fp16 8-token landmark 256, bf16 keys 2048.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+BLOCK_TOKENS = 64  # tokens per fp16 block scale
+N_PLANES = 4  # bit planes per code (4-bit codes)
+WORD_BITS = 32  # tokens per packed plane word (uint32)
+WORDS_PER_BLOCK = BLOCK_TOKENS // WORD_BITS
+SCALE_BITS = 16  # fp16 block scale
+LANDMARK_TOKENS = 8  # tokens per landmark (block-mean) key
+KEY_BITS = 16  # bf16 keys read by the exact oracle and dense attention
+FP16_MAX = float(np.finfo(np.float16).max)
+SCALE_BITS_PER_TOKEN = SCALE_BITS / BLOCK_TOKENS  # per channel read
+
+
+def bits_per_token(depths: Int[Array, "... D"]) -> Float[Array, "..."]:
+    """Code bits read plus the fp16 scale of every channel read, per token (the paper's convention)."""
+    depths = jnp.asarray(depths)
+    active = jnp.sum(depths > 0, axis=-1).astype(jnp.float32)
+    return jnp.sum(depths, axis=-1).astype(jnp.float32) + active * SCALE_BITS_PER_TOKEN
+
+
+def channel_bits_per_token(channels: int, depth: int = N_PLANES) -> float:
+    """Bits per token of a fixed read of ``channels`` channels at ``depth`` planes each."""
+    return float(depth * channels + channels * SCALE_BITS_PER_TOKEN)
+
+
+def landmark_bits_per_token(head_dim: int) -> float:
+    return float(KEY_BITS * head_dim / LANDMARK_TOKENS)
+
+
+def key_bits_per_token(head_dim: int) -> float:
+    return float(KEY_BITS * head_dim)
+
+
+def round_capacity(n: int) -> int:
+    """Tokens rounded up to whole blocks (at least one block)."""
+    return max(BLOCK_TOKENS, -(-int(n) // BLOCK_TOKENS) * BLOCK_TOKENS)
+
+
+def plane_words(capacity: int) -> int:
+    """uint32 words in one plane of one channel."""
+    return capacity // WORD_BITS
+
+
+def plane_run_bytes(capacity: int) -> int:
+    """Bytes of one plane of one channel: the unit of a contiguous read (4 KiB at 32k, 128 KiB at 1M)."""
+    return capacity // 8
+
+
+def scale_run_bytes(capacity: int) -> int:
+    """Bytes of one channel's fp16 block scales (the second run of a channel read)."""
+    return capacity // BLOCK_TOKENS * SCALE_BITS // 8

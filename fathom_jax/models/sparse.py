@@ -1,0 +1,240 @@
+"""Sparse decoding in the decoder: prefill into a :class:`~fathom_jax.decode.SparseCache`, one compiled
+decode step, for any scan method and either placement (HBM or ``pinned_host``).
+
+* :func:`prefill`: layer by layer, the prompt's K/V rows and key index are written into the stacked
+  cache (in place, wherever it lives) while the hidden states advance; attention is
+  ``jax.nn.dot_product_attention`` (cuDNN flash attention on the GPU for bf16 / f16 models), the MLP runs
+  over token chunks. Session calibration statistics are computed per layer from the prompt's keys.
+* :func:`decode_step`: one token per sequence, all layers under one ``lax.scan``: QKV projection, the
+  sparse step (plan, read, scan, top-k with sink/local, group union, row fetch, exact attention), output
+  projection and MLP; after the scan, every layer's new K/V row and newest index blocks are written in
+  place (the cache is donated).
+
+Sequences of different lengths decode together: prompts are right-padded and ``lengths`` says how many
+tokens of each are real; every sequence decodes at its own position.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from fathom_jax.decode import SparseAttention, SparseCache
+from fathom_jax.models.llama import LlamaForCausalLM, join_attention, split_attention
+from pallas_kernels import backend
+
+PREFILL_MLP_CHUNK = 4096  # tokens per MLP chunk in prefill
+
+
+def prefill_attention(q, k, v):
+    """Causal attention over the whole prompt: q [B,Hkv,G,T,D], k/v [B,Hkv,T,D] -> [B,Hkv,G,T,D].
+
+    cuDNN's fused flash attention on the GPU for bf16/f16 (linear memory in T); XLA elsewhere.
+    """
+    b, hkv, g, t, d = q.shape
+    query = q.reshape(b, hkv * g, t, d).transpose(0, 2, 1, 3)  # [B, T, N, D], head n = kv * G + g
+    key, value = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    fused = backend.on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)
+    o = jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation="cudnn" if fused else "xla")
+    return o.transpose(0, 2, 1, 3).reshape(b, hkv, g, t, d)
+
+
+def _layer(model: LlamaForCausalLM, layer):
+    graphdef, layer_state = nnx.split(model.layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[layer], layer_state))
+
+
+def prefill_layer(model, h, lengths, cache: SparseCache, layer, attn: SparseAttention):
+    """One layer of the prompt: returns the next hidden states, the cache with this layer written, and
+    the layer's session calibration (None unless session-calibrated)."""
+    cfg = model.config
+    b, t, _ = h.shape
+    r = b * cfg.n_kv_heads
+
+    def attend(q, k, v):
+        return prefill_attention(q, k, v), (k, v)
+
+    h, (k, v) = _layer(model, layer)(cfg, h, jnp.arange(t, dtype=jnp.int32), attend, mlp_chunk=PREFILL_MLP_CHUNK)
+    keys, values = k.reshape(r, t, cfg.head_dim), v.reshape(r, t, cfg.head_dim)
+    group_lengths = jnp.repeat(lengths, cfg.n_kv_heads)
+    session = attn.session_calibration(keys, group_lengths)
+    calib = session if session is not None else attn.layer_calibration(layer, r)
+    cache = attn.write_layer(cache, layer, keys, values, group_lengths, calib)
+    return h, cache, session
+
+
+def last_logits(model, h, lengths):
+    """f32 logits [B, V] at each sequence's last prompt token."""
+    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return model.logits(model.norm(last))
+
+
+def decode_step_fn(model, tokens: Int[Array, "B"], cache: SparseCache, attn: SparseAttention):
+    """One decode step of every sequence at its own position (pure; jit it, donating the cache)."""
+    cfg = model.config
+    b, hkv, g, d = tokens.shape[0], cfg.n_kv_heads, cfg.group_size, cfg.head_dim
+    r = b * hkv
+
+    def attend_layer(layer, q, k, v):
+        o, update = attn.attend(q[:, :, :, 0].reshape(r, g, d), k[:, :, 0].reshape(r, d), v[:, :, 0].reshape(r, d),
+                                cache, layer)
+        return o.reshape(b, hkv, g, 1, d), update
+
+    x, updates = model.scan_layers(model.embed_tokens(tokens[:, None]), cache.length[:, None], attend_layer)
+    cache = attn.commit(cache, updates)
+    return model.logits(model.norm(x[:, 0])), cache
+
+
+# ----------------------------------------------------------------------------------------------
+# Jitted entry points. Over HBM the whole greedy loop is one program; with the cache in host memory,
+# each layer of prefill and each decode step is one program that donates the cache (in-place writes
+# into host memory need the donation and a host out_shardings; a host array cannot be a loop carry).
+
+
+def check_sparse_inputs(model, prompt, lengths, max_new_tokens, capacity, attn):
+    cfg = model.config
+    b, t = prompt.shape
+    lengths_np = np.asarray(lengths)
+    if lengths_np.shape != (b,):
+        raise ValueError(f"lengths must be [batch] = [{b}], got shape {lengths_np.shape}")
+    if np.any(lengths_np < 1) or np.any(lengths_np > t):
+        raise ValueError(f"lengths must lie in [1, {t}] (the padded prompt length), got {lengths_np.tolist()}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens}")
+    need = int(lengths_np.max()) + max_new_tokens
+    if need > capacity:
+        raise ValueError(f"prompt of {int(lengths_np.max())} tokens + {max_new_tokens} new tokens exceeds cache "
+                         f"capacity {capacity}")
+    attn.check(n_layers=cfg.n_layers, hkv=cfg.n_kv_heads, groups=b * cfg.n_kv_heads, capacity=capacity,
+               head_dim=cfg.head_dim)
+
+
+def _init_cache(model, attn, batch, capacity):
+    cfg = model.config
+    return attn.init_cache(n_layers=cfg.n_layers, batch=batch, kv_heads=cfg.n_kv_heads, capacity=capacity,
+                           head_dim=cfg.head_dim, dtype=model.dtype)
+
+
+def _first_token(logits):
+    return jnp.argmax(logits, -1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "capacity", "attn_static"))
+def _generate_in_device_memory(graphdef, state, prompt, lengths, max_new_tokens, capacity, attn_static, attn_leaves):
+    model = nnx.merge(graphdef, state)
+    attn = join_attention(attn_static, attn_leaves)
+    cache = _init_cache(model, attn, prompt.shape[0], capacity)
+
+    def layer_body(carry, layer):
+        h, cache = carry
+        h, cache, session = prefill_layer(model, h, lengths, cache, layer, attn)
+        return (h, cache), session
+
+    (h, cache), session = jax.lax.scan(layer_body, (model.embed_tokens(prompt), cache),
+                                       jnp.arange(model.config.n_layers, dtype=jnp.int32))
+    if session is not None:
+        attn = attn.with_calibration(session)
+    out = jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32)
+    out = out.at[:, 0].set(_first_token(last_logits(model, h, lengths)))
+
+    def body(i, carry):
+        out, cache = carry
+        logits, cache = decode_step_fn(model, out[:, i - 1], cache, attn)
+        return out.at[:, i].set(_first_token(logits)), cache
+
+    out, _ = jax.lax.fori_loop(1, max_new_tokens, body, (out, cache))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _host_programs(graphdef, attn_static, cache_shardings, out_sharding):
+    """Jitted prefill-layer and decode-step programs that update a placed cache in place."""
+
+    def layer_fn(state, h, lengths, cache, layer, attn_leaves):
+        model = nnx.merge(graphdef, state)
+        return prefill_layer(model, h, lengths, cache, layer, join_attention(attn_static, attn_leaves))
+
+    def step_fn(state, tokens, cache, attn_leaves):
+        model = nnx.merge(graphdef, state)
+        logits, cache = decode_step_fn(model, tokens, cache, join_attention(attn_static, attn_leaves))
+        return _first_token(logits), logits, cache
+
+    shardings = jax.tree.unflatten(cache_shardings[0], cache_shardings[1])
+    layer_jit = jax.jit(layer_fn, donate_argnums=(3,), out_shardings=(out_sharding, shardings, out_sharding))
+    step_jit = jax.jit(step_fn, donate_argnums=(2,), out_shardings=(out_sharding, out_sharding, shardings))
+    return layer_jit, step_jit
+
+
+def host_programs(model, attn: SparseAttention, cache: SparseCache):
+    graphdef, _ = nnx.split(model)
+    attn_static, _ = split_attention(attn)
+    leaves, treedef = jax.tree.flatten(attn.placement.shardings(cache))
+    return _host_programs(graphdef, attn_static, (treedef, tuple(leaves)), attn.placement.replicated())
+
+
+def prefill(model, prompt, lengths, attn: SparseAttention, capacity: int):
+    """Prefill ``prompt [B, T]`` (right-padded; ``lengths [B]``) into a new cache, layer by layer.
+
+    Returns ``(logits at each last prompt token [B, V], cache, attn)`` where ``attn`` carries the session
+    calibration when it computes one. Works for both placements (one jitted call per layer).
+    """
+    cfg = model.config
+    prompt = jnp.asarray(prompt, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    cache = _init_cache(model, attn, prompt.shape[0], capacity)
+    layer_jit, _ = host_programs(model, attn, cache)
+    graphdef, state = nnx.split(model)
+    _, attn_leaves = split_attention(attn)
+    h = _embed(graphdef, state, prompt)
+    sessions = []
+    for layer in range(cfg.n_layers):
+        h, cache, session = layer_jit(state, h, lengths, cache, jnp.int32(layer), attn_leaves)
+        sessions.append(session)
+    if sessions[0] is not None:
+        attn = attn.with_calibration(jax.tree.map(lambda *xs: jnp.stack(xs), *sessions))
+    return _last_logits(graphdef, state, h, lengths), cache, attn
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _embed(graphdef, state, prompt):
+    return nnx.merge(graphdef, state).embed_tokens(prompt)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _last_logits(graphdef, state, h, lengths):
+    return last_logits(nnx.merge(graphdef, state), h, lengths)
+
+
+def decode_step(model, tokens, cache: SparseCache, attn: SparseAttention):
+    """One jitted decode step: ``(next tokens [B], logits [B, V], cache)``; the cache is donated."""
+    _, step_jit = host_programs(model, attn, cache)
+    _, state = nnx.split(model)
+    _, attn_leaves = split_attention(attn)
+    return step_jit(state, jnp.asarray(tokens, jnp.int32), cache, attn_leaves)
+
+
+def generate(model, prompt, lengths, max_new_tokens: int, *, capacity: int, attn: SparseAttention):
+    """Greedy sparse decoding of ``max_new_tokens`` tokens per sequence; returns ``[B, N]`` token ids.
+
+    Device memory: prefill and the whole loop are one compiled program. ``pinned_host``: prefill layer
+    by layer and one compiled step per token, the cache updated in place in host memory.
+    """
+    prompt = jnp.asarray(prompt, jnp.int32)
+    check_sparse_inputs(model, prompt, lengths, max_new_tokens, capacity, attn)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if not attn.placement.offloaded and attn.placement.mesh is None:
+        graphdef, state = nnx.split(model)
+        return _generate_in_device_memory(graphdef, state, prompt, lengths, max_new_tokens, capacity,
+                                          *split_attention(attn))
+    logits, cache, attn = prefill(model, prompt, lengths, attn, capacity)
+    tokens = _first_token(logits)
+    out = [tokens]
+    for _ in range(max_new_tokens - 1):
+        tokens, _, cache = decode_step(model, tokens, cache, attn)
+        out.append(tokens)
+    return jnp.stack(out, axis=1)

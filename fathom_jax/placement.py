@@ -1,0 +1,181 @@
+"""Where the key index and the K/V cache live: a placement is data, not a second code path.
+
+    Placement()                          # everything in device memory (HBM)
+    Placement("pinned_host")             # index planes/scales, landmarks and K/V rows in host memory
+    Placement("pinned_host", mesh=mesh)  # ... sharded over the local GPUs on the group axis
+
+A cache is a pytree whose *bulk* leaves (the fields named in :data:`BULK_FIELDS`: bit planes, block
+scales, landmarks, stored keys, K/V rows) grow with the context; everything else (raw tails, lengths,
+rotations) is small and always stays in device memory. :meth:`Placement.put` puts each leaf where it
+belongs; the decode step reads bulk leaves through :meth:`Placement.stage` or the Pallas kernels (which
+read ``pinned_host`` arrays in place), and writes them through the in-place ``cache_write`` kernel.
+
+Host memory is reached only through the kernels: inside ``jit`` no XLA op may touch a ``pinned_host``
+array (a slice or a reshape included), so with ``"pinned_host"`` on a GPU the implementation must be
+``"pallas"``. Where the backend has no ``pinned_host`` memory (CPU tests, interpret mode), the same
+layout and the same code run in device memory, and :attr:`Placement.note` says so.
+
+Stacked caches are ``[L, R, ...]``: layers first, then the group axis ``R = batch x KV heads`` (sequence
+major). Under a mesh, ``R`` is split over the mesh axis: each device scans, selects and fetches for
+its own groups from its own slice of host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from pallas_kernels import backend
+from pallas_kernels.row_fetch import row_fetch
+
+Memory = Literal["device", "pinned_host"]
+MEMORIES: tuple[str, ...] = get_args(Memory)
+ReadMode = Literal["direct", "staged"]
+BULK_FIELDS = frozenset({"planes", "scales", "landmarks", "keys", "k", "v"})
+GROUP_AXIS = 1  # of every stacked cache leaf [L, R, ...]
+
+
+def host_memory_available() -> bool:
+    """Whether the default device offers ``pinned_host`` memory (GPUs do; CPUs here do not)."""
+    if jax.default_backend() != "gpu":
+        return False
+    return "pinned_host" in {m.kind for m in jax.devices()[0].addressable_memories()}
+
+
+def is_bulk(path) -> bool:
+    """Whether a leaf at ``path`` (from ``tree_flatten_with_path``) is a bulk cache array."""
+    last = path[-1] if path else None
+    return isinstance(last, jax.tree_util.GetAttrKey) and last.name in BULK_FIELDS
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where bulk cache arrays live (``memory``), over which devices (``mesh``, ``axis``), and how a
+    host-resident plane store is scanned (``read``): ``"direct"`` (the plane scan reads the planes from
+    host memory as it computes, overlapping transfer and compute) or ``"staged"`` (a run gather copies
+    the planned runs to HBM first, then the scan reads HBM)."""
+
+    memory: Memory = "device"
+    mesh: jax.sharding.Mesh | None = None
+    axis: str | None = None
+    read: ReadMode = "direct"
+
+    def __post_init__(self):
+        if self.memory not in MEMORIES:
+            raise ValueError(f"placement memory must be one of {MEMORIES}, got {self.memory!r}")
+        if self.read not in get_args(ReadMode):
+            raise ValueError(f"placement read must be 'direct' or 'staged', got {self.read!r}")
+        if self.mesh is not None:
+            if self.axis is None:
+                object.__setattr__(self, "axis", self.mesh.axis_names[0])
+            if self.axis not in self.mesh.axis_names:
+                raise ValueError(f"placement axis {self.axis!r} is not an axis of the mesh {self.mesh.axis_names}")
+
+    @classmethod
+    def parse(cls, spec: "str | Placement | None", **kwargs) -> "Placement":
+        """``"device"`` / ``"hbm"`` / ``"pinned_host"`` / ``"host"`` (or a Placement, or None = device)."""
+        if isinstance(spec, Placement):
+            return spec
+        aliases = {None: "device", "device": "device", "hbm": "device", "pinned_host": "pinned_host", "host": "pinned_host"}
+        if spec not in aliases:
+            raise ValueError(f"placement must be one of 'device' (alias 'hbm') or 'pinned_host' (alias 'host'), got {spec!r}")
+        return cls(aliases[spec], **kwargs)
+
+    # -- where things are ---------------------------------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        """The offloaded layout was asked for (the code path; the memory may still be the device's)."""
+        return self.memory == "pinned_host"
+
+    @property
+    def memory_kind(self) -> str:
+        """The memory bulk arrays really go to: ``pinned_host`` where the backend has it, else ``device``."""
+        return "pinned_host" if self.offloaded and host_memory_available() else "device"
+
+    @property
+    def note(self) -> str | None:
+        """A sentence for the user when the offloaded layout runs in device memory."""
+        if self.offloaded and self.memory_kind != "pinned_host":
+            return (f"the {jax.default_backend()} backend has no pinned_host memory: running the offloaded "
+                    "layout (and its kernels) in device memory")
+        return None
+
+    @property
+    def num_shards(self) -> int:
+        return 1 if self.mesh is None else self.mesh.shape[self.axis]
+
+    def check(self, implementation: backend.Implementation | None) -> backend.Implementation:
+        """Resolve the implementation for this placement (host memory is read by the kernels only)."""
+        implementation = backend.resolve_implementation(implementation)
+        if self.memory_kind == "pinned_host" and implementation != "pallas":
+            raise ValueError(
+                "placement 'pinned_host' on a GPU needs implementation='pallas': XLA ops cannot read host "
+                "memory inside jit, only the Pallas kernels can"
+            )
+        return implementation
+
+    def check_groups(self, groups: int) -> None:
+        if groups % self.num_shards:
+            raise ValueError(
+                f"the mesh axis {self.axis!r} has {self.num_shards} devices but there are {groups} groups "
+                f"(batch x KV heads); use a batch that makes batch x KV heads a multiple of {self.num_shards}"
+            )
+
+    # -- shardings ----------------------------------------------------------------------------
+    def sharding(self, ndim: int, *, bulk: bool, split: bool = True) -> jax.sharding.Sharding:
+        """The sharding of a cache leaf of rank ``ndim`` (group axis 1 split over the mesh if ``split``)."""
+        kind = self.memory_kind if bulk else "device"
+        if self.mesh is None:
+            return SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+        spec = P(None, self.axis) if split and ndim >= 2 else P()
+        return NamedSharding(self.mesh, spec, memory_kind=kind)
+
+    def replicated(self) -> jax.sharding.Sharding:
+        if self.mesh is None:
+            return SingleDeviceSharding(jax.devices()[0])
+        return NamedSharding(self.mesh, P())
+
+    def shardings(self, tree):
+        """Per-leaf shardings of a cache pytree (bulk leaves in :attr:`memory_kind`, the rest on device)."""
+        def one(path, x):
+            split = x.ndim >= 2 and self.mesh is not None and x.shape[GROUP_AXIS] % self.num_shards == 0
+            return self.sharding(x.ndim, bulk=is_bulk(path), split=split)
+
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    def put(self, tree):
+        """``tree`` with every leaf placed (see :meth:`shardings`)."""
+        return jax.device_put(tree, self.shardings(tree))
+
+    def zeros(self, shape, dtype, *, bulk: bool = True):
+        """A zero-filled cache array of ``shape`` placed where it belongs.
+
+        Host arrays are filled from (lazily allocated) zero pages on the host, never staged through the
+        device, so a cache larger than HBM can be allocated.
+        """
+        sharding = self.sharding(len(shape), bulk=bulk, split=len(shape) >= 2)
+        if bulk and self.memory_kind == "pinned_host":
+            return jax.device_put(np.zeros(shape, dtype), sharding)
+        return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()
+
+    # -- reading bulk arrays inside the step -------------------------------------------------
+    def stage(self, x, layer, implementation: backend.Implementation):
+        """``x[layer]`` (``[R, N, F]`` of a stacked ``[L, R, N, F]`` bulk array) in device memory.
+
+        Device memory: an XLA slice (free inside a fusion). Offloaded: a row-fetch kernel copies the
+        layer's rows (host memory is not an XLA operand).
+        """
+        if layer is None:
+            return x
+        if not self.offloaded or implementation == "xla":
+            return x[layer]
+        n = x.shape[-2]
+        index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (x.shape[1], n))
+        rows, _, _ = row_fetch(x, None, index, layer=layer, implementation=implementation)
+        return rows

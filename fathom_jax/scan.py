@@ -1,0 +1,155 @@
+"""Approximate scores of every key for the G query heads of each KV group, from any method's read.
+
+    result = scan_scores(method, q, index, calib)          # jit with method static; vmap over layers
+    result.scores [*B, G, n] (f32, -inf past length), result.bits_per_token [*B], result.depths [*B, D]
+
+A method plans its read (:meth:`~fathom_jax.methods.ScanMethod.read`); :func:`execute` carries it out:
+
+* plane reads: ``implementation="xla"`` dequantizes the store (the reference); ``"pallas"`` runs the
+  plane-scan kernel over the active channels only (never a dequantized copy). With a ``layer`` index the
+  store is a stacked ``[L, R, ...]`` cache read in place, from HBM or ``pinned_host`` memory, directly
+  (the scan streams planes as it computes) or staged through the run-gather kernel (``Placement.read``);
+* landmark reads score each 8-token block mean and spread the score over the block;
+* key reads score the keys themselves (the exact oracle; dense attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from fathom_jax import store as store_lib
+from fathom_jax.calibrate import Calibration
+from fathom_jax.format import LANDMARK_TOKENS
+from fathom_jax.index import KeyIndex
+from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, Read, ScanMethod
+from fathom_jax.placement import Placement
+from pallas_kernels import backend
+from pallas_kernels.plane_scan import active_channels, plane_scan
+from pallas_kernels.run_gather import run_gather
+
+_DEVICE = Placement()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScanResult:
+    """Approximate scores ``[*B, G, n]`` (f32, ``-inf`` past length) and bits per token ``[*B]``.
+
+    ``depths [*B, D]`` are the planes read per channel (in the scanned store's basis) for the
+    plane-store methods (the union for the SparQ union); None for landmark, exact and dense.
+    """
+
+    scores: Float[Array, "*B G n"]
+    bits_per_token: Float[Array, "*B"]
+    depths: Int[Array, "*B D"] | None = None
+
+
+def dot(q: jax.Array, k: jax.Array) -> jax.Array:
+    return jnp.einsum("...gd,...nd->...gn", q, k, precision=jax.lax.Precision.HIGHEST)
+
+
+def check_scan_inputs(method: ScanMethod, q, index: KeyIndex, calib: Calibration | None, where: str = "scan_scores"):
+    """Trace-time checks of a scan's arguments; returns ``q`` as f32."""
+    if not isinstance(method, ScanMethod):
+        raise TypeError(f"{where}: method must be a ScanMethod (fathom_jax.methods), got {method!r}")
+    if not isinstance(index, KeyIndex):
+        raise TypeError(f"{where}: index must be a KeyIndex (from build_index), got {type(index).__name__}")
+    q = jnp.asarray(q)
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"{where}: q must be floating point, got dtype {q.dtype}")
+    batch, d = index.batch_shape, index.head_dim
+    if q.ndim != len(batch) + 2:
+        raise ValueError(f"{where}: q must be [*B, G, D] with *B = {batch} (rank {len(batch) + 2}), got shape {q.shape}")
+    if q.shape[:-2] != batch:
+        raise ValueError(f"{where}: q leading axes {q.shape[:-2]} do not match the index's {batch}")
+    if q.shape[-1] != d:
+        raise ValueError(f"{where}: q head_dim {q.shape[-1]} does not match the keys' head_dim {d}")
+    method.validate(d)
+    missing = sorted(part for part in method.parts if getattr(index, part) is None)
+    if missing:
+        raise ValueError(f"{where}: {method.label} needs index parts {missing}; pass it to build_index")
+    if method.needs_calibration:
+        if calib is None:
+            raise ValueError(f"{where}: {method.label} needs calib")
+        if calib.head_dim != d:
+            raise ValueError(f"{where}: calib head_dim {calib.head_dim} does not match q head_dim {d}")
+        if calib.batch_shape != batch:
+            raise ValueError(f"{where}: calib leading axes {calib.batch_shape} do not match q's {batch}")
+    return q.astype(jnp.float32)
+
+
+def _plane_scores(read: PlaneRead, store, length, layer, placement: Placement, implementation) -> jax.Array:
+    if implementation == "xla":
+        if layer is not None:  # a stacked cache in device memory: read this layer's planes
+            store = dataclasses.replace(store, planes=store.planes[layer], scales=store.scales[layer])
+        store = dataclasses.replace(store, length=length)
+        return dot(read.queries, store_lib.dequantize(store, read.depths))
+    channels, depths = active_channels(read.depths, read.max_active or None)
+    if placement.offloaded and placement.read == "staged":
+        staged_planes, staged_scales = run_gather(store.planes, store.scales, channels, depths, layer=layer,
+                                                  implementation=implementation)
+        queries = jnp.take_along_axis(read.queries, channels[..., None, :], axis=-1)
+        slots = jnp.broadcast_to(jnp.arange(channels.shape[-1], dtype=jnp.int32), channels.shape)
+        return plane_scan(queries, staged_planes, staged_scales, length, slots, depths, assume_sorted=True,
+                          implementation=implementation)
+    return plane_scan(read.queries, store.planes, store.scales, length, channels, depths, layer=layer,
+                      assume_sorted=True, implementation=implementation)
+
+
+def execute(
+    read: Read,
+    index: KeyIndex,
+    length: Int[Array, "*B"],
+    *,
+    layer=None,
+    placement: Placement = _DEVICE,
+    implementation: backend.Implementation = "xla",
+) -> Float[Array, "*B G n"]:
+    """Raw scores ``read.queries . k_hat`` (plus the read's shift) of every stored position.
+
+    ``index`` holds bulk arrays with a leading layer axis when ``layer`` is given (a stacked cache; its
+    small leaves are already this layer's) and ``length`` is the number of valid tokens; positions past
+    it are not masked here (:func:`mask_invalid`).
+    """
+    if isinstance(read, PlaneRead):
+        scores = _plane_scores(read, getattr(index, read.part), length, layer, placement, implementation)
+        return scores if read.shift is None else scores + read.shift[..., None]
+    if isinstance(read, LandmarkRead):
+        landmarks = placement.stage(index.landmarks, layer, implementation)
+        return jnp.repeat(dot(read.queries, landmarks.astype(jnp.float32)), LANDMARK_TOKENS, axis=-1)
+    if isinstance(read, KeyRead):
+        return dot(read.queries, placement.stage(index.keys, layer, implementation).astype(jnp.float32))
+    raise TypeError(f"unknown read {type(read).__name__}")
+
+
+def mask_invalid(scores: jax.Array, length: jax.Array) -> jax.Array:
+    valid = jnp.arange(scores.shape[-1]) < length[..., None, None]
+    return jnp.where(valid, scores, -jnp.inf)
+
+
+def scan_scores(
+    method: ScanMethod,
+    q: Float[Array, "*B G D"],
+    index: KeyIndex,
+    calib: Calibration | None = None,
+    *,
+    implementation: backend.Implementation | None = None,
+) -> ScanResult:
+    """Approximate scores of every key for the G query heads of each KV group, and the bits read.
+
+    jit with ``method`` (and ``implementation``) static (``jax.jit(scan_scores, static_argnums=0,
+    static_argnames="implementation")``); vmap over leading axes of ``q``, ``index`` and ``calib``
+    together (e.g. layers). ``implementation``: ``"xla"`` (the reference), ``"pallas"`` (the plane-scan
+    kernel), ``None`` (pallas on a GPU, xla elsewhere).
+    """
+    implementation = backend.resolve_implementation(implementation)
+    q = check_scan_inputs(method, q, index, calib)
+    read = method.read(q, index, calib)
+    scores = execute(read, index, index.length, implementation=implementation)
+    depths = read.depths if isinstance(read, PlaneRead) else None
+    return ScanResult(scores=mask_invalid(scores, index.length), bits_per_token=read.bits.astype(jnp.float32),
+                      depths=depths)

@@ -1,0 +1,143 @@
+"""One sparse-attention step: plan -> read -> scan -> select -> union -> fetch -> attend.
+
+Written once, for every scan method and both placements: the decoder's sparse attention
+(:mod:`fathom_jax.decode`) calls it per layer inside its layer scan, with the index and K/V cache in
+HBM or in ``pinned_host`` memory; the kernels read host arrays in place, the jnp reference reads HBM.
+
+Per KV group ``r`` (``R = batch x KV heads`` groups, ``G`` query heads each):
+
+1. plan: the method's read for the group's queries (Fathom: importance and depths by the planner);
+2. read + scan: approximate scores of every stored position (:func:`fathom_jax.scan.execute`);
+3. select: per query head 4 sink + 32 local + the top-(k - 36) by approximate score;
+4. union: the group's G sets as one fixed-size list (``G k`` slots, duplicates masked);
+5. fetch: the union's K/V rows (one copy serves every head of the group);
+6. attend: exact softmax attention of each head over its own k rows.
+
+During decode the newest token is not yet in the stored cache (stores are written once per step,
+after all layers: :class:`NewToken`): its block of every index part and its K/V row are patched in from
+device memory, so the step sees exactly the cache that holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from fathom_jax import scan as scan_lib
+from fathom_jax import store as store_lib
+from fathom_jax.calibrate import Calibration
+from fathom_jax.format import BLOCK_TOKENS, LANDMARK_TOKENS
+from fathom_jax.index import KeyIndex
+from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, ScanMethod
+from fathom_jax.placement import Placement
+from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk
+from pallas_kernels import backend
+from pallas_kernels.row_fetch import row_fetch
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NewToken:
+    """The token a decode step adds, per group: what the stored cache lacks until the step writes it.
+
+    ``position`` is its slot (the length before the step); ``blocks[part]`` the newest 64-token block of
+    each plane store after appending it (plane words ``[R, D, 4, 2]``, fp16 scales ``[R, D]``), as
+    :func:`fathom_jax.store.append_block` computes; ``landmark`` the newest 8-token block mean.
+    """
+
+    position: Int[Array, "R"]
+    key: Float[Array, "R D"]
+    value: Float[Array, "R D"]
+    blocks: dict = dataclasses.field(default_factory=dict)
+    landmark: Float[Array, "R D"] | None = None
+
+
+def _put_block(scores, block_scores, start):
+    """``scores [R, G, n]`` with ``block_scores [R, G, m]`` written at position ``start [R]`` (clipped in range)."""
+    return jax.vmap(lambda s, b, at: jax.lax.dynamic_update_slice(s, b, (0, at)))(scores, block_scores, start)
+
+
+def patch_scores(scores, read, new: NewToken):
+    """Scores of the newest block from the fresh block data (the stored block is stale until written)."""
+    p = new.position
+    if isinstance(read, PlaneRead):
+        words, scale = new.blocks[read.part]
+        codes = store_lib.unpack_planes(words, read.depths)  # [R, 64, D]
+        values = store_lib.dequantize_codes(codes, scale.astype(jnp.float32)[:, None, :], read.depths[:, None, :])
+        block = scan_lib.dot(read.queries, values)
+        if read.shift is not None:
+            block = block + read.shift[..., None]
+        return _put_block(scores, block, p // BLOCK_TOKENS * BLOCK_TOKENS)
+    if isinstance(read, LandmarkRead):
+        block = scan_lib.dot(read.queries, new.landmark.astype(jnp.float32)[:, None, :])  # [R, G, 1]
+        block = jnp.repeat(block, LANDMARK_TOKENS, axis=-1)
+        return _put_block(scores, block, p // LANDMARK_TOKENS * LANDMARK_TOKENS)
+    return _put_block(scores, scan_lib.dot(read.queries, new.key[:, None, :].astype(jnp.float32)), p)
+
+
+def _patch_rows(rows, index, row, position):
+    """Fetched rows ``[R, S, Dh]`` with the slots that point at ``position`` replaced by ``row [R, Dh]``."""
+    hit = (index == position[:, None])[..., None]
+    return jnp.where(hit, row[:, None, :].astype(rows.dtype), rows)
+
+
+def _put_row(x, row, at):
+    """``x [R, C, Dh]`` with ``row [R, Dh]`` written at position ``at [R]``."""
+    return jax.vmap(lambda a, b, i: jax.lax.dynamic_update_slice(a, b[None].astype(a.dtype), (i, 0)))(x, row, at)
+
+
+def sparse_attention_step(
+    method: ScanMethod,
+    q: Float[Array, "R G D"],
+    index: KeyIndex,
+    k_cache: Float[Array, "*L R C Dh"],
+    v_cache: Float[Array, "*L R C Dh"],
+    length: Int[Array, "R"],
+    calib: Calibration | None = None,
+    *,
+    k: int,
+    sink: int = SINK_TOKENS,
+    local: int = LOCAL_TOKENS,
+    layer=None,
+    kv_layer=None,
+    new: NewToken | None = None,
+    placement: Placement = Placement(),
+    implementation: backend.Implementation = "xla",
+) -> tuple[Float[Array, "R G Dh"], Float[Array, "R"]]:
+    """Sparse attention of the ``G`` query heads of every group; returns the output and bits per token.
+
+    ``index`` holds this layer's small leaves and (with ``layer``) the stacked bulk arrays; ``k_cache`` /
+    ``v_cache`` are ``[L, R, C, Dh]`` with ``layer`` (``[R, C, Dh]`` without); ``length`` counts the valid
+    tokens, the new one included; ``new`` patches in the token the stored cache does not hold yet.
+    ``kv_layer`` (default: ``layer``) is the layer of the K/V cache to read (0 for a row buffer shared by
+    every layer).
+    """
+    kv_layer = layer if kv_layer is None else kv_layer
+    q = q.astype(jnp.float32)
+    if "keys" in method.parts:
+        index = dataclasses.replace(index, keys=k_cache)  # the oracle and dense attention read the cache's keys
+    read = method.read(q, index, calib)
+    if isinstance(read, KeyRead):  # the keys part is the K/V cache: read it at the K/V layer
+        layer = kv_layer
+    if isinstance(read, KeyRead) and read.dense:
+        keys = placement.stage(k_cache, kv_layer, implementation)
+        values = placement.stage(v_cache, kv_layer, implementation)
+        if new is not None:
+            keys, values = _put_row(keys, new.key, new.position), _put_row(values, new.value, new.position)
+        mask = jnp.arange(keys.shape[-2]) < length[:, None, None]
+        return attend(q, keys, values, jnp.broadcast_to(mask, q.shape[:-1] + keys.shape[-2:-1])), read.bits
+    scores = scan_lib.execute(read, index, length, layer=layer, placement=placement, implementation=implementation)
+    if new is not None:
+        scores = patch_scores(scores, read, new)
+    scores = scan_lib.mask_invalid(scores, length)
+    idx, mask = select_topk(scores, length, k, sink=sink, local=local, implementation=implementation)
+    union, union_mask, member = group_union(idx, mask)
+    slots = jnp.where(union_mask, union, -1)
+    k_rows, v_rows, _ = row_fetch(k_cache, v_cache, slots, layer=kv_layer, implementation=implementation)
+    if new is not None:
+        k_rows = _patch_rows(k_rows, slots, new.key, new.position)
+        v_rows = _patch_rows(v_rows, slots, new.value, new.position)
+    return attend(q, k_rows, v_rows, member), read.bits

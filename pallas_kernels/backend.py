@@ -1,0 +1,100 @@
+"""The one implementation switch of fathom-jax, and what every kernel module shares.
+
+``implementation`` takes one of two values, with one meaning everywhere (kernels, scans, selection,
+the decoder):
+
+* ``"xla"``: plain jnp / XLA ops only - every kernel's independent ``*_reference``;
+* ``"pallas"``: the Pallas kernels, compiled for the GPU by the Triton backend, or run in Pallas
+  interpret mode where there is no GPU (``interpret=None`` picks that).
+
+``None`` (the default everywhere) resolves once, here: ``"pallas"`` on a GPU backend, ``"xla"``
+elsewhere. Host-resident (``pinned_host``) arrays can only be read by the kernels, so the offloaded
+placement on a GPU needs ``"pallas"`` (checked by :class:`fathom_jax.placement.Placement`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+Implementation = Literal["xla", "pallas"]
+IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
+
+
+def on_gpu() -> bool:
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:  # pragma: no cover
+        return False
+
+
+def resolve_implementation(implementation: Implementation | None) -> Implementation:
+    """Validate ``implementation``; ``None`` means "pallas" on a GPU, "xla" elsewhere."""
+    if implementation is None:
+        return "pallas" if on_gpu() else "xla"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} (or None: pallas on a GPU, "
+                         f"xla elsewhere), got {implementation!r}")
+    return implementation
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """``None`` means: interpret when no GPU backend is present (CPU tests), compile for Triton otherwise."""
+    return (not on_gpu()) if interpret is None else bool(interpret)
+
+
+def compiler_params(num_warps: int, num_stages: int | None = None):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def check_pow2(name: str, value: int) -> None:
+    if not is_pow2(int(value)):
+        raise ValueError(f"{name} must be a power of two (Triton tensor sizes), got {value}")
+
+
+def check_array(name: str, x, *, ndim_min: int | None = None, ndim: int | None = None, dtypes=None) -> None:
+    """Trace-time (shape/dtype only) validation."""
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {x.shape}")
+    if ndim_min is not None and x.ndim < ndim_min:
+        raise ValueError(f"{name} must have at least {ndim_min} dims, got shape {x.shape}")
+    if dtypes is not None and jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
+        raise TypeError(f"{name} must have dtype in {[str(jnp.dtype(d)) for d in dtypes]}, got {x.dtype}")
+
+
+def is_concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def prod(shape) -> int:
+    return int(math.prod(shape))
+
+
+def layered(x, layer, inner_ndim: int, name: str):
+    """``(x as [L, R, *inner], layer i32[1])`` for a kernel operand.
+
+    With ``layer=None``, ``x`` is ``[*B, *inner]`` in device memory and is viewed as ``[1, prod(B), *inner]``
+    at layer 0 (a free reshape). With a layer index, ``x`` must already be ``[L, R, *inner]``: a stacked
+    cache, possibly in host memory, where no XLA op (a reshape included) may touch it, so the kernel
+    indexes the layer itself.
+    """
+    if layer is None:
+        batch = x.shape[: x.ndim - inner_ndim]
+        return x.reshape(1, prod(batch), *x.shape[x.ndim - inner_ndim:]), jnp.zeros((1,), jnp.int32)
+    if x.ndim != inner_ndim + 2:
+        raise ValueError(f"{name}: with a layer index it must be [L, R, ...] ({inner_ndim + 2} dims), got {x.shape}")
+    return x, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+
+
+def any_spec():
+    from jax.experimental import pallas as pl
+
+    return pl.BlockSpec(memory_space=pl.ANY)

@@ -1,0 +1,167 @@
+"""Cache write: copy new slices into a stacked ``[L, R, ...]`` cache in place (HBM or ``pinned_host``).
+
+``dst [L, R, *mid, N, *tail]`` (the cache: K/V rows, bit planes, block scales, landmarks),
+``src [Ls, R, *mid, M, *tail]`` (what changed, in HBM), ``start i32 [R]`` and a ``layer`` offset give::
+
+    dst[layer + l, r, ..., start[r] + m, ...] = src[l, r, ..., m, ...]   for m < M (and start + m < N)
+
+Everything else of ``dst`` is untouched. The kernel aliases ``dst`` to its output
+(``input_output_aliases``), so under a ``jit`` that donates the cache nothing is copied: a decode step
+writes each layer's new K/V row and the newest block's plane words straight into host memory, and
+prefill writes a whole layer. XLA cannot do this for a ``pinned_host`` array (a dynamic-update-slice
+across memory spaces is rejected), which is why this is a kernel. One program copies ``chunk`` rows of
+one (layer, group, mid index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import backend as B
+
+KERNEL_NAME = "cache_write"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheWriteConfig:
+    """``chunk``: rows (entries along the written axis) per program; ``num_warps``: Triton warps."""
+
+    chunk: int = 256
+    num_warps: int = 4
+
+    def __post_init__(self):
+        B.check_pow2("chunk", self.chunk)
+
+
+def _validate(dst, src, start, axis):
+    B.check_array("start", start, ndim=1, dtypes=(jnp.int32,))
+    if dst.ndim < 3 or src.ndim != dst.ndim:
+        raise ValueError(f"dst and src must be [L, R, ..., N, ...] of one rank >= 3, got {dst.shape} and {src.shape}")
+    if not 2 <= axis < dst.ndim:
+        raise ValueError(f"axis must lie in [2, {dst.ndim}), got {axis}")
+    if src.dtype != dst.dtype:
+        raise TypeError(f"src dtype {src.dtype} must match dst dtype {dst.dtype}")
+    same = [i for i in range(1, dst.ndim) if i != axis]
+    if any(src.shape[i] != dst.shape[i] for i in same) or src.shape[axis] > dst.shape[axis] or src.shape[0] > dst.shape[0]:
+        raise ValueError(f"src {src.shape} does not fit dst {dst.shape} along axis {axis}")
+    if start.shape != (dst.shape[1],):
+        raise ValueError(f"start must be [R] = [{dst.shape[1]}], got {start.shape}")
+
+
+def cache_write_reference(dst, src, start, *, axis: int, layer=0):
+    """Plain-jnp in-place write: a dynamic-update-slice per group (rows past N are dropped)."""
+    _validate(dst, src, start, axis)
+    a = axis - 1  # the written axis within one group's [L, *mid, N, *tail]
+    n, m = dst.shape[axis], src.shape[axis]
+
+    def one(d, s, at):
+        # dynamic_update_slice clamps the start so the window fits; shift the source by as much and keep
+        # the old values in the rows that fall before it (those past N in the unclamped write).
+        at_c = jnp.clip(at, 0, n - m)
+        shift = at - at_c
+        i = jnp.arange(m)
+        rows = jnp.take(s, jnp.clip(i - shift, 0, m - 1), axis=a)
+        idx = [jnp.asarray(layer, jnp.int32)] + [jnp.int32(0)] * (d.ndim - 1)
+        idx[a] = at_c
+        old = jax.lax.dynamic_slice(d, idx, s.shape)
+        keep = (i >= shift).reshape((1,) * a + (m,) + (1,) * (s.ndim - a - 1))
+        return jax.lax.dynamic_update_slice(d, jnp.where(keep, rows, old), idx)
+
+    return jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)(dst, src, start)
+
+
+def _cache_write_kernel(
+    # inputs
+    start_ref,  # i32 [R]
+    layer_ref,  # i32 [1]
+    src_ref,  # [Ls, R, *mid, M, *tail]   (HBM)
+    dst_ref,  # [L, R, *mid, N, *tail]    (aliased to the output; any memory space)
+    # outputs
+    out_ref,  # = dst
+    *,
+    mid: tuple[int, ...],
+    rows: int,
+    n: int,
+    chunk: int,
+    tail: int | None,
+):
+    del dst_ref  # the same buffer as out_ref
+    l, r, i, c = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    mid_idx = []
+    for size in reversed(mid):  # unravel the flat mid index, last axis fastest
+        mid_idx.append(i % size)
+        i = i // size
+    mid_idx = tuple(reversed(mid_idx))
+    m0 = c * chunk
+    m = m0 + jnp.arange(chunk, dtype=jnp.int32)
+    at = start_ref[r] + m
+    ok = (m < rows) & (at < n)
+    layer = layer_ref[0] + l
+    if tail is None:
+        data = plgpu.load(src_ref.at[(l, r, *mid_idx, pl.ds(m0, chunk))], mask=ok, other=0)
+        plgpu.store(out_ref.at[(layer, r, *mid_idx, pl.ds(start_ref[r] + m0, chunk))], data, mask=ok)
+    else:
+        col = jnp.arange(tail, dtype=jnp.int32)
+        ok2 = ok[:, None] & (col[None, :] < tail)
+        data = plgpu.load(src_ref.at[(l, r, *mid_idx, pl.ds(m0, chunk), slice(None))], mask=ok2, other=0)
+        plgpu.store(out_ref.at[(layer, r, *mid_idx, pl.ds(start_ref[r] + m0, chunk), slice(None))], data, mask=ok2)
+
+
+def _cache_write_pallas(dst, src, start, layer, *, axis, config, interpret):
+    mid = tuple(dst.shape[2:axis])
+    tail_shape = dst.shape[axis + 1:]
+    if len(tail_shape) > 1:
+        raise ValueError(f"cache_write: at most one axis after the written one, got dst {dst.shape}, axis {axis}")
+    tail = tail_shape[0] if tail_shape else None
+    if tail is not None:
+        B.check_pow2("the last axis of dst", tail)
+    rows, n = src.shape[axis], dst.shape[axis]
+    chunk = min(config.chunk, pl.next_power_of_2(rows))
+    kernel = functools.partial(_cache_write_kernel, mid=mid, rows=rows, n=n, chunk=chunk, tail=tail)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+        grid=(src.shape[0], src.shape[1], B.prod(mid), pl.cdiv(rows, chunk)),
+        in_specs=[B.any_spec()] * 4,
+        out_specs=B.any_spec(),
+        input_output_aliases={3: 0},
+        interpret=interpret,
+        name=KERNEL_NAME,
+        compiler_params=B.compiler_params(config.num_warps),
+    )(start, layer, src, dst)
+
+
+def cache_write(
+    dst,  # [L, R, *mid, N, *tail]   the stacked cache (donate it: it is updated in place)
+    src,  # [Ls, R, *mid, M, *tail]  new slices, in HBM
+    start,  # i32 [R]                  offset along ``axis`` per group
+    *,
+    axis: int,
+    layer=0,
+    implementation: B.Implementation | None = None,
+    config: CacheWriteConfig | None = None,
+    interpret: bool | None = None,
+):
+    """``dst`` with ``src`` written at ``[layer:, :, ..., start:, ...]`` (see the module docstring).
+
+    In place only inside a ``jit`` that donates ``dst`` (and, for a ``pinned_host`` cache, gives it a
+    host ``out_shardings``: :meth:`fathom_jax.placement.Placement.jit` does both); elsewhere the result
+    is a new array.
+    """
+    implementation = B.resolve_implementation(implementation)
+    start = jnp.asarray(start, jnp.int32)
+    _validate(dst, src, start, axis)
+    if B.is_concrete(start) and np.any(np.asarray(start) < 0):
+        raise ValueError("start must be >= 0")
+    if implementation == "xla":
+        return cache_write_reference(dst, src, start, axis=axis, layer=layer)
+    layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    return _cache_write_pallas(dst, src, start, layer_arr, axis=axis, config=config or CacheWriteConfig(),
+                               interpret=B.resolve_interpret(interpret))

@@ -1,0 +1,42 @@
+"""Row fetch: exact equality with a numpy oracle, one or two sources, stacked layers, pinned-host sources."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernel_test_base import KernelTestBase, assert_equal, assert_ran, host
+from oracles import row_fetch as np_row_fetch
+from pallas_kernels import row_fetch as RF
+from tests.support import lower_triton_text
+
+D = 16
+
+
+class TestRowFetch(KernelTestBase):
+    @pytest.mark.parametrize("n,s,rows", [(50, 37, 8), (64, 1, 4), (300, 128, 32)])
+    def test_exact(self, impl, rng, n, s, rows):
+        k = jnp.asarray(rng.standard_normal((2, 6, n, D)), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((2, 6, n, D)), jnp.bfloat16)
+        idx = jnp.asarray(rng.integers(-5, n + 5, (6, s)), jnp.int32)  # includes padding (-ve, >= n)
+        config = RF.RowFetchConfig(rows=rows)
+        fetch = jax.jit(lambda a, b, layer: RF.row_fetch(a, b, idx, layer=layer, config=config, **impl.kw))
+        got_k, got_v, mask = fetch(host(k, impl), host(v, impl), jnp.int32(1))
+        assert_equal(got_k, np_row_fetch(k[1], idx))
+        assert_equal(got_v, np_row_fetch(v[1], idx))
+        assert_equal(mask, (idx >= 0) & (idx < n))
+        alone, none, _ = RF.row_fetch(k[0], None, idx, config=config, **impl.kw)  # one source (staging)
+        assert none is None
+        assert_equal(alone, np_row_fetch(k[0], idx))
+        assert_ran(RF.row_fetch, k[0], v[0], idx, name=RF.KERNEL_NAME, impl=impl)
+
+
+def test_row_fetch_lowers_to_triton_and_validates():
+    z = jnp.zeros
+    text = lower_triton_text(lambda a, b, layer: RF.row_fetch(a, b, z((2, 9), jnp.int32), layer=layer,
+                                                               implementation="pallas", interpret=False),
+                             z((3, 2, 64, D), jnp.bfloat16), z((3, 2, 64, D), jnp.bfloat16), jnp.int32(2))
+    assert text.count(f'name = "{RF.KERNEL_NAME}"') == 1
+    with pytest.raises(ValueError, match="values"):
+        RF.row_fetch(z((2, 64, D), jnp.bfloat16), z((2, 64, D), jnp.float32), z((2, 9), jnp.int32))
+    with pytest.raises(ValueError, match="power of two"):
+        RF.row_fetch(z((2, 64, 12), jnp.bfloat16), None, z((2, 9), jnp.int32))

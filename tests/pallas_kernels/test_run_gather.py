@@ -1,0 +1,65 @@
+"""Run gather: exact equality with a numpy oracle; stacked layers; pinned-host sources on the GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_test_base import KernelTestBase, assert_equal, assert_ran, assert_scores_close, host, random_store_arrays
+from oracles import plane_scan as np_plane_scan
+from oracles import run_gather as np_run_gather
+from pallas_kernels import plane_scan as PS
+from pallas_kernels import run_gather as RG
+from tests.support import lower_triton_text
+
+D = 16
+
+
+def run_list(rng, kind, r):
+    c = {"random": 7, "zero": 5, "four": D, "one": 1}[kind]
+    ch = jnp.asarray(rng.integers(0, D, (r, c)), jnp.int32)
+    dep = {"random": rng.integers(0, 5, (r, c)), "zero": np.zeros((r, c)), "four": np.full((r, c), 4),
+           "one": rng.integers(1, 5, (r, c))}[kind]
+    return ch, jnp.asarray(dep, jnp.int32)
+
+
+class TestRunGather(KernelTestBase):
+    @pytest.mark.parametrize("n_cap,chunk,kind", [(320, 4, "random"), (64, 2, "zero"), (1216, 16, "four"),
+                                                   (640, 8, "one")])
+    def test_exact(self, impl, rng, n_cap, chunk, kind):
+        planes, scales, _ = random_store_arrays(rng, (2, 6), D, n_cap)
+        ch, dep = run_list(rng, kind, 6)
+        config = RG.RunGatherConfig(chunk=chunk)
+        gather = jax.jit(lambda p, s, layer: RG.run_gather(p, s, ch, dep, layer=layer, config=config, **impl.kw))
+        got_p, got_s = gather(host(planes, impl), host(scales, impl), jnp.int32(1))
+        want_p, want_s = np_run_gather(planes[1], scales[1], ch, dep)
+        assert_equal(got_p, want_p)
+        assert_equal(got_s, want_s)
+        flat_p, flat_s = RG.run_gather(planes[1], scales[1], ch, dep, config=config, **impl.kw)
+        assert_equal(flat_p, want_p)
+        assert_equal(flat_s, want_s)
+
+    def test_gather_then_scan_equals_direct_scan(self, impl, rng):
+        """Staged planes scanned with the identity list == the plane scan of the store itself."""
+        planes, scales, length = random_store_arrays(rng, (4,), D, 448)
+        q = jnp.asarray(rng.standard_normal((4, 4, D)), jnp.float32)
+        ch, dep = PS.active_channels(jnp.asarray(rng.integers(0, 5, (4, D)), jnp.int32), max_active=10)
+        sp, ss = RG.run_gather(planes, scales, ch, dep, **impl.kw)
+        q_staged = jnp.take_along_axis(q, ch[:, None, :], axis=-1)
+        iota = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (4, 10))
+        staged = PS.plane_scan(q_staged, sp, ss, length, iota, dep, assume_sorted=True, **impl.kw)
+        assert_scores_close(staged, np_plane_scan(q, planes, scales, length, ch, dep))
+        assert_ran(RG.run_gather, planes, scales, ch, dep, name=RG.KERNEL_NAME, impl=impl)
+
+
+def test_run_gather_lowers_to_triton_and_validates():
+    z = jnp.zeros
+    text = lower_triton_text(lambda p, s, layer: RG.run_gather(p, s, z((2, 5), jnp.int32), z((2, 5), jnp.int32),
+                                                                layer=layer, implementation="pallas", interpret=False),
+                             z((3, 2, D, 4, 20), jnp.uint32), z((3, 2, D, 10), jnp.float16), jnp.int32(0))
+    assert text.count(f'name = "{RG.KERNEL_NAME}"') == 1
+    with pytest.raises(ValueError, match="depths"):
+        RG.run_gather(z((2, D, 4, 20), jnp.uint32), z((2, D, 10), jnp.float16), z((2, 5), jnp.int32),
+                      z((2, 5), jnp.int32) + 7)
+    with pytest.raises(ValueError, match="chunk must be >= 2"):
+        RG.RunGatherConfig(chunk=1)

@@ -1,0 +1,140 @@
+"""Test support: independent numpy references and small helpers shared by several test modules.
+
+Shared *data* (the paper's worked example, random keys) are fixtures in ``conftest.py``; this module
+holds functions.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fathom_jax import calibrate as C
+from fathom_jax import index as I
+
+_build_jit = jax.jit(I.build_index, static_argnums=(2,), static_argnames=("capacity", "parts"))
+
+
+def build_index_jit(keys, calib, methods, **kw):
+    """build_index under jit (much faster to compile than op by op on CPU)."""
+    return _build_jit(keys, calib, tuple(methods), **kw)
+
+
+
+def np_dequant(keys, depth, block=64):
+    """Keys [n, D] read at per-channel depth [D] with 64-token fp16 absmax block scales."""
+    keys = np.asarray(keys, np.float64)
+    n, d = keys.shape
+    depth = np.broadcast_to(np.asarray(depth), (d,))
+    out = np.zeros_like(keys)
+    for b0 in range(0, n, block):
+        blk = keys[b0:b0 + block]
+        a = np.abs(blk).max(0).astype(np.float16).astype(np.float64)
+        cell = a / 8
+        code = np.clip(np.floor(np.divide(blk, cell, out=np.zeros_like(blk), where=cell > 0)), -8, 7) + 8
+        for j in range(d):
+            t = int(depth[j])
+            if t == 0:
+                continue
+            half = 2.0 ** (t - 1)
+            out[b0:b0 + block, j] = ((code[:, j].astype(np.int64) >> (4 - t)) + 0.5 - half) * a[j] / half
+    return out
+
+
+def np_scales(keys, block=64):
+    keys = np.asarray(keys, np.float64)
+    out = np.zeros_like(keys)
+    for b0 in range(0, keys.shape[0], block):
+        out[b0:b0 + block] = np.abs(keys[b0:b0 + block]).max(0).astype(np.float16).astype(np.float64)
+    return out
+
+
+def top_set(row, k):
+    return set(np.argsort(-np.asarray(row), kind="stable")[:k].tolist())
+
+
+def random_setting(seed, n=192, d=16, g=4, hkv=1):
+    rng = np.random.default_rng(seed)
+    mix = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    keys = (rng.standard_normal((hkv, n, d)) * np.geomspace(3, 0.1, d)) @ mix + 0.5 * rng.standard_normal(d)
+    queries = rng.standard_normal((hkv * g, 64, d)) * np.linspace(0.5, 2, d)
+    calib = C.calibrate(keys.astype(np.float32), queries.astype(np.float32))
+    q = rng.standard_normal((hkv, g, d)).astype(np.float32) * np.linspace(0.5, 2, d).astype(np.float32)
+    return keys.astype(np.float32), q, calib
+
+
+
+
+def top_set(row, k):
+    return set(np.argsort(-np.asarray(row), kind="stable")[:k].tolist())
+
+
+def random_setting(seed, n=192, d=16, g=4, hkv=1):
+    rng = np.random.default_rng(seed)
+    mix = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    keys = (rng.standard_normal((hkv, n, d)) * np.geomspace(3, 0.1, d)) @ mix + 0.5 * rng.standard_normal(d)
+    queries = rng.standard_normal((hkv * g, 64, d)) * np.linspace(0.5, 2, d)
+    calib = C.calibrate(keys.astype(np.float32), queries.astype(np.float32))
+    q = rng.standard_normal((hkv, g, d)).astype(np.float32) * np.linspace(0.5, 2, d).astype(np.float32)
+    return keys.astype(np.float32), q, calib
+
+
+def assert_trees_bitwise_equal(a, b):
+    la, ta = jax.tree.flatten_with_path(a)
+    lb, tb = jax.tree.flatten_with_path(b)
+    assert ta == tb, (ta, tb)
+    for (path, x), (_, y) in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), jax.tree_util.keystr(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Proving a kernel ran
+
+
+def count_pallas_calls(fn, *args, name: str, **kwargs) -> int:
+    """How many ``pallas_call``s named ``name`` the jaxpr of ``fn(*args)`` holds."""
+    jaxpr = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+    return _count(jaxpr.jaxpr, name)
+
+
+def _count(jaxpr, name: str) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            got = eqn.params.get("name")
+            got = getattr(got, "name", got)
+            if got == name or (isinstance(got, str) and got.startswith(name)):
+                total += 1
+        for sub in _subjaxprs(eqn):
+            total += _count(sub, name)
+    return total
+
+
+def _subjaxprs(eqn):
+    for v in eqn.params.values():
+        for item in (v if isinstance(v, (tuple, list)) else (v,)):
+            if hasattr(item, "jaxpr") and hasattr(item, "consts"):  # ClosedJaxpr
+                yield item.jaxpr
+            elif hasattr(item, "eqns"):  # Jaxpr
+                yield item
+
+
+def lower_triton_text(fn, *args, **kwargs) -> str:
+    """Lower ``fn(*args)`` for CUDA with the Triton backend on a machine without a GPU (H200 target).
+
+    Checks that a kernel lowers to Triton IR (a CPU-side test of everything but PTX compilation); returns
+    the StableHLO text of the exported module.
+    """
+    from unittest import mock
+
+    from jax._src.pallas.triton import gpu_info as gpu_info_lib
+
+    info = gpu_info_lib.get_gpu_info_from_version(gpu_info_lib.GpuVersion.H200)
+    with mock.patch.object(gpu_info_lib, "get_gpu_info", lambda: info):
+        specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype), args)
+        exported = jax.export.export(
+            jax.jit(lambda *a: fn(*a, **kwargs)), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*specs)
+    return exported.mlir_module()
