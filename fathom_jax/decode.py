@@ -23,6 +23,7 @@ set once by :meth:`SparseAttention.with_calibration`), not decode state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -267,10 +268,16 @@ class SparseAttention:
     def write_layer(self, cache: SparseCache, layer, keys: Float[Array, "R T Dh"], values: Float[Array, "R T Dh"],
                     length: Int[Array, "R"], calib: Calibration | None) -> SparseCache:
         """Prefill: layer ``layer``'s K/V rows and index (built from ``keys``, post-RoPE) written in place."""
+        return self.placement.per_group(
+            functools.partial(self._write_groups, shared_kv=cache.shared_kv), cache, keys, values, length, calib,
+            jnp.asarray(layer, jnp.int32), axes=(1, 0, 0, 0, 0, None), out_axes=(cache, 1),
+        )
+
+    def _write_groups(self, cache, keys, values, length, calib, layer, *, shared_kv):
         impl = self.resolved_implementation
         zero = jnp.zeros_like(length)
         write = lambda dst, src, axis: cache_write(dst, src[None], zero, axis=axis, layer=layer, implementation=impl)  # noqa: E731
-        kv_layer = 0 if cache.shared_kv else layer
+        kv_layer = 0 if shared_kv else layer
         k = cache_write(cache.k, keys[None].astype(cache.k.dtype), zero, axis=2, layer=kv_layer, implementation=impl)
         v = cache_write(cache.v, values[None].astype(cache.v.dtype), zero, axis=2, layer=kv_layer, implementation=impl)
         built = build_index(keys.astype(jnp.float32), calib, (self.method,), capacity=cache.capacity, length=length,
@@ -289,15 +296,17 @@ class SparseAttention:
                               tail=set_small(old.tail, new.tail), length=lengths, rotation=rotation)
 
         old = cache.index
-        raw, klt = store(old.raw, built.raw), store(old.klt, built.klt)
-        loki = store(old.loki, built.loki)
         landmarks = landmark_tail = None
         if old.landmarks is not None:
             landmarks = write(old.landmarks, built.landmarks, 2)
             landmark_tail = set_small(old.landmark_tail, built.landmark_tail)
-        index = KeyIndex(length=lengths, raw=raw, klt=klt, loki=loki, landmarks=landmarks, landmark_tail=landmark_tail)
-        batch_length = length.reshape(cache.batch, -1)[:, 0]
-        return SparseCache(k=k, v=v, index=index, length=batch_length)
+        index = KeyIndex(length=lengths, raw=store(old.raw, built.raw), klt=store(old.klt, built.klt),
+                         loki=store(old.loki, built.loki), landmarks=landmarks, landmark_tail=landmark_tail)
+        return SparseCache(k=k, v=v, index=index, length=cache.length)
+
+    def prefilled(self, cache: SparseCache, lengths: Int[Array, "B"]) -> SparseCache:
+        """The cache with its per-sequence lengths set after the last prefill layer."""
+        return dataclasses.replace(cache, length=jnp.asarray(lengths, jnp.int32))
 
     def session_calibration(self, keys: Float[Array, "R T D"], length: Int[Array, "R"]) -> Calibration | None:
         """The session statistics of one layer's prefill keys (None unless ``calibration_source="session"``)."""
@@ -311,10 +320,16 @@ class SparseAttention:
         """Sparse attention of the new token's queries at layer ``layer`` (inside the layer scan).
 
         ``key`` / ``value`` are the new token's post-RoPE key and value; the cache does not hold them yet.
-        Returns the attention output and what :meth:`commit` writes after the layer scan.
+        Returns the attention output and what :meth:`commit` writes after the layer scan. Under a mesh each
+        device runs this for its own groups.
         """
-        impl = self.resolved_implementation
-        position = cache.group_length()
+        return self.placement.per_group(
+            functools.partial(self._attend_groups, shared_kv=cache.shared_kv),
+            q, key, value, cache.group_length(), self.layer_calibration(layer, cache.groups), cache,
+            jnp.asarray(layer, jnp.int32), axes=(0, 0, 0, 0, 0, 1, None), out_axes=0,
+        )
+
+    def _attend_groups(self, q, key, value, position, calib, cache, layer, *, shared_kv):
         small = lambda a: a[layer]  # noqa: E731
         index = cache.index
         key32 = key.astype(jnp.float32)
@@ -331,25 +346,28 @@ class SparseAttention:
                                     rotation=rotation)
         landmark = None
         if index.landmarks is not None:
-            mean, ltail = jax.vmap(landmarks_lib.append_block)(small(index.landmark_tail), position, key32)
-            landmark = (mean, ltail)
-            view["landmarks"], view["landmark_tail"] = index.landmarks, ltail
-        new = NewToken(position=position, key=key32, value=value,
-                       blocks={p: b[:2] for p, b in blocks.items()}, landmark=None if landmark is None else landmark[0])
+            landmark = jax.vmap(landmarks_lib.append_block)(small(index.landmark_tail), position, key32)
+            view["landmarks"], view["landmark_tail"] = index.landmarks, landmark[1]
+        new = NewToken(position=position, key=key32, value=value, blocks={p: b[:2] for p, b in blocks.items()},
+                       landmark=None if landmark is None else landmark[0])
         out, _ = sparse_attention_step(
-            self.method, q, KeyIndex(**view), cache.k, cache.v, position + 1,
-            self.layer_calibration(layer, cache.groups),
-            k=self.k, sink=self.sink, local=self.local, layer=layer, kv_layer=0 if cache.shared_kv else layer,
-            new=new, placement=self.placement, implementation=impl,
+            self.method, q, KeyIndex(**view), cache.k, cache.v, position + 1, calib,
+            k=self.k, sink=self.sink, local=self.local, layer=layer, kv_layer=0 if shared_kv else layer,
+            new=new, placement=self.placement, implementation=self.resolved_implementation,
         )
         return out, LayerUpdate(key=key, value=value, blocks=blocks, landmark=landmark)
 
     def commit(self, cache: SparseCache, update: LayerUpdate) -> SparseCache:
         """Write every layer's new K/V row and newest index blocks (``update`` stacked on [L]) in place."""
+        return self.placement.per_group(
+            functools.partial(self._commit_groups, shared_kv=cache.shared_kv), cache, update, cache.group_length(),
+            axes=(1, 1, 0), out_axes=(cache, 1),
+        )
+
+    def _commit_groups(self, cache, update, p, *, shared_kv):
         impl = self.resolved_implementation
-        p = cache.group_length()
         write = lambda dst, src, start, axis: cache_write(dst, src, start, axis=axis, implementation=impl)  # noqa: E731
-        kv_src = lambda x: (x[-1:] if cache.shared_kv else x)[:, :, None, :].astype(cache.k.dtype)  # noqa: E731
+        kv_src = lambda x: (x[-1:] if shared_kv else x)[:, :, None, :].astype(cache.k.dtype)  # noqa: E731
         k = write(cache.k, kv_src(update.key), p, 2)
         v = write(cache.v, kv_src(update.value), p, 2)
         lengths = cache.index.length + 1

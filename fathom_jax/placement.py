@@ -141,6 +141,10 @@ class Placement:
             return SingleDeviceSharding(jax.devices()[0])
         return NamedSharding(self.mesh, P())
 
+    def replicate(self, tree):
+        """``tree`` replicated over the mesh (weights, hook statistics); unchanged without a mesh."""
+        return tree if self.mesh is None else jax.device_put(tree, self.replicated())
+
     def shardings(self, tree):
         """Per-leaf shardings of a cache pytree (bulk leaves in :attr:`memory_kind`, the rest on device)."""
         def one(path, x):
@@ -163,6 +167,32 @@ class Placement:
         if bulk and self.memory_kind == "pinned_host":
             return jax.device_put(np.zeros(shape, dtype), sharding)
         return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()
+
+    # -- running per-group work over the mesh ------------------------------------------------
+    def group_spec(self, x, group_axis: int | None) -> P:
+        """The partition spec of ``x`` whose groups sit on ``group_axis`` (None: replicated)."""
+        if group_axis is None or jnp.ndim(x) <= group_axis:
+            return P()
+        return P(*([None] * group_axis), self.axis)
+
+    def per_group(self, fn, *args, axes, out_axes):
+        """``fn(*args)``, run per shard of the group axis under ``shard_map`` when there is a mesh.
+
+        ``axes[i]`` is the group axis of every leaf of ``args[i]`` (0 for ``[R, ...]``, 1 for stacked
+        ``[L, R, ...]``, None: replicated; a leaf with fewer dimensions is replicated, e.g. per-sequence
+        lengths); ``out_axes`` likewise for the outputs (an int for all, or a pytree of outputs whose
+        leaves' ranks decide, as for ``axes``). The Pallas kernels run per shard, on each device's own
+        groups and its own slice of host memory. Without a mesh this is ``fn(*args)``.
+        """
+        if self.mesh is None:
+            return fn(*args)
+        in_specs = tuple(jax.tree.map(lambda x, ax=ax: self.group_spec(x, ax), a) for a, ax in zip(args, axes))
+        if isinstance(out_axes, int):
+            out_specs = P(*([None] * out_axes), self.axis)
+        else:  # (a pytree shaped like the output, its group axis)
+            like, axis_of = out_axes
+            out_specs = jax.tree.map(lambda x: self.group_spec(x, axis_of), like)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
     # -- reading bulk arrays inside the step -------------------------------------------------
     def stage(self, x, layer, implementation: backend.Implementation):

@@ -78,7 +78,7 @@ def close(got, want, tol=2e-5):
 # k >= context: every token is selected, sparse decode is dense decode
 
 
-@pytest.mark.parametrize("spec", ["fathom:16", "sparq:2", "exact", "landmark", "dense"])
+@pytest.mark.parametrize("spec", ["fathom:16", "landmark", "dense"])
 def test_selecting_every_token_equals_dense(model, calib, dense_run, spec):
     tokens, want = dense_run
     attn = decode.from_spec(spec, k=CAPACITY, calibration=calib)
@@ -95,13 +95,13 @@ def test_selecting_every_token_equals_dense(model, calib, dense_run, spec):
 
 @pytest.mark.parametrize("spec", ["fathom_klt:16", "landmark", "fathom:16"])
 def test_index_after_decode_equals_index_of_all_keys(model, spec):
-    # 60 / 45 prompt tokens + 8 decode steps cross a 64-token store block and several 8-token landmark blocks.
+    # 60 / 45 prompt tokens + 5 decode steps cross a 64-token store block and 8-token landmark blocks.
     lengths = np.array([60, 45])
     attn = decode.from_spec(spec, k=40)  # fathom_klt: session calibration
-    _, cache, attn = sparse_forced(model, LONG, LONG[:, :8], attn, capacity=72, lengths=lengths)
-    np.testing.assert_array_equal(cache.length, lengths + 8)
+    _, cache, attn = sparse_forced(model, LONG, LONG[:, :5], attn, capacity=72, lengths=lengths)
+    np.testing.assert_array_equal(cache.length, lengths + 5)
     hkv = model.config.n_kv_heads
-    for b, n in enumerate(lengths + 8):
+    for b, n in enumerate(lengths + 5):
         rows = slice(b * hkv, (b + 1) * hkv)
         for layer in range(model.config.n_layers):
             calib = None if attn.calibration is None else jax.tree.map(lambda a: a[layer, rows], attn.calibration)
@@ -110,7 +110,7 @@ def test_index_after_decode_equals_index_of_all_keys(model, spec):
             assert_trees_bitwise_equal(got, want)
         # the K rows are the model's keys: every layer's on the prompt (dense prefill), layer 0's on the decoded
         # tokens too (deeper layers' inputs there come from sparse attention)
-        dense_k = capture_qkv(model, np.concatenate([LONG[b, : lengths[b]], LONG[b, :8]]))["k"]
+        dense_k = capture_qkv(model, np.concatenate([LONG[b, : lengths[b]], LONG[b, :5]]))["k"]
         np.testing.assert_allclose(cache.k[:, rows, : lengths[b]], dense_k[:, :, : lengths[b]], atol=1e-4)
         np.testing.assert_allclose(cache.k[0, rows, :n], dense_k[0], atol=1e-4)
     if attn.calibration is not None:  # session statistics are those of each sequence's prompt keys
@@ -138,8 +138,7 @@ def rebuild_attention(method, k, sink, local, calib):
     return attn
 
 
-@pytest.mark.parametrize("spec", ["fathom:16", "fathom_klt:12", "sparq:2", "loki:4", "landmark", "exact",
-                                  "thumbnail:2"])
+@pytest.mark.parametrize("spec", ["fathom:16", "fathom_klt:12", "sparq:2", "landmark"])
 def test_small_k_equals_rebuild_per_step_reference(model, calib, dense_run, spec):
     tokens, dense = dense_run
     small = dict(k=12, sink=2, local=4)
@@ -155,19 +154,19 @@ def test_small_k_equals_rebuild_per_step_reference(model, calib, dense_run, spec
 # Placements, read modes, implementations, ragged batches
 
 
-@pytest.mark.parametrize("spec,implementation", [("fathom:16", "xla"), ("landmark", "xla"), ("exact", "xla"),
-                                                 ("dense", "xla"), ("fathom:16", "pallas")])
+@pytest.mark.parametrize("spec,implementation", [("fathom:16", "xla"), ("fathom:16", "pallas")])
 def test_offloaded_placement_equals_device_placement(model, calib, spec, implementation):
     """The offloaded layout (kernels staging and writing the cache; device memory on CPU) = device memory."""
     common = dict(k=12, sink=2, local=4, calibration=calib, implementation=implementation)
     prompt, lengths = PROMPTS[1], np.array([24, 19])
-    want = np.asarray(generate(model, prompt, 5, capacity=CAPACITY, lengths=lengths,
+    want = np.asarray(generate(model, prompt, 3, capacity=CAPACITY, lengths=lengths,
                                attention_fn=decode.from_spec(spec, **common)))
-    for read in ("direct", "staged") if implementation == "pallas" else ("direct",):
-        host = decode.from_spec(spec, placement=decode.Placement("pinned_host", read=read), **common)
-        assert host.placement.note is not None  # the CPU has no pinned_host memory: it says so
-        got = np.asarray(generate(model, prompt, 5, capacity=CAPACITY, lengths=lengths, attention_fn=host))
-        np.testing.assert_array_equal(got, want)
+    # with the kernels, the staged read (run gather, then scan HBM) is the one the device path does not take
+    read = "staged" if implementation == "pallas" else "direct"
+    host = decode.from_spec(spec, placement=decode.Placement("pinned_host", read=read), **common)
+    assert host.placement.note is not None  # the CPU has no pinned_host memory: it says so
+    got = np.asarray(generate(model, prompt, 3, capacity=CAPACITY, lengths=lengths, attention_fn=host))
+    np.testing.assert_array_equal(got, want)
 
 
 def test_ragged_batch_decodes_like_each_sequence_alone(model, calib):
@@ -185,8 +184,8 @@ def test_pallas_kernels_decode_like_the_reference(model):
     """implementation="pallas" (plane scan, top-k, row fetch, cache write; interpreted on CPU) == "xla"."""
     ref = decode.from_spec("fathom:16", k=40, implementation="xla")
     pal = dataclasses.replace(ref, implementation="pallas")
-    want, want_cache, _ = sparse_forced(model, LONG, LONG[:, :4], ref, capacity=72)
-    got, got_cache, _ = sparse_forced(model, LONG, LONG[:, :4], pal, capacity=72)
+    want, want_cache, _ = sparse_forced(model, LONG, LONG[:, :3], ref, capacity=72)
+    got, got_cache, _ = sparse_forced(model, LONG, LONG[:, :3], pal, capacity=72)
     close(got[:2], want[:2], 1e-4)  # prefill and the first step
     # Compiled for the GPU, the plane scan sums in another order than the XLA dot, so a near-tied token
     # can swap in or out of a later step's top-k (seen on the H200: 2.5e-4 of the logit scale).

@@ -50,7 +50,7 @@ def test_appendix_approximate_scores(appendix):
     assert set(np.argsort(-scores[1])[:2]) == {5, 0}  # head B: {t5, t0}
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     keys=hnp.arrays(np.float32, st.tuples(st.integers(1, 150), st.integers(1, 6)),
                     elements=st.floats(-1e3, 1e3, width=32)),

@@ -90,6 +90,19 @@ def decode_step_fn(model, tokens: Int[Array, "B"], cache: SparseCache, attn: Spa
     return model.logits(model.norm(x[:, 0])), cache
 
 
+def attention_step_fn(q: Float[Array, "L R G D"], key: Float[Array, "L R D"], value: Float[Array, "L R D"],
+                      cache: SparseCache, attn: SparseAttention):
+    """The attention part of one decode step for every layer, without the weight GEMMs: per layer the sparse
+    step for given queries and new keys/values, then the in-place writes (the paper's offload benchmark)."""
+
+    def body(_, xs):
+        q_l, k_l, v_l, layer = xs
+        return None, attn.attend(q_l, k_l, v_l, cache, layer)
+
+    _, (out, updates) = jax.lax.scan(body, None, (q, key, value, jnp.arange(cache.n_layers, dtype=jnp.int32)))
+    return out, attn.commit(cache, updates)
+
+
 # ----------------------------------------------------------------------------------------------
 # Jitted entry points. Over HBM the whole greedy loop is one program; with the cache in host memory,
 # each layer of prefill and each decode step is one program that donates the cache (in-place writes
@@ -137,6 +150,7 @@ def _generate_in_device_memory(graphdef, state, prompt, lengths, max_new_tokens,
 
     (h, cache), session = jax.lax.scan(layer_body, (model.embed_tokens(prompt), cache),
                                        jnp.arange(model.config.n_layers, dtype=jnp.int32))
+    cache = attn.prefilled(cache, lengths)
     if session is not None:
         attn = attn.with_calibration(session)
     out = jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32)
@@ -164,14 +178,19 @@ def _host_programs(graphdef, attn_static, cache_shardings, out_sharding):
         logits, cache = decode_step_fn(model, tokens, cache, join_attention(attn_static, attn_leaves))
         return _first_token(logits), logits, cache
 
+    def attention_fn(q, key, value, cache, attn_leaves):
+        return attention_step_fn(q, key, value, cache, join_attention(attn_static, attn_leaves))
+
     shardings = jax.tree.unflatten(cache_shardings[0], cache_shardings[1])
     layer_jit = jax.jit(layer_fn, donate_argnums=(3,), out_shardings=(out_sharding, shardings, out_sharding))
     step_jit = jax.jit(step_fn, donate_argnums=(2,), out_shardings=(out_sharding, out_sharding, shardings))
-    return layer_jit, step_jit
+    attention_jit = jax.jit(attention_fn, donate_argnums=(3,), out_shardings=(out_sharding, shardings))
+    return layer_jit, step_jit, attention_jit
 
 
 def host_programs(model, attn: SparseAttention, cache: SparseCache):
-    graphdef, _ = nnx.split(model)
+    """(prefill layer, decode step, attention-only step) programs for this placement and cache layout."""
+    graphdef = nnx.split(model)[0] if model is not None else None
     attn_static, _ = split_attention(attn)
     leaves, treedef = jax.tree.flatten(attn.placement.shardings(cache))
     return _host_programs(graphdef, attn_static, (treedef, tuple(leaves)), attn.placement.replicated())
@@ -187,9 +206,10 @@ def prefill(model, prompt, lengths, attn: SparseAttention, capacity: int):
     prompt = jnp.asarray(prompt, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
     cache = _init_cache(model, attn, prompt.shape[0], capacity)
-    layer_jit, _ = host_programs(model, attn, cache)
+    layer_jit, _, _ = host_programs(model, attn, cache)
     graphdef, state = nnx.split(model)
     _, attn_leaves = split_attention(attn)
+    state, attn_leaves = attn.placement.replicate((state, attn_leaves))
     h = _embed(graphdef, state, prompt)
     sessions = []
     for layer in range(cfg.n_layers):
@@ -197,7 +217,7 @@ def prefill(model, prompt, lengths, attn: SparseAttention, capacity: int):
         sessions.append(session)
     if sessions[0] is not None:
         attn = attn.with_calibration(jax.tree.map(lambda *xs: jnp.stack(xs), *sessions))
-    return _last_logits(graphdef, state, h, lengths), cache, attn
+    return _last_logits(graphdef, state, h, lengths), attn.prefilled(cache, lengths), attn
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -212,10 +232,18 @@ def _last_logits(graphdef, state, h, lengths):
 
 def decode_step(model, tokens, cache: SparseCache, attn: SparseAttention):
     """One jitted decode step: ``(next tokens [B], logits [B, V], cache)``; the cache is donated."""
-    _, step_jit = host_programs(model, attn, cache)
+    _, step_jit, _ = host_programs(model, attn, cache)
     _, state = nnx.split(model)
     _, attn_leaves = split_attention(attn)
+    state, attn_leaves = attn.placement.replicate((state, attn_leaves))
     return step_jit(state, jnp.asarray(tokens, jnp.int32), cache, attn_leaves)
+
+
+def attention_step(q, key, value, cache: SparseCache, attn: SparseAttention):
+    """One jitted :func:`attention_step_fn`: ``(outputs [L, R, G, D], cache)``; the cache is donated."""
+    _, _, attention_jit = host_programs(None, attn, cache)
+    _, attn_leaves = split_attention(attn)
+    return attention_jit(q, key, value, cache, attn.placement.replicate(attn_leaves))
 
 
 def generate(model, prompt, lengths, max_new_tokens: int, *, capacity: int, attn: SparseAttention):

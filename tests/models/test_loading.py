@@ -10,7 +10,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from fathom_jax.models.config import LlamaConfig
-from fathom_jax.models.llama import KVCache, LlamaForCausalLM, generate
+from fathom_jax.models import KVCache, LlamaForCausalLM, generate
 from fathom_jax.models.loading import (
     MissingTensorError,
     config_from_gguf,

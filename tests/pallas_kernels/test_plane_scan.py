@@ -27,11 +27,12 @@ def depth_plan(rng, kind, batch):
 
 
 class TestPlaneScan(KernelTestBase):
-    @pytest.mark.parametrize("kind", ["random", "zero", "four", "one"])
-    @pytest.mark.parametrize("n_cap,config", [
-        (320, PS.PlaneScanConfig(tile=512, lanes=16)), (64, PS.PlaneScanConfig(tile=1024, lanes=16, num_warps=2)),
-        (1984, PS.PlaneScanConfig(tile=256, lanes=8, num_warps=2)), (1024, PS.PlaneScanConfig(tile=1024, lanes=32)),
-    ], ids=["320-l16", "64-l16", "1984-l8", "1024-l32"])
+    @pytest.mark.parametrize("kind,n_cap,config", [
+        ("random", 320, PS.PlaneScanConfig(tile=512, lanes=16)),
+        ("zero", 64, PS.PlaneScanConfig(tile=1024, lanes=16, num_warps=2)),
+        ("four", 1984, PS.PlaneScanConfig(tile=256, lanes=8, num_warps=2)),
+        ("one", 1024, PS.PlaneScanConfig(tile=1024, lanes=32)),
+    ], ids=["random-320-l16", "zero-64-l16", "four-1984-l8", "one-1024-l32"])
     def test_matches_numpy_oracle(self, impl, rng, kind, n_cap, config):
         planes, scales, length = random_store_arrays(rng, (6,), D, n_cap)
         q = jnp.asarray(rng.standard_normal((6, G, D)), jnp.float32)

@@ -2,12 +2,11 @@ import json
 
 import numpy as np
 
-from tests.conftest import random_keys
-from fathom_jax import fidelity as fid
-from fathom_jax import study
+from fathom_jax.eval import fidelity as fid
+from fathom_jax.eval import study
 
 
-def tiny_capture(rng, tokens=192):
+def tiny_capture(random_keys, rng, tokens=192):
     return fid.Capture(
         q=random_keys(rng, (2, 4, tokens, 16)),
         k=random_keys(rng, (2, 2, tokens, 16)),
@@ -15,12 +14,12 @@ def tiny_capture(rng, tokens=192):
     )
 
 
-def test_study_end_to_end_and_report_from_json(rng, tmp_path):
+def test_study_end_to_end_and_report_from_json(rng, tmp_path, random_keys):
     config = study.StudyConfig(
         context=192, ks=(48, 64), positions=8, calib_positions=8, budgets=(8, 16, 32), klt_budgets=(16,),
         layer_plan_means=(16,), layer_plan_grid=(8, 16, 32), session_budgets=(16,), exact_planner_budgets=(16,),
     )
-    res = study.run_study(tiny_capture(rng), tiny_capture(rng), config, meta={"model": "random"}, progress=False)
+    res = study.run_study(tiny_capture(random_keys, rng), tiny_capture(random_keys, rng), config, meta={"model": "random"}, progress=False)
     names = [r["name"] for r in res["rows"]]
     for want in ["Fathom 16", "Fathom KLT 16", "Fathom 16 (session calib)", "Fathom 16 (exact plan)",
                  "SparQ r=2", "SparQ r=4", "Double Sparsity c=4", "Loki r=4", "Loki r=8", "2-bit thumbnail",

@@ -1,13 +1,12 @@
 import numpy as np
 import pytest
 
-from tests.conftest import random_keys
 from fathom_jax import calibrate as cal
-from fathom_jax import fidelity as fid
-from fathom_jax.scorers import ScanMethod
+from fathom_jax.eval import fidelity as fid
+from fathom_jax import methods as M
 
 
-def make_capture(rng, layers=2, heads=4, kv=2, tokens=160, d=16):
+def make_capture(random_keys, rng, layers=2, heads=4, kv=2, tokens=160, d=16):
     q = random_keys(rng, (layers, heads, tokens, d))
     k = random_keys(rng, (layers, kv, tokens, d))
     v = rng.standard_normal((layers, kv, tokens, d)).astype(np.float32)
@@ -34,10 +33,10 @@ def reference_error(cap, layer, head, p, k_sel):
     return np.linalg.norm(attn(np.array(chosen)) - dense) / np.linalg.norm(dense)
 
 
-def test_oracle_error_matches_plain_reference(rng):
-    cap = make_capture(rng)
+def test_oracle_error_matches_plain_reference(rng, random_keys):
+    cap = make_capture(random_keys, rng)
     positions = np.array([100, 130, 159])
-    err, bits = fid.attention_errors(fid.method_score_fn(ScanMethod.exact()), cap, 48, positions=positions)
+    err, bits = fid.attention_errors(fid.method_score_fn(M.Exact()), cap, 48, positions=positions)
     assert err.shape == (2, 3, 2, 2) and np.all(bits == 16 * 16)
     for layer in range(2):
         for pi, p in enumerate(positions):
@@ -46,46 +45,46 @@ def test_oracle_error_matches_plain_reference(rng):
                 np.testing.assert_allclose(err[layer, pi, h // 2, h % 2], want, rtol=1e-4, atol=1e-6)
 
 
-def test_selecting_everything_is_exact(rng):
-    cap = make_capture(rng, tokens=64)
-    err, _ = fid.attention_errors(fid.method_score_fn(ScanMethod.sparq(2)), cap, 64, positions=np.array([63]))
+def test_selecting_everything_is_exact(rng, random_keys):
+    cap = make_capture(random_keys, rng, tokens=64)
+    err, _ = fid.attention_errors(fid.method_score_fn(M.SparQ(2)), cap, 64, positions=np.array([63]))
     assert np.max(err) < 1e-5
 
 
-def test_methods_order_by_bits(rng):
+def test_methods_order_by_bits(rng, random_keys):
     """More bits, closer to the oracle: full 4-bit vs a 1-channel SparQ on loud-channel keys."""
-    cap = make_capture(rng, tokens=256, d=32)
+    cap = make_capture(random_keys, rng, tokens=256, d=32)
     calib = cal.calibrate(cap.k[:, :, :128], cap.q[:, :, :128])
     pos = np.arange(200, 256, 8)
     run = lambda m: fid.mean_attention_error(fid.method_score_fn(m), cap, 48, positions=pos, layer_states=calib)
-    oracle, _ = run(ScanMethod.exact())
-    full, full_bits = run(ScanMethod.full4())
-    sparq1, _ = run(ScanMethod.sparq(1))
-    fathom, fathom_bits = run(ScanMethod.fathom(64))
+    oracle, _ = run(M.Exact())
+    full, full_bits = run(M.Full4())
+    sparq1, _ = run(M.SparQ(1))
+    fathom, fathom_bits = run(M.Fathom(64))
     assert full_bits == 4 * 32 + 32 / 4
     assert 16 <= fathom_bits - 0 and fathom_bits <= 64 + 32 / 4
     assert oracle <= full <= sparq1
     assert fathom <= sparq1
 
 
-def test_bad_inputs(rng):
-    cap = make_capture(rng, tokens=64)
+def test_bad_inputs(rng, random_keys):
+    cap = make_capture(random_keys, rng, tokens=64)
     with pytest.raises(ValueError, match="larger than the captured context"):
-        fid.attention_errors(fid.method_score_fn(ScanMethod.exact()), cap, 65)
+        fid.attention_errors(fid.method_score_fn(M.Exact()), cap, 65)
     with pytest.raises(ValueError, match="positions"):
-        fid.attention_errors(fid.method_score_fn(ScanMethod.exact()), cap, 40, positions=np.array([64]))
+        fid.attention_errors(fid.method_score_fn(M.Exact()), cap, 40, positions=np.array([64]))
     with pytest.raises(ValueError, match="Capture"):
         fid.Capture(q=np.zeros((2, 4, 8, 4)), k=np.zeros((2, 3, 8, 4)), v=np.zeros((2, 3, 8, 4)))
 
 
-def test_several_k_and_per_layer_functions(rng):
-    cap = make_capture(rng, tokens=128)
+def test_several_k_and_per_layer_functions(rng, random_keys):
+    cap = make_capture(random_keys, rng, tokens=128)
     pos = np.array([90, 127])
-    exact = fid.method_score_fn(ScanMethod.exact())
+    exact = fid.method_score_fn(M.Exact())
     both, _ = fid.attention_errors(exact, cap, (40, 64), positions=pos)
     one, _ = fid.attention_errors(exact, cap, 64, positions=pos)
     np.testing.assert_array_equal(both[1], one)
-    per_layer = [fid.method_score_fn(ScanMethod.sparq(2)), exact]
+    per_layer = [fid.method_score_fn(M.SparQ(2)), exact]
     err, bits = fid.attention_errors(per_layer, cap, 40, positions=pos)
     np.testing.assert_array_equal(err[1], both[0][1])
     assert np.all(bits[0] == 2 * 4 + 2 / 4) and np.all(bits[1] == 16 * 16)

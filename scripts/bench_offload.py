@@ -1,0 +1,469 @@
+"""Offloaded sparse decoding of a Qwen3-8B-shaped model: results/offload_<tag>.{json,md,png}.
+
+The K/V cache and the key index of every layer live in ``pinned_host`` memory, stacked by layer; HBM holds
+the weights, the queries and the selected rows. One compiled program per decode step (36 layers under
+``lax.scan``), one per attention-only step (the paper's terms: no weight GEMMs).
+
+Caches are synthetic where no prefill is run: each layer's keys are drawn with log-normal channel scales
+(log-variance std 1.25, as the kernel benchmark: ~39 active channels at a budget of 48) and written through
+the same path as prefill (the index is built from them, so the planes are real codes); the calibration
+variance is the drawn one. Where the host cannot hold every layer's K/V rows (1M tokens on a 128 GiB host),
+all layers share one row buffer while each keeps its own planes (``shared_kv`` in the results): the bytes
+a step moves are the same.
+
+    python3 scripts/bench_offload.py --out $OUT                      # the default sections (one H200)
+    python3 scripts/bench_offload.py --mesh 2 --tag h200x2 --out $OUT   # over two GPUs
+    python3 scripts/bench_offload.py --smoke --out /tmp/smoke          # tiny shapes, any backend (CI-size)
+
+Sections (``--sections``): link, attn, full, profile, batch, control, dense, prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import harness  # noqa: E402
+from fathom_jax import calibrate, decode, methods  # noqa: E402
+from fathom_jax.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from fathom_jax.models import sparse  # noqa: E402
+from fathom_jax.placement import Placement  # noqa: E402
+
+QWEN3_8B = LlamaConfig(vocab=151936, hidden=4096, intermediate=12288, n_layers=36, n_heads=32, n_kv_heads=8,
+                       head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True, max_position_embeddings=1 << 20,
+                       family="qwen3")
+SMOKE = LlamaConfig(vocab=512, hidden=64, intermediate=128, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=64,
+                    rope_theta=1e6, qk_norm=True, family="qwen3")
+LOGVAR_STD = 1.25
+METHODS = {  # label -> spec
+    "Fathom 48": "fathom:48", "Fathom 64": "fathom:64", "SparQ r=16": "sparq:16",
+    "32-channel (SparQ r=32)": "sparq:32", "full 4-bit": "full4",
+}
+AUTHORS_MS = {  # DESIGN.md: the authors' implementation on the same H200 (attention only, 36 layers, batch 1)
+    131072: {"Fathom 48": 19.3, "Fathom 64": 21.5, "SparQ r=16": 19.9, "32-channel (SparQ r=32)": 27.3},
+    1 << 20: {"Fathom 48": 104.8, "Fathom 64": 120.6, "SparQ r=16": 106.4, "32-channel (SparQ r=32)": 161.1},
+}
+
+
+def parse_ctx(text: str) -> int:
+    text = text.lower()
+    mult = {"k": 1024, "m": 1 << 20}.get(text[-1], 1)
+    return int(float(text[:-1] if text[-1] in "km" else text) * mult)
+
+
+class Run:
+    """Results accumulate in one JSON written after every measurement (a run stopped at its time limit keeps
+    what it measured); each section is guarded so one failure does not end the run."""
+
+    def __init__(self, args):
+        self.args = args
+        self.t0 = time.time()
+        self.path = os.path.join(args.out, f"offload_{args.tag}.json")
+        self.res = {"machine": harness.machine(), "command": " ".join(sys.argv), "config": vars(args).copy(),
+                    "rows": [], "errors": [], "notes": []}
+        self.res["config"]["model"] = dataclasses.asdict(args.config)
+
+    def left(self) -> float:
+        return self.args.time_budget - (time.time() - self.t0)
+
+    def save(self):
+        self.res["wall_seconds"] = time.time() - self.t0
+        harness.write_json(self.path, self.res)
+        write_report(self.res, self.path[:-5])
+
+    def add(self, row: dict):
+        row["t"] = round(time.time() - self.t0, 1)
+        self.res["rows"].append(row)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                       if not isinstance(v, dict)), flush=True)
+        self.save()
+
+    def guard(self, name, fn, *a, **kw):
+        if self.left() < 20:
+            self.res["errors"].append({"section": name, "error": "skipped: time budget spent"})
+            print(f"[{name}] skipped: time budget spent", flush=True)
+            return None
+        try:
+            return fn(*a, **kw)
+        except Exception as e:  # noqa: BLE001 - a benchmark run records the failure and goes on
+            self.res["errors"].append({"section": name, "error": f"{type(e).__name__}: {e}"[:2000],
+                                       "traceback": traceback.format_exc()[-4000:]})
+            print(f"[{name}] FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            self.save()
+            return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Synthetic caches
+
+
+def synthetic_calibration(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (cfg.n_layers, cfg.n_kv_heads)
+    scale = np.exp(0.5 * LOGVAR_STD * rng.standard_normal(shape + (cfg.head_dim,))).astype(np.float32)
+    eye = np.broadcast_to(np.eye(cfg.head_dim, dtype=np.float32), shape + (cfg.head_dim, cfg.head_dim))
+    calib = calibrate.from_arrays(variance=scale**2, mean=np.zeros_like(scale), basis=eye, eigenvalues=scale**2,
+                                  ds_order=np.argsort(-scale, axis=-1), loki_basis=eye)
+    return calib, scale
+
+
+def hook(spec, cfg, calib, k, placement, implementation):
+    method = methods.parse(spec)
+    return decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
+                                  placement=placement, implementation=implementation)
+
+
+def build_cache(attn, cfg, scale, *, context, batch, shared_kv, seed=0):
+    """A cache holding ``context`` tokens per sequence, room for 64 more, filled layer by layer."""
+    capacity = context + 64
+    cache = attn.init_cache(n_layers=cfg.n_layers, batch=batch, kv_heads=cfg.n_kv_heads, capacity=capacity,
+                            head_dim=cfg.head_dim, dtype=jnp.bfloat16, shared_kv=shared_kv)
+    r, d = batch * cfg.n_kv_heads, cfg.head_dim
+    lengths = jnp.full((r,), context, jnp.int32)
+    scale_r = jnp.asarray(np.tile(scale, (1, batch, 1)).reshape(cfg.n_layers, r, d))
+    shardings = attn.placement.shardings(cache)
+
+    def fill(cache, layer, key):
+        k1, k2 = jax.random.split(key)
+        keys = (jax.random.normal(k1, (r, context, d), jnp.float32) * scale_r[layer][:, None, :]).astype(jnp.bfloat16)
+        values = jax.random.normal(k2, (r, context, d), jnp.bfloat16)
+        return attn.write_layer(cache, layer, keys, values, lengths, attn.layer_calibration(layer, r))
+
+    fill_jit = jax.jit(fill, donate_argnums=0, out_shardings=shardings)
+    key = jax.random.key(seed)
+    for layer in range(cfg.n_layers):
+        cache = fill_jit(cache, jnp.int32(layer), jax.random.fold_in(key, layer))
+    cache = attn.prefilled(cache, jnp.full((batch,), context, jnp.int32))
+    return jax.block_until_ready(cache)
+
+
+def step_bytes(attn, cfg, calib, q, *, context, k, kv_itemsize=2):
+    """Bytes a step reads over the link: the planned planes + scales of every layer, and the selected rows."""
+    method = attn.method
+    bits = []
+    for layer in range(cfg.n_layers):
+        c = attn.layer_calibration(layer, q.shape[1])
+        read = method.read(q[layer], None, c) if method.name != "fathom_klt" else None
+        bits.append(np.asarray(read.bits))
+    bits = np.stack(bits)  # [L, R]
+    r = q.shape[1]
+    scan = float(bits.sum() * context / 8)
+    g = q.shape[2]
+    rows = float(cfg.n_layers * r * min(g * k, context) * cfg.head_dim * kv_itemsize * 2)  # union upper bound
+    return {"bits_per_token": float(bits.mean()), "scan_bytes": scan, "row_bytes_max": rows}
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections
+
+
+def link_section(run: Run):
+    devices = jax.devices()[: run.args.mesh]
+    run.res["link"] = harness.host_to_device_rate(run.args.link_bytes, devices=devices)
+    run.res["hbm_copy"] = harness.hbm_copy_rate()
+    print("link", run.res["link"], "hbm", run.res["hbm_copy"]["GBps"], flush=True)
+    run.save()
+
+
+def random_step_inputs(cfg, batch, seed=1):
+    rng = np.random.default_rng(seed)
+    r = batch * cfg.n_kv_heads
+    q = jnp.asarray(rng.standard_normal((cfg.n_layers, r, cfg.group_size, cfg.head_dim)), jnp.float32)
+    key = jnp.asarray(rng.standard_normal((cfg.n_layers, r, cfg.head_dim)), jnp.bfloat16)
+    value = jnp.asarray(rng.standard_normal((cfg.n_layers, r, cfg.head_dim)), jnp.bfloat16)
+    return q, key, value
+
+
+def link_rate(run) -> float:
+    link = run.res.get("link", {})
+    if "all" in link:
+        return link["all"]["GBps"]
+    rates = [v["GBps"] for v in link.values()]
+    return float(np.mean(rates)) if rates else float("nan")
+
+
+def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, placement=None, tag=""):
+    """Attention-only steps of several methods over one synthetic cache (all plane methods share it)."""
+    args = run.args
+    placement = placement or args.placement
+    shared = args.share_kv_from is not None and context >= args.share_kv_from
+    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation)
+    t = time.time()
+    cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
+    fill_s = time.time() - t
+    q, key, value = random_step_inputs(cfg, batch)
+    for label in labels:
+        if run.left() < 30:
+            run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
+            break
+        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation)
+
+        def call(state, attn=attn):
+            out, c = sparse.attention_step(q, key, value, state[1], attn)
+            return out, c
+
+        try:
+            r, state = harness.timeit_calls(call, (None, cache), n=args.steps, repeats=args.repeats)
+        except Exception as e:  # noqa: BLE001
+            run.res["errors"].append({"section": f"attn {label} {context}", "error": f"{type(e).__name__}: {e}"[:2000],
+                                      "traceback": traceback.format_exc()[-4000:]})
+            print(f"[attn {label} {context}] FAILED {e}"[:600], flush=True)
+            return None
+        cache = state[1]
+        nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
+        floor_ms = (nbytes["scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
+        run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
+                 "mesh": placement.num_shards, "shared_kv": shared, "fill_s": fill_s, **r, **nbytes,
+                 "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],
+                 "authors_ms": AUTHORS_MS.get(context, {}).get(label) if batch == 1 and placement.num_shards == 1 else None,
+                 "tag": tag})
+    return cache
+
+
+def random_model(cfg, placement):
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+
+    @jax.jit
+    def init(key):
+        leaves, tree = jax.tree_util.tree_flatten_with_path(state)
+        out = []
+        for i, (path, leaf) in enumerate(leaves):
+            name = jax.tree_util.keystr(path)
+            if "norm" in name:
+                out.append(jnp.ones(leaf.shape, leaf.dtype))
+            else:
+                out.append((0.02 * jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32)).astype(leaf.dtype))
+        return jax.tree_util.tree_unflatten(tree, out)
+
+    params = placement.replicate(init(jax.random.key(0)))
+    return nnx.merge(graphdef, params)
+
+
+def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, profile=False, placement=None):
+    args = run.args
+    placement = placement or args.placement
+    shared = args.share_kv_from is not None and context >= args.share_kv_from
+    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation)
+    cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
+    tokens = jnp.zeros((batch,), jnp.int32)
+    for label in labels:
+        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation)
+
+        def call(state, attn=attn):
+            toks, _, c = sparse.decode_step(model, state[0], state[1], attn)
+            return toks, c
+
+        r, state = harness.timeit_calls(call, (tokens, cache), n=args.steps, repeats=args.repeats)
+        cache = state[1]
+        q, _, _ = random_step_inputs(cfg, batch)
+        nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
+        row = {"kind": "full", "method": label, "context": context, "batch": batch, "memory": placement.memory,
+               "mesh": placement.num_shards, "shared_kv": shared, **r, **nbytes,
+               "tokens_per_s": batch / (r["median_ms"] * 1e-3)}
+        if profile:
+            trace = os.path.join(args.out, "traces", f"full_{context}_{label.split()[0]}_{batch}")
+            try:
+                bd, state = harness.profile_breakdown(call, state, trace)
+                cache = state[1]
+                row["profile"] = bd
+                row["wall_over_device"] = bd["wall_ms_per_step"] / bd["device_span_ms_per_step"]
+            except Exception as e:  # noqa: BLE001
+                run.res["errors"].append({"section": "profile", "error": f"{type(e).__name__}: {e}"[:2000]})
+        run.add(row)
+    return cache
+
+
+def prefill_section(run: Run, model, cfg, calib, context):
+    args = run.args
+    attn = hook("fathom:48", cfg, calib, args.k, args.placement, args.implementation)
+    prompt = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab, (1, context)), jnp.int32)
+    lengths = jnp.full((1,), context, jnp.int32)
+    times = []
+    for _ in range(2):  # the first includes compilation
+        t = time.time()
+        logits, cache, _ = sparse.prefill(model, prompt, lengths, attn, context + 64)
+        jax.block_until_ready((logits, cache))
+        times.append(time.time() - t)
+        del cache
+    # the index build alone (one layer's keys, the same shapes), x layers
+    r = cfg.n_kv_heads
+    keys = jax.random.normal(jax.random.key(1), (r, context, cfg.head_dim), jnp.float32)
+    from fathom_jax.index import build_index
+
+    build = jax.jit(lambda k: build_index(k, None, (attn.method,), capacity=context + 64))
+    jax.block_until_ready(build(keys))
+    t = time.time()
+    for _ in range(3):
+        jax.block_until_ready(build(keys))
+    index_s = (time.time() - t) / 3 * cfg.n_layers
+    run.add({"kind": "prefill", "context": context, "first_s": times[0], "prefill_s": times[1],
+             "index_build_s": index_s, "index_share": index_s / times[1], "memory": args.placement.memory})
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--contexts", default="32k,128k,512k,1m")
+    ap.add_argument("--sections", default="link,attn,full,profile,batch,control,dense,prefill")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--k", type=int, default=512)
+    ap.add_argument("--mesh", type=int, default=1, help="GPUs in the mesh (the group axis is split over them)")
+    ap.add_argument("--share-kv-from", default="512k", help="contexts from this size share one K/V row buffer")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--read", default="direct", choices=["direct", "staged"])
+    ap.add_argument("--link-bytes", type=int, default=2 << 30)
+    ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
+    args = ap.parse_args(argv)
+    args.config = SMOKE if args.smoke else QWEN3_8B
+    args.contexts = [parse_ctx(c) for c in args.contexts.split(",")]
+    args.share_kv_from = None if args.share_kv_from in ("", "none") else parse_ctx(args.share_kv_from)
+    args.sections = args.sections.split(",")
+    labels = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in labels if m not in METHODS]
+    if unknown:
+        ap.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
+    mesh = None
+    if args.mesh > 1:
+        if len(jax.devices()) < args.mesh:
+            ap.error(f"--mesh {args.mesh}: only {len(jax.devices())} devices")
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[: args.mesh]), ("x",))
+    args.placement = Placement("pinned_host", mesh=mesh, read=args.read)
+    args.implementation = "pallas"
+    if args.placement.note:
+        print("note:", args.placement.note, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    run = Run(args)
+    run.res["notes"].append(args.placement.note or f"bulk cache arrays in {args.placement.memory_kind} memory")
+    cfg = args.config
+    calib, scale = synthetic_calibration(cfg)
+    ctxs = sorted(args.contexts, reverse=True)
+    if "link" in args.sections:
+        run.guard("link", link_section, run)
+    if "attn" in args.sections:
+        for ctx in ctxs:
+            run.guard(f"attn {ctx}", attention_rows, run, cfg, calib, scale, ctx, labels)
+    model = None
+    if {"full", "batch", "prefill"} & set(args.sections):
+        model = run.guard("model", random_model, cfg, args.placement)
+    if model is not None and "full" in args.sections:
+        for ctx in ctxs:
+            full_labels = labels if ctx in (max(ctxs), 131072) else labels[:1]
+            run.guard(f"full {ctx}", full_rows, run, model, cfg, calib, scale, ctx, full_labels,
+                      profile="profile" in args.sections and ctx == max(ctxs))
+    if model is not None and "batch" in args.sections:
+        ctx = 131072 if 131072 in args.contexts else min(args.contexts)
+        for b in (4, 8):
+            run.guard(f"batch {b}", full_rows, run, model, cfg, calib, scale, ctx, labels[:1], batch=b,
+                      profile="profile" in args.sections and b == 8)
+    if "control" in args.sections:
+        ctx = 131072 if 131072 in args.contexts else min(args.contexts)
+        run.guard("control", attention_rows, run, cfg, calib, scale, ctx, labels[:1],
+                  placement=Placement("device", mesh=mesh), tag="index and K/V in HBM")
+    if "dense" in args.sections:
+        METHODS.setdefault("dense", "dense")
+        for ctx in [c for c in sorted(args.contexts) if c <= 131072]:
+            run.guard(f"dense {ctx}", attention_rows, run, cfg, calib, scale, ctx, ["dense"], tag="dense offload")
+    if model is not None and "prefill" in args.sections:
+        ctx = 131072 if 131072 in args.contexts else max(args.contexts)
+        run.guard("prefill", prefill_section, run, model, cfg, calib, ctx)
+    run.save()
+    print(f"done in {time.time() - run.t0:.0f} s; {len(run.res['errors'])} errors", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def write_report(res: dict, prefix: str) -> None:
+    m = res["machine"]
+    link = res.get("link", {})
+    lines = [f"# Offloaded sparse decoding ({m['device']} x{res['config'].get('mesh', 1)})", "",
+             f"{m['date']}, JAX {m['jax']}, commit {m['commit']}, host {m['host']}. Command: `{res['command']}`.",
+             "Model: Qwen3-8B shapes (36 layers, 32 query / 8 KV heads, D = 128, hidden 4096, MLP 12288), random bf16 "
+             "weights; k = 512; caches synthetic (keys with log-normal channel scales, index built from them); "
+             "`shared_kv`: all layers read one K/V row buffer (each layer keeps its own planes).",
+             f"Link (device_put of {res['config'].get('link_bytes', 0) / 2**30:.0f} GiB from pinned_host): " +
+             ", ".join(f"{k} {v['GBps']:.1f} GB/s" for k, v in link.items()) +
+             (f"; HBM copy {res['hbm_copy']['GBps']:.0f} GB/s" if "hbm_copy" in res else ""), ""]
+    rows = res["rows"]
+    att = [r for r in rows if r["kind"] == "attention"]
+    if att:
+        lines += ["## Attention-only step (36 layers; ms per step, median [min, max])", "",
+                  "| method | context | batch | mesh | memory | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
+                  "link floor ms | fraction of link | authors' ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(att, key=lambda r: (r["context"], r["method"])):
+            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r['memory']} | {r['shared_kv']} | "
+                         f"{r['bits_per_token']:.1f} | {r['scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
+                         f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | "
+                         f"{r['fraction_of_link']:.2f} | {r.get('authors_ms') or ''} |")
+        lines.append("")
+    full = [r for r in rows if r["kind"] == "full"]
+    if full:
+        lines += ["## Full decode step (QKV, sparse attention, o_proj, MLP, lm_head)", "",
+                  "| method | context | batch | mesh | ms | tokens/s | wall / device |", "|---|---|---|---|---|---|---|"]
+        for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"])):
+            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r['median_ms']:.2f} "
+                         f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['tokens_per_s']:.1f} | "
+                         f"{r.get('wall_over_device', float('nan')):.2f} |")
+        lines.append("")
+        for r in full:
+            if "profile" in r:
+                p = r["profile"]
+                lines += [f"Profile of {r['method']} at {r['context']} (batch {r['batch']}): wall {p['wall_ms_per_step']:.1f} ms, "
+                          f"device span {p['device_span_ms_per_step']:.1f} ms, busy {p['device_busy_ms_per_step']:.1f} ms per step; "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in p["ms_per_step"].items()) + " ms.", ""]
+    pre = [r for r in rows if r["kind"] == "prefill"]
+    for r in pre:
+        lines += [f"Prefill of a {r['context']}-token prompt into host memory: {r['prefill_s']:.1f} s "
+                  f"(first call, with compilation: {r['first_s']:.1f} s); index build {r['index_build_s']:.2f} s "
+                  f"({100 * r['index_share']:.1f}%).", ""]
+    if res.get("errors"):
+        lines += ["## Errors", ""] + [f"- {e['section']}: {e['error'][:300]}" for e in res["errors"]] + [""]
+    with open(prefix + ".md", "w") as f:
+        f.write("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    if not att:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for label in sorted({r["method"] for r in att}):
+        pts = sorted((r["context"], r["median_ms"]) for r in att if r["method"] == label and r["batch"] == 1
+                     and r["memory"] == "pinned_host")
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("attention-only step (ms, 36 layers)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{m['device']}: index + K/V in pinned host memory")
+    fig.tight_layout()
+    fig.savefig(prefix + ".png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

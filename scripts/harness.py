@@ -1,0 +1,214 @@
+"""The shared timing harness of the benchmarks (``scripts/bench_*.py``).
+
+* :func:`timeit`: ms per iteration of a step run ``iters`` times inside one jitted ``fori_loop`` (a single
+  jitted call costs ~0.1 ms to dispatch, more than a kernel at 32k); median and spread over repeats.
+* :func:`timeit_calls`: ms per call of an already-jitted function called back to back (a decode step that
+  donates its cache), wall clock around ``n`` asynchronous calls.
+* :func:`machine`: device, host, JAX version, date - recorded in every results file.
+* :func:`host_to_device_rate`, :func:`hbm_copy_rate`: the link and HBM ceilings, measured in the same run.
+* :func:`profile_breakdown`: device time per kernel category from a JAX profiler (perfetto) trace.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import glob
+import gzip
+import json
+import os
+import platform
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def stats(times_ms) -> dict:
+    times_ms = np.asarray(times_ms, np.float64)
+    return {"median_ms": float(np.median(times_ms)), "min_ms": float(np.min(times_ms)),
+            "max_ms": float(np.max(times_ms)), "n": int(times_ms.size)}
+
+
+def timeit(step, x0, *, iters, repeats=5):
+    """ms per iteration of ``x -> step(x)`` run ``iters`` times in one jitted fori_loop."""
+
+    @jax.jit
+    def loop(x):
+        return jax.lax.fori_loop(0, iters, lambda i, c: step(c), x)
+
+    jax.block_until_ready(loop(x0))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(loop(x0))
+        times.append((time.perf_counter() - t) * 1e3 / iters)
+    return stats(times)
+
+
+def timeit_args(step, x0, args, *, reps=20, repeats=5):
+    """Like :func:`timeit` for steps that read pinned_host arrays: they must be jit *arguments* (a closed-over
+    array becomes a device constant) and are not carried through a while loop, so ``reps`` chained calls are
+    unrolled in one jitted function."""
+
+    @jax.jit
+    def run(x, *a):
+        for _ in range(reps):
+            x = step(x, *a)
+        return x
+
+    jax.block_until_ready(run(x0, *args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(run(x0, *args))
+        times.append((time.perf_counter() - t) * 1e3 / reps)
+    return stats(times)
+
+
+def timeit_calls(call, state, *, n=5, repeats=3, warmup=2):
+    """ms per call of ``state -> call(state)`` (returns the next state), ``n`` async calls per repeat."""
+    for _ in range(warmup):
+        state = call(state)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(n):
+            state = call(state)
+        jax.block_until_ready(state)
+        times.append((time.perf_counter() - t) * 1e3 / n)
+    return stats(times), state
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine() -> dict:
+    devices = jax.devices()
+    return {
+        "device": devices[0].device_kind, "devices": len(devices), "backend": jax.default_backend(),
+        "host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+        "cpus": os.cpu_count(), "jax": jax.__version__, "commit": git_commit(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def hbm_copy_rate(nbytes=1 << 30) -> dict:
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    r = timeit(lambda c: c * 1.0000001, x, iters=20)
+    r["GBps"] = 2 * nbytes / (r["median_ms"] * 1e-3) / 1e9  # read + write
+    return r
+
+
+def host_to_device_rate(nbytes=2 << 30, devices=None, repeats=5) -> dict:
+    """``device_put`` of ``nbytes`` from pinned_host to each device, one at a time and all at once (GB/s)."""
+    devices = devices or jax.devices()
+    out = {}
+    srcs = []
+    for d in devices:
+        src = jax.device_put(np.ones(nbytes // 4, np.float32), jax.sharding.SingleDeviceSharding(d, memory_kind="pinned_host"))
+        srcs.append((d, src))
+    for d, src in srcs:
+        dst = jax.sharding.SingleDeviceSharding(d, memory_kind="device")
+        jax.block_until_ready(jax.device_put(src, dst))
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(jax.device_put(src, dst))
+            times.append((time.perf_counter() - t) * 1e3)
+        out[f"device{d.id}"] = {**stats(times), "GBps": nbytes / (np.median(times) * 1e-3) / 1e9}
+    if len(srcs) > 1:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready([jax.device_put(s, jax.sharding.SingleDeviceSharding(d, memory_kind="device"))
+                                   for d, s in srcs])
+            times.append((time.perf_counter() - t) * 1e3)
+        out["all"] = {**stats(times), "GBps": len(srcs) * nbytes / (np.median(times) * 1e-3) / 1e9}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Profiler breakdown
+
+CATEGORIES = (  # (category, substrings of kernel / op names), first match wins
+    ("scan (reads host planes)", ("fathom_plane_scan",)),
+    ("scan transfer (run gather)", ("run_gather",)),
+    ("nibble scan", ("nibble_scan",)),
+    ("top-k", ("topk", "kth_largest")),
+    ("row fetch", ("row_fetch",)),
+    ("cache write", ("cache_write",)),
+    ("GEMMs", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "matmul", "dot", "sm90_", "wgmma")),
+    ("copies", ("memcpy", "copy", "memset")),
+)
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def trace_events(trace_dir: str) -> list[dict]:
+    """Events of the newest perfetto trace under ``trace_dir`` (``jax.profiler`` with
+    ``create_perfetto_trace=True``)."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    files = files or sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+                            key=os.path.getmtime)
+    if not files:
+        return []
+    with gzip.open(files[-1], "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_events(events: list[dict]) -> list[dict]:
+    """Complete events of GPU streams (their process is named after the device), or all if none are marked."""
+    names = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu_pids = {pid for pid, n in names.items() if "GPU" in n.upper()}
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    return [e for e in complete if e.get("pid") in gpu_pids] if gpu_pids else complete
+
+
+def profile_breakdown(call, state, trace_dir: str, *, steps: int = 3) -> tuple[dict, object]:
+    """Device ms per step per category of ``steps`` calls of ``call`` traced with the JAX profiler."""
+    os.makedirs(trace_dir, exist_ok=True)
+    jax.block_until_ready(state)
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    t = time.perf_counter()
+    for _ in range(steps):
+        state = call(state)
+    jax.block_until_ready(state)
+    wall = (time.perf_counter() - t) * 1e3 / steps
+    jax.profiler.stop_trace()
+    events = device_events(trace_events(trace_dir))
+    per_cat: dict[str, float] = {}
+    for e in events:
+        per_cat[categorize(e.get("name", ""))] = per_cat.get(categorize(e.get("name", "")), 0.0) + e["dur"] / 1e3
+    busy = sum(per_cat.values()) / steps
+    if events:
+        span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3 / steps
+    else:
+        span = float("nan")
+    return {"wall_ms_per_step": wall, "device_busy_ms_per_step": busy, "device_span_ms_per_step": span,
+            "ms_per_step": {k: v / steps for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
+            "events": len(events)}, state
+
+
+def write_json(path: str, data) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(tmp, path)

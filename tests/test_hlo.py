@@ -1,0 +1,49 @@
+"""The zero-copy guard: host-array copies are found in compiled HLO (parser on CPU, real programs on GPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fathom_jax import decode
+from fathom_jax.hlo import host_array_copies
+from fathom_jax.models import sparse
+
+SNIPPET = """
+ENTRY %main (p0: u32[36,8,128,4,32768], p1: f32[8,4,128]) -> f32[8,4,1048576] {
+  %p0 = u32[36,8,128,4,32768]{4,3,2,1,0:S(5)} parameter(0)
+  %gte = u32[36,8,128,4,32768]{4,3,2,1,0:S(5)} get-tuple-element((u32[36,8,128,4,32768]{4,3,2,1,0:S(5)}) %t), index=0
+  %ok = f32[8,4,1048576]{2,1,0} custom-call(u32[36,8,128,4,32768]{4,3,2,1,0:S(5)} %p0, f32[8,4,128]{2,1,0} %p1), custom_call_target="__gpu$xla.gpu.triton"
+  %bad = (u32[36,8,128,4,32768]{4,3,2,1,0:S(5)}, u32[36,8,128,4,32768]{4,3,2,1,0}, u32[]) copy-start(u32[36,8,128,4,32768]{4,3,2,1,0:S(5)} %p0)
+  %small = u32[4]{0} copy(u32[4]{0:S(5)} %x)
+  ROOT %slice = u32[1,8,128,4,32768]{4,3,2,1,0} dynamic-slice(u32[36,8,128,4,32768]{4,3,2,1,0:S(5)} %p0, s32[] %i, s32[] %z, s32[] %z, s32[] %z, s32[] %z), dynamic_slice_sizes={1,8,128,4,32768}
+}
+"""
+
+
+def test_parser_flags_copies_and_slices_of_large_host_arrays():
+    found = host_array_copies(SNIPPET)
+    assert len(found) == 2
+    assert "copy-start" in found[0] and "dynamic-slice" in found[1]
+    assert host_array_copies(SNIPPET.replace("S(5)", "S(1)")) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_model):
+    """The compiled offloaded decode step has no host-to-device (or host-to-host) copy of the store or K/V."""
+    attn = decode.from_spec("fathom:16", k=64, calibration="session", placement="pinned_host", implementation="pallas")
+    prompt = np.random.default_rng(0).integers(0, 97, (2, 1000)).astype(np.int32)
+    logits, cache, attn = sparse.prefill(tiny_model, prompt, np.array([1000, 900]), attn, 4096)
+    assert cache.k.sharding.memory_kind == "pinned_host" and cache.index.raw.planes.sharding.memory_kind == "pinned_host"
+    _, step_jit, attention_jit = sparse.host_programs(tiny_model, attn, cache)
+    from flax import nnx
+    from fathom_jax.models.llama import split_attention
+
+    _, state = nnx.split(tiny_model)
+    leaves = split_attention(attn)[1]
+    tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+    text = step_jit.lower(state, tokens, cache, leaves).compile().as_text()
+    assert "S(5)" in text, "the compiled step has no host-memory operands: the cache is not offloaded"
+    copies = host_array_copies(text, min_bytes=1 << 16)
+    assert copies == [], "the decode step copies host-resident cache arrays:\n" + "\n".join(copies)

@@ -1,0 +1,72 @@
+"""The sparse decode step over a mesh of devices (CPU: two host devices) equals the unsharded step."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from fathom_jax import decode
+from fathom_jax.models import LlamaForCausalLM, generate
+from fathom_jax.models import sparse
+from fathom_jax.placement import Placement
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (the CPU tests force 2 host devices)")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return Mesh(np.array(jax.devices()[:2]), ("x",))
+
+
+@pytest.fixture(scope="module")
+def smol_like(tiny_config):
+    """3 KV heads (as SmolLM2): groups = batch x 3, split over 2 devices by whole groups."""
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_config, n_heads=9, n_kv_heads=3, qk_norm=False)
+    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(1))
+
+
+@pytest.mark.parametrize("spec,memory,implementation", [("fathom_klt:12", "pinned_host", "xla"),
+                                                        ("sparq:2", "pinned_host", "pallas"),
+                                                        ("landmark", "device", "xla")])
+def test_sharded_decode_equals_unsharded(tiny_model, mesh, spec, memory, implementation):
+    """Batch 1, 2 KV heads: each device scans, selects and fetches for its own KV head (with the kernels,
+    under shard_map, each on its own shard)."""
+    prompt = np.random.default_rng(5).integers(0, 97, (1, 30)).astype(np.int32)
+    common = dict(k=12, sink=2, local=4, implementation=implementation)
+    steps = 2 if implementation == "pallas" else 4
+    want = np.asarray(generate(tiny_model, prompt, steps, capacity=48, attention_fn=decode.from_spec(spec, **common)))
+    attn = decode.from_spec(spec, placement=Placement(memory, mesh=mesh), **common)
+    got = np.asarray(generate(tiny_model, prompt, steps, capacity=48, attention_fn=attn))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_uneven_heads_split_by_groups_and_cache_is_sharded(smol_like, mesh):
+    """3 KV heads x batch 2 = 6 groups, 3 per device (a batch split). From the same prefilled cache, the
+    sharded decode step gives the unsharded step's logits and tokens, and the cache stays sharded."""
+    rng = np.random.default_rng(6)
+    prompt = rng.integers(0, 97, (2, 28)).astype(np.int32)
+    lengths = np.array([28, 21])
+    local = decode.from_spec("fathom:12", k=12, sink=2, local=4, calibration="session")
+    sharded = decode.from_spec("fathom:12", k=12, sink=2, local=4, calibration="session",
+                               placement=Placement("pinned_host", mesh=mesh))
+    logits, want_cache, want_attn = sparse.prefill(smol_like, prompt, lengths, local, 48)
+    got_logits, prefilled, _ = sparse.prefill(smol_like, prompt, lengths, sharded, 48)
+    assert prefilled.k.sharding.spec == P(None, "x") and prefilled.index.raw.planes.sharding.spec == P(None, "x")
+    assert prefilled.k.addressable_shards[0].data.shape[1] == 3  # each device holds 3 of the 6 groups
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(logits), rtol=0, atol=1e-5 * np.abs(logits).max())
+    # the same prefilled cache (and session statistics) on the mesh: the step itself is compared
+    cache = sharded.placement.put(jax.tree.map(np.asarray, want_cache))
+    got_attn = sharded.with_calibration(want_attn.calibration)
+    tokens = np.argmax(np.asarray(logits), -1).astype(np.int32)
+    for _ in range(4):
+        want_tokens, want, want_cache = sparse.decode_step(smol_like, tokens, want_cache, want_attn)
+        got_tokens, got, cache = sparse.decode_step(smol_like, tokens, cache, got_attn)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * np.abs(want).max())
+        np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+        tokens = np.asarray(got_tokens)
+    assert cache.k.sharding.spec == P(None, "x")  # still sharded after the in-place writes
+    with pytest.raises(ValueError, match="multiple of 2"):
+        generate(smol_like, prompt[:1], 2, capacity=48, attention_fn=sharded)

@@ -1,0 +1,125 @@
+"""The one sparse step: every method equals the per-head reference; stacked layers, the newest-token patch,
+and the pinned_host placement on the GPU (compared like with like)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fathom_jax import calibrate as C
+from fathom_jax import format as fmt
+from fathom_jax import index as I
+from fathom_jax import landmarks
+from fathom_jax import methods as M
+from fathom_jax import store as S
+from fathom_jax.placement import Placement
+from fathom_jax.scan import scan_scores
+from fathom_jax.select import select_topk, sparse_attention
+from fathom_jax.sparse_step import NewToken, sparse_attention_step
+
+METHODS = [M.Fathom(20), M.FathomKLT(20), M.SparQ(4), M.SparQUnion(3), M.DoubleSparsity(4), M.Loki(6),
+           M.Thumbnail(2), M.Full4(), M.Landmark(), M.Exact(), M.Dense()]
+R, G, D, N, K = 3, 4, 16, 200, 48
+
+
+@pytest.fixture(scope="module")
+def setting():
+    rng = np.random.default_rng(11)
+    keys = (rng.standard_normal((R, N, D)) * np.exp(rng.normal(size=D))).astype(np.float32)
+    values = rng.standard_normal((R, N, D)).astype(np.float32)
+    q = (rng.standard_normal((R, G, D)) * np.exp(rng.normal(size=D) / 2)).astype(np.float32)
+    lengths = np.array([200, 131, 64], np.int32)
+    calib = C.calibrate_session(jnp.asarray(keys), length=lengths)
+    return keys, values, q, lengths, calib
+
+
+def per_head_reference(method, q, keys, values, lengths, calib):
+    """scan_scores -> select_topk -> each head attends over its own rows (no union, no fetch)."""
+    if method.name == "dense":
+        from fathom_jax.select import dense_attention
+
+        return dense_attention(q, keys, values, lengths)
+    index = I.build_index(keys, calib, [method], length=lengths)
+    scores = scan_scores(method, q, index, calib, implementation="xla").scores
+    idx, mask = select_topk(scores, lengths, K, implementation="xla")
+    return sparse_attention(q, keys, values, idx, mask)
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.spec)
+def test_step_equals_per_head_reference(setting, method):
+    keys, values, q, lengths, calib = setting
+    index = I.build_index(keys, calib, [method], length=lengths, parts=method.parts - {"keys"})
+    got, bits = sparse_attention_step(method, q, index, jnp.asarray(keys), jnp.asarray(values), jnp.asarray(lengths),
+                                      calib, k=K, implementation="xla")
+    want = per_head_reference(method, q, keys, values, lengths, calib)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert bits.shape == (R,)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("method", [M.Fathom(20), M.Landmark(), M.Exact()], ids=lambda m: m.spec)
+def test_stacked_layers_and_newest_token_patch(setting, method, implementation):
+    """A stacked [L, R] cache read at a layer, with the newest token patched in from device memory,
+    equals the step over that layer's index with the token appended."""
+    keys, values, q, lengths, calib = setting
+    prev = lengths - 1
+    parts = method.parts - {"keys"}
+    layers = [I.build_index(keys * s, calib, [method], length=prev, parts=parts) for s in (0.5, 1.0)]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *layers)
+    kv = lambda x: jnp.stack([jnp.where(jnp.arange(N)[:, None] < prev[:, None, None], x * s, 0) for s in (0.5, 1.0)])  # noqa: E731
+    k_cache, v_cache = kv(keys), kv(values)
+    key = keys[np.arange(R), prev]
+    value = values[np.arange(R), prev]
+    blocks, landmark, view = {}, None, {"length": stacked.length[1]}
+    if "raw" in parts:
+        words, scale, tail = jax.vmap(S.append_block)(stacked.raw.tail[1], jnp.asarray(prev), jnp.asarray(key))
+        blocks["raw"] = (words, scale)
+        view["raw"] = dataclasses.replace(stacked.raw, tail=tail, length=jnp.asarray(lengths))
+    if "landmarks" in parts:
+        landmark, ltail = jax.vmap(landmarks.append_block)(stacked.landmark_tail[1], jnp.asarray(prev), jnp.asarray(key))
+        view["landmarks"], view["landmark_tail"] = stacked.landmarks, ltail
+    new = NewToken(position=jnp.asarray(prev), key=jnp.asarray(key), value=jnp.asarray(value), blocks=blocks,
+                   landmark=landmark)
+    got, _ = sparse_attention_step(method, q, I.KeyIndex(**view), k_cache, v_cache, jnp.asarray(lengths), calib,
+                                   k=K, layer=1, new=new, placement=Placement("pinned_host"),
+                                   implementation=implementation)
+    full = I.build_index(keys, calib, [method], length=lengths, parts=parts)
+    want, _ = sparse_attention_step(method, q, full, jnp.asarray(keys), jnp.asarray(values), jnp.asarray(lengths),
+                                    calib, k=K, implementation="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_pinned_host_step_equals_hbm_step_and_reference():
+    """On a GPU the index and K/V rows live in pinned_host memory and the kernels read them there. The host
+    and HBM steps read the same bf16 cache (like with like: the store is built from the bf16 keys) and agree
+    exactly; both match the per-head reference."""
+    rng = np.random.default_rng(3)
+    r, n = 8, 4096
+    keys = jnp.asarray(rng.standard_normal((r, n, 128)) * np.exp(rng.normal(size=128)), jnp.bfloat16)
+    values = jnp.asarray(rng.standard_normal((r, n, 128)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((r, 4, 128)), jnp.float32)
+    lengths = jnp.full((r,), n, jnp.int32)
+    keys32 = keys.astype(jnp.float32)
+    calib = C.calibrate_session(keys32)
+    method = M.Fathom(48)
+    index = I.build_index(keys32, calib, [method], length=lengths)
+    stacked = jax.tree.map(lambda x: x[None], index)
+    host = Placement("pinned_host")
+    placed = host.put(dataclasses.replace(stacked, raw=dataclasses.replace(stacked.raw)))
+    assert placed.raw.planes.sharding.memory_kind == "pinned_host"
+    k_host, v_host = host.put({"k": keys[None], "v": values[None]}).values() if False else (
+        jax.device_put(keys[None], host.sharding(4, bulk=True)), jax.device_put(values[None], host.sharding(4, bulk=True)))
+    assert k_host.sharding.memory_kind == "pinned_host"
+    step = jax.jit(lambda idx, kc, vc: sparse_attention_step(method, q, idx, kc, vc, lengths,
+                                                             jax.tree.map(lambda a: a, calib), k=256, layer=0,
+                                                             placement=host, implementation="pallas")[0])
+    got = step(placed, k_host, v_host)
+    hbm = jax.jit(lambda idx, kc, vc: sparse_attention_step(method, q, idx, kc, vc, lengths, calib, k=256, layer=0,
+                                                            implementation="pallas")[0])(stacked, keys[None], values[None])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(hbm))
+    want = per_head_reference(method, q, keys32, values.astype(jnp.float32), lengths, calib)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)
