@@ -25,6 +25,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from fathom_jax.decode import SparseAttention, SparseCache
+from fathom_jax.models.cache import KVCache
 from fathom_jax.models.llama import LlamaForCausalLM, join_attention, split_attention
 from pallas_kernels import backend
 
@@ -135,6 +136,63 @@ def _init_cache(model, attn, batch, capacity):
 
 def _first_token(logits):
     return jnp.argmax(logits, -1).astype(jnp.int32)
+
+
+def cache_from_dense(kv: KVCache, lengths, attn: SparseAttention) -> tuple[SparseCache, SparseAttention]:
+    """A sparse cache built from a dense prefill's :class:`~fathom_jax.models.KVCache` (post-RoPE keys).
+
+    One dense prefill can serve every method: each builds its own index from the same K/V rows (and, if
+    session-calibrated, its statistics from the same prompt keys). ``lengths [B]`` are the valid tokens
+    per sequence (right-padded prompts). Returns the cache and the hook with its session calibration.
+    Runs eagerly layer by layer in the hook's placement (jit it whole for device memory).
+    """
+    n_layers, b, hkv, capacity, d = kv.k.shape
+    lengths = jnp.asarray(lengths, jnp.int32)
+    cache = attn.init_cache(n_layers=n_layers, batch=b, kv_heads=hkv, capacity=capacity, head_dim=d, dtype=kv.k.dtype)
+    group_lengths = jnp.repeat(lengths, hkv)
+    sessions = []
+    for layer in range(n_layers):
+        keys, values = kv.k[layer].reshape(b * hkv, capacity, d), kv.v[layer].reshape(b * hkv, capacity, d)
+        session = attn.session_calibration(keys, group_lengths)
+        calib = session if session is not None else attn.layer_calibration(layer, b * hkv)
+        cache = attn.write_layer(cache, layer, keys, values, group_lengths, calib)
+        sessions.append(session)
+    if sessions[0] is not None:
+        attn = attn.with_calibration(jax.tree.map(lambda *xs: jnp.stack(xs), *sessions))
+    return attn.prefilled(cache, lengths), attn
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "attn_static"))
+def _decode_loop(graphdef, state, tokens, cache, steps, attn_static, attn_leaves):
+    model = nnx.merge(graphdef, state)
+    attn = join_attention(attn_static, attn_leaves)
+    out = jnp.zeros((tokens.shape[0], steps), jnp.int32).at[:, 0].set(tokens)
+
+    def body(i, carry):
+        out, cache = carry
+        logits, cache = decode_step_fn(model, out[:, i - 1], cache, attn)
+        return out.at[:, i].set(_first_token(logits)), cache
+
+    return jax.lax.fori_loop(1, steps, body, (out, cache))
+
+
+def decode_loop(model, tokens: Int[Array, "B"], cache: SparseCache, attn: SparseAttention, steps: int):
+    """Greedy decoding from a prefilled cache: ``steps`` tokens per sequence, the first being ``tokens``.
+
+    Device memory: one compiled program (a ``fori_loop`` of decode steps). Host memory or a mesh: one
+    compiled step per token. Returns ``(tokens [B, steps], cache)``.
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if not attn.placement.offloaded and attn.placement.mesh is None:
+        graphdef, state = nnx.split(model)
+        return _decode_loop(graphdef, state, tokens, cache, steps, *split_attention(attn))
+    out = [tokens]
+    for _ in range(steps - 1):
+        tokens, _, cache = decode_step(model, tokens, cache, attn)
+        out.append(tokens)
+    return jnp.stack(out, axis=1), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "capacity", "attn_static"))

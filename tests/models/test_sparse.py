@@ -44,7 +44,7 @@ def test_attention_only_step_matches_the_layers_attention(tiny_model):
     """attention_step (the benchmark's no-GEMM step) runs each layer's sparse attention and writes the cache
     like the decode step's commit: the index after it holds one more token."""
     cfg = tiny_model.config
-    attn = decode.from_spec("sparq:4", k=16, implementation="xla")
+    attn = decode.from_spec("sparq:4", k=16, sink=2, local=4, implementation="xla")
     prompt = np.random.default_rng(1).integers(0, 97, (2, 40)).astype(np.int32)
     _, cache, attn = sparse.prefill(tiny_model, prompt, np.array([40, 33]), attn, 64)
     rng = np.random.default_rng(2)
@@ -56,3 +56,21 @@ def test_attention_only_step_matches_the_layers_attention(tiny_model):
     np.testing.assert_allclose(np.asarray(out), np.asarray(jnp.stack(want)), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(cache.length, [41, 34])
     np.testing.assert_array_equal(np.asarray(cache.k[:, 0, 40]), np.asarray(kv[0, :, 0]))
+
+
+def test_cache_from_dense_prefill_branches_methods_from_one_prefill(tiny_model):
+    """A sparse cache built from one dense prefill decodes like the sparse path's own prefill."""
+    from fathom_jax.models import KVCache
+
+    cfg = tiny_model.config
+    prompt = np.random.default_rng(3).integers(0, 97, (2, 30)).astype(np.int32)
+    lengths = np.array([30, 30])
+    logits, kv = tiny_model.prefill(jnp.asarray(prompt), KVCache.init(cfg, 2, 48), last_only=True)
+    first = jnp.argmax(logits, -1).astype(jnp.int32)
+    for spec in ("fathom_klt:12", "landmark"):
+        attn = decode.from_spec(spec, k=12, sink=2, local=4)
+        cache, branched = sparse.cache_from_dense(kv, lengths, attn)
+        got, _ = sparse.decode_loop(tiny_model, first, cache, branched, 5)
+        want_logits, want_cache, want_attn = sparse.prefill(tiny_model, prompt, lengths, attn, 48)
+        want, _ = sparse.decode_loop(tiny_model, jnp.argmax(want_logits, -1).astype(jnp.int32), want_cache, want_attn, 5)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
