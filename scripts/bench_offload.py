@@ -14,6 +14,7 @@ a step moves are the same.
     python3 scripts/bench_offload.py --out $OUT                      # the default sections (one H200)
     python3 scripts/bench_offload.py --mesh 2 --tag h200x2 --out $OUT   # over two GPUs
     python3 scripts/bench_offload.py --smoke --out /tmp/smoke          # tiny shapes, any backend (CI-size)
+    python3 scripts/bench_offload.py --merge results/offload_h200 a.json b.json   # one file from several runs
 
 Sections (``--sections``): link, attn, full, profile, batch, control, dense, prefill.
 """
@@ -160,8 +161,11 @@ def step_bytes(attn, cfg, calib, q, *, context, k, kv_itemsize=2):
         bits.append(np.asarray(read.bits))
     bits = np.stack(bits)  # [L, R]
     r = q.shape[1]
-    scan = float(bits.sum() * context / 8)
     g = q.shape[2]
+    if method.name == "dense":  # reads every K and V row, selects nothing
+        kv = float(cfg.n_layers * r * context * cfg.head_dim * kv_itemsize * 2)
+        return {"bits_per_token": float(bits.mean()) * 2, "scan_bytes": kv, "row_bytes_max": 0.0}
+    scan = float(bits.sum() * context / 8)
     rows = float(cfg.n_layers * r * min(g * k, context) * cfg.head_dim * kv_itemsize * 2)  # union upper bound
     return {"bits_per_token": float(bits.mean()), "scan_bytes": scan, "row_bytes_max": rows}
 
@@ -199,7 +203,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
     """Attention-only steps of several methods over one synthetic cache (all plane methods share it)."""
     args = run.args
     placement = placement or args.placement
-    shared = args.share_kv_from is not None and context >= args.share_kv_from
+    shared = args.share_kv_from is not None and batch * context >= args.share_kv_from
     first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation)
     t = time.time()
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
@@ -225,6 +229,8 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         cache = state[1]
         nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
         floor_ms = (nbytes["scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
+        if not placement.offloaded:  # the HBM control: no link traffic
+            floor_ms = float("nan")
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
                  "mesh": placement.num_shards, "shared_kv": shared, "fill_s": fill_s, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],
@@ -256,7 +262,7 @@ def random_model(cfg, placement):
 def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, profile=False, placement=None):
     args = run.args
     placement = placement or args.placement
-    shared = args.share_kv_from is not None and context >= args.share_kv_from
+    shared = args.share_kv_from is not None and batch * context >= args.share_kv_from
     first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation)
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
     tokens = jnp.zeros((batch,), jnp.int32)
@@ -314,11 +320,38 @@ def prefill_section(run: Run, model, cfg, calib, context):
              "index_build_s": index_s, "index_share": index_s / times[1], "memory": args.placement.memory})
 
 
+def merge(paths, out_prefix):
+    """One results file from several runs of this script (device calls are limited to 10 minutes each)."""
+    import json
+
+    parts = [json.load(open(p)) for p in paths]
+    res = dict(parts[0])
+    res["runs"] = [{"command": p["command"], "machine": p["machine"], "wall_seconds": p.get("wall_seconds")}
+                   for p in parts]
+    for key in ("rows", "errors", "notes"):
+        res[key] = [x for p in parts for x in p.get(key, [])]
+    for key in ("link", "hbm_copy"):
+        res[key] = next((p[key] for p in parts if key in p), None) or {}
+    res["command"] = "; ".join(p["command"] for p in parts)
+    link = res["link"].get("all", next(iter(res["link"].values()), {})).get("GBps")
+    for row in res["rows"]:  # the link floor of rows measured in a run without the link section
+        floor = row.get("link_floor_ms", float("nan"))
+        if row["kind"] == "attention" and row["memory"] == "pinned_host" and link and math.isnan(floor):
+            row["link_floor_ms"] = (row["scan_bytes"] + row["row_bytes_max"]) / (link * 1e9) * 1e3
+            row["fraction_of_link"] = row["link_floor_ms"] / row["median_ms"]
+    harness.write_json(out_prefix + ".json", res)
+    write_report(res, out_prefix)
+
+
 def main(argv=None):
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--merge":  # --merge OUT_PREFIX IN.json ...
+        return merge(sys.argv[3:], sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results")
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--contexts", default="32k,128k,512k,1m")
+    ap.add_argument("--attn-contexts", default=None, help="contexts of the attention-only section (default --contexts)")
+    ap.add_argument("--full-contexts", default=None, help="contexts of the full-step section (default: the largest and 128k)")
     ap.add_argument("--sections", default="link,attn,full,profile,batch,control,dense,prefill")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--k", type=int, default=512)
@@ -333,6 +366,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.config = SMOKE if args.smoke else QWEN3_8B
     args.contexts = [parse_ctx(c) for c in args.contexts.split(",")]
+    args.attn_contexts = [parse_ctx(c) for c in args.attn_contexts.split(",")] if args.attn_contexts else args.contexts
+    if args.full_contexts:
+        args.full_contexts = [parse_ctx(c) for c in args.full_contexts.split(",")]
+    else:
+        args.full_contexts = sorted({max(args.contexts)} | ({131072} & set(args.contexts)), reverse=True)
     args.share_kv_from = None if args.share_kv_from in ("", "none") else parse_ctx(args.share_kv_from)
     args.sections = args.sections.split(",")
     labels = [m for m in args.methods.split(",") if m]
@@ -353,36 +391,36 @@ def main(argv=None):
     run.res["notes"].append(args.placement.note or f"bulk cache arrays in {args.placement.memory_kind} memory")
     cfg = args.config
     calib, scale = synthetic_calibration(cfg)
-    ctxs = sorted(args.contexts, reverse=True)
-    if "link" in args.sections:
-        run.guard("link", link_section, run)
-    if "attn" in args.sections:
-        for ctx in ctxs:
-            run.guard(f"attn {ctx}", attention_rows, run, cfg, calib, scale, ctx, labels)
+    # Sections run in the order given, so a run cut short by its time budget keeps the ones that matter most.
     model = None
-    if {"full", "batch", "prefill"} & set(args.sections):
-        model = run.guard("model", random_model, cfg, args.placement)
-    if model is not None and "full" in args.sections:
-        for ctx in ctxs:
-            full_labels = labels if ctx in (max(ctxs), 131072) else labels[:1]
-            run.guard(f"full {ctx}", full_rows, run, model, cfg, calib, scale, ctx, full_labels,
-                      profile="profile" in args.sections and ctx == max(ctxs))
-    if model is not None and "batch" in args.sections:
-        ctx = 131072 if 131072 in args.contexts else min(args.contexts)
-        for b in (4, 8):
-            run.guard(f"batch {b}", full_rows, run, model, cfg, calib, scale, ctx, labels[:1], batch=b,
-                      profile="profile" in args.sections and b == 8)
-    if "control" in args.sections:
-        ctx = 131072 if 131072 in args.contexts else min(args.contexts)
-        run.guard("control", attention_rows, run, cfg, calib, scale, ctx, labels[:1],
-                  placement=Placement("device", mesh=mesh), tag="index and K/V in HBM")
-    if "dense" in args.sections:
-        METHODS.setdefault("dense", "dense")
-        for ctx in [c for c in sorted(args.contexts) if c <= 131072]:
-            run.guard(f"dense {ctx}", attention_rows, run, cfg, calib, scale, ctx, ["dense"], tag="dense offload")
-    if model is not None and "prefill" in args.sections:
-        ctx = 131072 if 131072 in args.contexts else max(args.contexts)
-        run.guard("prefill", prefill_section, run, model, cfg, calib, ctx)
+    for section in args.sections:
+        if section == "link":
+            run.guard("link", link_section, run)
+        elif section == "attn":
+            for ctx in sorted(args.attn_contexts, reverse=True):
+                run.guard(f"attn {ctx}", attention_rows, run, cfg, calib, scale, ctx, labels)
+        elif section in ("full", "batch", "prefill") and model is None:
+            model = run.guard("model", random_model, cfg, args.placement)
+        if section == "full" and model is not None:
+            for ctx in args.full_contexts:
+                run.guard(f"full {ctx}", full_rows, run, model, cfg, calib, scale, ctx, labels,
+                          profile="profile" in args.sections and ctx == max(args.full_contexts))
+        elif section == "batch" and model is not None:
+            ctx = 131072 if 131072 in args.contexts else min(args.contexts)
+            for b in (4, 8):
+                run.guard(f"batch {b}", full_rows, run, model, cfg, calib, scale, ctx, labels[:1], batch=b,
+                          profile="profile" in args.sections and b == 8)
+        elif section == "control":
+            ctx = 131072 if 131072 in args.contexts else min(args.contexts)
+            run.guard("control", attention_rows, run, cfg, calib, scale, ctx, labels[:1],
+                      placement=Placement("device", mesh=mesh), tag="index and K/V in HBM")
+        elif section == "dense":
+            METHODS.setdefault("dense", "dense")
+            for ctx in [c for c in sorted(args.contexts) if c <= 131072]:
+                run.guard(f"dense {ctx}", attention_rows, run, cfg, calib, scale, ctx, ["dense"], tag="dense offload")
+        elif section == "prefill" and model is not None:
+            ctx = 131072 if 131072 in args.contexts else max(args.contexts)
+            run.guard("prefill", prefill_section, run, model, cfg, calib, ctx)
     run.save()
     print(f"done in {time.time() - run.t0:.0f} s; {len(run.res['errors'])} errors", flush=True)
 
@@ -402,6 +440,8 @@ def write_report(res: dict, prefix: str) -> None:
              f"Link (device_put of {res['config'].get('link_bytes', 0) / 2**30:.0f} GiB from pinned_host): " +
              ", ".join(f"{k} {v['GBps']:.1f} GB/s" for k, v in link.items()) +
              (f"; HBM copy {res['hbm_copy']['GBps']:.0f} GB/s" if "hbm_copy" in res else ""), ""]
+    if res.get("runs"):
+        lines += ["Runs merged: " + "; ".join(f"`{r['command']}` ({r['machine']['date']})" for r in res["runs"]), ""]
     rows = res["rows"]
     att = [r for r in rows if r["kind"] == "attention"]
     if att:

@@ -74,3 +74,17 @@ def test_cache_from_dense_prefill_branches_methods_from_one_prefill(tiny_model):
         want_logits, want_cache, want_attn = sparse.prefill(tiny_model, prompt, lengths, attn, 48)
         want, _ = sparse.decode_loop(tiny_model, jnp.argmax(want_logits, -1).astype(jnp.int32), want_cache, want_attn, 5)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_chunked_causal_attention_equals_dense_causal():
+    from fathom_jax.models.cache import causal_attention
+
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((2, 37, 6, 8)), jnp.float32)  # T not a multiple of the chunk
+    k = jnp.asarray(rng.standard_normal((2, 37, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, 37, 2, 8)), jnp.float32)
+    got = sparse.chunked_causal_attention(q, k, v, chunk=16)
+    qg = q.reshape(2, 37, 2, 3, 8).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    want = causal_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), 0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want.transpose(0, 3, 1, 2, 4).reshape(2, 37, 6, 8)),
+                               rtol=1e-5, atol=1e-5)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The device runs of a session, stage by stage (each stage is one call of at most 10 minutes on a lent GPU):
+#   a1  (nvidia-h200)   GPU tests (kernels, sparse step, zero-copy guard) + benchmark: link, attention at 1M and 128k
+#   a2  (same machine)  SmolLM2 offloaded-vs-HBM parity + benchmark: full step, profile, batch, control, dense, prefill
+#   b1  (nvidia-h200-x2) sharding tests natively + the 1-GPU step on that machine
+#   b2  (same machine)  the 2-GPU step (every layer's own K/V at 1M)
+# The GPU machine has JAX 0.11.2 but not gguf: carry its wheel in .whl/; SmolLM2's GGUF (98 MB, over one call's
+# 64 MiB) travels in two halves, .carry1/ (a1) and .carry2/ (a2), joined on the machine (ignored paths persist
+# between calls on a warm machine). Outputs go to $OUT.
+set -uo pipefail
+stage=${1:?stage: a1, a2, b1 or b2}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+mkdir -p /tmp/fathom_cache && export FATHOM_CACHE=/tmp/fathom_cache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+case $stage in
+a1)
+  timeout 270 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_h200.log
+  timeout 290 python3 scripts/bench_offload.py --tag h200_a1 --out $OUT --sections link,attn --contexts 1m,128k \
+    --time-budget 280 2>&1 | tee $OUT/bench_a1.log ;;
+a2)
+  cat .carry1/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests/models/test_sparse.py 2>&1 | tee $OUT/gpu_smollm2_h200.log
+  timeout 420 python3 scripts/bench_offload.py --tag h200_a2 --out $OUT --methods "Fathom 48" \
+    --sections full,profile,batch,control,dense,prefill,attn --contexts 1m,128k,512k,32k --full-contexts 1m,128k \
+    --attn-contexts 512k,32k --time-budget 410 2>&1 | tee $OUT/bench_a2.log ;;
+b1)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_sharding.py tests/test_hlo.py 2>&1 | tee $OUT/gpu_tests_h200x2.log
+  timeout 400 python3 scripts/bench_offload.py --tag h200x2_1gpu --out $OUT --mesh 1 --sections link,attn --contexts 1m,128k \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --share-kv-from 1m --time-budget 390 2>&1 | tee $OUT/bench_b1.log ;;
+b2)
+  timeout 560 python3 scripts/bench_offload.py --tag h200x2_2gpu --out $OUT --mesh 2 --sections link,attn --contexts 1m,128k \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --share-kv-from none --time-budget 550 2>&1 | tee $OUT/bench_b2.log ;;
+esac
