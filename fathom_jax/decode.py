@@ -42,7 +42,7 @@ from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
 from fathom_jax.sparse_step import NewToken, sparse_attention_step
 from fathom_jax.store import KeyRotation, PlaneStore
 from pallas_kernels import backend
-from pallas_kernels.cache_write import cache_write
+from pallas_kernels.cache_write import cache_write, cache_write_in_place
 
 CalibrationSource = Literal["corpus", "session"]
 _SOURCES = ("corpus", "session")
@@ -57,13 +57,15 @@ class SparseCache:
     ``k``, ``v``: ``[L, R, C, Dh]`` in the model dtype (``[1, R, C, Dh]``: one row buffer shared by every
     layer, a benchmark mode for caches larger than the host); ``index``: a :class:`KeyIndex` whose
     leaves are ``[L, R, ...]`` (no ``keys`` part: the oracle reads ``k``); ``length``: tokens per
-    sequence ``[B]``.
+    sequence ``[B]``. In host memory the kernels write the bulk arrays in place; ``writes`` holds the
+    tokens of the last writes, so the programs that made them return something that depends on them.
     """
 
     k: Float[Array, "L R C Dh"]
     v: Float[Array, "L R C Dh"]
     index: KeyIndex
     length: Int[Array, "B"]
+    writes: Int[Array, "W"] | None = None  # completion tokens of in-place writes into host memory (see below)
 
     @property
     def capacity(self) -> int:
@@ -251,10 +253,24 @@ class SparseAttention:
             landmark_tail=small((n_layers, r, LANDMARK_TOKENS, d), jnp.float32) if "landmarks" in parts else None,
         )
         kv_layers = 1 if shared_kv else n_layers
+        writes = 2 + 2 * len(index.stores) + (index.landmarks is not None)
         return SparseCache(
             k=zeros((kv_layers, r, capacity, d), dtype), v=zeros((kv_layers, r, capacity, d), dtype),
-            index=index, length=small((batch,), jnp.int32),
+            index=index, length=small((batch,), jnp.int32), writes=small((writes,), jnp.int32),
         )
+
+    def _writer(self):
+        """``write(dst, src, start, axis, layer) -> new dst``, collecting in-place write tokens in ``tokens``."""
+        impl = self.resolved_implementation
+        tokens = []
+
+        def write(dst, src, start, axis, layer=0):
+            if self.placement.writes_in_place:
+                tokens.append(cache_write_in_place(dst, src, start, axis=axis, layer=layer))
+                return dst
+            return cache_write(dst, src, start, axis=axis, layer=layer, implementation=impl)
+
+        return write, tokens
 
     def layer_calibration(self, layer, groups: int) -> Calibration | None:
         """This layer's statistics per group ``[R, ...]`` (corpus statistics tiled over the batch)."""
@@ -274,12 +290,12 @@ class SparseAttention:
         )
 
     def _write_groups(self, cache, keys, values, length, calib, layer, *, shared_kv):
-        impl = self.resolved_implementation
         zero = jnp.zeros_like(length)
-        write = lambda dst, src, axis: cache_write(dst, src[None], zero, axis=axis, layer=layer, implementation=impl)  # noqa: E731
+        put, tokens = self._writer()
+        write = lambda dst, src, axis: put(dst, src[None], zero, axis, layer)  # noqa: E731
         kv_layer = 0 if shared_kv else layer
-        k = cache_write(cache.k, keys[None].astype(cache.k.dtype), zero, axis=2, layer=kv_layer, implementation=impl)
-        v = cache_write(cache.v, values[None].astype(cache.v.dtype), zero, axis=2, layer=kv_layer, implementation=impl)
+        k = put(cache.k, keys[None].astype(cache.k.dtype), zero, 2, kv_layer)
+        v = put(cache.v, values[None].astype(cache.v.dtype), zero, 2, kv_layer)
         built = build_index(keys.astype(jnp.float32), calib, (self.method,), capacity=cache.capacity, length=length,
                             parts=self.index_parts)
         set_small = lambda dst, src: dst.at[layer].set(src.astype(dst.dtype))  # noqa: E731
@@ -302,7 +318,7 @@ class SparseAttention:
             landmark_tail = set_small(old.landmark_tail, built.landmark_tail)
         index = KeyIndex(length=lengths, raw=store(old.raw, built.raw), klt=store(old.klt, built.klt),
                          loki=store(old.loki, built.loki), landmarks=landmarks, landmark_tail=landmark_tail)
-        return SparseCache(k=k, v=v, index=index, length=cache.length)
+        return SparseCache(k=k, v=v, index=index, length=cache.length, writes=_tokens(tokens, cache.writes))
 
     def prefilled(self, cache: SparseCache, lengths: Int[Array, "B"]) -> SparseCache:
         """The cache with its per-sequence lengths set after the last prefill layer."""
@@ -365,8 +381,7 @@ class SparseAttention:
         )
 
     def _commit_groups(self, cache, update, p, *, shared_kv):
-        impl = self.resolved_implementation
-        write = lambda dst, src, start, axis: cache_write(dst, src, start, axis=axis, implementation=impl)  # noqa: E731
+        write, tokens = self._writer()
         kv_src = lambda x: (x[-1:] if shared_kv else x)[:, :, None, :].astype(cache.k.dtype)  # noqa: E731
         k = write(cache.k, kv_src(update.key), p, 2)
         v = write(cache.v, kv_src(update.value), p, 2)
@@ -388,7 +403,12 @@ class SparseAttention:
             landmarks = write(landmarks, mean[:, :, None, :], p // LANDMARK_TOKENS, 2)
         index = KeyIndex(length=lengths, raw=store(index.raw, "raw"), klt=store(index.klt, "klt"),
                          loki=store(index.loki, "loki"), landmarks=landmarks, landmark_tail=landmark_tail)
-        return SparseCache(k=k, v=v, index=index, length=cache.length + 1)
+        return SparseCache(k=k, v=v, index=index, length=cache.length + 1, writes=_tokens(tokens, cache.writes))
+
+
+def _tokens(tokens, previous):
+    """The completion tokens of this program's in-place writes (or the previous ones when it made none)."""
+    return jnp.concatenate(tokens) if tokens else previous
 
 
 jax.tree_util.register_dataclass(

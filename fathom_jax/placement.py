@@ -107,6 +107,13 @@ class Placement:
         return None
 
     @property
+    def writes_in_place(self) -> bool:
+        """Bulk arrays in real host memory are written in place by the kernels as a side effect, and the jitted
+        programs take them as inputs only (XLA would copy a host array it had to return: see
+        ``pallas_kernels.cache_write.cache_write_in_place``). Device memory keeps functional updates."""
+        return self.memory_kind == "pinned_host"
+
+    @property
     def num_shards(self) -> int:
         return 1 if self.mesh is None else self.mesh.shape[self.axis]
 
@@ -152,6 +159,17 @@ class Placement:
             return self.sharding(x.ndim, bulk=is_bulk(path), split=split)
 
         return jax.tree_util.tree_map_with_path(one, tree)
+
+    @staticmethod
+    def detach_bulk(tree):
+        """``tree`` with its bulk leaves replaced by None (what a program that wrote them in place returns)."""
+        return jax.tree_util.tree_map_with_path(lambda path, x: None if is_bulk(path) else x, tree)
+
+    @staticmethod
+    def attach_bulk(small, full):
+        """The inverse of :meth:`detach_bulk`: ``small``'s leaves, with the bulk leaves of ``full``."""
+        rest = iter(jax.tree.leaves(small))
+        return jax.tree_util.tree_map_with_path(lambda path, x: x if is_bulk(path) else next(rest), full)
 
     def put(self, tree):
         """``tree`` with every leaf placed (see :meth:`shardings`)."""

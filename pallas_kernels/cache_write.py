@@ -82,18 +82,24 @@ def _cache_write_kernel(
     start_ref,  # i32 [R]
     layer_ref,  # i32 [1]
     src_ref,  # [Ls, R, *mid, M, *tail]   (HBM)
-    dst_ref,  # [L, R, *mid, N, *tail]    (aliased to the output; any memory space)
+    dst_ref,  # [L, R, *mid, N, *tail]    (any memory space)
     # outputs
-    out_ref,  # = dst
+    out_ref,  # = dst (aliased), or i32 [1]: a completion token when writing into dst in place
     *,
     mid: tuple[int, ...],
     rows: int,
     n: int,
     chunk: int,
     tail: int | None,
+    in_place: bool,
 ):
-    del dst_ref  # the same buffer as out_ref
     l, r, i, c = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    if in_place:
+        @pl.when((l == 0) & (r == 0) & (i == 0) & (c == 0))
+        def _():
+            out_ref[0] = jnp.int32(1)
+
+        out_ref = dst_ref
     mid_idx = []
     for size in reversed(mid):  # unravel the flat mid index, last axis fastest
         mid_idx.append(i % size)
@@ -114,7 +120,7 @@ def _cache_write_kernel(
         plgpu.store(out_ref.at[(layer, r, *mid_idx, pl.ds(start_ref[r] + m0, chunk), slice(None))], data, mask=ok2)
 
 
-def _cache_write_pallas(dst, src, start, layer, *, axis, config, interpret):
+def _cache_write_pallas(dst, src, start, layer, *, axis, config, interpret, in_place=False):
     mid = tuple(dst.shape[2:axis])
     tail_shape = dst.shape[axis + 1:]
     if len(tail_shape) > 1:
@@ -124,14 +130,14 @@ def _cache_write_pallas(dst, src, start, layer, *, axis, config, interpret):
         B.check_pow2("the last axis of dst", tail)
     rows, n = src.shape[axis], dst.shape[axis]
     chunk = min(config.chunk, pl.next_power_of_2(rows))
-    kernel = functools.partial(_cache_write_kernel, mid=mid, rows=rows, n=n, chunk=chunk, tail=tail)
+    kernel = functools.partial(_cache_write_kernel, mid=mid, rows=rows, n=n, chunk=chunk, tail=tail, in_place=in_place)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+        out_shape=jax.ShapeDtypeStruct((1,), jnp.int32) if in_place else jax.ShapeDtypeStruct(dst.shape, dst.dtype),
         grid=(src.shape[0], src.shape[1], B.prod(mid), pl.cdiv(rows, chunk)),
         in_specs=[B.any_spec()] * 4,
         out_specs=B.any_spec(),
-        input_output_aliases={3: 0},
+        input_output_aliases={} if in_place else {3: 0},
         interpret=interpret,
         name=KERNEL_NAME,
         compiler_params=B.compiler_params(config.num_warps),
@@ -165,3 +171,31 @@ def cache_write(
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     return _cache_write_pallas(dst, src, start, layer_arr, axis=axis, config=config or CacheWriteConfig(),
                                interpret=B.resolve_interpret(interpret))
+
+
+def cache_write_in_place(
+    dst,  # [L, R, *mid, N, *tail]   a cache in pinned_host memory, mutated
+    src,  # [Ls, R, *mid, M, *tail]
+    start,  # i32 [R]
+    *,
+    axis: int,
+    layer=0,
+    config: CacheWriteConfig | None = None,
+):
+    """Write ``src`` into ``dst`` in place, as a side effect of the kernel; returns a completion token i32[1].
+
+    XLA does not alias a custom call's output into ``pinned_host`` memory: with ``input_output_aliases`` it
+    allocated a new host buffer for every write and copied the whole cache into it (seen on the H200: an
+    18 GiB host allocation and ~1 s per decode step at 1M tokens). Here ``dst`` is only an input, written
+    through its pointer, so nothing is allocated or copied. The caller must keep the token (return it from
+    its jitted program, or XLA may drop the kernel) and must not return ``dst`` from that program (that
+    would copy it): the array object itself now holds the update. GPU only: interpret mode cannot write
+    through an input, and only GPUs have ``pinned_host`` memory.
+    """
+    start = jnp.asarray(start, jnp.int32)
+    _validate(dst, src, start, axis)
+    if not B.on_gpu():
+        raise ValueError("cache_write_in_place writes host memory through a GPU kernel; use cache_write elsewhere")
+    layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    return _cache_write_pallas(dst, src, start, layer_arr, axis=axis, config=config or CacheWriteConfig(),
+                               interpret=False, in_place=True)

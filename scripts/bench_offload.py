@@ -143,10 +143,16 @@ def build_cache(attn, cfg, scale, *, context, batch, shared_kv, seed=0):
         values = jax.random.normal(k2, (r, context, d), jnp.bfloat16)
         return attn.write_layer(cache, layer, keys, values, lengths, attn.layer_calibration(layer, r))
 
-    fill_jit = jax.jit(fill, donate_argnums=0, out_shardings=shardings)
+    # In host memory the kernels write the bulk arrays in place and the program returns the rest (see
+    # models/sparse.py); in device memory the cache is donated and returned.
+    in_place = attn.placement.writes_in_place
+    out = Placement.detach_bulk if in_place else (lambda c: c)
+    fill_jit = jax.jit(lambda c, l, k: out(fill(c, l, k)), donate_argnums=() if in_place else 0,
+                       out_shardings=out(shardings))
     key = jax.random.key(seed)
     for layer in range(cfg.n_layers):
-        cache = fill_jit(cache, jnp.int32(layer), jax.random.fold_in(key, layer))
+        small = fill_jit(cache, jnp.int32(layer), jax.random.fold_in(key, layer))
+        cache = Placement.attach_bulk(small, cache) if in_place else small
     cache = attn.prefilled(cache, jnp.full((batch,), context, jnp.int32))
     return jax.block_until_ready(cache)
 

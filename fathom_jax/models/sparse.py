@@ -25,6 +25,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from fathom_jax.decode import SparseAttention, SparseCache
+from fathom_jax.placement import Placement
 from fathom_jax.models.cache import KVCache
 from fathom_jax.models.llama import LlamaForCausalLM, join_attention, split_attention
 from pallas_kernels import backend
@@ -254,34 +255,69 @@ def _generate_in_device_memory(graphdef, state, prompt, lengths, max_new_tokens,
 
 
 @functools.lru_cache(maxsize=None)
-def _host_programs(graphdef, attn_static, cache_shardings, out_sharding):
-    """Jitted prefill-layer and decode-step programs that update a placed cache in place."""
+def _host_programs(graphdef, attn_static, cache_shardings, out_sharding, in_place):
+    """Jitted prefill-layer, decode-step and attention-only programs that update a placed cache.
+
+    In device memory the cache is donated and returned (XLA updates it in place). In host memory the
+    kernels write the bulk arrays in place and the programs return the cache without them (``in_place``):
+    returning a host array from a program makes XLA copy it.
+    """
+    out_cache = Placement.detach_bulk if in_place else (lambda c: c)
 
     def layer_fn(state, h, lengths, cache, layer, attn_leaves):
         model = nnx.merge(graphdef, state)
-        return prefill_layer(model, h, lengths, cache, layer, join_attention(attn_static, attn_leaves))
+        h, cache, session = prefill_layer(model, h, lengths, cache, layer, join_attention(attn_static, attn_leaves))
+        return h, out_cache(cache), session
 
     def step_fn(state, tokens, cache, attn_leaves):
         model = nnx.merge(graphdef, state)
         logits, cache = decode_step_fn(model, tokens, cache, join_attention(attn_static, attn_leaves))
-        return _first_token(logits), logits, cache
+        return _first_token(logits), logits, out_cache(cache)
 
     def attention_fn(q, key, value, cache, attn_leaves):
-        return attention_step_fn(q, key, value, cache, join_attention(attn_static, attn_leaves))
+        out, cache = attention_step_fn(q, key, value, cache, join_attention(attn_static, attn_leaves))
+        return out, out_cache(cache)
 
-    shardings = jax.tree.unflatten(cache_shardings[0], cache_shardings[1])
-    layer_jit = jax.jit(layer_fn, donate_argnums=(3,), out_shardings=(out_sharding, shardings, out_sharding))
-    step_jit = jax.jit(step_fn, donate_argnums=(2,), out_shardings=(out_sharding, out_sharding, shardings))
-    attention_jit = jax.jit(attention_fn, donate_argnums=(3,), out_shardings=(out_sharding, shardings))
+    shardings = out_cache(jax.tree.unflatten(cache_shardings[0], cache_shardings[1]))
+    layer_jit = jax.jit(layer_fn, donate_argnums=() if in_place else (3,),
+                        out_shardings=(out_sharding, shardings, out_sharding))
+    step_jit = jax.jit(step_fn, donate_argnums=() if in_place else (2,),
+                       out_shardings=(out_sharding, out_sharding, shardings))
+    attention_jit = jax.jit(attention_fn, donate_argnums=() if in_place else (3,), out_shardings=(out_sharding, shardings))
     return layer_jit, step_jit, attention_jit
 
 
-def host_programs(model, attn: SparseAttention, cache: SparseCache):
-    """(prefill layer, decode step, attention-only step) programs for this placement and cache layout."""
-    graphdef = nnx.split(model)[0] if model is not None else None
-    attn_static, _ = split_attention(attn)
-    leaves, treedef = jax.tree.flatten(attn.placement.shardings(cache))
-    return _host_programs(graphdef, attn_static, (treedef, tuple(leaves)), attn.placement.replicated())
+class _Programs:
+    """The jitted programs of one placement and cache layout, returning whole caches either way
+    (``jits``: the underlying ``jax.jit`` objects, e.g. to lower and inspect a step)."""
+
+    def __init__(self, model, attn: SparseAttention, cache: SparseCache):
+        graphdef = nnx.split(model)[0] if model is not None else None
+        attn_static, _ = split_attention(attn)
+        leaves, treedef = jax.tree.flatten(attn.placement.shardings(cache))
+        self.in_place = attn.placement.writes_in_place
+        self.jits = _host_programs(graphdef, attn_static, (treedef, tuple(leaves)), attn.placement.replicated(),
+                                    self.in_place)
+
+    def _whole(self, small, cache):
+        return Placement.attach_bulk(small, cache) if self.in_place else small
+
+    def layer(self, state, h, lengths, cache, layer, attn_leaves):
+        h, small, session = self.jits[0](state, h, lengths, cache, layer, attn_leaves)
+        return h, self._whole(small, cache), session
+
+    def step(self, state, tokens, cache, attn_leaves):
+        nxt, logits, small = self.jits[1](state, tokens, cache, attn_leaves)
+        return nxt, logits, self._whole(small, cache)
+
+    def attention(self, q, key, value, cache, attn_leaves):
+        out, small = self.jits[2](q, key, value, cache, attn_leaves)
+        return out, self._whole(small, cache)
+
+
+def host_programs(model, attn: SparseAttention, cache: SparseCache) -> _Programs:
+    """The (prefill layer, decode step, attention-only step) programs for this placement and cache layout."""
+    return _Programs(model, attn, cache)
 
 
 def prefill(model, prompt, lengths, attn: SparseAttention, capacity: int):
@@ -294,14 +330,14 @@ def prefill(model, prompt, lengths, attn: SparseAttention, capacity: int):
     prompt = jnp.asarray(prompt, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
     cache = _init_cache(model, attn, prompt.shape[0], capacity)
-    layer_jit, _, _ = host_programs(model, attn, cache)
+    programs = host_programs(model, attn, cache)
     graphdef, state = nnx.split(model)
     _, attn_leaves = split_attention(attn)
     state, attn_leaves = attn.placement.replicate((state, attn_leaves))
     h = _embed(graphdef, state, prompt)
     sessions = []
     for layer in range(cfg.n_layers):
-        h, cache, session = layer_jit(state, h, lengths, cache, jnp.int32(layer), attn_leaves)
+        h, cache, session = programs.layer(state, h, lengths, cache, jnp.int32(layer), attn_leaves)
         sessions.append(session)
     if sessions[0] is not None:
         attn = attn.with_calibration(jax.tree.map(lambda *xs: jnp.stack(xs), *sessions))
@@ -320,18 +356,17 @@ def _last_logits(graphdef, state, h, lengths):
 
 def decode_step(model, tokens, cache: SparseCache, attn: SparseAttention):
     """One jitted decode step: ``(next tokens [B], logits [B, V], cache)``; the cache is donated."""
-    _, step_jit, _ = host_programs(model, attn, cache)
+    programs = host_programs(model, attn, cache)
     _, state = nnx.split(model)
     _, attn_leaves = split_attention(attn)
     state, attn_leaves = attn.placement.replicate((state, attn_leaves))
-    return step_jit(state, jnp.asarray(tokens, jnp.int32), cache, attn_leaves)
+    return programs.step(state, jnp.asarray(tokens, jnp.int32), cache, attn_leaves)
 
 
 def attention_step(q, key, value, cache: SparseCache, attn: SparseAttention):
     """One jitted :func:`attention_step_fn`: ``(outputs [L, R, G, D], cache)``; the cache is donated."""
-    _, _, attention_jit = host_programs(None, attn, cache)
     _, attn_leaves = split_attention(attn)
-    return attention_jit(q, key, value, cache, attn.placement.replicate(attn_leaves))
+    return host_programs(None, attn, cache).attention(q, key, value, cache, attn.placement.replicate(attn_leaves))
 
 
 def generate(model, prompt, lengths, max_new_tokens: int, *, capacity: int, attn: SparseAttention):
