@@ -334,6 +334,13 @@ def merge(paths, out_prefix):
     res = dict(parts[0])
     res["runs"] = [{"command": p["command"], "machine": p["machine"], "wall_seconds": p.get("wall_seconds")}
                    for p in parts]
+    for p in parts:  # each run's read mode and mesh travel with its rows
+        for row in p.get("rows", []):
+            prof = row.get("profile", {}).get("ms_per_step", {})
+            if "scan (reads host planes)" in prof:  # the category's first name; staged runs' scan reads HBM
+                prof["plane scan kernel"] = prof.pop("scan (reads host planes)")
+            row.setdefault("read", p["config"].get("read"))
+            row.setdefault("run_date", p["machine"]["date"])
     for key in ("rows", "errors", "notes"):
         res[key] = [x for p in parts for x in p.get(key, [])]
     for key in ("link", "hbm_copy"):
@@ -452,10 +459,13 @@ def write_report(res: dict, prefix: str) -> None:
     att = [r for r in rows if r["kind"] == "attention"]
     if att:
         lines += ["## Attention-only step (36 layers; ms per step, median [min, max])", "",
-                  "| method | context | batch | mesh | memory | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
-                  "link floor ms | fraction of link | authors' ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(att, key=lambda r: (r["context"], r["method"])):
-            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r['memory']} | {r['shared_kv']} | "
+                  "read: `direct` = the plane scan reads host memory as it computes; `staged` = the run gather copies the "
+                  "planned runs to HBM first. Link floor: every byte of the planned planes + scales and of the selected "
+                  "rows over the link once at the rate measured in the run.", "",
+                  "| method | context | batch | mesh | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
+                  "link floor ms | fraction of link | authors' ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("read") or "")):
+            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
                          f"{r['bits_per_token']:.1f} | {r['scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
                          f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | "
                          f"{r['fraction_of_link']:.2f} | {r.get('authors_ms') or ''} |")

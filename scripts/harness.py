@@ -140,7 +140,7 @@ def host_to_device_rate(nbytes=2 << 30, devices=None, repeats=5) -> dict:
 # Profiler breakdown
 
 CATEGORIES = (  # (category, substrings of kernel / op names), first match wins
-    ("scan (reads host planes)", ("fathom_plane_scan",)),
+    ("plane scan kernel", ("fathom_plane_scan",)),
     ("scan transfer (run gather)", ("run_gather",)),
     ("nibble scan", ("nibble_scan",)),
     ("top-k", ("topk", "kth_largest")),

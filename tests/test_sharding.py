@@ -58,7 +58,10 @@ def test_uneven_heads_split_by_groups_and_cache_is_sharded(smol_like, mesh):
     got_logits, prefilled, _ = sparse.prefill(smol_like, prompt, lengths, sharded, 48)
     assert prefilled.k.sharding.spec == P(None, "x") and prefilled.index.raw.planes.sharding.spec == P(None, "x")
     assert prefilled.k.addressable_shards[0].data.shape[1] == 3  # each device holds 3 of the 6 groups
-    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(logits), rtol=0, atol=1e-5 * np.abs(logits).max())
+    # On a GPU f32 GEMMs run as TF32 and the partitioned program picks other algorithms: 3e-4 of the logit
+    # scale was seen between the two prefills on two H200s; on the CPU they agree to 2e-6.
+    tol = 1e-5 if jax.default_backend() == "cpu" else 2e-3
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(logits), rtol=0, atol=tol * np.abs(logits).max())
     # the same prefilled cache (and session statistics) on the mesh: the step itself is compared
     cache = sharded.placement.put(jax.tree.map(np.asarray, want_cache))
     got_attn = sharded.with_calibration(want_attn.calibration)
@@ -66,7 +69,7 @@ def test_uneven_heads_split_by_groups_and_cache_is_sharded(smol_like, mesh):
     for _ in range(4):
         want_tokens, want, want_cache = sparse.decode_step(smol_like, tokens, want_cache, want_attn)
         got_tokens, got, cache = sparse.decode_step(smol_like, tokens, cache, got_attn)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * np.abs(want).max())
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=tol * np.abs(want).max())
         np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
         tokens = np.asarray(got_tokens)
     assert cache.k.sharding.spec == P(None, "x")  # still sharded after the in-place writes
