@@ -345,6 +345,7 @@ def merge(paths, out_prefix):
         res[key] = [x for p in parts for x in p.get(key, [])]
     for key in ("link", "hbm_copy"):
         res[key] = next((p[key] for p in parts if key in p), None) or {}
+    res["links"] = [{"command": p["command"], "link": p.get("link", {})} for p in parts if p.get("link")]
     res["command"] = "; ".join(p["command"] for p in parts)
     link = res["link"].get("all", next(iter(res["link"].values()), {})).get("GBps")
     for row in res["rows"]:  # the link floor of rows measured in a run without the link section
@@ -455,6 +456,8 @@ def write_report(res: dict, prefix: str) -> None:
              (f"; HBM copy {res['hbm_copy']['GBps']:.0f} GB/s" if "hbm_copy" in res else ""), ""]
     if res.get("runs"):
         lines += ["Runs merged: " + "; ".join(f"`{r['command']}` ({r['machine']['date']})" for r in res["runs"]), ""]
+    for entry in res.get("links", [])[1:]:
+        lines += [f"Link in `{entry['command'][:60]}...`: " + ", ".join(f"{k} {v['GBps']:.1f} GB/s" for k, v in entry["link"].items()), ""]
     rows = res["rows"]
     att = [r for r in rows if r["kind"] == "attention"]
     if att:
