@@ -138,6 +138,27 @@ def fetch_model(name: str = "smollm2", *, force: bool = False) -> str:
     return dest
 
 
+def resolve(source: str | os.PathLike | None = None) -> str:
+    """The local path of ``source``: a known name (None: ``"smollm2"``) is fetched and verified, a path is
+    returned as given (it must exist)."""
+    if source is None or source in _MODELS:
+        return fetch_model(source or "smollm2")
+    path = os.fspath(source)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: expected a HF checkpoint directory, a GGUF file, "
+                                f"or one of {sorted(_MODELS)}")
+    return path
+
+
+def load_tokenizer(source: str | os.PathLike | None = None):
+    """The tokenizer of ``source`` (as :func:`load_model`), without loading weights."""
+    from fathom_jax.models import loading
+    from fathom_jax.models.tokenizer import from_gguf
+
+    path = resolve(source)
+    return loading.hf_tokenizer(path) if os.path.isdir(path) else from_gguf(loading.open_gguf(path))
+
+
 def load_model(source: str | os.PathLike | None = None, *, dtype="float32"):
     """``(model, tokenizer, config)`` from ``source``: None or a known name (``"smollm2"``, fetched on
     first use), a HF safetensors directory (config.json, tokenizer.json, model.safetensors[.index.json])
@@ -145,7 +166,7 @@ def load_model(source: str | os.PathLike | None = None, *, dtype="float32"):
     from fathom_jax.models import loading
     from fathom_jax.models.tokenizer import from_gguf
 
-    path = fetch_model(source or "smollm2") if source is None or source in _MODELS else os.fspath(source)
+    path = resolve(source)
     if os.path.isdir(path):
         model, config = loading.load_hf_checkpoint(path, dtype=dtype)
         return model, loading.hf_tokenizer(path), config
@@ -159,7 +180,7 @@ def model_config(source: str | os.PathLike | None = None):
     metadata alone: no weights are loaded, so arguments can be checked against it first."""
     from fathom_jax.models import loading
 
-    path = fetch_model(source or "smollm2") if source is None or source in _MODELS else os.fspath(source)
+    path = resolve(source)
     if os.path.isdir(path):
         return loading.hf_config(path)
     return loading.config_from_gguf(loading.open_gguf(path))
