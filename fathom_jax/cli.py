@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import re
 import shlex
@@ -47,7 +48,12 @@ class UsageError(Exception):
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+    """Defaults in --help, except for flags and for None (whose help says what happens instead)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -417,6 +423,13 @@ def _generate(args: argparse.Namespace) -> int:
 # The parser and the error convention
 
 
+# Modules that add subcommands, each exposing ``register(subparsers)``. Their parsers are made by
+# ``subparsers.add_parser`` and so get ``--debug``, defaults in ``--help`` and one-line errors; their
+# command functions raise :class:`UsageError` for a bad argument (exit 2) and let library errors
+# (ValueError, OSError, RuntimeError) through to :func:`main` (one line, exit 1).
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fathom_jax import __version__, methods
     from fathom_jax.models.hub import KNOWN_MODELS
@@ -464,11 +477,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-tokens", type=positive_int(18, " (calibration skips the first 16 tokens)"), default=1024,
                    help="tokens of calibration text (corpus)")
     p.add_argument("--implementation", choices=["xla", "pallas"], default=None,
-                   help="scan and top-k: jnp reference or Pallas kernels (None: pallas on a GPU, xla elsewhere)")
+                   help="scan and top-k: jnp reference or Pallas kernels (default: pallas on a GPU, xla elsewhere)")
     p.add_argument("--placement", choices=["device", "pinned_host"], default="device",
                    help="where the K/V cache and key index live: device memory or pinned host memory")
     add_model_arguments(p)
     p.set_defaults(func=_generate)
+
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return parser
 
 

@@ -186,3 +186,28 @@ def test_generate_with_a_local_hf_model_reports_what_was_sparse(capsys, tiny_hf_
     assert "SparQ r=2: k = 40 of 82 context tokens (48.8%)" in err
     assert "reads 8.5 bits per token per KV head per layer (dense keys: 64)" in err and "tokens/s" in err
     assert out.startswith(prompt) and len(out) > len(prompt)
+
+
+def test_registered_command_modules_share_the_conventions(capsys, monkeypatch):
+    """The evaluation commands register from their own module with one line in cli.COMMAND_MODULES."""
+    module = types.ModuleType("fake_commands")
+
+    def command(args):
+        if args.n > 3:
+            raise cli.UsageError(f"argument --n: {args.n} is more than 3")
+        raise ValueError("the library says no")
+
+    def register(subparsers):
+        p = subparsers.add_parser("fake", help="a registered command")
+        p.add_argument("--n", type=cli.positive_int(1), default=1, help="a number")
+        p.set_defaults(func=command)
+
+    module.register = register
+    monkeypatch.setitem(__import__("sys").modules, "fake_commands", module)
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("fake_commands",))
+    assert run(capsys, "fake", "--n", "0")[::2] == (2, "fathom fake: error: argument --n: expected an integer >= 1, "
+                                                      "got '0' (see fathom fake --help)\n")
+    assert run(capsys, "fake", "--n", "5")[::2] == (2, "fathom fake: error: argument --n: 5 is more than 3\n")
+    assert run(capsys, "fake")[::2] == (1, "fathom fake: error: the library says no (--debug shows the traceback)\n")
+    with pytest.raises(ValueError, match="the library says no"):
+        cli.main(["fake", "--debug"])
