@@ -380,21 +380,24 @@ def _generate(args: argparse.Namespace) -> int:
     check_positions(capacity, config, args.allow_long_context,
                     f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} =")
     check_memory(peak_bytes(config, max(capacity, args.k)), f"generate over {capacity} tokens", args.no_memory_check)
-    calibration = "session"
-    if sparse and args.calibration == "corpus" and method.needs_calibration:
+    calibration, corpus = "session", sparse and args.calibration == "corpus" and method.needs_calibration
+    if corpus:
+        from fathom_jax.eval import texts
+
         check_positions(args.calib_tokens, config, args.allow_long_context, f"--calib-tokens {args.calib_tokens} asks for")
+        calib_ids = tokenizer.encode(texts.calibration_text()[0])
+        if len(calib_ids) < args.calib_tokens:
+            raise UsageError(f"argument --calib-tokens: the calibration text has {len(calib_ids)} tokens with this "
+                             f"model's tokenizer, fewer than {args.calib_tokens}")
 
     model, _, _ = hub.load_model(args.model)
     kwargs = {}
     if sparse:
-        if args.calibration == "corpus" and method.needs_calibration:
+        if corpus:
             from fathom_jax.calibrate import calibrate
-            from fathom_jax.eval import texts
             from fathom_jax.models import capture_qkv
 
-            calib_text, _ = texts.calibration_text()
-            ids = texts.token_window(tokenizer.encode(calib_text), args.calib_tokens, name="calibration text")
-            cap = capture_qkv(model, jnp.asarray(ids))
+            cap = capture_qkv(model, jnp.asarray(calib_ids[: args.calib_tokens]))
             calibration = calibrate(cap["k"], cap["q"])
         attention_fn = decode.from_spec(method, k=args.k, calibration=calibration,
                                         implementation=args.implementation, placement=args.placement)

@@ -62,6 +62,8 @@ BAD_ARGUMENTS = [
     (["generate"], "argument prompt: the prompt is empty"),
     (["generate", "x" * 8200], "the prompt (8200 tokens) + --max-new-tokens 32 = 8232 tokens, more than the model's "
                                "8192 positions"),
+    (["generate", "x", "--method", "fathom:32", "--calibration", "corpus", "--calib-tokens", "9000"],
+     "--calib-tokens 9000 asks for 9000 tokens, more than the model's 8192 positions"),
     (["sweep", "--k", "0"], "argument --k: expected an integer >= 36"),
     (["sweep", "--k", "5000"], "argument --k: [5000] is more than the 4096 tokens of --context 4096"),
     (["sweep", "--positions", "0"], "argument --positions: expected an integer >= 1"),
