@@ -296,8 +296,14 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"load_calibration: no checkpoint directory at {path}")
-    with ocp.StandardCheckpointer() as ckpt:
-        state = ckpt.restore(path)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            state = ckpt.restore(path)
+    except Exception as err:  # orbax surfaces damage as JSON, tensorstore or OS errors from deep inside
+        raise ValueError(
+            f"load_calibration: cannot read the checkpoint at {path} ({type(err).__name__}: {err}); it is "
+            "truncated or damaged: write it again with save_calibration"
+        ) from err
     missing = [f for f in _FIELDS if f not in state]
     if missing:
         raise ValueError(f"load_calibration: checkpoint at {path} lacks fields {missing}")

@@ -25,6 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from fathom_jax import format as fmt
+from fathom_jax.checks import fail_if, is_traced
 from fathom_jax.format import N_PLANES
 
 BISECTION_STEPS = 30
@@ -78,11 +79,13 @@ def depths_at(g: Float[Array, "*G D"], theta: Float[Array, "*G"]) -> Int[Array, 
 
 
 def _check_budget(budget, d: int) -> None:
-    if isinstance(budget, jax.core.Tracer):
-        return
-    b = np.asarray(budget)
-    if np.any(~np.isfinite(b)) or np.any(b < 0) or np.any(b > N_PLANES * d):
-        raise ValueError(f"budget must lie in [0, {N_PLANES * d}] code bits (4 x D channels), got {b}")
+    """Budgets in [0, 4 D]: eagerly, or at run time when traced (a host call only on failure), because a
+    larger budget would otherwise be clamped to reading everything without a word."""
+    top = N_PLANES * d
+    b = jnp.asarray(budget, jnp.float32) if is_traced(budget) else np.asarray(budget, np.float64)
+    bad = ~((b >= 0) & (b <= top))  # NaN fails both comparisons
+    fail_if(bad, lambda got: f"budget must lie in [0, {top}] code bits (4 x D = {top} at D = {d}), got "
+                             f"{got[~((got >= 0) & (got <= top))].ravel()[:4].tolist()}", b)
 
 
 def _check_importance(g) -> None:

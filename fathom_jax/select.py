@@ -100,7 +100,26 @@ def attend(
     scale: float | None = None,
 ) -> Float[Array, "*B G D"]:
     """Exact softmax attention of each head over the rows its mask admits (f32 accumulation)."""
+    _check_attention_shapes("attend", q, keys, values)
     return _masked_attention(q, keys[..., None, :, :], values[..., None, :, :], mask, scale)
+
+
+def _check_attention_shapes(name: str, q, keys, values, rows=None) -> None:
+    """Static shape checks (they hold under jit): a value row per key row, q and keys of one head_dim,
+    indices and mask per query head. Without them a short ``values`` is clamped by the gather and attention
+    comes out NaN or silently wrong."""
+    q, keys, values = (jnp.shape(x) for x in (q, keys, values))
+    if len(q) < 2 or len(keys) < 2 or len(values) < 2:
+        raise ValueError(f"{name}: q must be [..., G, D], keys and values [..., n, D]; got shapes {q}, {keys}, {values}")
+    if keys[:-1] != values[:-1]:
+        raise ValueError(f"{name}: values must have one row per key row: keys {keys} vs values {values}")
+    if q[-1] != keys[-1]:
+        raise ValueError(f"{name}: q and keys must share head_dim: q {q} vs keys {keys}")
+    if rows is not None:
+        (indices, mask), want = rows, (*q[:-1],)
+        if jnp.shape(indices)[:-1] != want or jnp.shape(mask) != jnp.shape(indices):
+            raise ValueError(f"{name}: indices and mask must be [..., G, k] with [..., G] = {want}; got "
+                             f"{jnp.shape(indices)} and {jnp.shape(mask)}")
 
 
 def _masked_attention(q, keys, values, mask, scale):
@@ -122,6 +141,7 @@ def sparse_attention(
     scale: float | None = None,
 ) -> Float[Array, "*B G D"]:
     """Attention of each head over its own selected rows only (gathered from the full K/V)."""
+    _check_attention_shapes("sparse_attention", q, keys, values, (indices, mask))
     rows_k = jnp.take_along_axis(keys[..., None, :, :], indices[..., None], axis=-2)  # [*B, G, k, D]
     rows_v = jnp.take_along_axis(values[..., None, :, :], indices[..., None], axis=-2)
     return _masked_attention(q, rows_k, rows_v, mask, scale)
@@ -136,6 +156,7 @@ def dense_attention(
     scale: float | None = None,
 ) -> Float[Array, "*B G D"]:
     """Attention over every valid position ``< length``."""
+    _check_attention_shapes("dense_attention", q, keys, values)
     n = keys.shape[-2]
     length = jnp.asarray(length, jnp.int32)[..., None, None]
     mask = jnp.broadcast_to(jnp.arange(n) < length, (*q.shape[:-1], n))

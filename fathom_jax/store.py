@@ -42,6 +42,7 @@ import numpy as np
 from jaxtyping import Array, Float, Float16, Int, UInt32
 
 from fathom_jax import format as fmt
+from fathom_jax.checks import fail_if, is_traced
 from fathom_jax.format import BLOCK_TOKENS, FP16_MAX, N_PLANES, WORD_BITS, round_capacity  # noqa: F401
 
 
@@ -155,6 +156,16 @@ def dequantize_codes(
     return jnp.where(depth > 0, value, 0.0)
 
 
+def _check_depth(name: str, depth) -> None:
+    """Depths are planes read per channel, 0..4: checked when concrete (traced depths: see ``dequantize``)."""
+    if is_traced(depth):
+        return
+    d = np.asarray(depth)
+    if d.size and (d.min() < 0 or d.max() > N_PLANES):
+        raise ValueError(f"{name}: depth must lie in [0, {N_PLANES}] planes per channel, got values in "
+                         f"[{d.min()}, {d.max()}]")
+
+
 # ----------------------------------------------------------------------------------------------
 # Packing
 
@@ -174,6 +185,7 @@ def pack_planes(codes: Int[Array, "*B n D"]) -> UInt32[Array, "*B D 4 W"]:
 
 def unpack_planes(planes: UInt32[Array, "*B D 4 W"], depth: Int[Array, "*B D"] | int = N_PLANES) -> Int[Array, "*B n D"]:
     """Codes from the first ``depth`` planes (per channel): ``c >> (4 - depth)``, token-major."""
+    _check_depth("unpack_planes", depth)
     *batch, d, _, w = planes.shape
     bit_index = jnp.arange(WORD_BITS, dtype=jnp.uint32)
     bits = ((planes[..., None] >> bit_index) & 1).astype(jnp.int32).reshape(*batch, d, N_PLANES, w * WORD_BITS)
@@ -189,15 +201,29 @@ def unpack_planes(planes: UInt32[Array, "*B D 4 W"], depth: Int[Array, "*B D"] |
 # Building, reading and appending
 
 
+def _bad_keys_message(name: str):
+    def message(nonfinite, absmax) -> str:
+        if int(nonfinite):
+            return f"{name} contains {int(nonfinite)} NaN or inf value(s); the key store needs finite keys"
+        return f"{name} has |k| up to {float(absmax):.3g}, beyond the fp16 block scale range {FP16_MAX}"
+
+    return message
+
+
 def _check_finite(name: str, x) -> None:
-    if isinstance(x, jax.core.Tracer):
-        return  # value checks happen eagerly; inside jit the caller owns them
-    arr = np.asarray(x, dtype=np.float32)
-    if not np.all(np.isfinite(arr)):
-        bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
-        raise ValueError(f"{name} contains {bad} NaN or inf value(s); the key store needs finite keys")
-    if arr.size and np.max(np.abs(arr)) > FP16_MAX:
-        raise ValueError(f"{name} has |k| up to {np.max(np.abs(arr)):.3g}, beyond the fp16 block scale range {FP16_MAX}")
+    """Keys must be finite and within fp16 range: eagerly, or at run time under jit (no cost when they are)."""
+    if x.size == 0:
+        return
+    if is_traced(x):
+        finite = jnp.isfinite(x)
+        nonfinite = jnp.sum(~finite)
+        absmax = jnp.max(jnp.where(finite, jnp.abs(x), 0.0))
+    else:
+        arr = np.asarray(x, dtype=np.float32)
+        finite = np.isfinite(arr)
+        nonfinite = np.size(arr) - np.count_nonzero(finite)
+        absmax = np.max(np.where(finite, np.abs(arr), 0.0))
+    fail_if((nonfinite > 0) | (absmax > FP16_MAX), _bad_keys_message(name), nonfinite, absmax)
 
 
 def build_store(
@@ -226,9 +252,8 @@ def build_store(
     if length is None:
         length = jnp.full(batch, n, jnp.int32)
     else:
-        if not isinstance(length, jax.core.Tracer) and np.any((np.asarray(length) < 0) | (np.asarray(length) > n)):
-            raise ValueError(f"build_store: length must lie in [0, {n}], got {np.asarray(length)}")
         length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), batch)
+        fail_if((length < 0) | (length > n), lambda got: f"build_store: length must lie in [0, {n}], got {got}", length)
 
     keys = rotate_keys(keys.astype(jnp.float32), rotation)
     padded = jnp.zeros((*batch, capacity, d), jnp.float32).at[..., :n, :].set(keys)
@@ -259,12 +284,19 @@ def token_scales(store: PlaneStore) -> Float[Array, "*B n D"]:
 
 
 def dequantize(store: PlaneStore, depth: Int[Array, "*B D"] | int = N_PLANES) -> Float[Array, "*B n D"]:
-    """Keys as read to per-channel depth ``depth`` (in the store's basis), ``[*B, capacity, D]``."""
+    """Keys as read to per-channel depth ``depth`` (in the store's basis), ``[*B, capacity, D]``.
+
+    ``depth`` must lie in [0, 4]: a ValueError when concrete. Traced depths come from a planner on the
+    decode path, where a host check per step would cost a sync, so a channel read at an out-of-range
+    depth comes out NaN rather than as a plausible wrong value.
+    """
+    _check_depth("dequantize", depth)
     depth = jnp.broadcast_to(jnp.asarray(depth, jnp.int32), (*store.batch_shape, store.head_dim))
     codes = read_codes(store, depth)
     values = dequantize_codes(codes, token_scales(store), depth[..., None, :])
     valid = jnp.arange(store.capacity) < store.length[..., None]
-    return jnp.where(valid[..., None], values, 0.0)
+    bad_depth = ((depth < 0) | (depth > N_PLANES))[..., None, :]
+    return jnp.where(bad_depth, jnp.nan, jnp.where(valid[..., None], values, 0.0))
 
 
 def append_block(
@@ -293,29 +325,16 @@ def _append_one(planes, scales, tail, length, key):
     return planes, scales, tail, length + 1
 
 
-def _raise_overflow(length, count, capacity):
-    raise ValueError(
-        f"append: {int(count)} token(s) past capacity (length {int(length)}, capacity {capacity}); "
-        "build the store with a larger capacity"
-    )
-
-
 def check_capacity(length: Int[Array, "*B"], m: int, capacity: int) -> None:
     """Raise if appending ``m`` tokens to sequences of ``length`` would pass ``capacity``.
 
-    Eagerly when lengths are concrete; under tracing through a host callback inside a ``cond``, so it
-    costs nothing unless the overflow happens.
+    Eagerly when lengths are concrete; under tracing at run time (:func:`fathom_jax.checks.fail_if`:
+    costs nothing unless the overflow happens).
     """
-    if isinstance(length, jax.core.Tracer):
-        top = jnp.max(length)
-        jax.lax.cond(
-            top + m > capacity,
-            lambda: jax.debug.callback(_raise_overflow, top, top + m - capacity, capacity),
-            lambda: None,
-        )
-    elif int(np.max(np.asarray(length), initial=0)) + m > capacity:
-        top = int(np.max(np.asarray(length)))
-        _raise_overflow(top, top + m - capacity, capacity)
+    top = jnp.max(jnp.asarray(length)) if is_traced(length) else int(np.max(np.asarray(length), initial=0))
+    fail_if(top + m > capacity, lambda top: (
+        f"append: {int(top) + m - capacity} token(s) past capacity (length {int(top)}, capacity {capacity}); "
+        "build the store with a larger capacity"), top)
 
 
 def block_tail(keys: Float[Array, "*B n D"], length: Int[Array, "*B"], block: int) -> Float[Array, "*B block D"]:
@@ -329,9 +348,9 @@ def block_tail(keys: Float[Array, "*B n D"], length: Int[Array, "*B"], block: in
 def append(store: PlaneStore, keys: Float[Array, "*B m D"], *, check: bool = True) -> PlaneStore:
     """Append ``m`` keys to every sequence of the store (requantizing each partial block).
 
-    Appending past capacity is an error: raised at call time when lengths are concrete, and at run
-    time (through a host callback that fires only on overflow) when traced, unless ``check=False``
-    for loops whose bounds were checked before entering them.
+    Appending past capacity, or a NaN/inf key, is an error: raised at call time when values are
+    concrete, and at run time (through a host callback that fires only on error) when traced, unless
+    ``check=False`` for loops whose bounds and keys were checked before entering them.
     """
     keys = jnp.asarray(keys)
     expect = (*store.batch_shape, keys.shape[-2] if keys.ndim >= 2 else -1, store.head_dim)
@@ -341,7 +360,7 @@ def append(store: PlaneStore, keys: Float[Array, "*B m D"], *, check: bool = Tru
     capacity = store.capacity
     if check:
         check_capacity(store.length, m, capacity)
-    _check_finite("append: keys", keys)
+        _check_finite("append: keys", keys)
 
     keys = rotate_keys(keys.astype(jnp.float32), store.rotation)
     batch = store.batch_shape

@@ -1,11 +1,32 @@
 #!/usr/bin/env bash
 # Idempotent environment set-up for development and CI.
-#   .venv      Python 3.12 + jax/jaxlib 0.11.2 (the GPU machine's versions) + this package, editable.
-#   .venv-ref  Python 3.11 "oracle": CPU torch 2.13.0 (a local wheel exists only for 3.11) and
-#              transformers, used only by tests/oracle/hf_reference.py for reference logits.
-#   SmolLM2-135M-Instruct GGUF fetched into $FATHOM_CACHE (default ~/.cache/fathom_jax).
+#
+#   bash scripts/setup_env.sh                 .venv + the SmolLM2 model: what the library and `fathom` need
+#   bash scripts/setup_env.sh --with-oracle   also .venv-ref, the torch oracle the parity tests compare with
+#   bash scripts/setup_env.sh --gpu           .venv with JAX's CUDA plugin at the pinned JAX version
+#   bash scripts/setup_env.sh --notebook      .venv with what runs notebooks/ (Jupyter, ipykernel)
+#
+#   .venv      Python 3.12 + jax/jaxlib 0.11.2 (the GPU machine's versions) + this package, editable, [test] extra.
+#   .venv-ref  Python 3.11 "oracle" (only with --with-oracle, ~1.2 GiB): CPU torch 2.13.0 (a local wheel exists only
+#              for 3.11) and transformers, used only by tests/oracle/hf_reference.py for reference logits.
+#   SmolLM2-135M-Instruct GGUF fetched into $FATHOM_CACHE (default ~/.cache/fathom_jax), size and SHA-256 verified.
+#
+# Re-running installs nothing that is already installed: .venv is reinstalled only when pyproject.toml or the
+# requested extras change (a stamp in .venv records them), .venv-ref only when its imports fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+WITH_ORACLE=0
+EXTRAS=test
+for arg in "$@"; do
+  case "$arg" in
+    --with-oracle) WITH_ORACLE=1 ;;
+    --gpu) EXTRAS="$EXTRAS,gpu" ;;
+    --notebook) EXTRAS="$EXTRAS,notebook" ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "setup_env.sh: unknown option $arg (expected --with-oracle, --gpu, --notebook)" >&2; exit 2 ;;
+  esac
+done
 
 PY312=${PY312:-/root/.pyenv/versions/3.12.1/bin/python3.12}
 PY311=${PY311:-/root/.pyenv/versions/3.11.7/bin/python3.11}
@@ -16,17 +37,28 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $PY312"
   "$PY312" -m venv .venv
 fi
-echo "[setup] installing fathom-jax[test] into .venv"
-.venv/bin/python -m pip install -q -e '.[test]'
-
-# Pinned so reference outputs do not drift with transformers releases.
-ORACLE_PKGS=(torch==2.13.0 transformers==5.24.0 accelerate==1.15.0 safetensors gguf==0.19.0 numpy)
-if ! .venv-ref/bin/python -c "import torch, transformers, accelerate, gguf, safetensors, numpy" 2>/dev/null; then
-  echo "[setup] creating oracle venv .venv-ref with $PY311"
-  [ -x .venv-ref/bin/python ] || "$PY311" -m venv .venv-ref
-  .venv-ref/bin/python -m pip install -q "${ORACLE_PKGS[@]}"
+STAMP=.venv/.fathom-setup
+WANT="$(cksum < pyproject.toml) [$EXTRAS]"
+if [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] && .venv/bin/python -c "import fathom_jax" 2>/dev/null; then
+  echo "[setup] .venv is up to date (fathom-jax[$EXTRAS])"
+else
+  echo "[setup] installing fathom-jax[$EXTRAS] into .venv"
+  .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+  echo "$WANT" > "$STAMP"
 fi
 
-echo "[setup] fetching SmolLM2 (cached after the first run)"
+if [ "$WITH_ORACLE" = 1 ]; then
+  # Pinned so reference outputs do not drift with transformers releases.
+  ORACLE_PKGS=(torch==2.13.0 transformers==5.24.0 accelerate==1.15.0 safetensors gguf==0.19.0 numpy)
+  if .venv-ref/bin/python -c "import torch, transformers, accelerate, gguf, safetensors, numpy" 2>/dev/null; then
+    echo "[setup] oracle venv .venv-ref is up to date"
+  else
+    echo "[setup] creating oracle venv .venv-ref with $PY311"
+    [ -x .venv-ref/bin/python ] || "$PY311" -m venv .venv-ref
+    .venv-ref/bin/python -m pip install -q "${ORACLE_PKGS[@]}"
+  fi
+fi
+
+echo "[setup] fetching SmolLM2 (cached and verified after the first run)"
 .venv/bin/python -c "from fathom_jax.models.hub import fetch_model; print(fetch_model('smollm2'))"
 echo "[setup] done"

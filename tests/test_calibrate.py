@@ -127,6 +127,16 @@ def test_save_refuses_overwrite_without_force(tmp_path):
         C.load_calibration(tmp_path / "missing")
 
 
+def test_truncated_checkpoint_names_itself(tmp_path):
+    """A truncated checkpoint surfaced as a bare JSONDecodeError from inside orbax."""
+    keys, _ = _capture(seed=7, layers=1, hkv=1, n=64, d=4)
+    C.save_calibration(tmp_path / "c", C.calibrate(keys))
+    meta = tmp_path / "c" / "_METADATA"
+    meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"cannot read the checkpoint at {tmp_path / 'c'} .*save_calibration"):
+        C.load_calibration(tmp_path / "c")
+
+
 def test_bad_inputs():
     keys, queries = _capture(seed=7, layers=1, hkv=2, n=64, nq=8, d=4)
     bad = keys.copy()

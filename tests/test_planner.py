@@ -127,3 +127,13 @@ def test_depths_at_rounds_exact_halves_up():
     """log4(g / theta) = 0.5, 1.5, 2.5, 3.5: Appendix A and the docstring round half up (jnp.round gave 0, 2, 2, 4)."""
     np.testing.assert_array_equal(np.asarray(P.depths_at(jnp.array([2.0, 8.0, 32.0, 128.0]), 1.0)), [1, 2, 3, 4])
     np.testing.assert_array_equal(np.asarray(jax.jit(P.depths_at)(jnp.array([2.0, 8.0]), 1.0)), [1, 2])
+
+
+@pytest.mark.parametrize("budget", [-1, 17, np.nan])
+def test_budget_out_of_range_under_jit(budget, appendix_importance):
+    """A traced budget of 9999 was clamped to reading everything without a word."""
+    for plan in (P.plan_bisection, P.plan_exact):
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"budget must lie in \[0, 16\]"):
+            jax.block_until_ready(jax.jit(plan)(appendix_importance, jnp.float32(budget)))
+    ok = jax.jit(P.plan_bisection)(appendix_importance, jnp.int32(16))
+    assert int(ok.code_bits) == 16

@@ -106,3 +106,16 @@ def test_pallas_selection_is_the_same_set(rng, length):
             want = set(np.asarray(idx_x[b, h])[np.asarray(mask_x[b, h])].tolist())
             got = set(np.asarray(idx_p[b, h])[np.asarray(mask_p[b, h])].tolist())
             assert got == want
+
+
+def test_attention_shapes_are_checked_even_under_jit():
+    """Values shorter than keys were clamped by the gather and gave NaN attention."""
+    q, keys, values = jnp.ones((2, 4)), jnp.ones((10, 4)), jnp.ones((5, 4))
+    idx, mask = jnp.zeros((2, 3), jnp.int32), jnp.ones((2, 3), bool)
+    for fn in (sel.sparse_attention, jax.jit(sel.sparse_attention)):
+        with pytest.raises(ValueError, match="values must have one row per key row"):
+            fn(q, keys, values, idx, mask)
+    with pytest.raises(ValueError, match="share head_dim"):
+        sel.dense_attention(jnp.ones((2, 8)), keys, keys, 10)
+    with pytest.raises(ValueError, match="indices and mask"):
+        sel.sparse_attention(q, keys, keys, jnp.zeros((3, 3), jnp.int32), jnp.ones((3, 3), bool))

@@ -187,3 +187,42 @@ def test_subnormal_negative_key_takes_a_negative_cell(jit):
     build = jax.jit(S.build_store) if jit else S.build_store
     codes = np.asarray(S.read_codes(build(keys)))
     np.testing.assert_array_equal(codes[1], [7, 8, 8])  # -tiny: cell -1; +tiny and -0.0: cell 0
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_keys_rejected_under_jit(bad):
+    """Under jit the NaN became a NaN block scale and the inf a finite 65504 one, silently."""
+    keys = jnp.zeros((64, 4)).at[3, 1].set(bad)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="build_store: keys contains 1 NaN or inf"):
+        jax.block_until_ready(jax.jit(S.build_store)(keys))
+
+
+def test_append_overflow_under_jit_reads_as_its_value_error(caplog):
+    store = S.build_store(np.zeros((64, 4), np.float32), capacity=64)
+    with caplog.at_level("ERROR"), pytest.raises(jax.errors.JaxRuntimeError) as err:
+        jax.block_until_ready(jax.jit(S.append)(store, jnp.zeros((1, 4))))
+    assert str(err.value).rstrip().endswith(
+        "ValueError: append: 1 token(s) past capacity (length 64, capacity 64); build the store with a larger capacity")
+    assert not caplog.records, "JAX logged a second copy of the traceback"
+
+
+def test_checked_append_under_vmap_raises_only_on_overflow():
+    """vmap turns the check's cond into a select that runs the callback for every sequence."""
+    stores = jax.vmap(lambda k: S.build_store(k, capacity=128))(jnp.ones((3, 64, 4)))
+    grown = jax.jit(jax.vmap(S.append))(stores, jnp.ones((3, 1, 4)))
+    np.testing.assert_array_equal(grown.length, [65, 65, 65])
+    full = jax.vmap(lambda k: S.build_store(k, capacity=64))(jnp.ones((3, 64, 4)))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="past capacity"):
+        jax.block_until_ready(jax.jit(jax.vmap(S.append))(full, jnp.ones((3, 1, 4))))
+
+
+@pytest.mark.parametrize("depth", [7, -1])
+def test_depth_outside_the_four_planes(depth):
+    """Depth 7 read garbage and -1 zeros; concrete depths raise, traced ones come out NaN."""
+    store = S.build_store(np.ones((64, 4), np.float32))
+    with pytest.raises(ValueError, match=r"dequantize: depth must lie in \[0, 4\]"):
+        S.dequantize(store, depth)
+    with pytest.raises(ValueError, match=r"depth must lie in \[0, 4\]"):
+        S.read_codes(store, depth)
+    read = np.asarray(jax.jit(S.dequantize)(store, jnp.array([0, 2, 4, depth])))
+    assert np.all(np.isnan(read[:, 3])) and np.all(np.isfinite(read[:, :3]))

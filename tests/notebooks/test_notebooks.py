@@ -26,3 +26,15 @@ def test_notebook_runs(path, monkeypatch):
         if cell["cell_type"] == "code":
             exec(compile("".join(cell["source"]), f"{path.name}[{i}]", "exec"), namespace)
     assert namespace["results"], "the notebook's comparison produced no rows"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_committed_with_its_outputs(path):
+    """Readers see the plans, tables and plots without running it (scripts/setup_env.sh --notebook runs it)."""
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    assert all(c["outputs"] for c in cells), "every code cell has its output"
+    kinds = [o["output_type"] for c in cells for o in c["outputs"]]
+    assert "error" not in kinds
+    assert sum("image/png" in o.get("data", {}) for c in cells for o in c["outputs"]) >= 1
+    counts = [c["execution_count"] for c in cells]
+    assert counts == sorted(counts) and None not in counts, "executed top to bottom in one session"

@@ -1,0 +1,69 @@
+"""scripts/setup_env.sh: the main job's set-up builds no torch oracle, and re-running it installs nothing.
+
+The script runs for real in a scratch copy of the repository root, with a stand-in Python that records
+every call (creating a venv makes a copy of the stand-in; pip marks the venv installed)."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+REPO = pathlib.Path(__file__).parents[1]
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+echo "$0 $*" >> "$FAKE_LOG"
+venv="$(cd "$(dirname "$0")/.." && pwd)"
+case "$1 $2" in
+  "-m venv") mkdir -p "$3/bin" && cp "$0" "$3/bin/python" ;;
+  "-m pip") touch "$venv/installed" ;;
+  *) [ "$1" = "-c" ] && exec test -e "$venv/installed" ;;
+esac
+"""
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "setup_env.sh", tmp_path / "scripts")
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = dict(os.environ, PY312=str(fake), PY311=str(fake), FAKE_LOG=str(log))
+
+    def setup(*flags):
+        log.write_text("")
+        subprocess.run(["bash", "scripts/setup_env.sh", *flags], cwd=tmp_path, env=env, check=True,
+                       capture_output=True, text=True)
+        return log.read_text().splitlines()
+
+    return tmp_path, setup
+
+
+def pip_installs(calls, venv):
+    return [c for c in calls if c.split("/bin/python ")[0].endswith(venv) and " -m pip install" in c]
+
+
+def test_main_job_setup_builds_no_oracle_and_reruns_install_nothing(sandbox):
+    root, setup = sandbox
+    calls = setup()
+    assert len(pip_installs(calls, ".venv")) == 1 and not (root / ".venv-ref").exists()
+    assert not pip_installs(setup(), ".venv"), "re-running the set-up reinstalled .venv"
+
+
+def test_oracle_only_with_the_flag_and_once(sandbox):
+    root, setup = sandbox
+    calls = setup("--with-oracle")
+    assert len(pip_installs(calls, ".venv-ref")) == 1 and (root / ".venv-ref" / "bin" / "python").exists()
+    again = setup("--with-oracle")
+    assert not pip_installs(again, ".venv") and not pip_installs(again, ".venv-ref")
+
+
+def test_extras_change_reinstalls(sandbox):
+    _, setup = sandbox
+    setup()
+    calls = setup("--gpu")
+    assert len(pip_installs(calls, ".venv")) == 1 and "[test,gpu]" in pip_installs(calls, ".venv")[0]
