@@ -155,16 +155,14 @@ class SparseAttention:
         # traced (or placeholder) leaves, so array contents are checked in check().
         if not isinstance(self.method, ScanMethod):
             raise TypeError(f"SparseAttention: method must be a ScanMethod (fathom_jax.methods), got {self.method!r}")
-        for name in ("k", "sink", "local", "skip_tokens"):
+        for name in ("sink", "local", "skip_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"SparseAttention: {name} must be an int >= 0, got {value!r}")
-        if self.k < 1:
-            raise ValueError(f"SparseAttention: k must be an int >= 1, got {self.k}")
-        if self.sink + self.local > self.k:
-            raise ValueError(
-                f"SparseAttention: sink + local = {self.sink} + {self.local} must not exceed k = {self.k}"
-            )
+        floor = max(1, self.sink + self.local)
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < floor:
+            raise ValueError(f"SparseAttention: k must be an int >= sink + local = {self.sink} + {self.local} "
+                             f"(and >= 1), got {self.k!r}")
         backend.resolve_implementation(self.implementation)
         if not isinstance(self.placement, Placement):
             object.__setattr__(self, "placement", Placement.parse(self.placement))
@@ -210,7 +208,7 @@ class SparseAttention:
         if self.k > capacity:
             raise ValueError(
                 f"SparseAttention: k={self.k} is larger than the KV cache capacity {capacity}; "
-                "use a larger capacity or a smaller k"
+                f"pass capacity >= {self.k} (generate's default sizes the cache to at least k) or a smaller k"
             )
         c = self.calibration
         if c is not None:

@@ -268,3 +268,9 @@ def test_bad_inputs_give_clear_errors(model, calib):
         model.decode_step(jnp.asarray(prompt[:, 0]), cache, attention_fn=decode.SparseAttention(M.SparQ(2), k=40))
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
         generate(model, prompt, 0, capacity=48, attention_fn=decode.SparseAttention(M.SparQ(2), k=40))
+
+
+def test_generate_sizes_the_cache_to_at_least_k(model):
+    """A short prompt with a large k: generate's default capacity holds k rows (padding slots are masked)."""
+    out = generate(model, PROMPTS[0], 3, attention_fn=decode.from_spec("sparq:2", k=40))
+    assert out.shape == (2, 3)

@@ -137,3 +137,18 @@ def test_budget_out_of_range_under_jit(budget, appendix_importance):
             jax.block_until_ready(jax.jit(plan)(appendix_importance, jnp.float32(budget)))
     ok = jax.jit(P.plan_bisection)(appendix_importance, jnp.int32(16))
     assert int(ok.code_bits) == 16
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_bisection_never_exceeds_the_budget_at_the_water_line(jit):
+    """Seven real SmolLM2 groups (tests/data, from scripts/planner_smollm2.py's protocol) where the final water
+    line sits within float rounding of a breakpoint: re-evaluating the depths there read 33 code bits at a
+    budget of 32. The plan is the last accepted trial's, so it fits the budget, and it is the exact allocation."""
+    import pathlib
+
+    data = np.load(pathlib.Path(__file__).parent / "data" / "bisection_water_line_groups.npz")
+    g, budget = jnp.asarray(data["g"]), int(data["budget"])
+    plan = (jax.jit(P.plan_bisection, static_argnums=1) if jit else P.plan_bisection)(g, budget)
+    assert np.all(np.asarray(plan.code_bits) <= budget)
+    np.testing.assert_array_equal(np.asarray(plan.depths), np.asarray(P.plan_exact(g, budget).depths))
+    np.testing.assert_array_equal(np.asarray(P.depths_at(g, plan.theta)).sum(-1) <= budget + 1, True)

@@ -21,7 +21,7 @@ the attention-hook protocol), ``layers.py`` (RMSNorm, RoPE, attention projection
 from fathom_jax.models.cache import AttentionFn, KVCache, dense_attention
 from fathom_jax.models.config import LlamaConfig, RopeScaling
 from fathom_jax.models.generation import capture_qkv, generate
-from fathom_jax.models.hub import fetch_model, load_smollm2
+from fathom_jax.models.hub import fetch_model, load_model, load_smollm2, load_tokenizer, model_config
 from fathom_jax.models.llama import LlamaForCausalLM
 from fathom_jax.models.loading import MissingTensorError, load_gguf, load_hf_checkpoint
 from fathom_jax.models.tokenizer import Tokenizer
@@ -41,4 +41,7 @@ __all__ = [
     "load_gguf",
     "load_hf_checkpoint",
     "load_smollm2",
+    "load_model",
+    "load_tokenizer",
+    "model_config",
 ]

@@ -54,6 +54,7 @@ def generate(
     jit argument, a callable pytree passes its arrays as traced arguments), or a
     :class:`~fathom_jax.decode.SparseAttention`, which decodes with its own stacked cache in HBM or in
     host memory (its ``placement``) and takes ``lengths`` (right-padded prompts of different lengths).
+    ``capacity`` defaults to the longest prompt + ``max_new_tokens`` (and at least the hook's k).
     Returns [B, N] (or [N] for a 1-D prompt) new token ids.
     """
     prompt = jnp.asarray(prompt_ids, jnp.int32)
@@ -66,7 +67,10 @@ def generate(
     if lengths is None:
         lengths = jnp.full((prompt.shape[0],), prompt.shape[1], jnp.int32)
     longest = int(jnp.max(jnp.asarray(lengths)))
-    capacity = capacity or longest + max_new_tokens
+    if capacity is None:  # a sparse hook selects k rows per head: the cache holds at least k (padding slots are masked)
+        capacity = longest + max_new_tokens
+        if isinstance(attention_fn, SparseAttention):
+            capacity = max(capacity, attention_fn.k)
     if longest + max_new_tokens > capacity:
         raise ValueError(
             f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds cache capacity {capacity}"
