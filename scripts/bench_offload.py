@@ -369,6 +369,7 @@ def main(argv=None):
     ap.add_argument("--sections", default="link,attn,full,profile,batch,control,dense,prefill")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--k", type=int, default=512)
+    ap.add_argument("--batches", default="4,8", help="batch sizes of the batch section")
     ap.add_argument("--mesh", type=int, default=1, help="GPUs in the mesh (the group axis is split over them)")
     ap.add_argument("--share-kv-from", default="512k", help="contexts from this size share one K/V row buffer")
     ap.add_argument("--steps", type=int, default=5)
@@ -421,7 +422,7 @@ def main(argv=None):
                           profile="profile" in args.sections and ctx == max(args.full_contexts))
         elif section == "batch" and model is not None:
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
-            for b in (4, 8):
+            for b in (int(x) for x in args.batches.split(",")):
                 run.guard(f"batch {b}", full_rows, run, model, cfg, calib, scale, ctx, labels[:1], batch=b,
                           profile="profile" in args.sections and b == 8)
         elif section == "control":
