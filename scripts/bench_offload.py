@@ -507,19 +507,28 @@ def write_report(res: dict, prefix: str) -> None:
         return
     if not att:
         return
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for label in sorted({r["method"] for r in att}):
-        pts = sorted((r["context"], r["median_ms"]) for r in att if r["method"] == label and r["batch"] == 1
-                     and r["memory"] == "pinned_host")
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    colors = dict(zip(sorted({r["method"] for r in att}), plt.get_cmap("tab10").colors))
+    default_read = res["config"].get("read")
+    for label in sorted(colors):
+        for read, style in (("staged", "-"), ("direct", "--")):
+            pts = sorted((r["context"], r["median_ms"]) for r in att if r["method"] == label and r["batch"] == 1
+                         and r["memory"] == "pinned_host" and r.get("mesh", 1) == 1
+                         and r.get("read", default_read) == read)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o" + style, color=colors[label],
+                        label=f"{label} ({read})")
+        authors = sorted((c, v[label]) for c, v in AUTHORS_MS.items() if label in v)
+        if authors and any(r["method"] == label for r in att):
+            ax.plot([a[0] for a in authors], [a[1] for a in authors], "x", color=colors[label], ms=9,
+                    label=f"{label}, authors' implementation")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("attention-only step (ms, 36 layers)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(f"{m['device']}: index + K/V in pinned host memory")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title(f"{m['device']}: index + K/V in pinned host memory, one GPU")
     fig.tight_layout()
     fig.savefig(prefix + ".png", dpi=110)
     plt.close(fig)
