@@ -14,186 +14,31 @@ line too (exit status 1). ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import os
-import re
-import shlex
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-MIN_K = 36  # every query head keeps 4 sink + 32 local tokens (fathom_jax.select)
-GiB = 1024**3
-
-BUDGET_GUIDE = """\
-choosing a scan budget (bits are per token, per KV head, per layer; D = the model's head_dim):
-  fathom:B      reads B code bits (at most 4 D) spread over the channels the query needs, plus 16 bits
-                of fp16 scale per 64 tokens for each channel it reads: B + 0.25 x channels read.
-  sparq:R       reads R whole channels at 4 bits: 4.25 R bits (D = 64: sparq:8 = 34, sparq:16 = 68;
-                D = 128: sparq:16 = 68, sparq:32 = 136).
-  fathom:B is a code-bit budget at the model's own D, not rescaled from the paper's D = 128. To compare
-  with sparq:R at equal bits pick B a little under 4 R; on SmolLM2 (D = 64,
-  results/fidelity_smollm2_8k.md) fathom:28 reads 32.4 bits (SparQ r = 8: 34), fathom:48 55.1 bits
-  (SparQ r = 16: 68), fathom:64 73.1 bits. Dense attention reads 16 D bits (1024 at D = 64).
-  --k is the tokens each query head attends to (4 sink + 32 local + the top-scoring rest): k must be
-  at least 36, and is sparse only when it is well below the context."""
-
-
-class UsageError(Exception):
-    """A bad argument: reported as one line naming it, exit status 2."""
-
-
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in --help, except for flags and for None (whose help says what happens instead)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage block) and ``--debug`` on every (sub)command."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", _Formatter)
-        super().__init__(*args, **kwargs)
-        # SUPPRESS: a subcommand's unset --debug must not overwrite `fathom --debug <command>`.
-        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                          help="show the full traceback of an error")
-
-    def error(self, message: str):
-        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
-
-
-def positive_int(minimum: int = 1, why: str = "") -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum`` (``why`` explains the bound in the message)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}{why}, got {text!r}")
-        return value
-
-    parse.__name__ = "integer"
-    return parse
-
-
-def method_spec(text: str):
-    """An argparse type: ``dense`` or a scan method spec (fathom_jax.methods.parse)."""
-    from fathom_jax import methods
-
-    if text.strip().lower() == "dense":
-        return "dense"
-    try:
-        return methods.parse(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-K_TYPE = positive_int(MIN_K, " (every query head keeps 4 sink + 32 local tokens)")
-
-
-# ----------------------------------------------------------------------------------------------
-# Checks shared by the commands (all run before any model weights are loaded)
-
-
-def check_out_dir(path: str, argument: str = "--out") -> str:
-    """Create ``path`` and prove it writable now, not after a long run."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".fathom-write-test-"):
-            pass
-    except OSError as err:
-        raise UsageError(f"argument {argument}: cannot write to {path!r} ({err.strerror or err})") from None
-    return path
-
-
-def check_method(method, head_dim: int, argument: str = "--method") -> None:
-    try:
-        method.validate(head_dim)
-    except ValueError as err:
-        raise UsageError(f"argument {argument}: {err}") from None
-
-
-def check_positions(tokens: int, config, allow_long: bool, what: str) -> None:
-    limit = config.max_position_embeddings
-    if tokens > limit and not allow_long:
-        raise UsageError(
-            f"{what} {tokens} tokens, more than the model's {limit} positions (max_position_embeddings); "
-            "shorten it, or pass --allow-long-context to run past the trained length anyway"
-        )
-
-
-def param_count(config) -> int:
-    d, h, hkv, hid = config.head_dim, config.n_heads, config.n_kv_heads, config.hidden
-    per_layer = 2 * hid * h * d + 2 * hid * hkv * d + 3 * hid * config.intermediate + 2 * hid
-    embeddings = config.vocab * hid * (1 if config.tie_word_embeddings else 2)
-    return config.n_layers * per_layer + embeddings + hid
-
-
-def peak_bytes(config, tokens: int, *, capture_texts: int = 0) -> int:
-    """A sizing of the largest allocation of a run at ``tokens`` tokens (f32 on the CPU).
-
-    Prefill materialises one layer's attention scores, exponentials and probabilities
-    ([heads, T, T] f32 each); the weights are held twice while a GGUF is dequantized; the KV cache,
-    and for the study the captured q/k/v of every layer for each text, come on top.
-    """
-    weights = 2 * 4 * param_count(config)
-    scores = 3 * 4 * config.n_heads * tokens * tokens
-    cache = 2 * 4 * config.n_layers * config.n_kv_heads * tokens * config.head_dim
-    captured = capture_texts * 4 * config.n_layers * (config.n_heads + 2 * config.n_kv_heads) * tokens * config.head_dim
-    return weights + scores + cache + captured
-
-
-def available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_memory(need: int, what: str, skip: bool) -> None:
-    have = available_bytes()
-    if skip or have is None or need <= have:
-        return
-    raise UsageError(
-        f"{what} needs about {need / GiB:.1f} GiB of memory and {have / GiB:.1f} GiB is available; use fewer "
-        "tokens (or pass --no-memory-check to try anyway)"
-    )
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="a local HF safetensors directory (config.json, tokenizer.json, *.safetensors) or a "
-                        "Llama-architecture GGUF file; default: the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--allow-long-context", action="store_true",
-                   help="run past the model's max_position_embeddings (its output there is untrained)")
-    p.add_argument("--no-memory-check", action="store_true",
-                   help="skip the check that the run's estimated peak memory is available")
-
-
-def model_slug(source: str | None) -> str:
-    if source is None:
-        return "smollm2"
-    name = os.path.basename(os.path.normpath(source))
-    return re.sub(r"[^a-z0-9]+", "_", os.path.splitext(name)[0].lower()).strip("_") or "model"
-
-
-# ----------------------------------------------------------------------------------------------
-# sweep
-
+from fathom_jax.cli_args import (  # noqa: F401  (GiB, positive_int: part of the CLI's API for subcommands)
+    BUDGET_GUIDE,
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    GiB,
+    K_TYPE,
+    UsageError,
+    _Parser,
+    add_model_arguments,
+    check_memory,
+    check_method,
+    check_out_dir,
+    check_positions,
+    method_spec,
+    model_slug,
+    peak_bytes,
+    positive_int,
+    run_metadata,
+    sparse_summary,
+)
 
 def _sweep(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
@@ -260,42 +105,6 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_metadata(args: argparse.Namespace) -> dict:
-    """What a results file records about the run that wrote it: command line, commit, host."""
-    return {
-        "command": "fathom " + shlex.join(args.argv),
-        "commit": git_commit(),
-        "host": {"cpus": os.cpu_count(), "memory_gib": _total_memory_gib()},
-    }
-
-
-def _total_memory_gib() -> float | None:
-    try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1)
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def git_commit() -> str | None:
-    """The checkout's commit, ``-dirty`` when it has uncommitted changes; None outside a git checkout."""
-    import subprocess
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        run = lambda *cmd: subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=here, timeout=10)  # noqa: E731
-        commit = run("rev-parse", "--short", "HEAD").stdout.strip()
-        if not commit:
-            return None
-        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-# ----------------------------------------------------------------------------------------------
-# fetch-model
-
-
 def _fetch(args: argparse.Namespace) -> int:
     from fathom_jax.models import fetch_model
 
@@ -305,38 +114,6 @@ def _fetch(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # generate
-
-
-@dataclasses.dataclass(frozen=True)
-class SparseSummary:
-    """What a sparse run read, for the line the CLI prints."""
-
-    label: str
-    k: int
-    context: int
-    bits: float | None  # per token per KV head per layer; None: query-dependent
-    bits_bound: float
-    dense_bits: float
-
-    def line(self) -> str:
-        share = f"k = {self.k} of {self.context} context tokens ({100 * min(self.k, self.context) / self.context:.1f}%)"
-        if self.bits is not None:
-            bits = f"{self.bits:.1f} bits"
-        else:
-            bits = f"at most {self.bits_bound:.1f} bits"
-        return (f"{self.label}: {share} per query head at the last step; its scan reads {bits} per token "
-                f"per KV head per layer (dense keys: {self.dense_bits:.0f})")
-
-
-def sparse_summary(method, k: int, context: int, head_dim: int) -> SparseSummary:
-    from fathom_jax import format as fmt
-
-    fixed = method.fixed_bits_per_token(head_dim)
-    if "keys" in method.parts:
-        fixed = fmt.key_bits_per_token(head_dim)
-    bound = fixed if fixed is not None else float(getattr(method, "budget", 4 * head_dim)) + \
-        method.max_active(head_dim) * fmt.SCALE_BITS_PER_TOKEN
-    return SparseSummary(method.label, k, context, fixed, bound, fmt.key_bits_per_token(head_dim))
 
 
 def _read_prompt(args: argparse.Namespace) -> str:

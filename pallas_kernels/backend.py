@@ -19,6 +19,7 @@ from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 Implementation = Literal["xla", "pallas"]
@@ -95,6 +96,5 @@ def layered(x, layer, inner_ndim: int, name: str):
 
 
 def any_spec():
-    from jax.experimental import pallas as pl
-
+    """A kernel operand passed as a raw pointer (any memory space: HBM or pinned host)."""
     return pl.BlockSpec(memory_space=pl.ANY)

@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fathom_jax.format import BLOCK_TOKENS
 from pallas_kernels import backend as C
+from pallas_kernels.plane_scan import plane_scan
 
 KERNEL_NAME = "nibble_scan"
 WORDS_PER_BLOCK = BLOCK_TOKENS // 8  # 8 nibbles per uint32 word
@@ -181,6 +182,4 @@ def nibble_scan(
 
 def nibble_scan_planes(q, planes, scales, length, channels, **kwargs):
     """The same channel scan read from the bit-plane store at depth 4 (four plane loads per channel)."""
-    from pallas_kernels.plane_scan import plane_scan
-
     return plane_scan(q, planes, scales, length, channels, jnp.full(channels.shape, 4, jnp.int32), assume_sorted=True, **kwargs)

@@ -62,22 +62,6 @@ def random_setting(seed, n=192, d=16, g=4, hkv=1):
     return keys.astype(np.float32), q, calib
 
 
-
-
-def top_set(row, k):
-    return set(np.argsort(-np.asarray(row), kind="stable")[:k].tolist())
-
-
-def random_setting(seed, n=192, d=16, g=4, hkv=1):
-    rng = np.random.default_rng(seed)
-    mix = np.linalg.qr(rng.standard_normal((d, d)))[0]
-    keys = (rng.standard_normal((hkv, n, d)) * np.geomspace(3, 0.1, d)) @ mix + 0.5 * rng.standard_normal(d)
-    queries = rng.standard_normal((hkv * g, 64, d)) * np.linspace(0.5, 2, d)
-    calib = C.calibrate(keys.astype(np.float32), queries.astype(np.float32))
-    q = rng.standard_normal((hkv, g, d)).astype(np.float32) * np.linspace(0.5, 2, d).astype(np.float32)
-    return keys.astype(np.float32), q, calib
-
-
 def assert_trees_bitwise_equal(a, b):
     la, ta = jax.tree.flatten_with_path(a)
     lb, tb = jax.tree.flatten_with_path(b)

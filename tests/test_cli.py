@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from fathom_jax import cli
+from fathom_jax import cli, cli_args
 from fathom_jax.models import hub
 from fathom_jax.models.config import LlamaConfig
 
@@ -39,7 +39,7 @@ def no_work(monkeypatch):
     import fathom_jax.models as models
 
     monkeypatch.setattr(models, "capture_qkv", work)
-    monkeypatch.setattr(cli, "available_bytes", lambda: 64 * cli.GiB)
+    monkeypatch.setattr(cli_args, "available_bytes", lambda: 64 * cli_args.GiB)
 
 
 def run(capsys, *argv):
@@ -103,7 +103,7 @@ def test_unwritable_out_fails_before_the_study(capsys, no_work, tmp_path):
 
 def test_memory_is_sized_before_allocating(capsys, no_work, monkeypatch):
     """A 13,583-token prompt ran 284 s at 21.3 GB peak on a 23 GB machine before this check."""
-    monkeypatch.setattr(cli, "available_bytes", lambda: 4 * cli.GiB)
+    monkeypatch.setattr(cli_args, "available_bytes", lambda: 4 * cli_args.GiB)
     code, _, err = run(capsys, "generate", "x" * 8000, "--max-new-tokens", "8")
     assert code == 2 and "needs about" in err and "GiB is available" in err and "--no-memory-check" in err
     # the sizing reproduces the reported peak (SmolLM2, 13,583 tokens: 21.3 GB measured) within 10%

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from fathom_jax import calibrate as C
-from fathom_jax import format as fmt
 from fathom_jax import index as I
 from fathom_jax import landmarks
 from fathom_jax import methods as M
