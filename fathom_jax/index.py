@@ -23,7 +23,7 @@ from fathom_jax import store as store_lib
 from fathom_jax.calibrate import Calibration, key_rotation, loki_rotation
 from fathom_jax.format import LANDMARK_TOKENS, round_capacity
 from fathom_jax.methods.base import ScanMethod
-from fathom_jax.store import PlaneStore
+from fathom_jax.store import PlaneStore, UnpackedStore
 
 
 @jax.tree_util.register_dataclass
@@ -31,7 +31,7 @@ from fathom_jax.store import PlaneStore
 class KeyIndex:
     """What the scans read for one batch of sequences ``[*B]``; parts not needed are None.
 
-    raw: planes of the keys; klt: planes of ``(k - mu) V``; loki: planes of ``(k - mu) V_loki``;
+    raw: planes of the keys (or their :class:`~fathom_jax.store.UnpackedStore`, see :func:`unpack_index`); klt: planes of ``(k - mu) V``; loki: planes of ``(k - mu) V_loki``;
     landmarks: fp16 block means ``[*B, capacity / 8, D]``; keys: the keys as given ``[*B, capacity, D]``
     (for the exact oracle and dense attention); length: valid tokens ``[*B]``.
     landmark_tail: the raw keys (f32) of the partially filled last 8-token block, zeros elsewhere
@@ -39,9 +39,9 @@ class KeyIndex:
     """
 
     length: Int[Array, "*B"]
-    raw: PlaneStore | None = None
-    klt: PlaneStore | None = None
-    loki: PlaneStore | None = None
+    raw: PlaneStore | UnpackedStore | None = None
+    klt: PlaneStore | UnpackedStore | None = None
+    loki: PlaneStore | UnpackedStore | None = None
     landmarks: Float[Array, "*B NL D"] | None = None
     keys: Float[Array, "*B n D"] | None = None
     landmark_tail: Float[Array, "*B 8 D"] | None = None
@@ -144,6 +144,40 @@ def build_index(
     return KeyIndex(
         length=length_arr, raw=raw, klt=klt, loki=loki, landmarks=landmarks, keys=exact_keys, landmark_tail=tail
     )
+
+
+def unpack_index(index: KeyIndex) -> KeyIndex:
+    """The index with its plane stores unpacked (:class:`~fathom_jax.store.UnpackedStore`): for readers
+    that scan the same window many times with the ``"xla"`` scan; reads are unchanged, bit for bit."""
+    unpack = lambda part: None if part is None else store_lib.unpack_store(part)  # noqa: E731
+    klt = unpack(index.klt)
+    loki = klt if (index.loki is not None and index.loki is index.klt) else unpack(index.loki)
+    return dataclasses.replace(index, raw=unpack(index.raw), klt=klt, loki=loki)
+
+
+def prefix_index(index: KeyIndex, keys: Float[Array, "*B n D"], length: Int[Array, "*B"] | int) -> KeyIndex:
+    """The index of the first ``length`` tokens of each sequence, from the index of all the ``keys``.
+
+    ``index`` is ``build_index(keys, ...)`` (any length at least ``length``); the result equals
+    ``build_index(keys, ..., length=length)`` with the same capacity, bit for bit, at the cost of one
+    block per part: the complete blocks are shared, the block holding token ``length - 1`` is
+    requantized (plane stores) or re-averaged (landmarks), later blocks are emptied. The fidelity protocol
+    scores every decode position against the index a decode loop holds there; this gives it without
+    rebuilding the window.
+    """
+    if not isinstance(index, KeyIndex):
+        raise TypeError(f"prefix_index: index must be a KeyIndex (from build_index), got {type(index).__name__}")
+    keys = jnp.asarray(keys)
+    length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), index.batch_shape)
+    cut = lambda part: None if part is None else store_lib.truncate(part, keys, length)  # noqa: E731
+    raw, klt = cut(index.raw), cut(index.klt)
+    loki = klt if (index.loki is not None and index.loki is index.klt) else cut(index.loki)
+    landmarks = tail = None
+    if index.landmarks is not None:
+        tail = store_lib.block_tail(keys.astype(jnp.float32), length, LANDMARK_TOKENS)
+        landmarks = landmarks_lib.truncate(index.landmarks, tail, length)
+    return KeyIndex(length=length, raw=raw, klt=klt, loki=loki, landmarks=landmarks, keys=index.keys,
+                    landmark_tail=tail)
 
 
 def append_index(index: KeyIndex, keys: Float[Array, "*B m D"], *, check: bool = True) -> KeyIndex:

@@ -34,6 +34,21 @@ def build(keys: Float[Array, "*B n D"], length: Int[Array, "*B"]) -> Float16[Arr
     return block_mean(blocks, count)
 
 
+def truncate(landmarks: Float16[Array, "*B NL D"], tail: Float[Array, "*B 8 D"], length: Int[Array, "*B"]
+             ) -> Float16[Array, "*B NL D"]:
+    """The landmarks of the first ``length`` tokens, from those of a longer prefix of the same keys.
+
+    ``tail`` holds the raw keys of the 8-token block at ``length`` (zeros from ``length`` on, as
+    :func:`fathom_jax.store.block_tail` gives). Equals :func:`build` with ``length``, bit for bit: earlier
+    blocks are complete and shared, that block's mean is recomputed, later blocks are emptied.
+    """
+    count = (length % LANDMARK_TOKENS).astype(jnp.float32)
+    block = (length // LANDMARK_TOKENS)[..., None, None]
+    index = jnp.arange(landmarks.shape[-2])[:, None]
+    mean = block_mean(tail, count)[..., None, :]
+    return jnp.where(index < block, landmarks, jnp.where(index == block, mean, jnp.float16(0)))
+
+
 def append_block(
     tail: Float[Array, "8 D"], length: Int[Array, ""], key: Float[Array, "D"]
 ) -> tuple[Float16[Array, "D"], Float[Array, "8 D"]]:

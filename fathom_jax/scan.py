@@ -88,6 +88,9 @@ def _plane_scores(read: PlaneRead, store, length, layer, placement: Placement, i
             store = dataclasses.replace(store, planes=store.planes[layer], scales=store.scales[layer])
         store = dataclasses.replace(store, length=length)
         return dot(read.queries, store_lib.dequantize(store, read.depths))
+    if isinstance(store, store_lib.UnpackedStore):
+        raise ValueError("an unpacked store (fathom_jax.store.UnpackedStore) is read by the 'xla' scan only; "
+                         "the Pallas kernels read packed planes")
     channels, depths = active_channels(read.depths, read.max_active or None)
     if placement.offloaded and placement.read == "staged":
         staged_planes, staged_scales = run_gather(store.planes, store.scales, channels, depths, layer=layer,

@@ -142,8 +142,11 @@ def sparse_attention(
 ) -> Float[Array, "*B G D"]:
     """Attention of each head over its own selected rows only (gathered from the full K/V)."""
     _check_attention_shapes("sparse_attention", q, keys, values, (indices, mask))
-    rows_k = jnp.take_along_axis(keys[..., None, :, :], indices[..., None], axis=-2)  # [*B, G, k, D]
-    rows_v = jnp.take_along_axis(values[..., None, :, :], indices[..., None], axis=-2)
+    # Gather the G heads' rows from the one [*B, n, D] array (broadcasting it over G first would copy it).
+    *batch, g, k = indices.shape
+    flat = indices.reshape(*batch, g * k, 1)
+    rows_k = jnp.take_along_axis(keys, flat, axis=-2).reshape(*batch, g, k, keys.shape[-1])  # [*B, G, k, D]
+    rows_v = jnp.take_along_axis(values, flat, axis=-2).reshape(*batch, g, k, values.shape[-1])
     return _masked_attention(q, rows_k, rows_v, mask, scale)
 
 

@@ -119,6 +119,49 @@ class PlaneStore:
         return fmt.plane_run_bytes(self.capacity)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class UnpackedStore:
+    """A plane store with its 4-bit codes unpacked token-major (``uint8 [*B, capacity, D]``; rows at or
+    past ``length`` are ignored).
+
+    A reader that scans one window many times (the fidelity sweep: one read per decode position) keeps
+    this instead of extracting the same bits from the planes at every read. Reads from it
+    (:func:`read_codes`, :func:`dequantize`, the ``"xla"`` scan) give the packed store's values bit for
+    bit; the Pallas kernels read only packed planes. Make one with :func:`unpack_store`.
+    """
+
+    codes: Int[Array, "*B n D"]
+    scales: Float16[Array, "*B D NB"]
+    tail: Float[Array, "*B 64 D"]
+    length: Int[Array, "*B"]
+    rotation: KeyRotation | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.codes.shape[-2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.codes.shape[-1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scales.shape[-1]
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return self.codes.shape[:-2]
+
+
+def unpack_store(store: PlaneStore) -> UnpackedStore:
+    """The store with its codes unpacked (see :class:`UnpackedStore`)."""
+    if isinstance(store, UnpackedStore):
+        return store
+    return UnpackedStore(codes=unpack_planes(store.planes).astype(jnp.uint8), scales=store.scales, tail=store.tail,
+                         length=store.length, rotation=store.rotation)
+
+
 # ----------------------------------------------------------------------------------------------
 # Quantization
 
@@ -193,8 +236,9 @@ def unpack_planes(planes: UInt32[Array, "*B D 4 W"], depth: Int[Array, "*B D"] |
     plane = jnp.arange(N_PLANES, dtype=jnp.int32)
     # Plane p contributes bit (depth - 1 - p) of the truncated code, and nothing once p >= depth.
     weight = jnp.where(plane < depth[..., None], jnp.left_shift(1, jnp.maximum(depth[..., None] - 1 - plane, 0)), 0)
-    codes = jnp.sum(bits * weight[..., None], axis=-2)
-    return jnp.swapaxes(codes, -1, -2)
+    codes = jnp.sum(bits * weight[..., None], axis=-2)  # channel-major [*B, D, n]
+    # Transpose as its own op: fused into the bit extraction, XLA:CPU ran the whole unpack strided (~5x slower).
+    return jnp.swapaxes(jax.lax.optimization_barrier(codes), -1, -2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,18 +316,24 @@ def build_store(
     )
 
 
-def read_codes(store: PlaneStore, depth: Int[Array, "*B D"] | int = N_PLANES) -> Int[Array, "*B n D"]:
+def read_codes(store: PlaneStore | UnpackedStore, depth: Int[Array, "*B D"] | int = N_PLANES) -> Int[Array, "*B n D"]:
     """Truncated codes ``c >> (4 - t_j)`` of every stored token (capacity rows; rows >= length are 0)."""
+    if isinstance(store, UnpackedStore):
+        depth = jnp.broadcast_to(jnp.asarray(depth, jnp.int32), (*store.batch_shape, store.head_dim))
+        # 4-bit codes: c >> 4 = 0, so depth 0 reads nothing, as from the planes. Rows past the length may
+        # hold a longer window's codes (truncate leaves them): they read as 0, as a built store's do.
+        valid = (jnp.arange(store.capacity) < store.length[..., None])[..., None]
+        return jnp.where(valid, store.codes.astype(jnp.int32) >> (N_PLANES - depth[..., None, :]), 0)
     return unpack_planes(store.planes, depth)
 
 
-def token_scales(store: PlaneStore) -> Float[Array, "*B n D"]:
+def token_scales(store: PlaneStore | UnpackedStore) -> Float[Array, "*B n D"]:
     """Each token's block scale, broadcast to token-major ``[*B, capacity, D]`` (f32)."""
     per_block = jnp.swapaxes(store.scales, -1, -2).astype(jnp.float32)  # [*B, NB, D]
     return jnp.repeat(per_block, BLOCK_TOKENS, axis=-2)
 
 
-def dequantize(store: PlaneStore, depth: Int[Array, "*B D"] | int = N_PLANES) -> Float[Array, "*B n D"]:
+def dequantize(store: PlaneStore | UnpackedStore, depth: Int[Array, "*B D"] | int = N_PLANES) -> Float[Array, "*B n D"]:
     """Keys as read to per-channel depth ``depth`` (in the store's basis), ``[*B, capacity, D]``.
 
     ``depth`` must lie in [0, 4]: a ValueError when concrete. Traced depths come from a planner on the
@@ -310,10 +360,63 @@ def append_block(
     """
     offset = length % BLOCK_TOKENS
     tail = jnp.where(offset == 0, 0.0, tail).at[offset].set(key)
-    valid = jnp.arange(BLOCK_TOKENS) <= offset
+    words, scale = pack_block(tail, offset + 1)
+    return words, scale, tail
+
+
+def pack_block(tail: Float[Array, "64 D"], count: Int[Array, ""]) -> tuple[UInt32[Array, "D 4 2"], Float16[Array, "D"]]:
+    """Plane words and fp16 scales of one block whose first ``count`` rows of ``tail`` are valid.
+
+    The same arithmetic as :func:`build_store` applies to that block, so the result is its block, bit for bit.
+    """
+    valid = jnp.arange(BLOCK_TOKENS) < count
     codes, scale = quantize_blocks(tail, valid)
     codes = jnp.where(valid[:, None], codes, 0)
-    return pack_planes(codes), scale, tail
+    return pack_planes(codes), scale
+
+
+def truncate(store: PlaneStore | UnpackedStore, keys: Float[Array, "*B n D"], length: Int[Array, "*B"]
+             ) -> PlaneStore | UnpackedStore:
+    """The store of the first ``length`` tokens, from the store of all the ``keys`` it was built from.
+
+    Equals ``build_store(keys, length=length, rotation=store.rotation)`` (same capacity) bit for bit
+    (unpacked, if ``store`` is): the complete blocks before ``length`` are shared, only the block holding
+    token ``length - 1`` is requantized (from its raw keys, rotated per token as the build does) and
+    later blocks are emptied. This makes the fidelity protocol (the store a decode loop holds at every
+    position) cost one block per position instead of the whole window. ``length`` must not exceed the
+    number of keys.
+    """
+    keys = jnp.asarray(keys, jnp.float32)
+    *batch, n, d = keys.shape
+    if tuple(batch) != store.batch_shape or d != store.head_dim or n > store.capacity:
+        raise ValueError(f"truncate: keys {keys.shape} do not match the store (batch {store.batch_shape}, "
+                         f"D = {store.head_dim}, capacity {store.capacity})")
+    length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), store.batch_shape)
+    count = length % BLOCK_TOKENS
+    valid = jnp.arange(BLOCK_TOKENS) < count[..., None]
+    # Rotate the block's rows only: rotate_keys gives every token the same result whatever the batch.
+    tail = jnp.where(valid[..., None], rotate_keys(block_tail(keys, length, BLOCK_TOKENS), store.rotation), 0.0)
+    codes, scale = quantize_blocks(tail, valid)
+    codes = jnp.where(valid[..., None], codes, 0)  # [*B, 64, D]
+    block = (length // BLOCK_TOKENS)[..., None, None]  # [*B, 1, 1]: the block holding the last token
+    nb = store.num_blocks
+    scale_block = jnp.arange(nb)
+    scales = jnp.where(scale_block < block, store.scales,
+                       jnp.where(scale_block == block, scale[..., None], jnp.float16(0)))
+    if isinstance(store, UnpackedStore):  # rows past the length are not read (read_codes masks them)
+        flat = lambda x: x.reshape(-1, *x.shape[len(batch):])  # noqa: E731
+        put = jax.vmap(lambda rows, new, at: jax.lax.dynamic_update_slice(rows, new, (at, 0)))
+        start = jnp.minimum(length // BLOCK_TOKENS, nb - 1) * BLOCK_TOKENS  # length = capacity: no partial block
+        new_codes = jnp.where((length < store.capacity)[..., None, None], codes.astype(jnp.uint8),
+                              jax.lax.dynamic_slice_in_dim(store.codes, store.capacity - BLOCK_TOKENS, BLOCK_TOKENS, -2))
+        out = put(flat(store.codes), flat(new_codes), start.reshape(-1)).reshape(store.codes.shape)
+        return UnpackedStore(codes=out, scales=scales, tail=tail, length=length, rotation=store.rotation)
+    words = pack_planes(codes)  # [*B, D, 4, 2]
+    word_block = jnp.arange(store.planes.shape[-1]) // fmt.WORDS_PER_BLOCK
+    block_words = jnp.tile(words, (1,) * (words.ndim - 1) + (nb,))
+    planes = jnp.where(word_block < block[..., None], store.planes,
+                       jnp.where(word_block == block[..., None], block_words, jnp.uint32(0)))
+    return PlaneStore(planes=planes, scales=scales, tail=tail, length=length, rotation=store.rotation)
 
 
 def _append_one(planes, scales, tail, length, key):
@@ -338,7 +441,8 @@ def check_capacity(length: Int[Array, "*B"], m: int, capacity: int) -> None:
 
 
 def block_tail(keys: Float[Array, "*B n D"], length: Int[Array, "*B"], block: int) -> Float[Array, "*B block D"]:
-    """Raw keys of each sequence's last, partially filled ``block``-token block (zeros past ``length``)."""
+    """Raw keys of each sequence's last, partially filled ``block``-token block (zeros past ``length``;
+    ``length`` at most ``n``, which need not be a whole number of blocks)."""
     n = keys.shape[-2]
     idx = (length // block * block)[..., None] + jnp.arange(block)
     tail = jnp.take_along_axis(keys, jnp.minimum(idx, n - 1)[..., None], axis=-2)

@@ -56,25 +56,25 @@ def _validate(dst, src, start, axis):
 
 
 def cache_write_reference(dst, src, start, *, axis: int, layer=0):
-    """Plain-jnp in-place write: a dynamic-update-slice per group (rows past N are dropped)."""
+    """Plain-jnp in-place write: one scatter of every (layer, group, mid index, row); rows past N are dropped.
+
+    One scatter with the cache's own axis order: under a loop carry XLA updates the buffer in place (a
+    per-group ``vmap`` over axis 1 made XLA transpose the whole cache twice per write).
+    """
     _validate(dst, src, start, axis)
-    a = axis - 1  # the written axis within one group's [L, *mid, N, *tail]
-    n, m = dst.shape[axis], src.shape[axis]
+    lead = src.shape[: axis + 1]  # [Ls, R, *mid, M]
 
-    def one(d, s, at):
-        # dynamic_update_slice clamps the start so the window fits; shift the source by as much and keep
-        # the old values in the rows that fall before it (those past N in the unclamped write).
-        at_c = jnp.clip(at, 0, n - m)
-        shift = at - at_c
-        i = jnp.arange(m)
-        rows = jnp.take(s, jnp.clip(i - shift, 0, m - 1), axis=a)
-        idx = [jnp.asarray(layer, jnp.int32)] + [jnp.int32(0)] * (d.ndim - 1)
-        idx[a] = at_c
-        old = jax.lax.dynamic_slice(d, idx, s.shape)
-        keep = (i >= shift).reshape((1,) * a + (m,) + (1,) * (s.ndim - a - 1))
-        return jax.lax.dynamic_update_slice(d, jnp.where(keep, rows, old), idx)
+    def grid(dim, values):
+        shape = [1] * len(lead)
+        shape[dim] = values.shape[-1]
+        return values.reshape(shape)
 
-    return jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)(dst, src, start)
+    idx = [grid(0, jnp.asarray(layer, jnp.int32) + jnp.arange(lead[0], dtype=jnp.int32)),
+           grid(1, jnp.arange(lead[1], dtype=jnp.int32))]
+    idx += [grid(d, jnp.arange(lead[d], dtype=jnp.int32)) for d in range(2, axis)]
+    rows = start.astype(jnp.int32)[:, None] + jnp.arange(lead[axis], dtype=jnp.int32)  # [R, M]
+    idx.append(rows.reshape((1, lead[1]) + (1,) * (axis - 2) + (lead[axis],)))
+    return dst.at[tuple(idx)].set(src, mode="drop")
 
 
 def _cache_write_kernel(

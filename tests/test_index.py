@@ -49,3 +49,30 @@ def test_append_index_errors(random_keys):
         jax.block_until_ready(jax.jit(I.append_index)(index, jnp.zeros((2, 5, 8))))
     with pytest.raises(TypeError, match="ScanMethod"):
         I.build_index(jnp.zeros((2, 8, 8)), None, ["fathom:8"])
+
+
+def test_prefix_index_equals_build_index_with_that_length(random_keys):
+    """Cutting a window's index to a length (the fidelity sweep's per-position index) equals building it with
+    that length, bit for bit, at block boundaries and inside blocks, for every part; so does the unpacked view."""
+    from fathom_jax import store as S
+
+    keys = jnp.asarray(random_keys(np.random.default_rng(5), (2, 2, 150, 16)))
+    calib = C.calibrate_session(keys)
+    methods = (M.Fathom(24), M.FathomKLT(24), M.Loki(4), M.Landmark(), M.Exact())
+    full = build(keys, calib, methods)
+    cut = jax.jit(I.prefix_index)
+    unpacked = I.unpack_index(full)
+    depths = jnp.asarray(np.random.default_rng(6).integers(0, 5, (2, 2, 16)), jnp.int32)
+    for length in ([1, 1], [63, 64], [64, 65], [128, 100], [149, 150], [150, 150]):
+        length = jnp.asarray(length, jnp.int32)
+        want = build(keys, calib, methods, length=length)
+        assert_trees_bitwise_equal(cut(full, keys, length), want)
+        got = cut(unpacked, keys, length)
+        for part in ("raw", "klt", "loki"):
+            a, b = getattr(want, part), getattr(got, part)
+            assert isinstance(b, S.UnpackedStore)
+            for depth in (0, 2, 4, depths):
+                np.testing.assert_array_equal(np.asarray(S.dequantize(a, depth)), np.asarray(S.dequantize(b, depth)))
+                np.testing.assert_array_equal(np.asarray(S.read_codes(a, depth)), np.asarray(S.read_codes(b, depth)))
+            np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
+            np.testing.assert_array_equal(np.asarray(a.tail), np.asarray(b.tail))

@@ -82,6 +82,12 @@ class Row:
     layer_budgets: tuple[int, ...] | None = None
 
 
+def _describe(bar: Any, text: str) -> None:
+    """Name the evaluation an overall progress bar is on (no-op without one)."""
+    if bar and bar is not True:
+        bar.set_postfix_str(text, refresh=False)
+
+
 def baseline_rows(head_dim: int) -> list[Row]:
     d = head_dim
     methods = [
@@ -119,15 +125,17 @@ def fathom_rows(head_dim: int, config: StudyConfig) -> list[Row]:
 
 
 def layer_error_table(
-    capture: fid.Capture, calib: cal.Calibration, grid: Sequence[int], k: int, positions: int, progress: bool = False
+    capture: fid.Capture, calib: cal.Calibration, grid: Sequence[int], k: int, positions: int,
+    progress: bool | Any = False, references: fid.References | None = None,
 ) -> np.ndarray:
     """Per-layer mean error of Fathom (raw) at each budget of ``grid`` on the calibration capture."""
     pos = fid.default_positions(capture.q.shape[2], positions)
     table = []
     for b in grid:
+        _describe(progress, f"layer plan: Fathom {b}")
         err, _ = fid.attention_errors(
             fid.method_score_fn(Fathom(b)), capture, k, positions=pos, layer_states=calib,
-            progress=progress, desc=f"layer plan: Fathom {b}",
+            progress=progress, desc=f"layer plan: Fathom {b}", references=references,
         )
         table.append(err.mean(axis=(1, 2, 3)))  # [L]
     return np.stack(table, axis=1)  # [L, len(grid)]
@@ -135,7 +143,8 @@ def layer_error_table(
 
 def choose_basis(
     capture: fid.Capture, calib: cal.Calibration, *, budgets: Sequence[int] = (48, 64), k: int = 128,
-    positions: int = 64, progress: bool = False, known: dict[tuple[str, int], float] | None = None,
+    positions: int = 64, progress: bool | Any = False, known: dict[tuple[str, int], float] | None = None,
+    references: fid.References | None = None,
 ) -> dict[str, Any]:
     """The basis rule of section 3.5: evaluate raw and KLT planes on calibration text, keep the better.
 
@@ -152,9 +161,10 @@ def choose_basis(
             if (name, b) in known:
                 errs.append(known[(name, b)])
                 continue
+            _describe(progress, f"basis rule: {make(b).label}")
             e, _ = fid.mean_attention_error(
                 fid.method_score_fn(make(b)), capture, k, positions=pos, layer_states=calib,
-                progress=progress, desc=f"basis rule: {make(b).label}",
+                progress=progress, desc=f"basis rule: {make(b).label}", references=references,
             )
             errs.append(e)
         out[name] = errs
@@ -182,10 +192,29 @@ def run_study(
 
     default_rows = rows is None
     rows = fathom_rows(d, config) + baseline_rows(d) if default_rows else list(rows)
+    with_plans = default_rows and bool(config.layer_plan_means)
+    basis_budgets = (48, 64)
+    # One bar over every (evaluation, layer) of the study, so progress shows from the first minute.
+    calls = len(rows) + len(config.layer_plan_means) * with_plans
+    if default_rows:
+        known = set(config.layer_plan_grid) if with_plans else set()
+        calls += len(config.layer_plan_grid) * with_plans + sum(b not in known for b in basis_budgets) + len(basis_budgets)
+    bar = False
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=calls * n_layers, desc=f"study @ {n_tokens} tokens", unit="layer", smoothing=0.05)
+    # Dense attention is every row's target: computed once per capture.
+    eval_refs = fid.dense_references(eval_capture, positions)
+    calib_refs = None
+    if default_rows:
+        calib_refs = fid.dense_references(calib_capture, fid.default_positions(calib_capture.q.shape[2],
+                                                                              config.calib_positions))
     layer_plans = {}
     basis_rule = table = None
-    if default_rows and config.layer_plan_means:
-        table = layer_error_table(calib_capture, corpus, config.layer_plan_grid, ks[0], config.calib_positions, progress)
+    if with_plans:
+        table = layer_error_table(calib_capture, corpus, config.layer_plan_grid, ks[0], config.calib_positions, bar,
+                                  references=calib_refs)
         for mean in config.layer_plan_means:
             budgets = planner_lib.greedy_layer_budgets(table, np.asarray(config.layer_plan_grid), mean)
             layer_plans[mean] = [int(b) for b in budgets]
@@ -194,25 +223,19 @@ def run_study(
     if default_rows:
         # The layer-plan table already holds raw Fathom on the calibration capture (same k and positions).
         known = {} if table is None else {("raw", b): float(table[:, i].mean()) for i, b in enumerate(config.layer_plan_grid)}
-        basis_rule = choose_basis(calib_capture, corpus, k=ks[0], positions=config.calib_positions,
-                                  progress=progress, known=known)
+        basis_rule = choose_basis(calib_capture, corpus, budgets=basis_budgets, k=ks[0],
+                                  positions=config.calib_positions, progress=bar, known=known, references=calib_refs)
 
     results = []
-    iterator = rows
-    if progress:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(rows, desc=f"methods @ {n_tokens} tokens")
-    fn_cache: dict[ScanMethod, Any] = {}
-    for row in iterator:
+    for row in rows:
+        _describe(bar, row.name)
         if row.layer_budgets is not None:
-            fns = [fn_cache.setdefault(Fathom(b), fid.method_score_fn(Fathom(b)))
-                   for b in row.layer_budgets]
+            fns = [fid.method_score_fn(Fathom(b)) for b in row.layer_budgets]
         else:
             fns = fid.method_score_fn(row.method)
         err, bits = fid.attention_errors(
             fns, eval_capture, ks, positions=positions, layer_states=calibs[row.calibration],
-            progress=progress, desc=row.name,
+            progress=bar, desc=row.name, references=eval_refs,
         )
         results.append({
             "name": row.name,
@@ -224,6 +247,8 @@ def run_study(
             "error": {str(k): float(err[i].mean()) for i, k in enumerate(ks)},
             "error_per_layer": {str(k): err[i].mean(axis=(1, 2, 3)).tolist() for i, k in enumerate(ks)},
         })
+    if bar:
+        bar.close()
     oracle = next((r for r in results if r["kind"] == "exact"), None)
     for r in results:
         if oracle is not None:

@@ -90,3 +90,59 @@ def test_several_k_and_per_layer_functions(rng, random_keys):
     assert np.all(bits[0] == 2 * 4 + 2 / 4) and np.all(bits[1] == 16 * 16)
     with pytest.raises(ValueError, match="per-layer"):
         fid.attention_errors([exact], cap, 40, positions=pos)
+
+
+def _definition(method, cap, ks, positions, calib):
+    """The protocol as first written (the rebuild-per-position path this module had): per position the index
+    is built with length p + 1, every k selects on its own, dense attention is recomputed per method."""
+    import jax
+    import jax.numpy as jnp
+
+    from fathom_jax.index import build_index
+    from fathom_jax.scan import scan_scores
+    from fathom_jax.select import dense_attention, select_topk, sparse_attention
+
+    def one(q_p, keys, values, p, c):
+        length = p + 1
+        lengths = jnp.broadcast_to(length, keys.shape[:1])
+        result = scan_scores(method, q_p, build_index(keys, c, (method,), length=lengths), c)
+        ref = dense_attention(q_p, keys, values, lengths)
+        ref_norm = jnp.maximum(jnp.linalg.norm(ref, axis=-1), 1e-30)
+        errs = []
+        for k in ks:
+            idx, mask = select_topk(result.scores, lengths, k)
+            errs.append(jnp.linalg.norm(sparse_attention(q_p, keys, values, idx, mask) - ref, axis=-1) / ref_norm)
+        return jnp.stack(errs), jnp.broadcast_to(result.bits_per_token, lengths.shape)
+
+    run = jax.jit(lambda q, k, v, pos, c: jax.lax.map(lambda a: one(a[0], k, v, a[1], c), (q, pos)))
+    n_layers, n_heads, _, d = cap.q.shape
+    n_kv = cap.k.shape[1]
+    errors, bits = [], []
+    for layer in range(n_layers):
+        q = jnp.moveaxis(jnp.asarray(cap.q[layer])[:, positions].reshape(n_kv, n_heads // n_kv, len(positions), d), 2, 0)
+        c = None if calib is None else jax.tree.map(lambda x: x[layer], calib)
+        e, b = run(q, jnp.asarray(cap.k[layer]), jnp.asarray(cap.v[layer]), jnp.asarray(positions), c)
+        errors.append(np.moveaxis(np.asarray(e), 1, 0))
+        bits.append(np.asarray(b))
+    return np.stack(errors, axis=1), np.stack(bits)
+
+
+@pytest.mark.parametrize("method", [M.Fathom(24), M.FathomKLT(16), M.SparQ(4), M.Loki(4), M.Landmark(), M.Exact()],
+                         ids=lambda m: m.spec)
+def test_fast_path_equals_the_rebuild_per_position_definition(rng, random_keys, method):
+    """The sweep's fast path (one index per layer cut to each position, unpacked codes, one ranking for every k,
+    dense attention shared) gives the definition's numbers exactly, at full float precision, at positions on
+    both sides of block boundaries; so does the in-module rebuild path."""
+    cap = make_capture(random_keys, rng, tokens=200, d=16)
+    calib = cal.calibrate(cap.k[:, :, :128], cap.q[:, :, :128])
+    positions = np.array([62, 63, 64, 127, 150, 199])
+    ks = (48, 40, 64)
+    want_err, want_bits = _definition(method, cap, ks, positions, calib)
+    refs = fid.dense_references(cap, positions)
+    for reuse in (True, False):
+        err, bits = fid.attention_errors(fid.method_score_fn(method), cap, ks, positions=positions,
+                                         layer_states=calib, reuse_blocks=reuse, references=refs)
+        np.testing.assert_array_equal(err, want_err)
+        np.testing.assert_array_equal(bits, want_bits)
+    with pytest.raises(ValueError, match="other positions"):
+        fid.attention_errors(fid.method_score_fn(method), cap, ks, positions=positions[:2], references=refs)
