@@ -207,7 +207,7 @@ def _generate(args: argparse.Namespace) -> int:
 # ``subparsers.add_parser`` and so get ``--debug``, defaults in ``--help`` and one-line errors; their
 # command functions raise :class:`UsageError` for a bad argument (exit 2) and let library errors
 # (ValueError, OSError, RuntimeError) through to :func:`main` (one line, exit 1).
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("fathom_jax.eval.commands",)
 
 
 def build_parser() -> argparse.ArgumentParser:

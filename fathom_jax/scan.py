@@ -84,8 +84,13 @@ def check_scan_inputs(method: ScanMethod, q, index: KeyIndex, calib: Calibration
 
 def _plane_scores(read: PlaneRead, store, length, layer, placement: Placement, implementation) -> jax.Array:
     if implementation == "xla":
-        if layer is not None:  # a stacked cache in device memory: read this layer's planes
-            store = dataclasses.replace(store, planes=store.planes[layer], scales=store.scales[layer])
+        if layer is not None:
+            # A stacked cache (the decode step): read this layer's planes channel-major and contract over
+            # channels there. Transposing every token's codes per layer and step cost more than the whole
+            # read on CPU; the scores equal the token-major read's up to the dot's summation order.
+            store = dataclasses.replace(store, planes=store.planes[layer], scales=store.scales[layer], length=length)
+            return jnp.einsum("...gd,...dn->...gn", read.queries, store_lib.dequantize_channels(store, read.depths),
+                              precision=jax.lax.Precision.HIGHEST)
         store = dataclasses.replace(store, length=length)
         return dot(read.queries, store_lib.dequantize(store, read.depths))
     if isinstance(store, store_lib.UnpackedStore):

@@ -229,6 +229,13 @@ def pack_planes(codes: Int[Array, "*B n D"]) -> UInt32[Array, "*B D 4 W"]:
 def unpack_planes(planes: UInt32[Array, "*B D 4 W"], depth: Int[Array, "*B D"] | int = N_PLANES) -> Int[Array, "*B n D"]:
     """Codes from the first ``depth`` planes (per channel): ``c >> (4 - depth)``, token-major."""
     _check_depth("unpack_planes", depth)
+    # Transpose as its own op: fused into the bit extraction, XLA:CPU ran the whole unpack strided (~5x slower).
+    return jnp.swapaxes(jax.lax.optimization_barrier(unpack_planes_channels(planes, depth)), -1, -2)
+
+
+def unpack_planes_channels(planes: UInt32[Array, "*B D 4 W"], depth: Int[Array, "*B D"] | int = N_PLANES
+                           ) -> Int[Array, "*B D n"]:
+    """:func:`unpack_planes` in the planes' own channel-major order ``[*B, D, n]``."""
     *batch, d, _, w = planes.shape
     bit_index = jnp.arange(WORD_BITS, dtype=jnp.uint32)
     bits = ((planes[..., None] >> bit_index) & 1).astype(jnp.int32).reshape(*batch, d, N_PLANES, w * WORD_BITS)
@@ -236,9 +243,7 @@ def unpack_planes(planes: UInt32[Array, "*B D 4 W"], depth: Int[Array, "*B D"] |
     plane = jnp.arange(N_PLANES, dtype=jnp.int32)
     # Plane p contributes bit (depth - 1 - p) of the truncated code, and nothing once p >= depth.
     weight = jnp.where(plane < depth[..., None], jnp.left_shift(1, jnp.maximum(depth[..., None] - 1 - plane, 0)), 0)
-    codes = jnp.sum(bits * weight[..., None], axis=-2)  # channel-major [*B, D, n]
-    # Transpose as its own op: fused into the bit extraction, XLA:CPU ran the whole unpack strided (~5x slower).
-    return jnp.swapaxes(jax.lax.optimization_barrier(codes), -1, -2)
+    return jnp.sum(bits * weight[..., None], axis=-2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,6 +352,18 @@ def dequantize(store: PlaneStore | UnpackedStore, depth: Int[Array, "*B D"] | in
     valid = jnp.arange(store.capacity) < store.length[..., None]
     bad_depth = ((depth < 0) | (depth > N_PLANES))[..., None, :]
     return jnp.where(bad_depth, jnp.nan, jnp.where(valid[..., None], values, 0.0))
+
+
+def dequantize_channels(store: PlaneStore, depth: Int[Array, "*B D"] | int = N_PLANES) -> Float[Array, "*B D n"]:
+    """:func:`dequantize` in the planes' channel-major order ``[*B, D, capacity]`` (the same values): what a
+    scan that contracts over channels reads without transposing the codes of every token first."""
+    _check_depth("dequantize_channels", depth)
+    depth = jnp.broadcast_to(jnp.asarray(depth, jnp.int32), (*store.batch_shape, store.head_dim))
+    codes = unpack_planes_channels(store.planes, depth)
+    scales = jnp.repeat(store.scales.astype(jnp.float32), BLOCK_TOKENS, axis=-1)
+    values = dequantize_codes(codes, scales, depth[..., None])
+    valid = jnp.arange(store.capacity) < store.length[..., None]
+    return jnp.where(valid[..., None, :], values, 0.0)
 
 
 def append_block(

@@ -48,13 +48,17 @@ def _validate(keys, values, index, layer):
 
 def row_fetch_reference(keys, values, index, *, layer=None):
     _validate(keys, values, index, layer)
-    if layer is not None:
-        keys = keys[layer]
-        values = None if values is None else values[layer]
     n = keys.shape[-2]
     mask = (index >= 0) & (index < n)
-    safe = jnp.where(mask, index, 0)[..., None]
-    rows = lambda x: None if x is None else jnp.where(mask[..., None], jnp.take_along_axis(x, safe, axis=-2), 0)  # noqa: E731
+    safe = jnp.where(mask, index, 0)
+    if layer is None:
+        take = lambda x: jnp.take_along_axis(x, safe[..., None], axis=-2)  # noqa: E731
+    else:  # gather from the stacked cache directly: slicing the layer first copies all its rows
+        batch = index.shape[:-1]
+        grids = tuple(jnp.arange(size, dtype=jnp.int32).reshape((1,) * i + (size,) + (1,) * (len(batch) - i))
+                      for i, size in enumerate(batch))
+        take = lambda x: x[(layer, *grids, safe)]  # noqa: E731
+    rows = lambda x: None if x is None else jnp.where(mask[..., None], take(x), 0)  # noqa: E731
     return rows(keys), rows(values), mask
 
 

@@ -4,11 +4,16 @@
 #   a2  (same machine)  SmolLM2 offloaded-vs-HBM parity + benchmark: full step, profile, batch, control, dense, prefill
 #   b1  (nvidia-h200-x2) sharding tests natively + the 1-GPU step on that machine
 #   b2  (same machine)  the 2-GPU step (every layer's own K/V at 1M)
+#   c1  (nvidia-h200)   GPU tests after a change (kernels, offload, decoding), first half of the GGUF;
+#                       benchmark: full step at batch 4 and 8 @128k, attention with index and K/V in HBM
+#   c2  (same machine)  second half; SmolLM2 GPU tests; the downstream sweeps (RULER 4k and 8k, step
+#                       agreement 4k) as parallel processes in their own sessions, so they outlive the call
+#   c3  (same machine)  wait for the sweeps and collect their results
 # The GPU machine has JAX 0.11.2 but not gguf: carry its wheel in .whl/; SmolLM2's GGUF (98 MB, over one call's
 # 64 MiB) travels in two halves, .carry1/ (a1) and .carry2/ (a2), joined on the machine (ignored paths persist
 # between calls on a warm machine). Outputs go to $OUT.
 set -uo pipefail
-stage=${1:?stage: a1, a2, b1 or b2}
+stage=${1:?stage: a1, a2, b1, b2, c1, c2 or c3}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -34,4 +39,32 @@ b1)
 b2)
   timeout 560 python3 scripts/bench_offload.py --tag h200x2_2gpu --out $OUT --mesh 2 --sections link,attn --contexts 1m,128k \
     --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --share-kv-from none --time-budget 550 2>&1 | tee $OUT/bench_b2.log ;;
+c1)
+  cp .carry1/smol.part1 /tmp/smol.part1
+  timeout 230 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_h200.log
+  timeout 200 python3 scripts/bench_offload.py --tag h200_c1 --out $OUT --methods "Fathom 48" --read staged \
+    --sections batch,control --contexts 128k --batches 4,8 --time-budget 190 2>&1 | tee $OUT/bench_c1.log ;;
+c2)
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  # The sweeps run from their own copy of the tree: the next call replaces the working tree under them.
+  mkdir -p /tmp/sweeps/repo && tar --exclude=./.carry1 --exclude=./.carry2 --exclude=./.git -cf - . | tar -xf - -C /tmp/sweeps/repo
+  cd /tmp/sweeps/repo && export PYTHONPATH=/tmp/site:/tmp/sweeps/repo
+  # f32 matmuls at full precision (no TF32), memory grown on demand: four processes share the GPU.
+  export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false
+  launch() { name=$1; shift; setsid nohup bash -c "$* > /tmp/sweeps/$name.log 2>&1; echo \$? > /tmp/sweeps/$name.rc" \
+    < /dev/null > /dev/null 2>&1 & }
+  launch ruler4k python3 -m fathom_jax.cli ruler --context 4096 --per-task 8 --batch 8 --out /tmp/sweeps/results
+  launch ruler8k python3 -m fathom_jax.cli ruler --context 8192 --per-task 8 --batch 4 --out /tmp/sweeps/results
+  launch agree4k python3 -m fathom_jax.cli agreement --context 4096 --sessions 40 --batch 8 --out /tmp/sweeps/results
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_h200.log
+  bash scripts/gpu_session.sh wait 300 ;;
+c3)
+  bash scripts/gpu_session.sh wait 540 ;;
+wait)  # wait up to $2 s for the sweeps, then copy their logs and results to $OUT
+  for _ in $(seq ${2:-60}); do ls /tmp/sweeps/*.rc 2>/dev/null | wc -l | grep -q '^3$' && break; sleep 1; done
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  for f in /tmp/sweeps/*.log; do echo "== $f"; tail -c 1500 $f | tr '\r' '\n' | tail -8; done
+  cat /tmp/sweeps/*.rc 2>/dev/null; mkdir -p $OUT/sweeps; cp /tmp/sweeps/*.log /tmp/sweeps/*.rc $OUT/sweeps/ 2>/dev/null
+  cp -r /tmp/sweeps/results $OUT/sweeps/ 2>/dev/null; true ;;
 esac

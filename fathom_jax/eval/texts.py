@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import sys
 
 # Large, stable pure-Python modules; order fixes the text.
@@ -59,3 +60,54 @@ def token_window(ids, length: int, *, name: str = "text") -> list[int]:
     if len(ids) < length:
         raise ValueError(f"{name} has {len(ids)} tokens, fewer than the {length} the window needs")
     return ids[:length]
+
+
+# The calibration window is the first few thousand tokens of the topics text (~4 characters per token);
+# haystacks skip far past it, so calibration and evaluation text stay disjoint.
+HAYSTACK_SKIP_CHARS = 64_000
+
+
+def prose_sentences(skip_chars: int = HAYSTACK_SKIP_CHARS) -> tuple[list[str], dict]:
+    """Sentences of the prose paragraphs of ``pydoc_data/topics.py`` (tables, code and indented blocks
+    dropped, lines joined), from ``skip_chars`` on: a haystack of real English text, with provenance."""
+    from pydoc_data import topics
+
+    text, _ = calibration_text()
+    sentences = []
+    start = text.find("\n\n", skip_chars)  # from a paragraph boundary, not mid-word
+    for para in re.split(r"\n\s*\n", text[start:]):
+        lines = para.split("\n")
+        if any(line.startswith((" ", "\t", "|", "+", ">>>", "*")) or "|" in line for line in lines):
+            continue  # indented code, tables, lists
+        flat = " ".join(line.strip() for line in lines).strip()
+        letters = sum(ch.isalpha() or ch == " " for ch in flat)
+        if len(flat) < 40 or letters < 0.85 * len(flat) or not flat.endswith((".", ":")):
+            continue
+        sentences += [x.strip() for x in re.split(r"(?<=[.!?])\s+", flat) if len(x.strip()) > 1]
+    info = _provenance("pydoc_data.topics prose sentences", [topics.__file__], "\n".join(sentences))
+    info["skip_chars"] = skip_chars
+    info["sentences"] = len(sentences)
+    return sentences, info
+
+
+def stdlib_package_sources(min_chars: int = 0) -> list[tuple[str, list[str]]]:
+    """``(package, [module paths])`` for every pure-Python standard-library package here (sorted by name),
+    its modules in sorted order, test packages and the packages the study evaluates on left out."""
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for name in sorted(os.listdir(root)):
+        pkg = os.path.join(root, name)
+        # test suites, the IDE and the codec tables (encodings: generated, repetitive) are not sessions
+        if name in ("test", "idlelib", "encodings", "site-packages", "__pycache__", "pydoc_data") or name.startswith("."):
+            continue
+        if not os.path.isfile(os.path.join(pkg, "__init__.py")):
+            continue
+        files = []
+        for dirpath, dirnames, filenames in os.walk(pkg):
+            dirnames[:] = sorted(d for d in dirnames if d not in ("__pycache__", "test", "tests", "idle_test"))
+            files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+        if sum(os.path.getsize(f) for f in files) >= min_chars:
+            out.append((name, files))
+    return out

@@ -25,6 +25,16 @@ SMOL_PROMPT = (
     "<|im_start|>user\nWhat is the capital of France? Answer in 3 words.<|im_end|>\n<|im_start|>assistant\n"
 )
 SMOL_NEW_TOKENS = 16
+# Further prompts for the downstream sweeps' dense path (tests/eval): a plain completion over prose with a
+# needle, in RULER's template, and a span of code; greedy tokens only.
+SMOL_EXTRA_PROMPTS = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz you "
+    "about the numbers afterwards.\nThe sky was clear over the harbor. One of the special magic numbers for "
+    "lucky-kettle is: 4839201. Ships came and went all day.\nWhat are all the special magic numbers for "
+    "lucky-kettle mentioned in the provided text? The special magic numbers for lucky-kettle mentioned in the "
+    "provided text are",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n    for _ in range(n):\n",
+)
 
 _jobs: dict[str, tuple[subprocess.Popen | None, str]] = {}  # fixture name -> (process, output path)
 _tmp = tempfile.mkdtemp(prefix="fathom_oracle_")
@@ -39,6 +49,8 @@ def _oracle_args(name: str) -> tuple[list[str], str]:
     out = os.path.join(_tmp, "smol.npz")
     args = ["gguf", "--gguf", fetch_model("smollm2"), "--prompt", SMOL_PROMPT,
             "--new-tokens", str(SMOL_NEW_TOKENS), "--out", out]
+    for text in SMOL_EXTRA_PROMPTS:
+        args += ["--extra-prompt", text]
     return args, out
 
 
@@ -95,8 +107,9 @@ def smollm2_path() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_ref() -> dict:
-    """transformers' tokens, logits [T, V] and greedy tokens for SMOL_PROMPT on the SmolLM2 GGUF."""
-    return dict(np.load(_result("smollm2_ref")), prompt=SMOL_PROMPT)
+    """transformers' tokens, logits [T, V] and greedy tokens for SMOL_PROMPT on the SmolLM2 GGUF, and
+    ``extra_tokens_<i>`` / ``extra_greedy_<i>`` for each of SMOL_EXTRA_PROMPTS."""
+    return dict(np.load(_result("smollm2_ref")), prompt=SMOL_PROMPT, extra_prompts=SMOL_EXTRA_PROMPTS)
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,9 @@ files it writes.
       For each case (llama, llama3, qwen2, qwen3): write a tiny random checkpoint with
       `save_pretrained` to DIR/<case>/ and DIR/<case>/ref.npz with
       tokens [T], logits [T, V] and, from the 8-token prompt tokens[:8], greedy [32].
-  python hf_reference.py gguf --gguf FILE --prompt TEXT --new-tokens N --out NPZ
-      Load FILE with transformers' own GGUF loader, dump tokens, logits and N greedy tokens.
+  python hf_reference.py gguf --gguf FILE --prompt TEXT [--extra-prompt TEXT ...] --new-tokens N --out NPZ
+      Load FILE with transformers' own GGUF loader, dump tokens, logits and N greedy tokens (and for each
+      extra prompt its tokens and N greedy tokens, as extra_tokens_<i> / extra_greedy_<i>).
 """
 
 from __future__ import annotations
@@ -99,13 +100,18 @@ def tiny(out_dir: str) -> None:
 
 
 @torch.no_grad()
-def gguf(path: str, prompt: str, new_tokens: int, out: str) -> None:
+def gguf(path: str, prompt: str, new_tokens: int, out: str, extra: list[str]) -> None:
     d, f = os.path.split(os.path.abspath(path))
     model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
-    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    encode = lambda text: tok(text, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
+    ids = encode(prompt)
     logits = model(ids).logits[0].float().numpy()
-    np.savez(out, tokens=ids[0].numpy(), logits=logits, greedy=greedy(model, ids, new_tokens))
+    more = {}
+    for i, text in enumerate(extra):  # further prompts: tokens and greedy only
+        more[f"extra_tokens_{i}"] = encode(text)[0].numpy()
+        more[f"extra_greedy_{i}"] = greedy(model, encode(text), new_tokens)
+    np.savez(out, tokens=ids[0].numpy(), logits=logits, greedy=greedy(model, ids, new_tokens), **more)
 
 
 def main() -> None:
@@ -116,6 +122,7 @@ def main() -> None:
     g = sub.add_parser("gguf")
     g.add_argument("--gguf", required=True)
     g.add_argument("--prompt", required=True)
+    g.add_argument("--extra-prompt", action="append", default=[], help="a further prompt (greedy tokens only)")
     g.add_argument("--new-tokens", type=int, default=16)
     g.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -123,7 +130,7 @@ def main() -> None:
     if a.cmd == "tiny":
         tiny(a.out)
     else:
-        gguf(a.gguf, a.prompt, a.new_tokens, a.out)
+        gguf(a.gguf, a.prompt, a.new_tokens, a.out, a.extra_prompt)
 
 
 if __name__ == "__main__":

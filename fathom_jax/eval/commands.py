@@ -1,0 +1,130 @@
+"""``fathom ruler`` and ``fathom agreement``: the downstream sweeps on SmolLM2 from the command line.
+
+    fathom ruler --context 4096 --k 64 128 --per-task 8       # results/ruler_smollm2_4k.{json,md,png}
+    fathom agreement --context 4096 --sessions 40             # results/agreement_smollm2_4k.{json,md,png}
+
+:func:`register` adds both subcommands to an ``argparse`` subparsers object. Every argument is checked
+before the model loads; a bad one is a :class:`~fathom_jax.cli_args.UsageError` (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from fathom_jax.cli_args import UsageError, check_out_dir, positive_int, run_metadata
+from fathom_jax.eval import downstream as ds
+from fathom_jax.eval import ruler as ruler_lib
+from fathom_jax.eval import sweeps
+
+SMOLLM2_POSITIONS = 8192  # SmolLM2-135M's max_position_embeddings (checked again against the loaded model)
+
+
+def register(subparsers) -> None:
+    """Add the ``ruler`` and ``agreement`` parsers to the ``fathom`` CLI (``cli.COMMAND_MODULES``)."""
+    from fathom_jax import methods
+
+    method_help = ("dense, exact, or scans: " + methods.spec_help(", ")
+                   + f" (default: {' '.join(ds.DEFAULT_METHODS)})")
+    p = subparsers.add_parser(
+        "ruler", help="RULER-style tasks on SmolLM2, every method decoding from one dense prefill",
+        description="RULER-style retrieval and tracking tasks (paper 5.5) on SmolLM2-135M-Instruct with a haystack "
+                    "of Python's documentation prose; one dense prefill per sample, greedy decoding branched per "
+                    "method; writes results/ruler_smollm2_<context>.json/.md/.png.")
+    p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096],
+                   help=f"tokens of cache: prompt + {sweeps.RESERVED} (a multiple of 64, at most {SMOLLM2_POSITIONS})")
+    p.add_argument("--k", type=positive_int(1), nargs="+", default=[64, 128],
+                   help="selection sizes, tokens per query head (the same for every method)")
+    p.add_argument("--tasks", nargs="+", default=list(ruler_lib.TASKS), help=f"tasks: {', '.join(ruler_lib.TASKS)}")
+    p.add_argument("--per-task", type=positive_int(1), default=8, help="samples per task and context")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples (needles, keys, depths)")
+    p.add_argument("--methods", nargs="+", default=list(ds.DEFAULT_METHODS), help=method_help)
+    _common(p)
+    p.set_defaults(func=run_ruler_command)
+
+    p = subparsers.add_parser(
+        "agreement", help="step agreement with exact top-k on standard-library code sessions",
+        description="Step agreement (paper 5.6): every method decodes the next tokens of real code sessions from "
+                    "one dense prefill; the score is the word-level sequence-match ratio against the exact top-k "
+                    "step. Writes results/agreement_smollm2_<context>.json/.md/.png.")
+    p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096],
+                   help=f"tokens of cache: session + steps (a multiple of 64, at most {SMOLLM2_POSITIONS})")
+    p.add_argument("--sessions", type=positive_int(2, " (a standard error needs two)"), default=40,
+                   help="code sessions")
+    p.add_argument("--k-fraction", type=float, nargs="+", default=[0.02, 0.005],
+                   help="selection sizes as fractions of the context")
+    p.add_argument("--steps", type=positive_int(1), default=64, help="tokens each method decodes")
+    p.add_argument("--methods", nargs="+", default=list(ds.DEFAULT_METHODS), help=method_help)
+    p.add_argument("--baseline", default="sparq:16", help="the method paired differences are taken against")
+    _common(p)
+    p.set_defaults(func=run_agreement_command)
+
+
+def _common(p) -> None:
+    p.add_argument("--batch", type=positive_int(1), default=2, help="samples prefilled and decoded together")
+    p.add_argument("--calibration", choices=sweeps.CALIBRATIONS, default="corpus",
+                   help="statistics for Fathom, Double Sparsity and Loki: a capture of the pydoc prose (corpus) "
+                        "or each prompt's own keys (session)")
+    p.add_argument("--calib-tokens", type=positive_int(128), default=4096,
+                   help="tokens of the pydoc prose captured for the corpus statistics (and the bits per token)")
+    p.add_argument("--out", default="results", help="folder for the results files")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _checked(configs, check, out: str):
+    """Every config checked and the output folder proven writable, before the model loads."""
+    for config in configs:
+        try:
+            check(config, SMOLLM2_POSITIONS)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    check_out_dir(out)
+    return configs
+
+
+def ruler_configs(args: argparse.Namespace) -> list[sweeps.RulerConfig]:
+    """One config per context, every argument checked (before any model is loaded)."""
+    configs = [sweeps.RulerConfig(context=c, ks=tuple(args.k), tasks=tuple(args.tasks), per_task=args.per_task,
+                                  methods=tuple(args.methods), batch=args.batch, seed=args.seed,
+                                  calibration=args.calibration, calib_tokens=args.calib_tokens)
+               for c in args.context]
+    return _checked(configs, sweeps.check_ruler, args.out)
+
+
+def agreement_configs(args: argparse.Namespace) -> list[sweeps.AgreementConfig]:
+    configs = [sweeps.AgreementConfig(context=c, sessions=args.sessions, k_fractions=tuple(args.k_fraction),
+                                      steps=args.steps, methods=tuple(args.methods), baseline=args.baseline,
+                                      batch=args.batch, calibration=args.calibration,
+                                      calib_tokens=args.calib_tokens)
+               for c in args.context]
+    return _checked(configs, sweeps.check_agreement, args.out)
+
+
+def _label(context: int) -> str:
+    return f"{context // 1024}k" if context % 1024 == 0 else str(context)
+
+
+def _run(kind: str, configs, args, run) -> int:
+    from fathom_jax.eval import downstream_report
+    from fathom_jax.models import load_smollm2
+
+    t0 = time.time()
+    model, tokenizer, _ = load_smollm2()
+    meta = run_metadata(args)
+    for config in configs:
+        res = run(config, model, tokenizer, progress=not args.quiet, meta=meta)
+        prefix = os.path.join(args.out, f"{kind}_smollm2_{_label(config.context)}")
+        paths = downstream_report.write_report(res, prefix)
+        print(downstream_report.render_markdown(res))
+        print(f"[{kind}] wrote {', '.join(paths)}")
+    print(f"[{kind}] done in {time.time() - t0:.0f} s")
+    return 0
+
+
+def run_ruler_command(args: argparse.Namespace) -> int:
+    return _run("ruler", ruler_configs(args), args, sweeps.run_ruler)
+
+
+def run_agreement_command(args: argparse.Namespace) -> int:
+    return _run("agreement", agreement_configs(args), args, sweeps.run_agreement)

@@ -1,0 +1,205 @@
+"""The downstream protocol shared by the RULER-style tasks and the step-agreement sweep (paper 5.5, 5.6).
+
+One dense prefill per batch of samples, then greedy decoding branched per method from the same KV cache,
+with sparse attention on every generated token and the same k for every method:
+
+    prefill = dense_prefill(model, prompts, capacity)          # one compiled program, right-padded batch
+    for branch in branches(methods, ks):
+        tokens = decode_branch(model, prefill, branch, steps, calibration=calib)   # [B, steps]
+
+:func:`decode_branch` builds the method's sparse cache from the dense K/V rows
+(:func:`fathom_jax.models.sparse.cache_from_dense`, jitted) and runs the compiled greedy loop
+(:func:`fathom_jax.models.sparse.decode_loop`): one program per (method, k, shape), no Python per token.
+The first generated token comes from the dense prefill (it is the same for every method); every later
+token is decoded with the method's attention. The dense row is the sparse path's ``dense`` method
+(attention over every cached token), which reproduces transformers' greedy tokens (tests/eval).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fathom_jax import decode
+from fathom_jax import format as fmt
+from fathom_jax import methods as methods_lib
+from fathom_jax.calibrate import Calibration
+from fathom_jax.index import build_index
+from fathom_jax.methods import ScanMethod
+from fathom_jax.models import sparse
+from fathom_jax.models.cache import KVCache
+from fathom_jax.models.llama import dense_attend
+
+# The paper's method set at D = 64 (SmolLM2): Fathom at 24 / 32 / 48 code bits (~28 / 37 / 56 bits per
+# token with scales) in the basis the rule picks for SmolLM2 (raw planes, results/fidelity_smollm2_*.md),
+# SparQ r = D/8 and D/4, Double Sparsity c = D/4, Loki r = D/4, the 2-bit thumbnail and the 8-token landmark,
+# with the exact top-k oracle and dense attention.
+DEFAULT_METHODS = ("dense", "exact", "fathom:24", "fathom:32", "fathom:48", "sparq:8", "sparq:16",
+                   "double_sparsity:16", "loki:16", "thumbnail:2", "landmark")
+SINK, LOCAL = 4, 32  # the paper's forced tokens per query head
+
+
+def forced_tokens(k: int) -> tuple[int, int]:
+    """(sink, local) for selection size ``k``: the paper's 4 + 32 from k = 128 up; below, a quarter of k
+    for the local window and at most k/8 sinks, so that most of a small k is still chosen by the scan."""
+    if k >= 128:
+        return SINK, LOCAL
+    return min(SINK, max(1, k // 8)), max(1, k // 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+    """One decoding branch: a method at a selection size (``k = None`` for dense attention)."""
+
+    method: ScanMethod
+    k: int | None
+
+    @property
+    def name(self) -> str:
+        return self.method.label if self.k is None else f"{self.method.label}, k={self.k}"
+
+    @property
+    def key(self) -> str:
+        """Stable id in results files, e.g. ``fathom:48@128``, ``dense``."""
+        return self.method.spec if self.k is None else f"{self.method.spec}@{self.k}"
+
+
+def parse_methods(specs: Sequence[str]) -> tuple[ScanMethod, ...]:
+    """Methods from spec strings (``fathom:48``, ``sparq:16``, ``dense``...), with a clear error."""
+    out = []
+    for spec in specs:
+        out.append(methods_lib.parse(spec))  # raises ValueError naming the spec and the accepted forms
+    if len(set(out)) != len(out):
+        raise ValueError(f"methods are listed twice: {list(specs)}")
+    return tuple(out)
+
+
+def branches(methods: Sequence[ScanMethod], ks: Sequence[int]) -> list[Branch]:
+    """Dense once (it selects nothing), every other method at every k."""
+    out = []
+    for m in methods:
+        if isinstance(m, methods_lib.Dense):
+            out.append(Branch(m, None))
+        else:
+            out += [Branch(m, int(k)) for k in ks]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """The dense prefill every branch starts from: K/V rows, prompt lengths, the first generated token."""
+
+    kv: KVCache
+    lengths: jax.Array  # [B]
+    first: jax.Array  # [B] argmax of the logits at each prompt's last token
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.capacity
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prefill_last(graphdef, state, tokens, lengths, cache):
+    model = nnx.merge(graphdef, state)
+    h, cache, _ = model._forward(tokens, cache, dense_attend, capture=False)  # h is already normed
+    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return model.logits(last), cache
+
+
+def dense_prefill(model, prompts: Sequence[Sequence[int]], capacity: int) -> Prefill:
+    """Dense causal prefill of right-padded ``prompts`` into a :class:`KVCache` of ``capacity`` tokens.
+
+    Causal attention never lets a real token see the padding after it, so every prompt's K/V rows and
+    last-token logits are those of its own prefill.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("dense_prefill: every prompt needs at least one token")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if lengths.max() > capacity:
+        raise ValueError(f"dense_prefill: a prompt of {lengths.max()} tokens does not fit a cache of {capacity}")
+    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    cfg = model.config
+    graphdef, state = nnx.split(model)
+    logits, kv = _prefill_last(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths),
+                               KVCache.init(cfg, len(prompts), capacity, model.dtype))
+    return Prefill(kv=kv, lengths=jnp.asarray(lengths), first=jnp.argmax(logits, -1).astype(jnp.int32))
+
+
+_cache_from_dense = jax.jit(sparse.cache_from_dense)
+
+
+def attention_for(branch: Branch, capacity: int, calibration: Calibration | str | None) -> decode.SparseAttention:
+    """The decode attention of ``branch`` (jnp reference scan: the same numbers on every machine)."""
+    k = capacity if branch.k is None else branch.k
+    sink, local = forced_tokens(k)
+    return decode.from_spec(branch.method, k=k, calibration=calibration, sink=sink, local=local,
+                            implementation="xla")
+
+
+def decode_branch(model, prefill: Prefill, branch: Branch, steps: int,
+                  calibration: Calibration | str | None = "session") -> np.ndarray:
+    """Greedy tokens ``[B, steps]`` of one branch from the shared prefill (the first is the prefill's)."""
+    attn = attention_for(branch, prefill.capacity, calibration)
+    cache, attn = _cache_from_dense(prefill.kv, prefill.lengths, attn)
+    tokens, _ = sparse.decode_loop(model, prefill.first, cache, attn, steps)
+    return np.asarray(tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bits per token and statistics
+
+
+def read_bits(method: ScanMethod, capture, calib: Calibration | None, positions: int = 8) -> float:
+    """Bits per token (per KV head per layer) the method reads, averaged over layers, heads and the last
+    ``positions`` queries of a capture (``fathom_jax.eval.fidelity.Capture``); query-dependent for Fathom."""
+    d = capture.k.shape[-1]
+    fixed = method.fixed_bits_per_token(d)
+    if fixed is not None:
+        return float(fixed)
+    if isinstance(method, methods_lib.Exact):  # exact and dense read the keys
+        return fmt.key_bits_per_token(d)
+    n_layers, n_heads, n_tokens, _ = capture.q.shape
+    n_kv = capture.k.shape[1]
+    window = min(n_tokens, fmt.BLOCK_TOKENS)
+
+    @jax.jit
+    def layer_bits(q, keys, c):
+        index = build_index(keys, c, (method,))
+        return jax.vmap(lambda q_p: method.read(q_p, index, c).bits)(q)
+
+    out = []
+    for layer in range(n_layers):
+        q = jnp.asarray(capture.q[layer][:, n_tokens - positions:])  # [H, P, D]
+        q = jnp.moveaxis(q.reshape(n_kv, n_heads // n_kv, positions, d), 2, 0)
+        c = None if calib is None else jax.tree.map(lambda a: a[layer], calib)
+        out.append(np.asarray(layer_bits(q, jnp.asarray(capture.k[layer][:, :window]), c)))
+    return float(np.mean(out))
+
+
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (ddof = 1; 0 for a single value)."""
+    v = np.asarray(values, np.float64)
+    if v.size == 0:
+        return float("nan"), float("nan")
+    se = float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else 0.0
+    return float(v.mean()), se
+
+
+def paired(values, baseline) -> dict:
+    """Paired difference ``values - baseline`` per sample: mean, standard error, and wins / ties / losses."""
+    a, b = np.asarray(values, np.float64), np.asarray(baseline, np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"paired: {a.shape} values against a baseline of {b.shape}")
+    diff = a - b
+    mean, se = mean_se(diff)
+    return {"mean": mean, "se": se, "wins": int(np.sum(diff > 0)), "ties": int(np.sum(diff == 0)),
+            "losses": int(np.sum(diff < 0)), "n": int(diff.size)}

@@ -1,0 +1,290 @@
+"""The downstream sweeps on a real model: RULER-style tasks and step agreement on code sessions.
+
+    res = run_ruler(RulerConfig(context=4096, ks=(64, 128), per_task=8), model, tokenizer)
+    res = run_agreement(AgreementConfig(context=4096, sessions=40), model, tokenizer)
+
+Both follow the paper's protocol through :mod:`fathom_jax.eval.downstream`: one dense prefill per batch of
+samples, then greedy decoding branched per method from the same KV cache (one compiled program per method,
+k and shape), sparse attention on every generated token, the same k for every method. The results are
+plain JSON (every sample's score and generation, the configuration and the run's provenance);
+:mod:`fathom_jax.eval.downstream_report` rebuilds the tables and figures from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fathom_jax import calibrate as cal
+from fathom_jax.eval import agreement as agreement_lib
+from fathom_jax.eval import downstream as ds
+from fathom_jax.eval import ruler as ruler_lib
+
+RESERVED = 64  # cache slots past the prompt: the longest generation (40 RULER tokens, 64 agreement tokens)
+CALIBRATIONS = ("corpus", "session")
+
+
+@dataclasses.dataclass(frozen=True)
+class RulerConfig:
+    """A RULER-style sweep: ``per_task`` samples of every task at one context (prompt + generation)."""
+
+    context: int = 4096
+    ks: tuple[int, ...] = (64, 128)
+    tasks: tuple[str, ...] = ruler_lib.TASKS
+    per_task: int = 8
+    methods: tuple[str, ...] = ds.DEFAULT_METHODS
+    batch: int = 2
+    seed: int = 0
+    calibration: str = "corpus"  # corpus: statistics of the pydoc prose; session: the prompt's own keys
+    calib_tokens: int = 4096
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.context - RESERVED
+
+    @property
+    def steps(self) -> int:
+        return ruler_lib.max_gen_tokens(self.tasks)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgreementConfig:
+    """Step agreement: ``sessions`` code sessions of ``context - steps`` tokens, ``steps`` decoded tokens,
+    k as fractions of the context."""
+
+    context: int = 4096
+    sessions: int = 40
+    k_fractions: tuple[float, ...] = (0.02, 0.005)
+    steps: int = 64
+    methods: tuple[str, ...] = ds.DEFAULT_METHODS
+    baseline: str = "sparq:16"  # paired differences against SparQ r = D/4
+    batch: int = 2
+    calibration: str = "corpus"
+    calib_tokens: int = 4096
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.context - self.steps
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        return tuple(max(1, round(f * self.context)) for f in self.k_fractions)
+
+
+def check_common(config, max_context: int, head_dim: int) -> None:
+    """The checks both sweeps share (raise ValueError with one clear line)."""
+    if config.context > max_context:
+        raise ValueError(f"context {config.context} is longer than the model can hold ({max_context} positions)")
+    if config.context < 512 or config.context % 64:
+        raise ValueError(f"context must be a multiple of 64 and at least 512 tokens, got {config.context}")
+    for k in config.ks:
+        if k < 1 or k > config.context:
+            raise ValueError(f"k={k} must lie in [1, context = {config.context}]")
+    if config.batch < 1:
+        raise ValueError(f"batch must be >= 1, got {config.batch}")
+    if config.calibration not in CALIBRATIONS:
+        raise ValueError(f"calibration must be one of {CALIBRATIONS}, got {config.calibration!r}")
+    methods = ds.parse_methods(config.methods)
+    for m in methods:
+        m.validate(head_dim)
+    if not any(m.name == "exact" for m in methods):
+        raise ValueError("the methods must include exact (the top-k oracle every scan is compared with)")
+
+
+def check_ruler(config: RulerConfig, max_context: int = 8192, head_dim: int = 64) -> None:
+    ruler_lib.check_tasks(config.tasks)
+    check_common(config, max_context, head_dim)
+    if config.per_task < 1:
+        raise ValueError(f"samples per task must be >= 1, got {config.per_task}")
+    if config.steps > RESERVED:
+        raise ValueError(f"generations of {config.steps} tokens do not fit the {RESERVED} reserved slots")
+
+
+def check_agreement(config: AgreementConfig, max_context: int = 8192, head_dim: int = 64) -> None:
+    for f in config.k_fractions:
+        if not 0 < f <= 1:
+            raise ValueError(f"k fractions must lie in (0, 1], got {f}")
+    check_common(config, max_context, head_dim)
+    if config.sessions < 2:
+        raise ValueError(f"sessions must be >= 2 (a standard error needs two), got {config.sessions}")
+    if not 1 <= config.steps <= config.context // 2:
+        raise ValueError(f"steps must lie in [1, context / 2], got {config.steps}")
+    if config.baseline not in config.methods:
+        raise ValueError(f"the baseline {config.baseline!r} is not among the methods")
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared set-up: corpus calibration and the bits each method reads
+
+
+def corpus_calibration(model, tokenizer, tokens: int) -> tuple[cal.Calibration, Any, dict]:
+    """Statistics of ``tokens`` tokens of the pydoc prose (the study's calibration text) and its capture."""
+    from fathom_jax.eval import texts
+    from fathom_jax.eval.fidelity import Capture
+    from fathom_jax.models import capture_qkv
+
+    text, info = texts.calibration_text()
+    ids = texts.token_window(tokenizer.encode(text), tokens, name="calibration text")
+    capture = Capture(**capture_qkv(model, jnp.asarray(ids)))
+    return cal.calibrate(capture.k, capture.q), capture, {**info, "tokens": tokens}
+
+
+def session_calibration(prefill: ds.Prefill, model) -> cal.Calibration:
+    """Each prompt's own prefill statistics, ``[L, B x Hkv]`` (paper B5), computed once for every branch."""
+    kv = prefill.kv
+    n_layers, b, hkv, capacity, d = kv.k.shape
+    lengths = jnp.repeat(prefill.lengths, hkv)
+    per_layer = [cal.calibrate_session(kv.k[layer].reshape(b * hkv, capacity, d).astype(jnp.float32), length=lengths)
+                 for layer in range(n_layers)]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+
+def method_bits(methods, capture, calib) -> dict[str, float]:
+    return {m.spec: ds.read_bits(m, capture, calib) for m in methods}
+
+
+def _meta(config, extra: dict | None) -> dict:
+    return {
+        **(extra or {}),
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.node()} ({platform.machine()}, {jax.devices()[0].platform}, {os.cpu_count()} cores)",
+        "jax": jax.__version__,
+        "config": dataclasses.asdict(config),
+    }
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="decode", smoothing=0.05)
+
+
+def _batches(items: Sequence, size: int):
+    for i in range(0, len(items), size):
+        yield items[i: i + size]
+
+
+def _decode_all(model, prompts, branches, steps, config, corpus, bar, timing):
+    """Every branch's greedy tokens for one batch of prompts: ``{branch key: [B, steps] array}``."""
+    t0 = time.time()
+    prefill = ds.dense_prefill(model, prompts, config.context)
+    jax.block_until_ready(prefill.first)
+    timing["prefill_s"] += time.time() - t0
+    calib = corpus if config.calibration == "corpus" else session_calibration(prefill, model)
+    out = {}
+    for branch in branches:
+        t0 = time.time()
+        out[branch.key] = ds.decode_branch(model, prefill, branch, steps, calib)
+        timing["decode_s"] += time.time() - t0
+        if bar is not None:
+            bar.set_postfix_str(branch.name, refresh=False)
+            bar.update(1)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The sweeps
+
+
+def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, meta: dict | None = None) -> dict:
+    """RULER-style tasks at one context: every sample's score for every branch, plus provenance."""
+    from fathom_jax.eval import texts
+
+    check_ruler(config, model.config.max_position_embeddings, model.config.head_dim)
+    t_start = time.time()
+    methods = ds.parse_methods(config.methods)
+    calib, capture, calib_info = corpus_calibration(model, tokenizer, config.calib_tokens)
+    bits = method_bits(methods, capture, calib)
+    del capture
+    sentences, hay_info = texts.prose_sentences()
+    samples = ruler_lib.make_samples(tokenizer, config.tasks, config.per_task, config.prompt_tokens, config.seed,
+                                     sentences=sentences)
+    branches = ds.branches(methods, config.ks)
+    n_batches = -(-len(samples) // config.batch)
+    bar = _progress(n_batches * len(branches), f"RULER @ {config.context}", progress)
+    timing = {"prefill_s": 0.0, "decode_s": 0.0}
+    scores = {b.key: [] for b in branches}
+    generations = {b.key: [] for b in branches}
+    for batch in _batches(samples, config.batch):
+        tokens = _decode_all(model, [s.prompt for s in batch], branches, config.steps, config, calib,
+                             bar, timing)
+        for key, toks in tokens.items():
+            for s, t in zip(batch, toks):
+                text = tokenizer.decode(t[: s.gen_tokens].tolist())
+                scores[key].append(ruler_lib.score(text, s.gold))
+                generations[key].append(text)
+    if bar is not None:
+        bar.close()
+    return {
+        "kind": "ruler",
+        "meta": {**_meta(config, meta), "calib_text": calib_info, "haystack": hay_info,
+                 "wall_s": round(time.time() - t_start, 1), **{k: round(v, 1) for k, v in timing.items()},
+                 "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "head_dim": model.config.head_dim,
+                 "forced_tokens": {str(k): list(ds.forced_tokens(k)) for k in config.ks}},
+        "samples": [{"task": s.task, "gold": list(s.gold), "depths": [round(d, 4) for d in s.depths]} for s in samples],
+        "branches": [_branch_entry(b, bits, scores[b.key], generations[b.key]) for b in branches],
+    }
+
+
+def run_agreement(config: AgreementConfig, model, tokenizer, *, progress: bool = True,
+                  meta: dict | None = None) -> dict:
+    """Step agreement: every method's next ``steps`` tokens on every session, scored against the exact
+    top-k step at the same k (and, for reference, against the real next span of code)."""
+    check_agreement(config, model.config.max_position_embeddings, model.config.head_dim)
+    t_start = time.time()
+    methods = ds.parse_methods(config.methods)
+    calib, capture, calib_info = corpus_calibration(model, tokenizer, config.calib_tokens)
+    bits = method_bits(methods, capture, calib)
+    del capture
+    sessions, session_info = agreement_lib.make_sessions(tokenizer, config.sessions, config.prompt_tokens,
+                                                         config.steps)
+    branches = ds.branches(methods, config.ks)
+    n_batches = -(-len(sessions) // config.batch)
+    bar = _progress(n_batches * len(branches), f"agreement @ {config.context}", progress)
+    timing = {"prefill_s": 0.0, "decode_s": 0.0}
+    texts_out = {b.key: [] for b in branches}
+    for batch in _batches(sessions, config.batch):
+        tokens = _decode_all(model, [s.prompt for s in batch], branches, config.steps, config, calib,
+                             bar, timing)
+        for key, toks in tokens.items():
+            texts_out[key] += [tokenizer.decode(t.tolist()) for t in toks]
+    if bar is not None:
+        bar.close()
+    targets = [tokenizer.decode(list(s.target)) for s in sessions]
+    entries = []
+    for b in branches:
+        ks = config.ks if b.k is None else (b.k,)
+        agree = {str(k): [agreement_lib.step_agreement(t, o)
+                          for t, o in zip(texts_out[b.key], texts_out[f"exact@{k}"])] for k in ks}
+        real = [agreement_lib.step_agreement(t, r) for t, r in zip(texts_out[b.key], targets)]
+        entry = _branch_entry(b, bits, None, texts_out[b.key])
+        entry.update(agreement=agree, real=real)
+        entries.append(entry)
+    return {
+        "kind": "agreement",
+        "meta": {**_meta(config, meta), "calib_text": calib_info, "sessions": session_info,
+                 "wall_s": round(time.time() - t_start, 1), **{k: round(v, 1) for k, v in timing.items()},
+                 "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "head_dim": model.config.head_dim,
+                 "ks": list(config.ks), "forced_tokens": {str(k): list(ds.forced_tokens(k)) for k in config.ks}},
+        "samples": [{"package": s.package, "start": s.start, "target": t} for s, t in zip(sessions, targets)],
+        "branches": entries,
+    }
+
+
+def _branch_entry(branch: ds.Branch, bits: dict, scores, generations) -> dict:
+    m = branch.method
+    entry = {"key": branch.key, "spec": m.spec, "label": m.label, "kind": m.name, "k": branch.k,
+             "bits": bits[m.spec], "generations": generations}
+    if scores is not None:
+        entry["scores"] = scores
+    return entry

@@ -1,0 +1,26 @@
+"""Code sessions from the standard library and the word-level step agreement."""
+
+import pytest
+
+from fathom_jax.eval import agreement
+
+
+def test_step_agreement_is_difflibs_word_ratio():
+    assert agreement.step_agreement("a b c d", "a b c d") == 1.0
+    assert agreement.step_agreement("a b c d", "a b x d") == pytest.approx(0.75)
+    assert agreement.step_agreement("a  b\nc", "a b c") == 1.0  # words, not whitespace
+    assert agreement.step_agreement("", "") == 1.0 and agreement.step_agreement("a", "") == 0.0
+
+
+def test_sessions_are_windows_of_real_code_with_the_next_span(smollm2):
+    _, tokenizer, _ = smollm2
+    sessions, info = agreement.make_sessions(tokenizer, count=6, prompt_tokens=512, steps=32)
+    assert len(sessions) == 6 and len({s.package for s in sessions}) == 6  # round-robin over packages
+    assert info["packages"] == sorted(s.package for s in sessions)
+    for s in sessions:
+        assert len(s.prompt) == 512 and len(s.target) == 32
+        assert "# file: " in tokenizer.decode(list(s.prompt[:40])) or s.start > 0
+    with pytest.raises(ValueError, match="fewer than the 100000 asked for"):
+        agreement.make_sessions(tokenizer, count=100_000, prompt_tokens=512, steps=32)
+    with pytest.raises(ValueError, match="sessions must be >= 1"):
+        agreement.make_sessions(tokenizer, count=0, prompt_tokens=512, steps=32)

@@ -1,0 +1,132 @@
+"""The downstream protocol: the dense branch against transformers, branching from one prefill, statistics,
+and both sweeps end to end through the CLI on a tiny model with SmolLM2's tokenizer."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fathom_jax import cli
+from fathom_jax import methods as M
+from fathom_jax.eval import downstream as ds
+from fathom_jax.eval import downstream_report
+
+
+def test_dense_branch_reproduces_transformers_greedy_tokens(smollm2, smollm2_ref):
+    """Three prompts of different lengths in one right-padded batch: the dense branch (prefill, then the
+    sparse path's dense attention over every cached token) decodes transformers' greedy tokens, and the
+    exact top-k oracle with k = the whole cache decodes the same."""
+    model, tokenizer, _ = smollm2
+    prompts = [list(smollm2_ref["tokens"])] + [list(smollm2_ref[f"extra_tokens_{i}"]) for i in range(2)]
+    for text, ids in zip([smollm2_ref["prompt"], *smollm2_ref["extra_prompts"]], prompts):
+        assert tokenizer.encode(text) == [int(t) for t in ids]
+    want = np.stack([smollm2_ref["greedy"]] + [smollm2_ref[f"extra_greedy_{i}"] for i in range(2)])
+    assert len({len(p) for p in prompts}) == 3
+    prefill = ds.dense_prefill(model, prompts, capacity=192)
+    dense = ds.decode_branch(model, prefill, ds.Branch(M.Dense(), None), want.shape[1])
+    np.testing.assert_array_equal(dense, want)
+    everything = ds.decode_branch(model, prefill, ds.Branch(M.Exact(), 192), want.shape[1])
+    np.testing.assert_array_equal(everything, want)
+
+
+def test_branches_parse_and_statistics():
+    methods = ds.parse_methods(["dense", "exact", "fathom:48", "sparq:16"])
+    keys = [b.key for b in ds.branches(methods, (64, 128))]
+    assert keys == ["dense", "exact@64", "exact@128", "fathom:48@64", "fathom:48@128", "sparq:16@64", "sparq:16@128"]
+    with pytest.raises(ValueError, match="listed twice"):
+        ds.parse_methods(["sparq:16", "sparq:16"])
+    with pytest.raises(ValueError):
+        ds.parse_methods(["fathom:x"])
+    assert ds.forced_tokens(128) == (4, 32) and ds.forced_tokens(64) == (4, 16) and ds.forced_tokens(20) == (2, 5)
+    mean, se = ds.mean_se([1.0, 0.0, 1.0, 0.0])
+    assert mean == 0.5 and se == pytest.approx(np.std([1, 0, 1, 0], ddof=1) / 2)
+    p = ds.paired([1.0, 0.5, 0.2], [0.5, 0.5, 0.4])
+    assert (p["wins"], p["ties"], p["losses"], p["n"]) == (1, 1, 1, 3) and p["mean"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="paired"):
+        ds.paired([1.0], [1.0, 2.0])
+
+
+# ----------------------------------------------------------------------------------------------
+# The CLI: argument errors before any work, and a tiny end-to-end run of each sweep
+
+
+@pytest.fixture
+def tiny_smollm2(monkeypatch, smollm2_path):
+    """``load_smollm2`` returns a 2-layer random model with SmolLM2's vocabulary, D = 64 and real tokenizer."""
+    from flax import nnx
+
+    import fathom_jax.models as models
+    from fathom_jax.models.config import LlamaConfig
+    from fathom_jax.models.hub import load_tokenizer
+    from fathom_jax.models.llama import LlamaForCausalLM
+
+    config = LlamaConfig(vocab=49152, hidden=64, intermediate=96, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64,
+                         rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=8192)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    tokenizer = load_tokenizer(smollm2_path)
+    monkeypatch.setattr(models, "load_smollm2", lambda **kw: (model, tokenizer, config))
+    return model
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ruler", "--tasks", "niah_single", "haystack"], "unknown RULER task(s) ['haystack']"),
+    (["ruler", "--context", "1024", "--k", "2048"], "k=2048 must lie in [1, context = 1024]"),
+    (["ruler", "--context", "16384"], "context 16384 is longer than the model can hold (8192 positions)"),
+    (["ruler", "--context", "1000"], "context must be a multiple of 64"),
+    (["ruler", "--methods", "dense", "fathom:48"], "must include exact"),
+    (["ruler", "--methods", "exact", "fathom:999"], "Fathom 999: budget must lie in [0, 256]"),
+    (["agreement", "--baseline", "loki:8"], "the baseline 'loki:8' is not among the methods"),
+    (["agreement", "--k-fraction", "1.5"], "k fractions must lie in (0, 1]"),
+    (["agreement", "--sessions", "1"], "expected an integer >= 2"),
+    (["agreement", "--steps", "4000", "--context", "4096"], "steps must lie in [1, context / 2]"),
+])
+def test_bad_arguments_are_one_line_and_exit_2_before_the_model_loads(capsys, monkeypatch, argv, message):
+    import fathom_jax.models as models
+
+    def work(**kw):
+        raise AssertionError("the command loaded the model before checking its arguments")
+
+    monkeypatch.setattr(models, "load_smollm2", work)
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and err.startswith(f"fathom {argv[0]}: error: ") and message in err, err
+    assert err.count("\n") == 1 and out == ""
+
+
+def test_ruler_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_smollm2):
+    methods = ["dense", "exact", "fathom:24", "sparq:8", "landmark"]
+    code, out, err = run(capsys, "ruler", "--context", "512", "--k", "48", "--tasks", "niah_single", "fwe",
+                         "--per-task", "2", "--methods", *methods, "--calib-tokens", "256", "--out", str(tmp_path),
+                         "--quiet")
+    assert code == 0, err
+    prefix = tmp_path / "ruler_smollm2_512"
+    res = json.loads((prefix.with_suffix(".json")).read_text())
+    assert [b["key"] for b in res["branches"]] == ["dense", "exact@48", "fathom:24@48", "sparq:8@48", "landmark@48"]
+    assert [s["task"] for s in res["samples"]] == ["niah_single"] * 2 + ["fwe"] * 2
+    for b in res["branches"]:
+        assert len(b["scores"]) == 4 and all(0 <= s <= 1 for s in b["scores"]) and len(b["generations"]) == 4
+    bits = {b["spec"]: b["bits"] for b in res["branches"]}
+    assert bits["sparq:8"] == 8 * 4 + 8 * 16 / 64 and 24 < bits["fathom:24"] <= 24 + 64 * 16 / 64
+    # The report is rebuilt from the JSON alone, and printed.
+    assert downstream_report.render_markdown(res) == prefix.with_suffix(".md").read_text()
+    assert "| Fathom 24 |" in out and prefix.with_suffix(".png").stat().st_size > 1000
+
+
+def test_agreement_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_smollm2):
+    code, out, err = run(capsys, "agreement", "--context", "512", "--sessions", "2", "--steps", "8",
+                         "--k-fraction", "0.125", "--methods", "dense", "exact", "fathom:24", "sparq:16",
+                         "--calib-tokens", "256", "--out", str(tmp_path), "--quiet")
+    assert code == 0, err
+    res = json.loads((tmp_path / "agreement_smollm2_512.json").read_text())
+    by_key = {b["key"]: b for b in res["branches"]}
+    assert set(by_key) == {"dense", "exact@64", "fathom:24@64", "sparq:16@64"} and res["meta"]["ks"] == [64]
+    assert by_key["exact@64"]["agreement"]["64"] == [1.0, 1.0]  # the oracle agrees with itself
+    for b in res["branches"]:
+        assert len(b["agreement"]["64"]) == 2 and len(b["real"]) == 2
+    assert downstream_report.render_markdown(res) == (tmp_path / "agreement_smollm2_512.md").read_text()
+    assert "Δ SparQ r=16" in out
