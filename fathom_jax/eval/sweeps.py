@@ -155,7 +155,8 @@ def _meta(config, extra: dict | None) -> dict:
     return {
         **(extra or {}),
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.node()} ({platform.machine()}, {jax.devices()[0].platform}, {os.cpu_count()} cores)",
+        "machine": f"{platform.node()} ({platform.machine()}, {jax.devices()[0].platform}: "
+                   f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores)",
         "jax": jax.__version__,
         "config": dataclasses.asdict(config),
     }
