@@ -45,6 +45,17 @@ def package_text(files: list[str], root: str) -> str:
     return "\n\n".join(parts)
 
 
+def _leading_tokens(tokenizer, text: str, need: int) -> list[int]:
+    """The tokens of ``text`` (at least its first ``need`` exactly as the whole text tokenizes) without
+    tokenizing all of it: a prefix of ~8 characters per token, then the whole text only if that falls
+    short. The tokenizer splits on whitespace and punctuation before merging, so a cut changes only the
+    tokens at the cut, which lie past the first ``need`` (kept with a margin of 64 tokens)."""
+    ids = tokenizer.encode(text[: 8 * (need + 64)])
+    if len(ids) > need + 64 or len(text) <= 8 * (need + 64):
+        return ids[:need] if len(text) > 8 * (need + 64) else ids
+    return tokenizer.encode(text)
+
+
 def make_sessions(tokenizer, count: int, prompt_tokens: int, steps: int) -> tuple[list[Session], dict]:
     """``count`` sessions: non-overlapping windows of ``prompt_tokens + steps`` tokens, at most
     :data:`MAX_PER_PACKAGE` per package, taken round-robin over the packages in name order (the first
@@ -59,7 +70,7 @@ def make_sessions(tokenizer, count: int, prompt_tokens: int, steps: int) -> tupl
     span = prompt_tokens + steps
     windows: list[list[Session]] = []
     for name, files in texts.stdlib_package_sources(min_chars=2 * span):  # ~3.5 characters per token of code
-        ids = tokenizer.encode(package_text(files, root))
+        ids = _leading_tokens(tokenizer, package_text(files, root), MAX_PER_PACKAGE * span)
         n = min(MAX_PER_PACKAGE, len(ids) // span)
         windows.append([Session(name, i * span, tuple(ids[i * span: i * span + prompt_tokens]),
                                 tuple(ids[i * span + prompt_tokens: (i + 1) * span])) for i in range(n)])

@@ -12,8 +12,10 @@ def test_step_agreement_is_difflibs_word_ratio():
     assert agreement.step_agreement("", "") == 1.0 and agreement.step_agreement("a", "") == 0.0
 
 
-def test_sessions_are_windows_of_real_code_with_the_next_span(smollm2):
-    _, tokenizer, _ = smollm2
+def test_sessions_are_windows_of_real_code_with_the_next_span(smollm2_path):
+    from fathom_jax.models.hub import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_path)
     sessions, info = agreement.make_sessions(tokenizer, count=6, prompt_tokens=512, steps=32)
     assert len(sessions) == 6 and len({s.package for s in sessions}) == 6  # round-robin over packages
     assert info["packages"] == sorted(s.package for s in sessions)
