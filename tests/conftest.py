@@ -4,8 +4,9 @@ import os
 import types
 
 # Keep XLA from grabbing every core twice on the 2-core CI machine, and compile without LLVM's optimisation
-# passes: most of the suite is compile-bound (interpreted Pallas kernels, small decoders), and XLA:CPU does
-# not use fast-math, so the numbers (and every bit-exact comparison) are the same; the suite runs ~20% faster.
+# passes: most of the suite is compile-bound (interpreted Pallas kernels, small decoders; ~20% faster each),
+# though the few compute-bound real-model tests run ~2x slower (NOTES.md). XLA:CPU uses no fast-math, so the
+# numbers, and every bit-exact comparison, are the same.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0")
 
 import jax  # noqa: E402
