@@ -25,8 +25,7 @@ def register(subparsers) -> None:
     """Add the ``ruler`` and ``agreement`` parsers to the ``fathom`` CLI (``cli.COMMAND_MODULES``)."""
     from fathom_jax import methods
 
-    method_help = ("dense, exact, or scans: " + methods.spec_help(", ")
-                   + f" (default: {' '.join(ds.DEFAULT_METHODS)})")
+    method_help = "dense, the exact top-k oracle, or scans: " + methods.spec_help(", ")
     p = subparsers.add_parser(
         "ruler", help="RULER-style tasks on SmolLM2, every method decoding from one dense prefill",
         description="RULER-style retrieval and tracking tasks (paper 5.5) on SmolLM2-135M-Instruct with a haystack "
