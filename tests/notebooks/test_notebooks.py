@@ -20,17 +20,6 @@ def test_notebook_runs(path, monkeypatch):
     import matplotlib.pyplot as plt
 
     monkeypatch.setattr(plt, "show", lambda *a, **k: plt.close("all"))
-    try:
-        import IPython.display  # noqa: F401  (a notebook kernel has it; the test venv need not)
-    except ModuleNotFoundError:
-        import sys
-        import types
-
-        display = types.ModuleType("IPython.display")
-        display.Markdown = lambda text: text
-        display.display = lambda *objs: [print(o) for o in objs]
-        monkeypatch.setitem(sys.modules, "IPython", types.ModuleType("IPython"))
-        monkeypatch.setitem(sys.modules, "IPython.display", display)
     cells = json.loads(path.read_text())["cells"]
     namespace: dict = {}
     for i, cell in enumerate(cells):
