@@ -3,12 +3,10 @@ from the results JSON alone, so every number in a report traces to the file."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 
 from fathom_jax.eval.downstream import mean_se, paired
+from fathom_jax.eval.report import save_report
 
 _ORDER = {"dense": 0, "exact": 1}
 
@@ -94,7 +92,7 @@ def render_ruler(results: dict) -> str:
             out.append(f"| {e['label']} | {bits} | {_pm(*s['mean_se'])} | {delta} | {per_task} |")
         out.append("")
     out += ["## What the model solves and what separates the methods", ""]
-    out += [f"- dense attention per task: " + ", ".join(f"{t} {summary[dense['key']]['tasks'][t][0]:.3f}"
+    out += ["- dense attention per task: " + ", ".join(f"{t} {summary[dense['key']]['tasks'][t][0]:.3f}"
                                                        for t in tasks)]
     for k in ks:
         scans = [e for e in results["branches"] if e["k"] == k and e["kind"] not in ("exact", "landmark")]
@@ -258,11 +256,4 @@ def plot(results: dict, path: str) -> None:
 
 def write_report(results: dict, prefix: str) -> list[str]:
     """Write ``prefix.json``, ``prefix.md`` and ``prefix.png``; return the paths."""
-    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
-    paths = [prefix + ".json", prefix + ".md", prefix + ".png"]
-    with open(paths[0], "w") as f:
-        json.dump(results, f, indent=1)
-    with open(paths[1], "w") as f:
-        f.write(render_markdown(results))
-    plot(results, paths[2])
-    return paths
+    return save_report(results, prefix, render_markdown(results), plot)

@@ -129,13 +129,19 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
-def write_report(results: dict, prefix: str) -> list[str]:
-    """Write ``prefix.json``, ``prefix.md`` and ``prefix.png``; return the paths."""
+def save_report(results: dict, prefix: str, markdown: str, draw) -> list[str]:
+    """Write ``prefix.json`` (the results), ``prefix.md`` (``markdown``) and ``prefix.png`` (``draw(results,
+    path)``); return the paths. Every evaluation's report is written this way."""
     os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
     paths = [prefix + ".json", prefix + ".md", prefix + ".png"]
     with open(paths[0], "w") as f:
         json.dump(results, f, indent=1)
     with open(paths[1], "w") as f:
-        f.write(render_markdown(results))
-    plot(results, paths[2])
+        f.write(markdown)
+    draw(results, paths[2])
     return paths
+
+
+def write_report(results: dict, prefix: str) -> list[str]:
+    """Write the study's ``prefix.json``, ``prefix.md`` and ``prefix.png``; return the paths."""
+    return save_report(results, prefix, render_markdown(results), plot)

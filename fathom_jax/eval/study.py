@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
-import os
 import platform
 from collections.abc import Sequence
 from typing import Any

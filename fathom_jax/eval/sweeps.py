@@ -151,6 +151,14 @@ def method_bits(methods, capture, calib) -> dict[str, float]:
     return {m.spec: ds.read_bits(m, capture, calib) for m in methods}
 
 
+def _setup(config, model, tokenizer):
+    """What both sweeps start from: the methods, the corpus calibration and its provenance, and the bits
+    each method reads on the calibration text."""
+    methods = ds.parse_methods(config.methods)
+    calib, capture, calib_info = corpus_calibration(model, tokenizer, config.calib_tokens)
+    return methods, calib, calib_info, method_bits(methods, capture, calib)
+
+
 def _meta(config, extra: dict | None) -> dict:
     return {
         **(extra or {}),
@@ -203,10 +211,7 @@ def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, m
 
     check_ruler(config, model.config.max_position_embeddings, model.config.head_dim)
     t_start = time.time()
-    methods = ds.parse_methods(config.methods)
-    calib, capture, calib_info = corpus_calibration(model, tokenizer, config.calib_tokens)
-    bits = method_bits(methods, capture, calib)
-    del capture
+    methods, calib, calib_info, bits = _setup(config, model, tokenizer)
     sentences, hay_info = texts.prose_sentences()
     samples = ruler_lib.make_samples(tokenizer, config.tasks, config.per_task, config.prompt_tokens, config.seed,
                                      sentences=sentences)
@@ -243,10 +248,7 @@ def run_agreement(config: AgreementConfig, model, tokenizer, *, progress: bool =
     top-k step at the same k (and, for reference, against the real next span of code)."""
     check_agreement(config, model.config.max_position_embeddings, model.config.head_dim)
     t_start = time.time()
-    methods = ds.parse_methods(config.methods)
-    calib, capture, calib_info = corpus_calibration(model, tokenizer, config.calib_tokens)
-    bits = method_bits(methods, capture, calib)
-    del capture
+    methods, calib, calib_info, bits = _setup(config, model, tokenizer)
     sessions, session_info = agreement_lib.make_sessions(tokenizer, config.sessions, config.prompt_tokens,
                                                          config.steps)
     branches = ds.branches(methods, config.ks)
