@@ -141,7 +141,9 @@ def bisection_trace(
     # is a half-integer to within float rounding, and a second evaluation there can round the other way
     # (seen on SmolLM2: 33 code bits at a budget of 32 in ~1% of groups).
     init = (log_lo, log_hi, jnp.zeros(g.shape, jnp.int32))
-    (_, log_hi, depths), (trials, sums) = jax.lax.scan(step, init, None, length=steps)
+    # Unrolled: a loop of 30 tiny steps costs a kernel launch or more per step on the GPU (x layers x decode
+    # steps); straight-line code fuses into a few kernels.
+    (_, log_hi, depths), (trials, sums) = jax.lax.scan(step, init, None, length=steps, unroll=True)
     return _plan(depths, jnp.exp(log_hi)), trials, sums
 
 

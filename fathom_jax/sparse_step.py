@@ -132,7 +132,8 @@ def sparse_attention_step(
     scores = scan_lib.execute(read, index, length, layer=layer, placement=placement, implementation=implementation)
     if new is not None:
         scores = patch_scores(scores, read, new)
-    scores = scan_lib.mask_invalid(scores, length)
+    # No masking pass over the scores: both selections take positions >= length as invalid (the pass cost
+    # 2.3 ms per 36-layer step at 1M tokens on the H200).
     idx, mask = select_topk(scores, length, k, sink=sink, local=local, implementation=implementation)
     union, union_mask, member = group_union(idx, mask)
     slots = jnp.where(union_mask, union, -1)

@@ -205,11 +205,11 @@ def _middle(pos, length, sink, local):
     return (pos >= sink) & (pos < length - local)
 
 
-def _bucket_max_kernel(len_ref, s_ref, out_ref, *, tb, nb, sink, local):
+def _bucket_max_kernel(len_ref, s_ref, out_ref, *, tb, nb, bucket, sink, local):
     r = pl.program_id(0)
     b0 = pl.program_id(1) * tb
     b = b0 + jnp.arange(tb, dtype=jnp.int32)
-    pos = b[:, None] * BUCKET + jnp.arange(BUCKET, dtype=jnp.int32)[None, :]
+    pos = b[:, None] * bucket + jnp.arange(bucket, dtype=jnp.int32)[None, :]
     ok = _middle(pos, len_ref[r], sink, local) & (b[:, None] < nb)
     x = plgpu.load(s_ref.at[r, pl.ds(b0, tb), :], mask=(b < nb)[:, None], other=0.0)
     key = jnp.where(ok, sortable_key(x), INT_MIN)
@@ -233,11 +233,11 @@ def _select_buckets_kernel(bmax_ref, out_ref, *, nbp, nb, kp, kpp):
     plgpu.store(out_ref.at[r, jnp.where(w, s, kp)], jnp.full((kpp,), nb, jnp.int32), mask=w)
 
 
-def _select_tokens_kernel(len_ref, bid_ref, s_ref, out_ref, *, kp, kpp, nb, n, sink, local):
+def _select_tokens_kernel(len_ref, bid_ref, s_ref, out_ref, *, kp, kpp, nb, n, bucket, sink, local):
     r = pl.program_id(0)
     s = jnp.arange(kpp, dtype=jnp.int32)
     bid = plgpu.load(bid_ref.at[r, pl.ds(0, kpp)], mask=s < kp, other=nb)
-    pos = bid[:, None] * BUCKET + jnp.arange(BUCKET, dtype=jnp.int32)[None, :]  # [kpp, 32]
+    pos = bid[:, None] * bucket + jnp.arange(bucket, dtype=jnp.int32)[None, :]  # [kpp, bucket]
     ok = (bid[:, None] < nb) & (pos < n) & _middle(pos, len_ref[r], sink, local)
     x = plgpu.load(s_ref.at[r, jnp.minimum(pos, n - 1)], mask=ok, other=0.0)
     key = jnp.where(ok, sortable_key(x), INT_MIN)
@@ -245,9 +245,9 @@ def _select_tokens_kernel(len_ref, bid_ref, s_ref, out_ref, *, kp, kpp, nb, n, s
     above = ok & (key > v)
     tie = ok & (key == v)
     need = kp - jnp.sum(above.astype(jnp.int32))
-    tie_rank = jnp.cumsum(tie.reshape(kpp * BUCKET).astype(jnp.int32)).reshape(kpp, BUCKET)
+    tie_rank = jnp.cumsum(tie.reshape(kpp * bucket).astype(jnp.int32)).reshape(kpp, bucket)
     sel = above | (tie & (tie_rank <= need))
-    slot = (jnp.cumsum(sel.reshape(kpp * BUCKET).astype(jnp.int32)) - 1).reshape(kpp, BUCKET)
+    slot = (jnp.cumsum(sel.reshape(kpp * bucket).astype(jnp.int32)) - 1).reshape(kpp, bucket)
     w = sel & (slot < kp)
     plgpu.store(out_ref.at[r, jnp.where(w, slot, kp)], pos, mask=w)
     cnt = jnp.minimum(jnp.sum(sel.astype(jnp.int32)), kp)
@@ -256,24 +256,34 @@ def _select_tokens_kernel(len_ref, bid_ref, s_ref, out_ref, *, kp, kpp, nb, n, s
 
 
 MAX_FUSED_BUCKETS = 32768  # bucket maxima of a row held in one program's registers
+MAX_FUSED_BUCKET = 128  # candidates per selected bucket (k' x bucket of them held in one program)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "sink", "local", "interpret", "num_warps"))
-def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps):
+def fused_bucket(n: int, max_buckets: int = MAX_FUSED_BUCKETS) -> int:
+    """Tokens per bucket of the fused path: 32, doubled until a row has at most MAX_FUSED_BUCKETS buckets
+    (a 1M-token row plus decode room, n = 2^20 + 64, would need 32770 buckets of 32: 64 halves it)."""
+    bucket = BUCKET
+    while pl.cdiv(n, bucket) > max_buckets:
+        bucket *= 2
+    return bucket
+
+
+@functools.partial(jax.jit, static_argnames=("k", "sink", "local", "interpret", "num_warps", "bucket"))
+def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps, bucket):
     r, n = scores.shape
     kp = k - sink - local
     kpp = pl.next_power_of_2(kp)
-    nb = pl.cdiv(n, BUCKET)
+    nb = pl.cdiv(n, bucket)
     nbp = pl.next_power_of_2(nb)
     scores = scores.astype(jnp.float32)
-    padded = jnp.pad(scores, ((0, 0), (0, nb * BUCKET - n))) if nb * BUCKET != n else scores
-    tb = min(64, nbp)
+    padded = jnp.pad(scores, ((0, 0), (0, nb * bucket - n))) if nb * bucket != n else scores
+    tb = min(64 * BUCKET // bucket, nbp)
     bmax = pl.pallas_call(
-        functools.partial(_bucket_max_kernel, tb=tb, nb=nb, sink=sink, local=local),
+        functools.partial(_bucket_max_kernel, tb=tb, nb=nb, bucket=bucket, sink=sink, local=local),
         out_shape=jax.ShapeDtypeStruct((r, nb), jnp.int32),
         grid=(r, pl.cdiv(nb, tb)), interpret=interpret, name="topk_bucket_max",
         compiler_params=C.compiler_params(4),
-    )(length, padded.reshape(r, nb, BUCKET))
+    )(length, padded.reshape(r, nb, bucket))
     bid = pl.pallas_call(
         functools.partial(_select_buckets_kernel, nbp=nbp, nb=nb, kp=kp, kpp=kpp),
         out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32),
@@ -281,7 +291,7 @@ def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps):
         compiler_params=C.compiler_params(num_warps),
     )(bmax)
     mid_idx = pl.pallas_call(
-        functools.partial(_select_tokens_kernel, kp=kp, kpp=kpp, nb=nb, n=n, sink=sink, local=local),
+        functools.partial(_select_tokens_kernel, kp=kp, kpp=kpp, nb=nb, n=n, bucket=bucket, sink=sink, local=local),
         out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32),
         grid=(r,), interpret=interpret, name="topk_select_tokens",
         compiler_params=C.compiler_params(num_warps),
@@ -292,19 +302,21 @@ def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps):
 
 @dataclasses.dataclass(frozen=True)
 class TopkConfig:
-    """``path``: ``"fused"`` (three fused kernels, rows of up to 32768 buckets = 1M tokens; longer rows fall
-    back to ``"radix"``) or ``"radix"`` (XLA bucket maxima + two radix selects); ``num_warps`` (default 16
+    """``path``: ``"fused"`` (three fused kernels, rows of up to 32768 buckets of 32 to 128 tokens = 4M tokens;
+    longer rows fall back to ``"radix"``) or ``"radix"`` (XLA bucket maxima + two radix selects); ``num_warps`` (default 16
     fused, 4 radix); ``tile``: elements per step of the radix kernel.
     H200, [32, n], k = 512: fused 0.072 / 0.085 / 0.219 ms at 32k / 128k / 1M, radix 0.169 / 0.190 / 0.458."""
 
     path: str = "fused"
     num_warps: int | None = None
     tile: int = 1024
+    max_buckets: int = MAX_FUSED_BUCKETS  # buckets per row of the fused path (tests lower it to reach wide buckets)
 
     def __post_init__(self):
         if self.path not in ("radix", "fused"):
             raise ValueError(f"path must be 'radix' or 'fused', got {self.path!r}")
         C.check_pow2("tile", self.tile)
+        C.check_pow2("max_buckets", self.max_buckets)
 
 
 def topk_select(
@@ -326,8 +338,9 @@ def topk_select(
     if implementation == "xla" or k - sink - local > scores.shape[1]:
         return topk_select_reference(scores, length, k=k, sink=sink, local=local)
     interpret = C.resolve_interpret(interpret)
-    if config.path == "fused" and pl.cdiv(scores.shape[1], BUCKET) <= MAX_FUSED_BUCKETS:
+    bucket = fused_bucket(scores.shape[1], config.max_buckets)
+    if config.path == "fused" and bucket <= MAX_FUSED_BUCKET:
         return _topk_fused(scores, length, k=k, sink=sink, local=local, interpret=interpret,
-                           num_warps=16 if config.num_warps is None else config.num_warps)
+                           num_warps=16 if config.num_warps is None else config.num_warps, bucket=bucket)
     return _topk_pallas(scores, length, k=k, sink=sink, local=local, interpret=interpret, tile=config.tile,
                         num_warps=4 if config.num_warps is None else config.num_warps)

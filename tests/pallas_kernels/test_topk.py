@@ -11,7 +11,8 @@ from tests.support import lower_triton_text
 
 
 class TestTopk(KernelTestBase):
-    @pytest.mark.parametrize("path", ["radix", "fused"])
+    # fused_wide: buckets of 64 / 128 tokens, the fused path's layout for rows past 1M tokens (n = 2^20 + 64)
+    @pytest.mark.parametrize("path", ["radix", "fused", "fused_wide"])
     @pytest.mark.parametrize("n,k,lengths", [
         (3000, 100, [3000, 1000, 50, 37, 0, 136]),
         (777, 64, [777, 700, 20, 64, 65, 100]),
@@ -20,7 +21,7 @@ class TestTopk(KernelTestBase):
     def test_same_set_as_numpy_oracle(self, impl, rng, path, n, k, lengths):
         scores = jnp.asarray(rng.standard_normal((len(lengths), n)), jnp.float32)  # ties have probability ~0
         length = jnp.asarray(lengths, jnp.int32)
-        config = TK.TopkConfig(path=path)
+        config = TK.TopkConfig(path="fused", max_buckets=32) if path == "fused_wide" else TK.TopkConfig(path=path)
         got = np.asarray(TK.topk_select(scores, length, k=k, config=config, **impl.kw))
         assert got.shape == (len(lengths), k)
         for r, ln in enumerate(lengths):
@@ -28,7 +29,7 @@ class TestTopk(KernelTestBase):
             assert set(row.tolist()) - {-1} == np_select(np.asarray(scores[r]), ln, k)
             assert np.all(np.diff(row[row >= 0]) > 0) and np.all(row[min(k, ln):] == -1)
         assert np.array_equal(np.asarray(TK.topk_select(scores, length, k=k, config=config, **impl.kw)), got)
-        if path == "fused":
+        if path != "radix":
             assert_ran(TK.topk_select, scores, length, name="topk_select_tokens", impl=impl, k=k, config=config)
 
     def test_fused_ties(self, impl, rng):
@@ -67,9 +68,12 @@ def test_topk_lowers_to_triton_and_validates():
     text = lower_triton_text(TK.topk_select, jnp.zeros((4, 4096)), jnp.zeros((4,), jnp.int32), k=64, interpret=False,
                              implementation="pallas", config=TK.TopkConfig(path="radix"))
     assert text.count(f'name = "{TK.KERNEL_NAME}"') == 2
-    text = lower_triton_text(TK.topk_select, jnp.zeros((4, 1 << 20)), jnp.zeros((4,), jnp.int32), k=512,
-                             interpret=False, implementation="pallas")  # default: fused
-    assert all(f'name = "{nm}"' in text for nm in ("topk_bucket_max", "topk_select_buckets", "topk_select_tokens"))
+    for n in (1 << 20, (1 << 20) + 64):  # 1M tokens, and 1M plus a decode step's room: fused, never radix
+        text = lower_triton_text(TK.topk_select, jnp.zeros((4, n)), jnp.zeros((4,), jnp.int32), k=512,
+                                 interpret=False, implementation="pallas")  # default: fused
+        assert all(f'name = "{nm}"' in text for nm in ("topk_bucket_max", "topk_select_buckets", "topk_select_tokens"))
+        assert f'name = "{TK.KERNEL_NAME}"' not in text
+    assert [TK.fused_bucket(n) for n in (4096, 1 << 20, (1 << 20) + 64, 1 << 21)] == [32, 32, 64, 64]
     with pytest.raises(ValueError, match="k > sink"):
         TK.topk_select(jnp.zeros((4, 100)), 100, k=36)
     with pytest.raises(ValueError, match="path"):
