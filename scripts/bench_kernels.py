@@ -20,12 +20,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fathom_jax import planner
+from fathom_jax import planner  # noqa: E402
+from harness import stats, timeit, timeit_args  # noqa: E402
 from pallas_kernels import nibble_scan as NS
 from pallas_kernels import plane_scan as PS
 from pallas_kernels import row_fetch as RF
@@ -37,42 +39,6 @@ AUTHORS = {  # DESIGN.md: the authors' Triton kernels on this H200 (ms), batch 4
     131072: {"sparq_r16": 0.091, "nibble_32": 0.158, "full_4bit": 0.549, "fathom_48": 0.171, "fathom_64": 0.210},
 }
 LOGVAR_STD = 1.25  # log-normal channel variances: ~39 active channels at a budget of 48 (DESIGN.md)
-
-
-def timeit(step, x0, *, iters, repeats=5):
-    """ms per iteration of ``x -> step(x)`` run ``iters`` times in one jitted fori_loop."""
-
-    @jax.jit
-    def loop(x):
-        return jax.lax.fori_loop(0, iters, lambda i, c: step(c), x)
-
-    jax.block_until_ready(loop(x0))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(loop(x0))
-        times.append((time.perf_counter() - t) * 1e3 / iters)
-    return {"median_ms": float(np.median(times)), "min_ms": float(np.min(times)), "max_ms": float(np.max(times))}
-
-
-def timeit_args(step, x0, args, *, reps=20, repeats=5):
-    """Like :func:`timeit` for steps that read pinned_host arrays: they must be jit *arguments* (a closed-over
-    array becomes a device constant), and are not carried through a while loop, so ``reps`` chained calls
-    are unrolled in one jitted function."""
-
-    @jax.jit
-    def run(x, *a):
-        for _ in range(reps):
-            x = step(x, *a)
-        return x
-
-    jax.block_until_ready(run(x0, *args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(run(x0, *args))
-        times.append((time.perf_counter() - t) * 1e3 / reps)
-    return {"median_ms": float(np.median(times)), "min_ms": float(np.min(times)), "max_ms": float(np.max(times))}
 
 
 def copy_rate(nbytes=1 << 30):
@@ -214,25 +180,75 @@ def topk_cases():
     return out
 
 
-def rowfetch_cases():
+ROWFETCH_CONFIGS = ((32, 4), (16, 4), (64, 4), (64, 8), (128, 8))
+
+
+def rowfetch_cases(sizes=(131072,), configs=((32, 4),)):
+    """Row fetch of 2048 rows x 8 KV heads (K and V) at each context size and config, from host and HBM.
+
+    Index patterns: ``random`` (sorted uniform positions: the decode step's union is sorted) and
+    ``clustered`` (runs of 16 consecutive rows), to tell a per-row cost from a per-page one."""
     out = []
-    bh, n, dh, s = 8, 131072, 128, 2048
-    rng = np.random.default_rng(3)
-    k_np = rng.standard_normal((bh, n, dh)).astype(jnp.bfloat16)
-    v_np = rng.standard_normal((bh, n, dh)).astype(jnp.bfloat16)
-    idx = jnp.asarray(np.sort(rng.choice(n, (bh, s)), axis=-1), jnp.int32)
-    nbytes = 2 * bh * s * dh * 2
-    for where, k_, v_ in (("pinned_host", _host(k_np), _host(v_np)), ("hbm", jnp.asarray(k_np), jnp.asarray(v_np))):
-        a = RF.row_fetch(k_, v_, idx)
-        ok = bool(jnp.array_equal(a[0], RF.row_fetch_reference(jnp.asarray(k_np), jnp.asarray(v_np), idx)[0]))
-        step = lambda c, k_, v_: c + RF.row_fetch(k_, v_, idx + (c > 1e30).astype(jnp.int32))[0][0, 0, 0].astype(jnp.float32) * 1e-30
-        r = timeit_args(step, jnp.zeros((), jnp.float32), (k_, v_), reps=20, repeats=3)
-        r.update(kernel="row_fetch", source=where, rows=bh * s, bytes=nbytes, exact=ok)
-        r["GBps"] = nbytes / (r["median_ms"] * 1e-3) / 1e9
-        r["rows_per_s"] = bh * s / (r["median_ms"] * 1e-3)
-        out.append(r)
-        print(f"row_fetch {where:11s} {r['median_ms']:.4f} ms {r['GBps']:.1f} GB/s {r['rows_per_s']:.3g} rows/s exact={ok}", flush=True)
+    bh, dh, s = 8, 128, 2048
+    for n in sizes:
+        rng = np.random.default_rng(3)
+        kk, kv = jax.random.split(jax.random.key(n))  # drawn on the device: 2 GB per array at 1M
+        k_hbm = jax.random.normal(kk, (bh, n, dh), jnp.bfloat16)
+        v_hbm = jax.random.normal(kv, (bh, n, dh), jnp.bfloat16)
+        starts = np.sort(rng.choice(n // 16, (bh, s // 16), replace=False), axis=-1) * 16
+        patterns = {
+            "random": np.sort(rng.choice(n, (bh, s)), axis=-1),
+            "clustered": (starts[..., None] + np.arange(16)).reshape(bh, s),
+        }
+        nbytes = 2 * bh * s * dh * 2
+        sources = (("pinned_host", _host(k_hbm), _host(v_hbm)), ("hbm", k_hbm, v_hbm))
+        for where, k_, v_ in sources:
+            for pattern, idx_np in patterns.items():
+                idx = jnp.asarray(idx_np, jnp.int32)
+                ref = RF.row_fetch_reference(k_hbm, v_hbm, idx)[0]
+                for rows, warps in (configs if where == "pinned_host" else configs[:1]):
+                    cfg = RF.RowFetchConfig(rows=rows, num_warps=warps)
+                    ok = bool(jnp.array_equal(RF.row_fetch(k_, v_, idx, config=cfg)[0], ref))
+
+                    def step(c, k_, v_, cfg=cfg, idx=idx):
+                        got = RF.row_fetch(k_, v_, idx + (c > 1e30).astype(jnp.int32), config=cfg)[0]
+                        return c + got[0, 0, 0].astype(jnp.float32) * 1e-30
+
+                    timed = {"repeated": timeit_args(step, jnp.zeros((), jnp.float32), (k_, v_), reps=20, repeats=3)}
+                    if pattern == "random":  # a new row set every call, as in a decode step (no warm translations)
+                        timed["fresh"] = _time_fresh_rows(k_, v_, n, bh, s, cfg)
+                    for rowset, r in timed.items():
+                        r.update(kernel="row_fetch", source=where, n=n, pattern=pattern, rowset=rowset, rows=rows,
+                                 num_warps=warps, slots=bh * s, bytes=nbytes, exact=ok)
+                        r["GBps"] = nbytes / (r["median_ms"] * 1e-3) / 1e9
+                        r["rows_per_s"] = bh * s / (r["median_ms"] * 1e-3)
+                        out.append(r)
+                        print(f"row_fetch {where:11s} n={n:8d} {pattern:9s} {rowset:8s} rows={rows:3d} w={warps} "
+                              f"{r['median_ms']:.4f} ms {r['GBps']:.1f} GB/s exact={ok}", flush=True)
+        del sources, k_hbm, v_hbm
     return out
+
+
+def _time_fresh_rows(k_, v_, n, bh, s, cfg, reps=20, repeats=3):
+    """ms per row fetch when each of ``reps`` chained calls fetches its own random sorted row set."""
+    rng = np.random.default_rng(11)
+    sets = jnp.asarray(np.sort(rng.choice(n, (reps, bh, s)), axis=-1), jnp.int32)
+
+    @jax.jit
+    def run(c, k_, v_, sets):
+        for i in range(reps):
+            got = RF.row_fetch(k_, v_, sets[i] + (c > 1e30).astype(jnp.int32), config=cfg)[0]
+            c = c + got[0, 0, 0].astype(jnp.float32) * 1e-30
+        return c
+
+    c0 = jnp.zeros((), jnp.float32)
+    jax.block_until_ready(run(c0, k_, v_, sets))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(run(c0, k_, v_, sets))
+        times.append((time.perf_counter() - t) * 1e3 / reps)
+    return stats(times)
 
 
 def check_scans():
@@ -260,6 +276,8 @@ def main():
     ap.add_argument("--sections", default="scan")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--sizes", default="32768,131072")
+    ap.add_argument("--rowfetch-sizes", default="131072", help="context sizes of the row-fetch section")
+    ap.add_argument("--name", default="kernels_h200", help="results file name (without extension)")
     args = ap.parse_args()
     sections = args.sections.split(",")
     dev = jax.devices()[0]
@@ -286,9 +304,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
 
     def save():  # after every section, so a run stopped at its time limit keeps what it measured
-        with open(os.path.join(args.out, "kernels_h200.json"), "w") as f:
+        with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
             json.dump(res, f, indent=1)
-        write_report(res, args.out)
+        write_report(res, args.out, args.name)
 
     save()
     if "topk" in sections:
@@ -298,11 +316,12 @@ def main():
         res["gather"] = gather_cases()
         save()
     if "rowfetch" in sections:
-        res["row_fetch"] = rowfetch_cases()
+        res["row_fetch"] = rowfetch_cases(tuple(map(int, args.rowfetch_sizes.split(","))),
+                                          ROWFETCH_CONFIGS if args.tune else ((32, 4),))
         save()
 
 
-def write_report(res, out):
+def write_report(res, out, name="kernels_h200"):
     L = [f"# Kernel benchmarks ({res['machine']['device']})", "",
          f"JAX {res['jax']}, {res['date']}. Median of repeats of a jitted fori_loop (ms per call), [min, max].",
          f"HBM copy rate (read+write, 1 GiB): {res['copy']['GBps']:.0f} GB/s.", ""]
@@ -330,11 +349,14 @@ def write_report(res, out):
         L.append("")
     if "row_fetch" in res:
         L += ["## Row fetch (2048 rows x 8 KV heads, K and V, bf16, Dh = 128)", "",
-              "| source | ms | GB/s | rows/s | exact |", "|---|---|---|---|---|"]
+              "rows: `repeated` = every timed call fetches the same rows; `fresh` = each call its own random set.", "",
+              "| source | n | pattern | rows | rows/program | warps | ms | GB/s | rows/s | exact |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["row_fetch"]:
-            L.append(f"| {r['source']} | {r['median_ms']:.4f} | {r['GBps']:.1f} | {r['rows_per_s']:.3g} | {r['exact']} |")
+            L.append(f"| {r['source']} | {r.get('n', 131072)} | {r.get('pattern', 'random')} | {r.get('rowset', 'repeated')} | {r.get('rows', 32)} | "
+                     f"{r.get('num_warps', 4)} | {r['median_ms']:.4f} | {r['GBps']:.1f} | {r['rows_per_s']:.3g} | {r['exact']} |")
         L.append("")
-    with open(os.path.join(out, "kernels_h200.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write("\n".join(L))
     try:
         import matplotlib
@@ -360,7 +382,7 @@ def write_report(res, out):
     ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "kernels_h200.png"), dpi=100)
+    fig.savefig(os.path.join(out, f"{name}.png"), dpi=100)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ a step moves are the same.
     python3 scripts/bench_offload.py --smoke --out /tmp/smoke          # tiny shapes, any backend (CI-size)
     python3 scripts/bench_offload.py --merge results/offload_h200 a.json b.json   # one file from several runs
 
-Sections (``--sections``): link, attn, full, profile, batch, control, dense, prefill.
+Sections (``--sections``): link, attn, full, profile, batch, control, dense, prefill; ``attnprofile`` adds a
+profiler breakdown (categories and the costliest kernels) to every attention-only row.
 """
 
 from __future__ import annotations
@@ -233,6 +234,14 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
             print(f"[attn {label} {context}] FAILED {e}"[:600], flush=True)
             return None
         cache = state[1]
+        profile = None
+        if "attnprofile" in args.sections:
+            trace = os.path.join(args.out, "traces", f"attn_{context}_{label.split()[0]}_{batch}_{placement.memory}")
+            try:
+                profile, state = harness.profile_breakdown(call, state, trace)
+                cache = state[1]
+            except Exception as e:  # noqa: BLE001
+                run.res["errors"].append({"section": "attnprofile", "error": f"{type(e).__name__}: {e}"[:2000]})
         nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
         floor_ms = (nbytes["scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
         if not placement.offloaded:  # the HBM control: no link traffic
@@ -241,7 +250,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
                  "mesh": placement.num_shards, "shared_kv": shared, "fill_s": fill_s, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],
                  "authors_ms": AUTHORS_MS.get(context, {}).get(label) if batch == 1 and placement.num_shards == 1 else None,
-                 "tag": tag})
+                 "tag": tag, **({"profile": profile} if profile else {})})
     return cache
 
 
@@ -483,12 +492,20 @@ def write_report(res: dict, prefix: str) -> None:
                          f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['tokens_per_s']:.1f} | "
                          f"{r.get('wall_over_device', float('nan')):.2f} |")
         lines.append("")
-        for r in full:
-            if "profile" in r:
-                p = r["profile"]
-                lines += [f"Profile of {r['method']} at {r['context']} (batch {r['batch']}): wall {p['wall_ms_per_step']:.1f} ms, "
-                          f"device span {p['device_span_ms_per_step']:.1f} ms, busy {p['device_busy_ms_per_step']:.1f} ms per step; "
-                          + ", ".join(f"{k} {v:.1f}" for k, v in p["ms_per_step"].items()) + " ms.", ""]
+    for r in full + att:
+        if "profile" in r:
+            p = r["profile"]
+            what = "full step" if r["kind"] == "full" else f"attention-only step ({r['memory']})"
+            lines += [f"Profile of the {what}, {r['method']} at {r['context']} (batch {r['batch']}): wall "
+                      f"{p['wall_ms_per_step']:.1f} ms, device span {p['device_span_ms_per_step']:.1f} ms, busy "
+                      f"{p['device_busy_ms_per_step']:.1f} ms per step; "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in p["ms_per_step"].items()) + " ms"
+                      + (f"; {p['launches_per_step']:.0f} kernel launches per step." if "launches_per_step" in p else "."), ""]
+            if p.get("top_kernels"):
+                lines += ["| kernel | category | ms per step | launches per step |", "|---|---|---|---|"]
+                lines += [f"| `{t['name'][:90]}` | {t['category']} | {t['ms_per_step']:.2f} | {t['launches_per_step']:.0f} |"
+                          for t in p["top_kernels"][:15]]
+                lines.append("")
     pre = [r for r in rows if r["kind"] == "prefill"]
     for r in pre:
         lines += [f"Prefill of a {r['context']}-token prompt into host memory: {r['prefill_s']:.1f} s "

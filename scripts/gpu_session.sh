@@ -9,11 +9,17 @@
 #   c2  (same machine)  second half; SmolLM2 GPU tests; the downstream sweeps (RULER 4k and 8k, step
 #                       agreement 4k) as parallel processes in their own sessions, so they outlive the call
 #   c3  (same machine)  wait for the sweeps and collect their results
+#   d1  (nvidia-h200)   row fetch vs context size / index pattern / config; attention step profiles at 1M and 128k
+#   d2  (same machine)  attention at 512k (one shared K/V row buffer: every layer's own, 87 GB, was killed) and 32k for four methods; dense offload at 32k/128k
+#   e1  (nvidia-h200)   GPU tests after a change; row fetch with fresh rows per call; three methods at 1M, profiled
+#   e2  (same machine)  SmolLM2 GPU tests; Fathom 48 at 128k, profiled
+#   f1  (nvidia-h200)   GPU tests after a change; three methods at 1M and 128k, profiled
+#   f2  (same machine)  SmolLM2 GPU tests
 # The GPU machine has JAX 0.11.2 but not gguf: carry its wheel in .whl/; SmolLM2's GGUF (98 MB, over one call's
 # 64 MiB) travels in two halves, .carry1/ (a1) and .carry2/ (a2), joined on the machine (ignored paths persist
 # between calls on a warm machine). Outputs go to $OUT.
 set -uo pipefail
-stage=${1:?stage: a1, a2, b1, b2, c1, c2 or c3}
+stage=${1:?stage: a1, a2, b1, b2, c1, c2, c3, d1, d2, e1, e2, f1 or f2}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -61,6 +67,43 @@ c2)
   bash scripts/gpu_session.sh wait 300 ;;
 c3)
   bash scripts/gpu_session.sh wait 540 ;;
+e1)  # (nvidia-h200) GPU tests after the planner / top-k changes; row fetch with a fresh row set per call; the
+     # attention step of three methods at 1M (profiled) and Fathom 48 at 128k, side by side
+  cp .carry1/smol.part1 /tmp/smol.part1
+  (cat /sys/kernel/mm/transparent_hugepage/enabled; ls /sys/class/iommu 2>&1; grep -i -o 'iommu[^ ]*' /proc/cmdline) \
+    > $OUT/system.txt 2>&1
+  timeout 250 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_h200.log
+  timeout 90 python3 scripts/bench_kernels.py --sections rowfetch --rowfetch-sizes 131072,1048576 \
+    --name rowfetch_fresh_h200 --out $OUT 2>&1 | tee $OUT/bench_e1_rowfetch.log
+  timeout 220 python3 scripts/bench_offload.py --tag h200_e1 --out $OUT --read staged \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --sections link,attn,attnprofile --contexts 1m \
+    --share-kv-from 1m --time-budget 210 2>&1 | tee $OUT/bench_e1.log ;;
+e2)  # (same machine) SmolLM2 GPU tests (the GGUF's second half joins the first); Fathom 48 at 128k, profiled
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_h200.log
+  timeout 150 python3 scripts/bench_offload.py --tag h200_e2 --out $OUT --read staged --methods "Fathom 48" \
+    --sections link,attn,attnprofile --contexts 128k --time-budget 140 2>&1 | tee $OUT/bench_e2.log ;;
+f1)  # (nvidia-h200) GPU tests after dropping the scores' masking pass; three methods at 1M and 128k, profiled
+  cp .carry1/smol.part1 /tmp/smol.part1
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_h200.log
+  timeout 330 python3 scripts/bench_offload.py --tag h200_f1 --out $OUT --read staged \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --sections link,attn,attnprofile --contexts 1m,128k \
+    --share-kv-from 1m --time-budget 320 2>&1 | tee $OUT/bench_f1.log ;;
+f2)  # (same machine) SmolLM2 GPU tests
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_h200.log ;;
+d1)  # (nvidia-h200) where the step's time goes: row fetch vs context, size and pattern; per-kernel profiles
+  cp .carry1/smol.part1 /tmp/smol.part1
+  timeout 170 python3 scripts/bench_kernels.py --sections rowfetch --tune --rowfetch-sizes 131072,1048576 \
+    --name rowfetch_h200 --out $OUT 2>&1 | tee $OUT/bench_d1_rowfetch.log
+  timeout 330 python3 scripts/bench_offload.py --tag h200_d1 --out $OUT --read staged --methods "Fathom 48" \
+    --sections link,attn,attnprofile --contexts 1m,128k --share-kv-from 1m --time-budget 320 2>&1 | tee $OUT/bench_d1.log ;;
+d2)  # (same machine) the contexts and rows issue 8 still lacks: 512k, 32k, dense offload
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=118
+  timeout 560 python3 scripts/bench_offload.py --tag h200_d2 --out $OUT --read staged \
+    --methods "Fathom 48,Fathom 64,SparQ r=16,32-channel (SparQ r=32)" --sections attn,dense \
+    --contexts 512k,128k,32k --attn-contexts 512k,32k --share-kv-from 512k --time-budget 550 2>&1 | tee $OUT/bench_d2.log ;;
 wait)  # wait up to $2 s for the sweeps, then copy their logs and results to $OUT
   for _ in $(seq ${2:-60}); do ls /tmp/sweeps/*.rc 2>/dev/null | wc -l | grep -q '^3$' && break; sleep 1; done
   nvidia-smi --query-gpu=memory.used --format=csv,noheader

@@ -181,8 +181,9 @@ def device_events(events: list[dict]) -> list[dict]:
     return [e for e in complete if e.get("pid") in gpu_pids] if gpu_pids else complete
 
 
-def profile_breakdown(call, state, trace_dir: str, *, steps: int = 3) -> tuple[dict, object]:
-    """Device ms per step per category of ``steps`` calls of ``call`` traced with the JAX profiler."""
+def profile_breakdown(call, state, trace_dir: str, *, steps: int = 3, top_kernels: int = 25) -> tuple[dict, object]:
+    """Device ms per step per category of ``steps`` calls of ``call`` traced with the JAX profiler, the
+    ``top_kernels`` costliest kernels by name, and the kernel launches per step."""
     os.makedirs(trace_dir, exist_ok=True)
     jax.block_until_ready(state)
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
@@ -194,8 +195,14 @@ def profile_breakdown(call, state, trace_dir: str, *, steps: int = 3) -> tuple[d
     jax.profiler.stop_trace()
     events = device_events(trace_events(trace_dir))
     per_cat: dict[str, float] = {}
+    per_name: dict[str, list] = {}  # name -> [ms, launches]
     for e in events:
-        per_cat[categorize(e.get("name", ""))] = per_cat.get(categorize(e.get("name", "")), 0.0) + e["dur"] / 1e3
+        name = e.get("name", "")
+        per_cat[categorize(name)] = per_cat.get(categorize(name), 0.0) + e["dur"] / 1e3
+        acc = per_name.setdefault(name, [0.0, 0])
+        acc[0] += e["dur"] / 1e3
+        acc[1] += 1
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top_kernels]
     busy = sum(per_cat.values()) / steps
     if events:
         span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3 / steps
@@ -203,7 +210,9 @@ def profile_breakdown(call, state, trace_dir: str, *, steps: int = 3) -> tuple[d
         span = float("nan")
     return {"wall_ms_per_step": wall, "device_busy_ms_per_step": busy, "device_span_ms_per_step": span,
             "ms_per_step": {k: v / steps for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
-            "events": len(events)}, state
+            "top_kernels": [{"name": n[:160], "category": categorize(n), "ms_per_step": ms / steps,
+                             "launches_per_step": cnt / steps} for n, (ms, cnt) in top],
+            "launches_per_step": len(events) / steps, "events": len(events)}, state
 
 
 def write_json(path: str, data) -> None:
