@@ -341,8 +341,8 @@ def merge(paths, out_prefix):
 
     parts = [json.load(open(p)) for p in paths]
     res = dict(parts[0])
-    res["runs"] = [{"command": p["command"], "machine": p["machine"], "wall_seconds": p.get("wall_seconds")}
-                   for p in parts]
+    res["runs"] = [run for p in parts for run in (p.get("runs") or [{"command": p["command"], "machine": p["machine"],
+                                                                   "wall_seconds": p.get("wall_seconds")}])]
     for p in parts:  # each run's read mode and mesh travel with its rows
         for row in p.get("rows", []):
             prof = row.get("profile", {}).get("ms_per_step", {})
@@ -350,12 +350,28 @@ def merge(paths, out_prefix):
                 prof["plane scan kernel"] = prof.pop("scan (reads host planes)")
             row.setdefault("read", p["config"].get("read"))
             row.setdefault("run_date", p["machine"]["date"])
-    for key in ("rows", "errors", "notes"):
+    for key in ("errors", "notes"):
         res[key] = [x for p in parts for x in p.get(key, [])]
+    # A later run of the same measurement (same kind, method, shapes, placement) supersedes an earlier one.
+    latest: dict[tuple, dict] = {}
+    for row in (x for p in parts for x in p.get("rows", [])):
+        key = tuple(str(row.get(f)) for f in ("kind", "method", "context", "batch", "memory", "read", "mesh",
+                                              "shared_kv", "tag"))
+        if key not in latest or row["run_date"] >= latest[key]["run_date"]:
+            latest[key] = row
+    superseded = sum(len(p.get("rows", [])) for p in parts) - len(latest)
+    res["rows"] = list(latest.values())
+    if superseded:
+        res["notes"].append(f"{superseded} rows of earlier runs superseded by later runs of the same measurement")
     for key in ("link", "hbm_copy"):
         res[key] = next((p[key] for p in parts if key in p), None) or {}
-    res["links"] = [{"command": p["command"], "link": p.get("link", {})} for p in parts if p.get("link")]
+    res["links"] = [link for p in parts for link in (p.get("links") or ([{"command": p["command"], "link": p["link"]}]
+                                                                       if p.get("link") else []))]
     res["command"] = "; ".join(p["command"] for p in parts)
+    latest_link = max((p for p in parts if p.get("link")), key=lambda p: p["machine"]["date"], default=None)
+    if latest_link is not None:  # floors of the newest rows use the newest link measurement
+        res["link"] = latest_link["link"]
+    res["machine"] = max((p["machine"] for p in parts), key=lambda m: m["date"])  # the header names the newest run
     link = res["link"].get("all", next(iter(res["link"].values()), {})).get("GBps")
     for row in res["rows"]:  # the link floor of rows measured in a run without the link section
         floor = row.get("link_floor_ms", float("nan"))
@@ -476,12 +492,12 @@ def write_report(res: dict, prefix: str) -> None:
                   "planned runs to HBM first. Link floor: every byte of the planned planes + scales and of the selected "
                   "rows over the link once at the rate measured in the run.", "",
                   "| method | context | batch | mesh | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
-                  "link floor ms | fraction of link | authors' ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "link floor ms | fraction of link | authors' ms | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("read") or "")):
             lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
                          f"{r['bits_per_token']:.1f} | {r['scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
                          f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | "
-                         f"{r['fraction_of_link']:.2f} | {r.get('authors_ms') or ''} |")
+                         f"{r['fraction_of_link']:.2f} | {r.get('authors_ms') or ''} | {str(r.get('run_date', ''))[:16]} |")
         lines.append("")
     full = [r for r in rows if r["kind"] == "full"]
     if full:
