@@ -181,11 +181,12 @@ def _topk_pallas(scores, length, *, k, sink, local, interpret, tile, num_warps):
 # ----------------------------------------------------------------------------------------------
 # Fused path ("fused"): three Pallas kernels, no XLA pass over [R, n] and no XLA cumsum/scatter.
 #
-# 1. ``bucket_max``: grid (R, tiles): masked order-preserving keys of a tile, max over each 32-token bucket.
+# Buckets hold 32 tokens, or 64 / 128 where a row would otherwise have more than 32768 of them (``fused_bucket``).
+# 1. ``bucket_max``: grid (R, tiles): masked order-preserving keys of a tile, max over each bucket.
 # 2. ``select_buckets``: one program per row holds the row's bucket maxima in registers, finds the k'-th
 #    largest by a 32-round bitwise search (one compare per element per round), and writes the ids of
 #    the buckets >= tau (the first k' in index order, cumsum-compacted; nb-padded).
-# 3. ``select_tokens``: one program per row gathers the k' x 32 candidate scores, the exact k'-th largest
+# 3. ``select_tokens``: one program per row gathers the k' x bucket candidate scores, the exact k'-th largest
 #    candidate v (the same search), selects ``> v`` plus the first ``== v`` ties and writes their positions.
 
 
@@ -260,8 +261,9 @@ MAX_FUSED_BUCKET = 128  # candidates per selected bucket (k' x bucket of them he
 
 
 def fused_bucket(n: int, max_buckets: int = MAX_FUSED_BUCKETS) -> int:
-    """Tokens per bucket of the fused path: 32, doubled until a row has at most MAX_FUSED_BUCKETS buckets
-    (a 1M-token row plus decode room, n = 2^20 + 64, would need 32770 buckets of 32: 64 halves it)."""
+    """Tokens per bucket of the fused path: 32, doubled until a row of ``n`` has at most ``max_buckets`` buckets
+    (a 1M-token cache plus its decode room, n = 2^20 + 64, would need 32770 buckets of 32; 64-token buckets
+    halve that). Wider buckets make the last kernel hold more candidates (k' x bucket)."""
     bucket = BUCKET
     while pl.cdiv(n, bucket) > max_buckets:
         bucket *= 2
