@@ -20,7 +20,7 @@ SINK_TOKENS = 4
 LOCAL_TOKENS = 32
 
 
-def _check_k(k: int, n: int, sink: int, local: int) -> None:
+def check_k(k: int, n: int, sink: int, local: int) -> None:
     if not isinstance(k, (int, np.integer)) or k <= 0:
         raise ValueError(f"k must be a positive int, got {k!r}")
     if k > n:
@@ -51,7 +51,7 @@ def select_topk(
     if scores.ndim < 2:
         raise ValueError(f"scores must be [..., G, n], got shape {scores.shape}")
     n = scores.shape[-1]
-    _check_k(k, n, sink, local)
+    check_k(k, n, sink, local)
     length = jnp.asarray(length, jnp.int32)
     if not isinstance(length, jax.core.Tracer) and np.any(np.asarray(length) > n):
         raise ValueError(f"length {np.asarray(length)} exceeds the {n} scored positions")
@@ -61,14 +61,21 @@ def select_topk(
         idx = topk_select(rows, lengths, k=k, sink=sink, local=local, implementation="pallas")
         idx = idx.reshape(*scores.shape[:-1], k)
         return jnp.maximum(idx, 0), idx >= 0
-    length = length[..., None, None]  # broadcast over heads and positions
-    pos = jnp.arange(n, dtype=jnp.int32)
+    top, idx = jax.lax.top_k(selection_priority(scores, length, sink=sink, local=local), k)
+    return idx.astype(jnp.int32), top > -jnp.inf
+
+
+def selection_priority(
+    scores: Float[Array, "*B G n"], length: Int[Array, "*B"], *, sink: int = SINK_TOKENS, local: int = LOCAL_TOKENS
+) -> Float[Array, "*B G n"]:
+    """What the ``"xla"`` selection ranks: ``+inf`` for the forced positions (sink and local), ``-inf`` past
+    ``length``, the score elsewhere (NaN as the lowest real score, so the result holds no NaN)."""
+    length = jnp.asarray(length, jnp.int32)[..., None, None]  # broadcast over heads and positions
+    pos = jnp.arange(scores.shape[-1], dtype=jnp.int32)
     valid = pos < length
     forced = valid & ((pos < sink) | (pos >= length - local))
     ranked = jnp.where(jnp.isnan(scores), -jnp.finfo(jnp.float32).max, scores.astype(jnp.float32))
-    priority = jnp.where(forced, jnp.inf, jnp.where(valid, ranked, -jnp.inf))
-    top, idx = jax.lax.top_k(priority, k)
-    return idx.astype(jnp.int32), top > -jnp.inf
+    return jnp.where(forced, jnp.inf, jnp.where(valid, ranked, -jnp.inf))
 
 
 def group_union(
@@ -101,7 +108,7 @@ def attend(
 ) -> Float[Array, "*B G D"]:
     """Exact softmax attention of each head over the rows its mask admits (f32 accumulation)."""
     _check_attention_shapes("attend", q, keys, values)
-    return _masked_attention(q, keys[..., None, :, :], values[..., None, :, :], mask, scale)
+    return attend_rows(q, keys[..., None, :, :], values[..., None, :, :], mask, scale=scale)
 
 
 def _check_attention_shapes(name: str, q, keys, values, rows=None) -> None:
@@ -122,8 +129,16 @@ def _check_attention_shapes(name: str, q, keys, values, rows=None) -> None:
                              f"{jnp.shape(indices)} and {jnp.shape(mask)}")
 
 
-def _masked_attention(q, keys, values, mask, scale):
-    """Per-head softmax attention, f32: q [*B, G, D] over rows [*B, G or 1, m, D] where ``mask``."""
+def attend_rows(
+    q: Float[Array, "*B G D"],
+    keys: Float[Array, "*B G m D"],
+    values: Float[Array, "*B G m D"],
+    mask: Bool[Array, "*B G m"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "*B G D"]:
+    """Per-head softmax attention, f32: q [*B, G, D] over its own key and value rows [*B, G, m, D] (or rows
+    [*B, 1, m, D] shared by the G heads) where ``mask``."""
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     logits = jnp.einsum("...gd,...gmd->...gm", q.astype(jnp.float32), keys.astype(jnp.float32)) * scale
     weights = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1, where=mask)
@@ -142,12 +157,20 @@ def sparse_attention(
 ) -> Float[Array, "*B G D"]:
     """Attention of each head over its own selected rows only (gathered from the full K/V)."""
     _check_attention_shapes("sparse_attention", q, keys, values, (indices, mask))
+    rows_k, rows_v = gather_rows(keys, values, indices)
+    return attend_rows(q, rows_k, rows_v, mask, scale=scale)
+
+
+def gather_rows(
+    keys: Float[Array, "*B n D"], values: Float[Array, "*B n D"], indices: Int[Array, "*B G k"]
+) -> tuple[Float[Array, "*B G k D"], Float[Array, "*B G k D"]]:
+    """Each head's selected key and value rows, in the order of ``indices``."""
     # Gather the G heads' rows from the one [*B, n, D] array (broadcasting it over G first would copy it).
     *batch, g, k = indices.shape
     flat = indices.reshape(*batch, g * k, 1)
-    rows_k = jnp.take_along_axis(keys, flat, axis=-2).reshape(*batch, g, k, keys.shape[-1])  # [*B, G, k, D]
+    rows_k = jnp.take_along_axis(keys, flat, axis=-2).reshape(*batch, g, k, keys.shape[-1])
     rows_v = jnp.take_along_axis(values, flat, axis=-2).reshape(*batch, g, k, values.shape[-1])
-    return _masked_attention(q, rows_k, rows_v, mask, scale)
+    return rows_k, rows_v
 
 
 def dense_attention(
