@@ -123,15 +123,20 @@ class PlaneStore:
 @dataclasses.dataclass(frozen=True)
 class UnpackedStore:
     """A plane store with its 4-bit codes unpacked token-major (``uint8 [*B, capacity, D]``; rows at or
-    past ``length`` are ignored).
+    past ``length`` are ignored), the block holding token ``length`` kept apart (``block_codes``).
 
     A reader that scans one window many times (the fidelity sweep: one read per decode position) keeps
     this instead of extracting the same bits from the planes at every read. Reads from it
     (:func:`read_codes`, :func:`dequantize`, the ``"xla"`` scan) give the packed store's values bit for
     bit; the Pallas kernels read only packed planes. Make one with :func:`unpack_store`.
+
+    ``block_codes`` ``[*B, 64, D]`` are the codes of block ``length // 64`` and take the place of that
+    block's rows of ``codes``: :func:`truncate` requantizes that block only and leaves ``codes`` as it is,
+    so the cuts of one window to many lengths (vmapped) share one copy of its codes.
     """
 
     codes: Int[Array, "*B n D"]
+    block_codes: Int[Array, "*B 64 D"]
     scales: Float16[Array, "*B D NB"]
     tail: Float[Array, "*B 64 D"]
     length: Int[Array, "*B"]
@@ -158,7 +163,11 @@ def unpack_store(store: PlaneStore) -> UnpackedStore:
     """The store with its codes unpacked (see :class:`UnpackedStore`)."""
     if isinstance(store, UnpackedStore):
         return store
-    return UnpackedStore(codes=unpack_planes(store.planes).astype(jnp.uint8), scales=store.scales, tail=store.tail,
+    codes = unpack_planes(store.planes).astype(jnp.uint8)
+    rows = (store.length // BLOCK_TOKENS * BLOCK_TOKENS)[..., None] + jnp.arange(BLOCK_TOKENS)
+    # Past the last block (length = capacity) no row reads block_codes: any in-range rows will do.
+    block_codes = jnp.take_along_axis(codes, jnp.minimum(rows, store.capacity - 1)[..., None], axis=-2)
+    return UnpackedStore(codes=codes, block_codes=block_codes, scales=store.scales, tail=store.tail,
                          length=store.length, rotation=store.rotation)
 
 
@@ -325,11 +334,26 @@ def read_codes(store: PlaneStore | UnpackedStore, depth: Int[Array, "*B D"] | in
     """Truncated codes ``c >> (4 - t_j)`` of every stored token (capacity rows; rows >= length are 0)."""
     if isinstance(store, UnpackedStore):
         depth = jnp.broadcast_to(jnp.asarray(depth, jnp.int32), (*store.batch_shape, store.head_dim))
-        # 4-bit codes: c >> 4 = 0, so depth 0 reads nothing, as from the planes. Rows past the length may
-        # hold a longer window's codes (truncate leaves them): they read as 0, as a built store's do.
-        valid = (jnp.arange(store.capacity) < store.length[..., None])[..., None]
-        return jnp.where(valid, store.codes.astype(jnp.int32) >> (N_PLANES - depth[..., None, :]), 0)
+        return _read_blocks(store, depth).reshape(*store.batch_shape, store.capacity, store.head_dim)
     return unpack_planes(store.planes, depth)
+
+
+def _valid_blocks(store: PlaneStore | UnpackedStore) -> jax.Array:
+    """``[*B, NB, 64, 1]``: which rows, block by block, hold one of the ``length`` tokens."""
+    row = jnp.arange(store.num_blocks)[:, None] * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS)
+    return (row < store.length[..., None, None])[..., None]
+
+
+def _read_blocks(store: UnpackedStore, depth: Int[Array, "*B D"]) -> Int[Array, "*B NB 64 D"]:
+    """:func:`read_codes` of an unpacked store, block-major. Every operand enters as a broadcast, so a read
+    fuses into one loop over the codes (token-major, the tiled last block was materialized at every read)."""
+    *batch, n, d = store.codes.shape
+    nb = store.num_blocks
+    in_block = (jnp.arange(nb) == (store.length // BLOCK_TOKENS)[..., None])[..., None, None]
+    codes = jnp.where(in_block, store.block_codes[..., None, :, :], store.codes.reshape(*batch, nb, BLOCK_TOKENS, d))
+    # 4-bit codes: c >> 4 = 0, so depth 0 reads nothing, as from the planes. Rows past the length may
+    # hold a longer window's codes (truncate leaves them): they read as 0, as a built store's do.
+    return jnp.where(_valid_blocks(store), codes.astype(jnp.int32) >> (N_PLANES - depth[..., None, None, :]), 0)
 
 
 def token_scales(store: PlaneStore | UnpackedStore) -> Float[Array, "*B n D"]:
@@ -347,11 +371,42 @@ def dequantize(store: PlaneStore | UnpackedStore, depth: Int[Array, "*B D"] | in
     """
     _check_depth("dequantize", depth)
     depth = jnp.broadcast_to(jnp.asarray(depth, jnp.int32), (*store.batch_shape, store.head_dim))
-    codes = read_codes(store, depth)
-    values = dequantize_codes(codes, token_scales(store), depth[..., None, :])
-    valid = jnp.arange(store.capacity) < store.length[..., None]
+    if isinstance(store, UnpackedStore):  # block by block: the block scales broadcast over their 64 rows
+        scales = jnp.swapaxes(store.scales, -1, -2).astype(jnp.float32)[..., None, :]  # [*B, NB, 1, D]
+        values = dequantize_codes(_read_blocks(store, depth), scales, depth[..., None, None, :])
+        values = jnp.where(_valid_blocks(store), values, 0.0).reshape(*store.batch_shape, store.capacity, -1)
+    else:
+        values = dequantize_codes(read_codes(store, depth), token_scales(store), depth[..., None, :])
+        valid = jnp.arange(store.capacity) < store.length[..., None]
+        values = jnp.where(valid[..., None], values, 0.0)
     bad_depth = ((depth < 0) | (depth > N_PLANES))[..., None, :]
-    return jnp.where(bad_depth, jnp.nan, jnp.where(valid[..., None], values, 0.0))
+    return jnp.where(bad_depth, jnp.nan, values)
+
+
+def dequantize_levels(store: UnpackedStore) -> Float[Array, "*B n D 4"]:
+    """:func:`dequantize` at each uniform depth t = 1..4 (``[..., t - 1]``), the same values, in one pass."""
+    depth = jnp.arange(1, N_PLANES + 1, dtype=jnp.int32)
+    codes = _read_blocks(store, jnp.full((*store.batch_shape, store.head_dim), N_PLANES, jnp.int32))
+    scales = jnp.swapaxes(store.scales, -1, -2).astype(jnp.float32)[..., None, :, None]  # [*B, NB, 1, D, 1]
+    values = dequantize_codes(codes[..., None] >> (N_PLANES - depth), scales, depth)
+    values = jnp.where(_valid_blocks(store)[..., None], values, 0.0)
+    return values.reshape(*store.batch_shape, store.capacity, store.head_dim, N_PLANES)
+
+
+def dequantize_block(store: UnpackedStore, depth: Int[Array, "*B D"] | int = N_PLANES) -> Float[Array, "*B 64 D"]:
+    """:func:`dequantize`'s rows of block ``length // 64``, the partially filled one (rows past the length are 0):
+    all that differs between the cuts of one window (:func:`truncate`) besides the rows they drop."""
+    _check_depth("dequantize_block", depth)
+    depth = jnp.broadcast_to(jnp.asarray(depth, jnp.int32), (*store.batch_shape, store.head_dim))
+    block = store.length // BLOCK_TOKENS
+    # length = capacity: there is no such block and every row is past the length (any scale will do).
+    at = jnp.minimum(block, store.num_blocks - 1)[..., None, None]
+    scale = jnp.take_along_axis(store.scales, at, axis=-1)[..., 0].astype(jnp.float32)  # [*B, D]
+    valid = (block[..., None] * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS) < store.length[..., None])[..., None]
+    codes = jnp.where(valid, store.block_codes.astype(jnp.int32) >> (N_PLANES - depth[..., None, :]), 0)
+    values = jnp.where(valid, dequantize_codes(codes, scale[..., None, :], depth[..., None, :]), 0.0)
+    bad_depth = ((depth < 0) | (depth > N_PLANES))[..., None, :]
+    return jnp.where(bad_depth, jnp.nan, values)
 
 
 def dequantize_channels(store: PlaneStore, depth: Int[Array, "*B D"] | int = N_PLANES) -> Float[Array, "*B D n"]:
@@ -420,14 +475,11 @@ def truncate(store: PlaneStore | UnpackedStore, keys: Float[Array, "*B n D"], le
     scale_block = jnp.arange(nb)
     scales = jnp.where(scale_block < block, store.scales,
                        jnp.where(scale_block == block, scale[..., None], jnp.float16(0)))
-    if isinstance(store, UnpackedStore):  # rows past the length are not read (read_codes masks them)
-        flat = lambda x: x.reshape(-1, *x.shape[len(batch):])  # noqa: E731
-        put = jax.vmap(lambda rows, new, at: jax.lax.dynamic_update_slice(rows, new, (at, 0)))
-        start = jnp.minimum(length // BLOCK_TOKENS, nb - 1) * BLOCK_TOKENS  # length = capacity: no partial block
-        new_codes = jnp.where((length < store.capacity)[..., None, None], codes.astype(jnp.uint8),
-                              jax.lax.dynamic_slice_in_dim(store.codes, store.capacity - BLOCK_TOKENS, BLOCK_TOKENS, -2))
-        out = put(flat(store.codes), flat(new_codes), start.reshape(-1)).reshape(store.codes.shape)
-        return UnpackedStore(codes=out, scales=scales, tail=tail, length=length, rotation=store.rotation)
+    if isinstance(store, UnpackedStore):  # the complete blocks stay in codes, shared with the longer store
+        # Materialized here: fused into a read, XLA requantized the block for every one of the window's blocks.
+        block_codes, scales = jax.lax.optimization_barrier((codes.astype(jnp.uint8), scales))
+        return UnpackedStore(codes=store.codes, block_codes=block_codes, scales=scales, tail=tail, length=length,
+                             rotation=store.rotation)
     words = pack_planes(codes)  # [*B, D, 4, 2]
     word_block = jnp.arange(store.planes.shape[-1]) // fmt.WORDS_PER_BLOCK
     block_words = jnp.tile(words, (1,) * (words.ndim - 1) + (nb,))

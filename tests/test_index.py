@@ -74,5 +74,11 @@ def test_prefix_index_equals_build_index_with_that_length(random_keys):
             for depth in (0, 2, 4, depths):
                 np.testing.assert_array_equal(np.asarray(S.dequantize(a, depth)), np.asarray(S.dequantize(b, depth)))
                 np.testing.assert_array_equal(np.asarray(S.read_codes(a, depth)), np.asarray(S.read_codes(b, depth)))
+                # the block holding token `length` alone (the sweep scores it apart from the shared blocks)
+                every, block = np.asarray(S.dequantize(a, depth)), np.asarray(S.dequantize_block(b, depth))
+                for i, j in np.ndindex(*b.batch_shape):
+                    start = int(b.length[i, j]) // 64 * 64
+                    rows = every[i, j, start:start + 64]  # none past the capacity
+                    np.testing.assert_array_equal(block[i, j], np.pad(rows, ((0, 64 - len(rows)), (0, 0))))
             np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
             np.testing.assert_array_equal(np.asarray(a.tail), np.asarray(b.tail))
