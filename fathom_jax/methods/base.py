@@ -75,7 +75,9 @@ class ScanMethod(abc.ABC):
     * ``name``: the spec keyword (``parse("name:param")``) and the ``kind`` recorded in results;
     * ``parts``: the index parts read (``"raw"``, ``"klt"``, ``"loki"``, ``"landmarks"``, ``"keys"``);
     * ``needs_calibration``: whether :meth:`read` uses a :class:`~fathom_jax.calibrate.Calibration`;
-    * ``spec_syntax``: how the spec reads in help texts, e.g. ``"fathom:BUDGET[:exact]"``.
+    * ``spec_syntax``: how the spec reads in help texts, e.g. ``"fathom:BUDGET[:exact]"``;
+    * ``data_fields``: integer fields that may hold a traced value inside ``jit`` (checked at run time),
+      so that one compiled program serves every value (the sweep's Fathom budgets).
     """
 
     name: ClassVar[str]
@@ -83,6 +85,7 @@ class ScanMethod(abc.ABC):
     needs_calibration: ClassVar[bool] = False
     spec_syntax: ClassVar[str]
     summary: ClassVar[str] = ""
+    data_fields: ClassVar[tuple[str, ...]] = ()
 
     # -- description ----------------------------------------------------------------------
     @property

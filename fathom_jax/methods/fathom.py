@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from fathom_jax import planner as planner_lib
 from fathom_jax import store as store_lib
+from fathom_jax.checks import is_traced
 from fathom_jax.format import N_PLANES
 from fathom_jax.methods.base import PlaneRead, ScanMethod, int_param, parse_int
 
@@ -20,8 +21,9 @@ PLANNERS: tuple[str, ...] = ("bisection", "exact")
 class Fathom(ScanMethod):
     """``g = sum_h q^2 Var(k)`` (raw-basis calibration variance), depths by the planner, scores ``q . k_hat``.
 
-    ``budget``: code bits per token (``sum_j t_j <= budget``) at the model's own head_dim;
-    ``planner``: ``"bisection"`` (the paper's 30 steps on log theta) or ``"exact"`` (integer greedy).
+    ``budget``: code bits per token (``sum_j t_j <= budget``) at the model's own head_dim; inside ``jit`` it
+    may be traced (the planner then checks it at run time); ``planner``: ``"bisection"`` (the paper's 30 steps
+    on log theta) or ``"exact"`` (integer greedy).
     """
 
     budget: int
@@ -33,9 +35,11 @@ class Fathom(ScanMethod):
     spec_syntax: ClassVar[str] = "fathom:BUDGET[:exact]"
     summary: ClassVar[str] = "per-query read depths on raw bit planes, BUDGET code bits per token"
     _label: ClassVar[str] = "Fathom"
+    data_fields: ClassVar[tuple[str, ...]] = ("budget",)
 
     def __post_init__(self):
-        int_param(self.budget, "budget", f"{self._label} {self.budget!r}", minimum=0)
+        if not is_traced(self.budget):
+            int_param(self.budget, "budget", f"{self._label} {self.budget!r}", minimum=0)
         if self.planner not in PLANNERS:
             raise ValueError(f"{self._label} {self.budget}: planner must be one of {PLANNERS}, got {self.planner!r}")
 
@@ -58,6 +62,8 @@ class Fathom(ScanMethod):
         return cls(parse_int(args[0], "budget", spec), planner)
 
     def validate(self, head_dim: int) -> None:
+        if is_traced(self.budget):
+            return  # the planner checks it at run time
         if self.budget > N_PLANES * head_dim:
             raise ValueError(
                 f"{self.label}: budget must lie in [0, {N_PLANES * head_dim}] (4 x D code bits at D = {head_dim}), "
@@ -65,6 +71,8 @@ class Fathom(ScanMethod):
             )
 
     def max_active(self, head_dim: int) -> int:
+        if is_traced(self.budget):
+            return head_dim
         return max(1, min(head_dim, self.budget))  # every active channel reads at least one plane
 
     def _plan(self, queries, importance_weights):
