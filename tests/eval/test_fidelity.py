@@ -127,22 +127,30 @@ def _definition(method, cap, ks, positions, calib):
     return np.stack(errors, axis=1), np.stack(bits)
 
 
-@pytest.mark.parametrize("method", [M.Fathom(24), M.FathomKLT(16), M.SparQ(4), M.Loki(4), M.Landmark(), M.Exact()],
-                         ids=lambda m: m.spec)
-def test_fast_path_equals_the_rebuild_per_position_definition(rng, random_keys, method):
-    """The sweep's fast path (one index per layer cut to each position, unpacked codes, one ranking for every k,
-    dense attention shared) gives the definition's numbers exactly, at full float precision, at positions on
-    both sides of block boundaries; so does the in-module rebuild path."""
+def test_fast_path_equals_the_rebuild_per_position_definition(rng, random_keys):
+    """The sweep's fast path gives the definition's numbers exactly, at full float precision, at positions on both
+    sides of block boundaries and in the window's partial last block: every position scored in one product against
+    the window's index (one build per layer and parts, the requantized block scored per position), budgets as data
+    (one program for Fathom 16 and 24), a repeated (method, layer) computed once, the faster exact ranking, one
+    gather for every k. So does the rebuild-per-position path of the module."""
     cap = make_capture(random_keys, rng, tokens=200, d=16)
-    calib = cal.calibrate(cap.k[:, :, :128], cap.q[:, :, :128])
+    corpus = cal.calibrate(cap.k[:, :, :128], cap.q[:, :, :128])
+    session = cal.calibrate_session(cap.k[:, :, :100])
     positions = np.array([62, 63, 64, 127, 150, 199])
     ks = (48, 40, 64)
-    want_err, want_bits = _definition(method, cap, ks, positions, calib)
+    rows = [(M.Fathom(24), corpus), (M.Fathom(16), corpus), (M.FathomKLT(16), corpus), (M.FathomKLT(16), session),
+            (M.SparQ(4), None), (M.Landmark(), None), (M.Exact(), None)]
+    want = [_definition(m, cap, ks, positions, c) for m, c in rows]
+    # Fathom 16 at layer 0 and Fathom 24 at layer 1: the same (method, layer) pairs as two rows above.
+    per_layer = [fid.method_score_fn(M.Fathom(16)), fid.method_score_fn(M.Fathom(24))]
+    want.append((np.stack([want[1][0][:, 0], want[0][0][:, 1]], axis=1), np.stack([want[1][1][0], want[0][1][1]])))
+    evaluations = [fid.Evaluation(fid.method_score_fn(m), c) for m, c in rows] + [fid.Evaluation(per_layer, corpus)]
     refs = fid.dense_references(cap, positions)
-    for reuse in (True, False):
-        err, bits = fid.attention_errors(fid.method_score_fn(method), cap, ks, positions=positions,
-                                         layer_states=calib, reuse_blocks=reuse, references=refs)
+    fast = fid.attention_errors_many(evaluations, cap, ks, positions=positions, references=refs)
+    rebuilt = fid.attention_errors_many(evaluations[::3], cap, ks, positions=positions, references=refs,
+                                        reuse_blocks=False)
+    for (err, bits), (want_err, want_bits) in zip(fast + rebuilt, want + want[::3]):
         np.testing.assert_array_equal(err, want_err)
         np.testing.assert_array_equal(bits, want_bits)
     with pytest.raises(ValueError, match="other positions"):
-        fid.attention_errors(fid.method_score_fn(method), cap, ks, positions=positions[:2], references=refs)
+        fid.attention_errors(fid.method_score_fn(M.Exact()), cap, ks, positions=positions[:2], references=refs)
