@@ -82,25 +82,28 @@ def _sweep(args: argparse.Namespace) -> int:
                              f"fewer than --context {longest}")
 
     t0 = time.time()
-    model, _, _ = hub.load_model(args.model)
-    model_name = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)" if args.model is None else os.fspath(args.model)
-    for context, cfg in zip(args.context, configs):
-        t_context = time.time()
-        calib_ids = texts.token_window(calib_all, context, name="calibration text")
-        eval_ids = texts.token_window(eval_all, context, name="evaluation text")
-        print(f"[sweep] capturing q/k/v over {context} tokens of each text", flush=True)
-        calib_cap = fid.Capture(**capture_qkv(model, jnp.asarray(calib_ids)))
-        eval_cap = fid.Capture(**capture_qkv(model, jnp.asarray(eval_ids)))
-        meta = {"model": model_name, "calib_text": calib_info, "eval_text": eval_info, **run_metadata(args)}
-        res = study.run_study(eval_cap, calib_cap, cfg, meta=meta, progress=not args.quiet)
-        res["meta"]["wall_seconds"] = round(time.time() - t_context, 1)  # capture + study, this context
-        # The committed study uses the paper's 128 positions; other runs get their own files.
-        suffix = "" if args.positions == 128 else f"_{args.positions}pos"
-        size = f"{context // 1024}k" if context % 1024 == 0 else f"{context}tok"
-        prefix = os.path.join(args.out, f"fidelity_{model_slug(args.model)}_{size}{suffix}")
-        paths = study.write_report(res, prefix)
-        print(study.render_markdown(res))
-        print(f"[sweep] wrote {', '.join(paths)}")
+    # The study's programs compile in the background from here on, while the model loads and runs.
+    with study.compiling_ahead(configs, config):
+        model, _, _ = hub.load_model(args.model)
+        model_name = ("SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)" if args.model is None
+                      else os.fspath(args.model))
+        for context, cfg in zip(args.context, configs):
+            t_context = time.time()
+            calib_ids = texts.token_window(calib_all, context, name="calibration text")
+            eval_ids = texts.token_window(eval_all, context, name="evaluation text")
+            print(f"[sweep] capturing q/k/v over {context} tokens of each text", flush=True)
+            calib_cap = fid.Capture(**capture_qkv(model, jnp.asarray(calib_ids)))
+            eval_cap = fid.Capture(**capture_qkv(model, jnp.asarray(eval_ids)))
+            meta = {"model": model_name, "calib_text": calib_info, "eval_text": eval_info, **run_metadata(args)}
+            res = study.run_study(eval_cap, calib_cap, cfg, meta=meta, progress=not args.quiet)
+            res["meta"]["wall_seconds"] = round(time.time() - t_context, 1)  # capture + study, this context
+            # The committed study uses the paper's 128 positions; other runs get their own files.
+            suffix = "" if args.positions == 128 else f"_{args.positions}pos"
+            size = f"{context // 1024}k" if context % 1024 == 0 else f"{context}tok"
+            prefix = os.path.join(args.out, f"fidelity_{model_slug(args.model)}_{size}{suffix}")
+            paths = study.write_report(res, prefix)
+            print(study.render_markdown(res))
+            print(f"[sweep] wrote {', '.join(paths)}")
     print(f"[sweep] done in {time.time() - t0:.0f} s")
     return 0
 

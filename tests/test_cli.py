@@ -151,6 +151,7 @@ def test_sweep_records_the_run_in_its_results(capsys, monkeypatch, tmp_path):
         return {"meta": dict(meta), "rows": []}
 
     monkeypatch.setattr(study, "run_study", fake_study)
+    monkeypatch.setattr(study, "compile_ahead", lambda *a, **k: None)  # nothing runs the programs
     monkeypatch.setattr(study, "render_markdown", lambda res: "")
     monkeypatch.setattr(study, "write_report", lambda res, prefix: captured.update(res=res, prefix=prefix) or [prefix])
     code, _, err = run(capsys, "sweep", "--context", "300", "--positions", "64", "--out", str(tmp_path), "--quiet",

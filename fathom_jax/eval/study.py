@@ -18,13 +18,16 @@ from it, so every number in a report can be traced to the file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import platform
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fathom_jax import calibrate as cal
@@ -48,6 +51,7 @@ from fathom_jax.methods import (
 DEFAULT_BUDGETS = (16, 24, 28, 32, 40, 48, 64, 80, 128)
 DEFAULT_KLT_BUDGETS = (16, 32, 48, 64)
 LAYER_PLAN_GRID = (16, 24, 32, 40, 48, 64, 80, 96, 128)
+BASIS_BUDGETS = (48, 64)  # the basis rule's budgets (section 3.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +82,6 @@ class Row:
     method: ScanMethod | None  # None: per-layer plan (methods per layer)
     calibration: str = "corpus"  # "corpus" | "session" | "none"
     layer_budgets: tuple[int, ...] | None = None
-
-
-def _describe(bar: Any, text: str) -> None:
-    """Name the evaluation an overall progress bar is on (no-op without one)."""
-    if bar and bar is not True:
-        bar.set_postfix_str(text, refresh=False)
 
 
 def baseline_rows(head_dim: int) -> list[Row]:
@@ -122,52 +120,85 @@ def fathom_rows(head_dim: int, config: StudyConfig) -> list[Row]:
     return rows
 
 
-def layer_error_table(
-    capture: fid.Capture, calib: cal.Calibration, grid: Sequence[int], k: int, positions: int,
-    progress: bool | Any = False, references: fid.References | None = None,
-) -> np.ndarray:
-    """Per-layer mean error of Fathom (raw) at each budget of ``grid`` on the calibration capture."""
-    pos = fid.default_positions(capture.q.shape[2], positions)
-    table = []
-    for b in grid:
-        _describe(progress, f"layer plan: Fathom {b}")
-        err, _ = fid.attention_errors(
-            fid.method_score_fn(Fathom(b)), capture, k, positions=pos, layer_states=calib,
-            progress=progress, desc=f"layer plan: Fathom {b}", references=references,
-        )
-        table.append(err.mean(axis=(1, 2, 3)))  # [L]
-    return np.stack(table, axis=1)  # [L, len(grid)]
+def _basis_methods(grid: Sequence[int], basis_budgets: Sequence[int]) -> list[tuple[str, int, ScanMethod]]:
+    """The basis rule's (basis, budget, method) still to measure: raw budgets in the grid are in the table."""
+    return [(name, b, make(b)) for name, make in (("raw", Fathom), ("klt", FathomKLT)) for b in basis_budgets
+            if not (name == "raw" and b in grid)]
 
 
-def choose_basis(
-    capture: fid.Capture, calib: cal.Calibration, *, budgets: Sequence[int] = (48, 64), k: int = 128,
-    positions: int = 64, progress: bool | Any = False, known: dict[tuple[str, int], float] | None = None,
-    references: fid.References | None = None,
-) -> dict[str, Any]:
-    """The basis rule of section 3.5: evaluate raw and KLT planes on calibration text, keep the better.
+def _calibration_evaluations(calib, grid, basis) -> list[fid.Evaluation]:
+    evaluations = [fid.Evaluation(fid.method_score_fn(Fathom(b)), calib, f"layer plan: Fathom {b}") for b in grid]
+    return evaluations + [fid.Evaluation(fid.method_score_fn(m), calib, f"basis rule: {m.label}") for _, _, m in basis]
 
-    Returns ``{"basis": "raw" | "klt", "raw": [errors], "klt": [errors], "budgets": [...]}`` where
-    the choice is by mean error over ``budgets``. ``known[(basis, budget)]`` supplies errors already
-    measured under the same protocol (e.g. from :func:`layer_error_table`) instead of re-running them.
+
+def _row_evaluations(rows: Sequence[Row], calibs: dict[str, Any]) -> list[fid.Evaluation]:
+    evaluations = []
+    for row in rows:
+        if row.layer_budgets is not None:
+            fns = [fid.method_score_fn(Fathom(b)) for b in row.layer_budgets]
+        else:
+            fns = fid.method_score_fn(row.method)
+        evaluations.append(fid.Evaluation(fns, calibs[row.calibration], row.name))
+    return evaluations
+
+
+@contextlib.contextmanager
+def compiling_ahead(configs: Sequence[StudyConfig], model_config):
+    """Compile every config's programs (:func:`compile_ahead`) in the background while the body runs (loading
+    the model, capturing); if the body fails, the compiles not yet started are dropped so the process can exit."""
+    for config in configs:
+        compile_ahead(config, model_config.n_layers, model_config.n_heads, model_config.n_kv_heads,
+                      model_config.head_dim)
+    try:
+        yield
+    except BaseException:
+        fid.cancel_compiles()
+        raise
+
+
+def compile_ahead(config: StudyConfig, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    """Start compiling, in the background, what :func:`run_study` (default rows) will run on captures of
+    ``config.context`` tokens of a model of this shape; returns at once. Called before the model loads, the
+    compiles overlap loading and capturing instead of holding up the study."""
+    ks = config.selection_sizes()
+    keys = jax.ShapeDtypeStruct((n_layers, n_kv_heads, config.context, head_dim), jnp.float32)
+    queries = jax.ShapeDtypeStruct((n_layers, n_heads, config.context, head_dim), jnp.float32)
+    calib = jax.eval_shape(cal.calibrate, keys, queries)  # corpus and session statistics have the same shapes
+    shape = (n_layers, n_heads, n_kv_heads, config.context, head_dim)
+    grid = config.layer_plan_grid if config.layer_plan_means else ()
+    fid.compile_ahead(_calibration_evaluations(calib, grid, _basis_methods(grid, BASIS_BUDGETS)), shape, ks[:1],
+                      config.calib_positions)
+    rows = fathom_rows(head_dim, config) + baseline_rows(head_dim)
+    fid.compile_ahead(_row_evaluations(rows, {"corpus": calib, "session": calib, "none": None}), shape, ks,
+                      config.positions)
+
+
+def calibration_studies(
+    capture: fid.Capture, calib: cal.Calibration, *, grid: Sequence[int] = (), basis_budgets: Sequence[int] = BASIS_BUDGETS,
+    k: int = 128, positions: int = 64, progress: bool | Any = False, references: fid.References | None = None,
+) -> tuple[np.ndarray | None, dict[str, Any] | None]:
+    """What the calibration capture decides, evaluated together: the per-layer error table of Fathom (raw)
+    at each budget of ``grid`` (``[L, len(grid)]``, None without a grid) and the basis rule of section 3.5
+    (raw and KLT planes at ``basis_budgets``; None without budgets).
+
+    The basis rule is ``{"basis": "raw" | "klt", "raw": [errors], "klt": [errors], "budgets": [...], "k": k}``,
+    the choice by mean error over the budgets; raw budgets in the grid reuse the table's numbers.
     """
     pos = fid.default_positions(capture.q.shape[2], positions)
-    known = known or {}
-    out: dict[str, Any] = {"budgets": list(budgets), "k": k}
-    for name, make in (("raw", Fathom), ("klt", FathomKLT)):
-        errs = []
-        for b in budgets:
-            if (name, b) in known:
-                errs.append(known[(name, b)])
-                continue
-            _describe(progress, f"basis rule: {make(b).label}")
-            e, _ = fid.mean_attention_error(
-                fid.method_score_fn(make(b)), capture, k, positions=pos, layer_states=calib,
-                progress=progress, desc=f"basis rule: {make(b).label}", references=references,
-            )
-            errs.append(e)
-        out[name] = errs
-    out["basis"] = "klt" if np.mean(out["klt"]) < np.mean(out["raw"]) else "raw"
-    return out
+    basis = _basis_methods(grid, basis_budgets)
+    errors = [err[0] for err, _ in fid.attention_errors_many(_calibration_evaluations(calib, grid, basis), capture,
+                                                             (k,), positions=pos, progress=progress,
+                                                             references=references)]
+    table = np.stack([e.mean(axis=(1, 2, 3)) for e in errors[: len(grid)]], axis=1) if grid else None  # [L, grid]
+    if not basis_budgets:
+        return table, None
+    measured = {(name, b): float(np.mean(e)) for (name, b, _), e in zip(basis, errors[len(grid):])}
+    measured.update({("raw", b): float(table[:, i].mean()) for i, b in enumerate(grid)})
+    rule: dict[str, Any] = {"budgets": list(basis_budgets), "k": k}
+    for name in ("raw", "klt"):
+        rule[name] = [measured[(name, b)] for b in basis_budgets]
+    rule["basis"] = "klt" if np.mean(rule["klt"]) < np.mean(rule["raw"]) else "raw"
+    return table, rule
 
 
 def run_study(
@@ -184,14 +215,10 @@ def run_study(
     ks = config.selection_sizes()
     positions = fid.default_positions(n_tokens, config.positions)
     prefill = int(positions[0])  # the session's own keys: everything before the first decode position
-    corpus = cal.calibrate(calib_capture.k, calib_capture.q)
-    session = cal.calibrate_session(eval_capture.k[:, :, :prefill])
-    calibs = {"corpus": corpus, "session": session, "none": None}
-
     default_rows = rows is None
     rows = fathom_rows(d, config) + baseline_rows(d) if default_rows else list(rows)
     with_plans = default_rows and bool(config.layer_plan_means)
-    basis_budgets = (48, 64)
+    basis_budgets = BASIS_BUDGETS
     # One bar over every (evaluation, layer) of the study, so progress shows from the first minute.
     calls = len(rows) + len(config.layer_plan_means) * with_plans
     if default_rows:
@@ -202,39 +229,34 @@ def run_study(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=calls * n_layers, desc=f"study @ {n_tokens} tokens", unit="layer", smoothing=0.05)
-    # Dense attention is every row's target: computed once per capture.
-    eval_refs = fid.dense_references(eval_capture, positions)
-    calib_refs = None
-    if default_rows:
-        calib_refs = fid.dense_references(calib_capture, fid.default_positions(calib_capture.q.shape[2],
-                                                                              config.calib_positions))
+
+    calib_positions = fid.default_positions(calib_capture.q.shape[2], config.calib_positions)
+    # Statistics and dense attention (every row's target), each computed once, side by side.
+    with ThreadPoolExecutor(4) as pool:
+        corpus = pool.submit(cal.calibrate, calib_capture.k, calib_capture.q)
+        session = pool.submit(cal.calibrate_session, eval_capture.k[:, :, :prefill])
+        eval_refs = pool.submit(fid.dense_references, eval_capture, positions)
+        calib_refs = pool.submit(fid.dense_references, calib_capture, calib_positions) if default_rows else None
+        corpus, session, eval_refs = corpus.result(), session.result(), eval_refs.result()
+        calib_refs = calib_refs and calib_refs.result()
+    calibs = {"corpus": corpus, "session": session, "none": None}
+
     layer_plans = {}
-    basis_rule = table = None
-    if with_plans:
-        table = layer_error_table(calib_capture, corpus, config.layer_plan_grid, ks[0], config.calib_positions, bar,
-                                  references=calib_refs)
-        for mean in config.layer_plan_means:
-            budgets = planner_lib.greedy_layer_budgets(table, np.asarray(config.layer_plan_grid), mean)
+    basis_rule = None
+    if default_rows:
+        grid = config.layer_plan_grid if with_plans else ()
+        table, basis_rule = calibration_studies(calib_capture, corpus, grid=grid, basis_budgets=basis_budgets,
+                                                k=ks[0], positions=config.calib_positions, progress=bar,
+                                                references=calib_refs)
+        for mean in config.layer_plan_means if with_plans else ():
+            budgets = planner_lib.greedy_layer_budgets(table, np.asarray(grid), mean)
             layer_plans[mean] = [int(b) for b in budgets]
             rows.append(Row(f"Fathom per-layer {mean}", "Fathom per-layer", None, "corpus", tuple(layer_plans[mean])))
 
-    if default_rows:
-        # The layer-plan table already holds raw Fathom on the calibration capture (same k and positions).
-        known = {} if table is None else {("raw", b): float(table[:, i].mean()) for i, b in enumerate(config.layer_plan_grid)}
-        basis_rule = choose_basis(calib_capture, corpus, budgets=basis_budgets, k=ks[0],
-                                  positions=config.calib_positions, progress=bar, known=known, references=calib_refs)
-
+    measured = fid.attention_errors_many(_row_evaluations(rows, calibs), eval_capture, ks, positions=positions,
+                                         progress=bar, references=eval_refs)
     results = []
-    for row in rows:
-        _describe(bar, row.name)
-        if row.layer_budgets is not None:
-            fns = [fid.method_score_fn(Fathom(b)) for b in row.layer_budgets]
-        else:
-            fns = fid.method_score_fn(row.method)
-        err, bits = fid.attention_errors(
-            fns, eval_capture, ks, positions=positions, layer_states=calibs[row.calibration],
-            progress=bar, desc=row.name, references=eval_refs,
-        )
+    for row, (err, bits) in zip(rows, measured):
         results.append({
             "name": row.name,
             "family": row.family,
