@@ -10,6 +10,7 @@ layer axis the decoder scans over. A tensor the map needs but the source lacks r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Callable
@@ -245,12 +246,22 @@ def _field(reader, key: str, default=None):
 
 
 def open_gguf(path: str | os.PathLike):
-    """A ``gguf.GGUFReader`` over ``path``; a missing, truncated or foreign file raises naming the file."""
-    import gguf
+    """A ``gguf.GGUFReader`` over ``path``; a missing, truncated or foreign file raises naming the file.
 
+    Parsing the metadata takes seconds (SmolLM2: ~5 s), and a command reads one file's configuration, then its
+    tokenizer, then its weights: each version of a file (size, modification time) is parsed once.
+    """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist (expected a GGUF file or a HF checkpoint directory)")
+    stat = os.stat(path)
+    return _read_gguf(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_gguf(path: str, size: int, mtime_ns: int):
+    import gguf
+
     try:
         return gguf.GGUFReader(path)
     except Exception as err:  # gguf reports damage as numpy reshape errors or a bare "GGUF magic invalid"
