@@ -15,11 +15,14 @@
 #   e2  (same machine)  SmolLM2 GPU tests; Fathom 48 at 128k, profiled
 #   f1  (nvidia-h200)   GPU tests after a change; three methods at 1M and 128k, profiled
 #   f2  (same machine)  SmolLM2 GPU tests
+#   g1  (nvidia-h200-x2) GPU tests after a change (one GPU visible) + sharding tests on both; 1M with every
+#                       layer's own K/V (171 GB of host memory) on one GPU of that machine
+#   g2  (same machine)  SmolLM2 GPU tests; the same 1M step on two GPUs
 # The GPU machine has JAX 0.11.2 but not gguf: carry its wheel in .whl/; SmolLM2's GGUF (98 MB, over one call's
 # 64 MiB) travels in two halves, .carry1/ (a1) and .carry2/ (a2), joined on the machine (ignored paths persist
 # between calls on a warm machine). Outputs go to $OUT.
 set -uo pipefail
-stage=${1:?stage: a1, a2, b1, b2, c1, c2, c3, d1, d2, e1, e2, f1 or f2}
+stage=${1:?stage: a1 .. f2, g1 or g2}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -110,4 +113,17 @@ wait)  # wait up to $2 s for the sweeps, then copy their logs and results to $OU
   for f in /tmp/sweeps/*.log; do echo "== $f"; tail -c 1500 $f | tr '\r' '\n' | tail -8; done
   cat /tmp/sweeps/*.rc 2>/dev/null; mkdir -p $OUT/sweeps; cp /tmp/sweeps/*.log /tmp/sweeps/*.rc $OUT/sweeps/ 2>/dev/null
   cp -r /tmp/sweeps/results $OUT/sweeps/ 2>/dev/null; true ;;
+g1)
+  cp .carry1/smol.part1 /tmp/smol.part1
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_h200.log
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_sharding.py tests/test_hlo.py 2>&1 | tee $OUT/gpu_tests_h200x2.log
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=236
+  timeout 330 python3 scripts/bench_offload.py --tag h200x2_g1 --out $OUT --mesh 1 --sections link,attn --contexts 1m \
+    --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 320 2>&1 | tee $OUT/bench_g1.log ;;
+g2)
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests/models/test_sparse.py 2>&1 | tee $OUT/gpu_smollm2_h200.log
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=236
+  timeout 440 python3 scripts/bench_offload.py --tag h200x2_g2 --out $OUT --mesh 2 --sections link,attn --contexts 1m \
+    --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 430 2>&1 | tee $OUT/bench_g2.log ;;
 esac
