@@ -178,11 +178,14 @@ class Placement:
     def zeros(self, shape, dtype, *, bulk: bool = True):
         """A zero-filled cache array of ``shape`` placed where it belongs.
 
-        Host arrays are filled from (lazily allocated) zero pages on the host, never staged through the
-        device, so a cache larger than HBM can be allocated.
+        A host array whose shard fits in a third of the free HBM is made there and copied out: a
+        ``device_put`` of host data into ``pinned_host`` passes through a second host buffer of the same
+        size, so filling a cache that way needs its bytes plus its largest array in host memory (a 1M-token
+        cache with every layer's own K/V, 171 GB, was killed on a 256 GiB host). A larger array (a cache
+        bigger than HBM) still comes from (lazily allocated) zero pages on the host.
         """
         sharding = self.sharding(len(shape), bulk=bulk, split=len(shape) >= 2)
-        if bulk and self.memory_kind == "pinned_host":
+        if bulk and self.memory_kind == "pinned_host" and not _fits_in_hbm(shape, dtype, sharding):
             return jax.device_put(np.zeros(shape, dtype), sharding)
         return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()
 
@@ -227,3 +230,15 @@ class Placement:
         index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (x.shape[1], n))
         rows, _, _ = row_fetch(x, None, index, layer=layer, implementation=implementation)
         return rows
+
+
+def _fits_in_hbm(shape, dtype, sharding, fraction: float = 1 / 3) -> bool:
+    """Whether one shard of a ``shape`` array takes at most ``fraction`` of every device's free memory."""
+    shard = np.prod(sharding.shard_shape(tuple(shape)), dtype=np.int64) * np.dtype(dtype).itemsize
+    for device in sharding.device_set:
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return False
+        if shard > fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)):
+            return False
+    return True

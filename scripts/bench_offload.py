@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import math
 import os
+import resource
 import sys
 import time
 import traceback
@@ -247,7 +248,8 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         if not placement.offloaded:  # the HBM control: no link traffic
             floor_ms = float("nan")
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
-                 "mesh": placement.num_shards, "shared_kv": shared, "fill_s": fill_s, **r, **nbytes,
+                 "mesh": placement.num_shards, "shared_kv": shared, "fill_s": fill_s,
+                 "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],
                  "authors_ms": AUTHORS_MS.get(context, {}).get(label) if batch == 1 and placement.num_shards == 1 else None,
                  "tag": tag, **({"profile": profile} if profile else {})})

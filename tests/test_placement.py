@@ -1,0 +1,56 @@
+"""Placement: where cache arrays are allocated (the GPU path itself runs in `pytest -m gpu` and the benchmark)."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fathom_jax.placement import Placement, _fits_in_hbm
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    limit: int | None
+    in_use: int = 0
+
+    def memory_stats(self):
+        return None if self.limit is None else {"bytes_limit": self.limit, "bytes_in_use": self.in_use}
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeSharding:
+    devices: tuple
+    split: int = 1
+
+    @property
+    def device_set(self):
+        return set(self.devices)
+
+    def shard_shape(self, shape):
+        return (shape[0], shape[1] // self.split, *shape[2:])
+
+
+@pytest.mark.parametrize(
+    "limit, in_use, split, fits",
+    [
+        (3 * 2**20, 0, 1, True),  # a 1 MiB shard in 3 MiB free: exactly a third
+        (3 * 2**20 - 1, 0, 1, False),
+        (4 * 2**20, 2**20, 1, True),
+        (4 * 2**20, 2**20 + 1, 1, False),  # in-use bytes count
+        (2 * 2**20, 0, 2, True),  # split over two devices: half the array each
+        (None, 0, 1, False),  # a backend without memory statistics: the host path
+    ],
+)
+def test_fits_in_hbm_compares_one_shard_with_a_third_of_free_memory(limit, in_use, split, fits):
+    sharding = FakeSharding(tuple(FakeDevice(limit, in_use) for _ in range(split)), split)
+    assert _fits_in_hbm((2, 4, 2**15), jnp.float32, sharding) is fits  # 1 MiB in all
+
+
+@pytest.mark.parametrize("memory", ["device", "pinned_host"])
+def test_zeros_are_zero_and_placed(memory):
+    placement = Placement(memory)
+    x = placement.zeros((2, 3, 5), jnp.uint32)
+    assert x.shape == (2, 3, 5) and x.dtype == jnp.uint32
+    np.testing.assert_array_equal(np.asarray(x), 0)
+    assert x.sharding.memory_kind == placement.memory_kind
