@@ -178,7 +178,7 @@ class Placement:
     def zeros(self, shape, dtype, *, bulk: bool = True):
         """A zero-filled cache array of ``shape`` placed where it belongs.
 
-        A host array whose shard fits in a third of the free HBM is made there and copied out: a
+        A host array whose shard fits in 90% of the free HBM is made there and copied out: a
         ``device_put`` of host data into ``pinned_host`` passes through a second host buffer of the same
         size, so filling a cache that way needs its bytes plus its largest array in host memory (a 1M-token
         cache with every layer's own K/V, 171 GB, was killed on a 256 GiB host). A larger array (a cache
@@ -232,7 +232,7 @@ class Placement:
         return rows
 
 
-def _fits_in_hbm(shape, dtype, sharding, fraction: float = 1 / 3) -> bool:
+def _fits_in_hbm(shape, dtype, sharding, fraction: float = 0.9) -> bool:
     """Whether one shard of a ``shape`` array takes at most ``fraction`` of every device's free memory."""
     shard = np.prod(sharding.shard_shape(tuple(shape)), dtype=np.int64) * np.dtype(dtype).itemsize
     for device in sharding.device_set:

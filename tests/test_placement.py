@@ -34,15 +34,15 @@ class FakeSharding:
 @pytest.mark.parametrize(
     "limit, in_use, split, fits",
     [
-        (3 * 2**20, 0, 1, True),  # a 1 MiB shard in 3 MiB free: exactly a third
-        (3 * 2**20 - 1, 0, 1, False),
-        (4 * 2**20, 2**20, 1, True),
-        (4 * 2**20, 2**20 + 1, 1, False),  # in-use bytes count
-        (2 * 2**20, 0, 2, True),  # split over two devices: half the array each
+        (10 * 2**20 // 9 + 1, 0, 1, True),  # a 1 MiB shard in 10/9 MiB free: 90%
+        (10 * 2**20 // 9 - 1, 0, 1, False),
+        (2 * 2**20, 2**20 - 2**19, 1, True),
+        (2 * 2**20, 2**20, 1, False),  # in-use bytes count
+        (2**20, 0, 2, True),  # split over two devices: half the array each (whole: 1 MiB > 90%)
         (None, 0, 1, False),  # a backend without memory statistics: the host path
     ],
 )
-def test_fits_in_hbm_compares_one_shard_with_a_third_of_free_memory(limit, in_use, split, fits):
+def test_fits_in_hbm_compares_one_shard_with_free_memory(limit, in_use, split, fits):
     sharding = FakeSharding(tuple(FakeDevice(limit, in_use) for _ in range(split)), split)
     assert _fits_in_hbm((2, 4, 2**15), jnp.float32, sharding) is fits  # 1 MiB in all
 
