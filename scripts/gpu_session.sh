@@ -131,13 +131,13 @@ g2)
     --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 430 2>&1 | tee $OUT/bench_g2.log ;;
 g3)
   cp .carry1/smol.part1 /tmp/smol.part1
-  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=176
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=186
   timeout 560 python3 scripts/bench_offload.py --tag h200x2_g3 --out $OUT --mesh 1 --sections link,attn --contexts 1m \
     --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 550 2>&1 | tee $OUT/bench_g3.log ;;
 g4)
   cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
   CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests/models/test_sparse.py 2>&1 | tee $OUT/gpu_smollm2_h200.log
-  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=90
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=96
   timeout 470 python3 scripts/bench_offload.py --tag h200x2_g4 --out $OUT --mesh 2 --sections link,attn --contexts 1m \
     --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 460 2>&1 | tee $OUT/bench_g4.log ;;
 esac
