@@ -20,7 +20,8 @@
 #   g2  (same machine)  SmolLM2 GPU tests; the same 1M step on two GPUs
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
-#                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, per device)
+#                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
+#                       region twice the last: planes 18 + 36 + K 72 GiB leave V a region of limit - 126)
 # The GPU machine has JAX 0.11.2 but not gguf: carry its wheel in .whl/; SmolLM2's GGUF (98 MB, over one call's
 # 64 MiB) travels in two halves, .carry1/ (a1) and .carry2/ (a2), joined on the machine (ignored paths persist
 # between calls on a warm machine). Outputs go to $OUT.
@@ -131,13 +132,13 @@ g2)
     --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 430 2>&1 | tee $OUT/bench_g2.log ;;
 g3)
   cp .carry1/smol.part1 /tmp/smol.part1
-  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=186
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=205
   timeout 560 python3 scripts/bench_offload.py --tag h200x2_g3 --out $OUT --mesh 1 --sections link,attn --contexts 1m \
     --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 550 2>&1 | tee $OUT/bench_g3.log ;;
 g4)
   cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
   CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests/models/test_sparse.py 2>&1 | tee $OUT/gpu_smollm2_h200.log
-  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=96
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=101
   timeout 470 python3 scripts/bench_offload.py --tag h200x2_g4 --out $OUT --mesh 2 --sections link,attn --contexts 1m \
     --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 460 2>&1 | tee $OUT/bench_g4.log ;;
 esac
