@@ -152,6 +152,10 @@ class SparseAttention:
         capacity = round_capacity(capacity)
         r, d = batch * kv_heads, head_dim
         zeros = self.placement.zeros
+        # Largest arrays first: XLA's pinned host allocator grows in regions of doubling size, and the K/V
+        # rows allocated after the planes left a region too small for V at 1M tokens (see NOTES.md).
+        kv_layers = 1 if shared_kv else n_layers
+        k, v = (zeros((kv_layers, r, capacity, d), dtype) for _ in range(2))
         small = lambda shape, dtype: zeros(shape, dtype, bulk=False)  # noqa: E731
         lengths = small((n_layers, r), jnp.int32)
         parts = self.index_parts
@@ -175,11 +179,9 @@ class SparseAttention:
             landmarks=zeros((n_layers, r, capacity // LANDMARK_TOKENS, d), jnp.float16) if "landmarks" in parts else None,
             landmark_tail=small((n_layers, r, LANDMARK_TOKENS, d), jnp.float32) if "landmarks" in parts else None,
         )
-        kv_layers = 1 if shared_kv else n_layers
         writes = 2 + 2 * len(index.stores) + (index.landmarks is not None)
         return SparseCache(
-            k=zeros((kv_layers, r, capacity, d), dtype), v=zeros((kv_layers, r, capacity, d), dtype),
-            index=index, length=small((batch,), jnp.int32), writes=small((writes,), jnp.int32),
+            k=k, v=v, index=index, length=small((batch,), jnp.int32), writes=small((writes,), jnp.int32),
         )
 
     def _writer(self):

@@ -26,7 +26,7 @@
 # 64 MiB) travels in two halves, .carry1/ (a1) and .carry2/ (a2), joined on the machine (ignored paths persist
 # between calls on a warm machine). Outputs go to $OUT.
 set -uo pipefail
-stage=${1:?stage: a1 .. f2, g1 .. g4}
+stage=${1:?stage: a1 .. f2, g1 .. g5}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -141,4 +141,12 @@ g4)
   export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=101
   timeout 470 python3 scripts/bench_offload.py --tag h200x2_g4 --out $OUT --mesh 2 --sections link,attn --contexts 1m \
     --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 460 2>&1 | tee $OUT/bench_g4.log ;;
+g5)  # g3 + g4 after allocating K/V before the index (largest first: regions of 128 + 72 GiB for one GPU,
+     # 64 + 36 per GPU for two), Fathom 48 only (device time)
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=201
+  timeout 285 python3 scripts/bench_offload.py --tag h200x2_g5_1gpu --out $OUT --mesh 1 --sections link,attn --contexts 1m \
+    --methods "Fathom 48" --share-kv-from none --time-budget 275 2>&1 | tee $OUT/bench_g5_1gpu.log
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=101
+  timeout 285 python3 scripts/bench_offload.py --tag h200x2_g5_2gpu --out $OUT --mesh 2 --sections link,attn --contexts 1m \
+    --methods "Fathom 48" --share-kv-from none --time-budget 275 2>&1 | tee $OUT/bench_g5_2gpu.log ;;
 esac
