@@ -18,6 +18,7 @@
 #   g1  (nvidia-h200-x2) GPU tests after a change (one GPU visible) + sharding tests on both; 1M with every
 #                       layer's own K/V (171 GB of host memory) on one GPU of that machine
 #   g2  (same machine)  SmolLM2 GPU tests; the same 1M step on two GPUs
+#   g6  (nvidia-h200-x2) offload-path GPU tests; 1M with every layer's own K/V on two GPUs (K/V allocated first)
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -26,7 +27,7 @@
 # 64 MiB) travels in two halves, .carry1/ (a1) and .carry2/ (a2), joined on the machine (ignored paths persist
 # between calls on a warm machine). Outputs go to $OUT.
 set -uo pipefail
-stage=${1:?stage: a1 .. f2, g1 .. g5}
+stage=${1:?stage: a1 .. f2, g1 .. g6}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -149,4 +150,10 @@ g5)  # g3 + g4 after allocating K/V before the index (largest first: regions of 
   export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=101
   timeout 285 python3 scripts/bench_offload.py --tag h200x2_g5_2gpu --out $OUT --mesh 2 --sections link,attn --contexts 1m \
     --methods "Fathom 48" --share-kv-from none --time-budget 275 2>&1 | tee $OUT/bench_g5_2gpu.log ;;
+g6)  # the offload-path GPU tests after the K/V-first order; g5's 2-GPU run with room for the regions the link
+     # measurement left (2 GiB buffers per GPU: BFC regions are never returned): 4 + 64 (K) + 37 (V) GiB per GPU
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests/test_sparse_step.py tests/test_hlo.py tests/models 2>&1 | tee $OUT/gpu_tests_offload_h200.log
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=106
+  timeout 280 python3 scripts/bench_offload.py --tag h200x2_g6 --out $OUT --mesh 2 --sections link,attn --contexts 1m \
+    --methods "Fathom 48" --share-kv-from none --steps 3 --time-budget 270 2>&1 | tee $OUT/bench_g6.log ;;
 esac
