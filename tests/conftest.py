@@ -8,11 +8,6 @@ import types
 # though the few compute-bound real-model tests run ~2x slower (NOTES.md). XLA:CPU uses no fast-math, so the
 # numbers, and every bit-exact comparison, are the same.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0")
-# Both xdist workers, and the README/notebook subprocesses, compile many of the same programs (the SmolLM2
-# decoder, the interpreted kernels): one on-disk compilation cache per checkout lets the second compile be a
-# read. Same executables, so the same numbers.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
