@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
+from fathom_jax import host_memory
 from fathom_jax import landmarks as landmarks_lib
 from fathom_jax import methods as methods_lib
 from fathom_jax import store as store_lib
@@ -148,10 +151,29 @@ class SparseAttention:
     # -- the cache ---------------------------------------------------------------------------
     def init_cache(self, *, n_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                    dtype, shared_kv: bool = False) -> SparseCache:
-        """An empty cache (zeros) of ``capacity`` tokens per sequence, placed by :attr:`placement`."""
-        capacity = round_capacity(capacity)
+        """An empty cache (zeros) of ``capacity`` tokens per sequence, placed by :attr:`placement`.
+
+        In host memory on a GPU, the pinned memory it will take in XLA's allocator is checked first (see
+        :mod:`fathom_jax.host_memory`): a cap too low or regions larger than the machine fail here, before
+        anything is allocated.
+        """
+        shape = dict(n_layers=n_layers, batch=batch, kv_heads=kv_heads, capacity=round_capacity(capacity),
+                     head_dim=head_dim, dtype=dtype, shared_kv=shared_kv)
+        if self.placement.memory_kind == "pinned_host":
+            shards = self.placement.num_shards
+            allocations = []
+
+            def record(shape, dtype, *, bulk=True):
+                if bulk:
+                    allocations.append(math.prod(shape) * np.dtype(dtype).itemsize // shards)
+                return jax.ShapeDtypeStruct(shape, dtype)
+
+            self._build_cache(record, **shape)
+            host_memory.check(allocations, devices=shards, what=f"a cache of {shape['capacity']} tokens")
+        return self._build_cache(self.placement.zeros, **shape)
+
+    def _build_cache(self, zeros, *, n_layers, batch, kv_heads, capacity, head_dim, dtype, shared_kv):
         r, d = batch * kv_heads, head_dim
-        zeros = self.placement.zeros
         # Largest arrays first: XLA's pinned host allocator grows in regions of doubling size, and the K/V
         # rows allocated after the planes left a region too small for V at 1M tokens (see NOTES.md).
         kv_layers = 1 if shared_kv else n_layers
