@@ -19,6 +19,7 @@
 #                       layer's own K/V (171 GB of host memory) on one GPU of that machine
 #   g2  (same machine)  SmolLM2 GPU tests; the same 1M step on two GPUs
 #   g6  (nvidia-h200-x2) offload-path GPU tests; 1M with every layer's own K/V on two GPUs (K/V allocated first)
+#   h1/h2 (nvidia-h200-x2, not yet run) issue 9's comparison: 1M, every layer's own K/V, staged reads, 1 vs 2 GPUs
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -27,7 +28,7 @@
 # 64 MiB) travels in two halves, .carry1/ (a1) and .carry2/ (a2), joined on the machine (ignored paths persist
 # between calls on a warm machine). Outputs go to $OUT.
 set -uo pipefail
-stage=${1:?stage: a1 .. f2, g1 .. g6}
+stage=${1:?stage: a1 .. f2, g1 .. g6, h1 or h2}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -156,4 +157,13 @@ g6)  # the offload-path GPU tests after the K/V-first order; g5's 2-GPU run with
   export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=106
   timeout 280 python3 scripts/bench_offload.py --tag h200x2_g6 --out $OUT --mesh 2 --sections link,attn --contexts 1m \
     --methods "Fathom 48" --share-kv-from none --steps 3 --time-budget 270 2>&1 | tee $OUT/bench_g6.log ;;
+h1)  # (not yet run) 1M, every layer's own K/V, staged reads, on one GPU of the x2 machine: regions 2 (link) +
+     # 128 (K, then planes) + 73 (V) GiB under a cap of 206 GiB (host_memory.check replays this)
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=206
+  timeout 560 python3 scripts/bench_offload.py --tag h200x2_h1 --out $OUT --mesh 1 --read staged --sections link,attn \
+    --contexts 1m --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 550 2>&1 | tee $OUT/bench_h1.log ;;
+h2)  # (not yet run) the same cache on two GPUs, staged reads: 2 + 64 + 40 GiB of regions per GPU
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=106
+  timeout 560 python3 scripts/bench_offload.py --tag h200x2_h2 --out $OUT --mesh 2 --read staged --sections link,attn \
+    --contexts 1m --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 550 2>&1 | tee $OUT/bench_h2.log ;;
 esac
