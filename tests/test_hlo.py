@@ -32,9 +32,12 @@ def test_parser_flags_copies_slices_and_host_outputs_of_large_host_arrays():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_model):
-    """The compiled offloaded decode step has no host-to-device (or host-to-host) copy of the store or K/V."""
-    attn = decode.from_spec("fathom:16", k=64, calibration="session", placement="pinned_host", implementation="pallas")
+@pytest.mark.parametrize("read", ["direct", "staged"])
+def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_model, read):
+    """The compiled offloaded decode step has no host-to-device (or host-to-host) copy of the store or K/V,
+    whether the plane scan reads host memory itself or the run gather stages the planned runs."""
+    attn = decode.from_spec("fathom:16", k=64, calibration="session", placement=decode.Placement("pinned_host", read=read),
+                            implementation="pallas")
     prompt = np.random.default_rng(0).integers(0, 97, (2, 1000)).astype(np.int32)
     logits, cache, attn = sparse.prefill(tiny_model, prompt, np.array([1000, 900]), attn, 4096)
     assert cache.k.sharding.memory_kind == "pinned_host" and cache.index.raw.planes.sharding.memory_kind == "pinned_host"

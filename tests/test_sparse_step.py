@@ -92,7 +92,8 @@ def test_stacked_layers_and_newest_token_patch(setting, method, implementation):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-def test_pinned_host_step_equals_hbm_step_and_reference():
+@pytest.mark.parametrize("read", ["direct", "staged"])
+def test_pinned_host_step_equals_hbm_step_and_reference(read):
     """On a GPU the index and K/V rows live in pinned_host memory and the kernels read them there. The host
     and HBM steps read the same bf16 cache (like with like: the store is built from the bf16 keys) and agree
     exactly; both match the per-head reference."""
@@ -107,7 +108,7 @@ def test_pinned_host_step_equals_hbm_step_and_reference():
     method = M.Fathom(48)
     index = I.build_index(keys32, calib, [method], length=lengths)
     stacked = jax.tree.map(lambda x: x[None], index)
-    host = Placement("pinned_host")
+    host = Placement("pinned_host", read=read)
     placed = host.put(stacked)  # bulk leaves (planes, scales) to pinned_host, the rest on the device
     assert placed.raw.planes.sharding.memory_kind == "pinned_host"
     k_host = jax.device_put(keys[None], host.sharding(4, bulk=True))
