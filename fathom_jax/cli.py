@@ -137,6 +137,23 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
+def _generate_mesh(devices: int, config):
+    """A one-axis mesh of the first ``devices`` devices for ``--mesh`` (None for one device), checked first."""
+    if devices == 1:
+        return None
+    import jax
+    import numpy as np
+
+    have = jax.devices()
+    if devices > len(have):
+        raise UsageError(f"argument --mesh: {devices} devices asked for, {len(have)} {jax.default_backend()} "
+                         f"device(s) available")
+    if config.n_kv_heads % devices:
+        raise UsageError(f"argument --mesh: the model's {config.n_kv_heads} KV heads do not split evenly over "
+                         f"{devices} devices (one sequence: use a divisor of {config.n_kv_heads})")
+    return jax.sharding.Mesh(np.array(have[:devices]), ("x",))
+
+
 def _generate(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
@@ -145,7 +162,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     text = _read_prompt(args)
     config = hub.model_config(args.model)
-    sparse = args.method != "dense" or args.placement != "device"
+    sparse = args.method != "dense" or args.placement != "device" or args.mesh > 1
+    mesh = _generate_mesh(args.mesh, config)
     method = None
     if sparse:
         from fathom_jax import methods
@@ -179,8 +197,9 @@ def _generate(args: argparse.Namespace) -> int:
 
             cap = capture_qkv(model, jnp.asarray(calib_ids[: args.calib_tokens]))
             calibration = calibrate(cap["k"], cap["q"])
+        placement = decode.Placement(args.placement, mesh=mesh, read=args.read)
         attention_fn = decode.from_spec(method, k=args.k, calibration=calibration,
-                                        implementation=args.implementation, placement=args.placement)
+                                        implementation=args.implementation, placement=placement)
         if args.k >= capacity:
             print(f"[generate] note: k={args.k} >= prompt + new tokens ({capacity}): every token is selected, the "
                   "output is dense decoding's; use a longer prompt (--prompt-file) or a smaller --k", file=sys.stderr)
@@ -263,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scan and top-k: jnp reference or Pallas kernels (default: pallas on a GPU, xla elsewhere)")
     p.add_argument("--placement", choices=["device", "pinned_host"], default="device",
                    help="where the K/V cache and key index live: device memory or pinned host memory")
+    p.add_argument("--read", choices=["direct", "staged"], default="direct",
+                   help="with --placement pinned_host: the plane scan reads host memory as it computes (direct), "
+                        "or the planned runs are copied to HBM first (staged: faster on the H200)")
+    p.add_argument("--mesh", type=positive_int(1), default=1,
+                   help="devices to split the KV heads over (sparse decoding; each device scans and fetches for its "
+                        "own heads from its own slice of memory); must divide the model's KV heads")
     add_model_arguments(p)
     p.set_defaults(func=_generate)
 

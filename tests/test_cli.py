@@ -64,6 +64,10 @@ BAD_ARGUMENTS = [
                                "8192 positions"),
     (["generate", "x", "--method", "fathom:32", "--calibration", "corpus", "--calib-tokens", "9000"],
      "--calib-tokens 9000 asks for 9000 tokens, more than the model's 8192 positions"),
+    (["generate", "x", "--mesh", "0"], "argument --mesh: expected an integer >= 1"),
+    (["generate", "x", "--mesh", "64"], "argument --mesh: 64 devices asked for, 2 cpu device(s) available"),
+    (["generate", "x", "--mesh", "2"], "argument --mesh: the model's 3 KV heads do not split evenly over 2 devices"),
+    (["generate", "x", "--read", "sideways"], "argument --read: invalid choice: 'sideways'"),
     (["sweep", "--k", "0"], "argument --k: expected an integer >= 36"),
     (["sweep", "--k", "5000"], "argument --k: [5000] is more than the 4096 tokens of --context 4096"),
     (["sweep", "--positions", "0"], "argument --positions: expected an integer >= 1"),
@@ -189,6 +193,19 @@ def test_generate_with_a_local_hf_model_reports_what_was_sparse(capsys, tiny_hf_
     assert "SparQ r=2: k = 40 of 82 context tokens (48.8%)" in err
     assert "reads 8.5 bits per token per KV head per layer (dense keys: 64)" in err and "tokens/s" in err
     assert out.startswith(prompt) and len(out) > len(prompt)
+
+
+def test_generate_over_a_mesh_in_host_layout_gives_the_same_tokens(capsys, tiny_hf_model):
+    """--mesh 2 splits the two KV heads over the two CPU devices; --placement pinned_host --read staged runs
+    the offloaded layout (in device memory here): the greedy continuation is the unsharded one."""
+    prompt = " ".join(f"w{(7 * i) % 49}" for i in range(80))
+    common = ["generate", prompt, "--model", str(tiny_hf_model), "--method", "fathom:8", "--k", "40",
+              "--max-new-tokens", "4"]
+    code, one, err = run(capsys, *common)
+    assert code == 0, err
+    code, two, err = run(capsys, *common, "--mesh", "2", "--placement", "pinned_host", "--read", "staged")
+    assert code == 0, err
+    assert two == one and len(one) > len(prompt)
 
 
 def test_registered_command_modules_share_the_conventions(capsys, monkeypatch):
