@@ -48,7 +48,8 @@ def test_default_bracket_and_exact_agree_on_appendix(method, budget, depths, app
 
 
 @settings(max_examples=30, deadline=None)
-@given(g=hnp.arrays(np.float32, st.integers(1, 48),
+# A few channel counts (each compiles its own plan), every value drawn fresh.
+@given(g=hnp.arrays(np.float32, st.sampled_from([1, 2, 3, 7, 16, 33, 48]),
                    elements=st.one_of(st.just(0.0), st.floats(2.0**-20, 1e4, width=32))),
        frac=st.floats(0, 1))
 def test_bisection_fits_budget_and_matches_exact(g, frac):
