@@ -157,8 +157,8 @@ class SparseAttention:
         :mod:`fathom_jax.host_memory`): a cap too low or regions larger than the machine fail here, before
         anything is allocated.
         """
-        shape = dict(n_layers=n_layers, batch=batch, kv_heads=kv_heads, capacity=round_capacity(capacity),
-                     head_dim=head_dim, dtype=dtype, shared_kv=shared_kv)
+        dims = dict(n_layers=n_layers, batch=batch, kv_heads=kv_heads, capacity=round_capacity(capacity),
+                    head_dim=head_dim, dtype=dtype, shared_kv=shared_kv)
         if self.placement.memory_kind == "pinned_host":
             shards = self.placement.num_shards
             allocations = []
@@ -168,9 +168,9 @@ class SparseAttention:
                     allocations.append(math.prod(shape) * np.dtype(dtype).itemsize // shards)
                 return jax.ShapeDtypeStruct(shape, dtype)
 
-            self._build_cache(record, **shape)
-            host_memory.check(allocations, devices=shards, what=f"a cache of {shape['capacity']} tokens")
-        return self._build_cache(self.placement.zeros, **shape)
+            self._build_cache(record, **dims)  # shapes only, in allocation order
+            host_memory.check(allocations, devices=shards, what=f"a cache of {dims['capacity']} tokens")
+        return self._build_cache(self.placement.zeros, **dims)
 
     def _build_cache(self, zeros, *, n_layers, batch, kv_heads, capacity, head_dim, dtype, shared_kv):
         r, d = batch * kv_heads, head_dim
