@@ -23,7 +23,7 @@ scan = jax.jit(SC.scan_scores, static_argnums=0, static_argnames="implementation
 # Each scorer against a plain computation
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(seed=st.integers(0, 2**16), n=st.sampled_from([40, 150]), d=st.just(16),
        g=st.sampled_from([1, 3]), r=st.integers(1, 8))
 def test_scorers_match_plain_numpy(seed, n, d, g, r):
