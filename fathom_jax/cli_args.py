@@ -197,10 +197,10 @@ def run_metadata(args: argparse.Namespace) -> dict:
 
 
 def _total_memory_gib() -> float | None:
-    try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1)
-    except (ValueError, OSError, AttributeError):
-        return None
+    from fathom_jax.host_memory import physical_bytes
+
+    total = physical_bytes()
+    return None if total is None else round(total / GiB, 1)
 
 
 def git_commit() -> str | None:
