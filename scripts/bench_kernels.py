@@ -229,6 +229,36 @@ def rowfetch_cases(sizes=(131072,), configs=((32, 4),)):
     return out
 
 
+def rowlayout_cases(sizes=(131072, 1048576), reps=20):
+    """Fresh rows per call from host memory: K and V as two arrays (two 256-byte runs per token) against one
+    interleaved ``[n, 2 Dh]`` array (one 512-byte run): the same bytes, half the host pages touched."""
+    out = []
+    bh, dh, s = 8, 128, 2048
+    for n in sizes:
+        kk, kv = jax.random.split(jax.random.key(n))
+        k_hbm = jax.random.normal(kk, (bh, n, dh), jnp.bfloat16)
+        v_hbm = jax.random.normal(kv, (bh, n, dh), jnp.bfloat16)
+        kv_hbm = jnp.concatenate([k_hbm, v_hbm], axis=-1)
+        layouts = {"split": (_host(k_hbm), _host(v_hbm)), "interleaved": (_host(kv_hbm), None)}
+        del k_hbm, v_hbm
+        idx = jnp.asarray(np.sort(np.random.default_rng(5).choice(n, (bh, s)), axis=-1), jnp.int32)
+        want = RF.row_fetch_reference(kv_hbm, None, idx)[0]
+        for layout, (a, b) in layouts.items():
+            got = RF.row_fetch(a, b, idx)
+            got = got[0] if b is None else jnp.concatenate([got[0], got[1]], axis=-1)
+            ok = bool(jnp.array_equal(got, want))
+            r = _time_fresh_rows(a, b, n, bh, s, RF.RowFetchConfig(), reps=reps)
+            nbytes = 2 * bh * s * dh * 2
+            r.update(kernel="row_fetch_layout", layout=layout, source="pinned_host", n=n, rowset="fresh",
+                     slots=bh * s, bytes=nbytes, exact=ok)
+            r["GBps"] = nbytes / (r["median_ms"] * 1e-3) / 1e9
+            out.append(r)
+            print(f"row_fetch layout={layout:11s} n={n:8d} fresh {r['median_ms']:.4f} ms "
+                  f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] {r['GBps']:.1f} GB/s exact={ok}", flush=True)
+        del layouts, kv_hbm
+    return out
+
+
 def _time_fresh_rows(k_, v_, n, bh, s, cfg, reps=20, repeats=3):
     """ms per row fetch when each of ``reps`` chained calls fetches its own random sorted row set."""
     rng = np.random.default_rng(11)
@@ -319,6 +349,9 @@ def main():
         res["row_fetch"] = rowfetch_cases(tuple(map(int, args.rowfetch_sizes.split(","))),
                                           ROWFETCH_CONFIGS if args.tune else ((32, 4),))
         save()
+    if "rowlayout" in sections:
+        res["row_layout"] = rowlayout_cases(tuple(map(int, args.rowfetch_sizes.split(","))))
+        save()
 
 
 def write_report(res, out, name="kernels_h200"):
@@ -355,6 +388,15 @@ def write_report(res, out, name="kernels_h200"):
         for r in res["row_fetch"]:
             L.append(f"| {r['source']} | {r.get('n', 131072)} | {r.get('pattern', 'random')} | {r.get('rowset', 'repeated')} | {r.get('rows', 32)} | "
                      f"{r.get('num_warps', 4)} | {r['median_ms']:.4f} | {r['GBps']:.1f} | {r['rows_per_s']:.3g} | {r['exact']} |")
+        L.append("")
+    if "row_layout" in res:
+        L += ["## Row fetch layout (2048 fresh rows per call x 8 KV heads, K and V, bf16, Dh = 128, from pinned_host)", "",
+              "`split`: K and V as two arrays (two 256-byte runs per token); `interleaved`: one `[n, 2 Dh]` array "
+              "(one 512-byte run per token).", "",
+              "| layout | n | ms | [min, max] | GB/s | exact |", "|---|---|---|---|---|---|"]
+        for r in res["row_layout"]:
+            L.append(f"| {r['layout']} | {r['n']} | {r['median_ms']:.4f} | [{r['min_ms']:.4f}, {r['max_ms']:.4f}] | "
+                     f"{r['GBps']:.1f} | {r['exact']} |")
         L.append("")
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write("\n".join(L))

@@ -166,4 +166,10 @@ h2)  # (not yet run) the same cache on two GPUs, staged reads: 2 + 64 + 40 GiB o
   export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=106
   timeout 560 python3 scripts/bench_offload.py --tag h200x2_h2 --out $OUT --mesh 2 --read staged --sections link,attn \
     --contexts 1m --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 550 2>&1 | tee $OUT/bench_h2.log ;;
+i1)  # (nvidia-h200-x2) GPU tests of the un-run changes (host_memory.check, both read modes, CLI --mesh/--read) on
+     # one GPU and the sharding/HLO tests on both; row fetch from host memory: K and V split vs interleaved
+  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_h200.log
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_sharding.py tests/test_hlo.py tests/test_cli.py 2>&1 | tee $OUT/gpu_tests_h200x2.log
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 scripts/bench_kernels.py --sections rowlayout --rowfetch-sizes 131072,1048576 \
+    --name rowlayout_h200 --out $OUT 2>&1 | tee $OUT/bench_i1_rowlayout.log ;;
 esac
