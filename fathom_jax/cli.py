@@ -282,9 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scan and top-k: jnp reference or Pallas kernels (default: pallas on a GPU, xla elsewhere)")
     p.add_argument("--placement", choices=["device", "pinned_host"], default="device",
                    help="where the K/V cache and key index live: device memory or pinned host memory")
-    p.add_argument("--read", choices=["direct", "staged"], default="direct",
-                   help="with --placement pinned_host: the plane scan reads host memory as it computes (direct), "
-                        "or the planned runs are copied to HBM first (staged: faster on the H200)")
+    p.add_argument("--read", choices=["direct", "staged"], default="staged",
+                   help="with --placement pinned_host: the planned runs are copied to HBM first (staged, the "
+                        "default: faster on the H200), or the plane scan reads host memory as it computes (direct)")
     p.add_argument("--mesh", type=positive_int(1), default=1,
                    help="devices to split the KV heads over (sparse decoding; each device scans and fetches for its "
                         "own heads from its own slice of memory); must divide the model's KV heads")

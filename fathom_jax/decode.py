@@ -177,7 +177,7 @@ class SparseAttention:
         # Largest arrays first: XLA's pinned host allocator grows in regions of doubling size, and the K/V
         # rows allocated after the planes left a region too small for V at 1M tokens (see NOTES.md).
         kv_layers = 1 if shared_kv else n_layers
-        k, v = (zeros((kv_layers, r, capacity, d), dtype) for _ in range(2))
+        kv = zeros((kv_layers, r, capacity, 2 * d), dtype)  # each token's K and V side by side: one run to fetch
         small = lambda shape, dtype: zeros(shape, dtype, bulk=False)  # noqa: E731
         lengths = small((n_layers, r), jnp.int32)
         parts = self.index_parts
@@ -201,10 +201,8 @@ class SparseAttention:
             landmarks=zeros((n_layers, r, capacity // LANDMARK_TOKENS, d), jnp.float16) if "landmarks" in parts else None,
             landmark_tail=small((n_layers, r, LANDMARK_TOKENS, d), jnp.float32) if "landmarks" in parts else None,
         )
-        writes = 2 + 2 * len(index.stores) + (index.landmarks is not None)
-        return SparseCache(
-            k=k, v=v, index=index, length=small((batch,), jnp.int32), writes=small((writes,), jnp.int32),
-        )
+        writes = 1 + 2 * len(index.stores) + (index.landmarks is not None)
+        return SparseCache(kv=kv, index=index, length=small((batch,), jnp.int32), writes=small((writes,), jnp.int32))
 
     def _writer(self):
         """``write(dst, src, start, axis, layer) -> new dst``, collecting in-place write tokens in ``tokens``."""
@@ -241,8 +239,8 @@ class SparseAttention:
         put, tokens = self._writer()
         write = lambda dst, src, axis: put(dst, src[None], zero, axis, layer)  # noqa: E731
         kv_layer = 0 if shared_kv else layer
-        k = put(cache.k, keys[None].astype(cache.k.dtype), zero, 2, kv_layer)
-        v = put(cache.v, values[None].astype(cache.v.dtype), zero, 2, kv_layer)
+        rows = jnp.concatenate([keys.astype(cache.kv.dtype), values.astype(cache.kv.dtype)], axis=-1)
+        kv = put(cache.kv, rows[None], zero, 2, kv_layer)
         built = build_index(keys.astype(jnp.float32), calib, (self.method,), capacity=cache.capacity, length=length,
                             parts=self.index_parts)
         set_small = lambda dst, src: dst.at[layer].set(src.astype(dst.dtype))  # noqa: E731
@@ -265,7 +263,7 @@ class SparseAttention:
             landmark_tail = set_small(old.landmark_tail, built.landmark_tail)
         index = KeyIndex(length=lengths, raw=store(old.raw, built.raw), klt=store(old.klt, built.klt),
                          loki=store(old.loki, built.loki), landmarks=landmarks, landmark_tail=landmark_tail)
-        return SparseCache(k=k, v=v, index=index, length=cache.length, writes=_tokens(tokens, cache.writes))
+        return SparseCache(kv=kv, index=index, length=cache.length, writes=_tokens(tokens, cache.writes))
 
     def prefilled(self, cache: SparseCache, lengths: Int[Array, "B"]) -> SparseCache:
         """The cache with its per-sequence lengths set after the last prefill layer."""
@@ -314,7 +312,7 @@ class SparseAttention:
         new = NewToken(position=position, key=key32, value=value, blocks={p: b[:2] for p, b in blocks.items()},
                        landmark=None if landmark is None else landmark[0])
         out, _ = sparse_attention_step(
-            self.method, q, KeyIndex(**view), cache.k, cache.v, position + 1, calib,
+            self.method, q, KeyIndex(**view), cache.kv, position + 1, calib,
             k=self.k, sink=self.sink, local=self.local, layer=layer, kv_layer=0 if shared_kv else layer,
             new=new, placement=self.placement, implementation=self.resolved_implementation,
         )
@@ -329,9 +327,8 @@ class SparseAttention:
 
     def _commit_groups(self, cache, update, p, *, shared_kv):
         write, tokens = self._writer()
-        kv_src = lambda x: (x[-1:] if shared_kv else x)[:, :, None, :].astype(cache.k.dtype)  # noqa: E731
-        k = write(cache.k, kv_src(update.key), p, 2)
-        v = write(cache.v, kv_src(update.value), p, 2)
+        rows = jnp.concatenate([update.key.astype(cache.kv.dtype), update.value.astype(cache.kv.dtype)], axis=-1)
+        kv = write(cache.kv, (rows[-1:] if shared_kv else rows)[:, :, None, :], p, 2)  # [L, R, 1, 2 Dh]
         lengths = cache.index.length + 1
         block = p // BLOCK_TOKENS
 
@@ -350,7 +347,7 @@ class SparseAttention:
             landmarks = write(landmarks, mean[:, :, None, :], p // LANDMARK_TOKENS, 2)
         index = KeyIndex(length=lengths, raw=store(index.raw, "raw"), klt=store(index.klt, "klt"),
                          loki=store(index.loki, "loki"), landmarks=landmarks, landmark_tail=landmark_tail)
-        return SparseCache(k=k, v=v, index=index, length=cache.length + 1, writes=_tokens(tokens, cache.writes))
+        return SparseCache(kv=kv, index=index, length=cache.length + 1, writes=_tokens(tokens, cache.writes))
 
 
 def _tokens(tokens, previous):

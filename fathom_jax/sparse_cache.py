@@ -24,22 +24,38 @@ from fathom_jax.methods.base import ScanMethod
 class SparseCache:
     """K/V rows and key index of every layer, stacked ``[L, R, ...]`` (``R = batch x KV heads``).
 
-    ``k``, ``v``: ``[L, R, C, Dh]`` in the model dtype (``[1, R, C, Dh]``: one row buffer shared by every
-    layer, a benchmark mode for caches larger than the host); ``index``: a :class:`KeyIndex` whose
-    leaves are ``[L, R, ...]`` (no ``keys`` part: the oracle reads ``k``); ``length``: tokens per
-    sequence ``[B]``. In host memory the kernels write the bulk arrays in place; ``writes`` holds the
-    tokens of the last writes, so the programs that made them return something that depends on them.
+    ``kv``: ``[L, R, C, 2 Dh]`` in the model dtype, each token's key in the first ``Dh`` features and its
+    value in the last, so that fetching a selected token reads one contiguous run (from host memory the
+    pages touched cost more than the bytes: see :mod:`pallas_kernels.row_fetch`); ``[1, R, C, 2 Dh]``:
+    one row buffer shared by every layer, a benchmark mode for caches larger than the host. ``index``: a
+    :class:`KeyIndex` whose leaves are ``[L, R, ...]`` (no ``keys`` part: the oracle reads the keys of
+    ``kv``); ``length``: tokens per sequence ``[B]``. In host memory the kernels write the bulk arrays in
+    place; ``writes`` holds the tokens of the last writes, so the programs that made them return something
+    that depends on them.
     """
 
-    k: Float[Array, "L R C Dh"]
-    v: Float[Array, "L R C Dh"]
+    kv: Float[Array, "L R C 2Dh"]
     index: KeyIndex
     length: Int[Array, "B"]
     writes: Int[Array, "W"] | None = None  # completion tokens of in-place writes into host memory (see below)
 
     @property
+    def k(self) -> Float[Array, "L R C Dh"]:
+        """The keys (a copy: ``kv[..., :Dh]``), for inspection; the step reads ``kv`` in place."""
+        return self.kv[..., : self.head_dim]
+
+    @property
+    def v(self) -> Float[Array, "L R C Dh"]:
+        """The values (a copy: ``kv[..., Dh:]``)."""
+        return self.kv[..., self.head_dim:]
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv.shape[-1] // 2
+
+    @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.kv.shape[2]
 
     @property
     def n_layers(self) -> int:
@@ -47,7 +63,7 @@ class SparseCache:
 
     @property
     def groups(self) -> int:
-        return self.k.shape[1]
+        return self.kv.shape[1]
 
     @property
     def batch(self) -> int:
@@ -55,14 +71,14 @@ class SparseCache:
 
     @property
     def shared_kv(self) -> bool:
-        return self.k.shape[0] != self.n_layers
+        return self.kv.shape[0] != self.n_layers
 
     def group_length(self) -> Int[Array, "R"]:
         return jnp.repeat(self.length, self.groups // self.batch)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of the bulk arrays (K/V rows, planes + scales, landmarks): what lives in host memory."""
-        out = {"kv": self.k.nbytes + self.v.nbytes, "planes": 0, "landmarks": 0}
+        out = {"kv": self.kv.nbytes, "planes": 0, "landmarks": 0}
         for store in self.index.stores:
             out["planes"] += store.planes.nbytes + store.scales.nbytes
         if self.index.landmarks is not None:

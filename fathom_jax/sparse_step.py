@@ -89,12 +89,17 @@ def _put_row(x, row, at):
     return jax.vmap(lambda a, b, i: jax.lax.dynamic_update_slice(a, b[None].astype(a.dtype), (i, 0)))(x, row, at)
 
 
+def split_kv(rows: Float[Array, "*B 2Dh"]) -> tuple[Float[Array, "*B Dh"], Float[Array, "*B Dh"]]:
+    """Keys and values of rows that hold a token's K and V side by side (the cache's layout)."""
+    dh = rows.shape[-1] // 2
+    return rows[..., :dh], rows[..., dh:]
+
+
 def sparse_attention_step(
     method: ScanMethod,
     q: Float[Array, "R G D"],
     index: KeyIndex,
-    k_cache: Float[Array, "*L R C Dh"],
-    v_cache: Float[Array, "*L R C Dh"],
+    kv_cache: Float[Array, "*L R C 2Dh"],
     length: Int[Array, "R"],
     calib: Calibration | None = None,
     *,
@@ -109,27 +114,26 @@ def sparse_attention_step(
 ) -> tuple[Float[Array, "R G Dh"], Float[Array, "R"]]:
     """Sparse attention of the ``G`` query heads of every group; returns the output and bits per token.
 
-    ``index`` holds this layer's small leaves and (with ``layer``) the stacked bulk arrays; ``k_cache`` /
-    ``v_cache`` are ``[L, R, C, Dh]`` with ``layer`` (``[R, C, Dh]`` without); ``length`` counts the valid
-    tokens, the new one included; ``new`` patches in the token the stored cache does not hold yet.
-    ``kv_layer`` (default: ``layer``) is the layer of the K/V cache to read (0 for a row buffer shared by
-    every layer).
+    ``index`` holds this layer's small leaves and (with ``layer``) the stacked bulk arrays; ``kv_cache``
+    is ``[L, R, C, 2 Dh]`` with ``layer`` (``[R, C, 2 Dh]`` without), each token's key and value side by
+    side (:class:`fathom_jax.sparse_cache.SparseCache`); ``length`` counts the valid tokens, the new one
+    included; ``new`` patches in the token the stored cache does not hold yet. ``kv_layer`` (default:
+    ``layer``) is the layer of the K/V cache to read (0 for a row buffer shared by every layer).
     """
     kv_layer = layer if kv_layer is None else kv_layer
     q = q.astype(jnp.float32)
-    if "keys" in method.parts:
-        index = dataclasses.replace(index, keys=k_cache)  # the oracle and dense attention read the cache's keys
-    read = method.read(q, index, calib)
-    if isinstance(read, KeyRead):  # the keys part is the K/V cache: read it at the K/V layer
-        layer = kv_layer
+    read = method.read(q, index, calib)  # a key read plans nothing from the keys themselves
     if isinstance(read, KeyRead) and read.dense:
-        keys = placement.stage(k_cache, kv_layer, implementation)
-        values = placement.stage(v_cache, kv_layer, implementation)
+        keys, values = split_kv(placement.stage(kv_cache, kv_layer, implementation))
         if new is not None:
             keys, values = _put_row(keys, new.key, new.position), _put_row(values, new.value, new.position)
         mask = jnp.arange(keys.shape[-2]) < length[:, None, None]
         return attend(q, keys, values, jnp.broadcast_to(mask, q.shape[:-1] + keys.shape[-2:-1])), read.bits
-    scores = scan_lib.execute(read, index, length, layer=layer, placement=placement, implementation=implementation)
+    if isinstance(read, KeyRead):  # the oracle scores the cache's keys: the first half of each row, staged
+        keys = placement.stage(kv_cache, kv_layer, implementation, columns=(0, kv_cache.shape[-1] // 2))
+        scores = scan_lib.execute(read, dataclasses.replace(index, keys=keys), length, implementation=implementation)
+    else:
+        scores = scan_lib.execute(read, index, length, layer=layer, placement=placement, implementation=implementation)
     if new is not None:
         scores = patch_scores(scores, read, new)
     # No masking pass over the scores: both selections take positions >= length as invalid (the pass cost
@@ -137,7 +141,8 @@ def sparse_attention_step(
     idx, mask = select_topk(scores, length, k, sink=sink, local=local, implementation=implementation)
     union, union_mask, member = group_union(idx, mask)
     slots = jnp.where(union_mask, union, -1)
-    k_rows, v_rows, _ = row_fetch(k_cache, v_cache, slots, layer=kv_layer, implementation=implementation)
+    rows, _, _ = row_fetch(kv_cache, None, slots, layer=kv_layer, implementation=implementation)  # one run per token
+    k_rows, v_rows = split_kv(rows)
     if new is not None:
         k_rows = _patch_rows(k_rows, slots, new.key, new.position)
         v_rows = _patch_rows(v_rows, slots, new.value, new.position)

@@ -401,7 +401,7 @@ def main(argv=None):
     ap.add_argument("--share-kv-from", default="512k", help="contexts from this size share one K/V row buffer")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--read", default="direct", choices=["direct", "staged"])
+    ap.add_argument("--read", default="staged", choices=["direct", "staged"])
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")

@@ -19,7 +19,10 @@
 #                       layer's own K/V (171 GB of host memory) on one GPU of that machine
 #   g2  (same machine)  SmolLM2 GPU tests; the same 1M step on two GPUs
 #   g6  (nvidia-h200-x2) offload-path GPU tests; 1M with every layer's own K/V on two GPUs (K/V allocated first)
-#   h1/h2 (nvidia-h200-x2, not yet run) issue 9's comparison: 1M, every layer's own K/V, staged reads, 1 vs 2 GPUs
+#   h1/h2 (nvidia-h200-x2, never run: superseded by j2/j3) issue 9's comparison: 1M, every layer's own K/V, staged
+#                       reads, 1 vs 2 GPUs, with K and V as two arrays
+#   i1  (nvidia-h200-x2) GPU tests; row fetch from host memory, K and V split vs side by side
+#   j1-j3 (nvidia-h200-x2) after K and V went side by side: GPU tests, the 1-GPU benchmark at 1M/128k; h1/h2 as j2/j3
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -172,4 +175,19 @@ i1)  # (nvidia-h200-x2) GPU tests of the un-run changes (host_memory.check, both
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_sharding.py tests/test_hlo.py tests/test_cli.py 2>&1 | tee $OUT/gpu_tests_h200x2.log
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 scripts/bench_kernels.py --sections rowlayout --rowfetch-sizes 131072,1048576 \
     --name rowlayout_h200 --out $OUT 2>&1 | tee $OUT/bench_i1_rowlayout.log ;;
+j1)  # (nvidia-h200-x2) K and V side by side in one row (one run per fetched token): GPU tests on one GPU and the
+     # sharding/HLO/CLI tests on both; f1's benchmark (three methods at 1M with shared K/V and 128k, profiled) on one GPU
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_h200.log
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_sharding.py tests/test_hlo.py tests/test_cli.py 2>&1 | tee $OUT/gpu_tests_h200x2.log
+  CUDA_VISIBLE_DEVICES=0 timeout 250 python3 scripts/bench_offload.py --tag h200x2_j1 --out $OUT --read staged \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --sections link,attn,attnprofile --contexts 1m,128k \
+    --share-kv-from 1m --time-budget 240 2>&1 | tee $OUT/bench_j1.log ;;
+j2)  # (same machine) h1 with the side-by-side K/V: one 144 GiB array; regions 2 (link) + 164 GiB (host_memory)
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=170
+  timeout 560 python3 scripts/bench_offload.py --tag h200x2_j2 --out $OUT --mesh 1 --read staged --sections link,attn \
+    --contexts 1m --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 550 2>&1 | tee $OUT/bench_j2.log ;;
+j3)  # (same machine) h2 with the side-by-side K/V: 2 + 82 GiB of regions per GPU
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=90
+  timeout 560 python3 scripts/bench_offload.py --tag h200x2_j3 --out $OUT --mesh 2 --read staged --sections link,attn \
+    --contexts 1m --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 550 2>&1 | tee $OUT/bench_j3.log ;;
 esac

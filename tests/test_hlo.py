@@ -40,7 +40,7 @@ def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_mo
                             implementation="pallas")
     prompt = np.random.default_rng(0).integers(0, 97, (2, 1000)).astype(np.int32)
     logits, cache, attn = sparse.prefill(tiny_model, prompt, np.array([1000, 900]), attn, 4096)
-    assert cache.k.sharding.memory_kind == "pinned_host" and cache.index.raw.planes.sharding.memory_kind == "pinned_host"
+    assert cache.kv.sharding.memory_kind == "pinned_host" and cache.index.raw.planes.sharding.memory_kind == "pinned_host"
     step_jit = sparse.host_programs(tiny_model, attn, cache).jits[1]
     from flax import nnx
     from fathom_jax.models.llama import split_attention
@@ -54,5 +54,5 @@ def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_mo
     assert copies == [], "the decode step copies host-resident cache arrays:\n" + "\n".join(copies)
     # and the cache is really written: the next step sees the new token's K row in host memory
     nxt, _, cache2 = sparse.decode_step(tiny_model, tokens, cache, attn)
-    assert cache2.k is cache.k  # the same host array, updated in place
+    assert cache2.kv is cache.kv  # the same host array, updated in place
     assert np.abs(np.asarray(cache2.k[:, 0, 1000])).max() > 0 and np.abs(np.asarray(cache2.k[:, 0, 1001])).max() == 0

@@ -56,8 +56,8 @@ def test_uneven_heads_split_by_groups_and_cache_is_sharded(smol_like, mesh):
                                placement=Placement("pinned_host", mesh=mesh))
     logits, want_cache, want_attn = sparse.prefill(smol_like, prompt, lengths, local, 48)
     got_logits, prefilled, _ = sparse.prefill(smol_like, prompt, lengths, sharded, 48)
-    assert prefilled.k.sharding.spec == P(None, "x") and prefilled.index.raw.planes.sharding.spec == P(None, "x")
-    assert prefilled.k.addressable_shards[0].data.shape[1] == 3  # each device holds 3 of the 6 groups
+    assert prefilled.kv.sharding.spec == P(None, "x") and prefilled.index.raw.planes.sharding.spec == P(None, "x")
+    assert prefilled.kv.addressable_shards[0].data.shape[1] == 3  # each device holds 3 of the 6 groups
     # On a GPU f32 GEMMs run as TF32 and the partitioned program picks other algorithms: 3e-4 of the logit
     # scale was seen between the two prefills on two H200s; on the CPU they agree to 2e-6.
     tol = 1e-5 if jax.default_backend() == "cpu" else 2e-3
@@ -72,6 +72,6 @@ def test_uneven_heads_split_by_groups_and_cache_is_sharded(smol_like, mesh):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=tol * np.abs(want).max())
         np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
         tokens = np.asarray(got_tokens)
-    assert cache.k.sharding.spec == P(None, "x")  # still sharded after the in-place writes
+    assert cache.kv.sharding.spec == P(None, "x")  # still sharded after the in-place writes
     with pytest.raises(ValueError, match="multiple of 2"):
         generate(smol_like, prompt[:1], 2, capacity=48, attention_fn=sharded)

@@ -34,6 +34,11 @@ def setting():
     return keys, values, q, lengths, calib
 
 
+def side_by_side(keys, values):
+    """The cache's layout: each token's key and value in one row ``[..., n, 2 D]``."""
+    return jnp.concatenate([jnp.asarray(keys), jnp.asarray(values)], axis=-1)
+
+
 def per_head_reference(method, q, keys, values, lengths, calib, k=K):
     """scan_scores -> select_topk -> each head attends over its own rows (no union, no fetch)."""
     if method.name == "dense":
@@ -50,7 +55,7 @@ def per_head_reference(method, q, keys, values, lengths, calib, k=K):
 def test_step_equals_per_head_reference(setting, method):
     keys, values, q, lengths, calib = setting
     index = I.build_index(keys, calib, [method], length=lengths, parts=method.parts - {"keys"})
-    got, bits = sparse_attention_step(method, q, index, jnp.asarray(keys), jnp.asarray(values), jnp.asarray(lengths),
+    got, bits = sparse_attention_step(method, q, index, side_by_side(keys, values), jnp.asarray(lengths),
                                       calib, k=K, implementation="xla")
     want = per_head_reference(method, q, keys, values, lengths, calib)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -68,7 +73,7 @@ def test_stacked_layers_and_newest_token_patch(setting, method, implementation):
     layers = [I.build_index(keys * s, calib, [method], length=prev, parts=parts) for s in (0.5, 1.0)]
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *layers)
     kv = lambda x: jnp.stack([jnp.where(jnp.arange(N)[:, None] < prev[:, None, None], x * s, 0) for s in (0.5, 1.0)])  # noqa: E731
-    k_cache, v_cache = kv(keys), kv(values)
+    kv_cache = side_by_side(kv(keys), kv(values))
     key = keys[np.arange(R), prev]
     value = values[np.arange(R), prev]
     blocks, landmark, view = {}, None, {"length": stacked.length[1]}
@@ -81,11 +86,11 @@ def test_stacked_layers_and_newest_token_patch(setting, method, implementation):
         view["landmarks"], view["landmark_tail"] = stacked.landmarks, ltail
     new = NewToken(position=jnp.asarray(prev), key=jnp.asarray(key), value=jnp.asarray(value), blocks=blocks,
                    landmark=landmark)
-    got, _ = sparse_attention_step(method, q, I.KeyIndex(**view), k_cache, v_cache, jnp.asarray(lengths), calib,
+    got, _ = sparse_attention_step(method, q, I.KeyIndex(**view), kv_cache, jnp.asarray(lengths), calib,
                                    k=K, layer=1, new=new, placement=Placement("pinned_host"),
                                    implementation=implementation)
     full = I.build_index(keys, calib, [method], length=lengths, parts=parts)
-    want, _ = sparse_attention_step(method, q, full, jnp.asarray(keys), jnp.asarray(values), jnp.asarray(lengths),
+    want, _ = sparse_attention_step(method, q, full, side_by_side(keys, values), jnp.asarray(lengths),
                                     calib, k=K, implementation="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
@@ -111,14 +116,14 @@ def test_pinned_host_step_equals_hbm_step_and_reference(read):
     host = Placement("pinned_host", read=read)
     placed = host.put(stacked)  # bulk leaves (planes, scales) to pinned_host, the rest on the device
     assert placed.raw.planes.sharding.memory_kind == "pinned_host"
-    k_host = jax.device_put(keys[None], host.sharding(4, bulk=True))
-    v_host = jax.device_put(values[None], host.sharding(4, bulk=True))
-    assert k_host.sharding.memory_kind == "pinned_host"
-    step = jax.jit(lambda idx, kc, vc: sparse_attention_step(method, q, idx, kc, vc, lengths, calib, k=256, layer=0,
-                                                             placement=host, implementation="pallas")[0])
-    got = step(placed, k_host, v_host)
-    hbm = jax.jit(lambda idx, kc, vc: sparse_attention_step(method, q, idx, kc, vc, lengths, calib, k=256, layer=0,
-                                                            implementation="pallas")[0])(stacked, keys[None], values[None])
+    kv = side_by_side(keys, values)[None]
+    kv_host = jax.device_put(kv, host.sharding(4, bulk=True))
+    assert kv_host.sharding.memory_kind == "pinned_host"
+    step = jax.jit(lambda idx, c: sparse_attention_step(method, q, idx, c, lengths, calib, k=256, layer=0,
+                                                        placement=host, implementation="pallas")[0])
+    got = step(placed, kv_host)
+    hbm = jax.jit(lambda idx, c: sparse_attention_step(method, q, idx, c, lengths, calib, k=256, layer=0,
+                                                       implementation="pallas")[0])(stacked, kv)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(hbm))
     want = per_head_reference(method, q, keys32, values.astype(jnp.float32), lengths, calib, k=256)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)

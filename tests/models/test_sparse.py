@@ -28,7 +28,7 @@ def test_smollm2_offloaded_decoding_equals_hbm_decoding(smollm2, context):
         attn = decode.from_spec("fathom:32", k=128, placement=memory, implementation="pallas")
         logits, cache, attn = sparse.prefill(model, ids, lengths, attn, context)
         if memory == "pinned_host":
-            assert cache.k.sharding.memory_kind == "pinned_host"
+            assert cache.kv.sharding.memory_kind == "pinned_host"
         tokens, all_logits = [jnp.argmax(logits, -1).astype(jnp.int32)], [np.asarray(logits)]
         for _ in range(63):
             nxt, logits, cache = sparse.decode_step(model, tokens[-1], cache, attn)

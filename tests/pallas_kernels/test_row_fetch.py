@@ -29,6 +29,18 @@ class TestRowFetch(KernelTestBase):
         assert_equal(alone, np_row_fetch(k[0], idx))
         assert_ran(RF.row_fetch, k[0], v[0], idx, name=RF.KERNEL_NAME, impl=impl)
 
+    @pytest.mark.parametrize("start,width", [(0, D), (D, D), (0, 2 * D), (D // 2, D // 2)])
+    def test_column_window_of_interleaved_rows(self, impl, rng, start, width):
+        """A cache that keeps K and V side by side (``[n, 2 Dh]``) reads both in one run, or the keys alone."""
+        n, s = 70, 45
+        kv = jnp.asarray(rng.standard_normal((3, 4, n, 2 * D)), jnp.bfloat16)
+        idx = jnp.asarray(rng.integers(-3, n + 3, (4, s)), jnp.int32)
+        fetch = jax.jit(lambda a, layer: RF.row_fetch(a, None, idx, layer=layer, columns=(start, width), **impl.kw))
+        got, none, mask = fetch(host(kv, impl), jnp.int32(2))
+        assert none is None and got.shape == (4, s, width)
+        assert_equal(got, np_row_fetch(kv[2, ..., start:start + width], idx))
+        assert_equal(mask, (idx >= 0) & (idx < n))
+
 
 def test_row_fetch_lowers_to_triton_and_validates():
     z = jnp.zeros
@@ -40,3 +52,5 @@ def test_row_fetch_lowers_to_triton_and_validates():
         RF.row_fetch(z((2, 64, D), jnp.bfloat16), z((2, 64, D), jnp.float32), z((2, 9), jnp.int32))
     with pytest.raises(ValueError, match="power of two"):
         RF.row_fetch(z((2, 64, 12), jnp.bfloat16), None, z((2, 9), jnp.int32))
+    with pytest.raises(ValueError, match="columns must be"):
+        RF.row_fetch(z((2, 64, 2 * D), jnp.bfloat16), None, z((2, 9), jnp.int32), columns=(D + 1, D))
