@@ -471,10 +471,30 @@ def main(argv=None):
 # Report
 
 
+def mesh_ratio_lines(att: list[dict], default_read) -> list[str]:
+    """Each step measured on one GPU and on a mesh of several with the same method, shapes and reads, side by side."""
+    def key(r):
+        return (r["method"], r["context"], r["batch"], r["memory"], r.get("read", default_read), r["shared_kv"])
+
+    single = {key(r): r for r in att if r["mesh"] == 1}
+    pairs = [(single[key(r)], r) for r in att if r["mesh"] > 1 and key(r) in single]
+    if not pairs:
+        return []
+    lines = ["## Several GPUs against one (same method, context, reads and K/V sharing)", "",
+             "| method | context | read | shared K/V | 1 GPU ms | mesh | mesh ms | ratio | mesh floor ms | x floor | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for one, many in sorted(pairs, key=lambda p: (p[1]["context"], p[1]["method"], str(p[1]["shared_kv"]))):
+        lines.append(f"| {many['method']} | {many['context']} | {key(many)[4]} | {many['shared_kv']} | {one['median_ms']:.1f} | "
+                     f"{many['mesh']} | {many['median_ms']:.1f} | {many['median_ms'] / one['median_ms']:.2f} | "
+                     f"{many['link_floor_ms']:.1f} | {many['median_ms'] / many['link_floor_ms']:.2f} | "
+                     f"{str(one.get('run_date', ''))[:16]} / {str(many.get('run_date', ''))[:16]} |")
+    return lines + [""]
+
+
 def write_report(res: dict, prefix: str) -> None:
     m = res["machine"]
     link = res.get("link", {})
-    lines = [f"# Offloaded sparse decoding ({m['device']} x{res['config'].get('mesh', 1)})", "",
+    lines = [f"# Offloaded sparse decoding ({m['device']} x{m.get('devices', res['config'].get('mesh', 1))})", "",
              f"{m['date']}, JAX {m['jax']}, commit {m['commit']}, host {m['host']}. Command: `{res['command']}`.",
              "Model: Qwen3-8B shapes (36 layers, 32 query / 8 KV heads, D = 128, hidden 4096, MLP 12288), random bf16 "
              "weights; k = 512; caches synthetic (keys with log-normal channel scales, index built from them); "
@@ -501,6 +521,7 @@ def write_report(res: dict, prefix: str) -> None:
                          f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | "
                          f"{r['fraction_of_link']:.2f} | {r.get('authors_ms') or ''} | {str(r.get('run_date', ''))[:16]} |")
         lines.append("")
+        lines += mesh_ratio_lines(att, res["config"].get("read"))
     full = [r for r in rows if r["kind"] == "full"]
     if full:
         lines += ["## Full decode step (QKV, sparse attention, o_proj, MLP, lm_head)", "",
