@@ -153,3 +153,44 @@ def test_bisection_never_exceeds_the_budget_at_the_water_line(jit):
     assert np.all(np.asarray(plan.code_bits) <= budget)
     np.testing.assert_array_equal(np.asarray(plan.depths), np.asarray(P.plan_exact(g, budget).depths))
     np.testing.assert_array_equal(np.asarray(P.depths_at(g, plan.theta)).sum(-1) <= budget + 1, True)
+
+
+_SEQUENTIAL = jax.jit(lambda g, budget: P.bisection_trace(g, budget)[0])
+_ROUNDS = jax.jit(P.plan_bisection, static_argnames="round_steps")
+
+
+@settings(max_examples=20, deadline=None)
+# Two shapes and three round sizes (each compiles once: the budget is traced), every value drawn fresh.
+@given(g=hnp.arrays(np.float32, st.sampled_from([(2, 16), (3, 128)]),
+                   elements=st.one_of(st.just(0.0), st.floats(2.0**-20, 1e4, width=32))),
+       frac=st.floats(0, 1), round_steps=st.sampled_from([2, 6, 10]))
+def test_rounds_of_bisection_steps_give_the_sequential_plan(g, frac, round_steps):
+    """Several bisection steps per round (one reduction over the bisection tree's 2^m - 1 trials, the
+    GPU's default) give the depths of one step at a time; theta (reported, never used) within 4 ulp,
+    because XLA rounds exp per fusion."""
+    budget = jnp.int32(round(frac * 4 * g.shape[-1]))
+    seq = _SEQUENTIAL(g, budget)
+    got = _ROUNDS(g, budget, round_steps=round_steps)
+    np.testing.assert_array_equal(np.asarray(got.depths), np.asarray(seq.depths))
+    ulp = np.spacing(np.asarray(seq.theta))
+    assert np.all(np.abs(np.asarray(got.theta) - np.asarray(seq.theta)) <= 4 * ulp)
+    assert np.all(np.asarray(got.code_bits) <= int(budget))
+
+
+def test_round_steps_out_of_range_is_refused(appendix_importance):
+    with pytest.raises(ValueError, match="round_steps must lie in"):
+        P.plan_bisection(appendix_importance, 4, round_steps=11)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_gpu_default_rounds_give_the_sequential_plan():
+    """On the GPU the planner takes six steps per round by default; the decode step's shapes (8 groups x
+    128 channels, 36 layers) and a sweep's (2304 groups) plan as one step at a time does."""
+    assert P.default_round_steps() == 6
+    rng = np.random.default_rng(5)
+    for shape in [(36, 8, 128), (2304, 128)]:
+        g = jnp.asarray(rng.lognormal(size=shape) * (rng.random(shape) > 0.05), jnp.float32)
+        for budget in (0, 16, 48, 64, 200, 512):
+            got = jax.jit(lambda x, b: P.plan_bisection(x, b))(g, jnp.int32(budget))
+            np.testing.assert_array_equal(np.asarray(got.depths), np.asarray(_SEQUENTIAL(g, jnp.int32(budget)).depths))
