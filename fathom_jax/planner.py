@@ -4,7 +4,7 @@ For the G query heads that share a KV head, channel j carries score variance
 ``g_j = sum_h q_j^(h)^2 Var(k_j)`` (raw basis) or ``sum_h ((q V)_j)^2 lambda_j`` (KLT basis). Reading
 ``t_j`` planes leaves error ``~ g_j 4^-t_j``; under a budget ``sum_j t_j <= B`` the optimum is
 ``t_j = clip(round(log4(g_j / theta)), 0, 4)`` at the smallest water line ``theta`` that fits, found
-by 30 bisection steps on ``log theta`` (on a GPU six at a time: :func:`plan_bisection`).
+by 30 bisection steps on ``log theta``.
 
 Rounding ``log4(g/theta)`` gives channel j its t-th plane exactly when ``g_j 4^-t >= theta / 2``, the
 same order as the marginal gains ``3/4 g_j 4^-(t-1)``. So the bisection reproduces the exact greedy
@@ -98,25 +98,6 @@ def _check_importance(g) -> None:
         raise ValueError("importance must be finite and non-negative (sum of squared query weights x variances)")
 
 
-def _bracket(g, bracket):
-    """The initial ``(log_lo, log_hi)`` of the bisection (see :func:`bisection_trace`)."""
-    if bracket is None:
-        positive = g > 0
-        log_max = jnp.log(jnp.max(jnp.where(positive, g, 1.0), axis=-1))
-        log_min = jnp.log(jnp.min(jnp.where(positive, g, jnp.inf), axis=-1))
-        log_min = jnp.where(jnp.isfinite(log_min), log_min, 0.0)
-        return log_min - (N_PLANES + 0.5) * _LOG4, log_max + _LOG4
-    return (jnp.full(g.shape[:-1], math.log(bracket[0]), jnp.float32),
-            jnp.full(g.shape[:-1], math.log(bracket[1]), jnp.float32))
-
-
-def _prepare(g, budget):
-    g = jnp.asarray(g, jnp.float32)
-    _check_importance(g)
-    _check_budget(budget, g.shape[-1])
-    return g, jnp.broadcast_to(jnp.asarray(budget, jnp.float32), g.shape[:-1])
-
-
 def bisection_trace(
     g: Float[Array, "*G D"],
     budget: Int[Array, "*G"] | int,
@@ -130,12 +111,21 @@ def bisection_trace(
     the new lower end, otherwise the new upper end, and the plan is read at the final upper end.
     The default bracket spans from ``4^-4.5`` below the smallest positive importance (every channel at
     full depth) to 4x the largest (nothing read), so it always contains the water line.
-
-    This is the definition, one trial after another; :func:`plan_bisection` makes the same trials a
-    round of several at a time.
     """
-    g, budget = _prepare(g, budget)
-    log_lo, log_hi = _bracket(g, bracket)
+    g = jnp.asarray(g, jnp.float32)
+    _check_importance(g)
+    _check_budget(budget, g.shape[-1])
+    budget = jnp.broadcast_to(jnp.asarray(budget, jnp.float32), g.shape[:-1])
+    if bracket is None:
+        positive = g > 0
+        log_max = jnp.log(jnp.max(jnp.where(positive, g, 1.0), axis=-1))
+        log_min = jnp.log(jnp.min(jnp.where(positive, g, jnp.inf), axis=-1))
+        log_min = jnp.where(jnp.isfinite(log_min), log_min, 0.0)
+        log_lo = log_min - (N_PLANES + 0.5) * _LOG4
+        log_hi = log_max + _LOG4
+    else:
+        log_lo = jnp.full(g.shape[:-1], math.log(bracket[0]), jnp.float32)
+        log_hi = jnp.full(g.shape[:-1], math.log(bracket[1]), jnp.float32)
 
     def step(carry, _):
         lo, hi, accepted = carry
@@ -151,53 +141,10 @@ def bisection_trace(
     # is a half-integer to within float rounding, and a second evaluation there can round the other way
     # (seen on SmolLM2: 33 code bits at a budget of 32 in ~1% of groups).
     init = (log_lo, log_hi, jnp.zeros(g.shape, jnp.int32))
+    # Unrolled: a loop of 30 tiny steps costs a kernel launch or more per step on the GPU (x layers x decode
+    # steps); straight-line code fuses into a few kernels.
     (_, log_hi, depths), (trials, sums) = jax.lax.scan(step, init, None, length=steps, unroll=True)
     return _plan(depths, jnp.exp(log_hi)), trials, sums
-
-
-def default_round_steps() -> int:
-    """Bisection steps per round: 6 on a GPU (each round one fused reduction over 63 trials instead of six
-    dependent ones: the planner's ~1550 small kernels per 36-layer step were 2.3 ms on the H200), 1 on CPU
-    (where the sequential trials are cheaper than the extra arithmetic)."""
-    return 6 if jax.default_backend() == "gpu" else 1
-
-
-def _search(g, budget, log_lo, log_hi, steps: int, round_steps: int):
-    """:func:`bisection_trace`'s trials and outcome, ``round_steps`` steps per round.
-
-    A round evaluates every trial the next ``round_steps`` steps could make - the ``2^m - 1`` midpoints
-    of the bracket's bisection tree, each computed from its own bracket as the sequential step computes
-    it - in one reduction, then walks the tree by the same comparisons and keeps the depths of the last
-    trial that fit. The depths equal the sequential bisection's; ``theta`` may differ in its last bit or
-    two, as between any two compilations of :func:`bisection_trace`: XLA rounds ``exp`` / ``log`` per
-    fusion (tests/test_planner.py).
-    """
-    log_g_shape = g.shape[:-1]
-    accepted = jnp.zeros(g.shape, jnp.int32)  # the depths of the last trial that fit
-    lo, hi = log_lo, log_hi
-    done = 0
-    while done < steps:
-        m = min(round_steps, steps - done)
-        level_lo, level_hi, mids = lo[..., None], hi[..., None], []
-        for _ in range(m):  # heap order: node j's children are 2j + 1 (fits: upper end moves) and 2j + 2 (overflows)
-            mid = 0.5 * (level_lo + level_hi)
-            mids.append(mid)
-            level_lo = jnp.stack([level_lo, mid], axis=-1).reshape(*log_g_shape, -1)
-            level_hi = jnp.stack([mid, level_hi], axis=-1).reshape(*log_g_shape, -1)
-        mids = jnp.concatenate(mids, axis=-1)  # [*G, 2^m - 1]
-        trial_depths = depths_at(g[..., None, :], jnp.exp(mids)).astype(jnp.int8)  # [*G, 2^m - 1, D]
-        used = jnp.sum(trial_depths, axis=-1, dtype=jnp.int32)
-        node = jnp.zeros(log_g_shape, jnp.int32)
-        for _ in range(m):
-            mid = jnp.take_along_axis(mids, node[..., None], axis=-1)[..., 0]
-            over = jnp.take_along_axis(used, node[..., None], axis=-1)[..., 0] > budget
-            # The trial's own depths, not depths re-evaluated at its water line: see bisection_trace.
-            depths = jnp.take_along_axis(trial_depths, node[..., None, None], axis=-2)[..., 0, :]
-            accepted = jnp.where(over[..., None], accepted, depths.astype(jnp.int32))
-            lo, hi = jnp.where(over, mid, lo), jnp.where(over, hi, mid)
-            node = 2 * node + 1 + over.astype(jnp.int32)
-        done += m
-    return _plan(accepted, jnp.exp(hi))
 
 
 def plan_bisection(
@@ -206,21 +153,9 @@ def plan_bisection(
     *,
     bracket: tuple[float, float] | None = None,
     steps: int = BISECTION_STEPS,
-    round_steps: int | None = None,
 ) -> ReadPlan:
-    """The paper's planner: depths at the water line found by ``steps`` bisection steps on log theta.
-
-    ``round_steps`` (default :func:`default_round_steps`) bisection steps are taken per round, with the
-    same trials and result as one at a time (:func:`bisection_trace`).
-    """
-    round_steps = default_round_steps() if round_steps is None else int(round_steps)
-    if not 1 <= round_steps <= 10:
-        raise ValueError(f"round_steps must lie in [1, 10] (a round evaluates 2^round_steps - 1 trials), got {round_steps}")
-    if round_steps == 1:
-        return bisection_trace(g, budget, bracket=bracket, steps=steps)[0]
-    g, budget = _prepare(g, budget)
-    log_lo, log_hi = _bracket(g, bracket)
-    return _search(g, budget, log_lo, log_hi, steps, round_steps)
+    """The paper's planner: depths at the water line found by ``steps`` bisection steps on log theta."""
+    return bisection_trace(g, budget, bracket=bracket, steps=steps)[0]
 
 
 def plan_exact(g: Float[Array, "*G D"], budget: Int[Array, "*G"] | int) -> ReadPlan:

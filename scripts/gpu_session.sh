@@ -23,7 +23,7 @@
 #                       reads, 1 vs 2 GPUs, with K and V as two arrays
 #   i1  (nvidia-h200-x2) GPU tests; row fetch from host memory, K and V split vs side by side
 #   j1-j3 (nvidia-h200-x2) after K and V went side by side: GPU tests, the 1-GPU benchmark at 1M/128k; h1/h2 as j2/j3
-#   k1  (nvidia-h200)   the planner in rounds of six bisection steps: its GPU tests and Fathom 48 vs SparQ at 128k
+#   k1  (nvidia-h200)   the planner in rounds of six bisection steps (reverted: no gain): GPU tests, Fathom 48 vs SparQ at 128k
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -191,7 +191,7 @@ j3)  # (same machine) h2 with the side-by-side K/V: 2 + 82 GiB of regions per GP
   export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=90
   timeout 560 python3 scripts/bench_offload.py --tag h200x2_j3 --out $OUT --mesh 2 --read staged --sections link,attn \
     --contexts 1m --methods "Fathom 48,32-channel (SparQ r=32)" --share-kv-from none --time-budget 550 2>&1 | tee $OUT/bench_j3.log ;;
-k1)  # (nvidia-h200) the planner six bisection steps per round on the GPU: its GPU tests; Fathom 48 vs SparQ r=16 at 128k, profiled
+k1)  # (nvidia-h200, run at b2532c2; that planner change was reverted: 21.9 vs 22.0 ms) planner rounds: GPU tests; Fathom 48 vs SparQ r=16 at 128k
   timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_planner.py tests/test_sparse_step.py 2>&1 | tee $OUT/gpu_tests_planner_h200.log
   timeout 150 python3 scripts/bench_offload.py --tag h200_k1 --out $OUT --methods "Fathom 48,SparQ r=16" \
     --sections link,attn,attnprofile --contexts 128k --time-budget 140 2>&1 | tee $OUT/bench_k1.log ;;
