@@ -75,3 +75,14 @@ def tiny_model(tiny_config):
     from fathom_jax.models.llama import LlamaForCausalLM
 
     return LlamaForCausalLM(tiny_config, rngs=nnx.Rngs(0))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The owner of the run (a plain pytest, or pytest-xdist's controller) removes the HF oracle's directory
+    (tests/models/conftest.py) once every worker is done."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        import shutil
+
+        from tests.support import oracle_dir
+
+        shutil.rmtree(oracle_dir(os.getpid()), ignore_errors=True)

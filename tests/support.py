@@ -11,6 +11,21 @@ import numpy as np
 from fathom_jax import calibrate as C
 from fathom_jax import index as I
 
+def oracle_dir(owner: int | None = None) -> str:
+    """The run's directory for the HF oracle's outputs (tests/models/conftest.py), keyed by the pid and
+    start time of the process that owns the run: the pytest-xdist controller (the workers' parent) or a
+    plain pytest. The workers share it, so an oracle runs once per run; the owner removes it at the end."""
+    import os
+    import tempfile
+
+    owner = owner or (os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid())
+    try:  # the start time tells a reused pid from the run that left a directory behind
+        started = open(f"/proc/{owner}/stat").read().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        started = "0"
+    return os.path.join(tempfile.gettempdir(), f"fathom_oracle_{owner}_{started}")
+
+
 _build_jit = jax.jit(I.build_index, static_argnums=(2,), static_argnames=("capacity", "parts"))
 
 

@@ -52,7 +52,9 @@ def test_appendix_approximate_scores(appendix):
 
 @settings(max_examples=12, deadline=None)
 @given(
-    keys=hnp.arrays(np.float32, st.tuples(st.integers(1, 150), st.integers(1, 6)),
+    # A few shapes (one token, a partial block, one exact block, two and a partial; one or six channels): each
+    # shape compiles the store's programs once, the values are drawn fresh every example.
+    keys=hnp.arrays(np.float32, st.tuples(st.sampled_from([1, 37, 64, 150]), st.sampled_from([1, 6])),
                     elements=st.floats(-1e3, 1e3, width=32)),
     t=st.integers(0, 4),
 )

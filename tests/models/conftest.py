@@ -10,12 +10,15 @@ with the JAX side's own loading and compiling.
 from __future__ import annotations
 
 import os
-import shutil
+import signal
 import subprocess
 import tempfile
+import time
 
 import numpy as np
 import pytest
+
+from tests.support import oracle_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ORACLE_SCRIPT = os.path.join(REPO, "tests", "oracle", "hf_reference.py")
@@ -36,17 +39,23 @@ SMOL_EXTRA_PROMPTS = (
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n    for _ in range(n):\n",
 )
 
-_jobs: dict[str, tuple[subprocess.Popen | None, str]] = {}  # fixture name -> (process, output path)
-_tmp = tempfile.mkdtemp(prefix="fathom_oracle_")
+_jobs: dict[str, subprocess.Popen | None] = {}  # oracles this process started (None: no oracle venv)
+_WAIT_S = 900
+
+
+def _shared_dir() -> str:
+    path = oracle_dir()  # pytest-xdist's workers each collect every test: the first to claim an oracle runs it
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def _oracle_args(name: str) -> tuple[list[str], str]:
     if name == "tiny_checkpoints":
-        out = os.path.join(_tmp, "tiny")
+        out = os.path.join(_shared_dir(), "tiny")
         return ["tiny", "--out", out], out
     from fathom_jax.models.hub import fetch_model
 
-    out = os.path.join(_tmp, "smol.npz")
+    out = os.path.join(_shared_dir(), "smol.npz")
     args = ["gguf", "--gguf", fetch_model("smollm2"), "--prompt", SMOL_PROMPT,
             "--new-tokens", str(SMOL_NEW_TOKENS), "--out", out]
     for text in SMOL_EXTRA_PROMPTS:
@@ -55,26 +64,41 @@ def _oracle_args(name: str) -> tuple[list[str], str]:
 
 
 def _start(name: str) -> None:
+    """Start oracle ``name`` in the background unless this run has (another worker may have claimed it)."""
     if name in _jobs:
         return
     if not os.path.exists(ORACLE_PYTHON):
-        _jobs[name] = (None, "")
+        _jobs[name] = None
         return
-    args, out = _oracle_args(name)
-    proc = subprocess.Popen([ORACLE_PYTHON, ORACLE_SCRIPT, *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _jobs[name] = (proc, out)
+    marker = os.path.join(_shared_dir(), name)
+    try:
+        os.close(os.open(marker + ".claimed", os.O_CREAT | os.O_EXCL))
+    except FileExistsError:  # another worker runs it
+        _jobs[name] = None
+        return
+    args, _ = _oracle_args(name)
+    # The exit status lands in NAME.rc (written whole by a rename), which every worker waits for.
+    script = ('"$0" "$@" >/dev/null 2>"$ORACLE_MARKER.err"; echo $? >"$ORACLE_MARKER.rc.tmp"; '
+              'mv "$ORACLE_MARKER.rc.tmp" "$ORACLE_MARKER.rc"')
+    _jobs[name] = subprocess.Popen(["/bin/sh", "-c", script, ORACLE_PYTHON, ORACLE_SCRIPT, *args],
+                                   env={**os.environ, "ORACLE_MARKER": marker}, start_new_session=True)
 
 
 def _result(name: str) -> str:
-    _start(name)
-    proc, out = _jobs[name]
-    if proc is None:
+    if not os.path.exists(ORACLE_PYTHON):
         pytest.skip(f"HF oracle venv missing ({ORACLE_PYTHON}); create it with scripts/setup_env.sh --with-oracle")
-    _, err = proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"oracle for {name} failed (exit {proc.returncode}):\n{err[-4000:]}")
-    return out
+    _start(name)
+    marker = os.path.join(_shared_dir(), name)
+    deadline = time.monotonic() + _WAIT_S
+    while not os.path.exists(marker + ".rc"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"oracle for {name} gave no result in {_WAIT_S} s ({marker})")
+        time.sleep(0.2)
+    code = int(open(marker + ".rc").read().strip() or -1)
+    if code != 0:
+        err = open(marker + ".err").read() if os.path.exists(marker + ".err") else ""
+        raise RuntimeError(f"oracle for {name} failed (exit {code}):\n{err[-4000:]}")
+    return _oracle_args(name)[1]
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -85,11 +109,15 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for proc, _ in _jobs.values():
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+    # An oracle this worker started may still serve the other worker: let it finish, unless the run was stopped.
+    for proc in _jobs.values():
+        if proc is None or proc.poll() is not None:
+            continue
+        try:
+            proc.wait(timeout=0 if exitstatus == pytest.ExitCode.INTERRUPTED else _WAIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the shell and the oracle under it
             proc.wait()
-    shutil.rmtree(_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
