@@ -274,3 +274,14 @@ def test_generate_sizes_the_cache_to_at_least_k(model):
     """A short prompt with a large k: generate's default capacity holds k rows (padding slots are masked)."""
     out = generate(model, PROMPTS[0], 3, attention_fn=decode.from_spec("sparq:2", k=40))
     assert out.shape == (2, 3)
+
+
+@pytest.mark.parametrize("spec", ["fathom:16", "fathom_klt:16", "sparq:4", "landmark", "exact"])
+@pytest.mark.parametrize("shared_kv", [False, True])
+def test_cache_bytes_before_allocating_equals_the_cache(spec, shared_kv):
+    """decode.cache_bytes (the host memory a cache will need, from shapes alone) = the allocated cache's bytes."""
+    attn = decode.from_spec(spec, k=40)
+    dims = dict(n_layers=3, capacity=200, head_dim=16)
+    cache = attn.init_cache(batch=2, kv_heads=3, dtype=jnp.bfloat16, shared_kv=shared_kv, **dims)
+    want = decode.cache_bytes(attn.method, groups=6, kv_itemsize=2, shared_kv=shared_kv, **dims)
+    assert cache.nbytes() == want
