@@ -8,6 +8,10 @@ from hypothesis.extra import numpy as hnp
 from fathom_jax import planner as P
 
 
+_BISECTION = jax.jit(P.plan_bisection)
+_EXACT = jax.jit(P.plan_exact)
+
+
 @pytest.fixture
 def appendix_importance(appendix):
     return P.importance(appendix.q, appendix.var)
@@ -54,8 +58,8 @@ def test_default_bracket_and_exact_agree_on_appendix(method, budget, depths, app
        frac=st.floats(0, 1))
 def test_bisection_fits_budget_and_matches_exact(g, frac):
     budget = int(round(frac * 4 * g.size))
-    bis = P.plan_bisection(g, budget)
-    ex = P.plan_exact(g, budget)
+    bis = _BISECTION(g, jnp.int32(budget))  # jitted with a traced budget: one compilation per channel count
+    ex = _EXACT(g, jnp.int32(budget))
     assert int(bis.code_bits) <= budget and int(ex.code_bits) <= budget
     d_b, d_e = np.asarray(bis.depths), np.asarray(ex.depths)
     assert np.all((d_b >= 0) & (d_b <= 4)) and np.all(d_b[g == 0] == 0)
