@@ -86,9 +86,3 @@ def pytest_sessionfinish(session, exitstatus):
         from tests.support import oracle_dir
 
         shutil.rmtree(oracle_dir(os.getpid()), ignore_errors=True)
-
-
-def pytest_collection_modifyitems(items):
-    """Tests marked ``slow`` first: pytest-xdist hands tests out in this order, and a minute-long test that
-    starts near the end leaves the other worker idle while it runs."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
