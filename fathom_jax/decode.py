@@ -42,7 +42,7 @@ from fathom_jax.index import KeyIndex, build_index
 from fathom_jax.methods.base import ScanMethod
 from fathom_jax.placement import Placement
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
-from fathom_jax.sparse_cache import LayerUpdate, SparseCache, cache_bytes  # noqa: F401  (part of this API)
+from fathom_jax.sparse_cache import LayerUpdate, SparseCache, cache_bytes, join_kv  # noqa: F401  (part of this API)
 from fathom_jax.sparse_step import NewToken, sparse_attention_step
 from fathom_jax.store import KeyRotation, PlaneStore
 from pallas_kernels import backend
@@ -174,8 +174,8 @@ class SparseAttention:
 
     def _build_cache(self, zeros, *, n_layers, batch, kv_heads, capacity, head_dim, dtype, shared_kv):
         r, d = batch * kv_heads, head_dim
-        # Largest arrays first: XLA's pinned host allocator grows in regions of doubling size, and the K/V
-        # rows allocated after the planes left a region too small for V at 1M tokens (see NOTES.md).
+        # Largest array first: XLA's pinned host allocator grows in regions of doubling size, and K/V rows
+        # allocated after the planes left no region for them at 1M tokens (see NOTES.md).
         kv_layers = 1 if shared_kv else n_layers
         kv = zeros((kv_layers, r, capacity, 2 * d), dtype)  # each token's K and V side by side: one run to fetch
         small = lambda shape, dtype: zeros(shape, dtype, bulk=False)  # noqa: E731
@@ -239,8 +239,7 @@ class SparseAttention:
         put, tokens = self._writer()
         write = lambda dst, src, axis: put(dst, src[None], zero, axis, layer)  # noqa: E731
         kv_layer = 0 if shared_kv else layer
-        rows = jnp.concatenate([keys.astype(cache.kv.dtype), values.astype(cache.kv.dtype)], axis=-1)
-        kv = put(cache.kv, rows[None], zero, 2, kv_layer)
+        kv = put(cache.kv, join_kv(keys, values, cache.kv.dtype)[None], zero, 2, kv_layer)
         built = build_index(keys.astype(jnp.float32), calib, (self.method,), capacity=cache.capacity, length=length,
                             parts=self.index_parts)
         set_small = lambda dst, src: dst.at[layer].set(src.astype(dst.dtype))  # noqa: E731
@@ -327,8 +326,8 @@ class SparseAttention:
 
     def _commit_groups(self, cache, update, p, *, shared_kv):
         write, tokens = self._writer()
-        rows = jnp.concatenate([update.key.astype(cache.kv.dtype), update.value.astype(cache.kv.dtype)], axis=-1)
-        kv = write(cache.kv, (rows[-1:] if shared_kv else rows)[:, :, None, :], p, 2)  # [L, R, 1, 2 Dh]
+        rows = join_kv(update.key, update.value, cache.kv.dtype)  # [L, R, 2 Dh]
+        kv = write(cache.kv, (rows[-1:] if shared_kv else rows)[:, :, None, :], p, 2)
         lengths = cache.index.length + 1
         block = p // BLOCK_TOKENS
 

@@ -19,6 +19,22 @@ from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import ScanMethod
 
 
+def join_kv(keys: Float[Array, "*B Dh"], values: Float[Array, "*B Dh"], dtype) -> Float[Array, "*B 2Dh"]:
+    """Rows of the cache's layout: each token's key in the first ``Dh`` features, its value in the last."""
+    return jnp.concatenate([keys.astype(dtype), values.astype(dtype)], axis=-1)
+
+
+def split_kv(rows: Float[Array, "*B 2Dh"]) -> tuple[Float[Array, "*B Dh"], Float[Array, "*B Dh"]]:
+    """Keys and values of rows in the cache's layout (the inverse of :func:`join_kv`)."""
+    dh = rows.shape[-1] // 2
+    return rows[..., :dh], rows[..., dh:]
+
+
+def key_columns(rows) -> tuple[int, int]:
+    """``(start, width)`` of the keys in rows of the cache's layout (what the oracle stages)."""
+    return 0, rows.shape[-1] // 2
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SparseCache:
@@ -42,12 +58,12 @@ class SparseCache:
     @property
     def k(self) -> Float[Array, "L R C Dh"]:
         """The keys (a copy: ``kv[..., :Dh]``), for inspection; the step reads ``kv`` in place."""
-        return self.kv[..., : self.head_dim]
+        return split_kv(self.kv)[0]
 
     @property
     def v(self) -> Float[Array, "L R C Dh"]:
         """The values (a copy: ``kv[..., Dh:]``)."""
-        return self.kv[..., self.head_dim:]
+        return split_kv(self.kv)[1]
 
     @property
     def head_dim(self) -> int:

@@ -34,6 +34,7 @@ from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, ScanMethod
 from fathom_jax.placement import Placement
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk
+from fathom_jax.sparse_cache import key_columns, split_kv
 from pallas_kernels import backend
 from pallas_kernels.row_fetch import row_fetch
 
@@ -89,12 +90,6 @@ def _put_row(x, row, at):
     return jax.vmap(lambda a, b, i: jax.lax.dynamic_update_slice(a, b[None].astype(a.dtype), (i, 0)))(x, row, at)
 
 
-def split_kv(rows: Float[Array, "*B 2Dh"]) -> tuple[Float[Array, "*B Dh"], Float[Array, "*B Dh"]]:
-    """Keys and values of rows that hold a token's K and V side by side (the cache's layout)."""
-    dh = rows.shape[-1] // 2
-    return rows[..., :dh], rows[..., dh:]
-
-
 def sparse_attention_step(
     method: ScanMethod,
     q: Float[Array, "R G D"],
@@ -130,7 +125,7 @@ def sparse_attention_step(
         mask = jnp.arange(keys.shape[-2]) < length[:, None, None]
         return attend(q, keys, values, jnp.broadcast_to(mask, q.shape[:-1] + keys.shape[-2:-1])), read.bits
     if isinstance(read, KeyRead):  # the oracle scores the cache's keys: the first half of each row, staged
-        keys = placement.stage(kv_cache, kv_layer, implementation, columns=(0, kv_cache.shape[-1] // 2))
+        keys = placement.stage(kv_cache, kv_layer, implementation, columns=key_columns(kv_cache))
         scores = scan_lib.execute(read, dataclasses.replace(index, keys=keys), length, implementation=implementation)
     else:
         scores = scan_lib.execute(read, index, length, layer=layer, placement=placement, implementation=implementation)

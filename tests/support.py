@@ -11,6 +11,7 @@ import numpy as np
 from fathom_jax import calibrate as C
 from fathom_jax import index as I
 
+
 def oracle_dir(owner: int | None = None) -> str:
     """The run's directory for the HF oracle's outputs (tests/models/conftest.py), keyed by the pid and
     start time of the process that owns the run: the pytest-xdist controller (the workers' parent) or a

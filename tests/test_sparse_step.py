@@ -16,6 +16,7 @@ from fathom_jax import store as S
 from fathom_jax.placement import Placement
 from fathom_jax.scan import scan_scores
 from fathom_jax.select import select_topk, sparse_attention
+from fathom_jax.sparse_cache import join_kv
 from fathom_jax.sparse_step import NewToken, sparse_attention_step
 
 METHODS = [M.Fathom(20), M.FathomKLT(20), M.SparQ(4), M.SparQUnion(3), M.DoubleSparsity(4), M.Loki(6),
@@ -35,8 +36,8 @@ def setting():
 
 
 def side_by_side(keys, values):
-    """The cache's layout: each token's key and value in one row ``[..., n, 2 D]``."""
-    return jnp.concatenate([jnp.asarray(keys), jnp.asarray(values)], axis=-1)
+    """The cache's layout: each token's key and value in one row ``[..., n, 2 D]``, in the keys' dtype."""
+    return join_kv(jnp.asarray(keys), jnp.asarray(values), jnp.asarray(keys).dtype)
 
 
 def per_head_reference(method, q, keys, values, lengths, calib, k=K):

@@ -10,9 +10,9 @@ with the JAX side's own loading and compiling.
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import subprocess
-import tempfile
 import time
 
 import numpy as np
@@ -49,18 +49,21 @@ def _shared_dir() -> str:
     return path
 
 
-def _oracle_args(name: str) -> tuple[list[str], str]:
+def _output(name: str) -> str:
+    return os.path.join(_shared_dir(), "tiny" if name == "tiny_checkpoints" else "smol.npz")
+
+
+def _oracle_args(name: str) -> list[str]:
+    out = _output(name)
     if name == "tiny_checkpoints":
-        out = os.path.join(_shared_dir(), "tiny")
-        return ["tiny", "--out", out], out
+        return ["tiny", "--out", out]
     from fathom_jax.models.hub import fetch_model
 
-    out = os.path.join(_shared_dir(), "smol.npz")
     args = ["gguf", "--gguf", fetch_model("smollm2"), "--prompt", SMOL_PROMPT,
             "--new-tokens", str(SMOL_NEW_TOKENS), "--out", out]
     for text in SMOL_EXTRA_PROMPTS:
         args += ["--extra-prompt", text]
-    return args, out
+    return args
 
 
 def _start(name: str) -> None:
@@ -76,7 +79,7 @@ def _start(name: str) -> None:
     except FileExistsError:  # another worker runs it
         _jobs[name] = None
         return
-    args, _ = _oracle_args(name)
+    args = _oracle_args(name)
     # The exit status lands in NAME.rc (written whole by a rename), which every worker waits for.
     script = ('"$0" "$@" >/dev/null 2>"$ORACLE_MARKER.err"; echo $? >"$ORACLE_MARKER.rc.tmp"; '
               'mv "$ORACLE_MARKER.rc.tmp" "$ORACLE_MARKER.rc"')
@@ -94,11 +97,11 @@ def _result(name: str) -> str:
         if time.monotonic() > deadline:
             raise RuntimeError(f"oracle for {name} gave no result in {_WAIT_S} s ({marker})")
         time.sleep(0.2)
-    code = int(open(marker + ".rc").read().strip() or -1)
+    code = int(pathlib.Path(marker + ".rc").read_text().strip() or -1)
     if code != 0:
-        err = open(marker + ".err").read() if os.path.exists(marker + ".err") else ""
+        err = pathlib.Path(marker + ".err").read_text() if os.path.exists(marker + ".err") else ""
         raise RuntimeError(f"oracle for {name} failed (exit {code}):\n{err[-4000:]}")
-    return _oracle_args(name)[1]
+    return _output(name)
 
 
 def pytest_collection_modifyitems(session, config, items):
