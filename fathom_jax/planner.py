@@ -27,6 +27,8 @@ from jaxtyping import Array, Float, Int
 from fathom_jax import format as fmt
 from fathom_jax.checks import fail_if, is_traced
 from fathom_jax.format import N_PLANES
+from pallas_kernels import backend
+from pallas_kernels import water_line as water_line_lib
 
 BISECTION_STEPS = 30
 _LOG4 = math.log(4.0)
@@ -68,14 +70,30 @@ def importance_klt(
     return importance(jnp.einsum("...hd,...de->...he", q, basis), eigenvalues)
 
 
+def water_line_thresholds(g: Float[Array, "*G D"]) -> Float[Array, "*G 4 D"]:
+    """``log g_j - (t + 1/2) log 4`` for planes ``t = 0..3``: channel j reads plane t at log water line x iff
+    ``x <= thresholds[t, j]``, i.e. ``g_j 4^-t >= theta / 2`` (NaN where ``g_j = 0``: never read).
+
+    Eq. 4 as comparisons: the bisection then needs no logarithm per trial, so every implementation of it
+    (XLA, the Pallas kernel) gives the same depths bit for bit.
+    """
+    g = jnp.asarray(g, jnp.float32)
+    offsets = jnp.asarray([(t + 0.5) * _LOG4 for t in range(N_PLANES)], jnp.float32)
+    thresholds = jnp.log(g)[..., None, :] - offsets[:, None]
+    return jnp.where((g > 0)[..., None, :], thresholds, jnp.nan)
+
+
+def _depths_from(thresholds: Array, log_theta: Array) -> Array:
+    return jnp.sum(log_theta[..., None, None] <= thresholds, axis=-2, dtype=jnp.int32)
+
+
 def depths_at(g: Float[Array, "*G D"], theta: Float[Array, "*G"]) -> Int[Array, "*G D"]:
     """Eq. 4 at a given water line: ``clip(round(log4(g / theta)), 0, 4)``; zero importance reads nothing.
 
     Exact halves round up (``floor(x + 1/2)``), as Appendix A does: a channel whose gain for its t-th
     plane is exactly ``theta / 2`` gets that plane (``jnp.round`` would round half to even).
     """
-    log4_ratio = (jnp.log(g) - jnp.log(jnp.asarray(theta))[..., None]) / _LOG4
-    return jnp.where(g > 0, jnp.clip(jnp.floor(log4_ratio + 0.5), 0, N_PLANES), 0).astype(jnp.int32)
+    return _depths_from(water_line_thresholds(g), jnp.log(jnp.asarray(theta, jnp.float32)))
 
 
 def _check_budget(budget, d: int) -> None:
@@ -98,17 +116,9 @@ def _check_importance(g) -> None:
         raise ValueError("importance must be finite and non-negative (sum of squared query weights x variances)")
 
 
-def bisection_trace(
-    g: Float[Array, "*G D"],
-    budget: Int[Array, "*G"] | int,
-    *,
-    bracket: tuple[float, float] | None = None,
-    steps: int = BISECTION_STEPS,
-) -> tuple[ReadPlan, Float[Array, "steps *G"], Int[Array, "steps *G"]]:
-    """Bisection on ``log theta``, returning the plan and every trial's ``theta`` and bit sum.
+def _prepare(g, budget, bracket):
+    """Validated importance, budgets broadcast to the groups, and the bracket of the log water line.
 
-    Each trial is the geometric mean of the bracket; a trial whose depths overflow the budget becomes
-    the new lower end, otherwise the new upper end, and the plan is read at the final upper end.
     The default bracket spans from ``4^-4.5`` below the smallest positive importance (every channel at
     full depth) to 4x the largest (nothing read), so it always contains the water line.
     """
@@ -124,15 +134,34 @@ def bisection_trace(
         log_lo = log_min - (N_PLANES + 0.5) * _LOG4
         log_hi = log_max + _LOG4
     else:
+        if not 0 < bracket[0] < bracket[1] < math.inf:
+            raise ValueError(f"bracket must be (theta_lo, theta_hi) with 0 < theta_lo < theta_hi < inf, got {bracket}")
         log_lo = jnp.full(g.shape[:-1], math.log(bracket[0]), jnp.float32)
         log_hi = jnp.full(g.shape[:-1], math.log(bracket[1]), jnp.float32)
+    return g, budget, log_lo, log_hi
+
+
+def bisection_trace(
+    g: Float[Array, "*G D"],
+    budget: Int[Array, "*G"] | int,
+    *,
+    bracket: tuple[float, float] | None = None,
+    steps: int = BISECTION_STEPS,
+) -> tuple[ReadPlan, Float[Array, "steps *G"], Int[Array, "steps *G"]]:
+    """Bisection on ``log theta``, returning the plan and every trial's ``theta`` and bit sum.
+
+    Each trial is the geometric mean of the bracket; a trial whose depths overflow the budget becomes
+    the new lower end, otherwise the new upper end, and the plan is read at the final upper end.
+    """
+    g, budget, log_lo, log_hi = _prepare(g, budget, bracket)
+    thresholds = water_line_thresholds(g)
 
     def step(carry, _):
         lo, hi, accepted = carry
         mid = 0.5 * (lo + hi)
-        depths = depths_at(g, jnp.exp(mid))
+        depths = _depths_from(thresholds, mid)
         used = jnp.sum(depths, axis=-1)
-        over = used > budget
+        over = used.astype(jnp.float32) > budget
         accepted = jnp.where(over[..., None], accepted, depths)
         return (jnp.where(over, mid, lo), jnp.where(over, hi, mid), accepted), (jnp.exp(mid), used)
 
@@ -141,8 +170,6 @@ def bisection_trace(
     # is a half-integer to within float rounding, and a second evaluation there can round the other way
     # (seen on SmolLM2: 33 code bits at a budget of 32 in ~1% of groups).
     init = (log_lo, log_hi, jnp.zeros(g.shape, jnp.int32))
-    # Unrolled: a loop of 30 tiny steps costs a kernel launch or more per step on the GPU (x layers x decode
-    # steps); straight-line code fuses into a few kernels.
     (_, log_hi, depths), (trials, sums) = jax.lax.scan(step, init, None, length=steps, unroll=True)
     return _plan(depths, jnp.exp(log_hi)), trials, sums
 
@@ -153,9 +180,21 @@ def plan_bisection(
     *,
     bracket: tuple[float, float] | None = None,
     steps: int = BISECTION_STEPS,
+    implementation: backend.Implementation | None = None,
 ) -> ReadPlan:
-    """The paper's planner: depths at the water line found by ``steps`` bisection steps on log theta."""
-    return bisection_trace(g, budget, bracket=bracket, steps=steps)[0]
+    """The paper's planner: depths at the water line found by ``steps`` bisection steps on log theta.
+
+    ``implementation="pallas"`` runs the bisection as one kernel launch (:mod:`pallas_kernels.water_line`);
+    ``"xla"`` as straight-line XLA. Both give the same plan bit for bit (and equal :func:`bisection_trace`).
+    """
+    g, budget, log_lo, log_hi = _prepare(g, budget, bracket)
+    batch, d = g.shape[:-1], g.shape[-1]
+    n = math.prod(batch)
+    thresholds = jnp.moveaxis(water_line_thresholds(g).reshape(n, N_PLANES, d), 1, 0)
+    depths, log_hi = water_line_lib.water_line(
+        thresholds, budget.reshape(n), log_lo.reshape(n), log_hi.reshape(n), steps=steps,
+        implementation=implementation)
+    return _plan(depths.reshape(g.shape), jnp.exp(log_hi).reshape(batch))
 
 
 def plan_exact(g: Float[Array, "*G D"], budget: Int[Array, "*G"] | int) -> ReadPlan:
@@ -180,11 +219,15 @@ def plan_exact(g: Float[Array, "*G D"], budget: Int[Array, "*G"] | int) -> ReadP
 
 
 def plan(
-    g: Float[Array, "*G D"], budget: Int[Array, "*G"] | int, *, method: str = "bisection"
+    g: Float[Array, "*G D"],
+    budget: Int[Array, "*G"] | int,
+    *,
+    method: str = "bisection",
+    implementation: backend.Implementation | None = None,
 ) -> ReadPlan:
     """Plan read depths with ``method`` = ``"bisection"`` (the paper's) or ``"exact"``."""
     if method == "bisection":
-        return plan_bisection(g, budget)
+        return plan_bisection(g, budget, implementation=implementation)
     if method == "exact":
         return plan_exact(g, budget)
     raise ValueError(f"method must be 'bisection' or 'exact', got {method!r}")

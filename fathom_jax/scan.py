@@ -156,7 +156,7 @@ def scan_scores(
     """
     implementation = backend.resolve_implementation(implementation)
     q = check_scan_inputs(method, q, index, calib)
-    read = method.read(q, index, calib)
+    read = method.read(q, index, calib, implementation=implementation)
     scores = execute(read, index, index.length, implementation=implementation)
     depths = read.depths if isinstance(read, PlaneRead) else None
     return ScanResult(scores=mask_invalid(scores, index.length), bits_per_token=read.bits.astype(jnp.float32),

@@ -117,7 +117,7 @@ def sparse_attention_step(
     """
     kv_layer = layer if kv_layer is None else kv_layer
     q = q.astype(jnp.float32)
-    read = method.read(q, index, calib)  # a key read plans nothing from the keys themselves
+    read = method.read(q, index, calib, implementation=implementation)  # a key read plans nothing from the keys themselves
     if isinstance(read, KeyRead) and read.dense:
         keys, values = split_kv(placement.stage(kv_cache, kv_layer, implementation))
         if new is not None:

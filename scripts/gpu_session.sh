@@ -24,6 +24,8 @@
 #   i1  (nvidia-h200-x2) GPU tests; row fetch from host memory, K and V split vs side by side
 #   j1-j3 (nvidia-h200-x2) after K and V went side by side: GPU tests, the 1-GPU benchmark at 1M/128k; h1/h2 as j2/j3
 #   k1  (nvidia-h200)   the planner in rounds of six bisection steps (reverted: no gain): GPU tests, Fathom 48 vs SparQ at 128k
+#   l1  (nvidia-h200)   the water-line kernel (the bisection in one launch): GPU tests; three methods at 1M and 128k, profiled
+#   l2  (same machine)  SmolLM2 GPU tests; full step at batch 1, 4 and 8 @128k
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -195,4 +197,15 @@ k1)  # (nvidia-h200, run at b2532c2; that planner change was reverted: 21.9 vs 2
   timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_planner.py tests/test_sparse_step.py 2>&1 | tee $OUT/gpu_tests_planner_h200.log
   timeout 150 python3 scripts/bench_offload.py --tag h200_k1 --out $OUT --methods "Fathom 48,SparQ r=16" \
     --sections link,attn,attnprofile --contexts 128k --time-budget 140 2>&1 | tee $OUT/bench_k1.log ;;
+l1)  # (nvidia-h200) the planner as one Pallas launch per layer: GPU tests, then f1's benchmark
+  cp .carry1/smol.part1 /tmp/smol.part1
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_h200.log
+  timeout 330 python3 scripts/bench_offload.py --tag h200_l1 --out $OUT --read staged \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --sections link,attn,attnprofile --contexts 1m,128k \
+    --share-kv-from 1m --time-budget 320 2>&1 | tee $OUT/bench_l1.log ;;
+l2)  # (same machine) SmolLM2 GPU tests; the full step at batch 1, 4 and 8 @128k (issue 8's batch target)
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_h200.log
+  timeout 330 python3 scripts/bench_offload.py --tag h200_l2 --out $OUT --methods "Fathom 48" --read staged \
+    --sections link,full,batch --contexts 128k --batches 4,8 --time-budget 320 2>&1 | tee $OUT/bench_l2.log ;;
 esac

@@ -143,6 +143,7 @@ CATEGORIES = (  # (category, substrings of kernel / op names), first match wins
     ("plane scan kernel", ("fathom_plane_scan",)),
     ("scan transfer (run gather)", ("run_gather",)),
     ("nibble scan", ("nibble_scan",)),
+    ("planner (water line)", ("water_line",)),
     ("top-k", ("topk", "kth_largest")),
     ("row fetch", ("row_fetch",)),
     ("cache write", ("cache_write",)),

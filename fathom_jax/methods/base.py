@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int
 if TYPE_CHECKING:  # pragma: no cover
     from fathom_jax.calibrate import Calibration
     from fathom_jax.index import KeyIndex
+    from pallas_kernels.backend import Implementation
 
 # Index parts a method can read (the fields of fathom_jax.index.KeyIndex).
 PARTS = ("raw", "klt", "loki", "landmarks", "keys")
@@ -122,8 +123,17 @@ class ScanMethod(abc.ABC):
 
     # -- the read -------------------------------------------------------------------------
     @abc.abstractmethod
-    def read(self, q: Float[Array, "*B G D"], index: "KeyIndex", calib: "Calibration | None") -> Read:
-        """What to read for the queries ``q`` of each KV group (post-RoPE, f32)."""
+    def read(
+        self,
+        q: Float[Array, "*B G D"],
+        index: "KeyIndex",
+        calib: "Calibration | None",
+        *,
+        implementation: "Implementation | None" = None,
+    ) -> Read:
+        """What to read for the queries ``q`` of each KV group (post-RoPE, f32).
+
+        ``implementation`` picks the planning kernels where a method has any (Fathom's water line)."""
 
 
 def int_param(value, name: str, label: str, *, minimum: int) -> None:

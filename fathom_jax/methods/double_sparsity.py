@@ -29,7 +29,7 @@ class DoubleSparsity(_ChannelMethod):
     def label(self) -> str:
         return f"Double Sparsity c={self.r}"
 
-    def read(self, q, index, calib):
+    def read(self, q, index, calib, *, implementation=None):
         d = q.shape[-1]
         mask = jnp.any(jax.nn.one_hot(calib.ds_order[..., : self.r], d, dtype=jnp.bool_), axis=-2)
         return self._read_channels(q, mask)

@@ -28,7 +28,7 @@ class Exact(ScanMethod):
     def fixed_bits_per_token(self, head_dim: int) -> float:
         return fmt.key_bits_per_token(head_dim)
 
-    def read(self, q, index, calib):
+    def read(self, q, index, calib, *, implementation=None):
         bits = jnp.full(q.shape[:-2], self.fixed_bits_per_token(q.shape[-1]), jnp.float32)
         return KeyRead(q, bits, dense=self.selects_all)
 

@@ -75,11 +75,12 @@ class Fathom(ScanMethod):
             return head_dim
         return max(1, min(head_dim, self.budget))  # every active channel reads at least one plane
 
-    def _plan(self, queries, importance_weights):
-        return planner_lib.plan(planner_lib.importance(queries, importance_weights), self.budget, method=self.planner)
+    def _plan(self, queries, importance_weights, implementation):
+        return planner_lib.plan(planner_lib.importance(queries, importance_weights), self.budget, method=self.planner,
+                                implementation=implementation)
 
-    def read(self, q, index, calib):
-        plan = self._plan(q, calib.variance)
+    def read(self, q, index, calib, *, implementation=None):
+        plan = self._plan(q, calib.variance, implementation)
         return PlaneRead(q, plan.depths, plan.bits_per_token, part="raw", max_active=self.max_active(q.shape[-1]))
 
 
@@ -97,9 +98,9 @@ class FathomKLT(Fathom):
     summary: ClassVar[str] = "Fathom on the calibration KLT basis"
     _label: ClassVar[str] = "Fathom KLT"
 
-    def read(self, q, index, calib):
+    def read(self, q, index, calib, *, implementation=None):
         rotation = index.klt.rotation
         qs = store_lib.rotate_queries(q, rotation)
-        plan = self._plan(qs, calib.eigenvalues)
+        plan = self._plan(qs, calib.eigenvalues, implementation)
         shift = jnp.einsum("...gd,...d->...g", q, rotation.mean)
         return PlaneRead(qs, plan.depths, plan.bits_per_token, shift, part="klt", max_active=self.max_active(q.shape[-1]))

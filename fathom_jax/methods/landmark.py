@@ -29,5 +29,5 @@ class Landmark(ScanMethod):
     def fixed_bits_per_token(self, head_dim: int) -> float:
         return fmt.landmark_bits_per_token(head_dim)
 
-    def read(self, q, index, calib):
+    def read(self, q, index, calib, *, implementation=None):
         return LandmarkRead(q, jnp.full(q.shape[:-2], self.fixed_bits_per_token(q.shape[-1]), jnp.float32))

@@ -27,7 +27,7 @@ class Loki(_ChannelMethod):
     def label(self) -> str:
         return f"Loki r={self.r}"
 
-    def read(self, q, index, calib):
+    def read(self, q, index, calib, *, implementation=None):
         rotation = index.loki.rotation
         qs = store_lib.rotate_queries(q, rotation)
         d = q.shape[-1]

@@ -64,7 +64,7 @@ class SparQ(_ChannelMethod):
     def label(self) -> str:
         return f"SparQ r={self.r}"
 
-    def read(self, q, index, calib):
+    def read(self, q, index, calib, *, implementation=None):
         return self._read_channels(q, top_r_mask(jnp.sum(jnp.abs(q), axis=-2), self.r))
 
 
@@ -87,6 +87,6 @@ class SparQUnion(_ChannelMethod):
     def max_active(self, head_dim):
         return head_dim
 
-    def read(self, q, index, calib):
+    def read(self, q, index, calib, *, implementation=None):
         head_mask = top_r_mask(jnp.abs(q), self.r)  # [*B, G, D]
         return self._read_channels(q, jnp.any(head_mask, axis=-2), queries=jnp.where(head_mask, q, 0.0))

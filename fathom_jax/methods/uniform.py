@@ -42,7 +42,7 @@ class Thumbnail(ScanMethod):
     def fixed_bits_per_token(self, head_dim: int) -> float:
         return fmt.channel_bits_per_token(head_dim, self.depth)
 
-    def read(self, q, index, calib):
+    def read(self, q, index, calib, *, implementation=None):
         depths = uniform_depths(q.shape[:-2] + q.shape[-1:], self.depth)
         return PlaneRead(q, depths, fmt.bits_per_token(depths), part="raw", max_active=q.shape[-1])
 

@@ -1,0 +1,144 @@
+"""Water line: Fathom's bisection planner as one program per block of query groups.
+
+Each of ``N`` groups has, per channel ``j`` and plane ``t = 0..3``, a threshold on the log water line,
+``thresholds[t, n, j] = log g_j - (t + 1/2) log 4`` (NaN where ``g_j = 0``: never read), a code-bit
+``budget[n]`` and a bracket ``[log_lo[n], log_hi[n]]`` that holds the water line. Channel ``j`` reads
+``depth_j(x) = #{t : x <= thresholds[t, j]}`` planes at log water line ``x``. Bisection: ``steps`` times,
+try ``x = (lo + hi) / 2``; if the depths overflow the budget, ``x`` becomes the new ``lo``, else the new
+``hi`` and its depths the plan. Returns the plan ``depths i32 [N, D]`` and the final ``log_hi f32 [N]``.
+
+Why a kernel: in XLA the 30 steps are ~40 small kernels per layer (each step ends in a reduction), ~2 ms
+of launches per 36-layer decode step on the H200 at every context (NOTES, "Where the 1M step goes"); here
+they are one launch. Why thresholds: the loop is comparisons, one IEEE add and a multiply by 1/2 only, so
+the kernel and the XLA reference give the same plan bit for bit on every backend; the logarithms (which
+Triton and XLA round differently) are taken once, outside, by XLA (:func:`fathom_jax.planner.water_line_thresholds`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend as B
+
+KERNEL_NAME = "water_line"
+N_PLANES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class WaterLineConfig:
+    """``rows``: groups per program (a power of two); ``num_warps``: Triton warps."""
+
+    rows: int = 8
+    num_warps: int = 4
+
+    def __post_init__(self):
+        B.check_pow2("rows", self.rows)
+
+
+def _validate(thresholds, budget, log_lo, log_hi):
+    B.check_array("thresholds", thresholds, ndim=3, dtypes=(jnp.float32,))
+    if thresholds.shape[0] != N_PLANES:
+        raise ValueError(f"thresholds must be [{N_PLANES}, N, D] (one row per plane), got {thresholds.shape}")
+    n = thresholds.shape[1]
+    for name, x in (("budget", budget), ("log_lo", log_lo), ("log_hi", log_hi)):
+        B.check_array(name, x, ndim=1, dtypes=(jnp.float32,))
+        if x.shape != (n,):
+            raise ValueError(f"{name} must be [N] = [{n}], got {x.shape}")
+
+
+def water_line_reference(thresholds, budget, log_lo, log_hi, *, steps: int):
+    """Plain jnp: the bisection unrolled (straight-line code fuses better than a loop on the GPU)."""
+    _validate(thresholds, budget, log_lo, log_hi)
+    lo, hi = log_lo, log_hi
+    depths = jnp.zeros(thresholds.shape[1:], jnp.int32)
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        trial = jnp.sum(mid[None, :, None] <= thresholds, axis=0, dtype=jnp.int32)
+        over = jnp.sum(trial, axis=-1).astype(jnp.float32) > budget
+        lo, hi = jnp.where(over, mid, lo), jnp.where(over, hi, mid)
+        depths = jnp.where(over[:, None], depths, trial)
+    return depths, hi
+
+
+def _water_line_kernel(
+    # inputs
+    thr_ref,  # f32 [4, rows, D]
+    budget_ref,  # f32 [rows]
+    lo_ref,  # f32 [rows]
+    hi_ref,  # f32 [rows]
+    # outputs
+    depths_ref,  # i32 [rows, D]
+    hi_out_ref,  # f32 [rows]
+    *,
+    steps: int,
+):
+    thresholds = [thr_ref[t] for t in range(N_PLANES)]
+    budget = budget_ref[...]
+
+    def depths_at(x):
+        x = x[:, None]
+        total = (x <= thresholds[0]).astype(jnp.int32)
+        for thr in thresholds[1:]:
+            total += (x <= thr).astype(jnp.int32)
+        return total
+
+    def step(_, carry):
+        lo, hi, depths = carry
+        mid = 0.5 * (lo + hi)
+        trial = depths_at(mid)
+        over = jnp.sum(trial, axis=1).astype(jnp.float32) > budget
+        return jnp.where(over, mid, lo), jnp.where(over, hi, mid), jnp.where(over[:, None], depths, trial)
+
+    init = (lo_ref[...], hi_ref[...], jnp.zeros(depths_ref.shape, jnp.int32))
+    _, hi, depths = jax.lax.fori_loop(0, steps, step, init)
+    depths_ref[...] = depths
+    hi_out_ref[...] = hi
+
+
+@functools.partial(jax.jit, static_argnames=("steps", "config", "interpret"))
+def _water_line_pallas(thresholds, budget, log_lo, log_hi, *, steps, config, interpret):
+    _, n, d = thresholds.shape
+    rows = config.rows
+    n_pad, d_pad = pl.cdiv(n, rows) * rows, pl.next_power_of_2(d)
+    # Padded channels and groups never read (NaN thresholds); padded groups are cut off below.
+    thresholds = jnp.pad(thresholds, ((0, 0), (0, n_pad - n), (0, d_pad - d)), constant_values=jnp.nan)
+    budget, log_lo, log_hi = (jnp.pad(x, (0, n_pad - n)) for x in (budget, log_lo, log_hi))
+    row_spec = pl.BlockSpec((rows,), lambda i: (i,))
+    depths, hi = pl.pallas_call(
+        functools.partial(_water_line_kernel, steps=steps),
+        out_shape=(jax.ShapeDtypeStruct((n_pad, d_pad), jnp.int32), jax.ShapeDtypeStruct((n_pad,), jnp.float32)),
+        grid=(n_pad // rows,),
+        in_specs=[pl.BlockSpec((N_PLANES, rows, d_pad), lambda i: (0, i, 0)), row_spec, row_spec, row_spec],
+        out_specs=(pl.BlockSpec((rows, d_pad), lambda i: (i, 0)), row_spec),
+        interpret=interpret,
+        name=KERNEL_NAME,
+        compiler_params=B.compiler_params(config.num_warps),
+    )(thresholds, budget, log_lo, log_hi)
+    return depths[:n, :d], hi[:n]
+
+
+def water_line(
+    thresholds,  # f32 [4, N, D]   log g_j - (t + 1/2) log 4; NaN: never read
+    budget,  # f32 [N]   code bits
+    log_lo,  # f32 [N]   bracket of the log water line
+    log_hi,  # f32 [N]
+    *,
+    steps: int,
+    implementation: B.Implementation | None = None,
+    config: WaterLineConfig | None = None,
+    interpret: bool | None = None,
+):
+    """``(depths i32 [N, D], log_hi f32 [N])``: the last trial that fit the budget and the final upper end."""
+    implementation = B.resolve_implementation(implementation)
+    _validate(thresholds, budget, log_lo, log_hi)
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    if implementation == "xla":
+        return water_line_reference(thresholds, budget, log_lo, log_hi, steps=steps)
+    return _water_line_pallas(thresholds, budget, log_lo, log_hi, steps=steps, config=config or WaterLineConfig(),
+                              interpret=B.resolve_interpret(interpret))
