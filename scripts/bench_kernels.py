@@ -158,25 +158,35 @@ def gather_cases():
     return out
 
 
-def topk_cases():
+def topk_cases(tune=False):
+    """[32, n] rows at k = 512. ``n`` = 2^15, 2^17, 2^20 and, with ``tune``, a decode cache's rows (2^17 + 64 and
+    2^20 + 64 slots: at 1M the fused path then needs 64-token buckets) under warp counts and bucket limits."""
     out = []
     k = 512
-    for n in (32768, 131072, 1 << 20):
+    sizes = (32768, 131072, 1 << 20) + (((1 << 17) + 64, (1 << 20) + 64) if tune else ())
+    fused = lambda **kw: TK.TopkConfig(path="fused", **kw)  # noqa: E731
+    variants = [("ours_radix", TK.TopkConfig(path="radix", num_warps=4)), ("ours_fused", fused(num_warps=16))]
+    if tune:
+        variants += [("ours_fused_w8", fused(num_warps=8)), ("ours_fused_w32", fused(num_warps=32)),
+                     ("ours_fused_buckets65536", fused(num_warps=16, max_buckets=65536)),
+                     ("ours_fused_buckets65536_w32", fused(num_warps=32, max_buckets=65536))]
+    for n in sizes:
         rng = np.random.default_rng(n)
         scores = jnp.asarray(rng.standard_normal((32, n)), jnp.float32)
         length = jnp.full((32,), n, jnp.int32)
         b = TK.topk_select_reference(scores, length, k=k)
         iters = 50 if n < (1 << 20) else 20
-        for name, fn in (("ours_radix", lambda s: TK.topk_select(s, length, k=k, path="radix", num_warps=4)),
-                         ("ours_fused", lambda s: TK.topk_select(s, length, k=k, path="fused", num_warps=16)),
-                         ("reference_lax_top_k", lambda s: TK.topk_select_reference(s, length, k=k)),
-                         ("lax.top_k_only", lambda s: jax.lax.top_k(s, k - 36)[1])):
+        fns = [(name, lambda s, c=c: TK.topk_select(s, length, k=k, implementation="pallas", config=c))
+               for name, c in variants]
+        fns += [("reference_lax_top_k", lambda s: TK.topk_select_reference(s, length, k=k)),
+                ("lax.top_k_only", lambda s: jax.lax.top_k(s, k - 36)[1])]
+        for name, fn in fns:
             same = bool(jnp.array_equal(fn(scores), b)) if name.startswith("ours") else True
             step = lambda c, fn=fn: c + fn(scores + c).astype(jnp.float32)[:, :1] * 1e-30
             r = timeit(step, jnp.zeros((32, 1), jnp.float32), iters=iters, repeats=3)
             r.update(kernel=f"topk_{name}", n=n, k=k, rows=32, same_set_as_reference=same)
             out.append(r)
-            print(f"topk {name:20s} n={n:8d} {r['median_ms']:.4f} ms same={same}", flush=True)
+            print(f"topk {name:28s} n={n:8d} {r['median_ms']:.4f} ms same={same}", flush=True)
     return out
 
 
@@ -340,7 +350,7 @@ def main():
 
     save()
     if "topk" in sections:
-        res["topk"] = topk_cases()
+        res["topk"] = topk_cases(tune=args.tune)
         save()
     if "gather" in sections:
         res["gather"] = gather_cases()

@@ -26,6 +26,7 @@
 #   k1  (nvidia-h200)   the planner in rounds of six bisection steps (reverted: no gain): GPU tests, Fathom 48 vs SparQ at 128k
 #   l1  (nvidia-h200)   the water-line kernel (the bisection in one launch): GPU tests; three methods at 1M and 128k, profiled
 #   l2  (same machine)  SmolLM2 GPU tests; full step at batch 1, 4 and 8 @128k
+#   m1  (nvidia-h200)   top-k: GPU tests; the fused path's warps and bucket limit on decode-shaped rows (2^k + 64)
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -208,4 +209,7 @@ l2)  # (same machine) SmolLM2 GPU tests; the full step at batch 1, 4 and 8 @128k
   timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_h200.log
   timeout 330 python3 scripts/bench_offload.py --tag h200_l2 --out $OUT --methods "Fathom 48" --read staged \
     --sections link,full,batch --contexts 128k --batches 4,8 --time-budget 320 2>&1 | tee $OUT/bench_l2.log ;;
+m1)  # (nvidia-h200) top-k tuning: does select_tokens (6.2 ms of the 1M step) gain from 32 warps or 32-token buckets?
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/pallas_kernels/test_topk.py 2>&1 | tee $OUT/gpu_tests_topk_h200.log
+  timeout 400 python3 scripts/bench_kernels.py --sections topk --tune --name topk_tune_h200 --out $OUT 2>&1 | tee $OUT/bench_m1.log ;;
 esac
