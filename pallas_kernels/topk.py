@@ -181,7 +181,7 @@ def _topk_pallas(scores, length, *, k, sink, local, interpret, tile, num_warps):
 # ----------------------------------------------------------------------------------------------
 # Fused path ("fused"): three Pallas kernels, no XLA pass over [R, n] and no XLA cumsum/scatter.
 #
-# Buckets hold 32 tokens, or 64 / 128 where a row would otherwise have more than 32768 of them (``fused_bucket``).
+# Buckets hold 32 tokens, or 64 / 128 where a row would otherwise have more than 65536 of them (``fused_bucket``).
 # 1. ``bucket_max``: grid (R, tiles): masked order-preserving keys of a tile, max over each bucket.
 # 2. ``select_buckets``: one program per row holds the row's bucket maxima in registers, finds the k'-th
 #    largest by a 32-round bitwise search (one compare per element per round), and writes the ids of
@@ -256,14 +256,16 @@ def _select_tokens_kernel(len_ref, bid_ref, s_ref, out_ref, *, kp, kpp, nb, n, b
     plgpu.store(out_ref.at[r, jnp.where(w, s, kp)], jnp.full((kpp,), -1, jnp.int32), mask=w)
 
 
-MAX_FUSED_BUCKETS = 32768  # bucket maxima of a row held in one program's registers
+# Bucket maxima of a row held in one program's registers. 65536, not 32768: a decode cache of 1M tokens has 2^20 + 64
+# slots, and 64-token buckets there doubled the last kernel's candidates; on the H200, [32, 2^20 + 64] at k = 512
+# takes 0.252 ms with 32-token buckets against 0.325 ms with 64 (run m1, results/topk_tune_h200.md).
+MAX_FUSED_BUCKETS = 65536
 MAX_FUSED_BUCKET = 128  # candidates per selected bucket (k' x bucket of them held in one program)
 
 
 def fused_bucket(n: int, max_buckets: int = MAX_FUSED_BUCKETS) -> int:
     """Tokens per bucket of the fused path: 32, doubled until a row of ``n`` has at most ``max_buckets`` buckets
-    (a 1M-token cache plus its decode room, n = 2^20 + 64, would need 32770 buckets of 32; 64-token buckets
-    halve that). Wider buckets make the last kernel hold more candidates (k' x bucket)."""
+    (rows past 2M tokens). Wider buckets make the last kernel hold more candidates (k' x bucket)."""
     bucket = BUCKET
     while pl.cdiv(n, bucket) > max_buckets:
         bucket *= 2
@@ -304,10 +306,11 @@ def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps, bucket)
 
 @dataclasses.dataclass(frozen=True)
 class TopkConfig:
-    """``path``: ``"fused"`` (three fused kernels, rows of up to 32768 buckets of 32 to 128 tokens = 4M tokens;
+    """``path``: ``"fused"`` (three fused kernels, rows of up to 65536 buckets of 32 to 128 tokens = 8M tokens;
     longer rows fall back to ``"radix"``) or ``"radix"`` (XLA bucket maxima + two radix selects); ``num_warps`` (default 16
     fused, 4 radix); ``tile``: elements per step of the radix kernel.
-    H200, [32, n], k = 512: fused 0.072 / 0.085 / 0.219 ms at 32k / 128k / 1M, radix 0.169 / 0.190 / 0.458."""
+    H200, [32, n], k = 512: fused 0.072 / 0.083 / 0.252 ms at 32k / 128k / 1M (2^k + 64 rows: a decode cache), radix
+    0.165 / 0.198 / 0.500 (results/topk_tune_h200.md)."""
 
     path: str = "fused"
     num_warps: int | None = None

@@ -27,6 +27,7 @@
 #   l1  (nvidia-h200)   the water-line kernel (the bisection in one launch): GPU tests; three methods at 1M and 128k, profiled
 #   l2  (same machine)  SmolLM2 GPU tests; full step at batch 1, 4 and 8 @128k
 #   m1  (nvidia-h200)   top-k: GPU tests; the fused path's warps and bucket limit on decode-shaped rows (2^k + 64)
+#   m2  (nvidia-h200)   32-token buckets at 1M (bucket limit 65536): GPU tests; Fathom 48 and SparQ r=16 at 1M and 128k, profiled
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -212,4 +213,9 @@ l2)  # (same machine) SmolLM2 GPU tests; the full step at batch 1, 4 and 8 @128k
 m1)  # (nvidia-h200) top-k tuning: does select_tokens (6.2 ms of the 1M step) gain from 32 warps or 32-token buckets?
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/pallas_kernels/test_topk.py 2>&1 | tee $OUT/gpu_tests_topk_h200.log
   timeout 400 python3 scripts/bench_kernels.py --sections topk --tune --name topk_tune_h200 --out $OUT 2>&1 | tee $OUT/bench_m1.log ;;
+m2)  # (nvidia-h200) after raising the fused top-k's bucket limit: GPU tests, then two methods at 1M and 128k
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_h200.log
+  timeout 300 python3 scripts/bench_offload.py --tag h200_m2 --out $OUT --read staged \
+    --methods "Fathom 48,SparQ r=16" --sections link,attn,attnprofile --contexts 1m,128k \
+    --share-kv-from 1m --time-budget 290 2>&1 | tee $OUT/bench_m2.log ;;
 esac

@@ -73,7 +73,9 @@ def test_topk_lowers_to_triton_and_validates():
                                  interpret=False, implementation="pallas")  # default: fused
         assert all(f'name = "{nm}"' in text for nm in ("topk_bucket_max", "topk_select_buckets", "topk_select_tokens"))
         assert f'name = "{TK.KERNEL_NAME}"' not in text
-    assert [TK.fused_bucket(n) for n in (4096, 1 << 20, (1 << 20) + 64, 1 << 21)] == [32, 32, 64, 64]
+    # A 1M-token decode cache (2^20 + 64 slots) keeps 32-token buckets; rows past 2M tokens widen them.
+    assert [TK.fused_bucket(n) for n in (4096, 1 << 20, (1 << 20) + 64, 1 << 21, (1 << 21) + 64)] == [32, 32, 32, 32, 64]
+    assert TK.fused_bucket((1 << 20) + 64, max_buckets=32768) == 64
     with pytest.raises(ValueError, match="k > sink"):
         TK.topk_select(jnp.zeros((4, 100)), 100, k=36)
     with pytest.raises(ValueError, match="path"):
