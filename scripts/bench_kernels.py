@@ -118,11 +118,15 @@ def _host(x):
     return jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
 
 
-def gather_cases():
-    """Run gather from pinned host memory vs run size (4 planes of one channel = 16 W bytes)."""
+GATHER_CONFIGS = ((2048, 4), (1024, 4), (4096, 4), (8192, 4), (2048, 8), (4096, 8), (8192, 8), (16384, 8))
+
+
+def gather_cases(tune=False):
+    """Run gather from pinned host memory vs run size (4 planes of one channel = 16 W bytes). With ``tune``: the
+    runs of a 128k and a 1M store (64 and 512 KiB per channel) under ``GATHER_CONFIGS`` (chunk, warps)."""
     out = []
     bh, d = 8, 128
-    for run_kb in (1, 8, 64, 512):
+    for run_kb in ((64, 512) if tune else (1, 8, 64, 512)):
         w = run_kb * 1024 // 16
         rng = np.random.default_rng(run_kb)
         planes_np = rng.integers(0, 2**32, (bh, d, 4, w), dtype=np.uint32)
@@ -131,15 +135,24 @@ def gather_cases():
         dep = jnp.full((bh, d), 4, jnp.int32)
         nbytes = planes_np.nbytes + scales_np.nbytes
         iters = max(3, min(200, int(2e8 // nbytes)))
-        for where, planes, scales in (("pinned_host", _host(planes_np), _host(scales_np)),
-                                      ("hbm", jnp.asarray(planes_np), jnp.asarray(scales_np))):
-            def step(c, planes, scales):
-                p, sc = RG.run_gather(planes, scales, ch + (c > 1e30).astype(jnp.int32), dep)
-                return c + p[0, 0, 0, 0].astype(jnp.float32) * 1e-30
-            r = timeit_args(step, jnp.zeros((), jnp.float32), (planes, scales), reps=min(20, iters), repeats=3)
-            r.update(kernel="run_gather", source=where, run_bytes=run_kb * 1024, bytes=nbytes)
-            r["GBps"] = nbytes / (r["median_ms"] * 1e-3) / 1e9
-            out.append(r)
+        sources = [("pinned_host", _host(planes_np), _host(scales_np))]
+        if not tune:
+            sources.append(("hbm", jnp.asarray(planes_np), jnp.asarray(scales_np)))
+        configs = GATHER_CONFIGS if tune else GATHER_CONFIGS[:1]
+        for where, planes, scales in sources:
+            for chunk, warps in configs:
+                config = RG.RunGatherConfig(chunk=chunk, num_warps=warps)
+
+                def step(c, planes, scales, config=config):
+                    p, sc = RG.run_gather(planes, scales, ch + (c > 1e30).astype(jnp.int32), dep, config=config)
+                    return c + p[0, 0, 0, 0].astype(jnp.float32) * 1e-30
+                r = timeit_args(step, jnp.zeros((), jnp.float32), (planes, scales), reps=min(20, iters), repeats=3)
+                r.update(kernel="run_gather", source=where, run_bytes=run_kb * 1024, bytes=nbytes, chunk=chunk,
+                         num_warps=warps)
+                r["GBps"] = nbytes / (r["median_ms"] * 1e-3) / 1e9
+                out.append(r)
+                print(f"run_gather {where:11s} run={run_kb * 1024:7d}B chunk={chunk:5d} w={warps} "
+                      f"{r['median_ms']:.3f} ms {r['GBps']:.1f} GB/s", flush=True)
         host = _host(planes_np)
         dev = jax.devices()[0]
         ts = []
@@ -151,9 +164,7 @@ def gather_cases():
              "median_ms": float(np.median(ts)), "min_ms": float(np.min(ts)), "max_ms": float(np.max(ts))}
         r["GBps"] = r["bytes"] / (r["median_ms"] * 1e-3) / 1e9
         out.append(r)
-        for r in out[-3:]:
-            print(f"{r['kernel']:11s} {r['source']:11s} run={r['run_bytes']:7d}B total={r['bytes']/1e6:.1f}MB "
-                  f"{r['median_ms']:.3f} ms {r['GBps']:.1f} GB/s", flush=True)
+        print(f"device_put  pinned_host run={run_kb * 1024:7d}B {r['median_ms']:.3f} ms {r['GBps']:.1f} GB/s", flush=True)
         del host
     return out
 
@@ -353,7 +364,7 @@ def main():
         res["topk"] = topk_cases(tune=args.tune)
         save()
     if "gather" in sections:
-        res["gather"] = gather_cases()
+        res["gather"] = gather_cases(tune=args.tune)
         save()
     if "rowfetch" in sections:
         res["row_fetch"] = rowfetch_cases(tuple(map(int, args.rowfetch_sizes.split(","))),
@@ -380,9 +391,11 @@ def write_report(res, out, name="kernels_h200"):
         L.append("")
     if "gather" in res:
         L += ["## Run gather vs run size (8 KV heads x 128 channels x 4 planes)", "",
-              "| kernel | source | run bytes | total MB | ms | GB/s |", "|---|---|---|---|---|---|"]
+              "| kernel | source | run bytes | chunk, warps | total MB | ms | GB/s |", "|---|---|---|---|---|---|---|"]
         for r in res["gather"]:
-            L.append(f"| {r['kernel']} | {r['source']} | {r['run_bytes']} | {r['bytes']/1e6:.1f} | {r['median_ms']:.3f} | {r['GBps']:.1f} |")
+            cfg = f"{r['chunk']}, {r['num_warps']}" if "chunk" in r else ""
+            L.append(f"| {r['kernel']} | {r['source']} | {r['run_bytes']} | {cfg} | {r['bytes']/1e6:.1f} | "
+                     f"{r['median_ms']:.3f} | {r['GBps']:.1f} |")
         L.append("")
     if "topk" in res:
         L += ["## Top-k (4 sink + 32 local + top-476), [32, n], k = 512", "",
