@@ -29,6 +29,7 @@
 #   m1  (nvidia-h200)   top-k: GPU tests; the fused path's warps and bucket limit on decode-shaped rows (2^k + 64)
 #   m2  (nvidia-h200)   32-token buckets at 1M (bucket limit 65536): GPU tests; Fathom 48 and SparQ r=16 at 1M and 128k, profiled
 #   n1  (nvidia-h200)   run gather chunk / warps on the runs of a 128k and a 1M store
+#   n2  (nvidia-h200)   cache write with 64 (channel, plane) rows per program: its GPU tests and the offload path's; Fathom 48 at 1M and 128k, profiled
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -221,4 +222,9 @@ m2)  # (nvidia-h200) after raising the fused top-k's bucket limit: GPU tests, th
     --share-kv-from 1m --time-budget 290 2>&1 | tee $OUT/bench_m2.log ;;
 n1)  # (nvidia-h200) the run gather is 0.87 of the link at 1M (46.4 ms of 2.2 GB): chunk and warps
   timeout 300 python3 scripts/bench_kernels.py --sections gather --tune --name gather_tune_h200 --out $OUT 2>&1 | tee $OUT/bench_n1.log ;;
+n2)  # (nvidia-h200) the plane-word write launched 147k programs of 8 bytes; now 64 rows per program
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests/pallas_kernels/test_cache_write.py \
+    tests/test_hlo.py tests/test_sparse_step.py tests/models/test_sparse.py 2>&1 | tee $OUT/gpu_tests_n2_h200.log
+  timeout 200 python3 scripts/bench_offload.py --tag h200_n2 --out $OUT --read staged --methods "Fathom 48" \
+    --sections link,attn,attnprofile --contexts 1m,128k --share-kv-from 1m --time-budget 190 2>&1 | tee $OUT/bench_n2.log ;;
 esac

@@ -13,6 +13,7 @@ from tests.support import lower_triton_text
 CASES = {  # name: (dst shape, src shape, axis)
     "kv_rows": ((3, 4, 50, 16), (3, 4, 1, 16), 2),
     "planes": ((3, 4, 8, 4, 10), (3, 4, 8, 4, 2), 4),
+    "planes_ragged": ((2, 3, 40, 4, 10), (2, 3, 40, 4, 2), 4),  # 160 (channel, plane) rows: 64 per program, the last part-full
     "scales": ((3, 4, 8, 5), (3, 4, 8, 1), 3),
     "prefill_layer": ((3, 4, 300, 16), (1, 4, 257, 16), 2),
 }
@@ -20,7 +21,7 @@ CASES = {  # name: (dst shape, src shape, axis)
 
 def _arrays(rng, name):
     dst_shape, src_shape, axis = CASES[name]
-    dtype = {"planes": np.uint32, "scales": np.float16}.get(name, jnp.bfloat16)
+    dtype = {"planes": np.uint32, "planes_ragged": np.uint32, "scales": np.float16}.get(name, jnp.bfloat16)
     if dtype == np.uint32:
         return (rng.integers(0, 2**32, dst_shape, dtype=np.uint32), rng.integers(0, 2**32, src_shape, dtype=np.uint32),
                 axis)
