@@ -31,19 +31,13 @@ KERNEL_NAME = "cache_write"
 
 @dataclasses.dataclass(frozen=True)
 class CacheWriteConfig:
-    """``chunk``: rows (entries along the written axis) per program; ``mids``: indices of the axes between R and
-    the written one (flattened) per program, when no axis follows the written one; ``num_warps``: Triton warps.
-
-    ``mids`` is for the plane words: a decode step writes 2 words for each of D x 4 (channel, plane) rows per
-    group and layer, so one program per row launched 147k programs of 8 bytes each at Qwen3-8B shapes."""
+    """``chunk``: rows (entries along the written axis) per program; ``num_warps``: Triton warps."""
 
     chunk: int = 256
-    mids: int = 64
     num_warps: int = 4
 
     def __post_init__(self):
         B.check_pow2("chunk", self.chunk)
-        B.check_pow2("mids", self.mids)
 
 
 def _validate(dst, src, start, axis):
@@ -126,46 +120,6 @@ def _cache_write_kernel(
         plgpu.store(out_ref.at[(layer, r, *mid_idx, pl.ds(start_ref[r] + m0, chunk), slice(None))], data, mask=ok2)
 
 
-def _cache_write_mids_kernel(
-    # inputs
-    start_ref,  # i32 [R]
-    layer_ref,  # i32 [1]
-    src_ref,  # [Ls, R, *mid, M]   (HBM)
-    dst_ref,  # [L, R, *mid, N]    (any memory space)
-    # outputs
-    out_ref,  # = dst (aliased), or i32 [1]: a completion token when writing into dst in place
-    *,
-    mid: tuple[int, ...],
-    mids: int,
-    rows: int,
-    n: int,
-    chunk: int,
-    in_place: bool,
-):
-    """``mids`` flattened mid indices x ``chunk`` rows per program: one 2-D scattered copy."""
-    l, r, b, c = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    if in_place:
-        @pl.when((l == 0) & (r == 0) & (b == 0) & (c == 0))
-        def _():
-            out_ref[0] = jnp.int32(1)
-
-        out_ref = dst_ref
-    flat = b * mids + jnp.arange(mids, dtype=jnp.int32)
-    mid_ok = flat < B.prod(mid)
-    mid_idx = []
-    for size in reversed(mid):  # unravel the flat mid index, last axis fastest
-        mid_idx.append((flat % size)[:, None])
-        flat = flat // size
-    mid_idx = tuple(reversed(mid_idx))
-    m = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-    at = start_ref[r] + m
-    ok = mid_ok[:, None] & ((m < rows) & (at < n))[None, :]
-    # Masked lanes keep their out-of-range indices: clamped, they would alias a real element (interpret mode
-    # stores every lane, masked ones with the old value, so a duplicate could undo a write).
-    data = plgpu.load(src_ref.at[(l, r, *mid_idx, m[None, :])], mask=ok, other=0)
-    plgpu.store(out_ref.at[(layer_ref[0] + l, r, *mid_idx, at[None, :])], data, mask=ok)
-
-
 def _cache_write_pallas(dst, src, start, layer, *, axis, config, interpret, in_place=False):
     mid = tuple(dst.shape[2:axis])
     tail_shape = dst.shape[axis + 1:]
@@ -176,19 +130,11 @@ def _cache_write_pallas(dst, src, start, layer, *, axis, config, interpret, in_p
         B.check_pow2("the last axis of dst", tail)
     rows, n = src.shape[axis], dst.shape[axis]
     chunk = min(config.chunk, pl.next_power_of_2(rows))
-    if tail is None and mid:
-        mids = min(config.mids, pl.next_power_of_2(B.prod(mid)))
-        kernel = functools.partial(_cache_write_mids_kernel, mid=mid, mids=mids, rows=rows, n=n, chunk=chunk,
-                                   in_place=in_place)
-        grid = (src.shape[0], src.shape[1], pl.cdiv(B.prod(mid), mids), pl.cdiv(rows, chunk))
-    else:
-        kernel = functools.partial(_cache_write_kernel, mid=mid, rows=rows, n=n, chunk=chunk, tail=tail,
-                                   in_place=in_place)
-        grid = (src.shape[0], src.shape[1], B.prod(mid), pl.cdiv(rows, chunk))
+    kernel = functools.partial(_cache_write_kernel, mid=mid, rows=rows, n=n, chunk=chunk, tail=tail, in_place=in_place)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((1,), jnp.int32) if in_place else jax.ShapeDtypeStruct(dst.shape, dst.dtype),
-        grid=grid,
+        grid=(src.shape[0], src.shape[1], B.prod(mid), pl.cdiv(rows, chunk)),
         in_specs=[B.any_spec()] * 4,
         out_specs=B.any_spec(),
         input_output_aliases={} if in_place else {3: 0},

@@ -29,7 +29,8 @@
 #   m1  (nvidia-h200)   top-k: GPU tests; the fused path's warps and bucket limit on decode-shaped rows (2^k + 64)
 #   m2  (nvidia-h200)   32-token buckets at 1M (bucket limit 65536): GPU tests; Fathom 48 and SparQ r=16 at 1M and 128k, profiled
 #   n1  (nvidia-h200)   run gather chunk / warps on the runs of a 128k and a 1M store
-#   n2  (nvidia-h200)   cache write with 64 (channel, plane) rows per program: its GPU tests and the offload path's; Fathom 48 at 1M and 128k, profiled
+#   n2  (nvidia-h200)   cache write with 64 (channel, plane) rows per program (run at a003c0c, reverted: no change): its GPU
+#                       tests and the offload path's; Fathom 48 at 1M and 128k, profiled
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
