@@ -31,6 +31,7 @@
 #   n1  (nvidia-h200)   run gather chunk / warps on the runs of a 128k and a 1M store
 #   n2  (nvidia-h200)   cache write with 64 (channel, plane) rows per program (run at a003c0c, reverted: no change): its GPU
 #                       tests and the offload path's; Fathom 48 at 1M and 128k, profiled
+#   n3  (nvidia-h200-x2) the sharding, HLO and CLI tests on both GPUs after the water-line and top-k changes
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -228,4 +229,6 @@ n2)  # (nvidia-h200) the plane-word write launched 147k programs of 8 bytes; now
     tests/test_hlo.py tests/test_sparse_step.py tests/models/test_sparse.py 2>&1 | tee $OUT/gpu_tests_n2_h200.log
   timeout 200 python3 scripts/bench_offload.py --tag h200_n2 --out $OUT --read staged --methods "Fathom 48" \
     --sections link,attn,attnprofile --contexts 1m,128k --share-kv-from 1m --time-budget 190 2>&1 | tee $OUT/bench_n2.log ;;
+n3)  # (nvidia-h200-x2) sharded decoding natively after this session's planner and top-k changes
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_sharding.py tests/test_hlo.py tests/test_cli.py 2>&1 | tee $OUT/gpu_tests_h200x2.log ;;
 esac
