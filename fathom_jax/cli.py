@@ -139,19 +139,16 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def _generate_mesh(devices: int, config):
     """A one-axis mesh of the first ``devices`` devices for ``--mesh`` (None for one device), checked first."""
-    if devices == 1:
-        return None
-    import jax
-    import numpy as np
+    from fathom_jax.placement import device_mesh
 
-    have = jax.devices()
-    if devices > len(have):
-        raise UsageError(f"argument --mesh: {devices} devices asked for, {len(have)} {jax.default_backend()} "
-                         f"device(s) available")
+    try:
+        mesh = device_mesh(devices)
+    except ValueError as e:
+        raise UsageError(f"argument --mesh: {e}") from None
     if config.n_kv_heads % devices:
         raise UsageError(f"argument --mesh: the model's {config.n_kv_heads} KV heads do not split evenly over "
                          f"{devices} devices (one sequence: use a divisor of {config.n_kv_heads})")
-    return jax.sharding.Mesh(np.array(have[:devices]), ("x",))
+    return mesh
 
 
 def _generate(args: argparse.Namespace) -> int:

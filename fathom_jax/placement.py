@@ -48,6 +48,16 @@ def host_memory_available() -> bool:
     return "pinned_host" in {m.kind for m in jax.devices()[0].addressable_memories()}
 
 
+def device_mesh(devices: int, axis: str = "x") -> jax.sharding.Mesh | None:
+    """A one-axis mesh of the first ``devices`` devices for ``Placement(mesh=...)``; None for one device."""
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+    have = jax.devices()
+    if devices > len(have):
+        raise ValueError(f"{devices} devices asked for, {len(have)} {jax.default_backend()} device(s) available")
+    return None if devices == 1 else jax.sharding.Mesh(np.array(have[:devices]), (axis,))
+
+
 def is_bulk(path) -> bool:
     """Whether a leaf at ``path`` (from ``tree_flatten_with_path``) is a bulk cache array."""
     last = path[-1] if path else None

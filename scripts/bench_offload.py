@@ -43,7 +43,7 @@ import harness  # noqa: E402
 from fathom_jax import calibrate, decode, methods  # noqa: E402
 from fathom_jax.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from fathom_jax.models import sparse  # noqa: E402
-from fathom_jax.placement import Placement  # noqa: E402
+from fathom_jax.placement import Placement, device_mesh  # noqa: E402
 
 QWEN3_8B = LlamaConfig(vocab=151936, hidden=4096, intermediate=12288, n_layers=36, n_heads=32, n_kv_heads=8,
                        head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True, max_position_embeddings=1 << 20,
@@ -419,11 +419,10 @@ def main(argv=None):
     unknown = [m for m in labels if m not in METHODS]
     if unknown:
         ap.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
-    mesh = None
-    if args.mesh > 1:
-        if len(jax.devices()) < args.mesh:
-            ap.error(f"--mesh {args.mesh}: only {len(jax.devices())} devices")
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[: args.mesh]), ("x",))
+    try:
+        mesh = device_mesh(args.mesh)
+    except ValueError as e:
+        ap.error(f"--mesh {args.mesh}: {e}")
     args.placement = Placement("pinned_host", mesh=mesh, read=args.read)
     args.implementation = "pallas"
     if args.placement.note:

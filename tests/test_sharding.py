@@ -4,19 +4,29 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from fathom_jax import decode
 from fathom_jax.models import LlamaForCausalLM, generate
 from fathom_jax.models import sparse
-from fathom_jax.placement import Placement
+from fathom_jax.placement import Placement, device_mesh
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (the CPU tests force 2 host devices)")
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    return Mesh(np.array(jax.devices()[:2]), ("x",))
+    return device_mesh(2)
+
+
+def test_device_mesh():
+    assert device_mesh(1) is None
+    m = device_mesh(2)
+    assert m.axis_names == ("x",) and list(m.devices) == jax.devices()[:2]
+    with pytest.raises(ValueError, match=r"devices asked for"):
+        device_mesh(len(jax.devices()) + 1)
+    with pytest.raises(ValueError, match="devices must be an int >= 1"):
+        device_mesh(0)
 
 
 @pytest.fixture(scope="module")
