@@ -352,8 +352,11 @@ def merge(paths, out_prefix):
                 prof["plane scan kernel"] = prof.pop("scan (reads host planes)")
             row.setdefault("read", p["config"].get("read"))
             row.setdefault("run_date", p["machine"]["date"])
-    for key in ("errors", "notes"):
-        res[key] = [x for p in parts for x in p.get(key, [])]
+    for p in parts:  # an error names the run it came from (a later run may have measured that section)
+        for err in p.get("errors", []):
+            err.setdefault("run_date", p["machine"]["date"])
+    res["errors"] = [x for p in parts for x in p.get("errors", [])]
+    res["notes"] = list(dict.fromkeys(x for p in parts for x in p.get("notes", [])))  # in order, once each
     # A later run of the same measurement (same kind, method, shapes, placement) supersedes an earlier one.
     latest: dict[tuple, dict] = {}
     for row in (x for p in parts for x in p.get("rows", [])):
@@ -500,7 +503,7 @@ def write_report(res: dict, prefix: str) -> None:
              "`shared_kv`: all layers read one K/V row buffer (each layer keeps its own planes).",
              f"Link (device_put of {res['config'].get('link_bytes', 0) / 2**30:.0f} GiB from pinned_host): " +
              ", ".join(f"{k} {v['GBps']:.1f} GB/s" for k, v in link.items()) +
-             (f"; HBM copy {res['hbm_copy']['GBps']:.0f} GB/s" if "hbm_copy" in res else ""), ""]
+             (f"; HBM copy {res['hbm_copy']['GBps']:.0f} GB/s" if res.get("hbm_copy") else ""), ""]
     if res.get("runs"):
         lines += ["Runs merged: " + "; ".join(f"`{r['command']}` ({r['machine']['date']})" for r in res["runs"]), ""]
     for entry in res.get("links", [])[1:]:
@@ -550,7 +553,8 @@ def write_report(res: dict, prefix: str) -> None:
                   f"(first call, with compilation: {r['first_s']:.1f} s); index build {r['index_build_s']:.2f} s "
                   f"({100 * r['index_share']:.1f}%).", ""]
     if res.get("errors"):
-        lines += ["## Errors", ""] + [f"- {e['section']}: {e['error'][:300]}" for e in res["errors"]] + [""]
+        when = lambda e: f"run of {e['run_date'][:16]}" if e.get("run_date") else "run not recorded"  # noqa: E731
+        lines += ["## Errors", ""] + [f"- {e['section']} ({when(e)}): {e['error'][:300]}" for e in res["errors"]] + [""]
     with open(prefix + ".md", "w") as f:
         f.write("\n".join(lines))
     try:

@@ -1,0 +1,45 @@
+"""scripts/bench_offload.py --merge: the newest run of a measurement wins; errors name their run; notes once."""
+
+import copy
+import json
+import sys
+
+import pytest
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "scripts"))
+bench_offload = pytest.importorskip("bench_offload")
+
+
+def part(date: str, median: float, notes: list[str], errors: list[dict]) -> dict:
+    machine = {"device": "NVIDIA H200", "devices": 1, "backend": "gpu", "host": "vm", "jax": "0.11.2",
+               "commit": "abc1234", "date": date}
+    row = {"kind": "attention", "method": "Fathom 48", "context": 131072, "batch": 1, "memory": "pinned_host",
+           "mesh": 1, "shared_kv": False, "tag": "", "median_ms": median, "min_ms": median, "max_ms": median,
+           "bits_per_token": 57.7, "scan_bytes": 2.7e8, "row_bytes_max": 3.0e8, "link_floor_ms": float("nan")}
+    return {"machine": machine, "command": f"bench at {date}", "config": {"read": "staged", "mesh": 1, "link_bytes": 2**31},
+            "rows": [row], "errors": errors, "notes": notes, "link": {"device0": {"GBps": 50.0}}}
+
+
+def test_merge_keeps_the_newest_row_and_dates_errors(tmp_path):
+    old = part("2026-11-29T10:00:00+00:00", 22.0, ["bulk cache arrays in pinned_host memory"],
+               [{"section": "batch 4", "error": "skipped: time budget spent"}])
+    new = part("2026-11-30T10:00:00+00:00", 20.6, ["bulk cache arrays in pinned_host memory"], [])
+    paths = []
+    for name, p in (("old", old), ("new", new)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        json.dump(p, open(paths[-1], "w"))
+    bench_offload.merge(paths, str(tmp_path / "merged"))
+    res = json.load(open(tmp_path / "merged.json"))
+    (row,) = res["rows"]
+    assert row["median_ms"] == 20.6 and row["run_date"] == new["machine"]["date"]
+    assert res["machine"]["date"] == new["machine"]["date"]
+    assert res["notes"].count("bulk cache arrays in pinned_host memory") == 1
+    assert res["errors"] == [{"section": "batch 4", "error": "skipped: time budget spent",
+                              "run_date": old["machine"]["date"]}]
+    report = (tmp_path / "merged.md").read_text()
+    assert "- batch 4 (run of 2026-11-29T10:00): skipped" in report
+    # Merging the merged file again keeps what each error recorded.
+    again = copy.deepcopy(res)
+    json.dump(again, open(tmp_path / "again.json", "w"))
+    bench_offload.merge([str(tmp_path / "again.json")], str(tmp_path / "merged2"))
+    assert json.load(open(tmp_path / "merged2.json"))["errors"][0]["run_date"] == old["machine"]["date"]
