@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fathom_jax.format import N_PLANES
 from pallas_kernels import backend as B
 
 KERNEL_NAME = "water_line"
-N_PLANES = 4
 
 
 @dataclasses.dataclass(frozen=True)

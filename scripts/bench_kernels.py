@@ -171,7 +171,7 @@ def gather_cases(tune=False):
 
 def topk_cases(tune=False):
     """[32, n] rows at k = 512. ``n`` = 2^15, 2^17, 2^20 and, with ``tune``, a decode cache's rows (2^17 + 64 and
-    2^20 + 64 slots: at 1M the fused path then needs 64-token buckets) under warp counts and bucket limits."""
+    2^20 + 64 slots) under other warp counts and the former bucket limit (32768: 64-token buckets at 2^20 + 64)."""
     out = []
     k = 512
     sizes = (32768, 131072, 1 << 20) + (((1 << 17) + 64, (1 << 20) + 64) if tune else ())
@@ -179,8 +179,8 @@ def topk_cases(tune=False):
     variants = [("ours_radix", TK.TopkConfig(path="radix", num_warps=4)), ("ours_fused", fused(num_warps=16))]
     if tune:
         variants += [("ours_fused_w8", fused(num_warps=8)), ("ours_fused_w32", fused(num_warps=32)),
-                     ("ours_fused_buckets65536", fused(num_warps=16, max_buckets=65536)),
-                     ("ours_fused_buckets65536_w32", fused(num_warps=32, max_buckets=65536))]
+                     ("ours_fused_buckets32768", fused(num_warps=16, max_buckets=32768)),
+                     ("ours_fused_buckets32768_w32", fused(num_warps=32, max_buckets=32768))]
     for n in sizes:
         rng = np.random.default_rng(n)
         scores = jnp.asarray(rng.standard_normal((32, n)), jnp.float32)

@@ -214,7 +214,7 @@ l2)  # (same machine) SmolLM2 GPU tests; the full step at batch 1, 4 and 8 @128k
   timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_h200.log
   timeout 330 python3 scripts/bench_offload.py --tag h200_l2 --out $OUT --methods "Fathom 48" --read staged \
     --sections link,full,batch --contexts 128k --batches 4,8 --time-budget 320 2>&1 | tee $OUT/bench_l2.log ;;
-m1)  # (nvidia-h200) top-k tuning: does select_tokens (6.2 ms of the 1M step) gain from 32 warps or 32-token buckets?
+m1)  # (nvidia-h200, run at 124895f: the default limit was 32768, the variants then raised it) top-k tuning: does select_tokens gain from 32 warps or 32-token buckets?
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/pallas_kernels/test_topk.py 2>&1 | tee $OUT/gpu_tests_topk_h200.log
   timeout 400 python3 scripts/bench_kernels.py --sections topk --tune --name topk_tune_h200 --out $OUT 2>&1 | tee $OUT/bench_m1.log ;;
 m2)  # (nvidia-h200) after raising the fused top-k's bucket limit: GPU tests, then two methods at 1M and 128k
