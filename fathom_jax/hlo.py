@@ -16,7 +16,8 @@ HOST_SPACE = "S(5)"  # XLA's memory space annotation of pinned host memory in GP
 # Instructions that may take a host operand without moving its bytes (kernels read it in place; the rest is
 # plumbing of tuples, loops and aliases).
 PASS_THROUGH = {"get-tuple-element", "tuple", "while", "parameter", "bitcast", "call", "conditional", "opt-barrier",
-                "async-start", "async-done", "async-update"}
+                "async-start", "async-done", "async-update",
+                "call-start", "call-done", "call-update"}  # a computation run on another GPU stream (Placement.streams)
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)\)", re.S)
 _ARRAY = re.compile(r"(pred|[sufbc]\d+|bf16|f8\w*)\[([\d,]*)\]\{([^}]*)\}")
 _BYTES = {"pred": 1, "bf16": 2}

@@ -3,6 +3,7 @@
     Placement()                          # everything in device memory (HBM)
     Placement("pinned_host")             # index planes/scales, landmarks and K/V rows in host memory
     Placement("pinned_host", mesh=mesh)  # ... sharded over the local GPUs on the group axis
+    Placement("pinned_host", streams=2)  # ... each device's groups in two halves on two GPU streams
 
 A cache is a pytree whose *bulk* leaves (the fields named in :data:`BULK_FIELDS`: bit planes, block
 scales, landmarks, stored keys, K/V rows) grow with the context; everything else (raw tails, lengths,
@@ -17,7 +18,10 @@ layout and the same code run in device memory, and :attr:`Placement.note` says s
 
 Stacked caches are ``[L, R, ...]``: layers first, then the group axis ``R = batch x KV heads`` (sequence
 major). Under a mesh, ``R`` is split over the mesh axis: each device scans, selects and fetches for
-its own groups from its own slice of host memory.
+its own groups from its own slice of host memory. With ``streams > 1`` each device's groups are split
+again, into chunks whose decode steps run on their own GPU streams (``jax.experimental.compute_on``): the
+kernels of one layer are serial within a chunk, so this is how one chunk's plane transfer overlaps
+another's scan, selection and row fetch. Elsewhere the chunks run one after the other (same results).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from pallas_kernels import backend
@@ -76,12 +81,15 @@ class Placement:
     mesh: jax.sharding.Mesh | None = None
     axis: str | None = None
     read: ReadMode = "staged"
+    streams: int = 1
 
     def __post_init__(self):
         if self.memory not in MEMORIES:
             raise ValueError(f"placement memory must be one of {MEMORIES}, got {self.memory!r}")
         if self.read not in get_args(ReadMode):
             raise ValueError(f"placement read must be 'direct' or 'staged', got {self.read!r}")
+        if not isinstance(self.streams, int) or isinstance(self.streams, bool) or self.streams < 1:
+            raise ValueError(f"placement streams must be an int >= 1, got {self.streams!r}")
         if self.mesh is not None:
             if self.axis is None:
                 object.__setattr__(self, "axis", self.mesh.axis_names[0])
@@ -144,6 +152,36 @@ class Placement:
                 f"the mesh axis {self.axis!r} has {self.num_shards} devices but there are {groups} groups "
                 f"(batch x KV heads); use a batch that makes batch x KV heads a multiple of {self.num_shards}"
             )
+        if (groups // self.num_shards) % self.streams:
+            raise ValueError(
+                f"placement streams={self.streams} must divide the {groups // self.num_shards} groups (batch x KV "
+                f"heads) of each device; use a divisor of it"
+            )
+
+    # -- running per-group work on several GPU streams ---------------------------------------
+    def per_stream(self, fn, groups: int, args: tuple, shared: tuple = ()):
+        """``fn(group_start, size, *chunk_args, *shared)`` for each of :attr:`streams` equal chunks of ``groups``,
+        each on its own GPU stream; returns the list of their outputs.
+
+        ``args`` are pytrees whose leaves are per-group ``[R, ...]`` arrays, cut to the chunk, except bulk
+        leaves (stacked ``[L, R, ...]`` cache arrays, possibly in host memory: no XLA op may slice them),
+        which every chunk gets whole and reads at its ``group_start`` through the kernels; ``shared`` (e.g.
+        a layer index) goes to every chunk as it is.
+        """
+        if groups % self.streams:
+            raise ValueError(f"placement streams={self.streams} must divide the {groups} groups of a device")
+        size = groups // self.streams
+        outs = []
+        for i in range(self.streams):
+            start = i * size
+            cut = lambda path, x, start=start: x if is_bulk(path) else x[start:start + size]  # noqa: E731
+            chunk = tuple(jax.tree_util.tree_map_with_path(cut, a) for a in args)
+            run = functools.partial(fn, start, size)
+            if self.streams > 1:  # stream 0 is XLA's main compute stream
+                run = compute_on(jax.jit(run), compute_type=f"gpu_stream:{i + 1}",
+                                 out_memory_spaces=jax.memory.Space.Device)
+            outs.append(run(*chunk, *shared))
+        return outs
 
     # -- shardings ----------------------------------------------------------------------------
     def sharding(self, ndim: int, *, bulk: bool, split: bool = True) -> jax.sharding.Sharding:
@@ -227,9 +265,11 @@ class Placement:
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
     # -- reading bulk arrays inside the step -------------------------------------------------
-    def stage(self, x, layer, implementation: backend.Implementation, columns: tuple[int, int] | None = None):
+    def stage(self, x, layer, implementation: backend.Implementation, columns: tuple[int, int] | None = None,
+              groups: tuple[int, int] | None = None):
         """``x[layer]`` (``[R, N, F]`` of a stacked ``[L, R, N, F]`` bulk array) in device memory; with
-        ``columns=(start, width)`` only those features (the keys of the K/V cache).
+        ``columns=(start, width)`` only those features (the keys of the K/V cache); with ``groups=(start,
+        size)`` only those groups (one stream's chunk).
 
         Device memory: an XLA slice (free inside a fusion). Offloaded: a row-fetch kernel copies the
         layer's rows (host memory is not an XLA operand).
@@ -237,11 +277,13 @@ class Placement:
         window = (lambda a: a) if columns is None else (lambda a: a[..., columns[0]:columns[0] + columns[1]])
         if layer is None:
             return window(x)
+        start, size = (0, x.shape[1]) if groups is None else groups
         if not self.offloaded or implementation == "xla":
-            return window(x[layer])
+            return window(x[layer, start:start + size])
         n = x.shape[-2]
-        index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (x.shape[1], n))
-        rows, _, _ = row_fetch(x, None, index, layer=layer, columns=columns, implementation=implementation)
+        index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (size, n))
+        rows, _, _ = row_fetch(x, None, index, layer=layer, columns=columns, group_start=start,
+                               implementation=implementation)
         return rows
 
 

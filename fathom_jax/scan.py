@@ -82,13 +82,15 @@ def check_scan_inputs(method: ScanMethod, q, index: KeyIndex, calib: Calibration
     return q.astype(jnp.float32)
 
 
-def _plane_scores(read: PlaneRead, store, length, layer, placement: Placement, implementation) -> jax.Array:
+def _plane_scores(read: PlaneRead, store, length, layer, group_start, placement: Placement, implementation) -> jax.Array:
     if implementation == "xla":
         if layer is not None:
             # A stacked cache (the decode step): read this layer's planes channel-major and contract over
             # channels there. Transposing every token's codes per layer and step cost more than the whole
             # read on CPU; the scores equal the token-major read's up to the dot's summation order.
-            store = dataclasses.replace(store, planes=store.planes[layer], scales=store.scales[layer], length=length)
+            groups = slice(group_start, group_start + length.shape[0])
+            store = dataclasses.replace(store, planes=store.planes[layer, groups], scales=store.scales[layer, groups],
+                                        length=length)
             return jnp.einsum("...gd,...dn->...gn", read.queries, store_lib.dequantize_channels(store, read.depths),
                               precision=jax.lax.Precision.HIGHEST)
         store = dataclasses.replace(store, length=length)
@@ -99,13 +101,13 @@ def _plane_scores(read: PlaneRead, store, length, layer, placement: Placement, i
     channels, depths = active_channels(read.depths, read.max_active or None)
     if placement.offloaded and placement.read == "staged":
         staged_planes, staged_scales = run_gather(store.planes, store.scales, channels, depths, layer=layer,
-                                                  implementation=implementation)
+                                                  group_start=group_start, implementation=implementation)
         queries = jnp.take_along_axis(read.queries, channels[..., None, :], axis=-1)
         slots = jnp.broadcast_to(jnp.arange(channels.shape[-1], dtype=jnp.int32), channels.shape)
         return plane_scan(queries, staged_planes, staged_scales, length, slots, depths, assume_sorted=True,
                           implementation=implementation)
     return plane_scan(read.queries, store.planes, store.scales, length, channels, depths, layer=layer,
-                      assume_sorted=True, implementation=implementation)
+                      group_start=group_start, assume_sorted=True, implementation=implementation)
 
 
 def execute(
@@ -114,23 +116,25 @@ def execute(
     length: Int[Array, "*B"],
     *,
     layer=None,
+    group_start: int = 0,
     placement: Placement = _DEVICE,
     implementation: backend.Implementation = "xla",
 ) -> Float[Array, "*B G n"]:
     """Raw scores ``read.queries . k_hat`` (plus the read's shift) of every stored position.
 
     ``index`` holds bulk arrays with a leading layer axis when ``layer`` is given (a stacked cache; its
-    small leaves are already this layer's) and ``length`` is the number of valid tokens; positions past
-    it are not masked here (:func:`mask_invalid`).
+    small leaves are already this layer's, for groups ``group_start ..`` of it) and ``length`` is the
+    number of valid tokens; positions past it are not masked here (:func:`mask_invalid`).
     """
     if isinstance(read, PlaneRead):
-        scores = _plane_scores(read, getattr(index, read.part), length, layer, placement, implementation)
+        scores = _plane_scores(read, getattr(index, read.part), length, layer, group_start, placement, implementation)
         return scores if read.shift is None else scores + read.shift[..., None]
     if isinstance(read, LandmarkRead):
-        landmarks = placement.stage(index.landmarks, layer, implementation)
+        landmarks = placement.stage(index.landmarks, layer, implementation, groups=(group_start, length.shape[0]))
         return jnp.repeat(dot(read.queries, landmarks.astype(jnp.float32)), LANDMARK_TOKENS, axis=-1)
     if isinstance(read, KeyRead):
-        return dot(read.queries, placement.stage(index.keys, layer, implementation).astype(jnp.float32))
+        keys = placement.stage(index.keys, layer, implementation, groups=(group_start, length.shape[0]))
+        return dot(read.queries, keys.astype(jnp.float32))
     raise TypeError(f"unknown read {type(read).__name__}")
 
 

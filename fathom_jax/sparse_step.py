@@ -21,6 +21,7 @@ device memory, so the step sees exactly the cache that holds it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -114,21 +115,40 @@ def sparse_attention_step(
     side (:class:`fathom_jax.sparse_cache.SparseCache`); ``length`` counts the valid tokens, the new one
     included; ``new`` patches in the token the stored cache does not hold yet. ``kv_layer`` (default:
     ``layer``) is the layer of the K/V cache to read (0 for a row buffer shared by every layer).
+
+    With a stacked cache and ``placement.streams > 1`` the groups are split into that many chunks, each
+    stepped on its own GPU stream (:meth:`fathom_jax.placement.Placement.per_stream`); every group's result
+    is the same as in one chunk.
     """
     kv_layer = layer if kv_layer is None else kv_layer
+    step = functools.partial(_step_groups, method, k=k, sink=sink, local=local, placement=placement,
+                             implementation=implementation)
+    groups = q.shape[0]
+    if layer is None or placement.streams == 1:
+        return step(0, groups, q, index, length, calib, new, kv_cache, layer, kv_layer)
+    outs = placement.per_stream(step, groups, (q, index, length, calib, new), (kv_cache, layer, kv_layer))
+    return tuple(jnp.concatenate(parts) for parts in zip(*outs))
+
+
+def _step_groups(method, group_start, size, q, index, length, calib, new, kv_cache, layer, kv_layer, *, k, sink,
+                 local, placement, implementation):
+    """The step for groups ``group_start .. group_start + size - 1`` of the stacked cache (all of them when
+    unstacked): per-group arguments hold those groups only, the bulk arrays all of them."""
+    groups = (group_start, size)
     q = q.astype(jnp.float32)
     read = method.read(q, index, calib, implementation=implementation)  # a key read plans nothing from the keys themselves
     if isinstance(read, KeyRead) and read.dense:
-        keys, values = split_kv(placement.stage(kv_cache, kv_layer, implementation))
+        keys, values = split_kv(placement.stage(kv_cache, kv_layer, implementation, groups=groups))
         if new is not None:
             keys, values = _put_row(keys, new.key, new.position), _put_row(values, new.value, new.position)
         mask = jnp.arange(keys.shape[-2]) < length[:, None, None]
         return attend(q, keys, values, jnp.broadcast_to(mask, q.shape[:-1] + keys.shape[-2:-1])), read.bits
     if isinstance(read, KeyRead):  # the oracle scores the cache's keys: the first half of each row, staged
-        keys = placement.stage(kv_cache, kv_layer, implementation, columns=key_columns(kv_cache))
+        keys = placement.stage(kv_cache, kv_layer, implementation, columns=key_columns(kv_cache), groups=groups)
         scores = scan_lib.execute(read, dataclasses.replace(index, keys=keys), length, implementation=implementation)
     else:
-        scores = scan_lib.execute(read, index, length, layer=layer, placement=placement, implementation=implementation)
+        scores = scan_lib.execute(read, index, length, layer=layer, group_start=group_start, placement=placement,
+                                  implementation=implementation)
     if new is not None:
         scores = patch_scores(scores, read, new)
     # No masking pass over the scores: both selections take positions >= length as invalid (the pass cost
@@ -136,7 +156,8 @@ def sparse_attention_step(
     idx, mask = select_topk(scores, length, k, sink=sink, local=local, implementation=implementation)
     union, union_mask, member = group_union(idx, mask)
     slots = jnp.where(union_mask, union, -1)
-    rows, _, _ = row_fetch(kv_cache, None, slots, layer=kv_layer, implementation=implementation)  # one run per token
+    rows, _, _ = row_fetch(kv_cache, None, slots, layer=kv_layer, group_start=group_start if layer is not None else 0,
+                           implementation=implementation)  # one run per token
     k_rows, v_rows = split_kv(rows)
     if new is not None:
         k_rows = _patch_rows(k_rows, slots, new.key, new.position)

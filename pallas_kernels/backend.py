@@ -95,6 +95,27 @@ def layered(x, layer, inner_ndim: int, name: str):
     return x, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
 
 
+def request_groups(store_batch: tuple, request_batch: tuple, layer, group_start, name: str) -> tuple:
+    """The batch shape of a kernel's per-group operands, checked against the store it reads.
+
+    A plain store (``layer=None``) is read whole: the operands carry its batch shape. A stacked ``[L, R, ...]``
+    store read at a layer may be read for a window of its groups: operands over ``Rc`` groups read groups
+    ``group_start .. group_start + Rc - 1`` (static), so work split over groups (GPU streams) never slices the
+    store, which may be a ``pinned_host`` array no XLA op may touch.
+    """
+    if not isinstance(group_start, int) or isinstance(group_start, bool) or group_start < 0:
+        raise ValueError(f"{name}: group_start must be an int >= 0, got {group_start!r}")
+    if layer is None:
+        if group_start:
+            raise ValueError(f"{name}: group_start={group_start} needs a stacked [L, R, ...] store read at a layer")
+        return tuple(store_batch)
+    (groups,) = store_batch
+    if len(request_batch) != 1 or not 1 <= request_batch[0] <= groups - group_start:
+        raise ValueError(f"{name}: the per-group operands must be [Rc, ...] with 1 <= Rc <= {groups - group_start} "
+                         f"(groups {group_start}.. of the store's {groups}), got batch {tuple(request_batch)}")
+    return tuple(request_batch)
+
+
 def any_spec():
     """A kernel operand passed as a raw pointer (any memory space: HBM or pinned host)."""
     return pl.BlockSpec(memory_space=pl.ANY)

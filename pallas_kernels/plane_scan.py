@@ -96,7 +96,7 @@ def _class_bounds(depths):
 # Validation
 
 
-def _validate(q, planes, scales, length, channels, depths, layer):
+def _validate(q, planes, scales, length, channels, depths, layer, group_start=0):
     B.check_array("q", q, ndim_min=2, dtypes=(jnp.float32, jnp.bfloat16, jnp.float16))
     B.check_array("planes", planes, ndim_min=3, dtypes=(jnp.uint32,))
     B.check_array("scales", scales, ndim_min=2, dtypes=(jnp.float16, jnp.float32))
@@ -106,16 +106,17 @@ def _validate(q, planes, scales, length, channels, depths, layer):
     if layer is not None and (planes.ndim != 5 or scales.ndim != 4):
         raise ValueError(f"planes/scales: with a layer index they must be [L, R, D, 4, W] / [L, R, D, NB], "
                          f"got {planes.shape} / {scales.shape}")
-    *batch, d, four, w = planes.shape[lead:]
-    batch = tuple(batch)
+    *store_batch, d, four, w = planes.shape[lead:]
+    store_batch = tuple(store_batch)
     if four != N_PLANES:
         raise ValueError(f"planes must be [*, D, 4, W], got {planes.shape}")
     if w % 2:
         raise ValueError(f"plane width W={w} must be even (capacity a multiple of 64)")
+    if scales.shape[lead:] != (*store_batch, d, w // 2) or scales.shape[:lead] != planes.shape[:lead]:
+        raise ValueError(f"scales must be {planes.shape[:lead] + (*store_batch, d, w // 2)}, got {scales.shape}")
+    batch = B.request_groups(store_batch, q.shape[:-2], layer, group_start, "plane_scan")
     if q.shape[:-2] != batch or q.shape[-1] != d:
         raise ValueError(f"q must be [*batch, G, D] = [{batch}, G, {d}], got {q.shape}")
-    if scales.shape[lead:] != (*batch, d, w // 2) or scales.shape[:lead] != planes.shape[:lead]:
-        raise ValueError(f"scales must be {planes.shape[:lead] + (*batch, d, w // 2)}, got {scales.shape}")
     if jnp.shape(length) != batch:
         raise ValueError(f"length must have the batch shape {batch}, got {jnp.shape(length)}")
     if channels.shape[:-1] != batch or depths.shape != channels.shape:
@@ -137,11 +138,12 @@ def check_values(channels, depths, head_dim: int) -> None:
 # Reference (plain jnp, independent of the kernel)
 
 
-def plane_scan_reference(q, planes, scales, length, channels, depths, *, layer=None):
+def plane_scan_reference(q, planes, scales, length, channels, depths, *, layer=None, group_start: int = 0):
     """Scores ``[*, G, n]`` by unpacking the selected channels' planes to codes and dequantizing."""
-    _validate(q, planes, scales, length, channels, depths, layer)
+    _validate(q, planes, scales, length, channels, depths, layer, group_start)
     if layer is not None:
-        planes, scales = planes[layer], scales[layer]
+        groups = slice(group_start, group_start + q.shape[0])
+        planes, scales = planes[layer][groups], scales[layer][groups]
     *batch, d, _, w = planes.shape
     n = WORD_BITS * w
     sel = jnp.take_along_axis(planes, channels[..., :, None, None], axis=-3)  # [*, C, 4, W]
@@ -177,24 +179,25 @@ def _stack_lanes(xs):
 
 def _plane_scan_kernel(
     # inputs
-    qc_ref,  # f32 [R, G, C]          query weights of the listed channels
-    ch_ref,  # i32 [R, C]             channel list, sorted by decreasing depth
-    bounds_ref,  # i32 [R, 4]         end offsets of depth classes 4, 3, 2, 1
-    len_ref,  # i32 [R]               valid tokens
+    qc_ref,  # f32 [Rc, G, C]         query weights of the listed channels
+    ch_ref,  # i32 [Rc, C]            channel list, sorted by decreasing depth
+    bounds_ref,  # i32 [Rc, 4]        end offsets of depth classes 4, 3, 2, 1
+    len_ref,  # i32 [Rc]              valid tokens
     layer_ref,  # i32 [1]             layer of the stacked store
-    planes_ref,  # u32 [L, R, D, 4, W]  (any memory space: HBM or pinned host)
+    planes_ref,  # u32 [L, R, D, 4, W]  (any memory space: HBM or pinned host); groups group_start.. are read
     scales_ref,  # f16 [L, R, D, NB]
     # outputs
-    out_ref,  # f32 [R, G, W * S, lanes]
+    out_ref,  # f32 [Rc, G, W * S, lanes]
     *,
     groups: int,
     elems: int,
     lanes: int,
     num_words: int,
+    group_start: int,
 ):
     split = WORD_BITS // lanes
     r = pl.program_id(0)
-    layer = layer_ref[0]
+    layer, src = layer_ref[0], r + group_start
     e0 = pl.program_id(1) * elems
     e = e0 + jnp.arange(elems, dtype=jnp.int32)
     word = e // split if split > 1 else e
@@ -213,16 +216,16 @@ def _plane_scan_kernel(
         def body(k, carry, t=t, half=half):
             acc, bias = carry
             j = ch_ref[r, k]
-            a = plgpu.load(scales_ref.at[layer, r, j, block], mask=emask, other=0.0).astype(jnp.float32) * (1.0 / half)
+            a = plgpu.load(scales_ref.at[layer, src, j, block], mask=emask, other=0.0).astype(jnp.float32) * (1.0 / half)
             wts = [qc_ref[r, h, k] * a for h in range(groups)]
             bias = tuple(bias[h] + wts[h] * (0.5 - half) for h in range(groups))
             words = []
             for p in range(t):
                 if split > 1:
-                    w = plgpu.load(planes_ref.at[layer, r, j, jnp.int32(p), word], mask=emask, other=0)
+                    w = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), word], mask=emask, other=0)
                     w = w >> part_shift
                 else:
-                    w = plgpu.load(planes_ref.at[layer, r, j, jnp.int32(p), pl.ds(e0, elems)], mask=emask, other=0)
+                    w = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), pl.ds(e0, elems)], mask=emask, other=0)
                 words.append(w)
             new = [list(acc[h]) for h in range(groups)]
             for lane in range(lanes):
@@ -250,11 +253,12 @@ def _plane_scan_kernel(
                     jnp.where(valid, _stack_lanes([x + bias[h] for x in acc[h]]), 0.0), mask=emask[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "assume_sorted"))
-def _plane_scan_pallas(q, planes, scales, length, channels, depths, layer, *, config, interpret, assume_sorted):
-    """q [R, G, D], planes [L, R, D, 4, W], scales [L, R, D, NB], length/channels/depths over R, layer i32[1]."""
-    _, r, d, _, w = planes.shape
-    g = q.shape[-2]
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "assume_sorted", "group_start"))
+def _plane_scan_pallas(q, planes, scales, length, channels, depths, layer, *, config, interpret, assume_sorted,
+                       group_start):
+    """q [Rc, G, D], planes [L, R, D, 4, W], scales [L, R, D, NB], length/channels/depths over Rc, layer i32[1]."""
+    w = planes.shape[-1]
+    r, g = q.shape[:2]
     if not assume_sorted:
         order = jnp.argsort(-depths, axis=-1, stable=True)
         channels = jnp.take_along_axis(channels, order, axis=-1)
@@ -263,7 +267,8 @@ def _plane_scan_pallas(q, planes, scales, length, channels, depths, layer, *, co
     qc = jnp.take_along_axis(q.astype(jnp.float32), channels[:, None, :], axis=-1)
     split = WORD_BITS // config.lanes
     elems = config.tile // config.lanes
-    kernel = functools.partial(_plane_scan_kernel, groups=g, elems=elems, lanes=config.lanes, num_words=w)
+    kernel = functools.partial(_plane_scan_kernel, groups=g, elems=elems, lanes=config.lanes, num_words=w,
+                               group_start=group_start)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((r, g, w * split, config.lanes), jnp.float32),
@@ -285,6 +290,7 @@ def plane_scan(
     depths,  # i32 [*, C]
     *,
     layer=None,
+    group_start: int = 0,
     implementation: B.Implementation | None = None,
     config: PlaneScanConfig | None = None,
     interpret: bool | None = None,
@@ -293,14 +299,15 @@ def plane_scan(
     """Approximate scores ``f32 [*, G, n]`` (``n = 32 W``) of every token for the ``G`` query heads.
 
     ``layer`` (an int or traced scalar) reads layer ``layer`` of a stacked ``[L, R, ...]`` store in place
-    (no copy or reshape of the store: it may be a ``pinned_host`` array). ``assume_sorted=True`` skips
-    the (tiny) sort of the list by depth when it comes from :func:`active_channels`.
+    (no copy or reshape of the store: it may be a ``pinned_host`` array); queries ``[Rc, G, D]`` then read
+    groups ``group_start .. group_start + Rc - 1`` of it (static). ``assume_sorted=True`` skips the (tiny)
+    sort of the list by depth when it comes from :func:`active_channels`.
     """
     implementation = B.resolve_implementation(implementation)
-    _validate(q, planes, scales, length, channels, depths, layer)
+    _validate(q, planes, scales, length, channels, depths, layer, group_start)
     check_values(channels, depths, planes.shape[-3])
     if implementation == "xla":
-        return plane_scan_reference(q, planes, scales, length, channels, depths, layer=layer)
+        return plane_scan_reference(q, planes, scales, length, channels, depths, layer=layer, group_start=group_start)
     config = config or PlaneScanConfig.heuristic(planes.shape[-1] * WORD_BITS)
     batch = q.shape[:-2]
     planes, layer_arr = B.layered(planes, layer, 3, "planes")
@@ -309,7 +316,7 @@ def plane_scan(
     out = _plane_scan_pallas(
         q.reshape(r, *q.shape[-2:]), planes, scales, jnp.asarray(length, jnp.int32).reshape(r),
         channels.reshape(r, -1), depths.reshape(r, -1), layer_arr,
-        config=config, interpret=B.resolve_interpret(interpret), assume_sorted=assume_sorted,
+        config=config, interpret=B.resolve_interpret(interpret), assume_sorted=assume_sorted, group_start=group_start,
     )
     return out.reshape(*batch, *out.shape[1:])
 

@@ -41,14 +41,17 @@ class RowFetchConfig:
         B.check_pow2("rows", self.rows)
 
 
-def _validate(keys, values, index, layer, columns=None):
+def _validate(keys, values, index, layer, columns=None, group_start=0):
     B.check_array("keys", keys, ndim_min=2)
     B.check_array("index", index, ndim_min=1, dtypes=(jnp.int32,))
     if values is not None and (values.shape != keys.shape or values.dtype != keys.dtype):
         raise ValueError(f"values must match keys: {keys.shape} {keys.dtype} vs {values.shape} {values.dtype}")
     lead = 1 if layer is not None else 0
-    if index.shape[:-1] != keys.shape[lead:-2]:
-        raise ValueError(f"index must be [*batch, S] with batch {keys.shape[lead:-2]}, got {index.shape}")
+    if layer is not None and keys.ndim != 4:
+        raise ValueError(f"keys: with a layer index it must be [L, R, n, F], got {keys.shape}")
+    batch = B.request_groups(keys.shape[lead:-2], index.shape[:-1], layer, group_start, "row_fetch")
+    if index.shape[:-1] != batch:
+        raise ValueError(f"index must be [*batch, S] with batch {batch}, got {index.shape}")
     start, width = _window(keys, columns)
     B.check_pow2("row width (columns read)", width)
     if start < 0 or start + width > keys.shape[-1]:
@@ -59,8 +62,8 @@ def _window(keys, columns):
     return (0, keys.shape[-1]) if columns is None else (int(columns[0]), int(columns[1]))
 
 
-def row_fetch_reference(keys, values, index, *, layer=None, columns=None):
-    _validate(keys, values, index, layer, columns)
+def row_fetch_reference(keys, values, index, *, layer=None, columns=None, group_start: int = 0):
+    _validate(keys, values, index, layer, columns, group_start)
     start, width = _window(keys, columns)
     n = keys.shape[-2]
     mask = (index >= 0) & (index < n)
@@ -68,27 +71,27 @@ def row_fetch_reference(keys, values, index, *, layer=None, columns=None):
     if layer is None:
         take = lambda x: jnp.take_along_axis(x, safe[..., None], axis=-2)  # noqa: E731
     else:  # gather from the stacked cache directly: slicing the layer first copies all its rows
-        batch = index.shape[:-1]
-        grids = tuple(jnp.arange(size, dtype=jnp.int32).reshape((1,) * i + (size,) + (1,) * (len(batch) - i))
-                      for i, size in enumerate(batch))
-        take = lambda x: x[(layer, *grids, safe)]  # noqa: E731
+        groups = group_start + jnp.arange(index.shape[0], dtype=jnp.int32)[:, None]
+        take = lambda x: x[layer, groups, safe]  # noqa: E731
     rows = lambda x: None if x is None else jnp.where(mask[..., None], take(x)[..., start:start + width], 0)  # noqa: E731
     return rows(keys), rows(values), mask
 
 
 def _row_fetch_kernel(
     # inputs
-    idx_ref,  # i32 [R, S]
+    idx_ref,  # i32 [Rc, S]
     layer_ref,  # i32 [1]
-    *refs,  # sources [L, R, n, F] (any memory space: keys, and values if given), then their outputs [R, S, width]
+    *refs,  # sources [L, R, n, F] (any memory space: keys, and values if given; groups group_start.. are read),
+    #         then their outputs [Rc, S, width]
     rows: int,
     slots: int,
     n: int,
     start: int,
     width: int,
+    group_start: int,
 ):
     r, i = pl.program_id(0), pl.program_id(1)
-    layer = layer_ref[0]
+    layer, src_group = layer_ref[0], r + group_start
     s0 = i * rows
     smask = s0 + jnp.arange(rows, dtype=jnp.int32) < slots
     idx = plgpu.load(idx_ref.at[r, pl.ds(s0, rows)], mask=smask, other=-1)
@@ -99,19 +102,20 @@ def _row_fetch_kernel(
     out_mask = smask[:, None] & (col[None, :] < width)
     half = len(refs) // 2
     for src, dst in zip(refs[:half], refs[half:]):
-        data = plgpu.load(src.at[layer, r, safe[:, None], start + col[None, :]], mask=m2, other=0)  # 2-D gather
+        data = plgpu.load(src.at[layer, src_group, safe[:, None], start + col[None, :]], mask=m2, other=0)  # 2-D gather
         plgpu.store(dst.at[r, pl.ds(s0, rows), :], data, mask=out_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("columns", "config", "interpret"))
-def _row_fetch_pallas(keys, values, index, layer, *, columns, config, interpret):
-    _, r, n, _ = keys.shape
-    s = index.shape[-1]
+@functools.partial(jax.jit, static_argnames=("columns", "config", "interpret", "group_start"))
+def _row_fetch_pallas(keys, values, index, layer, *, columns, config, interpret, group_start):
+    n = keys.shape[-2]
+    r, s = index.shape
     start, width = _window(keys, columns)
     rows = min(config.rows, pl.next_power_of_2(s))
     srcs = (keys,) if values is None else (keys, values)
     out = pl.pallas_call(
-        functools.partial(_row_fetch_kernel, rows=rows, slots=s, n=n, start=start, width=width),
+        functools.partial(_row_fetch_kernel, rows=rows, slots=s, n=n, start=start, width=width,
+                          group_start=group_start),
         out_shape=tuple(jax.ShapeDtypeStruct((r, s, width), keys.dtype) for _ in srcs),
         grid=(r, pl.cdiv(s, rows)),
         in_specs=[B.any_spec()] * (2 + len(srcs)),
@@ -130,6 +134,7 @@ def row_fetch(
     *,
     layer=None,
     columns: tuple[int, int] | None = None,
+    group_start: int = 0,
     implementation: B.Implementation | None = None,
     config: RowFetchConfig | None = None,
     interpret: bool | None = None,
@@ -137,20 +142,23 @@ def row_fetch(
     """``(k_rows [*, S, W], v_rows [*, S, W] or None, mask bool [*, S])``; padding slots are zero rows.
 
     ``columns=(start, width)``: read features ``start:start + width`` of every row (static; default all).
+    With ``layer``, an index ``[Rc, S]`` reads groups ``group_start .. group_start + Rc - 1`` of the stacked
+    cache (static; see :func:`pallas_kernels.backend.request_groups`).
     """
     implementation = B.resolve_implementation(implementation)
     if columns is not None:
         columns = (int(columns[0]), int(columns[1]))
-    _validate(keys, values, index, layer, columns)
+    _validate(keys, values, index, layer, columns, group_start)
     if implementation == "xla":
-        return row_fetch_reference(keys, values, index, layer=layer, columns=columns)
+        return row_fetch_reference(keys, values, index, layer=layer, columns=columns, group_start=group_start)
     batch, s = index.shape[:-1], index.shape[-1]
     n = keys.shape[-2]
     keys, layer_arr = B.layered(keys, layer, 2, "keys")
     if values is not None:
         values, _ = B.layered(values, layer, 2, "values")
     k, v = _row_fetch_pallas(keys, values, index.reshape(-1, s), layer_arr, columns=columns,
-                             config=config or RowFetchConfig(), interpret=B.resolve_interpret(interpret))
+                             config=config or RowFetchConfig(), interpret=B.resolve_interpret(interpret),
+                             group_start=group_start)
     mask = (index >= 0) & (index < n)
     unflat = lambda x: None if x is None else x.reshape(*batch, s, -1)  # noqa: E731
     return unflat(k), unflat(v), mask

@@ -48,19 +48,22 @@ class RunGatherConfig:
             raise ValueError("chunk must be >= 2 words")
 
 
-def _validate(planes, scales, channels, depths, layer):
+def _validate(planes, scales, channels, depths, layer, group_start=0):
     B.check_array("planes", planes, ndim_min=3, dtypes=(jnp.uint32,))
     B.check_array("scales", scales, ndim_min=2, dtypes=(jnp.float16, jnp.float32))
     B.check_array("channels", channels, ndim_min=1, dtypes=(jnp.int32,))
     B.check_array("depths", depths, ndim_min=1, dtypes=(jnp.int32,))
     lead = 1 if layer is not None else 0
-    *batch, d, four, w = planes.shape[lead:]
+    *store_batch, d, four, w = planes.shape[lead:]
     if four != N_PLANES or w % 2:
         raise ValueError(f"planes must be [*, D, 4, W] with W even, got {planes.shape}")
-    if scales.shape[lead:] != (*batch, d, w // 2):
-        raise ValueError(f"scales must be {(*batch, d, w // 2)} after the layer axis, got {scales.shape}")
-    if channels.shape[:-1] != tuple(batch) or depths.shape != channels.shape:
+    if scales.shape[lead:] != (*store_batch, d, w // 2):
+        raise ValueError(f"scales must be {(*store_batch, d, w // 2)} after the layer axis, got {scales.shape}")
+    if depths.shape != channels.shape:
         raise ValueError(f"channels/depths must be [*batch, C], got {channels.shape}, {depths.shape}")
+    batch = B.request_groups(tuple(store_batch), channels.shape[:-1], layer, group_start, "run_gather")
+    if channels.shape[:-1] != batch:
+        raise ValueError(f"channels/depths must be [*batch, C] with batch {batch}, got {channels.shape}")
 
 
 def check_values(channels, depths, head_dim: int) -> None:
@@ -71,11 +74,12 @@ def check_values(channels, depths, head_dim: int) -> None:
         raise ValueError(f"channels must lie in [0, {head_dim}) and depths in [0, 4]")
 
 
-def run_gather_reference(planes, scales, channels, depths, *, layer=None):
+def run_gather_reference(planes, scales, channels, depths, *, layer=None, group_start: int = 0):
     """Plain-jnp gather of the same staging buffers."""
-    _validate(planes, scales, channels, depths, layer)
+    _validate(planes, scales, channels, depths, layer, group_start)
     if layer is not None:
-        planes, scales = planes[layer], scales[layer]
+        groups = slice(group_start, group_start + channels.shape[0])
+        planes, scales = planes[layer][groups], scales[layer][groups]
     sel = jnp.take_along_axis(planes, channels[..., :, None, None], axis=-3)  # [*, C, 4, W]
     keep = jnp.arange(N_PLANES)[:, None] < depths[..., :, None, None]
     staged_planes = jnp.where(keep, sel, jnp.uint32(0))
@@ -86,40 +90,41 @@ def run_gather_reference(planes, scales, channels, depths, *, layer=None):
 
 def _run_gather_kernel(
     # inputs
-    ch_ref,  # i32 [R, C]
-    dep_ref,  # i32 [R, C]
+    ch_ref,  # i32 [Rc, C]
+    dep_ref,  # i32 [Rc, C]
     layer_ref,  # i32 [1]
-    planes_ref,  # u32 [L, R, D, 4, W]   (any memory space: HBM or pinned host)
+    planes_ref,  # u32 [L, R, D, 4, W]   (any memory space: HBM or pinned host); groups group_start.. are read
     scales_ref,  # f16 [L, R, D, NB]
     # outputs
-    out_planes_ref,  # u32 [R, C, 4, W]
-    out_scales_ref,  # f16 [R, C, NB]
+    out_planes_ref,  # u32 [Rc, C, 4, W]
+    out_scales_ref,  # f16 [Rc, C, NB]
     *,
     chunk: int,
     width: int,
+    group_start: int,
 ):
     r, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
+    layer, src = layer_ref[0], r + group_start
     j = ch_ref[r, c]
     t = dep_ref[r, c]
     w0 = i * chunk
     wmask = w0 + jnp.arange(chunk, dtype=jnp.int32) < width
     for p in range(N_PLANES):
-        data = plgpu.load(planes_ref.at[layer, r, j, jnp.int32(p), pl.ds(w0, chunk)], mask=wmask & (p < t), other=0)
+        data = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), pl.ds(w0, chunk)], mask=wmask & (p < t), other=0)
         plgpu.store(out_planes_ref.at[r, c, jnp.int32(p), pl.ds(w0, chunk)], data, mask=wmask)
     half = chunk // 2
     s0 = i * half
     smask = s0 + jnp.arange(half, dtype=jnp.int32) < width // 2
-    sc = plgpu.load(scales_ref.at[layer, r, j, pl.ds(s0, half)], mask=smask & (t > 0), other=0)
+    sc = plgpu.load(scales_ref.at[layer, src, j, pl.ds(s0, half)], mask=smask & (t > 0), other=0)
     plgpu.store(out_scales_ref.at[r, c, pl.ds(s0, half)], sc, mask=smask)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _run_gather_pallas(planes, scales, channels, depths, layer, *, config, interpret):
-    _, r, d, _, w = planes.shape
-    c = channels.shape[-1]
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "group_start"))
+def _run_gather_pallas(planes, scales, channels, depths, layer, *, config, interpret, group_start):
+    w = planes.shape[-1]
+    r, c = channels.shape
     chunk = min(config.chunk, pl.next_power_of_2(w))
-    kernel = functools.partial(_run_gather_kernel, chunk=chunk, width=w)
+    kernel = functools.partial(_run_gather_kernel, chunk=chunk, width=w, group_start=group_start)
     out_planes, out_scales = pl.pallas_call(
         kernel,
         out_shape=(
@@ -143,20 +148,26 @@ def run_gather(
     depths,  # i32 [*, C]
     *,
     layer=None,
+    group_start: int = 0,
     implementation: B.Implementation | None = None,
     config: RunGatherConfig | None = None,
     interpret: bool | None = None,
 ):
-    """Staged ``(planes u32 [*, C, 4, W], scales [*, C, NB])`` of the run list (see the module docstring)."""
+    """Staged ``(planes u32 [*, C, 4, W], scales [*, C, NB])`` of the run list (see the module docstring).
+
+    With ``layer``, run lists ``[Rc, C]`` read groups ``group_start .. group_start + Rc - 1`` of the stacked
+    store (static; see :func:`pallas_kernels.backend.request_groups`).
+    """
     implementation = B.resolve_implementation(implementation)
-    _validate(planes, scales, channels, depths, layer)
+    _validate(planes, scales, channels, depths, layer, group_start)
     check_values(channels, depths, planes.shape[-3])
     if implementation == "xla":
-        return run_gather_reference(planes, scales, channels, depths, layer=layer)
+        return run_gather_reference(planes, scales, channels, depths, layer=layer, group_start=group_start)
     batch = channels.shape[:-1]
     planes, layer_arr = B.layered(planes, layer, 3, "planes")
     scales, _ = B.layered(scales, layer, 2, "scales")
     r, c = B.prod(batch), channels.shape[-1]
     sp, ss = _run_gather_pallas(planes, scales, channels.reshape(r, c), depths.reshape(r, c), layer_arr,
-                                config=config or RunGatherConfig(), interpret=B.resolve_interpret(interpret))
+                                config=config or RunGatherConfig(), interpret=B.resolve_interpret(interpret),
+                                group_start=group_start)
     return sp.reshape(*batch, *sp.shape[1:]), ss.reshape(*batch, *ss.shape[1:])

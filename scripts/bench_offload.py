@@ -217,11 +217,12 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
     fill_s = time.time() - t
     q, key, value = random_step_inputs(cfg, batch)
-    for label in labels:
+    for label, streams in ((m, s) for m in labels for s in (args.streams if placement.offloaded else (1,))):
         if run.left() < 30:
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
             break
-        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation)
+        attn = hook(METHODS[label], cfg, calib, args.k, dataclasses.replace(placement, streams=streams),
+                    args.implementation)
 
         def call(state, attn=attn):
             out, c = sparse.attention_step(q, key, value, state[1], attn)
@@ -237,7 +238,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         cache = state[1]
         profile = None
         if "attnprofile" in args.sections:
-            trace = os.path.join(args.out, "traces", f"attn_{context}_{label.split()[0]}_{batch}_{placement.memory}")
+            trace = os.path.join(args.out, "traces", f"attn_{context}_{label.split()[0]}_{batch}_{placement.memory}_s{streams}")
             try:
                 profile, state = harness.profile_breakdown(call, state, trace)
                 cache = state[1]
@@ -248,7 +249,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         if not placement.offloaded:  # the HBM control: no link traffic
             floor_ms = float("nan")
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
-                 "mesh": placement.num_shards, "shared_kv": shared, "fill_s": fill_s,
+                 "mesh": placement.num_shards, "streams": streams, "shared_kv": shared, "fill_s": fill_s,
                  "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],
                  "authors_ms": AUTHORS_MS.get(context, {}).get(label) if batch == 1 and placement.num_shards == 1 else None,
@@ -283,8 +284,9 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
     first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation)
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
     tokens = jnp.zeros((batch,), jnp.int32)
-    for label in labels:
-        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation)
+    for label, streams in ((m, s) for m in labels for s in args.streams):
+        attn = hook(METHODS[label], cfg, calib, args.k, dataclasses.replace(placement, streams=streams),
+                    args.implementation)
 
         def call(state, attn=attn):
             toks, _, c = sparse.decode_step(model, state[0], state[1], attn)
@@ -295,10 +297,10 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
         q, _, _ = random_step_inputs(cfg, batch)
         nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
         row = {"kind": "full", "method": label, "context": context, "batch": batch, "memory": placement.memory,
-               "mesh": placement.num_shards, "shared_kv": shared, **r, **nbytes,
+               "mesh": placement.num_shards, "streams": streams, "shared_kv": shared, **r, **nbytes,
                "tokens_per_s": batch / (r["median_ms"] * 1e-3)}
         if profile:
-            trace = os.path.join(args.out, "traces", f"full_{context}_{label.split()[0]}_{batch}")
+            trace = os.path.join(args.out, "traces", f"full_{context}_{label.split()[0]}_{batch}_s{streams}")
             try:
                 bd, state = harness.profile_breakdown(call, state, trace)
                 cache = state[1]
@@ -360,8 +362,9 @@ def merge(paths, out_prefix):
     # A later run of the same measurement (same kind, method, shapes, placement) supersedes an earlier one.
     latest: dict[tuple, dict] = {}
     for row in (x for p in parts for x in p.get("rows", [])):
+        row.setdefault("streams", 1)  # runs before GPU streams existed used one
         key = tuple(str(row.get(f)) for f in ("kind", "method", "context", "batch", "memory", "read", "mesh",
-                                              "shared_kv", "tag"))
+                                              "streams", "shared_kv", "tag"))
         if key not in latest or row["run_date"] >= latest[key]["run_date"]:
             latest[key] = row
     superseded = sum(len(p.get("rows", [])) for p in parts) - len(latest)
@@ -405,6 +408,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--read", default="staged", choices=["direct", "staged"])
+    ap.add_argument("--streams", default="1", help="GPU streams per device to split the groups over (a list: one row each)")
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
@@ -418,6 +422,7 @@ def main(argv=None):
         args.full_contexts = sorted({max(args.contexts)} | ({131072} & set(args.contexts)), reverse=True)
     args.share_kv_from = None if args.share_kv_from in ("", "none") else parse_ctx(args.share_kv_from)
     args.sections = args.sections.split(",")
+    args.streams = [int(x) for x in str(args.streams).split(",")]
     labels = [m for m in args.methods.split(",") if m]
     unknown = [m for m in labels if m not in METHODS]
     if unknown:
@@ -515,10 +520,10 @@ def write_report(res: dict, prefix: str) -> None:
                   "read: `direct` = the plane scan reads host memory as it computes; `staged` = the run gather copies the "
                   "planned runs to HBM first. Link floor: every byte of the planned planes + scales and of the selected "
                   "rows over the link once at the rate measured in the run.", "",
-                  "| method | context | batch | mesh | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
-                  "link floor ms | fraction of link | authors' ms | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("read") or "")):
-            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
+                  "| method | context | batch | mesh | streams | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
+                  "link floor ms | fraction of link | authors' ms | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("read") or "", r.get("streams", 1))):
+            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r.get('streams', 1)} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
                          f"{r['bits_per_token']:.1f} | {r['scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
                          f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | "
                          f"{r['fraction_of_link']:.2f} | {r.get('authors_ms') or ''} | {str(r.get('run_date', ''))[:16]} |")
@@ -527,9 +532,9 @@ def write_report(res: dict, prefix: str) -> None:
     full = [r for r in rows if r["kind"] == "full"]
     if full:
         lines += ["## Full decode step (QKV, sparse attention, o_proj, MLP, lm_head)", "",
-                  "| method | context | batch | mesh | ms | tokens/s | wall / device |", "|---|---|---|---|---|---|---|"]
-        for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"])):
-            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r['median_ms']:.2f} "
+                  "| method | context | batch | mesh | streams | ms | tokens/s | wall / device |", "|---|---|---|---|---|---|---|---|"]
+        for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"], r.get("streams", 1))):
+            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r.get('streams', 1)} | {r['median_ms']:.2f} "
                          f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['tokens_per_s']:.1f} | "
                          f"{r.get('wall_over_device', float('nan')):.2f} |")
         lines.append("")
@@ -537,6 +542,7 @@ def write_report(res: dict, prefix: str) -> None:
         if "profile" in r:
             p = r["profile"]
             what = "full step" if r["kind"] == "full" else f"attention-only step ({r['memory']})"
+            what += f", {r['streams']} GPU streams" if r.get("streams", 1) > 1 else ""
             lines += [f"Profile of the {what}, {r['method']} at {r['context']} (batch {r['batch']}): wall "
                       f"{p['wall_ms_per_step']:.1f} ms, device span {p['device_span_ms_per_step']:.1f} ms, busy "
                       f"{p['device_busy_ms_per_step']:.1f} ms per step; "
@@ -570,13 +576,13 @@ def write_report(res: dict, prefix: str) -> None:
     colors = dict(zip(sorted({r["method"] for r in att}), plt.get_cmap("tab10").colors))
     default_read = res["config"].get("read")
     for label in sorted(colors):
-        for read, style in (("staged", "-"), ("direct", "--")):
+        for read, streams, style in (("staged", 1, "o-"), ("direct", 1, "o--"), ("staged", 2, "s:"), ("staged", 4, "^:")):
             pts = sorted((r["context"], r["median_ms"]) for r in att if r["method"] == label and r["batch"] == 1
                          and r["memory"] == "pinned_host" and r.get("mesh", 1) == 1
-                         and r.get("read", default_read) == read)
+                         and r.get("read", default_read) == read and r.get("streams", 1) == streams)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o" + style, color=colors[label],
-                        label=f"{label} ({read})")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colors[label],
+                        label=f"{label} ({read}{f', {streams} streams' if streams > 1 else ''})")
         authors = sorted((c, v[label]) for c, v in AUTHORS_MS.items() if label in v)
         if authors and any(r["method"] == label for r in att):
             ax.plot([a[0] for a in authors], [a[1] for a in authors], "x", color=colors[label], ms=9,

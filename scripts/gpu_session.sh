@@ -32,6 +32,8 @@
 #   n2  (nvidia-h200)   cache write with 64 (channel, plane) rows per program (run at a003c0c, reverted: no change): its GPU
 #                       tests and the offload path's; Fathom 48 at 1M and 128k, profiled
 #   n3  (nvidia-h200-x2) the sharding, HLO and CLI tests on both GPUs after the water-line and top-k changes
+#   o1  (nvidia-h200)   each device's groups split over GPU streams (Placement.streams): GPU tests; Fathom 48 at 1M
+#                       and 128k with 1, 2 and 4 streams, profiled
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -231,4 +233,9 @@ n2)  # (nvidia-h200) the plane-word write launched 147k programs of 8 bytes; now
     --sections link,attn,attnprofile --contexts 1m,128k --share-kv-from 1m --time-budget 190 2>&1 | tee $OUT/bench_n2.log ;;
 n3)  # (nvidia-h200-x2) sharded decoding natively after this session's planner and top-k changes
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_sharding.py tests/test_hlo.py tests/test_cli.py 2>&1 | tee $OUT/gpu_tests_h200x2.log ;;
+o1)  # (nvidia-h200) the groups of a layer split over GPU streams: one chunk's plane transfer under another's kernels
+  timeout 230 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_h200.log
+  timeout 340 python3 scripts/bench_offload.py --tag h200_o1 --out $OUT --read staged --methods "Fathom 48" \
+    --streams 1,2,4 --sections link,attn,attnprofile --contexts 1m,128k --share-kv-from 1m --time-budget 330 \
+    2>&1 | tee $OUT/bench_o1.log ;;
 esac

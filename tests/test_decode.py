@@ -154,16 +154,17 @@ def test_small_k_equals_rebuild_per_step_reference(model, calib, dense_run, spec
 # Placements, read modes, implementations, ragged batches
 
 
-@pytest.mark.parametrize("spec,implementation", [("fathom:16", "xla"), ("fathom:16", "pallas")])
-def test_offloaded_placement_equals_device_placement(model, calib, spec, implementation):
-    """The offloaded layout (kernels staging and writing the cache; device memory on CPU) = device memory."""
+@pytest.mark.parametrize("spec,implementation,streams", [("fathom:16", "xla", 1), ("fathom:16", "pallas", 2)])
+def test_offloaded_placement_equals_device_placement(model, calib, spec, implementation, streams):
+    """The offloaded layout (kernels staging and writing the cache; device memory on CPU) = device memory;
+    with the groups split over two streams too (each half read at its group offset)."""
     common = dict(k=12, sink=2, local=4, calibration=calib, implementation=implementation)
     prompt, lengths = PROMPTS[1], np.array([24, 19])
     want = np.asarray(generate(model, prompt, 3, capacity=CAPACITY, lengths=lengths,
                                attention_fn=decode.from_spec(spec, **common)))
     # with the kernels, the staged read (run gather, then scan HBM) is the one the device path does not take
     read = "staged" if implementation == "pallas" else "direct"
-    host = decode.from_spec(spec, placement=decode.Placement("pinned_host", read=read), **common)
+    host = decode.from_spec(spec, placement=decode.Placement("pinned_host", read=read, streams=streams), **common)
     assert host.placement.note is not None  # the CPU has no pinned_host memory: it says so
     got = np.asarray(generate(model, prompt, 3, capacity=CAPACITY, lengths=lengths, attention_fn=host))
     np.testing.assert_array_equal(got, want)

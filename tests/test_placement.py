@@ -54,3 +54,31 @@ def test_zeros_are_zero_and_placed(memory):
     assert x.shape == (2, 3, 5) and x.dtype == jnp.uint32
     np.testing.assert_array_equal(np.asarray(x), 0)
     assert x.sharding.memory_kind == placement.memory_kind
+
+
+def test_streams_are_checked_and_split_per_group_leaves_only():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="streams must be an int >= 1"):
+            Placement("pinned_host", streams=bad)
+    placement = Placement("pinned_host", streams=2)
+    with pytest.raises(ValueError, match="streams=2 must divide the 3 groups"):
+        placement.check_groups(3)
+    placement.check_groups(4)
+
+    @dataclasses.dataclass(frozen=True)
+    class Cache:  # a bulk leaf (stacked [L, R, ...]: every chunk gets it whole) and a per-group leaf
+        planes: jnp.ndarray
+        tail: jnp.ndarray
+
+    import jax
+
+    jax.tree_util.register_dataclass(Cache, data_fields=["planes", "tail"], meta_fields=[])
+    cache = Cache(planes=jnp.arange(2 * 4).reshape(2, 4), tail=jnp.arange(4) * 10)
+    q = jnp.arange(4 * 3).reshape(4, 3)
+    outs = placement.per_stream(lambda start, size, q, c, s: (start, size, q, c.planes, c.tail, s), 4, (q, cache),
+                                (jnp.int32(7),))
+    for i, (start, size, qc, planes, tail, shared) in enumerate(outs):
+        assert (start, size, int(shared)) == (2 * i, 2, 7)
+        np.testing.assert_array_equal(qc, q[2 * i:2 * i + 2])
+        np.testing.assert_array_equal(tail, cache.tail[2 * i:2 * i + 2])
+        np.testing.assert_array_equal(planes, cache.planes)  # bulk: whole, read at the group offset by the kernels

@@ -63,11 +63,8 @@ def test_step_equals_per_head_reference(setting, method):
     assert bits.shape == (R,)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-@pytest.mark.parametrize("method", [M.Fathom(20), M.Landmark(), M.Exact()], ids=lambda m: m.spec)
-def test_stacked_layers_and_newest_token_patch(setting, method, implementation):
-    """A stacked [L, R] cache read at a layer, with the newest token patched in from device memory,
-    equals the step over that layer's index with the token appended."""
+def stacked_setting(setting, method):
+    """A stacked two-layer cache, the view of layer 1 with the newest token patched in, and that token."""
     keys, values, q, lengths, calib = setting
     prev = lengths - 1
     parts = method.parts - {"keys"}
@@ -87,22 +84,52 @@ def test_stacked_layers_and_newest_token_patch(setting, method, implementation):
         view["landmarks"], view["landmark_tail"] = stacked.landmarks, ltail
     new = NewToken(position=jnp.asarray(prev), key=jnp.asarray(key), value=jnp.asarray(value), blocks=blocks,
                    landmark=landmark)
-    got, _ = sparse_attention_step(method, q, I.KeyIndex(**view), kv_cache, jnp.asarray(lengths), calib,
+    return I.KeyIndex(**view), kv_cache, new
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("method", [M.Fathom(20), M.Landmark(), M.Exact()], ids=lambda m: m.spec)
+def test_stacked_layers_and_newest_token_patch(setting, method, implementation):
+    """A stacked [L, R] cache read at a layer, with the newest token patched in from device memory,
+    equals the step over that layer's index with the token appended."""
+    keys, values, q, lengths, calib = setting
+    view, kv_cache, new = stacked_setting(setting, method)
+    got, _ = sparse_attention_step(method, q, view, kv_cache, jnp.asarray(lengths), calib,
                                    k=K, layer=1, new=new, placement=Placement("pinned_host"),
                                    implementation=implementation)
-    full = I.build_index(keys, calib, [method], length=lengths, parts=parts)
+    full = I.build_index(keys, calib, [method], length=lengths, parts=method.parts - {"keys"})
     want, _ = sparse_attention_step(method, q, full, side_by_side(keys, values), jnp.asarray(lengths),
                                     calib, k=K, implementation="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("method", [M.Fathom(20), M.SparQ(4), M.Landmark(), M.Exact(), M.Dense()],
+                         ids=lambda m: m.spec)
+def test_groups_split_over_streams_equal_one_stream(setting, method, implementation):
+    """With ``streams=3`` each group is stepped in its own chunk (its own GPU stream on a GPU; one after the
+    other here), reading the stacked cache at its group offset: every output equals the one-chunk step's."""
+    q, lengths, calib = setting[2], jnp.asarray(setting[3]), setting[4]
+    view, kv_cache, new = stacked_setting(setting, method)
+
+    def step(streams):
+        fn = jax.jit(lambda view, kv, new: sparse_attention_step(
+            method, q, view, kv, lengths, calib, k=K, layer=jnp.int32(1), new=new,
+            placement=Placement("pinned_host", streams=streams), implementation=implementation))
+        return fn(view, kv_cache, new)
+
+    (one, bits1), (three, bits3) = step(1), step(3)
+    np.testing.assert_array_equal(np.asarray(three), np.asarray(one))
+    np.testing.assert_array_equal(np.asarray(bits3), np.asarray(bits1))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("read", ["direct", "staged"])
-def test_pinned_host_step_equals_hbm_step_and_reference(read):
+@pytest.mark.parametrize("read,streams", [("direct", 1), ("staged", 1), ("staged", 2), ("staged", 4)])
+def test_pinned_host_step_equals_hbm_step_and_reference(read, streams):
     """On a GPU the index and K/V rows live in pinned_host memory and the kernels read them there. The host
     and HBM steps read the same bf16 cache (like with like: the store is built from the bf16 keys) and agree
-    exactly; both match the per-head reference."""
+    exactly, also with the groups split over GPU streams; both match the per-head reference."""
     rng = np.random.default_rng(3)
     r, n = 8, 4096
     keys = jnp.asarray(rng.standard_normal((r, n, 128)) * np.exp(rng.normal(size=128)), jnp.bfloat16)
@@ -114,7 +141,7 @@ def test_pinned_host_step_equals_hbm_step_and_reference(read):
     method = M.Fathom(48)
     index = I.build_index(keys32, calib, [method], length=lengths)
     stacked = jax.tree.map(lambda x: x[None], index)
-    host = Placement("pinned_host", read=read)
+    host = Placement("pinned_host", read=read, streams=streams)
     placed = host.put(stacked)  # bulk leaves (planes, scales) to pinned_host, the rest on the device
     assert placed.raw.planes.sharding.memory_kind == "pinned_host"
     kv = side_by_side(keys, values)[None]

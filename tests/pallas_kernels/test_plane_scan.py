@@ -68,6 +68,18 @@ class TestPlaneScan(KernelTestBase):
             got = scan(host(planes, impl), host(scales, impl), jnp.int32(layer))
             assert_scores_close(got, np_plane_scan(q, planes[layer], scales[layer], length[1], ch, dep))
 
+    @pytest.mark.parametrize("group_start,groups", [(0, 2), (1, 3), (3, 1)])
+    def test_group_window_of_stacked_store(self, impl, rng, group_start, groups):
+        """Queries over Rc groups scan groups group_start.. of a stacked store (one GPU stream's share)."""
+        planes, scales, length = random_store_arrays(rng, (3, 4), D, 448)
+        q = jnp.asarray(rng.standard_normal((groups, G, D)), jnp.float32)
+        ch, dep = PS.active_channels(depth_plan(rng, "random", (groups,)), max_active=10)
+        window = slice(group_start, group_start + groups)
+        scan = jax.jit(lambda p, s: PS.plane_scan(q, p, s, length[1][window], ch, dep, layer=jnp.int32(2),
+                                                  group_start=group_start, assume_sorted=True, **impl.kw))
+        got = scan(host(planes, impl), host(scales, impl))
+        assert_scores_close(got, np_plane_scan(q, planes[2][window], scales[2][window], length[1][window], ch, dep))
+
     def test_unsorted_list_and_determinism(self, impl, rng):
         planes, scales, length = random_store_arrays(rng, (3,), D, 640)
         q = jnp.asarray(rng.standard_normal((3, G, D)), jnp.float32)

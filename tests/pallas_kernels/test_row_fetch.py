@@ -41,6 +41,17 @@ class TestRowFetch(KernelTestBase):
         assert_equal(got, np_row_fetch(kv[2, ..., start:start + width], idx))
         assert_equal(mask, (idx >= 0) & (idx < n))
 
+    @pytest.mark.parametrize("group_start,groups", [(0, 3), (1, 2), (3, 1)])
+    def test_group_window_of_stacked_cache(self, impl, rng, group_start, groups):
+        """An index over Rc groups reads groups group_start.. of a stacked cache (one GPU stream's share)."""
+        n, s = 70, 45
+        kv = jnp.asarray(rng.standard_normal((3, 4, n, 2 * D)), jnp.bfloat16)
+        idx = jnp.asarray(rng.integers(-3, n + 3, (groups, s)), jnp.int32)
+        fetch = jax.jit(lambda a, layer: RF.row_fetch(a, None, idx, layer=layer, group_start=group_start, **impl.kw))
+        got, _, mask = fetch(host(kv, impl), jnp.int32(2))
+        assert_equal(got, np_row_fetch(kv[2, group_start:group_start + groups], idx))
+        assert_equal(mask, (idx >= 0) & (idx < n))
+
 
 def test_row_fetch_lowers_to_triton_and_validates():
     z = jnp.zeros
@@ -52,5 +63,7 @@ def test_row_fetch_lowers_to_triton_and_validates():
         RF.row_fetch(z((2, 64, D), jnp.bfloat16), z((2, 64, D), jnp.float32), z((2, 9), jnp.int32))
     with pytest.raises(ValueError, match="power of two"):
         RF.row_fetch(z((2, 64, 12), jnp.bfloat16), None, z((2, 9), jnp.int32))
+    with pytest.raises(ValueError, match=r"1 <= Rc <= 1 \(groups 1\.\. of the store's 2\)"):
+        RF.row_fetch(z((3, 2, 64, D), jnp.bfloat16), None, z((2, 9), jnp.int32), layer=0, group_start=1)
     with pytest.raises(ValueError, match="columns must be"):
         RF.row_fetch(z((2, 64, 2 * D), jnp.bfloat16), None, z((2, 9), jnp.int32), columns=(D + 1, D))

@@ -39,6 +39,19 @@ class TestRunGather(KernelTestBase):
         assert_equal(flat_p, want_p)
         assert_equal(flat_s, want_s)
 
+    @pytest.mark.parametrize("group_start,groups", [(0, 2), (2, 3), (5, 1)])
+    def test_group_window_of_stacked_store(self, impl, rng, group_start, groups):
+        """Run lists over Rc groups read groups group_start.. of a stacked store (one GPU stream's share)."""
+        planes, scales, _ = random_store_arrays(rng, (2, 6), D, 320)
+        ch, dep = run_list(rng, "random", groups)
+        gather = jax.jit(lambda p, s, layer: RG.run_gather(p, s, ch, dep, layer=layer, group_start=group_start,
+                                                           config=RG.RunGatherConfig(chunk=4), **impl.kw))
+        got_p, got_s = gather(host(planes, impl), host(scales, impl), jnp.int32(1))
+        window = slice(group_start, group_start + groups)
+        want_p, want_s = np_run_gather(planes[1][window], scales[1][window], ch, dep)
+        assert_equal(got_p, want_p)
+        assert_equal(got_s, want_s)
+
     def test_gather_then_scan_equals_direct_scan(self, impl, rng):
         """Staged planes scanned with the identity list == the plane scan of the store itself."""
         planes, scales, length = random_store_arrays(rng, (4,), D, 448)
@@ -61,5 +74,12 @@ def test_run_gather_lowers_to_triton_and_validates():
     with pytest.raises(ValueError, match="depths"):
         RG.run_gather(z((2, D, 4, 20), jnp.uint32), z((2, D, 10), jnp.float16), z((2, 5), jnp.int32),
                       z((2, 5), jnp.int32) + 7)
+    stacked = (z((3, 2, D, 4, 20), jnp.uint32), z((3, 2, D, 10), jnp.float16))
+    with pytest.raises(ValueError, match=r"1 <= Rc <= 1 \(groups 1\.\. of the store's 2\)"):
+        RG.run_gather(*stacked, z((2, 5), jnp.int32), z((2, 5), jnp.int32), layer=0, group_start=1)
+    with pytest.raises(ValueError, match="group_start=1 needs a stacked"):
+        RG.run_gather(*(a[0] for a in stacked), z((2, 5), jnp.int32), z((2, 5), jnp.int32), group_start=1)
+    with pytest.raises(ValueError, match="group_start must be an int >= 0"):
+        RG.run_gather(*stacked, z((1, 5), jnp.int32), z((1, 5), jnp.int32), layer=0, group_start=-1)
     with pytest.raises(ValueError, match="chunk must be >= 2"):
         RG.RunGatherConfig(chunk=1)
