@@ -33,6 +33,7 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config as jax_config  # the compute-type context (see _on_stream)
 from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
@@ -178,8 +179,7 @@ class Placement:
             chunk = tuple(jax.tree_util.tree_map_with_path(cut, a) for a in args)
             run = functools.partial(fn, start, size)
             if self.streams > 1:  # stream 0 is XLA's main compute stream
-                run = compute_on(jax.jit(run), compute_type=f"gpu_stream:{i + 1}",
-                                 out_memory_spaces=jax.memory.Space.Device)
+                run = _on_stream(run, i + 1)
             outs.append(run(*chunk, *shared))
         return outs
 
@@ -285,6 +285,24 @@ class Placement:
         rows, _, _ = row_fetch(x, None, index, layer=layer, columns=columns, group_start=start,
                                implementation=implementation)
         return rows
+
+
+def _on_stream(fn, stream: int):
+    """``fn`` as one computation on GPU stream ``stream`` (``compute_on("gpu_stream:N")``; inlined elsewhere).
+
+    JAX 0.11.2 also marks every op traced inside ``compute_on`` with the stream; XLA then wraps those ops (the
+    kernel calls, a reshape) into async computations of their own inside the stream's computation and fails
+    to compile ("No ExecutionStreamId found for call-start ..."). The body is traced with the compute type
+    cleared, so only the outer call carries the annotation and everything in it runs on that stream.
+    """
+    def body(*args):
+        previous = jax_config.compute_on_context_manager.swap_local(None)
+        try:
+            return fn(*args)
+        finally:
+            jax_config.compute_on_context_manager.set_local(previous)
+
+    return compute_on(body, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)
 
 
 def _fits_in_hbm(shape, dtype, sharding, fraction: float = 0.9) -> bool:
