@@ -161,8 +161,10 @@ class Placement:
 
     # -- running per-group work on several GPU streams ---------------------------------------
     def per_stream(self, fn, groups: int, args: tuple, shared: tuple = ()):
-        """``fn(group_start, size, *chunk_args, *shared)`` for each of :attr:`streams` equal chunks of ``groups``,
-        each on its own GPU stream; returns the list of their outputs.
+        """``fn(group_start, size, *chunk_args, *shared)`` for each of :attr:`streams` equal chunks of ``groups``;
+        returns the list of their outputs. Every chunk but the last runs as one computation on a GPU stream of its
+        own, the last on XLA's main stream, so the scheduler can put the main stream's kernels between the
+        others' start and done (two async computations are one resource to it and never overlap each other).
 
         ``args`` are pytrees whose leaves are per-group ``[R, ...]`` arrays, cut to the chunk, except bulk
         leaves (stacked ``[L, R, ...]`` cache arrays, possibly in host memory: no XLA op may slice them),
@@ -178,7 +180,7 @@ class Placement:
             cut = lambda path, x, start=start: x if is_bulk(path) else x[start:start + size]  # noqa: E731
             chunk = tuple(jax.tree_util.tree_map_with_path(cut, a) for a in args)
             run = functools.partial(fn, start, size)
-            if self.streams > 1:  # stream 0 is XLA's main compute stream
+            if i < self.streams - 1:
                 run = _on_stream(run, i + 1)
             outs.append(run(*chunk, *shared))
         return outs

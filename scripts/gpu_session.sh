@@ -36,6 +36,8 @@
 #                       and 128k with 1, 2 and 4 streams, profiled (failed to compile with streams: every op traced inside
 #                       compute_on carried the stream too, and XLA wrapped inner ops into async calls of their own)
 #   o2  (nvidia-h200)   o1 after tracing the stream's body without the per-op annotation: the streams' GPU tests; o1's benchmark
+#                       (ran, slower: every chunk an async computation, and the profile shows no overlap at all)
+#   o3  (nvidia-h200)   o2 with the last chunk on the main stream (XLA schedules two async computations one after the other)
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -245,4 +247,9 @@ o2)
   timeout 400 python3 scripts/bench_offload.py --tag h200_o2 --out $OUT --read staged --methods "Fathom 48" \
     --streams 1,2,4 --sections link,attn,attnprofile --contexts 1m,128k --share-kv-from 1m --time-budget 390 \
     2>&1 | tee $OUT/bench_o2.log ;;
+o3)
+  timeout 150 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_sparse_step.py tests/test_hlo.py 2>&1 | tee $OUT/gpu_tests_o3_h200.log
+  timeout 400 python3 scripts/bench_offload.py --tag h200_o3 --out $OUT --read staged --methods "Fathom 48" \
+    --streams 1,2,4 --sections link,attn,attnprofile --contexts 1m,128k --share-kv-from 1m --time-budget 390 \
+    2>&1 | tee $OUT/bench_o3.log ;;
 esac

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fathom_jax import decode
-from fathom_jax.hlo import host_array_copies
+from fathom_jax.hlo import _INSTR, host_array_copies
 from fathom_jax.models import sparse
 
 SNIPPET = """
@@ -55,8 +55,14 @@ def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_mo
     assert "S(5)" in text, "the compiled step has no host-memory operands: the cache is not offloaded"
     copies = host_array_copies(text, min_bytes=1 << 16)
     assert copies == [], "the decode step copies host-resident cache arrays:\n" + "\n".join(copies)
-    if streams > 1:  # the chunks really run as computations on their own streams
-        assert text.count("call-start") >= streams and '_xla_stream_annotation="2"' in text
+    if streams > 1:  # the first chunk runs as a computation on a stream of its own, the last on the main stream
+        assert text.count("call-start") >= streams - 1 and '_xla_stream_annotation="1"' in text
+        schedule = [m.group(3) for m in map(_INSTR.match, text.splitlines()) if m]  # in scheduled order
+        start, done = schedule.index("call-start"), schedule.index("call-done")
+        between = schedule[start + 1:done]
+        print("scheduled between the stream's start and done:", between.count("custom-call"), "custom calls of",
+              len(between), "instructions")
+        assert "custom-call" in between, "nothing of the main stream is scheduled while the other stream runs"
     # and the cache is really written: the next step sees the new token's K row in host memory
     nxt, _, cache2 = sparse.decode_step(tiny_model, tokens, cache, attn)
     assert cache2.kv is cache.kv  # the same host array, updated in place

@@ -152,6 +152,9 @@ def test_pinned_host_step_equals_hbm_step_and_reference(read, streams):
     got = step(placed, kv_host)
     hbm = jax.jit(lambda idx, c: sparse_attention_step(method, q, idx, c, lengths, calib, k=256, layer=0,
                                                        implementation="pallas")[0])(stacked, kv)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(hbm))
+    if streams == 1:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(hbm))
+    else:  # GEMMs over fewer groups may sum in another order on the GPU (seen: 3e-7 at streams=4)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(hbm), rtol=1e-5, atol=1e-6)
     want = per_head_reference(method, q, keys32, values.astype(jnp.float32), lengths, calib, k=256)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)
