@@ -38,6 +38,8 @@
 #   o2  (nvidia-h200)   o1 after tracing the stream's body without the per-op annotation: the streams' GPU tests; o1's benchmark
 #                       (ran, slower: every chunk an async computation, and the profile shows no overlap at all)
 #   o3  (nvidia-h200)   o2 with the last chunk on the main stream (XLA schedules two async computations one after the other)
+#                       (ran: the schedule has main-stream kernels inside the async window, yet busy = span: no overlap)
+#   o4  (nvidia-h200)   which streams the kernels really run on, with XLA's command buffers on (default) and off
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -252,4 +254,10 @@ o3)
   timeout 400 python3 scripts/bench_offload.py --tag h200_o3 --out $OUT --read staged --methods "Fathom 48" \
     --streams 1,2,4 --sections link,attn,attnprofile --contexts 1m,128k --share-kv-from 1m --time-budget 390 \
     2>&1 | tee $OUT/bench_o3.log ;;
+o4)
+  timeout 200 python3 scripts/bench_offload.py --tag h200_o4a --out $OUT --read staged --methods "Fathom 48" \
+    --streams 1,2 --sections attn,attnprofile --contexts 1m --share-kv-from 1m --time-budget 190 2>&1 | tee $OUT/bench_o4a.log
+  XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_experimental_stream_annotation=true" timeout 200 \
+    python3 scripts/bench_offload.py --tag h200_o4b --out $OUT --read staged --methods "Fathom 48" \
+    --streams 1,2 --sections attn,attnprofile --contexts 1m --share-kv-from 1m --time-budget 190 2>&1 | tee $OUT/bench_o4b.log ;;
 esac

@@ -213,7 +213,10 @@ def profile_breakdown(call, state, trace_dir: str, *, steps: int = 3, top_kernel
             "ms_per_step": {k: v / steps for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
             "top_kernels": [{"name": n[:160], "category": categorize(n), "ms_per_step": ms / steps,
                              "launches_per_step": cnt / steps} for n, (ms, cnt) in top],
-            "launches_per_step": len(events) / steps, "events": len(events)}, state
+            "launches_per_step": len(events) / steps, "events": len(events),
+            # kernels per GPU stream (the trace's thread ids): overlap between streams shows as busy > span
+            "streams": {str(tid): sum(1 for e in events if e.get("tid") == tid) / steps
+                        for tid in sorted({e.get("tid") for e in events}, key=str)}}, state
 
 
 def write_json(path: str, data) -> None:
