@@ -330,6 +330,8 @@ class SparseAttention:
         kv = write(cache.kv, (rows[-1:] if shared_kv else rows)[:, :, None, :], p, 2)
         lengths = cache.index.length + 1
         block = p // BLOCK_TOKENS
+        if self.placement.index_writes == "full_blocks":  # only a block this step fills; the rest stays in the tail
+            block = jnp.where((p + 1) % BLOCK_TOKENS == 0, block, cache.capacity // BLOCK_TOKENS)  # past the end: no write
 
         def store(old: PlaneStore | None, part: str):
             if old is None:
@@ -347,6 +349,35 @@ class SparseAttention:
         index = KeyIndex(length=lengths, raw=store(index.raw, "raw"), klt=store(index.klt, "klt"),
                          loki=store(index.loki, "loki"), landmarks=landmarks, landmark_tail=landmark_tail)
         return SparseCache(kv=kv, index=index, length=cache.length + 1, writes=_tokens(tokens, cache.writes))
+
+
+    def flush(self, cache: SparseCache) -> SparseCache:
+        """The cache with every layer's partial newest plane block written into the stores (from their raw tails).
+
+        With ``placement.index_writes="full_blocks"`` decode steps write a plane block only once it fills; call
+        this (``fathom_jax.models.sparse.flush`` as one jitted program) before reading the stores themselves,
+        e.g. to save them or compare them with :func:`fathom_jax.index.build_index`. With ``"every_step"`` the
+        stores are always complete and this writes the same words again.
+        """
+        return self.placement.per_group(self._flush_groups, cache, cache.group_length(), axes=(1, 0),
+                                        out_axes=(cache, 1))
+
+    def _flush_groups(self, cache, length):
+        write, tokens = self._writer()
+        count = length % BLOCK_TOKENS
+        block = jnp.where(count > 0, length // BLOCK_TOKENS, cache.capacity // BLOCK_TOKENS)  # none partial: no write
+        pack = jax.vmap(jax.vmap(store_lib.pack_block), in_axes=(0, None))  # over layers, then groups
+
+        def store(old: PlaneStore | None):
+            if old is None:
+                return None
+            words, scale = pack(old.tail, count)
+            return dataclasses.replace(old, planes=write(old.planes, words, block * WORDS_PER_BLOCK, 4),
+                                       scales=write(old.scales, scale[..., None], block, 3))
+
+        index = cache.index
+        index = dataclasses.replace(index, raw=store(index.raw), klt=store(index.klt), loki=store(index.loki))
+        return dataclasses.replace(cache, index=index, writes=_tokens(tokens, cache.writes))
 
 
 def _tokens(tokens, previous):

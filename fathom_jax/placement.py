@@ -43,6 +43,7 @@ from pallas_kernels.row_fetch import row_fetch
 Memory = Literal["device", "pinned_host"]
 MEMORIES: tuple[str, ...] = get_args(Memory)
 ReadMode = Literal["direct", "staged"]
+IndexWrites = Literal["every_step", "full_blocks"]
 BULK_FIELDS = frozenset({"planes", "scales", "landmarks", "keys", "kv"})
 GROUP_AXIS = 1  # of every stacked cache leaf [L, R, ...]
 
@@ -76,19 +77,30 @@ class Placement:
     host-resident plane store is scanned (``read``): ``"staged"`` (the default: a run gather copies the
     planned runs to HBM at the link rate, then the scan reads HBM) or ``"direct"`` (the plane scan reads
     the planes from host memory as it computes; on the H200 it reaches under half the link: 165.9 against
-    102.6 ms per 36-layer step at 1M tokens, NOTES.md)."""
+    102.6 ms per 36-layer step at 1M tokens, NOTES.md).
+
+    ``streams``: GPU streams per device over which each layer's groups are split (module docstring; 1, the
+    default, measured fastest: ``results/streams_h200.md``). ``index_writes``: when a decode step writes the
+    newest 64-token block of the plane stores, ``"every_step"`` (the stores always hold every key) or
+    ``"full_blocks"`` (only the step that fills a block writes it: the partial block lives in device memory as
+    the stores' raw ``tail``, from which every step scores it anyway; :meth:`SparseAttention.flush
+    <fathom_jax.decode.SparseAttention.flush>` writes it on demand). In host memory each block write is 4 x D
+    scattered 8-byte words per group and layer, ~5.5 ms of a 1M-token step on the H200."""
 
     memory: Memory = "device"
     mesh: jax.sharding.Mesh | None = None
     axis: str | None = None
     read: ReadMode = "staged"
     streams: int = 1
+    index_writes: IndexWrites = "every_step"
 
     def __post_init__(self):
         if self.memory not in MEMORIES:
             raise ValueError(f"placement memory must be one of {MEMORIES}, got {self.memory!r}")
         if self.read not in get_args(ReadMode):
             raise ValueError(f"placement read must be 'direct' or 'staged', got {self.read!r}")
+        if self.index_writes not in get_args(IndexWrites):
+            raise ValueError(f"placement index_writes must be one of {get_args(IndexWrites)}, got {self.index_writes!r}")
         if not isinstance(self.streams, int) or isinstance(self.streams, bool) or self.streams < 1:
             raise ValueError(f"placement streams must be an int >= 1, got {self.streams!r}")
         if self.mesh is not None:

@@ -217,12 +217,13 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
     fill_s = time.time() - t
     q, key, value = random_step_inputs(cfg, batch)
-    for label, streams in ((m, s) for m in labels for s in (args.streams if placement.offloaded else (1,))):
+    variants = [(s, w) for s in args.streams for w in args.index_writes] if placement.offloaded else [(1, "every_step")]
+    for label, (streams, writes) in ((m, v) for m in labels for v in variants):
         if run.left() < 30:
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
             break
-        attn = hook(METHODS[label], cfg, calib, args.k, dataclasses.replace(placement, streams=streams),
-                    args.implementation)
+        attn = hook(METHODS[label], cfg, calib, args.k,
+                    dataclasses.replace(placement, streams=streams, index_writes=writes), args.implementation)
 
         def call(state, attn=attn):
             out, c = sparse.attention_step(q, key, value, state[1], attn)
@@ -238,7 +239,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         cache = state[1]
         profile = None
         if "attnprofile" in args.sections:
-            trace = os.path.join(args.out, "traces", f"attn_{context}_{label.split()[0]}_{batch}_{placement.memory}_s{streams}")
+            trace = os.path.join(args.out, "traces", f"attn_{context}_{label.split()[0]}_{batch}_{placement.memory}_s{streams}_{writes}")
             try:
                 profile, state = harness.profile_breakdown(call, state, trace)
                 cache = state[1]
@@ -249,7 +250,8 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         if not placement.offloaded:  # the HBM control: no link traffic
             floor_ms = float("nan")
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
-                 "mesh": placement.num_shards, "streams": streams, "shared_kv": shared, "fill_s": fill_s,
+                 "mesh": placement.num_shards, "streams": streams, "index_writes": writes, "shared_kv": shared,
+                 "fill_s": fill_s,
                  "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],
                  "authors_ms": AUTHORS_MS.get(context, {}).get(label) if batch == 1 and placement.num_shards == 1 else None,
@@ -284,9 +286,9 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
     first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation)
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
     tokens = jnp.zeros((batch,), jnp.int32)
-    for label, streams in ((m, s) for m in labels for s in args.streams):
-        attn = hook(METHODS[label], cfg, calib, args.k, dataclasses.replace(placement, streams=streams),
-                    args.implementation)
+    for label, streams, writes in ((m, s, w) for m in labels for s in args.streams for w in args.index_writes):
+        attn = hook(METHODS[label], cfg, calib, args.k,
+                    dataclasses.replace(placement, streams=streams, index_writes=writes), args.implementation)
 
         def call(state, attn=attn):
             toks, _, c = sparse.decode_step(model, state[0], state[1], attn)
@@ -297,10 +299,11 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
         q, _, _ = random_step_inputs(cfg, batch)
         nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
         row = {"kind": "full", "method": label, "context": context, "batch": batch, "memory": placement.memory,
-               "mesh": placement.num_shards, "streams": streams, "shared_kv": shared, **r, **nbytes,
+               "mesh": placement.num_shards, "streams": streams, "index_writes": writes, "shared_kv": shared, **r,
+               **nbytes,
                "tokens_per_s": batch / (r["median_ms"] * 1e-3)}
         if profile:
-            trace = os.path.join(args.out, "traces", f"full_{context}_{label.split()[0]}_{batch}_s{streams}")
+            trace = os.path.join(args.out, "traces", f"full_{context}_{label.split()[0]}_{batch}_s{streams}_{writes}")
             try:
                 bd, state = harness.profile_breakdown(call, state, trace)
                 cache = state[1]
@@ -363,8 +366,9 @@ def merge(paths, out_prefix):
     latest: dict[tuple, dict] = {}
     for row in (x for p in parts for x in p.get("rows", [])):
         row.setdefault("streams", 1)  # runs before GPU streams existed used one
+        row.setdefault("index_writes", "every_step")  # and wrote the newest plane block every step
         key = tuple(str(row.get(f)) for f in ("kind", "method", "context", "batch", "memory", "read", "mesh",
-                                              "streams", "shared_kv", "tag"))
+                                              "streams", "index_writes", "shared_kv", "tag"))
         if key not in latest or row["run_date"] >= latest[key]["run_date"]:
             latest[key] = row
     superseded = sum(len(p.get("rows", [])) for p in parts) - len(latest)
@@ -409,6 +413,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--read", default="staged", choices=["direct", "staged"])
     ap.add_argument("--streams", default="1", help="GPU streams per device to split the groups over (a list: one row each)")
+    ap.add_argument("--index-writes", default="every_step",
+                    help="every_step and/or full_blocks (a list: one row each): when steps write the newest plane block")
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
@@ -423,6 +429,7 @@ def main(argv=None):
     args.share_kv_from = None if args.share_kv_from in ("", "none") else parse_ctx(args.share_kv_from)
     args.sections = args.sections.split(",")
     args.streams = [int(x) for x in str(args.streams).split(",")]
+    args.index_writes = args.index_writes.split(",")
     labels = [m for m in args.methods.split(",") if m]
     unknown = [m for m in labels if m not in METHODS]
     if unknown:
@@ -520,10 +527,14 @@ def write_report(res: dict, prefix: str) -> None:
                   "read: `direct` = the plane scan reads host memory as it computes; `staged` = the run gather copies the "
                   "planned runs to HBM first. Link floor: every byte of the planned planes + scales and of the selected "
                   "rows over the link once at the rate measured in the run.", "",
-                  "| method | context | batch | mesh | streams | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
-                  "link floor ms | fraction of link | authors' ms | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("read") or "", r.get("streams", 1))):
-            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r.get('streams', 1)} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
+                  "`index writes`: `every_step` writes the newest plane block of every layer each step; `full_blocks` only "
+                  "when it fills (once in 64 steps: its cost, the cache write's plane words in the profile, is then "
+                  "spread over 64 steps and the median leaves it out).", "",
+                  "| method | context | batch | mesh | streams | index writes | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
+                  "link floor ms | fraction of link | authors' ms | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("read") or "", r.get("streams", 1),
+                                            r.get("index_writes", "every_step"))):
+            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r.get('streams', 1)} | {r.get('index_writes', 'every_step')} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
                          f"{r['bits_per_token']:.1f} | {r['scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
                          f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | "
                          f"{r['fraction_of_link']:.2f} | {r.get('authors_ms') or ''} | {str(r.get('run_date', ''))[:16]} |")
@@ -543,6 +554,7 @@ def write_report(res: dict, prefix: str) -> None:
             p = r["profile"]
             what = "full step" if r["kind"] == "full" else f"attention-only step ({r['memory']})"
             what += f", {r['streams']} GPU streams" if r.get("streams", 1) > 1 else ""
+            what += ", plane blocks written when full" if r.get("index_writes") == "full_blocks" else ""
             lines += [f"Profile of the {what}, {r['method']} at {r['context']} (batch {r['batch']}): wall "
                       f"{p['wall_ms_per_step']:.1f} ms, device span {p['device_span_ms_per_step']:.1f} ms, busy "
                       f"{p['device_busy_ms_per_step']:.1f} ms per step; "
@@ -576,13 +588,18 @@ def write_report(res: dict, prefix: str) -> None:
     colors = dict(zip(sorted({r["method"] for r in att}), plt.get_cmap("tab10").colors))
     default_read = res["config"].get("read")
     for label in sorted(colors):
-        for read, streams, style in (("staged", 1, "o-"), ("direct", 1, "o--"), ("staged", 2, "s:"), ("staged", 4, "^:")):
+        for read, streams, writes, style in (("staged", 1, "every_step", "o-"), ("direct", 1, "every_step", "o--"),
+                                             ("staged", 2, "every_step", "s:"), ("staged", 4, "every_step", "^:"),
+                                             ("staged", 1, "full_blocks", "D-.")):
             pts = sorted((r["context"], r["median_ms"]) for r in att if r["method"] == label and r["batch"] == 1
                          and r["memory"] == "pinned_host" and r.get("mesh", 1) == 1
-                         and r.get("read", default_read) == read and r.get("streams", 1) == streams)
+                         and r.get("read", default_read) == read and r.get("streams", 1) == streams
+                         and r.get("index_writes", "every_step") == writes)
             if pts:
+                extra = (f", {streams} streams" if streams > 1 else "") + (", blocks written when full"
+                                                                           if writes == "full_blocks" else "")
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colors[label],
-                        label=f"{label} ({read}{f', {streams} streams' if streams > 1 else ''})")
+                        label=f"{label} ({read}{extra})")
         authors = sorted((c, v[label]) for c, v in AUTHORS_MS.items() if label in v)
         if authors and any(r["method"] == label for r in att):
             ax.plot([a[0] for a in authors], [a[1] for a in authors], "x", color=colors[label], ms=9,

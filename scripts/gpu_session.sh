@@ -40,6 +40,8 @@
 #   o3  (nvidia-h200)   o2 with the last chunk on the main stream (XLA schedules two async computations one after the other)
 #                       (ran: the schedule has main-stream kernels inside the async window, yet busy = span: no overlap)
 #   o4  (nvidia-h200)   which streams the kernels really run on, with XLA's command buffers on (default) and off
+#   o5  (nvidia-h200)   plane blocks written only when full (Placement(index_writes="full_blocks")): the offload path's
+#                       GPU tests; three methods at 1M and 128k, both write modes, profiled
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -260,4 +262,9 @@ o4)
   XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_experimental_stream_annotation=true" timeout 200 \
     python3 scripts/bench_offload.py --tag h200_o4b --out $OUT --read staged --methods "Fathom 48" \
     --streams 1,2 --sections attn,attnprofile --contexts 1m --share-kv-from 1m --time-budget 190 2>&1 | tee $OUT/bench_o4b.log ;;
+o5)
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sparse_step.py tests/test_hlo.py 2>&1 | tee $OUT/gpu_tests_o5_h200.log
+  timeout 430 python3 scripts/bench_offload.py --tag h200_o5 --out $OUT --read staged \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --index-writes every_step,full_blocks \
+    --sections link,attn,attnprofile --contexts 1m,128k --share-kv-from 1m --time-budget 420 2>&1 | tee $OUT/bench_o5.log ;;
 esac

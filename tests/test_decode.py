@@ -93,13 +93,20 @@ def test_selecting_every_token_equals_dense(model, calib, dense_run, spec):
 # The cache after decoding is the cache of all keys, bit for bit (ragged batch, across blocks)
 
 
-@pytest.mark.parametrize("spec", ["fathom_klt:16", "landmark", "fathom:16"])
-def test_index_after_decode_equals_index_of_all_keys(model, spec):
+@pytest.mark.parametrize("spec,writes", [("fathom_klt:16", "every_step"), ("landmark", "every_step"),
+                                         ("fathom:16", "every_step"), ("fathom:16", "full_blocks")])
+def test_index_after_decode_equals_index_of_all_keys(model, spec, writes):
     # 60 / 45 prompt tokens + 5 decode steps cross a 64-token store block and 8-token landmark blocks.
     lengths = np.array([60, 45])
-    attn = decode.from_spec(spec, k=40)  # fathom_klt: session calibration
+    attn = decode.from_spec(spec, k=40, placement=decode.Placement(index_writes=writes))  # fathom_klt: session calibration
     _, cache, attn = sparse_forced(model, LONG, LONG[:, :5], attn, capacity=72, lengths=lengths)
     np.testing.assert_array_equal(cache.length, lengths + 5)
+    if writes == "full_blocks":  # the steps wrote the block that filled (0 of sequence 0), not the partial ones
+        hkv = model.config.n_kv_heads
+        planes = np.asarray(cache.index.raw.planes)
+        assert planes[:, :hkv, :, :, :2].any() and not planes[:, :hkv, :, :, 2:4].any()  # 65 tokens: block 1 unwritten
+        cache = sparse.flush(cache, attn)
+        assert planes[:, hkv:].tolist() != np.asarray(cache.index.raw.planes)[:, hkv:].tolist()  # 45 + 5: block 0 was stale
     hkv = model.config.n_kv_heads
     for b, n in enumerate(lengths + 5):
         rows = slice(b * hkv, (b + 1) * hkv)
@@ -157,14 +164,17 @@ def test_small_k_equals_rebuild_per_step_reference(model, calib, dense_run, spec
 @pytest.mark.parametrize("spec,implementation,streams", [("fathom:16", "xla", 1), ("fathom:16", "pallas", 2)])
 def test_offloaded_placement_equals_device_placement(model, calib, spec, implementation, streams):
     """The offloaded layout (kernels staging and writing the cache; device memory on CPU) = device memory;
-    with the groups split over two streams too (each half read at its group offset)."""
+    with the groups split over two streams too (each half read at its group offset) and plane blocks written
+    only once full."""
     common = dict(k=12, sink=2, local=4, calibration=calib, implementation=implementation)
     prompt, lengths = PROMPTS[1], np.array([24, 19])
     want = np.asarray(generate(model, prompt, 3, capacity=CAPACITY, lengths=lengths,
                                attention_fn=decode.from_spec(spec, **common)))
     # with the kernels, the staged read (run gather, then scan HBM) is the one the device path does not take
     read = "staged" if implementation == "pallas" else "direct"
-    host = decode.from_spec(spec, placement=decode.Placement("pinned_host", read=read, streams=streams), **common)
+    writes = "full_blocks" if streams > 1 else "every_step"  # the steps never read a partial block from the store
+    host = decode.from_spec(spec, placement=decode.Placement("pinned_host", read=read, streams=streams,
+                                                             index_writes=writes), **common)
     assert host.placement.note is not None  # the CPU has no pinned_host memory: it says so
     got = np.asarray(generate(model, prompt, 3, capacity=CAPACITY, lengths=lengths, attention_fn=host))
     np.testing.assert_array_equal(got, want)

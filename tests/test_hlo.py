@@ -34,12 +34,13 @@ def test_parser_flags_copies_slices_and_host_outputs_of_large_host_arrays():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("read,streams", [("direct", 1), ("staged", 1), ("staged", 2)])
-def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_model, read, streams):
+@pytest.mark.parametrize("read,streams,writes", [("direct", 1, "every_step"), ("staged", 1, "every_step"),
+                                                 ("staged", 2, "every_step"), ("staged", 1, "full_blocks")])
+def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_model, read, streams, writes):
     """The compiled offloaded decode step has no host-to-device (or host-to-host) copy of the store or K/V,
     whether the plane scan reads host memory itself or the run gather stages the planned runs, and when the
     groups are split over GPU streams (the host arrays then pass into each stream's computation)."""
-    placement = decode.Placement("pinned_host", read=read, streams=streams)
+    placement = decode.Placement("pinned_host", read=read, streams=streams, index_writes=writes)
     attn = decode.from_spec("fathom:16", k=64, calibration="session", placement=placement, implementation="pallas")
     prompt = np.random.default_rng(0).integers(0, 97, (2, 1000)).astype(np.int32)
     logits, cache, attn = sparse.prefill(tiny_model, prompt, np.array([1000, 900]), attn, 4096)
@@ -64,6 +65,14 @@ def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_mo
               len(between), "instructions")
         assert "custom-call" in between, "nothing of the main stream is scheduled while the other stream runs"
     # and the cache is really written: the next step sees the new token's K row in host memory
+    block = np.asarray(cache.index.raw.planes[:, 0, :, :, 30:32])  # sequence 0's partial block 15 (tokens 960..1000)
     nxt, _, cache2 = sparse.decode_step(tiny_model, tokens, cache, attn)
     assert cache2.kv is cache.kv  # the same host array, updated in place
     assert np.abs(np.asarray(cache2.k[:, 0, 1000])).max() > 0 and np.abs(np.asarray(cache2.k[:, 0, 1001])).max() == 0
+    after = np.asarray(cache2.index.raw.planes[:, 0, :, :, 30:32])
+    if writes == "full_blocks":  # the step left the partial block to the tail; flush writes it
+        np.testing.assert_array_equal(after, block)
+        flushed = np.asarray(sparse.flush(cache2, attn).index.raw.planes[:, 0, :, :, 30:32])
+        assert (flushed != block).any()
+    else:
+        assert (after != block).any()

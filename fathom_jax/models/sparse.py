@@ -278,13 +278,17 @@ def _host_programs(graphdef, attn_static, cache_shardings, out_sharding, in_plac
         out, cache = attention_step_fn(q, key, value, cache, join_attention(attn_static, attn_leaves))
         return out, out_cache(cache)
 
+    def flush_fn(cache, attn_leaves):
+        return out_cache(join_attention(attn_static, attn_leaves).flush(cache))
+
     shardings = out_cache(jax.tree.unflatten(cache_shardings[0], cache_shardings[1]))
     layer_jit = jax.jit(layer_fn, donate_argnums=() if in_place else (3,),
                         out_shardings=(out_sharding, shardings, out_sharding))
     step_jit = jax.jit(step_fn, donate_argnums=() if in_place else (2,),
                        out_shardings=(out_sharding, out_sharding, shardings))
     attention_jit = jax.jit(attention_fn, donate_argnums=() if in_place else (3,), out_shardings=(out_sharding, shardings))
-    return layer_jit, step_jit, attention_jit
+    flush_jit = jax.jit(flush_fn, donate_argnums=() if in_place else (0,), out_shardings=shardings)
+    return layer_jit, step_jit, attention_jit, flush_jit
 
 
 class _Programs:
@@ -313,6 +317,9 @@ class _Programs:
     def attention(self, q, key, value, cache, attn_leaves):
         out, small = self.jits[2](q, key, value, cache, attn_leaves)
         return out, self._whole(small, cache)
+
+    def flush(self, cache, attn_leaves):
+        return self._whole(self.jits[3](cache, attn_leaves), cache)
 
 
 def host_programs(model, attn: SparseAttention, cache: SparseCache) -> _Programs:
@@ -367,6 +374,13 @@ def attention_step(q, key, value, cache: SparseCache, attn: SparseAttention):
     """One jitted :func:`attention_step_fn`: ``(outputs [L, R, G, D], cache)``; the cache is donated."""
     _, attn_leaves = split_attention(attn)
     return host_programs(None, attn, cache).attention(q, key, value, cache, attn.placement.replicate(attn_leaves))
+
+
+def flush(cache: SparseCache, attn: SparseAttention) -> SparseCache:
+    """:meth:`SparseAttention.flush` as one jitted program (the partial newest plane blocks written into the
+    stores, where they live); needed with ``Placement(index_writes="full_blocks")`` before reading the stores."""
+    _, attn_leaves = split_attention(attn)
+    return host_programs(None, attn, cache).flush(cache, attn.placement.replicate(attn_leaves))
 
 
 def generate(model, prompt, lengths, max_new_tokens: int, *, capacity: int, attn: SparseAttention):
