@@ -318,7 +318,12 @@ class SparseAttention:
         return out, LayerUpdate(key=key, value=value, blocks=blocks, landmark=landmark)
 
     def commit(self, cache: SparseCache, update: LayerUpdate) -> SparseCache:
-        """Write every layer's new K/V row and newest index blocks (``update`` stacked on [L]) in place."""
+        """Write every layer's new K/V row and newest index blocks (``update`` stacked on [L]) in place.
+
+        A step past the capacity raises (at run time under ``jit``, through a callback that costs nothing
+        otherwise): the writes would fall outside the arrays and be dropped.
+        """
+        store_lib.check_capacity(cache.length, 1, cache.capacity)
         return self.placement.per_group(
             functools.partial(self._commit_groups, shared_kv=cache.shared_kv), cache, update, cache.group_length(),
             axes=(1, 1, 0), out_axes=(cache, 1),

@@ -217,6 +217,10 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
     fill_s = time.time() - t
     q, key, value = random_step_inputs(cfg, batch)
+    # Every row starts from the same `context` tokens: the small leaves (lengths, raw tails) are put back before
+    # each row (a cache sized for 64 more tokens filled up after three rows, and later rows' writes fell outside
+    # it: before 2026-11-30 (run o5) rows after the first ~64 steps read a full cache).
+    start = jax.tree.map(jnp.copy, Placement.detach_bulk(cache))
     variants = [(s, w) for s in args.streams for w in args.index_writes] if placement.offloaded else [(1, "every_step")]
     for label, (streams, writes) in ((m, v) for m in labels for v in variants):
         if run.left() < 30:
@@ -224,6 +228,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
             break
         attn = hook(METHODS[label], cfg, calib, args.k,
                     dataclasses.replace(placement, streams=streams, index_writes=writes), args.implementation)
+        cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
 
         def call(state, attn=attn):
             out, c = sparse.attention_step(q, key, value, state[1], attn)
@@ -285,10 +290,12 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
     shared = args.share_kv_from is not None and batch * context >= args.share_kv_from
     first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation)
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
+    start = jax.tree.map(jnp.copy, Placement.detach_bulk(cache))  # every row from `context` tokens (see attention_rows)
     tokens = jnp.zeros((batch,), jnp.int32)
     for label, streams, writes in ((m, s, w) for m in labels for s in args.streams for w in args.index_writes):
         attn = hook(METHODS[label], cfg, calib, args.k,
                     dataclasses.replace(placement, streams=streams, index_writes=writes), args.implementation)
+        cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
 
         def call(state, attn=attn):
             toks, _, c = sparse.decode_step(model, state[0], state[1], attn)

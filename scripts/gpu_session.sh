@@ -41,7 +41,9 @@
 #                       (ran: the schedule has main-stream kernels inside the async window, yet busy = span: no overlap)
 #   o4  (nvidia-h200)   which streams the kernels really run on, with XLA's command buffers on (default) and off
 #   o5  (nvidia-h200)   plane blocks written only when full (Placement(index_writes="full_blocks")): the offload path's
-#                       GPU tests; three methods at 1M and 128k, both write modes, profiled
+#                       GPU tests; three methods at 1M and 128k, both write modes, profiled (rows after the first
+#                       ~64 steps of a context read a full cache: the 32-channel rows' writes fell outside it)
+#   o6  (nvidia-h200)   o5's 1M rows of SparQ r=16 and the 32-channel scan again, each row from the same context
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -267,4 +269,8 @@ o5)
   timeout 430 python3 scripts/bench_offload.py --tag h200_o5 --out $OUT --read staged \
     --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --index-writes every_step,full_blocks \
     --sections link,attn,attnprofile --contexts 1m,128k --share-kv-from 1m --time-budget 420 2>&1 | tee $OUT/bench_o5.log ;;
+o6)
+  timeout 200 python3 scripts/bench_offload.py --tag h200_o6 --out $OUT --read staged \
+    --methods "32-channel (SparQ r=32),SparQ r=16" --index-writes every_step,full_blocks \
+    --sections link,attn --contexts 1m --share-kv-from 1m --time-budget 190 2>&1 | tee $OUT/bench_o6.log ;;
 esac

@@ -281,6 +281,15 @@ def test_bad_inputs_give_clear_errors(model, calib):
         generate(model, prompt, 0, capacity=48, attention_fn=decode.SparseAttention(M.SparQ(2), k=40))
 
 
+def test_decode_step_past_capacity_raises_and_writes_nothing(model):
+    """A full cache (60 prompt tokens + 4 steps = 64) refuses a fifth step instead of dropping its writes."""
+    attn = decode.SparseAttention(M.SparQ(2), k=40, placement=decode.Placement("pinned_host"))
+    _, cache, attn = sparse_forced(model, LONG, LONG[:, :4], attn, capacity=64)
+    np.testing.assert_array_equal(cache.length, [64, 64])
+    with pytest.raises(Exception, match="1 token\\(s\\) past capacity \\(length 64, capacity 64\\)"):
+        jax.block_until_ready(sparse.decode_step(model, LONG[:, 4], cache, attn))
+
+
 def test_generate_sizes_the_cache_to_at_least_k(model):
     """A short prompt with a large k: generate's default capacity holds k rows (padding slots are masked)."""
     out = generate(model, PROMPTS[0], 3, attention_fn=decode.from_spec("sparq:2", k=40))
