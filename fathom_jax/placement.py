@@ -20,8 +20,10 @@ Stacked caches are ``[L, R, ...]``: layers first, then the group axis ``R = batc
 major). Under a mesh, ``R`` is split over the mesh axis: each device scans, selects and fetches for
 its own groups from its own slice of host memory. With ``streams > 1`` each device's groups are split
 again, into chunks whose decode steps run on their own GPU streams (``jax.experimental.compute_on``): the
-kernels of one layer are serial within a chunk, so this is how one chunk's plane transfer overlaps
-another's scan, selection and row fetch. Elsewhere the chunks run one after the other (same results).
+kernels of one layer are serial within a chunk, so streams are how one chunk's plane transfer could overlap
+another's scan, selection and row fetch. On the H200 it has not paid so far (``results/streams_h200.md``:
+XLA's command buffers put every kernel on one stream; without them the chunks overlap but contend for SMs).
+Elsewhere the chunks run one after the other (same results).
 """
 
 from __future__ import annotations
