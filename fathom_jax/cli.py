@@ -194,7 +194,7 @@ def _generate(args: argparse.Namespace) -> int:
 
             cap = capture_qkv(model, jnp.asarray(calib_ids[: args.calib_tokens]))
             calibration = calibrate(cap["k"], cap["q"])
-        placement = decode.Placement(args.placement, mesh=mesh, read=args.read)
+        placement = decode.Placement(args.placement, mesh=mesh, read=args.read, index_writes=args.index_writes)
         attention_fn = decode.from_spec(method, k=args.k, calibration=calibration,
                                         implementation=args.implementation, placement=placement)
         if args.k >= capacity:
@@ -282,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read", choices=["direct", "staged"], default="staged",
                    help="with --placement pinned_host: the planned runs are copied to HBM first (staged, the "
                         "default: faster on the H200), or the plane scan reads host memory as it computes (direct)")
+    p.add_argument("--index-writes", choices=["every_step", "full_blocks"], default="every_step",
+                   help="when a decode step writes the newest 64-token block of the key index: every step, or only "
+                        "once it fills (the partial block stays in device memory; fewer scattered host writes)")
     p.add_argument("--mesh", type=positive_int(1), default=1,
                    help="devices to split the KV heads over (sparse decoding; each device scans and fetches for its "
                         "own heads from its own slice of memory); must divide the model's KV heads")

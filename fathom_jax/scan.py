@@ -129,11 +129,12 @@ def execute(
     if isinstance(read, PlaneRead):
         scores = _plane_scores(read, getattr(index, read.part), length, layer, group_start, placement, implementation)
         return scores if read.shift is None else scores + read.shift[..., None]
+    groups = None if layer is None else (group_start, length.shape[0])  # a stacked cache's window of groups
     if isinstance(read, LandmarkRead):
-        landmarks = placement.stage(index.landmarks, layer, implementation, groups=(group_start, length.shape[0]))
+        landmarks = placement.stage(index.landmarks, layer, implementation, groups=groups)
         return jnp.repeat(dot(read.queries, landmarks.astype(jnp.float32)), LANDMARK_TOKENS, axis=-1)
     if isinstance(read, KeyRead):
-        keys = placement.stage(index.keys, layer, implementation, groups=(group_start, length.shape[0]))
+        keys = placement.stage(index.keys, layer, implementation, groups=groups)
         return dot(read.queries, keys.astype(jnp.float32))
     raise TypeError(f"unknown read {type(read).__name__}")
 

@@ -69,6 +69,7 @@ BAD_ARGUMENTS = [
     (["generate", "x", "--mesh", "64"], "argument --mesh: 64 devices asked for, 2 "),
     (["generate", "x", "--mesh", "2"], "argument --mesh: the model's 3 KV heads do not split evenly over 2 devices"),
     (["generate", "x", "--read", "sideways"], "argument --read: invalid choice: 'sideways'"),
+    (["generate", "x", "--index-writes", "never"], "argument --index-writes: invalid choice: 'never'"),
     (["sweep", "--k", "0"], "argument --k: expected an integer >= 36"),
     (["sweep", "--k", "5000"], "argument --k: [5000] is more than the 4096 tokens of --context 4096"),
     (["sweep", "--positions", "0"], "argument --positions: expected an integer >= 1"),
@@ -197,8 +198,8 @@ def test_generate_with_a_local_hf_model_reports_what_was_sparse(capsys, tiny_hf_
 
 
 def test_generate_passes_mesh_and_read_to_the_placement(capsys, monkeypatch, tiny_hf_model):
-    """--mesh 2 --placement pinned_host --read staged reach the attention hook (the sharded decode itself is
-    tested against the unsharded one in tests/test_sharding.py)."""
+    """--mesh 2 --placement pinned_host --read staged --index-writes full_blocks reach the attention hook (the
+    sharded decode itself is tested against the unsharded one in tests/test_sharding.py)."""
     import jax.numpy as jnp
 
     import fathom_jax.models as models
@@ -212,10 +213,12 @@ def test_generate_passes_mesh_and_read_to_the_placement(capsys, monkeypatch, tin
     monkeypatch.setattr(models, "generate", fake_generate)
     prompt = " ".join(f"w{(7 * i) % 49}" for i in range(80))
     code, _, err = run(capsys, "generate", prompt, "--model", str(tiny_hf_model), "--method", "fathom:8", "--k", "40",
-                       "--max-new-tokens", "2", "--mesh", "2", "--placement", "pinned_host", "--read", "staged")
+                       "--max-new-tokens", "2", "--mesh", "2", "--placement", "pinned_host", "--read", "staged",
+                       "--index-writes", "full_blocks")
     assert code == 0, err
     placement = seen["placement"]
     assert placement.num_shards == 2 and placement.read == "staged" and placement.memory == "pinned_host"
+    assert placement.index_writes == "full_blocks"
 
 
 def test_registered_command_modules_share_the_conventions(capsys, monkeypatch):
