@@ -334,17 +334,15 @@ class SparseAttention:
         rows = join_kv(update.key, update.value, cache.kv.dtype)  # [L, R, 2 Dh]
         kv = write(cache.kv, (rows[-1:] if shared_kv else rows)[:, :, None, :], p, 2)
         lengths = cache.index.length + 1
-        block = p // BLOCK_TOKENS
-        if self.placement.index_writes == "full_blocks":  # only a block this step fills; the rest stays in the tail
-            block = jnp.where((p + 1) % BLOCK_TOKENS == 0, block, cache.capacity // BLOCK_TOKENS)  # past the end: no write
+        # "full_blocks": only a block this step fills is written; a partial one stays in the stores' tails
+        due = (p + 1) % BLOCK_TOKENS == 0 if self.placement.index_writes == "full_blocks" else True
 
         def store(old: PlaneStore | None, part: str):
             if old is None:
                 return None
             words, scale, tail = update.blocks[part]
-            return PlaneStore(planes=write(old.planes, words, block * WORDS_PER_BLOCK, 4),
-                              scales=write(old.scales, scale[..., None], block, 3),
-                              tail=tail, length=lengths, rotation=old.rotation)
+            planes, scales = _write_block(write, old, words, scale, p // BLOCK_TOKENS, due)
+            return PlaneStore(planes=planes, scales=scales, tail=tail, length=lengths, rotation=old.rotation)
 
         index = cache.index
         landmarks, landmark_tail = index.landmarks, index.landmark_tail
@@ -354,7 +352,6 @@ class SparseAttention:
         index = KeyIndex(length=lengths, raw=store(index.raw, "raw"), klt=store(index.klt, "klt"),
                          loki=store(index.loki, "loki"), landmarks=landmarks, landmark_tail=landmark_tail)
         return SparseCache(kv=kv, index=index, length=cache.length + 1, writes=_tokens(tokens, cache.writes))
-
 
     def flush(self, cache: SparseCache) -> SparseCache:
         """The cache with every layer's partial newest plane block written into the stores (from their raw tails).
@@ -370,19 +367,26 @@ class SparseAttention:
     def _flush_groups(self, cache, length):
         write, tokens = self._writer()
         count = length % BLOCK_TOKENS
-        block = jnp.where(count > 0, length // BLOCK_TOKENS, cache.capacity // BLOCK_TOKENS)  # none partial: no write
         pack = jax.vmap(jax.vmap(store_lib.pack_block), in_axes=(0, None))  # over layers, then groups
 
         def store(old: PlaneStore | None):
             if old is None:
                 return None
             words, scale = pack(old.tail, count)
-            return dataclasses.replace(old, planes=write(old.planes, words, block * WORDS_PER_BLOCK, 4),
-                                       scales=write(old.scales, scale[..., None], block, 3))
+            planes, scales = _write_block(write, old, words, scale, length // BLOCK_TOKENS, count > 0)
+            return dataclasses.replace(old, planes=planes, scales=scales)
 
         index = cache.index
         index = dataclasses.replace(index, raw=store(index.raw), klt=store(index.klt), loki=store(index.loki))
         return dataclasses.replace(cache, index=index, writes=_tokens(tokens, cache.writes))
+
+
+def _write_block(write, store: PlaneStore, words, scale, block, due):
+    """``store``'s planes and scales with each group's 64-token block number ``block [R]`` written where ``due``
+    (words ``[L, R, D, 4, 2]``, scales ``[L, R, D]``); elsewhere the block index is past the end and the
+    writes drop out."""
+    block = jnp.where(due, block, store.scales.shape[-1])
+    return write(store.planes, words, block * WORDS_PER_BLOCK, 4), write(store.scales, scale[..., None], block, 3)
 
 
 def _tokens(tokens, previous):

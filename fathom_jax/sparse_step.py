@@ -156,7 +156,7 @@ def _step_groups(method, group_start, size, q, index, length, calib, new, kv_cac
     idx, mask = select_topk(scores, length, k, sink=sink, local=local, implementation=implementation)
     union, union_mask, member = group_union(idx, mask)
     slots = jnp.where(union_mask, union, -1)
-    rows, _, _ = row_fetch(kv_cache, None, slots, layer=kv_layer, group_start=group_start if layer is not None else 0,
+    rows, _, _ = row_fetch(kv_cache, None, slots, layer=kv_layer, group_start=group_start,
                            implementation=implementation)  # one run per token
     k_rows, v_rows = split_kv(rows)
     if new is not None:

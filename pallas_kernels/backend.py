@@ -109,6 +109,9 @@ def request_groups(store_batch: tuple, request_batch: tuple, layer, group_start,
         if group_start:
             raise ValueError(f"{name}: group_start={group_start} needs a stacked [L, R, ...] store read at a layer")
         return tuple(store_batch)
+    if len(store_batch) != 1:
+        raise ValueError(f"{name}: with a layer index the store must be [L, R, ...] (one group axis), got groups "
+                         f"{tuple(store_batch)}")
     (groups,) = store_batch
     if len(request_batch) != 1 or not 1 <= request_batch[0] <= groups - group_start:
         raise ValueError(f"{name}: the per-group operands must be [Rc, ...] with 1 <= Rc <= {groups - group_start} "

@@ -77,6 +77,9 @@ def test_run_gather_lowers_to_triton_and_validates():
     stacked = (z((3, 2, D, 4, 20), jnp.uint32), z((3, 2, D, 10), jnp.float16))
     with pytest.raises(ValueError, match=r"1 <= Rc <= 1 \(groups 1\.\. of the store's 2\)"):
         RG.run_gather(*stacked, z((2, 5), jnp.int32), z((2, 5), jnp.int32), layer=0, group_start=1)
+    with pytest.raises(ValueError, match="one group axis"):
+        RG.run_gather(z((3, 2, 2, D, 4, 20), jnp.uint32), z((3, 2, 2, D, 10), jnp.float16), z((2, 2, 5), jnp.int32),
+                      z((2, 2, 5), jnp.int32), layer=0)
     with pytest.raises(ValueError, match="group_start=1 needs a stacked"):
         RG.run_gather(*(a[0] for a in stacked), z((2, 5), jnp.int32), z((2, 5), jnp.int32), group_start=1)
     with pytest.raises(ValueError, match="group_start must be an int >= 0"):
