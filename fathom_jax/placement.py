@@ -4,6 +4,7 @@
     Placement("pinned_host")             # index planes/scales, landmarks and K/V rows in host memory
     Placement("pinned_host", mesh=mesh)  # ... sharded over the local GPUs on the group axis
     Placement("pinned_host", streams=2)  # ... each device's groups in two halves on two GPU streams
+    Placement("pinned_host", pipeline=8) # ... each layer's groups in 8 chunks, transfers chained
 
 A cache is a pytree whose *bulk* leaves (the fields named in :data:`BULK_FIELDS`: bit planes, block
 scales, landmarks, stored keys, K/V rows) grow with the context; everything else (raw tails, lengths,
@@ -24,6 +25,14 @@ kernels of one layer are serial within a chunk, so streams are how one chunk's p
 another's scan, selection and row fetch. On the H200 it has not paid so far (``results/streams_h200.md``:
 XLA's command buffers put every kernel on one stream; without them the chunks overlap but contend for SMs).
 Elsewhere the chunks run one after the other (same results).
+
+With ``pipeline > 1`` each layer's groups are split into that many chunks in one stream of work: the plan
+covers every group, then chunk ``i + 1``'s plane transfer (the run gather) is ordered after chunk ``i``'s and
+depends on nothing else, so a runtime that runs independent kernels concurrently moves the next chunk's
+planes over the link while this chunk is scanned, selected and its rows fetched. The programs of such a
+placement ask XLA for exactly that (:attr:`Placement.compiler_options`: CUDA-graph nodes scheduled by
+their data dependencies alone), and the gather runs as ``gather_programs`` persistent programs so that it
+leaves SMs to the kernels beside it.
 """
 
 from __future__ import annotations
@@ -87,7 +96,10 @@ class Placement:
     ``"full_blocks"`` (only the step that fills a block writes it: the partial block lives in device memory as
     the stores' raw ``tail``, from which every step scores it anyway; :meth:`SparseAttention.flush
     <fathom_jax.decode.SparseAttention.flush>` writes it on demand). In host memory each block write is 4 x D
-    scattered 8-byte words per group and layer, ~5.5 ms of a 1M-token step on the H200."""
+    scattered 8-byte words per group and layer, ~5.5 ms of a 1M-token step on the H200.
+
+    ``pipeline``: chunks per layer whose plane transfers are chained (module docstring; 1: no chunks);
+    ``gather_programs``: persistent programs of the run gather (0: one program per copied chunk of a run)."""
 
     memory: Memory = "device"
     mesh: jax.sharding.Mesh | None = None
@@ -95,6 +107,8 @@ class Placement:
     read: ReadMode = "staged"
     streams: int = 1
     index_writes: IndexWrites = "every_step"
+    pipeline: int = 1
+    gather_programs: int = 0
 
     def __post_init__(self):
         if self.memory not in MEMORIES:
@@ -103,8 +117,16 @@ class Placement:
             raise ValueError(f"placement read must be 'direct' or 'staged', got {self.read!r}")
         if self.index_writes not in get_args(IndexWrites):
             raise ValueError(f"placement index_writes must be one of {get_args(IndexWrites)}, got {self.index_writes!r}")
-        if not isinstance(self.streams, int) or isinstance(self.streams, bool) or self.streams < 1:
-            raise ValueError(f"placement streams must be an int >= 1, got {self.streams!r}")
+        for name in ("streams", "pipeline"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"placement {name} must be an int >= 1, got {value!r}")
+        if self.streams > 1 and self.pipeline > 1:
+            raise ValueError(f"placement streams={self.streams} and pipeline={self.pipeline}: choose one way to split "
+                             "a layer's groups")
+        if not isinstance(self.gather_programs, int) or isinstance(self.gather_programs, bool) or self.gather_programs < 0:
+            raise ValueError(f"placement gather_programs must be an int >= 0 (0: one program per copied chunk), "
+                             f"got {self.gather_programs!r}")
         if self.mesh is not None:
             if self.axis is None:
                 object.__setattr__(self, "axis", self.mesh.axis_names[0])
@@ -167,11 +189,24 @@ class Placement:
                 f"the mesh axis {self.axis!r} has {self.num_shards} devices but there are {groups} groups "
                 f"(batch x KV heads); use a batch that makes batch x KV heads a multiple of {self.num_shards}"
             )
-        if (groups // self.num_shards) % self.streams:
-            raise ValueError(
-                f"placement streams={self.streams} must divide the {groups // self.num_shards} groups (batch x KV "
-                f"heads) of each device; use a divisor of it"
-            )
+        for name in ("streams", "pipeline"):
+            if (groups // self.num_shards) % getattr(self, name):
+                raise ValueError(
+                    f"placement {name}={getattr(self, name)} must divide the {groups // self.num_shards} groups "
+                    f"(batch x KV heads) of each device; use a divisor of it"
+                )
+
+    @property
+    def compiler_options(self) -> dict[str, str]:
+        """XLA options for the programs that run a step with this placement (``jax.jit(compiler_options=)``).
+
+        A pipelined step needs the GPU to run a chunk's transfer beside the previous chunk's kernels. XLA
+        launches a program's kernels as CUDA graphs whose default ("LHS") edges follow its sequential
+        schedule; "CONCURRENT" keeps only the data dependencies (and assigns buffers so that concurrent
+        kernels never share one)."""
+        if self.pipeline > 1 and self.offloaded:
+            return {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+        return {}
 
     # -- running per-group work on several GPU streams ---------------------------------------
     def per_stream(self, fn, groups: int, args: tuple, shared: tuple = ()):

@@ -29,7 +29,7 @@ from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, Read, Scan
 from fathom_jax.placement import Placement
 from pallas_kernels import backend
 from pallas_kernels.plane_scan import active_channels, plane_scan
-from pallas_kernels.run_gather import run_gather
+from pallas_kernels.run_gather import RunGatherConfig, run_gather
 
 _DEVICE = Placement()
 
@@ -82,7 +82,9 @@ def check_scan_inputs(method: ScanMethod, q, index: KeyIndex, calib: Calibration
     return q.astype(jnp.float32)
 
 
-def _plane_scores(read: PlaneRead, store, length, layer, group_start, placement: Placement, implementation) -> jax.Array:
+def _plane_scores(read: PlaneRead, store, length, layer, group_start, placement: Placement, implementation,
+                  after=None) -> tuple[jax.Array, jax.Array | None]:
+    """Scores of a plane read, and the staged planes (None where nothing was staged)."""
     if implementation == "xla":
         if layer is not None:
             # A stacked cache (the decode step): read this layer's planes channel-major and contract over
@@ -92,22 +94,24 @@ def _plane_scores(read: PlaneRead, store, length, layer, group_start, placement:
             store = dataclasses.replace(store, planes=store.planes[layer, groups], scales=store.scales[layer, groups],
                                         length=length)
             return jnp.einsum("...gd,...dn->...gn", read.queries, store_lib.dequantize_channels(store, read.depths),
-                              precision=jax.lax.Precision.HIGHEST)
+                              precision=jax.lax.Precision.HIGHEST), None
         store = dataclasses.replace(store, length=length)
-        return dot(read.queries, store_lib.dequantize(store, read.depths))
+        return dot(read.queries, store_lib.dequantize(store, read.depths)), None
     if isinstance(store, store_lib.UnpackedStore):
         raise ValueError("an unpacked store (fathom_jax.store.UnpackedStore) is read by the 'xla' scan only; "
                          "the Pallas kernels read packed planes")
     channels, depths = active_channels(read.depths, read.max_active or None)
     if placement.offloaded and placement.read == "staged":
+        config = RunGatherConfig(programs=placement.gather_programs)
         staged_planes, staged_scales = run_gather(store.planes, store.scales, channels, depths, layer=layer,
-                                                  group_start=group_start, implementation=implementation)
+                                                  group_start=group_start, after=after, config=config,
+                                                  implementation=implementation)
         queries = jnp.take_along_axis(read.queries, channels[..., None, :], axis=-1)
         slots = jnp.broadcast_to(jnp.arange(channels.shape[-1], dtype=jnp.int32), channels.shape)
         return plane_scan(queries, staged_planes, staged_scales, length, slots, depths, assume_sorted=True,
-                          implementation=implementation)
+                          implementation=implementation), staged_planes
     return plane_scan(read.queries, store.planes, store.scales, length, channels, depths, layer=layer,
-                      group_start=group_start, assume_sorted=True, implementation=implementation)
+                      group_start=group_start, assume_sorted=True, implementation=implementation), None
 
 
 def execute(
@@ -126,16 +130,25 @@ def execute(
     small leaves are already this layer's, for groups ``group_start ..`` of it) and ``length`` is the
     number of valid tokens; positions past it are not masked here (:func:`mask_invalid`).
     """
+    return execute_chained(read, index, length, layer=layer, group_start=group_start, placement=placement,
+                           implementation=implementation)[0]
+
+
+def execute_chained(read: Read, index: KeyIndex, length, *, layer=None, group_start: int = 0,
+                    placement: Placement = _DEVICE, implementation: backend.Implementation = "xla", after=None):
+    """:func:`execute`, with a staged plane transfer ordered after ``after`` (arrays, never read); returns
+    ``(scores, staged)``: what the next transfer of a chain waits for (None where nothing was staged)."""
     if isinstance(read, PlaneRead):
-        scores = _plane_scores(read, getattr(index, read.part), length, layer, group_start, placement, implementation)
-        return scores if read.shift is None else scores + read.shift[..., None]
+        scores, staged = _plane_scores(read, getattr(index, read.part), length, layer, group_start, placement,
+                                       implementation, after)
+        return (scores if read.shift is None else scores + read.shift[..., None]), staged
     groups = None if layer is None else (group_start, length.shape[0])  # a stacked cache's window of groups
     if isinstance(read, LandmarkRead):
         landmarks = placement.stage(index.landmarks, layer, implementation, groups=groups)
-        return jnp.repeat(dot(read.queries, landmarks.astype(jnp.float32)), LANDMARK_TOKENS, axis=-1)
+        return jnp.repeat(dot(read.queries, landmarks.astype(jnp.float32)), LANDMARK_TOKENS, axis=-1), None
     if isinstance(read, KeyRead):
         keys = placement.stage(index.keys, layer, implementation, groups=groups)
-        return dot(read.queries, keys.astype(jnp.float32))
+        return dot(read.queries, keys.astype(jnp.float32)), None
     raise TypeError(f"unknown read {type(read).__name__}")
 
 

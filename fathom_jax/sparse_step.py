@@ -33,7 +33,7 @@ from fathom_jax.calibrate import Calibration
 from fathom_jax.format import BLOCK_TOKENS, LANDMARK_TOKENS
 from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, ScanMethod
-from fathom_jax.placement import Placement
+from fathom_jax.placement import Placement, is_bulk
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk
 from fathom_jax.sparse_cache import key_columns, split_kv
 from pallas_kernels import backend
@@ -117,16 +117,36 @@ def sparse_attention_step(
     ``layer``) is the layer of the K/V cache to read (0 for a row buffer shared by every layer).
 
     With a stacked cache and ``placement.streams > 1`` the groups are split into that many chunks, each
-    stepped on its own GPU stream (:meth:`fathom_jax.placement.Placement.per_stream`); every group's result
-    is the same as in one chunk.
+    stepped on its own GPU stream (:meth:`fathom_jax.placement.Placement.per_stream`); with
+    ``placement.pipeline > 1`` into that many chunks whose plane transfers are chained (:func:`_pipelined`).
+    Either way every group's result is the same as in one chunk.
     """
     kv_layer = layer if kv_layer is None else kv_layer
-    step = functools.partial(_step_groups, method, k=k, sink=sink, local=local, placement=placement,
-                             implementation=implementation)
+    kw = dict(k=k, sink=sink, local=local, placement=placement, implementation=implementation)
     groups = q.shape[0]
+    if layer is not None and placement.pipeline > 1:
+        return _pipelined(method, q, index, length, calib, new, kv_cache, layer, kv_layer, **kw)
+    step = functools.partial(_step_groups, method, **kw)
     if layer is None or placement.streams == 1:
         return step(0, groups, q, index, length, calib, new, kv_cache, layer, kv_layer)
     outs = placement.per_stream(step, groups, (q, index, length, calib, new), (kv_cache, layer, kv_layer))
+    return tuple(jnp.concatenate(parts) for parts in zip(*outs))
+
+
+def _pipelined(method, q, index, length, calib, new, kv_cache, layer, kv_layer, *, placement, **kw):
+    """The step in ``placement.pipeline`` chunks of groups: one plan for all, then per chunk the rest, each
+    chunk's plane transfer ordered after the previous chunk's (and after nothing else), so that it can run
+    beside the previous chunk's scan, selection, row fetch and attention (see :mod:`fathom_jax.placement`)."""
+    q = q.astype(jnp.float32)
+    read = method.read(q, index, calib, implementation=kw["implementation"])
+    groups = q.shape[0]
+    size = groups // placement.pipeline
+    outs, staged = [], None
+    for start in range(0, groups, size):
+        cut = lambda path, x, start=start: x if is_bulk(path) else x[start:start + size]  # noqa: E731
+        chunk = [jax.tree_util.tree_map_with_path(cut, a) for a in (read, q, index, length, new)]
+        out, staged = _attend_read(*chunk, start, kv_cache, layer, kv_layer, placement=placement, after=staged, **kw)
+        outs.append(out)
     return tuple(jnp.concatenate(parts) for parts in zip(*outs))
 
 
@@ -134,21 +154,32 @@ def _step_groups(method, group_start, size, q, index, length, calib, new, kv_cac
                  local, placement, implementation):
     """The step for groups ``group_start .. group_start + size - 1`` of the stacked cache (all of them when
     unstacked): per-group arguments hold those groups only, the bulk arrays all of them."""
-    groups = (group_start, size)
     q = q.astype(jnp.float32)
     read = method.read(q, index, calib, implementation=implementation)  # a key read plans nothing from the keys themselves
+    out, _ = _attend_read(read, q, index, length, new, group_start, kv_cache, layer, kv_layer, k=k, sink=sink,
+                          local=local, placement=placement, implementation=implementation)
+    return out
+
+
+def _attend_read(read, q, index, length, new, group_start, kv_cache, layer, kv_layer, *, k, sink, local, placement,
+                 implementation, after=None):
+    """Execute ``read`` for groups ``group_start ..`` (their per-group arguments), select, fetch and attend;
+    returns ``((out, bits), staged)``, ``staged`` being the staged planes a chained transfer waits for (None
+    where nothing was staged); the plane transfer itself waits for ``after``."""
+    groups = (group_start, q.shape[0])
+    staged = None
     if isinstance(read, KeyRead) and read.dense:
         keys, values = split_kv(placement.stage(kv_cache, kv_layer, implementation, groups=groups))
         if new is not None:
             keys, values = _put_row(keys, new.key, new.position), _put_row(values, new.value, new.position)
         mask = jnp.arange(keys.shape[-2]) < length[:, None, None]
-        return attend(q, keys, values, jnp.broadcast_to(mask, q.shape[:-1] + keys.shape[-2:-1])), read.bits
+        return (attend(q, keys, values, jnp.broadcast_to(mask, q.shape[:-1] + keys.shape[-2:-1])), read.bits), None
     if isinstance(read, KeyRead):  # the oracle scores the cache's keys: the first half of each row, staged
         keys = placement.stage(kv_cache, kv_layer, implementation, columns=key_columns(kv_cache), groups=groups)
         scores = scan_lib.execute(read, dataclasses.replace(index, keys=keys), length, implementation=implementation)
     else:
-        scores = scan_lib.execute(read, index, length, layer=layer, group_start=group_start, placement=placement,
-                                  implementation=implementation)
+        scores, staged = scan_lib.execute_chained(read, index, length, layer=layer, group_start=group_start,
+                                                  placement=placement, implementation=implementation, after=after)
     if new is not None:
         scores = patch_scores(scores, read, new)
     # No masking pass over the scores: both selections take positions >= length as invalid (the pass cost
@@ -162,4 +193,4 @@ def _step_groups(method, group_start, size, q, index, length, calib, new, kv_cac
     if new is not None:
         k_rows = _patch_rows(k_rows, slots, new.key, new.position)
         v_rows = _patch_rows(v_rows, slots, new.value, new.position)
-    return attend(q, k_rows, v_rows, member), read.bits
+    return (attend(q, k_rows, v_rows, member), read.bits), staged

@@ -9,10 +9,19 @@ list ``channels [R, C]`` / ``depths [R, C]`` (one slot per channel; slot ``c`` r
     staged_scales  f16 [R, C, NB]     slot c: scales[channels[c]] if t_c > 0 else 0
 
 inside ``jit`` with no host sync. Each (slot, plane) is one contiguous run of ``W`` words in the
-channel-major store; one program copies ``chunk`` words of all four planes of a slot (loads of planes
+channel-major store; one work item copies ``chunk`` words of all four planes of a slot (loads of planes
 past ``t`` are masked off, so they move no bytes). The staged buffer is the input of the plane scan
 with the identity channel list: ``plane_scan(q_staged, staged_planes, staged_scales, length,
 iota(C), depths)`` with ``q_staged = q[..., channels]``.
+
+Two grids (``RunGatherConfig.programs``): one program per work item (0, the default: ~16k programs per
+layer at 1M tokens, which fill every SM while they wait on the link), or a fixed number of persistent
+programs that loop over the items with all four planes' loads in flight at once, which leaves the other
+SMs to kernels running concurrently (the pipelined step, ``Placement(pipeline=N)``).
+
+``after`` (optional arrays, never read) orders the gather after the kernels that produced them: the
+pipelined step chains each chunk's gather to the previous chunk's staged buffer, so the transfers run one
+after another while the scans, selections and row fetches of earlier chunks run beside them.
 """
 
 from __future__ import annotations
@@ -34,18 +43,22 @@ KERNEL_NAME = "run_gather"
 
 @dataclasses.dataclass(frozen=True)
 class RunGatherConfig:
-    """``chunk``: words of each plane run copied per program (a power of two); ``num_warps``: Triton warps.
+    """``chunk``: words of each plane run copied per work item (a power of two); ``num_warps``: Triton warps;
+    ``programs``: 0 for one program per work item, else that many persistent programs looping over them.
 
     H200: 45-50 GB/s from pinned_host for runs of 8 KiB and more with chunk 2048, 4 warps
     (results/kernels_h200.md)."""
 
     chunk: int = 2048
     num_warps: int = 4
+    programs: int = 0
 
     def __post_init__(self):
         B.check_pow2("chunk", self.chunk)
         if self.chunk < 2:
             raise ValueError("chunk must be >= 2 words")
+        if not isinstance(self.programs, int) or self.programs < 0:
+            raise ValueError(f"programs must be an int >= 0 (0: one program per work item), got {self.programs!r}")
 
 
 def _validate(planes, scales, channels, depths, layer, group_start=0):
@@ -88,6 +101,26 @@ def run_gather_reference(planes, scales, channels, depths, *, layer=None, group_
     return staged_planes, staged_scales
 
 
+def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int):
+    """Copy work item (slot ``c`` of group ``r``, words ``i * chunk ..``) of all four planes and its scales;
+    every load is issued before the first store, so the four planes' bytes are in flight together."""
+    ch_ref, dep_ref, layer_ref, planes_ref, scales_ref, out_planes_ref, out_scales_ref = refs
+    layer, src = layer_ref[0], r + group_start
+    j = ch_ref[r, c]
+    t = dep_ref[r, c]
+    w0 = i * chunk
+    wmask = (w0 + jnp.arange(chunk, dtype=jnp.int32) < width) & valid
+    data = [plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), pl.ds(w0, chunk)], mask=wmask & (p < t), other=0)
+            for p in range(N_PLANES)]
+    half = chunk // 2
+    s0 = i * half
+    smask = (s0 + jnp.arange(half, dtype=jnp.int32) < width // 2) & valid
+    sc = plgpu.load(scales_ref.at[layer, src, j, pl.ds(s0, half)], mask=smask & (t > 0), other=0)
+    for p in range(N_PLANES):
+        plgpu.store(out_planes_ref.at[r, c, jnp.int32(p), pl.ds(w0, chunk)], data[p], mask=wmask)
+    plgpu.store(out_scales_ref.at[r, c, pl.ds(s0, half)], sc, mask=smask)
+
+
 def _run_gather_kernel(
     # inputs
     ch_ref,  # i32 [Rc, C]
@@ -95,49 +128,55 @@ def _run_gather_kernel(
     layer_ref,  # i32 [1]
     planes_ref,  # u32 [L, R, D, 4, W]   (any memory space: HBM or pinned host); groups group_start.. are read
     scales_ref,  # f16 [L, R, D, NB]
-    # outputs
-    out_planes_ref,  # u32 [Rc, C, 4, W]
-    out_scales_ref,  # f16 [Rc, C, NB]
-    *,
+    *rest,  # the `after` operands (never read), then the outputs:
+    # out_planes_ref  u32 [Rc, C, 4, W]
+    # out_scales_ref  f16 [Rc, C, NB]
     chunk: int,
     width: int,
     group_start: int,
+    programs: int,
 ):
-    r, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer, src = layer_ref[0], r + group_start
-    j = ch_ref[r, c]
-    t = dep_ref[r, c]
-    w0 = i * chunk
-    wmask = w0 + jnp.arange(chunk, dtype=jnp.int32) < width
-    for p in range(N_PLANES):
-        data = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), pl.ds(w0, chunk)], mask=wmask & (p < t), other=0)
-        plgpu.store(out_planes_ref.at[r, c, jnp.int32(p), pl.ds(w0, chunk)], data, mask=wmask)
-    half = chunk // 2
-    s0 = i * half
-    smask = s0 + jnp.arange(half, dtype=jnp.int32) < width // 2
-    sc = plgpu.load(scales_ref.at[layer, src, j, pl.ds(s0, half)], mask=smask & (t > 0), other=0)
-    plgpu.store(out_scales_ref.at[r, c, pl.ds(s0, half)], sc, mask=smask)
+    refs = (ch_ref, dep_ref, layer_ref, planes_ref, scales_ref, *rest[-2:])
+    copy = functools.partial(_copy_item, refs, chunk=chunk, width=width, group_start=group_start)
+    if not programs:
+        copy(pl.program_id(0), pl.program_id(1), pl.program_id(2), True)
+        return
+    groups, slots = ch_ref.shape
+    per_slot = pl.cdiv(width, chunk)
+    items = groups * slots * per_slot
+    pid = pl.program_id(0)
+
+    def body(step, carry):
+        item = pid + step * programs  # neighbouring programs copy neighbouring chunks of a run
+        valid = item < items
+        item = jnp.minimum(item, items - 1)
+        copy(item // (slots * per_slot), item // per_slot % slots, item % per_slot, valid)
+        return carry
+
+    jax.lax.fori_loop(0, pl.cdiv(items, programs), body, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "group_start"))
-def _run_gather_pallas(planes, scales, channels, depths, layer, *, config, interpret, group_start):
+def _run_gather_pallas(planes, scales, channels, depths, layer, after, *, config, interpret, group_start):
     w = planes.shape[-1]
     r, c = channels.shape
     chunk = min(config.chunk, pl.next_power_of_2(w))
-    kernel = functools.partial(_run_gather_kernel, chunk=chunk, width=w, group_start=group_start)
+    items = (r, c, pl.cdiv(w, chunk))
+    programs = min(config.programs, B.prod(items))
+    kernel = functools.partial(_run_gather_kernel, chunk=chunk, width=w, group_start=group_start, programs=programs)
     out_planes, out_scales = pl.pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((r, c, N_PLANES, w), jnp.uint32),
             jax.ShapeDtypeStruct((r, c, w // 2), scales.dtype),
         ),
-        grid=(r, c, pl.cdiv(w, chunk)),
-        in_specs=[B.any_spec()] * 5,
+        grid=(programs,) if programs else items,
+        in_specs=[B.any_spec()] * (5 + len(after)),
         out_specs=(B.any_spec(), B.any_spec()),
         interpret=interpret,
         name=KERNEL_NAME,
         compiler_params=B.compiler_params(config.num_warps),
-    )(channels, depths, layer, planes, scales)
+    )(channels, depths, layer, planes, scales, *after)
     return out_planes, out_scales
 
 
@@ -149,6 +188,7 @@ def run_gather(
     *,
     layer=None,
     group_start: int = 0,
+    after=None,
     implementation: B.Implementation | None = None,
     config: RunGatherConfig | None = None,
     interpret: bool | None = None,
@@ -156,7 +196,8 @@ def run_gather(
     """Staged ``(planes u32 [*, C, 4, W], scales [*, C, NB])`` of the run list (see the module docstring).
 
     With ``layer``, run lists ``[Rc, C]`` read groups ``group_start .. group_start + Rc - 1`` of the stacked
-    store (static; see :func:`pallas_kernels.backend.request_groups`).
+    store (static; see :func:`pallas_kernels.backend.request_groups`). ``after``: a pytree of arrays the
+    kernel waits for and never reads (ignored by the reference, which has no kernels to order).
     """
     implementation = B.resolve_implementation(implementation)
     _validate(planes, scales, channels, depths, layer, group_start)
@@ -167,7 +208,8 @@ def run_gather(
     planes, layer_arr = B.layered(planes, layer, 3, "planes")
     scales, _ = B.layered(scales, layer, 2, "scales")
     r, c = B.prod(batch), channels.shape[-1]
-    sp, ss = _run_gather_pallas(planes, scales, channels.reshape(r, c), depths.reshape(r, c), layer_arr,
+    after = tuple(jax.tree.leaves(after))
+    sp, ss = _run_gather_pallas(planes, scales, channels.reshape(r, c), depths.reshape(r, c), layer_arr, after,
                                 config=config or RunGatherConfig(), interpret=B.resolve_interpret(interpret),
                                 group_start=group_start)
     return sp.reshape(*batch, *sp.shape[1:]), ss.reshape(*batch, *ss.shape[1:])

@@ -207,6 +207,40 @@ def link_rate(run) -> float:
     return float(np.mean(rates)) if rates else float("nan")
 
 
+SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0}
+
+
+def split_fields(placement: Placement) -> dict:
+    """The placement options a row varies (the columns of the report)."""
+    return {name: getattr(placement, name) for name in SPLIT_DEFAULTS}
+
+
+def variant_tag(split: dict) -> str:
+    return f"s{split['streams']}_{split['index_writes']}_p{split['pipeline']}_g{split['gather_programs']}"
+
+
+def split_text(r: dict) -> str:
+    """How a row's layer was split: ``""`` (one chunk), ``streams 2``, ``pipeline 8 (gather 132)``."""
+    if r.get("streams", 1) > 1:
+        return f"streams {r['streams']}"
+    if r.get("pipeline", 1) > 1:
+        programs = r.get("gather_programs", 0)
+        return f"pipeline {r['pipeline']}" + (f" (gather {programs})" if programs else "")
+    return f"gather {r['gather_programs']}" if r.get("gather_programs") else ""
+
+
+def parse_variants(streams: str, index_writes: str, pipeline: str) -> list[dict]:
+    """Every combination of ``--streams``, ``--index-writes`` and ``--pipeline`` (entries ``N`` or ``N/P``:
+    N chunks, P persistent gather programs), without streams and pipeline together."""
+    pipes = []
+    for item in pipeline.split(","):
+        n, _, programs = item.partition("/")
+        pipes.append((int(n), int(programs or 0)))
+    return [dict(streams=s, index_writes=w, pipeline=n, gather_programs=g)
+            for s in (int(x) for x in streams.split(",")) for w in index_writes.split(",") for n, g in pipes
+            if s == 1 or n == 1]
+
+
 def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, placement=None, tag=""):
     """Attention-only steps of several methods over one synthetic cache (all plane methods share it)."""
     args = run.args
@@ -221,13 +255,13 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
     # each row (a cache sized for 64 more tokens filled up after three rows, and later rows' writes fell outside
     # it: before 2026-11-30 (run o5) rows after the first ~64 steps read a full cache).
     start = jax.tree.map(jnp.copy, Placement.detach_bulk(cache))
-    variants = [(s, w) for s in args.streams for w in args.index_writes] if placement.offloaded else [(1, "every_step")]
-    for label, (streams, writes) in ((m, v) for m in labels for v in variants):
+    variants = args.variants if placement.offloaded else [{}]
+    for label, variant in ((m, v) for m in labels for v in variants):
         if run.left() < 30:
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
             break
-        attn = hook(METHODS[label], cfg, calib, args.k,
-                    dataclasses.replace(placement, streams=streams, index_writes=writes), args.implementation)
+        attn = hook(METHODS[label], cfg, calib, args.k, dataclasses.replace(placement, **variant), args.implementation)
+        split = split_fields(attn.placement)
         cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
 
         def call(state, attn=attn):
@@ -244,7 +278,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         cache = state[1]
         profile = None
         if "attnprofile" in args.sections:
-            trace = os.path.join(args.out, "traces", f"attn_{context}_{label.split()[0]}_{batch}_{placement.memory}_s{streams}_{writes}")
+            trace = os.path.join(args.out, "traces", f"attn_{context}_{label.split()[0]}_{batch}_{placement.memory}_{variant_tag(split)}")
             try:
                 profile, state = harness.profile_breakdown(call, state, trace)
                 cache = state[1]
@@ -255,7 +289,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         if not placement.offloaded:  # the HBM control: no link traffic
             floor_ms = float("nan")
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
-                 "mesh": placement.num_shards, "streams": streams, "index_writes": writes, "shared_kv": shared,
+                 "mesh": placement.num_shards, **split, "shared_kv": shared,
                  "fill_s": fill_s,
                  "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],
@@ -292,9 +326,9 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
     start = jax.tree.map(jnp.copy, Placement.detach_bulk(cache))  # every row from `context` tokens (see attention_rows)
     tokens = jnp.zeros((batch,), jnp.int32)
-    for label, streams, writes in ((m, s, w) for m in labels for s in args.streams for w in args.index_writes):
-        attn = hook(METHODS[label], cfg, calib, args.k,
-                    dataclasses.replace(placement, streams=streams, index_writes=writes), args.implementation)
+    for label, variant in ((m, v) for m in labels for v in args.variants):
+        attn = hook(METHODS[label], cfg, calib, args.k, dataclasses.replace(placement, **variant), args.implementation)
+        split = split_fields(attn.placement)
         cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
 
         def call(state, attn=attn):
@@ -306,11 +340,11 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
         q, _, _ = random_step_inputs(cfg, batch)
         nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
         row = {"kind": "full", "method": label, "context": context, "batch": batch, "memory": placement.memory,
-               "mesh": placement.num_shards, "streams": streams, "index_writes": writes, "shared_kv": shared, **r,
+               "mesh": placement.num_shards, **split, "shared_kv": shared, **r,
                **nbytes,
                "tokens_per_s": batch / (r["median_ms"] * 1e-3)}
         if profile:
-            trace = os.path.join(args.out, "traces", f"full_{context}_{label.split()[0]}_{batch}_s{streams}_{writes}")
+            trace = os.path.join(args.out, "traces", f"full_{context}_{label.split()[0]}_{batch}_{variant_tag(split)}")
             try:
                 bd, state = harness.profile_breakdown(call, state, trace)
                 cache = state[1]
@@ -372,10 +406,10 @@ def merge(paths, out_prefix):
     # A later run of the same measurement (same kind, method, shapes, placement) supersedes an earlier one.
     latest: dict[tuple, dict] = {}
     for row in (x for p in parts for x in p.get("rows", [])):
-        row.setdefault("streams", 1)  # runs before GPU streams existed used one
-        row.setdefault("index_writes", "every_step")  # and wrote the newest plane block every step
+        for name, value in SPLIT_DEFAULTS.items():  # runs before an option existed ran its default
+            row.setdefault(name, value)
         key = tuple(str(row.get(f)) for f in ("kind", "method", "context", "batch", "memory", "read", "mesh",
-                                              "streams", "index_writes", "shared_kv", "tag"))
+                                              *SPLIT_DEFAULTS, "shared_kv", "tag"))
         if key not in latest or row["run_date"] >= latest[key]["run_date"]:
             latest[key] = row
     superseded = sum(len(p.get("rows", [])) for p in parts) - len(latest)
@@ -422,6 +456,9 @@ def main(argv=None):
     ap.add_argument("--streams", default="1", help="GPU streams per device to split the groups over (a list: one row each)")
     ap.add_argument("--index-writes", default="every_step",
                     help="every_step and/or full_blocks (a list: one row each): when steps write the newest plane block")
+    ap.add_argument("--pipeline", default="1",
+                    help="chunks per layer with chained plane transfers, N or N/P with P persistent gather programs "
+                         "(a list: one row each)")
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
@@ -435,8 +472,10 @@ def main(argv=None):
         args.full_contexts = sorted({max(args.contexts)} | ({131072} & set(args.contexts)), reverse=True)
     args.share_kv_from = None if args.share_kv_from in ("", "none") else parse_ctx(args.share_kv_from)
     args.sections = args.sections.split(",")
-    args.streams = [int(x) for x in str(args.streams).split(",")]
-    args.index_writes = args.index_writes.split(",")
+    try:
+        args.variants = parse_variants(str(args.streams), args.index_writes, args.pipeline)
+    except ValueError as e:
+        ap.error(f"--streams / --pipeline: {e}")
     labels = [m for m in args.methods.split(",") if m]
     unknown = [m for m in labels if m not in METHODS]
     if unknown:
@@ -537,11 +576,15 @@ def write_report(res: dict, prefix: str) -> None:
                   "`index writes`: `every_step` writes the newest plane block of every layer each step; `full_blocks` only "
                   "when it fills (once in 64 steps: its cost, the cache write's plane words in the profile, is then "
                   "spread over 64 steps and the median leaves it out).", "",
-                  "| method | context | batch | mesh | streams | index writes | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
+                  "`split`: a layer's groups on several GPU streams, or in pipelined chunks whose plane transfers are "
+                  "chained (the next chunk's transfer beside this chunk's scan, selection and row fetch), with the run "
+                  "gather as that many persistent programs.", "",
+                  "| method | context | batch | mesh | split | index writes | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
                   "link floor ms | fraction of link | authors' ms | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("read") or "", r.get("streams", 1),
+                                            r.get("pipeline", 1), r.get("gather_programs", 0),
                                             r.get("index_writes", "every_step"))):
-            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r.get('streams', 1)} | {r.get('index_writes', 'every_step')} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
+            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | {r.get('index_writes', 'every_step')} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
                          f"{r['bits_per_token']:.1f} | {r['scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
                          f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | "
                          f"{r['fraction_of_link']:.2f} | {r.get('authors_ms') or ''} | {str(r.get('run_date', ''))[:16]} |")
@@ -550,9 +593,12 @@ def write_report(res: dict, prefix: str) -> None:
     full = [r for r in rows if r["kind"] == "full"]
     if full:
         lines += ["## Full decode step (QKV, sparse attention, o_proj, MLP, lm_head)", "",
-                  "| method | context | batch | mesh | streams | ms | tokens/s | wall / device |", "|---|---|---|---|---|---|---|---|"]
-        for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"], r.get("streams", 1))):
-            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {r.get('streams', 1)} | {r['median_ms']:.2f} "
+                  "| method | context | batch | mesh | split | index writes | ms | tokens/s | wall / device |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"], r.get("streams", 1),
+                                             r.get("pipeline", 1), r.get("index_writes", "every_step"))):
+            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | "
+                         f"{r.get('index_writes', 'every_step')} | {r['median_ms']:.2f} "
                          f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['tokens_per_s']:.1f} | "
                          f"{r.get('wall_over_device', float('nan')):.2f} |")
         lines.append("")
@@ -560,7 +606,7 @@ def write_report(res: dict, prefix: str) -> None:
         if "profile" in r:
             p = r["profile"]
             what = "full step" if r["kind"] == "full" else f"attention-only step ({r['memory']})"
-            what += f", {r['streams']} GPU streams" if r.get("streams", 1) > 1 else ""
+            what += f", {split_text(r)}" if split_text(r) else ""
             what += ", plane blocks written when full" if r.get("index_writes") == "full_blocks" else ""
             lines += [f"Profile of the {what}, {r['method']} at {r['context']} (batch {r['batch']}): wall "
                       f"{p['wall_ms_per_step']:.1f} ms, device span {p['device_span_ms_per_step']:.1f} ms, busy "
@@ -595,16 +641,22 @@ def write_report(res: dict, prefix: str) -> None:
     colors = dict(zip(sorted({r["method"] for r in att}), plt.get_cmap("tab10").colors))
     default_read = res["config"].get("read")
     for label in sorted(colors):
-        for read, streams, writes, style in (("staged", 1, "every_step", "o-"), ("direct", 1, "every_step", "o--"),
-                                             ("staged", 2, "every_step", "s:"), ("staged", 4, "every_step", "^:"),
-                                             ("staged", 1, "full_blocks", "D-.")):
+        for read, streams, writes, pipelined, style in (
+                ("staged", 1, "every_step", False, "o-"), ("direct", 1, "every_step", False, "o--"),
+                ("staged", 2, "every_step", False, "s:"), ("staged", 4, "every_step", False, "^:"),
+                ("staged", 1, "full_blocks", False, "D-."), ("staged", 1, "full_blocks", True, "*-")):
             pts = sorted((r["context"], r["median_ms"]) for r in att if r["method"] == label and r["batch"] == 1
                          and r["memory"] == "pinned_host" and r.get("mesh", 1) == 1
                          and r.get("read", default_read) == read and r.get("streams", 1) == streams
-                         and r.get("index_writes", "every_step") == writes)
+                         and r.get("index_writes", "every_step") == writes and (r.get("pipeline", 1) > 1) == pipelined)
+            best = {}
+            for c, ms in pts:  # of several pipelined settings, the fastest at each context
+                best[c] = min(ms, best.get(c, ms))
+            pts = sorted(best.items())
             if pts:
                 extra = (f", {streams} streams" if streams > 1 else "") + (", blocks written when full"
                                                                            if writes == "full_blocks" else "")
+                extra += ", pipelined (best setting)" if pipelined else ""
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colors[label],
                         label=f"{label} ({read}{extra})")
         authors = sorted((c, v[label]) for c, v in AUTHORS_MS.items() if label in v)

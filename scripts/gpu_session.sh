@@ -44,6 +44,9 @@
 #                       GPU tests; three methods at 1M and 128k, both write modes, profiled (rows after the first
 #                       ~64 steps of a context read a full cache: the 32-channel rows' writes fell outside it)
 #   o6  (nvidia-h200)   o5's 1M rows of SparQ r=16 and the 32-channel scan again, each row from the same context
+#   p1  (nvidia-h200)   a layer in pipelined chunks (Placement(pipeline=N)): each chunk's plane transfer chained to the
+#                       previous one's and run beside its scan, selection and row fetch (CUDA graphs scheduled by data
+#                       dependencies), the run gather as persistent programs: GPU tests; Fathom 48 at 1M and 128k, profiled
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -269,6 +272,12 @@ o5)
   timeout 430 python3 scripts/bench_offload.py --tag h200_o5 --out $OUT --read staged \
     --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --index-writes every_step,full_blocks \
     --sections link,attn,attnprofile --contexts 1m,128k --share-kv-from 1m --time-budget 420 2>&1 | tee $OUT/bench_o5.log ;;
+p1)
+  timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests/pallas_kernels/test_run_gather.py \
+    tests/test_sparse_step.py tests/test_hlo.py 2>&1 | tee $OUT/gpu_tests_p1_h200.log
+  timeout 400 python3 scripts/bench_offload.py --tag h200_p1 --out $OUT --read staged --methods "Fathom 48" \
+    --index-writes full_blocks --pipeline 1,1/132,2/132,4/132,8/0,8/132,8/264 --sections link,attn,attnprofile \
+    --contexts 1m,128k --share-kv-from 1m --time-budget 390 2>&1 | tee $OUT/bench_p1.log ;;
 o6)
   timeout 200 python3 scripts/bench_offload.py --tag h200_o6 --out $OUT --read staged \
     --methods "32-channel (SparQ r=32),SparQ r=16" --index-writes every_step,full_blocks \

@@ -162,20 +162,21 @@ def test_small_k_equals_rebuild_per_step_reference(model, calib, dense_run, spec
 # Placements, read modes, implementations, ragged batches
 
 
-@pytest.mark.parametrize("spec,implementation,streams", [("fathom:16", "xla", 1), ("fathom:16", "pallas", 2)])
-def test_offloaded_placement_equals_device_placement(model, calib, spec, implementation, streams):
+@pytest.mark.parametrize("spec,implementation,split", [("fathom:16", "xla", {}),
+                                                       ("fathom:16", "pallas", dict(pipeline=2, gather_programs=3))])
+def test_offloaded_placement_equals_device_placement(model, calib, spec, implementation, split):
     """The offloaded layout (kernels staging and writing the cache; device memory on CPU) = device memory;
-    with the groups split over two streams too (each half read at its group offset) and plane blocks written
-    only once full."""
+    with the groups in two pipelined chunks too (each read at its group offset, the second chunk's transfer
+    chained to the first's, compiled with the pipeline's XLA options) and plane blocks written only once full."""
     common = dict(k=12, sink=2, local=4, calibration=calib, implementation=implementation)
     prompt, lengths = PROMPTS[1], np.array([24, 19])
     want = np.asarray(generate(model, prompt, 3, capacity=CAPACITY, lengths=lengths,
                                attention_fn=decode.from_spec(spec, **common)))
     # with the kernels, the staged read (run gather, then scan HBM) is the one the device path does not take
     read = "staged" if implementation == "pallas" else "direct"
-    writes = "full_blocks" if streams > 1 else "every_step"  # the steps never read a partial block from the store
-    host = decode.from_spec(spec, placement=decode.Placement("pinned_host", read=read, streams=streams,
-                                                             index_writes=writes), **common)
+    writes = "full_blocks" if split else "every_step"  # the steps never read a partial block from the store
+    host = decode.from_spec(spec, placement=decode.Placement("pinned_host", read=read, index_writes=writes, **split),
+                            **common)
     assert host.placement.note is not None  # the CPU has no pinned_host memory: it says so
     got = np.asarray(generate(model, prompt, 3, capacity=CAPACITY, lengths=lengths, attention_fn=host))
     np.testing.assert_array_equal(got, want)

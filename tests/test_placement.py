@@ -56,6 +56,26 @@ def test_zeros_are_zero_and_placed(memory):
     assert x.sharding.memory_kind == placement.memory_kind
 
 
+def test_pipeline_is_checked_and_asks_xla_for_concurrent_kernels():
+    for name, bad in (("pipeline", 0), ("pipeline", 2.0), ("pipeline", True)):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+            Placement("pinned_host", **{name: bad})
+    for bad in (-1, 1.5, False):
+        with pytest.raises(ValueError, match="gather_programs must be an int >= 0"):
+            Placement("pinned_host", gather_programs=bad)
+    with pytest.raises(ValueError, match="streams=2 and pipeline=4: choose one"):
+        Placement("pinned_host", streams=2, pipeline=4)
+    placement = Placement("pinned_host", pipeline=4, gather_programs=132)
+    with pytest.raises(ValueError, match="pipeline=4 must divide the 6 groups"):
+        placement.check_groups(6)
+    placement.check_groups(8)
+    assert placement.compiler_options == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert Placement("pinned_host").compiler_options == {} and Placement(pipeline=2).compiler_options == {}
+    import jax
+
+    jax.jit(lambda x: x + 1, compiler_options=placement.compiler_options)(jnp.ones(2))  # XLA knows the option
+
+
 def test_streams_are_checked_and_split_per_group_leaves_only():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="streams must be an int >= 1"):

@@ -103,34 +103,43 @@ def test_stacked_layers_and_newest_token_patch(setting, method, implementation):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("method,implementation", [(M.Fathom(20), "pallas"), (M.Landmark(), "xla"), (M.Exact(), "xla"),
-                                                   (M.Dense(), "xla")], ids=lambda x: getattr(x, "spec", x))
-def test_groups_split_over_streams_equal_one_stream(setting, method, implementation):
-    """With ``streams=3`` each group is stepped in its own chunk (its own GPU stream on a GPU; one after the
-    other here), reading the stacked cache at its group offset: every output equals the one-chunk step's. The
-    kernels read group windows (plane scan via the run gather, row fetch); landmarks, the oracle's keys and
-    dense attention stage them (the kernels' own group-window tests cover the other implementation)."""
+STREAMS, PIPELINE = dict(streams=3), dict(pipeline=3, gather_programs=5)
+
+
+@pytest.mark.parametrize("method,implementation,split", [
+    (M.Fathom(20), "pallas", STREAMS), (M.Landmark(), "xla", STREAMS), (M.Exact(), "xla", STREAMS),
+    (M.Dense(), "xla", STREAMS), (M.Fathom(20), "pallas", PIPELINE), (M.Exact(), "xla", PIPELINE)],
+    ids=lambda x: getattr(x, "spec", None) or ("pipeline" if x is PIPELINE else "streams" if x is STREAMS else x))
+def test_groups_split_into_chunks_equal_one_chunk(setting, method, implementation, split):
+    """With ``streams=3`` or ``pipeline=3`` each group is stepped in its own chunk (its own GPU stream, or
+    transfers chained to the previous chunk's; one after the other here), reading the stacked cache at its
+    group offset: every output equals the one-chunk step's. The kernels read group windows (plane scan via
+    the run gather, persistent programs in the pipeline, row fetch); landmarks, the oracle's keys and dense
+    attention stage them (the kernels' own group-window tests cover the other implementation)."""
     q, lengths, calib = setting[2], jnp.asarray(setting[3]), setting[4]
     view, kv_cache, new = stacked_setting(setting, method)
 
-    def step(streams):
+    def step(**kw):
         fn = jax.jit(lambda view, kv, new: sparse_attention_step(
             method, q, view, kv, lengths, calib, k=K, layer=jnp.int32(1), new=new,
-            placement=Placement("pinned_host", streams=streams), implementation=implementation))
+            placement=Placement("pinned_host", **kw), implementation=implementation))
         return fn(view, kv_cache, new)
 
-    (one, bits1), (three, bits3) = step(1), step(3)
+    (one, bits1), (three, bits3) = step(), step(**split)
     np.testing.assert_array_equal(np.asarray(three), np.asarray(one))
     np.testing.assert_array_equal(np.asarray(bits3), np.asarray(bits1))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("read,streams", [("direct", 1), ("staged", 1), ("staged", 2), ("staged", 4)])
-def test_pinned_host_step_equals_hbm_step_and_reference(read, streams):
+@pytest.mark.parametrize("read,split", [("direct", {}), ("staged", {}), ("staged", dict(streams=2)),
+                                        ("staged", dict(streams=4)), ("staged", dict(pipeline=4, gather_programs=64))],
+                         ids=["direct", "staged", "streams2", "streams4", "pipeline4"])
+def test_pinned_host_step_equals_hbm_step_and_reference(read, split):
     """On a GPU the index and K/V rows live in pinned_host memory and the kernels read them there. The host
     and HBM steps read the same bf16 cache (like with like: the store is built from the bf16 keys) and agree
-    exactly, also with the groups split over GPU streams; both match the per-head reference."""
+    exactly, also with the groups split over GPU streams or pipelined chunks (run concurrently under the
+    pipeline's compiler options); both match the per-head reference."""
     rng = np.random.default_rng(3)
     r, n = 8, 4096
     keys = jnp.asarray(rng.standard_normal((r, n, 128)) * np.exp(rng.normal(size=128)), jnp.bfloat16)
@@ -142,18 +151,19 @@ def test_pinned_host_step_equals_hbm_step_and_reference(read, streams):
     method = M.Fathom(48)
     index = I.build_index(keys32, calib, [method], length=lengths)
     stacked = jax.tree.map(lambda x: x[None], index)
-    host = Placement("pinned_host", read=read, streams=streams)
+    host = Placement("pinned_host", read=read, **split)
     placed = host.put(stacked)  # bulk leaves (planes, scales) to pinned_host, the rest on the device
     assert placed.raw.planes.sharding.memory_kind == "pinned_host"
     kv = side_by_side(keys, values)[None]
     kv_host = jax.device_put(kv, host.sharding(4, bulk=True))
     assert kv_host.sharding.memory_kind == "pinned_host"
     step = jax.jit(lambda idx, c: sparse_attention_step(method, q, idx, c, lengths, calib, k=256, layer=0,
-                                                        placement=host, implementation="pallas")[0])
+                                                        placement=host, implementation="pallas")[0],
+                   compiler_options=host.compiler_options or None)
     got = step(placed, kv_host)
     hbm = jax.jit(lambda idx, c: sparse_attention_step(method, q, idx, c, lengths, calib, k=256, layer=0,
                                                        implementation="pallas")[0])(stacked, kv)
-    if streams == 1:
+    if not split:
         np.testing.assert_array_equal(np.asarray(got), np.asarray(hbm))
     else:  # GEMMs over fewer groups may sum in another order on the GPU (seen: 3e-7 at streams=4)
         np.testing.assert_allclose(np.asarray(got), np.asarray(hbm), rtol=1e-5, atol=1e-6)

@@ -255,12 +255,13 @@ def _generate_in_device_memory(graphdef, state, prompt, lengths, max_new_tokens,
 
 
 @functools.lru_cache(maxsize=None)
-def _host_programs(graphdef, attn_static, cache_shardings, out_sharding, in_place):
+def _host_programs(graphdef, attn_static, cache_shardings, out_sharding, in_place, compiler_options=()):
     """Jitted prefill-layer, decode-step and attention-only programs that update a placed cache.
 
     In device memory the cache is donated and returned (XLA updates it in place). In host memory the
     kernels write the bulk arrays in place and the programs return the cache without them (``in_place``):
-    returning a host array from a program makes XLA copy it.
+    returning a host array from a program makes XLA copy it. ``compiler_options`` (``(name, value)`` pairs,
+    :attr:`fathom_jax.placement.Placement.compiler_options`) go to the step programs.
     """
     out_cache = Placement.detach_bulk if in_place else (lambda c: c)
 
@@ -284,9 +285,11 @@ def _host_programs(graphdef, attn_static, cache_shardings, out_sharding, in_plac
     shardings = out_cache(jax.tree.unflatten(cache_shardings[0], cache_shardings[1]))
     layer_jit = jax.jit(layer_fn, donate_argnums=() if in_place else (3,),
                         out_shardings=(out_sharding, shardings, out_sharding))
+    options = dict(compiler_options) or None
     step_jit = jax.jit(step_fn, donate_argnums=() if in_place else (2,),
-                       out_shardings=(out_sharding, out_sharding, shardings))
-    attention_jit = jax.jit(attention_fn, donate_argnums=() if in_place else (3,), out_shardings=(out_sharding, shardings))
+                       out_shardings=(out_sharding, out_sharding, shardings), compiler_options=options)
+    attention_jit = jax.jit(attention_fn, donate_argnums=() if in_place else (3,), out_shardings=(out_sharding, shardings),
+                            compiler_options=options)
     flush_jit = jax.jit(flush_fn, donate_argnums=() if in_place else (0,), out_shardings=shardings)
     return layer_jit, step_jit, attention_jit, flush_jit
 
@@ -301,7 +304,7 @@ class _Programs:
         leaves, treedef = jax.tree.flatten(attn.placement.shardings(cache))
         self.in_place = attn.placement.writes_in_place
         self.jits = _host_programs(graphdef, attn_static, (treedef, tuple(leaves)), attn.placement.replicated(),
-                                    self.in_place)
+                                    self.in_place, tuple(sorted(attn.placement.compiler_options.items())))
 
     def _whole(self, small, cache):
         return Placement.attach_bulk(small, cache) if self.in_place else small

@@ -52,6 +52,20 @@ class TestRunGather(KernelTestBase):
         assert_equal(got_p, want_p)
         assert_equal(got_s, want_s)
 
+    @pytest.mark.parametrize("programs", [1, 7, 1 << 20])
+    def test_persistent_programs_copy_every_item(self, impl, rng, programs):
+        """Persistent programs (fewer than, or more than, the work items) loop over the items: the same staged
+        buffers, bit for bit; an ``after`` operand orders the kernel and changes nothing."""
+        planes, scales, _ = random_store_arrays(rng, (2, 6), D, 640)
+        ch, dep = run_list(rng, "random", 3)
+        config = RG.RunGatherConfig(chunk=8, programs=programs)
+        gather = jax.jit(lambda p, s, layer, after: RG.run_gather(p, s, ch, dep, layer=layer, group_start=2,
+                                                                  after=after, config=config, **impl.kw))
+        got_p, got_s = gather(host(planes, impl), host(scales, impl), jnp.int32(1), (jnp.ones((4, 3)), jnp.int32(0)))
+        want_p, want_s = np_run_gather(planes[1][2:5], scales[1][2:5], ch, dep)
+        assert_equal(got_p, want_p)
+        assert_equal(got_s, want_s)
+
     def test_gather_then_scan_equals_direct_scan(self, impl, rng):
         """Staged planes scanned with the identity list == the plane scan of the store itself."""
         planes, scales, length = random_store_arrays(rng, (4,), D, 448)
@@ -71,6 +85,14 @@ def test_run_gather_lowers_to_triton_and_validates():
                                                                 layer=layer, implementation="pallas", interpret=False),
                              z((3, 2, D, 4, 20), jnp.uint32), z((3, 2, D, 10), jnp.float16), jnp.int32(0))
     assert text.count(f'name = "{RG.KERNEL_NAME}"') == 1
+    persistent = lower_triton_text(
+        lambda p, s, layer, a: RG.run_gather(p, s, z((2, 5), jnp.int32), z((2, 5), jnp.int32), layer=layer, after=a,
+                                             config=RG.RunGatherConfig(chunk=4, programs=3), implementation="pallas",
+                                             interpret=False),
+        z((3, 2, D, 4, 20), jnp.uint32), z((3, 2, D, 10), jnp.float16), jnp.int32(0), z((7,), jnp.float32))
+    assert persistent.count(f'name = "{RG.KERNEL_NAME}"') == 1
+    assert "grid_x = 3 : i32, grid_y = 1 : i32, grid_z = 1" in persistent  # three programs looping over the 2 x 5 x 8 items
+    assert "gpu.triton(%arg2, %arg3, %arg4, %arg0, %arg1, %arg5)" in persistent  # the `after` operand rides along
     with pytest.raises(ValueError, match="depths"):
         RG.run_gather(z((2, D, 4, 20), jnp.uint32), z((2, D, 10), jnp.float16), z((2, 5), jnp.int32),
                       z((2, 5), jnp.int32) + 7)
@@ -86,3 +108,5 @@ def test_run_gather_lowers_to_triton_and_validates():
         RG.run_gather(*stacked, z((1, 5), jnp.int32), z((1, 5), jnp.int32), layer=0, group_start=-1)
     with pytest.raises(ValueError, match="chunk must be >= 2"):
         RG.RunGatherConfig(chunk=1)
+    with pytest.raises(ValueError, match="programs must be an int >= 0"):
+        RG.RunGatherConfig(programs=-1)
