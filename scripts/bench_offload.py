@@ -613,6 +613,10 @@ def write_report(res: dict, prefix: str) -> None:
                       f"{p['device_busy_ms_per_step']:.1f} ms per step; "
                       + ", ".join(f"{k} {v:.1f}" for k, v in p["ms_per_step"].items()) + " ms"
                       + (f"; {p['launches_per_step']:.0f} kernel launches per step." if "launches_per_step" in p else "."), ""]
+            if p.get("exposed_ms_per_step"):
+                x = p["exposed_ms_per_step"]
+                lines += [f"Of its span, a plane transfer ran for {x['transfer_running']:.1f} ms per step; with none running: "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in x["outside_transfers"].items()) + " ms.", ""]
             if p.get("top_kernels"):
                 lines += ["| kernel | category | ms per step | launches per step |", "|---|---|---|---|"]
                 lines += [f"| `{t['name'][:90]}` | {t['category']} | {t['ms_per_step']:.2f} | {t['launches_per_step']:.0f} |"

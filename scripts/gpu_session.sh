@@ -47,6 +47,8 @@
 #   p1  (nvidia-h200)   a layer in pipelined chunks (Placement(pipeline=N)): each chunk's plane transfer chained to the
 #                       previous one's and run beside its scan, selection and row fetch (CUDA graphs scheduled by data
 #                       dependencies), the run gather as persistent programs: GPU tests; Fathom 48 at 1M and 128k, profiled
+#   p2  (nvidia-h200)   p1's best settings and fewer gather programs, profiled with the time outside plane transfers;
+#                       SparQ r=16 and the 32-channel scan pipelined beside their one-chunk rows (the ratio targets)
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -278,6 +280,13 @@ p1)
   timeout 400 python3 scripts/bench_offload.py --tag h200_p1 --out $OUT --read staged --methods "Fathom 48" \
     --index-writes full_blocks --pipeline 1,1/132,2/132,4/132,8/0,8/132,8/264 --sections link,attn,attnprofile \
     --contexts 1m,128k --share-kv-from 1m --time-budget 390 2>&1 | tee $OUT/bench_p1.log ;;
+p2)
+  timeout 300 python3 scripts/bench_offload.py --tag h200_p2a --out $OUT --read staged --methods "Fathom 48" \
+    --index-writes full_blocks --pipeline 1,8/132,8/66,8/33,4/66,2/66 --sections link,attn,attnprofile \
+    --contexts 1m,128k --share-kv-from 1m --time-budget 290 2>&1 | tee $OUT/bench_p2a.log
+  timeout 260 python3 scripts/bench_offload.py --tag h200_p2b --out $OUT --read staged \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --index-writes every_step,full_blocks --pipeline 1,8/132 \
+    --sections attn --contexts 1m --share-kv-from 1m --time-budget 250 2>&1 | tee $OUT/bench_p2b.log ;;
 o6)
   timeout 200 python3 scripts/bench_offload.py --tag h200_o6 --out $OUT --read staged \
     --methods "32-channel (SparQ r=32),SparQ r=16" --index-writes every_step,full_blocks \
