@@ -151,6 +151,18 @@ def _generate_mesh(devices: int, config):
     return mesh
 
 
+def _pipeline_arg(text: str):
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--pipeline must be 'auto' or an int >= 1, got {text!r}")
+    return value
+
+
 def _generate(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
@@ -194,7 +206,8 @@ def _generate(args: argparse.Namespace) -> int:
 
             cap = capture_qkv(model, jnp.asarray(calib_ids[: args.calib_tokens]))
             calibration = calibrate(cap["k"], cap["q"])
-        placement = decode.Placement(args.placement, mesh=mesh, read=args.read, index_writes=args.index_writes)
+        placement = decode.Placement(args.placement, mesh=mesh, read=args.read, index_writes=args.index_writes,
+                                     pipeline=args.pipeline)
         attention_fn = decode.from_spec(method, k=args.k, calibration=calibration,
                                         implementation=args.implementation, placement=placement)
         if args.k >= capacity:
@@ -285,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-writes", choices=["every_step", "full_blocks"], default="every_step",
                    help="when a decode step writes the newest 64-token block of the key index: every step, or only "
                         "once it fills (the partial block stays in device memory; fewer scattered host writes)")
+    p.add_argument("--pipeline", type=_pipeline_arg, default="auto",
+                   help="with --placement pinned_host: chunks of each layer's KV groups whose plane transfers overlap "
+                        "the previous chunk's scan, selection and row fetch (auto: by context on a GPU; 1: none)")
     p.add_argument("--mesh", type=positive_int(1), default=1,
                    help="devices to split the KV heads over (sparse decoding; each device scans and fetches for its "
                         "own heads from its own slice of memory); must divide the model's KV heads")

@@ -99,7 +99,10 @@ class Placement:
     scattered 8-byte words per group and layer, ~5.5 ms of a 1M-token step on the H200.
 
     ``pipeline``: chunks per layer whose plane transfers are chained (module docstring; 1: no chunks);
-    ``gather_programs``: persistent programs of the run gather (0: one program per copied chunk of a run)."""
+    ``gather_programs``: persistent programs of the run gather (0: one program per copied chunk of a run).
+    Both default to ``"auto"`` (:meth:`chunks`, :attr:`run_gather_programs`): on the H200, Fathom 48's
+    36-layer step at 1M tokens took 79.9 ms in one chunk and 64.6 ms in 8 chunks with 66 gather programs;
+    at 128k 19.5 and 18.2 ms with 2 chunks (``results/pipeline_h200.md``)."""
 
     memory: Memory = "device"
     mesh: jax.sharding.Mesh | None = None
@@ -107,8 +110,8 @@ class Placement:
     read: ReadMode = "staged"
     streams: int = 1
     index_writes: IndexWrites = "every_step"
-    pipeline: int = 1
-    gather_programs: int = 0
+    pipeline: int | Literal["auto"] = "auto"
+    gather_programs: int | Literal["auto"] = "auto"
 
     def __post_init__(self):
         if self.memory not in MEMORIES:
@@ -117,16 +120,16 @@ class Placement:
             raise ValueError(f"placement read must be 'direct' or 'staged', got {self.read!r}")
         if self.index_writes not in get_args(IndexWrites):
             raise ValueError(f"placement index_writes must be one of {get_args(IndexWrites)}, got {self.index_writes!r}")
-        for name in ("streams", "pipeline"):
+        for name, least in (("streams", 1), ("pipeline", 1), ("gather_programs", 0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"placement {name} must be an int >= 1, got {value!r}")
-        if self.streams > 1 and self.pipeline > 1:
+            if name != "streams" and value == "auto":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"placement {name} must be an int >= {least}" + (" or 'auto'" if name != "streams"
+                                                                                 else "") + f", got {value!r}")
+        if self.streams > 1 and self.pipeline not in (1, "auto"):
             raise ValueError(f"placement streams={self.streams} and pipeline={self.pipeline}: choose one way to split "
                              "a layer's groups")
-        if not isinstance(self.gather_programs, int) or isinstance(self.gather_programs, bool) or self.gather_programs < 0:
-            raise ValueError(f"placement gather_programs must be an int >= 0 (0: one program per copied chunk), "
-                             f"got {self.gather_programs!r}")
         if self.mesh is not None:
             if self.axis is None:
                 object.__setattr__(self, "axis", self.mesh.axis_names[0])
@@ -190,11 +193,47 @@ class Placement:
                 f"(batch x KV heads); use a batch that makes batch x KV heads a multiple of {self.num_shards}"
             )
         for name in ("streams", "pipeline"):
-            if (groups // self.num_shards) % getattr(self, name):
+            if getattr(self, name) != "auto" and (groups // self.num_shards) % getattr(self, name):
                 raise ValueError(
                     f"placement {name}={getattr(self, name)} must divide the {groups // self.num_shards} groups "
                     f"(batch x KV heads) of each device; use a divisor of it"
                 )
+
+    # -- pipelined chunks ----------------------------------------------------------------------
+    @property
+    def pipelines(self) -> bool:
+        """Whether a step may run in pipelined chunks (host memory, staged reads, no streams)."""
+        return self.offloaded and self.read == "staged" and self.streams == 1 and self.pipeline != 1
+
+    def chunks(self, groups: int, capacity: int) -> int:
+        """Pipelined chunks of a step over ``groups`` groups (of one device) in a cache of ``capacity`` tokens.
+
+        ``"auto"``: with staged reads from real host memory (a GPU), the largest divisor of ``groups`` up to 8 from
+        512k tokens on and up to 2 below (each chunk adds its own top-k and glue, which at 128k cost more than the
+        overlap gains; measured on the H200, ``results/pipeline_h200.md``); else 1 (elsewhere the chunks would run
+        one after the other: the same results, more launches)."""
+        if self.pipeline != "auto":
+            return self.pipeline
+        if not self.pipelines or self.memory_kind != "pinned_host":
+            return 1
+        most = 8 if capacity >= 1 << 19 else 2
+        return max(d for d in range(1, min(most, groups) + 1) if groups % d == 0)
+
+    @property
+    def run_gather_programs(self) -> int:
+        """Persistent programs of the run gather: ``"auto"`` is half the GPU's SMs (66 on the H200, the fastest of
+        33 / 66 / 132 in the pipelined 1M step) on a GPU, else one program per work item (0)."""
+        if self.gather_programs != "auto":
+            return self.gather_programs
+        if jax.default_backend() != "gpu" or not (self.offloaded and self.read == "staged"):
+            return 0
+        return max(1, getattr(jax.devices()[0], "core_count", 132) // 2)
+
+    def resolved(self, groups: int, capacity: int) -> "Placement":
+        """This placement with ``pipeline`` and ``gather_programs`` as a step over ``groups`` groups (of the
+        whole mesh) in a cache of ``capacity`` tokens runs them."""
+        return dataclasses.replace(self, pipeline=self.chunks(groups // self.num_shards, capacity),
+                                   gather_programs=self.run_gather_programs)
 
     @property
     def compiler_options(self) -> dict[str, str]:
@@ -204,7 +243,7 @@ class Placement:
         launches a program's kernels as CUDA graphs whose default ("LHS") edges follow its sequential
         schedule; "CONCURRENT" keeps only the data dependencies (and assigns buffers so that concurrent
         kernels never share one)."""
-        if self.pipeline > 1 and self.offloaded:
+        if self.pipelines:
             return {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
         return {}
 

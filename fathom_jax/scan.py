@@ -102,7 +102,7 @@ def _plane_scores(read: PlaneRead, store, length, layer, group_start, placement:
                          "the Pallas kernels read packed planes")
     channels, depths = active_channels(read.depths, read.max_active or None)
     if placement.offloaded and placement.read == "staged":
-        config = RunGatherConfig(programs=placement.gather_programs)
+        config = RunGatherConfig(programs=placement.run_gather_programs)
         staged_planes, staged_scales = run_gather(store.planes, store.scales, channels, depths, layer=layer,
                                                   group_start=group_start, after=after, config=config,
                                                   implementation=implementation)

@@ -8,6 +8,8 @@ Shapes are static: ``k`` and the union size ``G * k`` are fixed, slots past the 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,18 +86,27 @@ def group_union(
     """The union of a group's selected tokens (U = G * k slots, duplicates masked out).
 
     Returns the union's indices, its mask, and per head which union slots belong to that head's set,
-    so one fetch of the union rows serves every head of the group.
+    so one fetch of the union rows serves every head of the group. A head's masked-in indices must be
+    distinct (as :func:`select_topk` returns them): a token is then held by at most G sorted entries in a
+    row, and its heads are read off that window (G shifted comparisons) instead of comparing every union
+    slot with every selected index (U x k per head: 15-40 us per layer and chunk at 1M tokens on the H200).
     """
     *batch, g, k = indices.shape
-    flat = jnp.where(mask, indices, jnp.iinfo(jnp.int32).max).reshape(*batch, g * k)
-    flat = jnp.sort(flat, axis=-1)
+    big = jnp.iinfo(jnp.int32).max
+    flat = jnp.where(mask, indices, big).reshape(*batch, g * k)
+    head = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32)[:, None], (*batch, g, k)).reshape(*batch, g * k)
+    flat, head = jax.lax.sort((flat, head), num_keys=1)
     first = jnp.concatenate([jnp.ones((*batch, 1), bool), flat[..., 1:] != flat[..., :-1]], axis=-1)
-    union_mask = first & (flat != jnp.iinfo(jnp.int32).max)
+    union_mask = first & (flat != big)
     union = jnp.where(union_mask, flat, 0)
-    member = jnp.any(
-        (union[..., None, :, None] == indices[..., :, None, :]) & mask[..., :, None, :], axis=-1
-    ) & union_mask[..., None, :]
-    return union, union_mask, member
+    # The entries sharing slot u's token sit at u, u + 1, ..., u + G - 1 (padded past the end with no head).
+    u = g * k
+    flat_p = jnp.concatenate([flat, jnp.full((*batch, g - 1), big, flat.dtype)], axis=-1)
+    head_p = jnp.concatenate([head, jnp.full((*batch, g - 1), -1, head.dtype)], axis=-1)
+    heads = jnp.arange(g, dtype=jnp.int32)[:, None]
+    member = functools.reduce(jnp.logical_or, [
+        (flat_p[..., None, s:s + u] == flat[..., None, :]) & (head_p[..., None, s:s + u] == heads) for s in range(g)])
+    return union, union_mask, member & union_mask[..., None, :]
 
 
 def attend(

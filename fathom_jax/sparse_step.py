@@ -118,14 +118,15 @@ def sparse_attention_step(
 
     With a stacked cache and ``placement.streams > 1`` the groups are split into that many chunks, each
     stepped on its own GPU stream (:meth:`fathom_jax.placement.Placement.per_stream`); with
-    ``placement.pipeline > 1`` into that many chunks whose plane transfers are chained (:func:`_pipelined`).
+    ``placement.chunks(...) > 1`` into that many chunks whose plane transfers are chained (:func:`_pipelined`).
     Either way every group's result is the same as in one chunk.
     """
     kv_layer = layer if kv_layer is None else kv_layer
     kw = dict(k=k, sink=sink, local=local, placement=placement, implementation=implementation)
     groups = q.shape[0]
-    if layer is not None and placement.pipeline > 1:
-        return _pipelined(method, q, index, length, calib, new, kv_cache, layer, kv_layer, **kw)
+    chunks = placement.chunks(groups, kv_cache.shape[-2]) if layer is not None else 1
+    if chunks > 1:
+        return _pipelined(method, q, index, length, calib, new, kv_cache, layer, kv_layer, chunks=chunks, **kw)
     step = functools.partial(_step_groups, method, **kw)
     if layer is None or placement.streams == 1:
         return step(0, groups, q, index, length, calib, new, kv_cache, layer, kv_layer)
@@ -133,14 +134,14 @@ def sparse_attention_step(
     return tuple(jnp.concatenate(parts) for parts in zip(*outs))
 
 
-def _pipelined(method, q, index, length, calib, new, kv_cache, layer, kv_layer, *, placement, **kw):
-    """The step in ``placement.pipeline`` chunks of groups: one plan for all, then per chunk the rest, each
+def _pipelined(method, q, index, length, calib, new, kv_cache, layer, kv_layer, *, chunks, placement, **kw):
+    """The step in ``chunks`` chunks of groups: one plan for all, then per chunk the rest, each
     chunk's plane transfer ordered after the previous chunk's (and after nothing else), so that it can run
     beside the previous chunk's scan, selection, row fetch and attention (see :mod:`fathom_jax.placement`)."""
     q = q.astype(jnp.float32)
     read = method.read(q, index, calib, implementation=kw["implementation"])
     groups = q.shape[0]
-    size = groups // placement.pipeline
+    size = groups // chunks
     outs, staged = [], None
     for start in range(0, groups, size):
         cut = lambda path, x, start=start: x if is_bulk(path) else x[start:start + size]  # noqa: E731

@@ -230,15 +230,21 @@ def split_text(r: dict) -> str:
 
 
 def parse_variants(streams: str, index_writes: str, pipeline: str) -> list[dict]:
-    """Every combination of ``--streams``, ``--index-writes`` and ``--pipeline`` (entries ``N`` or ``N/P``:
-    N chunks, P persistent gather programs), without streams and pipeline together."""
+    """Every combination of ``--streams``, ``--index-writes`` and ``--pipeline`` (entries ``auto``, ``N`` or
+    ``N/P``: N chunks, P persistent gather programs, "auto" where not given), without streams and pipeline
+    together (streams run with one chunk and the per-item gather)."""
     pipes = []
     for item in pipeline.split(","):
         n, _, programs = item.partition("/")
-        pipes.append((int(n), int(programs or 0)))
-    return [dict(streams=s, index_writes=w, pipeline=n, gather_programs=g)
-            for s in (int(x) for x in streams.split(",")) for w in index_writes.split(",") for n, g in pipes
-            if s == 1 or n == 1]
+        pipes.append((n if n == "auto" else int(n), "auto" if programs in ("", "auto") else int(programs)))
+    out = []
+    for s in (int(x) for x in streams.split(",")):
+        for w in index_writes.split(","):
+            if s > 1:
+                out.append(dict(streams=s, index_writes=w, pipeline=1, gather_programs=0))
+                continue
+            out += [dict(streams=1, index_writes=w, pipeline=n, gather_programs=g) for n, g in pipes]
+    return list({tuple(v.items()): v for v in out}.values())
 
 
 def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, placement=None, tag=""):
@@ -261,7 +267,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
             break
         attn = hook(METHODS[label], cfg, calib, args.k, dataclasses.replace(placement, **variant), args.implementation)
-        split = split_fields(attn.placement)
+        split = split_fields(attn.placement.resolved(batch * cfg.n_kv_heads, context + 64))
         cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
 
         def call(state, attn=attn):
@@ -328,7 +334,7 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
     tokens = jnp.zeros((batch,), jnp.int32)
     for label, variant in ((m, v) for m in labels for v in args.variants):
         attn = hook(METHODS[label], cfg, calib, args.k, dataclasses.replace(placement, **variant), args.implementation)
-        split = split_fields(attn.placement)
+        split = split_fields(attn.placement.resolved(batch * cfg.n_kv_heads, context + 64))
         cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
 
         def call(state, attn=attn):
@@ -456,9 +462,9 @@ def main(argv=None):
     ap.add_argument("--streams", default="1", help="GPU streams per device to split the groups over (a list: one row each)")
     ap.add_argument("--index-writes", default="every_step",
                     help="every_step and/or full_blocks (a list: one row each): when steps write the newest plane block")
-    ap.add_argument("--pipeline", default="1",
-                    help="chunks per layer with chained plane transfers, N or N/P with P persistent gather programs "
-                         "(a list: one row each)")
+    ap.add_argument("--pipeline", default="auto",
+                    help="chunks per layer with chained plane transfers: auto, N or N/P with P persistent gather "
+                         "programs (a list: one row each; 1/0 = one chunk, one program per copied chunk of a run)")
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")

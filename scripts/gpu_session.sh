@@ -49,6 +49,9 @@
 #                       dependencies), the run gather as persistent programs: GPU tests; Fathom 48 at 1M and 128k, profiled
 #   p2  (nvidia-h200)   p1's best settings and fewer gather programs, profiled with the time outside plane transfers;
 #                       SparQ r=16 and the 32-channel scan pipelined beside their one-chunk rows (the ratio targets)
+#   q1  (nvidia-h200)   pipelined chunks by default (pipeline="auto"): every GPU test but SmolLM2's, first half of the GGUF;
+#                       three methods at 1M, both index-write modes, auto against one chunk, profiled
+#   q2  (same machine)  second half; SmolLM2 GPU tests; the same at 128k
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -287,6 +290,18 @@ p2)
   timeout 260 python3 scripts/bench_offload.py --tag h200_p2b --out $OUT --read staged \
     --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --index-writes every_step,full_blocks --pipeline 1,8/132 \
     --sections attn --contexts 1m --share-kv-from 1m --time-budget 250 2>&1 | tee $OUT/bench_p2b.log ;;
+q1)
+  timeout 260 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_q1_h200.log
+  timeout 280 python3 scripts/bench_offload.py --tag h200_q1 --out $OUT --read staged \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --index-writes every_step,full_blocks --pipeline auto,1/0 \
+    --sections link,attn,attnprofile --contexts 1m --share-kv-from 1m --time-budget 270 2>&1 | tee $OUT/bench_q1.log ;;
+q2)
+  cat .carry1/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_q2_h200.log
+  timeout 230 python3 scripts/bench_offload.py --tag h200_q2 --out $OUT --read staged \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --index-writes every_step,full_blocks --pipeline auto,1/0 \
+    --sections link,attn --contexts 128k --time-budget 220 2>&1 | tee $OUT/bench_q2.log ;;
 o6)
   timeout 200 python3 scripts/bench_offload.py --tag h200_o6 --out $OUT --read staged \
     --methods "32-channel (SparQ r=32),SparQ r=16" --index-writes every_step,full_blocks \

@@ -42,3 +42,17 @@ def test_merge_keeps_the_newest_row_and_dates_errors(tmp_path):
     json.dump(again, open(tmp_path / "again.json", "w"))
     bench_offload.merge([str(tmp_path / "again.json")], str(tmp_path / "merged2"))
     assert json.load(open(tmp_path / "merged2.json"))["errors"][0]["run_date"] == old["machine"]["date"]
+
+
+def test_variants_and_their_labels():
+    """--streams x --index-writes x --pipeline: streams never pipelined; "auto" where a part is not given."""
+    got = bench_offload.parse_variants("1,2", "full_blocks", "auto,1/0,8/66,4")
+    assert got == [
+        dict(streams=1, index_writes="full_blocks", pipeline="auto", gather_programs="auto"),
+        dict(streams=1, index_writes="full_blocks", pipeline=1, gather_programs=0),
+        dict(streams=1, index_writes="full_blocks", pipeline=8, gather_programs=66),
+        dict(streams=1, index_writes="full_blocks", pipeline=4, gather_programs="auto"),
+        dict(streams=2, index_writes="full_blocks", pipeline=1, gather_programs=0)]
+    text = bench_offload.split_text
+    assert text({"streams": 2}) == "streams 2" and text({"pipeline": 8, "gather_programs": 66}) == "pipeline 8 (gather 66)"
+    assert text({"pipeline": 1, "gather_programs": 66}) == "gather 66" and text({}) == ""

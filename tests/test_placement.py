@@ -57,11 +57,11 @@ def test_zeros_are_zero_and_placed(memory):
 
 
 def test_pipeline_is_checked_and_asks_xla_for_concurrent_kernels():
-    for name, bad in (("pipeline", 0), ("pipeline", 2.0), ("pipeline", True)):
-        with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+    for name, bad in (("pipeline", 0), ("pipeline", 2.0), ("pipeline", True), ("pipeline", "eight")):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1 or 'auto'"):
             Placement("pinned_host", **{name: bad})
     for bad in (-1, 1.5, False):
-        with pytest.raises(ValueError, match="gather_programs must be an int >= 0"):
+        with pytest.raises(ValueError, match="gather_programs must be an int >= 0 or 'auto'"):
             Placement("pinned_host", gather_programs=bad)
     with pytest.raises(ValueError, match="streams=2 and pipeline=4: choose one"):
         Placement("pinned_host", streams=2, pipeline=4)
@@ -69,11 +69,28 @@ def test_pipeline_is_checked_and_asks_xla_for_concurrent_kernels():
     with pytest.raises(ValueError, match="pipeline=4 must divide the 6 groups"):
         placement.check_groups(6)
     placement.check_groups(8)
-    assert placement.compiler_options == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-    assert Placement("pinned_host").compiler_options == {} and Placement(pipeline=2).compiler_options == {}
+    concurrent = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert placement.compiler_options == concurrent and Placement("pinned_host").compiler_options == concurrent
+    for plain in (Placement("pinned_host", pipeline=1), Placement(), Placement("pinned_host", read="direct"),
+                  Placement("pinned_host", streams=2)):
+        assert plain.compiler_options == {}
     import jax
 
     jax.jit(lambda x: x + 1, compiler_options=placement.compiler_options)(jnp.ones(2))  # XLA knows the option
+
+
+def test_auto_pipeline_chunks_by_context_in_real_host_memory():
+    from unittest import mock
+
+    auto = Placement("pinned_host")
+    assert auto.chunks(8, 1 << 20) == 1 and auto.resolved(8, 1 << 20).pipeline == 1  # device memory here: no chunks
+    assert Placement("pinned_host", pipeline=4).chunks(8, 1000) == 4
+    with mock.patch.object(Placement, "memory_kind", new_callable=mock.PropertyMock, return_value="pinned_host"):
+        assert [auto.chunks(8, c) for c in (1 << 17, (1 << 19) - 1, 1 << 19, 1 << 20)] == [2, 2, 8, 8]
+        assert auto.chunks(3, 1 << 20) == 3 and auto.chunks(6, 1 << 20) == 6 and auto.chunks(3, 4096) == 1
+        assert auto.chunks(12, 1 << 20) == 6  # the largest divisor up to 8
+        assert Placement("pinned_host", read="direct").chunks(8, 1 << 20) == 1
+        assert Placement("pinned_host", streams=2).chunks(8, 1 << 20) == 1
 
 
 def test_streams_are_checked_and_split_per_group_leaves_only():

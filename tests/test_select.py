@@ -57,6 +57,24 @@ def test_group_union(rng):
         assert got == set(idx[0, h][mask[0, h]].tolist())
 
 
+@pytest.mark.parametrize("g,ties", [(1, False), (4, False), (4, True), (5, True)])
+def test_group_union_of_selections_against_numpy(rng, g, ties):
+    """On select_topk's own output (ragged lengths, tied scores): one union slot per distinct token, and each
+    head's member slots are exactly its selected tokens (numpy sets)."""
+    scores = rng.standard_normal((3, g, 300)).astype(np.float32)
+    scores = np.round(scores) if ties else scores
+    idx, mask = sel.select_topk(scores, np.array([300, 120, 50]), 64)
+    union, umask, member = (np.asarray(x) for x in sel.group_union(idx, mask))
+    idx, mask = np.asarray(idx), np.asarray(mask)
+    for b in range(3):
+        chosen = [set(idx[b, h][mask[b, h]].tolist()) for h in range(g)]
+        kept = union[b][umask[b]]
+        assert len(kept) == len(set(kept.tolist())) and set(kept.tolist()) == set().union(*chosen)
+        for h in range(g):
+            assert set(union[b][member[b, h]].tolist()) == chosen[h]
+            assert not np.any(member[b, h] & ~umask[b])
+
+
 def test_sparse_attention_equals_dense_when_all_selected(rng):
     q = rng.standard_normal((3, 2, 16)).astype(np.float32)
     k = rng.standard_normal((3, 80, 16)).astype(np.float32)

@@ -16,7 +16,9 @@ from fathom_jax.models import sparse
 @pytest.mark.parametrize("context", [4096, 8192])
 def test_smollm2_offloaded_decoding_equals_hbm_decoding(smollm2, context):
     """SmolLM2-135M on real code: 64 greedy tokens with the cache and index in pinned_host memory equal the
-    in-HBM sparse decode with the same method, and so do the logits (stated tolerance: 1e-5 of their scale)."""
+    in-HBM sparse decode with the same method, and so do the logits (stated tolerance: 1e-5 of their scale);
+    also with each layer's three KV groups in three pipelined chunks ("auto" keeps one chunk at these
+    contexts)."""
     from fathom_jax.eval import texts
 
     model, tok, cfg = smollm2
@@ -24,10 +26,11 @@ def test_smollm2_offloaded_decoding_equals_hbm_decoding(smollm2, context):
     ids = np.asarray(texts.token_window(tok.encode(text), context - 64), np.int32)[None]
     lengths = np.array([ids.shape[1]])
     out = {}
-    for memory in ("device", "pinned_host"):
-        attn = decode.from_spec("fathom:32", k=128, placement=memory, implementation="pallas")
+    for memory in ("device", "pinned_host", "pipelined"):
+        placement = decode.Placement("pinned_host", pipeline=3) if memory == "pipelined" else memory
+        attn = decode.from_spec("fathom:32", k=128, placement=placement, implementation="pallas")
         logits, cache, attn = sparse.prefill(model, ids, lengths, attn, context)
-        if memory == "pinned_host":
+        if memory != "device":
             assert cache.kv.sharding.memory_kind == "pinned_host"
         tokens, all_logits = [jnp.argmax(logits, -1).astype(jnp.int32)], [np.asarray(logits)]
         for _ in range(63):
@@ -35,9 +38,10 @@ def test_smollm2_offloaded_decoding_equals_hbm_decoding(smollm2, context):
             tokens.append(nxt)
             all_logits.append(np.asarray(logits))
         out[memory] = (np.asarray(jnp.stack(tokens, 1)), np.stack(all_logits))
-    np.testing.assert_array_equal(out["pinned_host"][0], out["device"][0])
     scale = np.abs(out["device"][1]).max()
-    np.testing.assert_allclose(out["pinned_host"][1], out["device"][1], rtol=0, atol=1e-5 * scale)
+    for memory in ("pinned_host", "pipelined"):
+        np.testing.assert_array_equal(out[memory][0], out["device"][0])
+        np.testing.assert_allclose(out[memory][1], out["device"][1], rtol=0, atol=1e-5 * scale)
 
 
 def test_attention_only_step_matches_the_layers_attention(tiny_model):
