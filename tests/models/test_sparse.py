@@ -16,9 +16,11 @@ from fathom_jax.models import sparse
 @pytest.mark.parametrize("context", [4096, 8192])
 def test_smollm2_offloaded_decoding_equals_hbm_decoding(smollm2, context):
     """SmolLM2-135M on real code: 64 greedy tokens with the cache and index in pinned_host memory equal the
-    in-HBM sparse decode with the same method, and so do the logits (stated tolerance: 1e-5 of their scale);
-    also with each layer's three KV groups in three pipelined chunks ("auto" keeps one chunk at these
-    contexts)."""
+    in-HBM sparse decode with the same method, and so do the logits (stated tolerance: 1e-5 of their scale).
+    The same holds with each layer's three KV groups in three pipelined chunks, against the same chunks in HBM;
+    chunked and unchunked decoding give the same tokens, their logits differ by float reassociation (GEMMs over
+    one group instead of three round differently on the GPU, and near-ties in the top-k then pick other rows:
+    up to 0.31 of a 43 logit scale over 32 steps at 4k on the H200, results/pipeline_h200.md)."""
     from fathom_jax.eval import texts
 
     model, tok, cfg = smollm2
@@ -26,22 +28,24 @@ def test_smollm2_offloaded_decoding_equals_hbm_decoding(smollm2, context):
     ids = np.asarray(texts.token_window(tok.encode(text), context - 64), np.int32)[None]
     lengths = np.array([ids.shape[1]])
     out = {}
-    for memory in ("device", "pinned_host", "pipelined"):
-        placement = decode.Placement("pinned_host", pipeline=3) if memory == "pipelined" else memory
+    for memory, pipeline in (("device", 1), ("pinned_host", 1), ("device", 3), ("pinned_host", 3)):
+        placement = decode.Placement(memory, pipeline=pipeline)
         attn = decode.from_spec("fathom:32", k=128, placement=placement, implementation="pallas")
         logits, cache, attn = sparse.prefill(model, ids, lengths, attn, context)
-        if memory != "device":
+        if memory == "pinned_host":
             assert cache.kv.sharding.memory_kind == "pinned_host"
         tokens, all_logits = [jnp.argmax(logits, -1).astype(jnp.int32)], [np.asarray(logits)]
         for _ in range(63):
             nxt, logits, cache = sparse.decode_step(model, tokens[-1], cache, attn)
             tokens.append(nxt)
             all_logits.append(np.asarray(logits))
-        out[memory] = (np.asarray(jnp.stack(tokens, 1)), np.stack(all_logits))
-    scale = np.abs(out["device"][1]).max()
-    for memory in ("pinned_host", "pipelined"):
-        np.testing.assert_array_equal(out[memory][0], out["device"][0])
-        np.testing.assert_allclose(out[memory][1], out["device"][1], rtol=0, atol=1e-5 * scale)
+        out[memory, pipeline] = (np.asarray(jnp.stack(tokens, 1)), np.stack(all_logits))
+    scale = np.abs(out["device", 1][1]).max()
+    for pipeline in (1, 3):
+        host, hbm = out["pinned_host", pipeline], out["device", pipeline]
+        np.testing.assert_array_equal(host[0], hbm[0])
+        np.testing.assert_allclose(host[1], hbm[1], rtol=0, atol=1e-5 * scale)
+    np.testing.assert_array_equal(out["pinned_host", 3][0], out["pinned_host", 1][0])
 
 
 def test_attention_only_step_matches_the_layers_attention(tiny_model):
