@@ -38,19 +38,20 @@ def smol_like(tiny_config):
     return LlamaForCausalLM(cfg, rngs=nnx.Rngs(1))
 
 
-@pytest.mark.parametrize("spec,memory,implementation,batch,streams", [("fathom_klt:12", "pinned_host", "xla", 1, 1),
-                                                                      ("sparq:2", "pinned_host", "pallas", 2, 2),
-                                                                      ("landmark", "device", "xla", 1, 1)])
-def test_sharded_decode_equals_unsharded(tiny_model, mesh, spec, memory, implementation, batch, streams):
+@pytest.mark.parametrize("spec,memory,implementation,batch,split", [
+    ("fathom_klt:12", "pinned_host", "xla", 1, {}), ("sparq:2", "pinned_host", "pallas", 2, dict(pipeline=2)),
+    ("landmark", "device", "xla", 1, {})])
+def test_sharded_decode_equals_unsharded(tiny_model, mesh, spec, memory, implementation, batch, split):
     """2 KV heads: each device scans, selects and fetches for its own KV head(s) (with the kernels, under
-    shard_map, each on its own shard); at batch 2 each device's two groups also go to two GPU streams."""
+    shard_map, each on its own shard); at batch 2 each device's two groups also run as two pipelined chunks
+    (the second chunk's transfer chained to the first's, at its group offset within the device's shard)."""
     prompt = np.random.default_rng(5).integers(0, 97, (batch, 30)).astype(np.int32)
     if jax.default_backend() == "gpu":  # real pinned_host memory is read by the kernels only
         implementation = "pallas"
     common = dict(k=12, sink=2, local=4, implementation=implementation)
     steps = 2 if implementation == "pallas" else 4
     want = np.asarray(generate(tiny_model, prompt, steps, capacity=48, attention_fn=decode.from_spec(spec, **common)))
-    attn = decode.from_spec(spec, placement=Placement(memory, mesh=mesh, streams=streams), **common)
+    attn = decode.from_spec(spec, placement=Placement(memory, mesh=mesh, **split), **common)
     got = np.asarray(generate(tiny_model, prompt, steps, capacity=48, attention_fn=attn))
     np.testing.assert_array_equal(got, want)
 
