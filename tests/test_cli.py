@@ -70,6 +70,7 @@ BAD_ARGUMENTS = [
     (["generate", "x", "--mesh", "2"], "argument --mesh: the model's 3 KV heads do not split evenly over 2 devices"),
     (["generate", "x", "--read", "sideways"], "argument --read: invalid choice: 'sideways'"),
     (["generate", "x", "--index-writes", "never"], "argument --index-writes: invalid choice: 'never'"),
+    (["generate", "x", "--pipeline", "0"], "argument --pipeline: --pipeline must be 'auto' or an int >= 1, got '0'"),
     (["sweep", "--k", "0"], "argument --k: expected an integer >= 36"),
     (["sweep", "--k", "5000"], "argument --k: [5000] is more than the 4096 tokens of --context 4096"),
     (["sweep", "--positions", "0"], "argument --positions: expected an integer >= 1"),
@@ -198,7 +199,7 @@ def test_generate_with_a_local_hf_model_reports_what_was_sparse(capsys, tiny_hf_
 
 
 def test_generate_passes_mesh_and_read_to_the_placement(capsys, monkeypatch, tiny_hf_model):
-    """--mesh 2 --placement pinned_host --read staged --index-writes full_blocks reach the attention hook (the
+    """--mesh 2 --placement pinned_host --read staged --index-writes full_blocks --pipeline 1 reach the attention hook (the
     sharded decode itself is tested against the unsharded one in tests/test_sharding.py)."""
     import jax.numpy as jnp
 
@@ -214,11 +215,11 @@ def test_generate_passes_mesh_and_read_to_the_placement(capsys, monkeypatch, tin
     prompt = " ".join(f"w{(7 * i) % 49}" for i in range(80))
     code, _, err = run(capsys, "generate", prompt, "--model", str(tiny_hf_model), "--method", "fathom:8", "--k", "40",
                        "--max-new-tokens", "2", "--mesh", "2", "--placement", "pinned_host", "--read", "staged",
-                       "--index-writes", "full_blocks")
+                       "--index-writes", "full_blocks", "--pipeline", "1")
     assert code == 0, err
     placement = seen["placement"]
     assert placement.num_shards == 2 and placement.read == "staged" and placement.memory == "pinned_host"
-    assert placement.index_writes == "full_blocks"
+    assert placement.index_writes == "full_blocks" and placement.pipeline == 1
 
 
 def test_registered_command_modules_share_the_conventions(capsys, monkeypatch):
