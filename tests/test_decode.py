@@ -163,7 +163,7 @@ def test_small_k_equals_rebuild_per_step_reference(model, calib, dense_run, spec
 
 
 @pytest.mark.parametrize("spec,implementation,split", [("fathom:16", "xla", {}),
-                                                       ("fathom:16", "pallas", dict(pipeline=2, gather_programs=3))])
+                                                       ("fathom:16", "pallas", dict(pipeline=2))])
 def test_offloaded_placement_equals_device_placement(model, calib, spec, implementation, split):
     """The offloaded layout (kernels staging and writing the cache; device memory on CPU) = device memory;
     with the groups in two pipelined chunks too (each read at its group offset, the second chunk's transfer
