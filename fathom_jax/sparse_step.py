@@ -125,6 +125,8 @@ def sparse_attention_step(
     kw = dict(k=k, sink=sink, local=local, placement=placement, implementation=implementation)
     groups = q.shape[0]
     chunks = placement.chunks(groups, kv_cache.shape[-2]) if layer is not None else 1
+    if groups % chunks:
+        raise ValueError(f"placement pipeline={chunks} must divide the {groups} groups (batch x KV heads) of the step")
     if chunks > 1:
         return _pipelined(method, q, index, length, calib, new, kv_cache, layer, kv_layer, chunks=chunks, **kw)
     step = functools.partial(_step_groups, method, **kw)

@@ -127,6 +127,9 @@ def test_groups_split_into_chunks_equal_one_chunk(setting, method, implementatio
         return fn(view, kv_cache, new)
 
     (one, bits1), (three, bits3) = step(), step(**split)
+    if "pipeline" in split:
+        with pytest.raises(ValueError, match="pipeline=2 must divide the 3 groups"):
+            step(pipeline=2)
     np.testing.assert_array_equal(np.asarray(three), np.asarray(one))
     np.testing.assert_array_equal(np.asarray(bits3), np.asarray(bits1))
 
