@@ -82,6 +82,13 @@ def is_bulk(path) -> bool:
     return isinstance(last, jax.tree_util.GetAttrKey) and last.name in BULK_FIELDS
 
 
+def group_window(tree, start: int, size: int):
+    """``tree`` with every per-group ``[R, ...]`` leaf cut to groups ``start .. start + size - 1``; bulk leaves
+    (stacked ``[L, R, ...]`` cache arrays, possibly in host memory, where no XLA op may slice them) stay whole
+    for the kernels to read at that group offset."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: x if is_bulk(path) else x[start:start + size], tree)
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where bulk cache arrays live (``memory``), over which devices (``mesh``, ``axis``), and how a
@@ -120,13 +127,13 @@ class Placement:
             raise ValueError(f"placement read must be 'direct' or 'staged', got {self.read!r}")
         if self.index_writes not in get_args(IndexWrites):
             raise ValueError(f"placement index_writes must be one of {get_args(IndexWrites)}, got {self.index_writes!r}")
-        for name, least in (("streams", 1), ("pipeline", 1), ("gather_programs", 0)):
+        for name, least, auto in (("streams", 1, False), ("pipeline", 1, True), ("gather_programs", 0, True)):
             value = getattr(self, name)
-            if name != "streams" and value == "auto":
+            if auto and value == "auto":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"placement {name} must be an int >= {least}" + (" or 'auto'" if name != "streams"
-                                                                                 else "") + f", got {value!r}")
+                allowed = f"an int >= {least}" + (" or 'auto'" if auto else "")
+                raise ValueError(f"placement {name} must be {allowed}, got {value!r}")
         if self.streams > 1 and self.pipeline not in (1, "auto"):
             raise ValueError(f"placement streams={self.streams} and pipeline={self.pipeline}: choose one way to split "
                              "a layer's groups")
@@ -265,8 +272,7 @@ class Placement:
         outs = []
         for i in range(self.streams):
             start = i * size
-            cut = lambda path, x, start=start: x if is_bulk(path) else x[start:start + size]  # noqa: E731
-            chunk = tuple(jax.tree_util.tree_map_with_path(cut, a) for a in args)
+            chunk = tuple(group_window(a, start, size) for a in args)
             run = functools.partial(fn, start, size)
             if i < self.streams - 1:
                 run = _on_stream(run, i + 1)

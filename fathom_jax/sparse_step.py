@@ -33,7 +33,7 @@ from fathom_jax.calibrate import Calibration
 from fathom_jax.format import BLOCK_TOKENS, LANDMARK_TOKENS
 from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, ScanMethod
-from fathom_jax.placement import Placement, is_bulk
+from fathom_jax.placement import Placement, group_window
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk
 from fathom_jax.sparse_cache import key_columns, split_kv
 from pallas_kernels import backend
@@ -146,8 +146,7 @@ def _pipelined(method, q, index, length, calib, new, kv_cache, layer, kv_layer, 
     size = groups // chunks
     outs, staged = [], None
     for start in range(0, groups, size):
-        cut = lambda path, x, start=start: x if is_bulk(path) else x[start:start + size]  # noqa: E731
-        chunk = [jax.tree_util.tree_map_with_path(cut, a) for a in (read, q, index, length, new)]
+        chunk = [group_window(a, start, size) for a in (read, q, index, length, new)]
         out, staged = _attend_read(*chunk, start, kv_cache, layer, kv_layer, placement=placement, after=staged, **kw)
         outs.append(out)
     return tuple(jnp.concatenate(parts) for parts in zip(*outs))
