@@ -52,6 +52,10 @@
 #   q1  (nvidia-h200)   pipelined chunks by default (pipeline="auto"): every GPU test but SmolLM2's, first half of the GGUF;
 #                       three methods at 1M, both index-write modes, auto against one chunk, profiled
 #   q2  (same machine)  second half; SmolLM2 GPU tests; the same at 128k
+#   r1  (nvidia-h200-x2) pipelined chunks by default, after the review's refactor: every GPU test but SmolLM2's on
+#                       one GPU, the sharding/HLO/CLI tests on both (pipelined chunks under a mesh), first half of the
+#                       GGUF; 1M with every layer's own K/V on one GPU of that machine, both index-write modes
+#   r2  (same machine)  second half; SmolLM2 GPU tests (8k parity, two GPUs vs one); the same 1M step on two GPUs
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -302,6 +306,22 @@ q2)
   timeout 230 python3 scripts/bench_offload.py --tag h200_q2 --out $OUT --read staged \
     --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --index-writes every_step,full_blocks --pipeline auto,1/0 \
     --sections link,attn --contexts 128k --time-budget 220 2>&1 | tee $OUT/bench_q2.log ;;
+r1)
+  cp .carry1/smol.part1 /tmp/smol.part1
+  CUDA_VISIBLE_DEVICES=0 timeout 210 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_r1_h200.log
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_sharding.py tests/test_hlo.py tests/test_cli.py 2>&1 | tee $OUT/gpu_tests_r1_h200x2.log
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=170
+  timeout 240 python3 scripts/bench_offload.py --tag h200x2_r1 --out $OUT --mesh 1 --read staged --sections link,attn \
+    --contexts 1m --methods "Fathom 48,32-channel (SparQ r=32)" --index-writes every_step,full_blocks --share-kv-from none \
+    --time-budget 230 2>&1 | tee $OUT/bench_r1.log ;;
+r2)
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 230 python3 -m pytest -m gpu -q -s -p no:cacheprovider -k smollm2 tests/models/test_sparse.py 2>&1 | tee $OUT/gpu_smollm2_r2_h200x2.log
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=90
+  timeout 320 python3 scripts/bench_offload.py --tag h200x2_r2 --out $OUT --mesh 2 --read staged --sections link,attn \
+    --contexts 1m --methods "Fathom 48,32-channel (SparQ r=32)" --index-writes every_step,full_blocks --share-kv-from none \
+    --time-budget 310 2>&1 | tee $OUT/bench_r2.log ;;
 o6)
   timeout 200 python3 scripts/bench_offload.py --tag h200_o6 --out $OUT --read staged \
     --methods "32-channel (SparQ r=32),SparQ r=16" --index-writes every_step,full_blocks \
