@@ -539,18 +539,21 @@ def main(argv=None):
 
 def mesh_ratio_lines(att: list[dict], default_read) -> list[str]:
     """Each step measured on one GPU and on a mesh of several with the same method, shapes and reads, side by side."""
-    def key(r):
-        return (r["method"], r["context"], r["batch"], r["memory"], r.get("read", default_read), r["shared_kv"])
+    def key(r):  # chunk counts differ with the groups per device: pipelined pairs with pipelined
+        return (r["method"], r["context"], r["batch"], r["memory"], r.get("read", default_read), r["shared_kv"],
+                r.get("index_writes", "every_step"), r.get("streams", 1), int(r.get("pipeline", 1)) > 1)
 
     single = {key(r): r for r in att if r["mesh"] == 1}
     pairs = [(single[key(r)], r) for r in att if r["mesh"] > 1 and key(r) in single]
     if not pairs:
         return []
-    lines = ["## Several GPUs against one (same method, context, reads and K/V sharing)", "",
-             "| method | context | read | shared K/V | 1 GPU ms | mesh | mesh ms | ratio | mesh floor ms | x floor | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for one, many in sorted(pairs, key=lambda p: (p[1]["context"], p[1]["method"], str(p[1]["shared_kv"]))):
-        lines.append(f"| {many['method']} | {many['context']} | {key(many)[4]} | {many['shared_kv']} | {one['median_ms']:.1f} | "
+    lines = ["## Several GPUs against one (same method, context, reads, K/V sharing, index writes and pipelining)", "",
+             "| method | context | read | shared K/V | index writes | chunks (1 GPU / mesh) | 1 GPU ms | mesh | mesh ms | ratio | "
+             "mesh floor ms | x floor | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for one, many in sorted(pairs, key=lambda p: (p[1]["context"], p[1]["method"], str(p[1]["shared_kv"]), key(p[1])[6:])):
+        lines.append(f"| {many['method']} | {many['context']} | {key(many)[4]} | {many['shared_kv']} | {key(many)[6]} | "
+                     f"{one.get('pipeline', 1)} / {many.get('pipeline', 1)} | {one['median_ms']:.1f} | "
                      f"{many['mesh']} | {many['median_ms']:.1f} | {many['median_ms'] / one['median_ms']:.2f} | "
                      f"{many['link_floor_ms']:.1f} | {many['median_ms'] / many['link_floor_ms']:.2f} | "
                      f"{str(one.get('run_date', ''))[:16]} / {str(many.get('run_date', ''))[:16]} |")
