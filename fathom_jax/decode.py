@@ -315,7 +315,15 @@ class SparseAttention:
             k=self.k, sink=self.sink, local=self.local, layer=layer, kv_layer=0 if shared_kv else layer,
             new=new, placement=self.placement, implementation=self.resolved_implementation,
         )
-        return out, LayerUpdate(key=key, value=value, blocks=blocks, landmark=landmark)
+        update = LayerUpdate(key=key, value=value, blocks=blocks, landmark=landmark)
+        if self.placement.writes_in_scan:
+            # This layer's K/V row and newest blocks go to host memory now: the write kernels depend only on
+            # the new key, so they run beside this layer's plane transfers instead of as one serial burst of
+            # scattered writes after the scan (the step reads neither: NewToken patches both in).
+            stacked = jax.tree.map(lambda a: a[None], update)
+            *_, tokens = self._write_new_token(cache, stacked, position, layer, shared_kv=shared_kv)
+            update = dataclasses.replace(update, written=jnp.concatenate(tokens))
+        return out, update
 
     def commit(self, cache: SparseCache, update: LayerUpdate) -> SparseCache:
         """Write every layer's new K/V row and newest index blocks (``update`` stacked on [L]) in place.
@@ -330,28 +338,54 @@ class SparseAttention:
         )
 
     def _commit_groups(self, cache, update, p, *, shared_kv):
-        write, tokens = self._writer()
-        rows = join_kv(update.key, update.value, cache.kv.dtype)  # [L, R, 2 Dh]
-        kv = write(cache.kv, (rows[-1:] if shared_kv else rows)[:, :, None, :], p, 2)
-        lengths = cache.index.length + 1
-        # "full_blocks": only a block this step fills is written; a partial one stays in the stores' tails
-        due = (p + 1) % BLOCK_TOKENS == 0 if self.placement.index_writes == "full_blocks" else True
+        index = cache.index
+        if update.written is None:
+            kv, blocks, landmarks, tokens = self._write_new_token(cache, update, p, 0, shared_kv=shared_kv)
+            writes = _tokens(tokens, cache.writes)
+        else:  # each layer wrote its own in the layer scan: only the small leaves change here
+            kv, landmarks = cache.kv, index.landmarks
+            blocks = {part: None if store is None else (store.planes, store.scales)
+                      for part in PLANE_PARTS for store in [getattr(index, part)]}
+            writes = jnp.sum(update.written, axis=0)  # depends on every layer's writes
+        lengths = index.length + 1
 
         def store(old: PlaneStore | None, part: str):
             if old is None:
                 return None
-            words, scale, tail = update.blocks[part]
-            planes, scales = _write_block(write, old, words, scale, p // BLOCK_TOKENS, due)
-            return PlaneStore(planes=planes, scales=scales, tail=tail, length=lengths, rotation=old.rotation)
+            planes, scales = blocks[part]
+            return PlaneStore(planes=planes, scales=scales, tail=update.blocks[part][2], length=lengths,
+                              rotation=old.rotation)
 
-        index = cache.index
-        landmarks, landmark_tail = index.landmarks, index.landmark_tail
-        if landmarks is not None:
-            mean, landmark_tail = update.landmark
-            landmarks = write(landmarks, mean[:, :, None, :], p // LANDMARK_TOKENS, 2)
+        landmark_tail = None if update.landmark is None else update.landmark[1]
         index = KeyIndex(length=lengths, raw=store(index.raw, "raw"), klt=store(index.klt, "klt"),
                          loki=store(index.loki, "loki"), landmarks=landmarks, landmark_tail=landmark_tail)
-        return SparseCache(kv=kv, index=index, length=cache.length + 1, writes=_tokens(tokens, cache.writes))
+        return SparseCache(kv=kv, index=index, length=cache.length + 1, writes=writes)
+
+    def _write_new_token(self, cache, update: LayerUpdate, p, layer, *, shared_kv):
+        """Write the new token's K/V rows and newest index blocks (``update`` stacked on layers ``layer ..``) at
+        group positions ``p [R]`` into the bulk arrays. Returns ``(kv, {part: (planes, scales)}, landmarks,
+        in-place write tokens)``: new arrays for functional updates, the same ones when written in place."""
+        put, tokens = self._writer()
+        write = lambda dst, src, start, axis: put(dst, src, start, axis, layer)  # noqa: E731
+        rows = join_kv(update.key, update.value, cache.kv.dtype)  # [Ls, R, 2 Dh]
+        if shared_kv:  # one row buffer for every layer keeps the last layer's row (others drop past the end)
+            last = jnp.asarray(layer) + rows.shape[0] == cache.n_layers
+            kv = put(cache.kv, rows[-1:, :, None, :], jnp.where(last, p, cache.capacity), 2, 0)
+        else:
+            kv = write(cache.kv, rows[:, :, None, :], p, 2)
+        # "full_blocks": only a block this step fills is written; a partial one stays in the stores' tails
+        due = (p + 1) % BLOCK_TOKENS == 0 if self.placement.index_writes == "full_blocks" else True
+        index = cache.index
+        blocks = {}
+        for part in PLANE_PARTS:
+            old = getattr(index, part)
+            if old is not None:
+                words, scale, _ = update.blocks[part]
+                blocks[part] = _write_block(write, old, words, scale, p // BLOCK_TOKENS, due)
+        landmarks = index.landmarks
+        if landmarks is not None:
+            landmarks = write(landmarks, update.landmark[0][:, :, None, :], p // LANDMARK_TOKENS, 2)
+        return kv, blocks, landmarks, tokens
 
     def flush(self, cache: SparseCache) -> SparseCache:
         """The cache with every layer's partial newest plane block written into the stores (from their raw tails).

@@ -109,7 +109,12 @@ class Placement:
     ``gather_programs``: persistent programs of the run gather (0: one program per copied chunk of a run).
     Both default to ``"auto"`` (:meth:`chunks`, :attr:`run_gather_programs`): on the H200, Fathom 48's
     36-layer step at 1M tokens took 79.9 ms in one chunk and 64.6 ms in 8 chunks with 66 gather programs;
-    at 128k 19.5 and 18.2 ms with 2 chunks (``results/pipeline_h200.md``)."""
+    at 128k 19.5 and 18.2 ms with 2 chunks (``results/pipeline_h200.md``).
+
+    ``scan_writes``: where the cache is written in place (:attr:`writes_in_place`), each layer writes its new
+    K/V row and index blocks inside the layer scan, right after its step is planned, beside its transfers
+    (:attr:`writes_in_scan`); False: every layer's at once after the scan. Device memory is always updated
+    after the scan (functionally: XLA then writes the donated buffers in place)."""
 
     memory: Memory = "device"
     mesh: jax.sharding.Mesh | None = None
@@ -119,6 +124,7 @@ class Placement:
     index_writes: IndexWrites = "every_step"
     pipeline: int | Literal["auto"] = "auto"
     gather_programs: int | Literal["auto"] = "auto"
+    scan_writes: bool = True
 
     def __post_init__(self):
         if self.memory not in MEMORIES:
@@ -134,6 +140,8 @@ class Placement:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 allowed = f"an int >= {least}" + (" or 'auto'" if auto else "")
                 raise ValueError(f"placement {name} must be {allowed}, got {value!r}")
+        if not isinstance(self.scan_writes, bool):
+            raise ValueError(f"placement scan_writes must be a bool, got {self.scan_writes!r}")
         if self.streams > 1 and self.pipeline not in (1, "auto"):
             raise ValueError(f"placement streams={self.streams} and pipeline={self.pipeline}: choose one way to split "
                              "a layer's groups")
@@ -178,6 +186,12 @@ class Placement:
         programs take them as inputs only (XLA would copy a host array it had to return: see
         ``pallas_kernels.cache_write.cache_write_in_place``). Device memory keeps functional updates."""
         return self.memory_kind == "pinned_host"
+
+    @property
+    def writes_in_scan(self) -> bool:
+        """Each layer's new K/V row and index blocks are written inside the layer scan (``scan_writes`` where the
+        writes are in place)."""
+        return self.scan_writes and self.writes_in_place
 
     @property
     def num_shards(self) -> int:

@@ -125,3 +125,6 @@ class LayerUpdate:
     value: Float[Array, "R Dh"]
     blocks: dict  # part -> (plane words [R, D, 4, 2], scales [R, D], raw tail [R, 64, D])
     landmark: tuple | None = None  # (fp16 mean [R, D], raw tail [R, 8, D])
+    # completion tokens i32 [writes] of the bulk writes the layer already made in the layer scan
+    # (``Placement.writes_in_scan``); None: the commit after the scan makes them
+    written: Array | None = None

@@ -207,16 +207,23 @@ def link_rate(run) -> float:
     return float(np.mean(rates)) if rates else float("nan")
 
 
-SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0}
+# (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan)
+SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False}
 
 
 def split_fields(placement: Placement) -> dict:
-    """The placement options a row varies (the columns of the report)."""
-    return {name: getattr(placement, name) for name in SPLIT_DEFAULTS}
+    """The placement options a row varies (the columns of the report); ``scan_writes`` as it takes effect."""
+    return {name: getattr(placement, name) for name in SPLIT_DEFAULTS} | {"scan_writes": placement.writes_in_scan}
 
 
 def variant_tag(split: dict) -> str:
-    return f"s{split['streams']}_{split['index_writes']}_p{split['pipeline']}_g{split['gather_programs']}"
+    return (f"s{split['streams']}_{split['index_writes']}_p{split['pipeline']}_g{split['gather_programs']}"
+            + ("_w" if split.get("scan_writes") else ""))
+
+
+def writes_text(r: dict) -> str:
+    """A row's index writes, and ``in scan`` where each layer wrote inside the layer scan."""
+    return r.get("index_writes", "every_step") + (" in scan" if r.get("scan_writes") else "")
 
 
 def split_text(r: dict) -> str:
@@ -229,10 +236,10 @@ def split_text(r: dict) -> str:
     return f"gather {r['gather_programs']}" if r.get("gather_programs") else ""
 
 
-def parse_variants(streams: str, index_writes: str, pipeline: str) -> list[dict]:
-    """Every combination of ``--streams``, ``--index-writes`` and ``--pipeline`` (entries ``auto``, ``N`` or
-    ``N/P``: N chunks, P persistent gather programs, "auto" where not given), without streams and pipeline
-    together (streams run with one chunk and the per-item gather)."""
+def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: str = "1") -> list[dict]:
+    """Every combination of ``--streams``, ``--index-writes``, ``--pipeline`` (entries ``auto``, ``N`` or
+    ``N/P``: N chunks, P persistent gather programs, "auto" where not given) and ``--scan-writes`` (1 / 0),
+    without streams and pipeline together (streams run with one chunk and the per-item gather)."""
     pipes = []
     for item in pipeline.split(","):
         n, _, programs = item.partition("/")
@@ -244,6 +251,12 @@ def parse_variants(streams: str, index_writes: str, pipeline: str) -> list[dict]
                 out.append(dict(streams=s, index_writes=w, pipeline=1, gather_programs=0))
                 continue
             out += [dict(streams=1, index_writes=w, pipeline=n, gather_programs=g) for n, g in pipes]
+    flags = []
+    for item in scan_writes.split(","):
+        if item not in ("0", "1"):
+            raise ValueError(f"--scan-writes entries are 1 or 0, got {item!r}")
+        flags.append(item == "1")
+    out = [v | {"scan_writes": f} for f in flags for v in out]
     return list({tuple(v.items()): v for v in out}.values())
 
 
@@ -465,6 +478,9 @@ def main(argv=None):
     ap.add_argument("--pipeline", default="auto",
                     help="chunks per layer with chained plane transfers: auto, N or N/P with P persistent gather "
                          "programs (a list: one row each; 1/0 = one chunk, one program per copied chunk of a run)")
+    ap.add_argument("--scan-writes", default="1",
+                    help="1 and/or 0 (a list: one row each): each layer writes its new row and blocks inside the layer "
+                         "scan (1, the default) or every layer after it (0)")
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
@@ -479,9 +495,9 @@ def main(argv=None):
     args.share_kv_from = None if args.share_kv_from in ("", "none") else parse_ctx(args.share_kv_from)
     args.sections = args.sections.split(",")
     try:
-        args.variants = parse_variants(str(args.streams), args.index_writes, args.pipeline)
+        args.variants = parse_variants(str(args.streams), args.index_writes, args.pipeline, args.scan_writes)
     except ValueError as e:
-        ap.error(f"--streams / --pipeline: {e}")
+        ap.error(f"--streams / --pipeline / --scan-writes: {e}")
     labels = [m for m in args.methods.split(",") if m]
     unknown = [m for m in labels if m not in METHODS]
     if unknown:
@@ -541,7 +557,8 @@ def mesh_ratio_lines(att: list[dict], default_read) -> list[str]:
     """Each step measured on one GPU and on a mesh of several with the same method, shapes and reads, side by side."""
     def key(r):  # chunk counts differ with the groups per device: pipelined pairs with pipelined
         return (r["method"], r["context"], r["batch"], r["memory"], r.get("read", default_read), r["shared_kv"],
-                r.get("index_writes", "every_step"), r.get("streams", 1), int(r.get("pipeline", 1)) > 1)
+                r.get("index_writes", "every_step"), r.get("streams", 1), int(r.get("pipeline", 1)) > 1,
+                bool(r.get("scan_writes")))
 
     single = {key(r): r for r in att if r["mesh"] == 1}
     pairs = [(single[key(r)], r) for r in att if r["mesh"] > 1 and key(r) in single]
@@ -552,7 +569,7 @@ def mesh_ratio_lines(att: list[dict], default_read) -> list[str]:
              "mesh floor ms | x floor | runs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for one, many in sorted(pairs, key=lambda p: (p[1]["context"], p[1]["method"], str(p[1]["shared_kv"]), key(p[1])[6:])):
-        lines.append(f"| {many['method']} | {many['context']} | {key(many)[4]} | {many['shared_kv']} | {key(many)[6]} | "
+        lines.append(f"| {many['method']} | {many['context']} | {key(many)[4]} | {many['shared_kv']} | {writes_text(many)} | "
                      f"{one.get('pipeline', 1)} / {many.get('pipeline', 1)} | {one['median_ms']:.1f} | "
                      f"{many['mesh']} | {many['median_ms']:.1f} | {many['median_ms'] / one['median_ms']:.2f} | "
                      f"{many['link_floor_ms']:.1f} | {many['median_ms'] / many['link_floor_ms']:.2f} | "
@@ -584,7 +601,9 @@ def write_report(res: dict, prefix: str) -> None:
                   "rows over the link once at the rate measured in the run.", "",
                   "`index writes`: `every_step` writes the newest plane block of every layer each step; `full_blocks` only "
                   "when it fills (once in 64 steps: its cost, the cache write's plane words in the profile, is then "
-                  "spread over 64 steps and the median leaves it out).", "",
+                  "spread over 64 steps and the median leaves it out); `in scan`: each layer writes its new K/V row and "
+                  "blocks inside the layer scan, beside its own transfers (`Placement.scan_writes`), instead of every "
+                  "layer's after the scan.", "",
                   "`split`: a layer's groups on several GPU streams, or in pipelined chunks whose plane transfers are "
                   "chained (the next chunk's transfer beside this chunk's scan, selection and row fetch), with the run "
                   "gather as that many persistent programs.", "",
@@ -592,8 +611,8 @@ def write_report(res: dict, prefix: str) -> None:
                   "link floor ms | fraction of link | authors' ms | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("read") or "", r.get("streams", 1),
                                             r.get("pipeline", 1), r.get("gather_programs", 0),
-                                            r.get("index_writes", "every_step"))):
-            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | {r.get('index_writes', 'every_step')} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
+                                            r.get("index_writes", "every_step"), bool(r.get("scan_writes")))):
+            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | {writes_text(r)} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
                          f"{r['bits_per_token']:.1f} | {r['scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
                          f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | "
                          f"{r['fraction_of_link']:.2f} | {r.get('authors_ms') or ''} | {str(r.get('run_date', ''))[:16]} |")
@@ -607,7 +626,7 @@ def write_report(res: dict, prefix: str) -> None:
         for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"], r.get("streams", 1),
                                              r.get("pipeline", 1), r.get("index_writes", "every_step"))):
             lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | "
-                         f"{r.get('index_writes', 'every_step')} | {r['median_ms']:.2f} "
+                         f"{writes_text(r)} | {r['median_ms']:.2f} "
                          f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['tokens_per_s']:.1f} | "
                          f"{r.get('wall_over_device', float('nan')):.2f} |")
         lines.append("")
@@ -617,6 +636,7 @@ def write_report(res: dict, prefix: str) -> None:
             what = "full step" if r["kind"] == "full" else f"attention-only step ({r['memory']})"
             what += f", {split_text(r)}" if split_text(r) else ""
             what += ", plane blocks written when full" if r.get("index_writes") == "full_blocks" else ""
+            what += ", each layer's writes in the layer scan" if r.get("scan_writes") else ""
             lines += [f"Profile of the {what}, {r['method']} at {r['context']} (batch {r['batch']}): wall "
                       f"{p['wall_ms_per_step']:.1f} ms, device span {p['device_span_ms_per_step']:.1f} ms, busy "
                       f"{p['device_busy_ms_per_step']:.1f} ms per step; "

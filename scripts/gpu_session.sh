@@ -56,6 +56,9 @@
 #                       one GPU, the sharding/HLO/CLI tests on both (pipelined chunks under a mesh), first half of the
 #                       GGUF; 1M with every layer's own K/V on one GPU of that machine, both index-write modes
 #   r2  (same machine)  second half; SmolLM2 GPU tests (8k parity, two GPUs vs one); the same 1M step on two GPUs
+#   s1  (nvidia-h200)   each layer's writes inside the layer scan (Placement(scan_writes=True), the default): the GPU tests
+#                       of the decode/offload path; Fathom 48 with and without scan writes, SparQ r=16 and the 32-channel
+#                       scan at 1M and 128k
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -322,6 +325,17 @@ r2)
   timeout 320 python3 scripts/bench_offload.py --tag h200x2_r2 --out $OUT --mesh 2 --read staged --sections link,attn \
     --contexts 1m --methods "Fathom 48,32-channel (SparQ r=32)" --index-writes every_step,full_blocks --share-kv-from none \
     --time-budget 310 2>&1 | tee $OUT/bench_r2.log ;;
+s1)
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_hlo.py tests/test_decode.py tests/test_sparse_step.py \
+    tests/pallas_kernels/test_cache_write.py 2>&1 | tee $OUT/gpu_tests_s1_h200.log
+  timeout 130 python3 scripts/bench_offload.py --tag h200_s1a --out $OUT --read staged --sections link,attn --contexts 1m \
+    --methods "Fathom 48" --index-writes every_step,full_blocks --scan-writes 1,0 \
+    --share-kv-from 1m --time-budget 120 2>&1 | tee $OUT/bench_s1a.log
+  timeout 130 python3 scripts/bench_offload.py --tag h200_s1b --out $OUT --read staged --sections attn --contexts 1m \
+    --methods "SparQ r=16,32-channel (SparQ r=32)" --index-writes every_step,full_blocks \
+    --share-kv-from 1m --time-budget 120 2>&1 | tee $OUT/bench_s1b.log
+  timeout 120 python3 scripts/bench_offload.py --tag h200_s1c --out $OUT --read staged --sections attn --contexts 128k \
+    --methods "Fathom 48,SparQ r=16" --index-writes every_step --scan-writes 1,0 --time-budget 110 2>&1 | tee $OUT/bench_s1c.log ;;
 o6)
   timeout 200 python3 scripts/bench_offload.py --tag h200_o6 --out $OUT --read staged \
     --methods "32-channel (SparQ r=32),SparQ r=16" --index-writes every_step,full_blocks \

@@ -5,6 +5,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "scripts"))
 import bench_offload  # noqa: E402
 
@@ -45,14 +47,21 @@ def test_merge_keeps_the_newest_row_and_dates_errors(tmp_path):
 
 
 def test_variants_and_their_labels():
-    """--streams x --index-writes x --pipeline: streams never pipelined; "auto" where a part is not given."""
+    """--streams x --index-writes x --pipeline x --scan-writes: streams never pipelined; "auto" where a part is not
+    given."""
     got = bench_offload.parse_variants("1,2", "full_blocks", "auto,1/0,8/66,4")
     assert got == [
-        dict(streams=1, index_writes="full_blocks", pipeline="auto", gather_programs="auto"),
-        dict(streams=1, index_writes="full_blocks", pipeline=1, gather_programs=0),
-        dict(streams=1, index_writes="full_blocks", pipeline=8, gather_programs=66),
-        dict(streams=1, index_writes="full_blocks", pipeline=4, gather_programs="auto"),
-        dict(streams=2, index_writes="full_blocks", pipeline=1, gather_programs=0)]
+        dict(streams=1, index_writes="full_blocks", pipeline="auto", gather_programs="auto", scan_writes=True),
+        dict(streams=1, index_writes="full_blocks", pipeline=1, gather_programs=0, scan_writes=True),
+        dict(streams=1, index_writes="full_blocks", pipeline=8, gather_programs=66, scan_writes=True),
+        dict(streams=1, index_writes="full_blocks", pipeline=4, gather_programs="auto", scan_writes=True),
+        dict(streams=2, index_writes="full_blocks", pipeline=1, gather_programs=0, scan_writes=True)]
+    got = bench_offload.parse_variants("1", "every_step", "auto", "1,0")
+    assert [v["scan_writes"] for v in got] == [True, False]
+    with pytest.raises(ValueError, match="--scan-writes entries are 1 or 0"):
+        bench_offload.parse_variants("1", "every_step", "auto", "yes")
+    assert bench_offload.writes_text({"index_writes": "every_step", "scan_writes": True}) == "every_step in scan"
+    assert bench_offload.writes_text({}) == "every_step"
     text = bench_offload.split_text
     assert text({"streams": 2}) == "streams 2" and text({"pipeline": 8, "gather_programs": 66}) == "pipeline 8 (gather 66)"
     assert text({"pipeline": 1, "gather_programs": 66}) == "gather 66" and text({}) == ""

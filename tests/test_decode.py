@@ -93,20 +93,32 @@ def test_selecting_every_token_equals_dense(model, calib, dense_run, spec):
 # The cache after decoding is the cache of all keys, bit for bit (ragged batch, across blocks)
 
 
-@pytest.mark.parametrize("spec,writes", [("fathom_klt:16", "every_step"), ("landmark", "every_step"),
-                                         ("fathom:16", "full_blocks")])
-def test_index_after_decode_equals_index_of_all_keys(model, spec, writes):
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("spec,writes,memory,scan_writes", [
+    ("fathom_klt:16", "every_step", "device", True), ("landmark", "every_step", "device", True),
+    ("fathom:16", "full_blocks", "device", True),
+    # in pinned_host memory the kernels write in place: each layer's inside the layer scan, or all after it
+    pytest.param("fathom_klt:16", "every_step", "pinned_host", True, marks=ON_GPU),
+    pytest.param("fathom:16", "full_blocks", "pinned_host", True, marks=ON_GPU),
+    pytest.param("landmark", "every_step", "pinned_host", False, marks=ON_GPU)])
+def test_index_after_decode_equals_index_of_all_keys(model, spec, writes, memory, scan_writes):
     # A raw store written every step takes the KLT store's commit path (the same code per part).
     # 60 / 45 prompt tokens + 5 decode steps cross a 64-token store block and 8-token landmark blocks.
     lengths = np.array([60, 45])
-    attn = decode.from_spec(spec, k=40, placement=decode.Placement(index_writes=writes))  # fathom_klt: session calibration
+    placement = decode.Placement(memory, index_writes=writes, scan_writes=scan_writes)
+    attn = decode.from_spec(spec, k=40, placement=placement)  # fathom_klt: session calibration
     _, cache, attn = sparse_forced(model, LONG, LONG[:, :5], attn, capacity=72, lengths=lengths)
+    if memory == "pinned_host":
+        assert cache.kv.sharding.memory_kind == "pinned_host" and attn.placement.writes_in_scan == scan_writes
+    cache = jax.device_get(cache) if writes == "every_step" else cache  # numpy leaves (host arrays: no eager ops)
     np.testing.assert_array_equal(cache.length, lengths + 5)
     if writes == "full_blocks":  # the steps wrote the block that filled (0 of sequence 0), not the partial ones
         hkv = model.config.n_kv_heads
         planes = np.asarray(cache.index.raw.planes)
         assert planes[:, :hkv, :, :, :2].any() and not planes[:, :hkv, :, :, 2:4].any()  # 65 tokens: block 1 unwritten
-        cache = sparse.flush(cache, attn)
+        cache = jax.device_get(sparse.flush(cache, attn))
         assert planes[:, hkv:].tolist() != np.asarray(cache.index.raw.planes)[:, hkv:].tolist()  # 45 + 5: block 0 was stale
     hkv = model.config.n_kv_heads
     for b, n in enumerate(lengths + 5):
@@ -125,6 +137,43 @@ def test_index_after_decode_equals_index_of_all_keys(model, spec, writes):
         for b, n in enumerate(lengths):
             want = C.calibrate_session(cache.k[:, b * hkv:(b + 1) * hkv, :n])
             np.testing.assert_allclose(attn.calibration.basis[:, b * hkv:(b + 1) * hkv], want.basis, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec,shared_kv,writes", [("fathom_klt:16", False, "every_step"), ("landmark", True, "every_step"),
+                                                   ("fathom:16", True, "full_blocks")])
+def test_writes_layer_by_layer_equal_the_writes_after_the_scan(model, spec, shared_kv, writes):
+    """What each layer writes inside the layer scan (``Placement.writes_in_scan``: in place, on a GPU) lands where
+    the commit after the scan puts it: every layer's new K/V row and index blocks at its own layer, and in a row
+    buffer shared by all layers only the last layer's row; the commit then only updates the small leaves."""
+    cfg = model.config
+    attn = decode.from_spec(spec, k=12, sink=2, local=4, placement=decode.Placement(index_writes=writes))
+    prompt = np.random.default_rng(4).integers(0, 97, (2, 63)).astype(np.int32)
+    _, cache, attn = sparse.prefill(model, prompt, np.array([63, 40]), attn, 72)
+    if shared_kv:
+        cache = dataclasses.replace(cache, kv=cache.kv[-1:])
+    assert cache.shared_kv == shared_kv
+    rng = np.random.default_rng(5)
+    r, layers = cache.groups, cfg.n_layers
+    q = jnp.asarray(rng.standard_normal((layers, r, cfg.group_size, cfg.head_dim)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((2, layers, r, cfg.head_dim)), jnp.float32)
+    per_layer = [attn.attend(q[layer], kv[0, layer], kv[1, layer], cache, layer)[1] for layer in range(layers)]
+    updates = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    want = attn.commit(cache, updates)
+
+    got, p = cache, cache.group_length()
+    for layer, update in enumerate(per_layer):
+        kv_rows, blocks, landmarks, tokens = attn._write_new_token(got, jax.tree.map(lambda a: a[None], update), p,
+                                                                   layer, shared_kv=shared_kv)
+        stores = {part: dataclasses.replace(getattr(got.index, part), planes=b[0], scales=b[1])
+                  for part, b in blocks.items()}
+        got = dataclasses.replace(got, kv=kv_rows, index=dataclasses.replace(got.index, landmarks=landmarks, **stores))
+        assert len(tokens) == 0  # functional writes here; in place they return one token per write
+    written = jnp.zeros((layers,) + cache.writes.shape, jnp.int32)
+    got = attn.commit(got, dataclasses.replace(updates, written=written))
+    assert_trees_bitwise_equal(got, want)
+    row = np.asarray(want.kv[0, :, 63])  # sequence 0's new row: the last layer's where the buffer is shared
+    np.testing.assert_array_equal(row[: cfg.n_kv_heads, : cfg.head_dim], np.asarray(kv[0, -1 if shared_kv else 0,
+                                                                                           : cfg.n_kv_heads]))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -34,16 +34,18 @@ def test_parser_flags_copies_slices_and_host_outputs_of_large_host_arrays():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("read,streams,writes,pipeline", [
-    ("direct", 1, "every_step", 1), ("staged", 1, "every_step", 1), ("staged", 2, "every_step", 1),
-    ("staged", 1, "full_blocks", 1), ("staged", 1, "full_blocks", 2)])
-def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_model, read, streams, writes, pipeline):
+@pytest.mark.parametrize("read,streams,writes,pipeline,scan_writes", [
+    ("direct", 1, "every_step", 1, True), ("staged", 1, "every_step", 1, True), ("staged", 2, "every_step", 1, True),
+    ("staged", 1, "full_blocks", 1, True), ("staged", 1, "full_blocks", 2, True), ("staged", 1, "every_step", 2, False)])
+def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_model, read, streams, writes, pipeline,
+                                                            scan_writes):
     """The compiled offloaded decode step has no host-to-device (or host-to-host) copy of the store or K/V,
     whether the plane scan reads host memory itself or the run gather stages the planned runs, and when the
     groups are split over GPU streams (the host arrays then pass into each stream's computation) or into
-    pipelined chunks (compiled with their CUDA-graph option)."""
+    pipelined chunks (compiled with their CUDA-graph option), and whether each layer writes its new row and blocks
+    inside the layer scan or all layers write after it."""
     placement = decode.Placement("pinned_host", read=read, streams=streams, index_writes=writes, pipeline=pipeline,
-                                 gather_programs=64 if pipeline > 1 else 0)
+                                 gather_programs=64 if pipeline > 1 else 0, scan_writes=scan_writes)
     attn = decode.from_spec("fathom:16", k=64, calibration="session", placement=placement, implementation="pallas")
     prompt = np.random.default_rng(0).integers(0, 97, (2, 1000)).astype(np.int32)
     logits, cache, attn = sparse.prefill(tiny_model, prompt, np.array([1000, 900]), attn, 4096)

@@ -119,3 +119,14 @@ def test_streams_are_checked_and_split_per_group_leaves_only():
         np.testing.assert_array_equal(qc, q[2 * i:2 * i + 2])
         np.testing.assert_array_equal(tail, cache.tail[2 * i:2 * i + 2])
         np.testing.assert_array_equal(planes, cache.planes)  # bulk: whole, read at the group offset by the kernels
+
+
+def test_scan_writes_take_effect_where_the_cache_is_written_in_place():
+    from unittest import mock
+
+    with pytest.raises(ValueError, match="scan_writes must be a bool, got 'yes'"):
+        Placement("pinned_host", scan_writes="yes")
+    assert not Placement().writes_in_scan and not Placement("pinned_host").writes_in_scan  # CPU: functional updates
+    with mock.patch.object(Placement, "memory_kind", new_callable=mock.PropertyMock, return_value="pinned_host"):
+        assert Placement("pinned_host").writes_in_scan
+        assert not Placement("pinned_host", scan_writes=False).writes_in_scan
