@@ -61,6 +61,8 @@
 #                       scan at 1M and 128k
 #   t1  (nvidia-h200-x2) the sharding/HLO/CLI tests on both GPUs (r1's were cut by their timeout), with scan writes; the
 #                       decode GPU tests after s1's three new cases were fixed (raw store, a copy before flush, TF32 tolerance)
+#   t2  (nvidia-h200)   t1's failing raw-store index cases: the same test in HBM on the GPU, and in host memory with the
+#                       writes after the scan and in it (which of them breaks bit equality)
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -342,6 +344,8 @@ t1)
   CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_decode.py 2>&1 | tee $OUT/gpu_tests_t1_h200.log
   timeout 290 python3 -m pytest -q -p no:cacheprovider --durations=12 tests/test_sharding.py tests/test_hlo.py tests/test_cli.py 2>&1 \
     | tee $OUT/gpu_tests_t1_h200x2.log ;;
+t2)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_decode.py -k "index_after" 2>&1 | grep -v "^E  \|^  \|^ *$" | tail -40 ;;
 o6)
   timeout 200 python3 scripts/bench_offload.py --tag h200_o6 --out $OUT --read staged \
     --methods "32-channel (SparQ r=32),SparQ r=16" --index-writes every_step,full_blocks \
