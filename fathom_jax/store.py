@@ -175,6 +175,18 @@ def unpack_store(store: PlaneStore) -> UnpackedStore:
 # Quantization
 
 
+def exact_cell(keys, width, ratio):
+    """``floor(keys / width)`` exactly (0 where ``width`` is 0), from a quotient ``ratio`` that may be one ulp off.
+
+    XLA on a GPU may divide as a multiply by the reciprocal, in one program and not in another, which puts a key
+    on a cell boundary (frequent for bf16 keys) one cell low: the index built after a decode step then differed
+    from the index built from all keys. ``j * width`` is exact (an fp16 scale / 8 times an integer |j| <= 8), so
+    one comparison each way settles the cell."""
+    cell = jnp.floor(ratio)
+    cell = jnp.where((width > 0) & (cell * width > keys), cell - 1, cell)
+    return jnp.where((width > 0) & ((cell + 1) * width <= keys), cell + 1, cell)
+
+
 def quantize_blocks(
     keys: Float[Array, "*B NB 64 D"], valid: Any = None
 ) -> tuple[Int[Array, "*B NB 64 D"], Float16[Array, "*B NB D"]]:
@@ -193,7 +205,7 @@ def quantize_blocks(
     scale16 = jnp.minimum(absmax, FP16_MAX).astype(jnp.float16)
     width = scale16.astype(jnp.float32)[..., None, :] / 8.0
     ratio = jnp.where(width > 0, keys / jnp.where(width > 0, width, 1.0), 0.0)
-    codes = jnp.clip(jnp.floor(ratio), -8, 7).astype(jnp.int32) + 8
+    codes = jnp.clip(exact_cell(keys, width, ratio), -8, 7).astype(jnp.int32) + 8
     codes = jnp.where(negative & (codes >= 8) & (width > 0), 7, codes)
     return codes, scale16
 

@@ -228,3 +228,21 @@ def test_depth_outside_the_four_planes(depth):
         S.read_codes(store, depth)
     read = np.asarray(jax.jit(S.dequantize)(store, jnp.array([0, 2, 4, depth])))
     assert np.all(np.isnan(read[:, 3])) and np.all(np.isfinite(read[:, :3]))
+
+
+def test_cells_are_exact_when_the_division_rounds_one_ulp_off():
+    """bf16 keys sit on cell boundaries often; a quotient one ulp low or high (a GPU dividing by a reciprocal
+    multiply) still gives floor(key / width), the cell of the exact quotient (float64 here)."""
+    rng = np.random.default_rng(11)
+    keys = np.asarray(jnp.asarray(rng.standard_normal((4096,)), jnp.bfloat16), np.float32)
+    width = np.asarray(jnp.asarray(rng.uniform(0.05, 0.5, (4096,)), jnp.float16), np.float32) / 8
+    keys = np.concatenate([keys, np.arange(-8, 8, dtype=np.float32) * width[:16]])  # exactly on boundaries
+    width = np.concatenate([width, width[:16]])
+    want = np.floor(keys.astype(np.float64) / width.astype(np.float64))
+    ratio = keys / width
+    on_boundary = ratio == np.round(ratio)
+    assert on_boundary.sum() >= 16
+    for nudged in (ratio, np.nextafter(ratio, -np.inf), np.nextafter(ratio, np.inf)):
+        got = np.asarray(S.exact_cell(jnp.asarray(keys), jnp.asarray(width), jnp.asarray(nudged)))
+        np.testing.assert_array_equal(got, want)
+    assert np.asarray(S.exact_cell(jnp.float32(-1e-3), jnp.float32(0.0), jnp.float32(0.0))) == 0  # zero width
