@@ -344,8 +344,8 @@ class SparseAttention:
             writes = _tokens(tokens, cache.writes)
         else:  # each layer wrote its own in the layer scan: only the small leaves change here
             kv, landmarks = cache.kv, index.landmarks
-            blocks = {part: None if store is None else (store.planes, store.scales)
-                      for part in PLANE_PARTS for store in [getattr(index, part)]}
+            blocks = {part: (store.planes, store.scales) for part in PLANE_PARTS
+                      if (store := getattr(index, part)) is not None}
             writes = jnp.sum(update.written, axis=0)  # depends on every layer's writes
         lengths = index.length + 1
 
