@@ -16,7 +16,7 @@ from fathom_jax.models import KVCache, capture_qkv, dense_attention, generate
 from fathom_jax.models import sparse
 from fathom_jax.scan import scan_scores
 from fathom_jax.select import select_topk, sparse_attention
-from tests.support import assert_trees_bitwise_equal
+from tests.support import assert_trees_bitwise_equal, build_index_jit
 
 RNG = np.random.default_rng(7)
 PROMPTS = RNG.integers(0, 97, (2, 2, 24)).astype(np.int32)  # two [B=2, T=24] prompts
@@ -128,7 +128,7 @@ def test_index_after_decode_equals_index_of_all_keys(model, spec, writes, memory
         rows = slice(b * hkv, (b + 1) * hkv)
         for layer in range(model.config.n_layers):
             calib = None if attn.calibration is None else jax.tree.map(lambda a: a[layer, rows], attn.calibration)
-            want = build_index(cache.k[layer, rows, :n], calib, (attn.method,), capacity=72)
+            want = build_index_jit(cache.k[layer, rows, :n], calib, (attn.method,), capacity=72)
             got = jax.tree.map(lambda a: a[layer, rows], cache.index)
             assert_trees_bitwise_equal(got, want)
         # the K rows are the model's keys: every layer's on the prompt (dense prefill), layer 0's on the decoded

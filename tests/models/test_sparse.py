@@ -98,7 +98,9 @@ def test_attention_only_step_matches_the_layers_attention(tiny_model):
     r = 2 * cfg.n_kv_heads
     q = jnp.asarray(rng.standard_normal((cfg.n_layers, r, cfg.group_size, cfg.head_dim)), jnp.float32)
     kv = jnp.asarray(rng.standard_normal((2, cfg.n_layers, r, cfg.head_dim)), jnp.float32)
-    want = [attn.attend(q[layer], kv[0, layer], kv[1, layer], cache, layer)[0] for layer in range(cfg.n_layers)]
+    # each layer's attention as the decode step's layer scan runs it: one program, the layer traced
+    attend = jax.jit(lambda q, key, value, cache, layer: attn.attend(q, key, value, cache, layer)[0])
+    want = [attend(q[layer], kv[0, layer], kv[1, layer], cache, jnp.int32(layer)) for layer in range(cfg.n_layers)]
     out, cache = sparse.attention_step(q, kv[0], kv[1], cache, attn)
     np.testing.assert_allclose(np.asarray(out), np.asarray(jnp.stack(want)), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(cache.length, [41, 34])
@@ -114,9 +116,11 @@ def test_cache_from_dense_prefill_branches_methods_from_one_prefill(tiny_model):
     lengths = np.array([30, 30])
     logits, kv = tiny_model.prefill(jnp.asarray(prompt), KVCache.init(cfg, 2, 48), last_only=True)
     first = jnp.argmax(logits, -1).astype(jnp.int32)
+    # jitted, as the downstream sweeps run it (fathom_jax/eval/downstream.py); eagerly it is op by op (~4x slower)
+    from_dense = jax.jit(sparse.cache_from_dense)
     for spec in ("fathom_klt:12", "landmark"):
         attn = decode.from_spec(spec, k=12, sink=2, local=4)
-        cache, branched = sparse.cache_from_dense(kv, lengths, attn)
+        cache, branched = from_dense(kv, lengths, attn)
         got, _ = sparse.decode_loop(tiny_model, first, cache, branched, 5)
         want_logits, want_cache, want_attn = sparse.prefill(tiny_model, prompt, lengths, attn, 48)
         want, _ = sparse.decode_loop(tiny_model, jnp.argmax(want_logits, -1).astype(jnp.int32), want_cache, want_attn, 5)
