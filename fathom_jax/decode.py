@@ -235,6 +235,7 @@ class SparseAttention:
         )
 
     def _write_groups(self, cache, keys, values, length, calib, layer, *, shared_kv):
+        keys, values = _materialized(keys, values)
         zero = jnp.zeros_like(length)
         put, tokens = self._writer()
         write = lambda dst, src, axis: put(dst, src[None], zero, axis, layer)  # noqa: E731
@@ -292,6 +293,7 @@ class SparseAttention:
     def _attend_groups(self, q, key, value, position, calib, cache, layer, *, shared_kv):
         small = lambda a: a[layer]  # noqa: E731
         index = cache.index
+        key, value = _materialized(key, value)
         key32 = key.astype(jnp.float32)
         blocks, view = {}, {"length": small(index.length)}
         for part in PLANE_PARTS:
@@ -421,6 +423,13 @@ def _write_block(write, store: PlaneStore, words, scale, block, due):
     writes drop out."""
     block = jnp.where(due, block, store.scales.shape[-1])
     return write(store.planes, words, block * WORDS_PER_BLOCK, 4), write(store.scales, scale[..., None], block, 3)
+
+
+def _materialized(keys, values):
+    """``keys, values`` computed once: both the stored K/V rows and the index are built from these bits. Without
+    the barrier XLA may fuse the elementwise producers (RoPE) into each consumer, and on a GPU two fusions can
+    contract multiply-adds differently, so the index could quantize other key bits than the rows hold."""
+    return jax.lax.optimization_barrier((keys, values))
 
 
 def _tokens(tokens, previous):
