@@ -207,7 +207,7 @@ def _generate(args: argparse.Namespace) -> int:
             cap = capture_qkv(model, jnp.asarray(calib_ids[: args.calib_tokens]))
             calibration = calibrate(cap["k"], cap["q"])
         placement = decode.Placement(args.placement, mesh=mesh, read=args.read, index_writes=args.index_writes,
-                                     pipeline=args.pipeline)
+                                     pipeline=args.pipeline, scan_writes=args.scan_writes)
         attention_fn = decode.from_spec(method, k=args.k, calibration=calibration,
                                         implementation=args.implementation, placement=placement)
         if args.k >= capacity:
@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", type=_pipeline_arg, default="auto",
                    help="with --placement pinned_host: chunks of each layer's KV groups whose plane transfers overlap "
                         "the previous chunk's scan, selection and row fetch (auto: by context on a GPU; 1: none)")
+    p.add_argument("--scan-writes", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --placement pinned_host on a GPU: each layer writes its new K/V row and index blocks "
+                        "inside the layer scan, beside its own transfers (the default), or every layer after it")
     p.add_argument("--mesh", type=positive_int(1), default=1,
                    help="devices to split the KV heads over (sparse decoding; each device scans and fetches for its "
                         "own heads from its own slice of memory); must divide the model's KV heads")

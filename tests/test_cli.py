@@ -199,8 +199,8 @@ def test_generate_with_a_local_hf_model_reports_what_was_sparse(capsys, tiny_hf_
 
 
 def test_generate_passes_mesh_and_read_to_the_placement(capsys, monkeypatch, tiny_hf_model):
-    """--mesh 2 --placement pinned_host --read staged --index-writes full_blocks --pipeline 1 reach the attention hook (the
-    sharded decode itself is tested against the unsharded one in tests/test_sharding.py)."""
+    """--mesh 2 --placement pinned_host --read staged --index-writes full_blocks --pipeline 1 --no-scan-writes reach the
+    attention hook (the sharded decode itself is tested against the unsharded one in tests/test_sharding.py)."""
     import jax.numpy as jnp
 
     import fathom_jax.models as models
@@ -215,11 +215,11 @@ def test_generate_passes_mesh_and_read_to_the_placement(capsys, monkeypatch, tin
     prompt = " ".join(f"w{(7 * i) % 49}" for i in range(80))
     code, _, err = run(capsys, "generate", prompt, "--model", str(tiny_hf_model), "--method", "fathom:8", "--k", "40",
                        "--max-new-tokens", "2", "--mesh", "2", "--placement", "pinned_host", "--read", "staged",
-                       "--index-writes", "full_blocks", "--pipeline", "1")
+                       "--index-writes", "full_blocks", "--pipeline", "1", "--no-scan-writes")
     assert code == 0, err
     placement = seen["placement"]
     assert placement.num_shards == 2 and placement.read == "staged" and placement.memory == "pinned_host"
-    assert placement.index_writes == "full_blocks" and placement.pipeline == 1
+    assert placement.index_writes == "full_blocks" and placement.pipeline == 1 and placement.scan_writes is False
 
 
 def test_registered_command_modules_share_the_conventions(capsys, monkeypatch):
