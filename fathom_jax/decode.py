@@ -47,6 +47,7 @@ from fathom_jax.sparse_step import NewToken, sparse_attention_step
 from fathom_jax.store import KeyRotation, PlaneStore
 from pallas_kernels import backend
 from pallas_kernels.cache_write import cache_write, cache_write_in_place
+from pallas_kernels.topk import TopkConfig
 
 CalibrationSource = Literal["corpus", "session"]
 _SOURCES = ("corpus", "session")
@@ -59,7 +60,8 @@ class SparseAttention:
 
     Static: ``method``, ``k`` (tokens per query head, sinks and local window included),
     ``calibration_source``, ``sink``, ``local``, ``skip_tokens``, ``implementation`` (None: pallas on a
-    GPU, xla elsewhere), ``placement`` (where the cache lives). Traced: ``calibration``, a
+    GPU, xla elsewhere), ``placement`` (where the cache lives), ``topk`` (the top-k kernels' configuration;
+    None: their defaults). Traced: ``calibration``, a
     :class:`Calibration` with leading axes ``[n_layers, Hkv]`` (corpus) or ``[n_layers, batch x Hkv]``
     (the session's own, set after prefill); new arrays of the same shapes reuse the compiled program.
 
@@ -77,6 +79,7 @@ class SparseAttention:
     skip_tokens: int = SKIP_TOKENS
     implementation: backend.Implementation | None = None
     placement: Placement = Placement()
+    topk: TopkConfig | None = None
 
     def __post_init__(self):
         # Only static fields and `calibration is None` are checked here: jax rebuilds this object from
@@ -92,6 +95,8 @@ class SparseAttention:
             raise ValueError(f"SparseAttention: k must be an int >= sink + local = {self.sink} + {self.local} "
                              f"(and >= 1), got {self.k!r}")
         backend.resolve_implementation(self.implementation)
+        if self.topk is not None and not isinstance(self.topk, TopkConfig):
+            raise TypeError(f"SparseAttention: topk must be a pallas_kernels.topk.TopkConfig or None, got {self.topk!r}")
         if not isinstance(self.placement, Placement):
             object.__setattr__(self, "placement", Placement.parse(self.placement))
         if self.calibration_source not in _SOURCES:
@@ -315,7 +320,7 @@ class SparseAttention:
         out, _ = sparse_attention_step(
             self.method, q, KeyIndex(**view), cache.kv, position + 1, calib,
             k=self.k, sink=self.sink, local=self.local, layer=layer, kv_layer=0 if shared_kv else layer,
-            new=new, placement=self.placement, implementation=self.resolved_implementation,
+            new=new, placement=self.placement, implementation=self.resolved_implementation, topk=self.topk,
         )
         update = LayerUpdate(key=key, value=value, blocks=blocks, landmark=landmark)
         if self.placement.writes_in_scan:
@@ -440,7 +445,8 @@ def _tokens(tokens, previous):
 jax.tree_util.register_dataclass(
     SparseAttention,
     data_fields=["calibration"],
-    meta_fields=["method", "k", "calibration_source", "sink", "local", "skip_tokens", "implementation", "placement"],
+    meta_fields=["method", "k", "calibration_source", "sink", "local", "skip_tokens", "implementation", "placement",
+                 "topk"],
 )
 
 

@@ -49,7 +49,7 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from pallas_kernels import backend
-from pallas_kernels.row_fetch import row_fetch
+from pallas_kernels.row_fetch import RowFetchConfig, row_fetch
 
 Memory = Literal["device", "pinned_host"]
 MEMORIES: tuple[str, ...] = get_args(Memory)
@@ -114,7 +114,11 @@ class Placement:
     ``scan_writes``: where the cache is written in place (:attr:`writes_in_place`), each layer writes its new
     K/V row and index blocks inside the layer scan, right after its step is planned, beside its transfers
     (:attr:`writes_in_scan`); False: every layer's at once after the scan. Device memory is always updated
-    after the scan (functionally: XLA then writes the donated buffers in place)."""
+    after the scan (functionally: XLA then writes the donated buffers in place).
+
+    ``fetch_programs``: persistent programs of the row fetch (0: one program per 32 rows; "auto":
+    :attr:`row_fetch_programs`). ``xla_options``: more XLA compiler options for the programs that run a step
+    (``{name: value}``, stored as sorted pairs; added to :attr:`compiler_options`)."""
 
     memory: Memory = "device"
     mesh: jax.sharding.Mesh | None = None
@@ -125,6 +129,8 @@ class Placement:
     pipeline: int | Literal["auto"] = "auto"
     gather_programs: int | Literal["auto"] = "auto"
     scan_writes: bool = True
+    fetch_programs: int | Literal["auto"] = "auto"
+    xla_options: tuple = ()
 
     def __post_init__(self):
         if self.memory not in MEMORIES:
@@ -133,13 +139,21 @@ class Placement:
             raise ValueError(f"placement read must be 'direct' or 'staged', got {self.read!r}")
         if self.index_writes not in get_args(IndexWrites):
             raise ValueError(f"placement index_writes must be one of {get_args(IndexWrites)}, got {self.index_writes!r}")
-        for name, least, auto in (("streams", 1, False), ("pipeline", 1, True), ("gather_programs", 0, True)):
+        for name, least, auto in (("streams", 1, False), ("pipeline", 1, True), ("gather_programs", 0, True),
+                                  ("fetch_programs", 0, True)):
             value = getattr(self, name)
             if auto and value == "auto":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 allowed = f"an int >= {least}" + (" or 'auto'" if auto else "")
                 raise ValueError(f"placement {name} must be {allowed}, got {value!r}")
+        try:
+            options = dict(self.xla_options)  # a dict or (name, value) pairs
+        except (TypeError, ValueError):
+            options = {None: None}
+        if not all(isinstance(name, str) and name.startswith("xla_") for name in options):
+            raise ValueError(f"placement xla_options must map XLA option names (xla_...) to values, got {self.xla_options!r}")
+        object.__setattr__(self, "xla_options", tuple(sorted(options.items())))
         if not isinstance(self.scan_writes, bool):
             raise ValueError(f"placement scan_writes must be a bool, got {self.scan_writes!r}")
         if self.streams > 1 and self.pipeline not in (1, "auto"):
@@ -250,11 +264,26 @@ class Placement:
             return 0
         return max(1, getattr(jax.devices()[0], "core_count", 132) // 2)
 
+    @property
+    def row_fetch_programs(self) -> int:
+        """Persistent programs of the row fetch: ``"auto"`` is half the GPU's SMs from real host memory (rows in
+        flight from a few groups' regions at a time, and SMs left to the kernels beside it), else one program
+        per 32 rows (0)."""
+        if self.fetch_programs != "auto":
+            return self.fetch_programs
+        if self.memory_kind != "pinned_host":
+            return 0
+        return max(1, getattr(jax.devices()[0], "core_count", 132) // 2)
+
+    @property
+    def row_fetch_config(self) -> RowFetchConfig:
+        return RowFetchConfig(programs=self.row_fetch_programs)
+
     def resolved(self, groups: int, capacity: int) -> "Placement":
-        """This placement with ``pipeline`` and ``gather_programs`` as a step over ``groups`` groups (of the
-        whole mesh) in a cache of ``capacity`` tokens runs them."""
+        """This placement with ``pipeline``, ``gather_programs`` and ``fetch_programs`` as a step over ``groups``
+        groups (of the whole mesh) in a cache of ``capacity`` tokens runs them."""
         return dataclasses.replace(self, pipeline=self.chunks(groups // self.num_shards, capacity),
-                                   gather_programs=self.run_gather_programs)
+                                   gather_programs=self.run_gather_programs, fetch_programs=self.row_fetch_programs)
 
     @property
     def compiler_options(self) -> dict[str, str]:
@@ -263,10 +292,9 @@ class Placement:
         A pipelined step needs the GPU to run a chunk's transfer beside the previous chunk's kernels. XLA
         launches a program's kernels as CUDA graphs whose default ("LHS") edges follow its sequential
         schedule; "CONCURRENT" keeps only the data dependencies (and assigns buffers so that concurrent
-        kernels never share one)."""
-        if self.pipelines:
-            return {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-        return {}
+        kernels never share one). :attr:`xla_options` come on top."""
+        options = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"} if self.pipelines else {}
+        return options | dict(self.xla_options)
 
     # -- running per-group work on several GPU streams ---------------------------------------
     def per_stream(self, fn, groups: int, args: tuple, shared: tuple = ()):

@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import backend
-from pallas_kernels.topk import topk_select
+from pallas_kernels.topk import TopkConfig, topk_select
 
 SINK_TOKENS = 4
 LOCAL_TOKENS = 32
@@ -39,6 +39,7 @@ def select_topk(
     sink: int = SINK_TOKENS,
     local: int = LOCAL_TOKENS,
     implementation: backend.Implementation | None = None,
+    config: TopkConfig | None = None,
 ) -> tuple[Int[Array, "*B G k"], Bool[Array, "*B G k"]]:
     """Indices of the ``k`` selected tokens per query head and a mask of the slots that hold one.
 
@@ -46,7 +47,7 @@ def select_topk(
     highest scores among the other valid positions. With ``length < k`` every valid token is taken
     and the spare slots are masked. NaN scores rank below every real score (XLA path).
     ``implementation="pallas"`` uses the top-k kernels (``pallas_kernels.topk``: the same set, ties
-    aside, in increasing position order); ``"xla"`` uses ``lax.top_k``; None: pallas on a GPU.
+    aside, in increasing position order; ``config`` tunes them); ``"xla"`` uses ``lax.top_k``; None: pallas on a GPU.
     """
     implementation = backend.resolve_implementation(implementation)
     scores = jnp.asarray(scores)
@@ -60,7 +61,7 @@ def select_topk(
     if implementation == "pallas":
         rows = scores.reshape(-1, n).astype(jnp.float32)
         lengths = jnp.broadcast_to(length[..., None], scores.shape[:-1]).reshape(-1)
-        idx = topk_select(rows, lengths, k=k, sink=sink, local=local, implementation="pallas")
+        idx = topk_select(rows, lengths, k=k, sink=sink, local=local, implementation="pallas", config=config)
         idx = idx.reshape(*scores.shape[:-1], k)
         return jnp.maximum(idx, 0), idx >= 0
     top, idx = jax.lax.top_k(selection_priority(scores, length, sink=sink, local=local), k)

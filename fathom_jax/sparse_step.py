@@ -38,6 +38,7 @@ from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, se
 from fathom_jax.sparse_cache import key_columns, split_kv
 from pallas_kernels import backend
 from pallas_kernels.row_fetch import row_fetch
+from pallas_kernels.topk import TopkConfig
 
 
 @jax.tree_util.register_dataclass
@@ -107,6 +108,7 @@ def sparse_attention_step(
     new: NewToken | None = None,
     placement: Placement = Placement(),
     implementation: backend.Implementation = "xla",
+    topk: TopkConfig | None = None,
 ) -> tuple[Float[Array, "R G Dh"], Float[Array, "R"]]:
     """Sparse attention of the ``G`` query heads of every group; returns the output and bits per token.
 
@@ -114,7 +116,8 @@ def sparse_attention_step(
     is ``[L, R, C, 2 Dh]`` with ``layer`` (``[R, C, 2 Dh]`` without), each token's key and value side by
     side (:class:`fathom_jax.sparse_cache.SparseCache`); ``length`` counts the valid tokens, the new one
     included; ``new`` patches in the token the stored cache does not hold yet. ``kv_layer`` (default:
-    ``layer``) is the layer of the K/V cache to read (0 for a row buffer shared by every layer).
+    ``layer``) is the layer of the K/V cache to read (0 for a row buffer shared by every layer). ``topk``
+    configures the top-k kernels (:class:`pallas_kernels.topk.TopkConfig`; None: their defaults).
 
     With a stacked cache and ``placement.streams > 1`` the groups are split into that many chunks, each
     stepped on its own GPU stream (:meth:`fathom_jax.placement.Placement.per_stream`); with
@@ -122,7 +125,7 @@ def sparse_attention_step(
     Either way every group's result is the same as in one chunk.
     """
     kv_layer = layer if kv_layer is None else kv_layer
-    kw = dict(k=k, sink=sink, local=local, placement=placement, implementation=implementation)
+    kw = dict(k=k, sink=sink, local=local, placement=placement, implementation=implementation, topk=topk)
     groups = q.shape[0]
     chunks = placement.chunks(groups, kv_cache.shape[-2]) if layer is not None else 1
     if groups % chunks:
@@ -153,18 +156,18 @@ def _pipelined(method, q, index, length, calib, new, kv_cache, layer, kv_layer, 
 
 
 def _step_groups(method, group_start, size, q, index, length, calib, new, kv_cache, layer, kv_layer, *, k, sink,
-                 local, placement, implementation):
+                 local, placement, implementation, topk):
     """The step for groups ``group_start .. group_start + size - 1`` of the stacked cache (all of them when
     unstacked): per-group arguments hold those groups only, the bulk arrays all of them."""
     q = q.astype(jnp.float32)
     read = method.read(q, index, calib, implementation=implementation)  # a key read plans nothing from the keys themselves
     out, _ = _attend_read(read, q, index, length, new, group_start, kv_cache, layer, kv_layer, k=k, sink=sink,
-                          local=local, placement=placement, implementation=implementation)
+                          local=local, placement=placement, implementation=implementation, topk=topk)
     return out
 
 
 def _attend_read(read, q, index, length, new, group_start, kv_cache, layer, kv_layer, *, k, sink, local, placement,
-                 implementation, after=None):
+                 implementation, topk=None, after=None):
     """Execute ``read`` for groups ``group_start ..`` (their per-group arguments), select, fetch and attend;
     returns ``((out, bits), staged)``, ``staged`` being the staged planes a chained transfer waits for (None
     where nothing was staged); the plane transfer itself waits for ``after``."""
@@ -186,11 +189,11 @@ def _attend_read(read, q, index, length, new, group_start, kv_cache, layer, kv_l
         scores = patch_scores(scores, read, new)
     # No masking pass over the scores: both selections take positions >= length as invalid (the pass cost
     # 2.3 ms per 36-layer step at 1M tokens on the H200).
-    idx, mask = select_topk(scores, length, k, sink=sink, local=local, implementation=implementation)
+    idx, mask = select_topk(scores, length, k, sink=sink, local=local, implementation=implementation, config=topk)
     union, union_mask, member = group_union(idx, mask)
     slots = jnp.where(union_mask, union, -1)
     rows, _, _ = row_fetch(kv_cache, None, slots, layer=kv_layer, group_start=group_start,
-                           implementation=implementation)  # one run per token
+                           implementation=implementation, config=placement.row_fetch_config)  # one run per token
     k_rows, v_rows = split_kv(rows)
     if new is not None:
         k_rows = _patch_rows(k_rows, slots, new.key, new.position)

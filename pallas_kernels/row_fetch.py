@@ -31,14 +31,19 @@ KERNEL_NAME = "row_fetch"
 
 @dataclasses.dataclass(frozen=True)
 class RowFetchConfig:
-    """``rows``: rows copied per program (a power of two); ``num_warps``: Triton warps.
+    """``rows``: rows copied per work item (a power of two); ``num_warps``: Triton warps; ``programs``: 0 for one
+    program per work item, else that many persistent programs walking the items group by group (at any moment
+    the rows in flight come from a few groups' regions of host memory, not from every group's at once).
     H200: 2048 rows x 8 heads (K and V, bf16) in 0.187 ms from host (results/kernels_h200.md)."""
 
     rows: int = 32
     num_warps: int = 4
+    programs: int = 0
 
     def __post_init__(self):
         B.check_pow2("rows", self.rows)
+        if not isinstance(self.programs, int) or isinstance(self.programs, bool) or self.programs < 0:
+            raise ValueError(f"programs must be an int >= 0 (0: one program per work item), got {self.programs!r}")
 
 
 def _validate(keys, values, index, layer, columns=None, group_start=0):
@@ -89,11 +94,32 @@ def _row_fetch_kernel(
     start: int,
     width: int,
     group_start: int,
+    programs: int,
 ):
-    r, i = pl.program_id(0), pl.program_id(1)
+    copy = functools.partial(_copy_rows, idx_ref, layer_ref, refs, rows=rows, slots=slots, n=n, start=start,
+                             width=width, group_start=group_start)
+    if not programs:
+        copy(pl.program_id(0), pl.program_id(1), True)
+        return
+    per_group = pl.cdiv(slots, rows)
+    items = idx_ref.shape[0] * per_group
+    pid = pl.program_id(0)
+
+    def body(step, carry):
+        item = pid + step * programs  # neighbouring programs copy neighbouring rows of one group
+        valid = item < items
+        item = jnp.minimum(item, items - 1)
+        copy(item // per_group, item % per_group, valid)
+        return carry
+
+    jax.lax.fori_loop(0, pl.cdiv(items, programs), body, 0)
+
+
+def _copy_rows(idx_ref, layer_ref, refs, r, i, active, *, rows, slots, n, start, width, group_start):
+    """Copy rows ``i * rows ..`` of group ``r``'s index list (nothing where not ``active``)."""
     layer, src_group = layer_ref[0], r + group_start
     s0 = i * rows
-    smask = s0 + jnp.arange(rows, dtype=jnp.int32) < slots
+    smask = (s0 + jnp.arange(rows, dtype=jnp.int32) < slots) & active
     idx = plgpu.load(idx_ref.at[r, pl.ds(s0, rows)], mask=smask, other=-1)
     valid = (idx >= 0) & (idx < n)
     safe = jnp.where(valid, idx, 0)
@@ -113,11 +139,12 @@ def _row_fetch_pallas(keys, values, index, layer, *, columns, config, interpret,
     start, width = _window(keys, columns)
     rows = min(config.rows, pl.next_power_of_2(s))
     srcs = (keys,) if values is None else (keys, values)
+    programs = min(config.programs, r * pl.cdiv(s, rows))
     out = pl.pallas_call(
         functools.partial(_row_fetch_kernel, rows=rows, slots=s, n=n, start=start, width=width,
-                          group_start=group_start),
+                          group_start=group_start, programs=programs),
         out_shape=tuple(jax.ShapeDtypeStruct((r, s, width), keys.dtype) for _ in srcs),
-        grid=(r, pl.cdiv(s, rows)),
+        grid=(programs,) if programs else (r, pl.cdiv(s, rows)),
         in_specs=[B.any_spec()] * (2 + len(srcs)),
         out_specs=tuple(B.any_spec() for _ in srcs),
         interpret=interpret,

@@ -19,8 +19,8 @@ mapped to order-preserving int32 keys, then:
    ties, compact to k' slots.
 
 The set equals ``lax.top_k``'s except among tied scores. That is the ``path="radix"`` version; the default
-``path="fused"`` (below) does the same selection in three Pallas kernels with a one-bit-per-round search
-over registers instead of the radix kernel, and no XLA pass over ``[R, n]``.
+``path="fused"`` (below) does the same selection in three to five Pallas kernels with a one-bit-per-round
+search over registers instead of the radix kernel, and no XLA pass over ``[R, n]``.
 """
 
 from __future__ import annotations
@@ -188,6 +188,8 @@ def _topk_pallas(scores, length, *, k, sink, local, interpret, tile, num_warps):
 #    the buckets >= tau (the first k' in index order, cumsum-compacted; nb-padded).
 # 3. ``select_tokens``: one program per row gathers the k' x bucket candidate scores, the exact k'-th largest
 #    candidate v (the same search), selects ``> v`` plus the first ``== v`` ties and writes their positions.
+# Steps 2 and 3 may each split a row over several programs and merge their survivors (below), by default the token
+# selection over 4 and the bucket selection into slices of 16384 buckets (rows of 512k tokens and more).
 
 
 def _bitwise_kth(x, valid, k):
@@ -223,43 +225,115 @@ def _select_buckets_kernel(bmax_ref, out_ref, *, nbp, nb, kp, kpp):
     m = i < nb
     x = plgpu.load(bmax_ref.at[r, pl.ds(0, nbp)], mask=m, other=INT_MIN)
     valid = m & (x > INT_MIN)
-    tau = _bitwise_kth(x, valid, kp)
-    cb = valid & (x >= tau)
-    pos = jnp.cumsum(cb.astype(jnp.int32)) - 1
-    w = cb & (pos < kp)
-    plgpu.store(out_ref.at[r, jnp.where(w, pos, kp)], i, mask=w)  # column kp: a dummy for masked lanes
-    cnt = jnp.minimum(jnp.sum(cb.astype(jnp.int32)), kp)
-    s = jnp.arange(kpp, dtype=jnp.int32)
-    w = (s >= cnt) & (s < kp)
-    plgpu.store(out_ref.at[r, jnp.where(w, s, kp)], jnp.full((kpp,), nb, jnp.int32), mask=w)
+    _compact_store(out_ref, (r,), valid & (x >= _bitwise_kth(x, valid, kp)), i, kp, kpp, nb)
+
+
+def _token_candidates(len_ref, bid_ref, s_ref, r, start, size, *, kp, nb, n, bucket, sink, local):
+    """Positions ``[size, bucket]`` of candidate buckets ``start .. start + size - 1`` of row ``r``, which of them
+    are valid middle tokens, and their order-preserving keys (INT_MIN where not)."""
+    j = start + jnp.arange(size, dtype=jnp.int32)
+    bid = plgpu.load(bid_ref.at[r, pl.ds(start, size)], mask=j < kp, other=nb)
+    pos = bid[:, None] * bucket + jnp.arange(bucket, dtype=jnp.int32)[None, :]
+    ok = (bid[:, None] < nb) & (pos < n) & _middle(pos, len_ref[r], sink, local)
+    x = plgpu.load(s_ref.at[r, jnp.minimum(pos, n - 1)], mask=ok, other=0.0)
+    return pos, ok, jnp.where(ok, sortable_key(x), INT_MIN)
 
 
 def _select_tokens_kernel(len_ref, bid_ref, s_ref, out_ref, *, kp, kpp, nb, n, bucket, sink, local):
     r = pl.program_id(0)
+    pos, ok, key = _token_candidates(len_ref, bid_ref, s_ref, r, 0, kpp, kp=kp, nb=nb, n=n, bucket=bucket, sink=sink,
+                                     local=local)
+    _compact_store(out_ref, (r,), _tie_select(key, ok, kp), pos, kp, kpp, -1)
+
+
+# Split rows (``TopkConfig.bucket_splits`` / ``token_splits`` > 1): a row's selection is spread over P programs,
+# each holding 1/P of the row's bucket maxima (or candidates), which keeps its local top-k' (and their keys); one
+# program per row then merges the P x k' survivors. The global top-k' lies within the union of the slices' local
+# top-k' sets, so the merge selects exactly what one program would have (among ties, possibly other positions).
+
+
+def _compact_store(out_ref, at, sel, values, kp, kpp, fill, keys_ref=None, keys=None):
+    """Write ``values`` where ``sel`` to slots ``0..`` of ``out_ref.at[at]`` in index order (the first ``kp``), the
+    rest of the ``kp`` slots with ``fill`` (keys with INT_MIN); column ``kp`` is a dummy for masked lanes."""
+    flat_sel = sel.reshape(-1)
+    slot = (jnp.cumsum(flat_sel.astype(jnp.int32)) - 1).reshape(sel.shape)
+    w = sel & (slot < kp)
+    dst = jnp.where(w, slot, kp)
+    plgpu.store(out_ref.at[(*at, dst)], values, mask=w)
+    if keys_ref is not None:
+        plgpu.store(keys_ref.at[(*at, dst)], keys, mask=w)
+    cnt = jnp.minimum(jnp.sum(sel.astype(jnp.int32)), kp)
     s = jnp.arange(kpp, dtype=jnp.int32)
-    bid = plgpu.load(bid_ref.at[r, pl.ds(0, kpp)], mask=s < kp, other=nb)
-    pos = bid[:, None] * bucket + jnp.arange(bucket, dtype=jnp.int32)[None, :]  # [kpp, bucket]
-    ok = (bid[:, None] < nb) & (pos < n) & _middle(pos, len_ref[r], sink, local)
-    x = plgpu.load(s_ref.at[r, jnp.minimum(pos, n - 1)], mask=ok, other=0.0)
-    key = jnp.where(ok, sortable_key(x), INT_MIN)
+    w = (s >= cnt) & (s < kp)
+    dst = jnp.where(w, s, kp)
+    plgpu.store(out_ref.at[(*at, dst)], jnp.full((kpp,), fill, jnp.int32), mask=w)
+    if keys_ref is not None:
+        plgpu.store(keys_ref.at[(*at, dst)], jnp.full((kpp,), INT_MIN, jnp.int32), mask=w)
+
+
+def _local_buckets_kernel(bmax_ref, ids_ref, keys_ref, *, nbs, nb, kp, kpp):
+    """Program (r, p): the first k' buckets (index order) of slice p whose maxima reach the slice's k'-th largest."""
+    r, p = pl.program_id(0), pl.program_id(1)
+    i = p * nbs + jnp.arange(nbs, dtype=jnp.int32)
+    m = i < nb
+    x = plgpu.load(bmax_ref.at[r, pl.ds(p * nbs, nbs)], mask=m, other=INT_MIN)
+    valid = m & (x > INT_MIN)
+    cb = valid & (x >= _bitwise_kth(x, valid, kp))
+    _compact_store(ids_ref, (r, p), cb, i, kp, kpp, nb, keys_ref, x)
+
+
+def _survivor_slots(splits, kp, kpp):
+    """Indices ``[P', 1]`` and ``[1, kpp]`` (P' = ``splits`` rounded up to a power of two) of the ``[splits, kp]``
+    survivors, and their mask; in row-major order they are index order."""
+    sp = jnp.arange(pl.next_power_of_2(splits), dtype=jnp.int32)[:, None]
+    col = jnp.arange(kpp, dtype=jnp.int32)[None, :]
+    return jnp.minimum(sp, splits - 1), col, (sp < splits) & (col < kp)
+
+
+def _merge_buckets_kernel(ids_ref, keys_ref, out_ref, *, splits, kp, kpp, nb):
+    """One program per row: the first k' candidate buckets (index order) whose maxima reach the k'-th largest."""
+    r = pl.program_id(0)
+    sp, col, m = _survivor_slots(splits, kp, kpp)
+    x = plgpu.load(keys_ref.at[r, sp, col], mask=m, other=INT_MIN)
+    ids = plgpu.load(ids_ref.at[r, sp, col], mask=m, other=nb)
+    valid = x > INT_MIN
+    cb = valid & (x >= _bitwise_kth(x, valid, kp))
+    _compact_store(out_ref, (r,), cb, ids, kp, kpp, nb)
+
+
+def _tie_select(key, ok, kp):
+    """The k' largest keys where ``ok``: all above the k'-th largest ``v``, then the first ties (index order)."""
     v = _bitwise_kth(key, ok, kp)
     above = ok & (key > v)
     tie = ok & (key == v)
     need = kp - jnp.sum(above.astype(jnp.int32))
-    tie_rank = jnp.cumsum(tie.reshape(kpp * bucket).astype(jnp.int32)).reshape(kpp, bucket)
-    sel = above | (tie & (tie_rank <= need))
-    slot = (jnp.cumsum(sel.reshape(kpp * bucket).astype(jnp.int32)) - 1).reshape(kpp, bucket)
-    w = sel & (slot < kp)
-    plgpu.store(out_ref.at[r, jnp.where(w, slot, kp)], pos, mask=w)
-    cnt = jnp.minimum(jnp.sum(sel.astype(jnp.int32)), kp)
-    w = (s >= cnt) & (s < kp)
-    plgpu.store(out_ref.at[r, jnp.where(w, s, kp)], jnp.full((kpp,), -1, jnp.int32), mask=w)
+    tie_rank = jnp.cumsum(tie.reshape(-1).astype(jnp.int32)).reshape(tie.shape)
+    return above | (tie & (tie_rank <= need))
+
+
+def _local_tokens_kernel(len_ref, bid_ref, s_ref, pos_ref, keys_ref, *, kps, kp, kpp, nb, n, bucket, sink, local):
+    """Program (r, p): the local top-k' tokens of candidate buckets ``p * kps ..`` (positions and keys)."""
+    r, p = pl.program_id(0), pl.program_id(1)
+    pos, ok, key = _token_candidates(len_ref, bid_ref, s_ref, r, p * kps, kps, kp=kp, nb=nb, n=n, bucket=bucket,
+                                     sink=sink, local=local)
+    _compact_store(pos_ref, (r, p), _tie_select(key, ok, kp), pos, kp, kpp, -1, keys_ref, key)
+
+
+def _merge_tokens_kernel(pos_ref, keys_ref, out_ref, *, splits, kp, kpp):
+    """One program per row: the top-k' of the slices' survivors (positions in index order)."""
+    r = pl.program_id(0)
+    sp, col, m = _survivor_slots(splits, kp, kpp)
+    pos = plgpu.load(pos_ref.at[r, sp, col], mask=m, other=-1)
+    key = plgpu.load(keys_ref.at[r, sp, col], mask=m, other=INT_MIN)
+    ok = pos >= 0
+    _compact_store(out_ref, (r,), _tie_select(key, ok, kp), pos, kp, kpp, -1)
 
 
 # Bucket maxima of a row held in one program's registers. 65536, not 32768: a decode cache of 1M tokens has 2^20 + 64
 # slots, and 64-token buckets there doubled the last kernel's candidates; on the H200, [32, 2^20 + 64] at k = 512
 # takes 0.252 ms with 32-token buckets against 0.325 ms with 64 (run m1, results/topk_tune_h200.md).
 MAX_FUSED_BUCKETS = 65536
+AUTO_SLICE_BUCKETS = 16384  # bucket maxima per program of the bucket selection with bucket_splits="auto"
 MAX_FUSED_BUCKET = 128  # candidates per selected bucket (k' x bucket of them held in one program)
 
 
@@ -272,8 +346,10 @@ def fused_bucket(n: int, max_buckets: int = MAX_FUSED_BUCKETS) -> int:
     return bucket
 
 
-@functools.partial(jax.jit, static_argnames=("k", "sink", "local", "interpret", "num_warps", "bucket"))
-def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps, bucket):
+@functools.partial(jax.jit, static_argnames=("k", "sink", "local", "interpret", "num_warps", "bucket",
+                                             "bucket_splits", "token_splits"))
+def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps, bucket, bucket_splits="auto",
+                token_splits=4):
     r, n = scores.shape
     kp = k - sink - local
     kpp = pl.next_power_of_2(kp)
@@ -288,18 +364,50 @@ def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps, bucket)
         grid=(r, pl.cdiv(nb, tb)), interpret=interpret, name="topk_bucket_max",
         compiler_params=C.compiler_params(4),
     )(length, padded.reshape(r, nb, bucket))
-    bid = pl.pallas_call(
-        functools.partial(_select_buckets_kernel, nbp=nbp, nb=nb, kp=kp, kpp=kpp),
-        out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32),
-        grid=(r,), interpret=interpret, name="topk_select_buckets",
-        compiler_params=C.compiler_params(num_warps),
-    )(bmax)
-    mid_idx = pl.pallas_call(
-        functools.partial(_select_tokens_kernel, kp=kp, kpp=kpp, nb=nb, n=n, bucket=bucket, sink=sink, local=local),
-        out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32),
-        grid=(r,), interpret=interpret, name="topk_select_tokens",
-        compiler_params=C.compiler_params(num_warps),
-    )(length, bid, scores)[:, :kp]
+    survivors = lambda splits: (jax.ShapeDtypeStruct((r, splits, kp + 1), jnp.int32),) * 2  # noqa: E731
+    params = C.compiler_params(num_warps)
+    if bucket_splits == "auto":
+        nbs = min(nbp, AUTO_SLICE_BUCKETS)
+    else:
+        nbs = pl.next_power_of_2(pl.cdiv(nb, bucket_splits))
+    if pl.cdiv(nb, nbs) > 1:
+        splits = pl.cdiv(nb, nbs)
+        ids, keys = pl.pallas_call(
+            functools.partial(_local_buckets_kernel, nbs=nbs, nb=nb, kp=kp, kpp=kpp),
+            out_shape=survivors(splits), grid=(r, splits), interpret=interpret, name="topk_local_buckets",
+            compiler_params=params,
+        )(bmax)
+        bid = pl.pallas_call(
+            functools.partial(_merge_buckets_kernel, splits=splits, kp=kp, kpp=kpp, nb=nb),
+            out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32), grid=(r,), interpret=interpret,
+            name="topk_select_buckets", compiler_params=params,
+        )(ids, keys)
+    else:
+        bid = pl.pallas_call(
+            functools.partial(_select_buckets_kernel, nbp=nbp, nb=nb, kp=kp, kpp=kpp),
+            out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32),
+            grid=(r,), interpret=interpret, name="topk_select_buckets", compiler_params=params,
+        )(bmax)
+    kps = kpp // token_splits
+    if token_splits > 1:
+        pos, keys = pl.pallas_call(
+            functools.partial(_local_tokens_kernel, kps=kps, kp=kp, kpp=kpp, nb=nb, n=n, bucket=bucket, sink=sink,
+                              local=local),
+            out_shape=survivors(pl.cdiv(kp, kps)), grid=(r, pl.cdiv(kp, kps)), interpret=interpret,
+            name="topk_local_tokens", compiler_params=params,
+        )(length, bid, scores)
+        mid_idx = pl.pallas_call(
+            functools.partial(_merge_tokens_kernel, splits=pl.cdiv(kp, kps), kp=kp, kpp=kpp),
+            out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32), grid=(r,), interpret=interpret,
+            name="topk_select_tokens", compiler_params=params,
+        )(pos, keys)[:, :kp]
+    else:
+        mid_idx = pl.pallas_call(
+            functools.partial(_select_tokens_kernel, kp=kp, kpp=kpp, nb=nb, n=n, bucket=bucket, sink=sink,
+                              local=local),
+            out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32),
+            grid=(r,), interpret=interpret, name="topk_select_tokens", compiler_params=params,
+        )(length, bid, scores)[:, :kp]
     sink_idx, local_idx = _sink_local(n, length, sink, local)
     return _finish(sink_idx, local_idx, mid_idx, k)
 
@@ -316,12 +424,21 @@ class TopkConfig:
     num_warps: int | None = None
     tile: int = 1024
     max_buckets: int = MAX_FUSED_BUCKETS  # buckets per row of the fused path (tests lower it to reach wide buckets)
+    # Programs per row of the fused path's two selections, each then merged by one program per row: the bucket
+    # selection ("auto": slices of at most AUTO_SLICE_BUCKETS buckets) and the token selection among the candidates.
+    # H200, k = 512 (results/kernels_u2_h200.md): 4 rows of 2^20 + 64 slots 0.130 -> 0.090 ms, 32 rows 0.234 -> 0.188;
+    # 4 rows of 2^17 + 64 slots 0.076 -> 0.056 ms (tokens only: splitting 4k buckets costs more than it saves).
+    bucket_splits: int | str = "auto"
+    token_splits: int = 4
 
     def __post_init__(self):
         if self.path not in ("radix", "fused"):
             raise ValueError(f"path must be 'radix' or 'fused', got {self.path!r}")
         C.check_pow2("tile", self.tile)
         C.check_pow2("max_buckets", self.max_buckets)
+        if self.bucket_splits != "auto":
+            C.check_pow2("bucket_splits", self.bucket_splits)
+        C.check_pow2("token_splits", self.token_splits)
 
 
 def topk_select(
@@ -346,6 +463,8 @@ def topk_select(
     bucket = fused_bucket(scores.shape[1], config.max_buckets)
     if config.path == "fused" and bucket <= MAX_FUSED_BUCKET:
         return _topk_fused(scores, length, k=k, sink=sink, local=local, interpret=interpret,
-                           num_warps=16 if config.num_warps is None else config.num_warps, bucket=bucket)
+                           num_warps=16 if config.num_warps is None else config.num_warps, bucket=bucket,
+                           bucket_splits=config.bucket_splits,
+                           token_splits=min(config.token_splits, pl.next_power_of_2(k - sink - local)))
     return _topk_pallas(scores, length, k=k, sink=sink, local=local, interpret=interpret, tile=config.tile,
                         num_warps=4 if config.num_warps is None else config.num_warps)

@@ -201,6 +201,34 @@ def topk_cases(tune=False):
     return out
 
 
+TOPK_SPLITS = ((1, 1), (4, 1), (8, 1), (16, 1), (1, 2), (1, 4), (1, 8), (4, 4), (8, 4), (16, 4), (8, 8))
+
+
+def topk_split_cases(sizes=((1 << 17) + 64, (1 << 20) + 64), rows=(4, 32), splits=TOPK_SPLITS):
+    """The fused top-k with each row's bucket and token selections split over several programs (then merged), on a
+    decode cache's rows (2^k + 64 slots) at k = 512: 4 rows are one pipelined chunk's (one KV group), 32 a layer's."""
+    out = []
+    k = 512
+    for n in sizes:
+        for r in rows:
+            rng = np.random.default_rng(n + r)
+            scores = jnp.asarray(rng.standard_normal((r, n)), jnp.float32)
+            length = jnp.full((r,), n - 63, jnp.int32)  # a decode cache one step in
+            want = TK.topk_select_reference(scores, length, k=k)
+            for bs, ts in splits:
+                cfg = TK.TopkConfig(path="fused", bucket_splits=bs, token_splits=ts)
+                fn = lambda s, cfg=cfg: TK.topk_select(s, length, k=k, implementation="pallas", config=cfg)  # noqa: E731
+                same = bool(jnp.array_equal(fn(scores), want))
+                step = lambda c, fn=fn: c + fn(scores + c).astype(jnp.float32)[:, :1] * 1e-30  # noqa: E731
+                t = timeit(step, jnp.zeros((r, 1), jnp.float32), iters=50, repeats=3)
+                t.update(kernel="topk_split", n=n, k=k, rows=r, bucket_splits=bs, token_splits=ts,
+                         same_set_as_reference=same)
+                out.append(t)
+                print(f"topk split n={n:8d} rows={r:2d} buckets/{bs:2d} tokens/{ts:2d} {t['median_ms']:.4f} ms "
+                      f"[{t['min_ms']:.4f}, {t['max_ms']:.4f}] same={same}", flush=True)
+    return out
+
+
 ROWFETCH_CONFIGS = ((32, 4), (16, 4), (64, 4), (64, 8), (128, 8))
 
 
@@ -277,6 +305,35 @@ def rowlayout_cases(sizes=(131072, 1048576), reps=20):
             print(f"row_fetch layout={layout:11s} n={n:8d} fresh {r['median_ms']:.4f} ms "
                   f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] {r['GBps']:.1f} GB/s exact={ok}", flush=True)
         del layouts, kv_hbm
+    return out
+
+
+ROWORDER_CASES = ((8, 1 << 20), (64, 131072), (8, 131072))  # (groups, n): 4 GiB, 4 GiB and 0.5 GiB of K/V rows
+ROWORDER_PROGRAMS = (0, 66, 132, 264)
+
+
+def roworder_cases(cases=ROWORDER_CASES, programs=ROWORDER_PROGRAMS):
+    """Fresh rows per call (2048 per group, one 512-byte K/V run each) from host memory: one program per 32 rows
+    (every group's rows in flight at once) against persistent programs walking the groups one after another."""
+    out = []
+    dh, s = 128, 2048
+    for bh, n in cases:
+        kv_hbm = jax.random.normal(jax.random.key(n + bh), (bh, n, 2 * dh), jnp.bfloat16)
+        kv = _host(kv_hbm)
+        idx = jnp.asarray(np.sort(np.random.default_rng(5).choice(n, (bh, s)), axis=-1), jnp.int32)
+        want = RF.row_fetch_reference(kv_hbm, None, idx)[0]
+        del kv_hbm
+        for p in programs:
+            cfg = RF.RowFetchConfig(programs=p)
+            ok = bool(jnp.array_equal(RF.row_fetch(kv, None, idx, config=cfg)[0], want))
+            r = _time_fresh_rows(kv, None, n, bh, s, cfg)
+            nbytes = bh * s * dh * 2 * 2
+            r.update(kernel="row_fetch_order", source="pinned_host", groups=bh, n=n, programs=p, rowset="fresh",
+                     slots=bh * s, bytes=nbytes, exact=ok, GBps=nbytes / (r["median_ms"] * 1e-3) / 1e9)
+            out.append(r)
+            print(f"row_fetch groups={bh:3d} n={n:8d} programs={p:4d} fresh {r['median_ms']:.4f} ms "
+                  f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] {r['GBps']:.1f} GB/s exact={ok}", flush=True)
+        del kv
     return out
 
 
@@ -363,12 +420,18 @@ def main():
     if "topk" in sections:
         res["topk"] = topk_cases(tune=args.tune)
         save()
+    if "topksplit" in sections:
+        res["topk_split"] = topk_split_cases()
+        save()
     if "gather" in sections:
         res["gather"] = gather_cases(tune=args.tune)
         save()
     if "rowfetch" in sections:
         res["row_fetch"] = rowfetch_cases(tuple(map(int, args.rowfetch_sizes.split(","))),
                                           ROWFETCH_CONFIGS if args.tune else ((32, 4),))
+        save()
+    if "roworder" in sections:
+        res["row_order"] = roworder_cases()
         save()
     if "rowlayout" in sections:
         res["row_layout"] = rowlayout_cases(tuple(map(int, args.rowfetch_sizes.split(","))))
@@ -403,6 +466,16 @@ def write_report(res, out, name="kernels_h200"):
         for r in res["topk"]:
             L.append(f"| {r['kernel']} | {r['n']} | {r['median_ms']:.4f} | [{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['same_set_as_reference']} |")
         L.append("")
+    if "topk_split" in res:
+        L += ["## Top-k with split rows (fused path; k = 512; a decode cache's rows, length n - 63)", "",
+              "`buckets / P`: each row's bucket selection over P programs, then one merging their survivors; "
+              "`tokens / P` likewise for the token selection among the candidate buckets (1: one program per row).", "",
+              "| n | rows | buckets / P | tokens / P | ms | [min, max] | same set as reference |",
+              "|---|---|---|---|---|---|---|"]
+        for r in res["topk_split"]:
+            L.append(f"| {r['n']} | {r['rows']} | {r['bucket_splits']} | {r['token_splits']} | {r['median_ms']:.4f} | "
+                     f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['same_set_as_reference']} |")
+        L.append("")
     if "row_fetch" in res:
         L += ["## Row fetch (2048 rows x 8 KV heads, K and V, bf16, Dh = 128)", "",
               "rows: `repeated` = every timed call fetches the same rows; `fresh` = each call its own random set.", "",
@@ -420,6 +493,15 @@ def write_report(res, out, name="kernels_h200"):
         for r in res["row_layout"]:
             L.append(f"| {r['layout']} | {r['n']} | {r['median_ms']:.4f} | [{r['min_ms']:.4f}, {r['max_ms']:.4f}] | "
                      f"{r['GBps']:.1f} | {r['exact']} |")
+        L.append("")
+    if "row_order" in res:
+        L += ["## Row fetch order (2048 fresh rows per call per group, one 512-byte K/V run each, from pinned_host)", "",
+              "`programs` 0: one program per 32 rows (every group's rows in flight at once); N: N persistent programs "
+              "walking the rows group by group.", "",
+              "| groups | n | K/V GiB | programs | ms | [min, max] | GB/s | exact |", "|---|---|---|---|---|---|---|---|"]
+        for r in res["row_order"]:
+            L.append(f"| {r['groups']} | {r['n']} | {r['groups'] * r['n'] * 512 / 2**30:.1f} | {r['programs']} | "
+                     f"{r['median_ms']:.4f} | [{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['GBps']:.1f} | {r['exact']} |")
         L.append("")
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write("\n".join(L))

@@ -44,6 +44,7 @@ from fathom_jax import calibrate, decode, methods  # noqa: E402
 from fathom_jax.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from fathom_jax.models import sparse  # noqa: E402
 from fathom_jax.placement import Placement, device_mesh  # noqa: E402
+from pallas_kernels.topk import TopkConfig  # noqa: E402
 
 QWEN3_8B = LlamaConfig(vocab=151936, hidden=4096, intermediate=12288, n_layers=36, n_heads=32, n_kv_heads=8,
                        head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True, max_position_embeddings=1 << 20,
@@ -123,10 +124,21 @@ def synthetic_calibration(cfg, seed=0):
     return calib, scale
 
 
-def hook(spec, cfg, calib, k, placement, implementation):
+TOPK = {"auto": None, "single": TopkConfig(bucket_splits=1, token_splits=1)}  # --topk: the kernels' defaults, or
+# one program per row for each selection (the top-k before 2026-12-01)
+
+
+def hook(spec, cfg, calib, k, placement, implementation, variant=None):
+    """The hook of a method spec; ``variant``: Placement fields to replace, and ``topk`` (a key of :data:`TOPK`)."""
     method = methods.parse(spec)
+    variant = dict(variant or {})
+    topk = TOPK[variant.pop("topk", "auto")]
+    options = variant.pop("xla_options", None)
+    if options is not None:
+        variant["xla_options"] = dict(options)
     return decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
-                                  placement=placement, implementation=implementation)
+                                  placement=dataclasses.replace(placement, **variant), implementation=implementation,
+                                  topk=topk)
 
 
 def build_cache(attn, cfg, scale, *, context, batch, shared_kv, seed=0):
@@ -208,17 +220,28 @@ def link_rate(run) -> float:
 
 
 # (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan)
-SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False}
+SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
+                  "fetch_programs": 0, "topk": "single", "xla_options": ""}
+PLACEMENT_SPLITS = ("streams", "index_writes", "pipeline", "gather_programs", "fetch_programs")
 
 
-def split_fields(placement: Placement) -> dict:
-    """The placement options a row varies (the columns of the report); ``scan_writes`` as it takes effect."""
-    return {name: getattr(placement, name) for name in SPLIT_DEFAULTS} | {"scan_writes": placement.writes_in_scan}
+def options_text(options) -> str:
+    return ",".join(f"{k}={v}" for k, v in dict(options).items())
+
+
+def split_fields(attn) -> dict:
+    """The options a row varies (the columns of the report): the placement's as a step of ``groups`` groups runs them
+    (``scan_writes`` as it takes effect), the top-k's and the extra XLA options."""
+    placement = attn.placement
+    topk = next(name for name, config in TOPK.items() if config == attn.topk)
+    return ({name: getattr(placement, name) for name in PLACEMENT_SPLITS}
+            | {"scan_writes": placement.writes_in_scan, "topk": topk, "xla_options": options_text(placement.xla_options)})
 
 
 def variant_tag(split: dict) -> str:
     return (f"s{split['streams']}_{split['index_writes']}_p{split['pipeline']}_g{split['gather_programs']}"
-            + ("_w" if split.get("scan_writes") else ""))
+            f"_f{split.get('fetch_programs', 0)}_{split.get('topk', 'single')}" + ("_w" if split.get("scan_writes") else "")
+            + ("_x" if split.get("xla_options") else ""))
 
 
 def writes_text(r: dict) -> str:
@@ -227,16 +250,24 @@ def writes_text(r: dict) -> str:
 
 
 def split_text(r: dict) -> str:
-    """How a row's layer was split: ``""`` (one chunk), ``streams 2``, ``pipeline 8 (gather 132)``."""
+    """How a row's layer was split: ``""`` (one chunk), ``streams 2``, ``pipeline 8 (gather 132)``, and the kernels'
+    options that differ from the earlier runs' (``fetch 66``: persistent row-fetch programs; ``top-k split``: each
+    row's selections over several programs; ``xla: ...``: extra XLA options)."""
     if r.get("streams", 1) > 1:
-        return f"streams {r['streams']}"
-    if r.get("pipeline", 1) > 1:
+        text = f"streams {r['streams']}"
+    elif r.get("pipeline", 1) > 1:
         programs = r.get("gather_programs", 0)
-        return f"pipeline {r['pipeline']}" + (f" (gather {programs})" if programs else "")
-    return f"gather {r['gather_programs']}" if r.get("gather_programs") else ""
+        text = f"pipeline {r['pipeline']}" + (f" (gather {programs})" if programs else "")
+    else:
+        text = f"gather {r['gather_programs']}" if r.get("gather_programs") else ""
+    extra = ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
+            (["top-k split"] if r.get("topk", "single") != "single" else []) + \
+            ([f"xla: {r['xla_options']}"] if r.get("xla_options") else [])
+    return "; ".join([text] * bool(text) + extra)
 
 
-def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: str = "1") -> list[dict]:
+def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: str = "1", fetch: str = "auto",
+                   topk: str = "auto", xla: str = "none") -> list[dict]:
     """Every combination of ``--streams``, ``--index-writes``, ``--pipeline`` (entries ``auto``, ``N`` or
     ``N/P``: N chunks, P persistent gather programs, "auto" where not given) and ``--scan-writes`` (1 / 0),
     without streams and pipeline together (streams run with one chunk and the per-item gather)."""
@@ -257,6 +288,16 @@ def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: 
             raise ValueError(f"--scan-writes entries are 1 or 0, got {item!r}")
         flags.append(item == "1")
     out = [v | {"scan_writes": f} for f in flags for v in out]
+    fetches = [x if x == "auto" else int(x) for x in fetch.split(",")]
+    for name in topk.split(","):
+        if name not in TOPK:
+            raise ValueError(f"--topk entries are {sorted(TOPK)}, got {name!r}")
+    option_sets = []
+    for item in xla.split(";"):  # "none" or name=value,name=value
+        pairs = {} if item in ("", "none") else dict(kv.split("=", 1) for kv in item.split(","))
+        option_sets.append(tuple((k, {"true": True, "false": False}.get(v.lower(), v)) for k, v in pairs.items()))
+    out = [v | {"fetch_programs": f, "topk": t, "xla_options": x} for f in fetches for t in topk.split(",")
+           for x in option_sets for v in out]
     return list({tuple(v.items()): v for v in out}.values())
 
 
@@ -279,8 +320,9 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         if run.left() < 30:
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
             break
-        attn = hook(METHODS[label], cfg, calib, args.k, dataclasses.replace(placement, **variant), args.implementation)
-        split = split_fields(attn.placement.resolved(batch * cfg.n_kv_heads, context + 64))
+        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant)
+        split = split_fields(dataclasses.replace(attn, placement=attn.placement.resolved(batch * cfg.n_kv_heads,
+                                                                                         context + 64)))
         cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
 
         def call(state, attn=attn):
@@ -346,8 +388,9 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
     start = jax.tree.map(jnp.copy, Placement.detach_bulk(cache))  # every row from `context` tokens (see attention_rows)
     tokens = jnp.zeros((batch,), jnp.int32)
     for label, variant in ((m, v) for m in labels for v in args.variants):
-        attn = hook(METHODS[label], cfg, calib, args.k, dataclasses.replace(placement, **variant), args.implementation)
-        split = split_fields(attn.placement.resolved(batch * cfg.n_kv_heads, context + 64))
+        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant)
+        split = split_fields(dataclasses.replace(attn, placement=attn.placement.resolved(batch * cfg.n_kv_heads,
+                                                                                         context + 64)))
         cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
 
         def call(state, attn=attn):
@@ -358,8 +401,13 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
         cache = state[1]
         q, _, _ = random_step_inputs(cfg, batch)
         nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
+        options = sparse.decode_compiler_options(attn.placement.compiler_options) or {}
+        in_place = (options.get("xla_gpu_enable_triton_gemm") is False
+                    and options.get("xla_gpu_enable_dynamic_slice_fusion") is True)
         row = {"kind": "full", "method": label, "context": context, "batch": batch, "memory": placement.memory,
                "mesh": placement.num_shards, **split, "shared_kv": shared, **r,
+               # cuBLAS GEMMs reading each layer's weights in place, or Triton GEMMs on copies of them (before 12-01)
+               "weight_gemms": "in place" if in_place else "copied",
                **nbytes,
                "tokens_per_s": batch / (r["median_ms"] * 1e-3)}
         if profile:
@@ -427,8 +475,10 @@ def merge(paths, out_prefix):
     for row in (x for p in parts for x in p.get("rows", [])):
         for name, value in SPLIT_DEFAULTS.items():  # runs before an option existed ran its default
             row.setdefault(name, value)
+        if row["kind"] == "full":  # full steps before 2026-12-01 copied each layer's weights out of the stacks
+            row.setdefault("weight_gemms", "copied")
         key = tuple(str(row.get(f)) for f in ("kind", "method", "context", "batch", "memory", "read", "mesh",
-                                              *SPLIT_DEFAULTS, "shared_kv", "tag"))
+                                              *SPLIT_DEFAULTS, "shared_kv", "tag", "weight_gemms"))
         if key not in latest or row["run_date"] >= latest[key]["run_date"]:
             latest[key] = row
     superseded = sum(len(p.get("rows", [])) for p in parts) - len(latest)
@@ -481,6 +531,12 @@ def main(argv=None):
     ap.add_argument("--scan-writes", default="1",
                     help="1 and/or 0 (a list: one row each): each layer writes its new row and blocks inside the layer "
                          "scan (1, the default) or every layer after it (0)")
+    ap.add_argument("--fetch-programs", default="auto",
+                    help="persistent programs of the row fetch: auto or N, 0 = one program per 32 rows (a list)")
+    ap.add_argument("--topk", default="auto", help="auto (the kernels' defaults) and/or single (one program per row per "
+                                                   "selection, the top-k before 2026-12-01) (a list)")
+    ap.add_argument("--xla-options", default="none",
+                    help="extra XLA options of the step programs: none or name=value,... (a ';'-separated list)")
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
@@ -495,9 +551,10 @@ def main(argv=None):
     args.share_kv_from = None if args.share_kv_from in ("", "none") else parse_ctx(args.share_kv_from)
     args.sections = args.sections.split(",")
     try:
-        args.variants = parse_variants(str(args.streams), args.index_writes, args.pipeline, args.scan_writes)
+        args.variants = parse_variants(str(args.streams), args.index_writes, args.pipeline, args.scan_writes,
+                                       args.fetch_programs, args.topk, args.xla_options)
     except ValueError as e:
-        ap.error(f"--streams / --pipeline / --scan-writes: {e}")
+        ap.error(f"--streams / --pipeline / --scan-writes / --fetch-programs / --topk / --xla-options: {e}")
     labels = [m for m in args.methods.split(",") if m]
     unknown = [m for m in labels if m not in METHODS]
     if unknown:
@@ -621,12 +678,16 @@ def write_report(res: dict, prefix: str) -> None:
     full = [r for r in rows if r["kind"] == "full"]
     if full:
         lines += ["## Full decode step (QKV, sparse attention, o_proj, MLP, lm_head)", "",
-                  "| method | context | batch | mesh | split | index writes | ms | tokens/s | wall / device |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "`weight GEMMs`: `copied` = Triton GEMMs on copies of each layer's weights sliced out of the stacked "
+                  "arrays (before 2026-12-01); `in place` = cuBLAS GEMMs reading the slices in place (XLA's dynamic-slice "
+                  "fusion, `models.sparse.WEIGHT_GEMM_OPTIONS`).", "",
+                  "| method | context | batch | mesh | split | index writes | weight GEMMs | ms | tokens/s | wall / device |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"], r.get("streams", 1),
-                                             r.get("pipeline", 1), r.get("index_writes", "every_step"))):
+                                             r.get("pipeline", 1), r.get("index_writes", "every_step"),
+                                             r.get("weight_gemms", "copied"), str(r.get("run_date")))):
             lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | "
-                         f"{writes_text(r)} | {r['median_ms']:.2f} "
+                         f"{writes_text(r)} | {r.get('weight_gemms', 'copied')} | {r['median_ms']:.2f} "
                          f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['tokens_per_s']:.1f} | "
                          f"{r.get('wall_over_device', float('nan')):.2f} |")
         lines.append("")

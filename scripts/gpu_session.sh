@@ -63,6 +63,19 @@
 #                       decode GPU tests after s1's three new cases were fixed (raw store, a copy before flush, TF32 tolerance)
 #   t2  (nvidia-h200)   t1's failing raw-store index cases: the same test in HBM on the GPU, and in host memory with the
 #                       writes after the scan and in it (which of them breaks bit equality)
+#   u1  (nvidia-h200)   ninth session: the index-equality GPU cases after exact_cell (run from the shell, not a stage);
+#                       full step at 1M and 128k, batch 4 and 8 at 128k, profiled (the rows of the fifth session were stale)
+#   u2  (nvidia-h200)   diagnostics: the top-k with split rows (kernel tests, sweep of splits on chunk-shaped rows);
+#                       the row fetch with persistent programs walking the groups; the full step's HLO (what it copies,
+#                       with and without XLA's dynamic-slice fusion)
+#   u3  (nvidia-h200)   the top-k with split rows and the persistent row fetch by default: every GPU test but SmolLM2's,
+#                       the index-equality cases in HBM on the GPU, first half of the GGUF; Fathom 48 at 1M with each
+#                       option on and off
+#   u4  (same machine)  second half; SmolLM2 GPU tests; the full step at 128k (batch 1 and 8) with and without cuBLAS
+#                       GEMMs reading the layer's weights in place (XLA's dynamic-slice fusion); three methods at 1M
+#   u5  (nvidia-h200)   cuBLAS GEMMs reading each layer's weights in place, by default in every decode-step program: the
+#                       decode, zero-copy and sparse-model GPU tests (not SmolLM2's: its GGUF needs two calls); the full
+#                       step at 1M, profiled
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -346,6 +359,40 @@ t1)
     | tee $OUT/gpu_tests_t1_h200x2.log ;;
 t2)
   timeout 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_decode.py -k "index_after" 2>&1 | grep -v "^E  \|^  \|^ *$" | tail -40 ;;
+u2)
+  timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/pallas_kernels/test_topk.py tests/pallas_kernels/test_row_fetch.py \
+    2>&1 | tee $OUT/gpu_tests_u2_h200.log | tail -5
+  timeout 200 python3 scripts/bench_kernels.py --out $OUT --name kernels_u2_h200 --sections topksplit,roworder 2>&1 \
+    | tee $OUT/kernels_u2.log | grep -v "^ " | tail -60
+  timeout 230 python3 scripts/step_hlo.py --context 32k --batch 8 --out /tmp/hlo --tag u2 \
+    --option xla_gpu_enable_dynamic_slice_fusion=true 2>&1 | tee $OUT/step_hlo_u2.log | cut -c1-260 | grep -v "^  File\|^    "
+  cp /tmp/hlo/step_u2.json $OUT/; gzip -c /tmp/hlo/step_u2_0.hlo.txt > $OUT/step_u2_0.hlo.txt.gz
+  gzip -c /tmp/hlo/step_u2_1.hlo.txt > $OUT/step_u2_1.hlo.txt.gz ;;
+u3)
+  cp .carry1/smol.part1 /tmp/smol.part1
+  timeout 270 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_u3_h200.log | tail -4
+  timeout 70 python3 -m pytest -q -p no:cacheprovider -rA tests/test_decode.py -k "index_after and device" 2>&1 \
+    | tee $OUT/gpu_tests_u3_index_hbm.log | grep -E "PASSED|FAILED|differ|passed|failed" | head -20
+  timeout 200 python3 scripts/bench_offload.py --tag h200_u3 --out $OUT --read staged --sections link,attn --contexts 1m \
+    --methods "Fathom 48" --fetch-programs auto,0 --topk auto,single --share-kv-from 1m --time-budget 190 2>&1 \
+    | tee $OUT/bench_u3.log | cut -c1-330 ;;
+u4)
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_u4_h200.log | tail -4
+  timeout 170 python3 scripts/bench_offload.py --tag h200_u4a --out $OUT --read staged --sections link,full,batch \
+    --contexts 128k --full-contexts 128k --batches 8 --methods "Fathom 48" --share-kv-from 512k --time-budget 160 \
+    --xla-options "none;xla_gpu_enable_triton_gemm=false,xla_gpu_enable_dynamic_slice_fusion=true" 2>&1 \
+    | tee $OUT/bench_u4a.log | cut -c1-330
+  timeout 220 python3 scripts/bench_offload.py --tag h200_u4b --out $OUT --read staged --sections attn --contexts 1m \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --index-writes every_step,full_blocks --share-kv-from 1m \
+    --time-budget 210 2>&1 | tee $OUT/bench_u4b.log | cut -c1-330 ;;
+u5)
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests/test_hlo.py tests/test_decode.py \
+    tests/models/test_sparse.py 2>&1 | tee $OUT/gpu_tests_u5_h200.log | tail -3
+  timeout 130 python3 scripts/bench_offload.py --tag h200_u5 --out /tmp/u5 --read staged --sections full,profile \
+    --contexts 1m --full-contexts 1m --methods "Fathom 48" --share-kv-from 1m --time-budget 120 2>&1 \
+    | tee $OUT/bench_u5.log | cut -c1-330; cp /tmp/u5/offload_h200_u5.json /tmp/u5/offload_h200_u5.md $OUT/ ;;
 o6)
   timeout 200 python3 scripts/bench_offload.py --tag h200_o6 --out $OUT --read staged \
     --methods "32-channel (SparQ r=32),SparQ r=16" --index-writes every_step,full_blocks \

@@ -78,6 +78,36 @@ def random_setting(seed, n=192, d=16, g=4, hkv=1):
     return keys.astype(np.float32), q, calib
 
 
+def np_codes(planes) -> np.ndarray:
+    """4-bit codes ``[*B, n, D]`` of channel-major bit planes ``uint32 [*B, D, 4, W]`` (plane p holds bit 3 - p of
+    the code, token t at bit t % 32 of word t // 32), in numpy: an independent reader for failure reports."""
+    planes = np.asarray(planes, np.uint32)
+    bits = (planes[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [*B, D, 4, W, 32]
+    bits = bits.reshape(*planes.shape[:-1], -1).astype(np.int64)  # [*B, D, 4, n]
+    codes = sum(bits[..., p, :] << (3 - p) for p in range(4))  # [*B, D, n]
+    return np.swapaxes(codes, -1, -2)
+
+
+def describe_code_difference(got_planes, want_planes, scales, keys, limit: int = 8) -> str:
+    """Where two plane stores' codes differ, with what decides each cell: ``keys [n, D]`` (the store's basis),
+    the fp16 block ``scales [D, NB]``, the cell width ``scale / 8`` and ``key / width`` in float64. Empty when
+    the codes agree."""
+    got, want = np_codes(got_planes), np_codes(want_planes)
+    keys = np.asarray(keys, np.float32)
+    n = keys.shape[0]
+    diff = np.argwhere(got[:n] != want[:n])
+    if not diff.size:
+        return ""
+    scales = np.asarray(scales, np.float16)
+    lines = [f"{len(diff)} codes differ (token, channel): got != want"]
+    for t, j in diff[:limit]:
+        width = np.float64(scales[j, t // 64]) / 8
+        key = keys[t, j]
+        lines.append(f"  ({t}, {j}): {got[t, j]} != {want[t, j]}; key {float(key)!r} (0x{key.view(np.uint32):08x}), "
+                     f"scale {float(scales[j, t // 64])!r}, key / width {float(key) / width if width else float('nan')!r}")
+    return "\n".join(lines)
+
+
 def assert_trees_bitwise_equal(a, b):
     la, ta = jax.tree.flatten_with_path(a)
     lb, tb = jax.tree.flatten_with_path(b)

@@ -50,12 +50,20 @@ def test_variants_and_their_labels():
     """--streams x --index-writes x --pipeline x --scan-writes: streams never pipelined; "auto" where a part is not
     given."""
     got = bench_offload.parse_variants("1,2", "full_blocks", "auto,1/0,8/66,4")
+    rest = dict(scan_writes=True, fetch_programs="auto", topk="auto", xla_options=())
     assert got == [
-        dict(streams=1, index_writes="full_blocks", pipeline="auto", gather_programs="auto", scan_writes=True),
-        dict(streams=1, index_writes="full_blocks", pipeline=1, gather_programs=0, scan_writes=True),
-        dict(streams=1, index_writes="full_blocks", pipeline=8, gather_programs=66, scan_writes=True),
-        dict(streams=1, index_writes="full_blocks", pipeline=4, gather_programs="auto", scan_writes=True),
-        dict(streams=2, index_writes="full_blocks", pipeline=1, gather_programs=0, scan_writes=True)]
+        dict(streams=1, index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
+        dict(streams=1, index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),
+        dict(streams=1, index_writes="full_blocks", pipeline=8, gather_programs=66, **rest),
+        dict(streams=1, index_writes="full_blocks", pipeline=4, gather_programs="auto", **rest),
+        dict(streams=2, index_writes="full_blocks", pipeline=1, gather_programs=0, **rest)]
+    # the kernels' options: row-fetch programs x top-k x extra XLA option sets
+    got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto,0", "auto,single",
+                                       "none;xla_gpu_enable_triton_gemm=false,xla_foo=3")
+    assert len(got) == 8 and {v["fetch_programs"] for v in got} == {"auto", 0}
+    assert {v["xla_options"] for v in got} == {(), (("xla_gpu_enable_triton_gemm", False), ("xla_foo", "3"))}
+    with pytest.raises(ValueError, match="--topk entries"):
+        bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "sorted")
     got = bench_offload.parse_variants("1", "every_step", "auto", "1,0")
     assert [v["scan_writes"] for v in got] == [True, False]
     with pytest.raises(ValueError, match="--scan-writes entries are 1 or 0"):
@@ -65,3 +73,5 @@ def test_variants_and_their_labels():
     text = bench_offload.split_text
     assert text({"streams": 2}) == "streams 2" and text({"pipeline": 8, "gather_programs": 66}) == "pipeline 8 (gather 66)"
     assert text({"pipeline": 1, "gather_programs": 66}) == "gather 66" and text({}) == ""
+    assert text({"pipeline": 2, "gather_programs": 66, "fetch_programs": 66, "topk": "auto", "xla_options": "a=1"}) == \
+        "pipeline 2 (gather 66); fetch 66; top-k split; xla: a=1"

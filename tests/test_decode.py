@@ -11,12 +11,13 @@ import pytest
 from fathom_jax import calibrate as C
 from fathom_jax import decode
 from fathom_jax import methods as M
+from fathom_jax import store
 from fathom_jax.index import build_index
 from fathom_jax.models import KVCache, capture_qkv, dense_attention, generate
 from fathom_jax.models import sparse
 from fathom_jax.scan import scan_scores
 from fathom_jax.select import select_topk, sparse_attention
-from tests.support import assert_trees_bitwise_equal, build_index_jit
+from tests.support import assert_trees_bitwise_equal, build_index_jit, describe_code_difference
 
 RNG = np.random.default_rng(7)
 PROMPTS = RNG.integers(0, 97, (2, 2, 24)).astype(np.int32)  # two [B=2, T=24] prompts
@@ -130,6 +131,13 @@ def test_index_after_decode_equals_index_of_all_keys(model, spec, writes, memory
             calib = None if attn.calibration is None else jax.tree.map(lambda a: a[layer, rows], attn.calibration)
             want = build_index_jit(cache.k[layer, rows, :n], calib, (attn.method,), capacity=72)
             got = jax.tree.map(lambda a: a[layer, rows], cache.index)
+            for part in ("raw", "klt"):  # on failure: which cells, and the keys that decide them
+                g, w = getattr(got, part), getattr(want, part)
+                if g is not None:
+                    keys = store.rotate_keys(jnp.asarray(cache.k[layer, rows, :n], jnp.float32), w.rotation)
+                    for h in range(hkv):
+                        report = describe_code_difference(g.planes[h], w.planes[h], w.scales[h], keys[h])
+                        assert not report, f"{part} store, layer {layer}, group {rows.start + h}: {report}"
             assert_trees_bitwise_equal(got, want)
         # the K rows are the model's keys: every layer's on the prompt (dense prefill), layer 0's on the decoded
         # tokens too (deeper layers' inputs there come from sparse attention)
@@ -272,11 +280,11 @@ def test_generate_is_one_program_and_does_not_recompile(model, calib, dense_run)
     attn = decode.SparseAttention(M.Fathom(16), k=CAPACITY, calibration=calib)
     out = np.asarray(generate(model, PROMPTS[0], STEPS + 1, capacity=CAPACITY, attention_fn=attn))
     assert out.tolist() == tokens.tolist()  # k >= context: the greedy tokens of dense decode
-    size = sparse._generate_in_device_memory._cache_size()
+    size = sparse.generate_program()._cache_size()
     generate(model, PROMPTS[1], STEPS + 1, capacity=CAPACITY, attention_fn=attn)
     other = decode.SparseAttention(M.Fathom(16), k=CAPACITY, calibration=_corpus_calib(model, 2))
     generate(model, PROMPTS[1], STEPS + 1, capacity=CAPACITY, attention_fn=other)
-    assert sparse._generate_in_device_memory._cache_size() == size
+    assert sparse.generate_program()._cache_size() == size
 
 
 def test_session_and_corpus_calibration_both_run(model, calib):
@@ -284,11 +292,11 @@ def test_session_and_corpus_calibration_both_run(model, calib):
     corpus = decode.SparseAttention(M.FathomKLT(16), calibration=calib, **small)
     session = decode.SparseAttention(M.FathomKLT(16), calibration_source="session", **small)
     a = np.asarray(generate(model, PROMPTS[0], 4, capacity=32, attention_fn=corpus))
-    size = sparse._generate_in_device_memory._cache_size()
+    size = sparse.generate_program()._cache_size()
     b = np.asarray(generate(model, PROMPTS[0], 4, capacity=32, attention_fn=session))
     c = np.asarray(generate(model, PROMPTS[1], 4, capacity=32, attention_fn=session))
     assert a.shape == b.shape == c.shape == (2, 4)
-    assert sparse._generate_in_device_memory._cache_size() == size + 1  # session: one more program, reused
+    assert sparse.generate_program()._cache_size() == size + 1  # session: one more program, reused
     assert decode.from_spec("fathom_klt:16", **small) == session
 
 
@@ -317,6 +325,8 @@ def test_bad_inputs_give_clear_errors(model, calib):
         generate(model, prompt, 4, capacity=48, attention_fn=decode.SparseAttention(M.SparQ(2), k=64))
     with pytest.raises(ValueError, match="needs calibration statistics"):
         decode.SparseAttention(M.Fathom(16), k=40)
+    with pytest.raises(TypeError, match="topk must be a pallas_kernels.topk.TopkConfig or None"):
+        decode.SparseAttention(M.SparQ(2), k=64, topk={"token_splits": 2})
     with pytest.raises(ValueError, match="sink \\+ local"):
         decode.SparseAttention(M.SparQ(2), k=20)
     with pytest.raises(ValueError, match="calibration has leading axes"):

@@ -130,3 +130,41 @@ def test_scan_writes_take_effect_where_the_cache_is_written_in_place():
     with mock.patch.object(Placement, "memory_kind", new_callable=mock.PropertyMock, return_value="pinned_host"):
         assert Placement("pinned_host").writes_in_scan
         assert not Placement("pinned_host", scan_writes=False).writes_in_scan
+
+
+def test_row_fetch_programs_and_extra_xla_options():
+    from unittest import mock
+
+    for bad in (-1, 1.5, True, "many"):
+        with pytest.raises(ValueError, match="fetch_programs must be an int >= 0 or 'auto'"):
+            Placement("pinned_host", fetch_programs=bad)
+    assert Placement("pinned_host").row_fetch_programs == 0  # device memory here: one program per 32 rows
+    assert Placement("pinned_host", fetch_programs=7).row_fetch_config.programs == 7
+    with mock.patch.object(Placement, "memory_kind", new_callable=mock.PropertyMock, return_value="pinned_host"):
+        auto = Placement("pinned_host")
+        assert auto.row_fetch_programs >= 1 and auto.resolved(8, 1 << 20).fetch_programs == auto.row_fetch_programs
+    # extra options: a dict or pairs, kept as sorted pairs (hashable: placements are static), on top of the pipeline's
+    extra = Placement("pinned_host", xla_options={"xla_b": 1, "xla_a": True})
+    assert extra.xla_options == (("xla_a", True), ("xla_b", 1)) and hash(extra)
+    assert extra == Placement("pinned_host", xla_options=(("xla_b", 1), ("xla_a", True)))
+    assert extra.compiler_options == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT", "xla_a": True, "xla_b": 1}
+    assert Placement(xla_options={"xla_a": 2}).compiler_options == {"xla_a": 2}
+    for bad in ({"gpu_enable": True}, (("xla_a",),), "xla_a=1"):
+        with pytest.raises(ValueError, match="xla_options must map XLA option names"):
+            Placement(xla_options=bad)
+
+
+def test_decode_programs_read_each_layers_weights_in_place_on_a_gpu():
+    """The decode-step programs ask XLA for cuBLAS GEMMs under its dynamic-slice fusion on a GPU (no copy of each
+    layer's weights out of the stacked arrays); elsewhere only the placement's options; XLA knows both names."""
+    import jax
+    from unittest import mock
+
+    from fathom_jax.models import sparse
+    from pallas_kernels import backend
+
+    assert sparse.decode_compiler_options() is None and sparse.decode_compiler_options({"xla_a": 1}) == {"xla_a": 1}
+    with mock.patch.object(backend, "on_gpu", return_value=True):
+        got = sparse.decode_compiler_options({"xla_gpu_enable_triton_gemm": True})
+    assert got == {"xla_gpu_enable_triton_gemm": True, "xla_gpu_enable_dynamic_slice_fusion": True}  # extra wins
+    jax.jit(lambda x: x @ x, compiler_options=sparse.WEIGHT_GEMM_OPTIONS)(jnp.ones((4, 4)))

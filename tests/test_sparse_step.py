@@ -173,3 +173,43 @@ def test_pinned_host_step_equals_hbm_step_and_reference(read, split):
         np.testing.assert_allclose(np.asarray(got), np.asarray(hbm), rtol=1e-5, atol=1e-6)
     want = per_head_reference(method, q, keys32, values.astype(jnp.float32), lengths, calib, k=256)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)
+
+
+def _pallas_grids(fn, *args, name):
+    from tests.support import _subjaxprs
+
+    """The grids of the ``pallas_call``s named ``name`` in the jaxpr of ``fn(*args)``."""
+    grids = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call" and str(getattr(eqn.params["name"], "name", eqn.params["name"])) == name:
+                grids.append(tuple(eqn.params["grid_mapping"].grid))
+            for sub in _subjaxprs(eqn):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return grids
+
+
+def test_kernel_options_reach_the_kernels_and_change_no_result(setting):
+    """``Placement(fetch_programs=P)`` runs the row fetch as P persistent programs, ``topk=TopkConfig(...)`` splits the
+    top-k's selections over several programs per row: the same step (interpreted on CPU)."""
+    from pallas_kernels.topk import TopkConfig
+    from tests.support import count_pallas_calls
+
+    keys, values, q, lengths, calib = setting
+    method = M.Fathom(20)
+    view, kv_cache, new = stacked_setting(setting, method)
+
+    def step(placement, topk):
+        return lambda q: sparse_attention_step(method, q, view, kv_cache, jnp.asarray(lengths), calib, k=K, layer=1,
+                                               new=new, placement=placement, implementation="pallas", topk=topk)[0]
+
+    plain = step(Placement("pinned_host", fetch_programs=0), TopkConfig(bucket_splits=1, token_splits=1))
+    tuned = step(Placement("pinned_host", fetch_programs=3), TopkConfig(bucket_splits=2, token_splits=2))
+    np.testing.assert_array_equal(np.asarray(tuned(q)), np.asarray(plain(q)))
+    assert _pallas_grids(tuned, q, name="row_fetch") == [(3,)]
+    assert _pallas_grids(plain, q, name="row_fetch") == [(R, G * K // 32)]  # (groups, 32-row items of the union)
+    assert count_pallas_calls(tuned, q, name="topk_local_tokens") == 1
+    assert count_pallas_calls(plain, q, name="topk_local_tokens") == 0

@@ -193,8 +193,32 @@ def cache_from_dense(kv: KVCache, lengths, attn: SparseAttention) -> tuple[Spars
     return attn.prefilled(cache, lengths), attn
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "attn_static"))
-def _decode_loop(graphdef, state, tokens, cache, steps, attn_static, attn_leaves):
+# On a GPU the layer scan slices each layer's weights out of the stacked [L, ...] arrays; feeding a Triton GEMM, XLA
+# copies every slice first (~386 MB per Qwen3-8B layer, 7.5 ms per decode step on the H200). cuBLAS GEMMs under XLA's
+# dynamic-slice fusion read the slice in place: the full step at 128k took 30.5 -> 24.7 ms (run u4,
+# results/offload_h200.md). Passed to every program that runs decode steps with the model's weights.
+WEIGHT_GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
+
+
+def decode_compiler_options(extra=None) -> dict | None:
+    """XLA options of a program that runs decode steps with the weights: :data:`WEIGHT_GEMM_OPTIONS` on a GPU, then
+    ``extra`` (e.g. :attr:`fathom_jax.placement.Placement.compiler_options`); None when empty."""
+    options = (dict(WEIGHT_GEMM_OPTIONS) if backend.on_gpu() else {}) | dict(extra or {})
+    return options or None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_program(fn, static_argnames):
+    """``fn`` jitted with :func:`decode_compiler_options` (made on first use: the options depend on the backend)."""
+    return jax.jit(fn, static_argnames=static_argnames, compiler_options=decode_compiler_options())
+
+
+def generate_program():
+    """The jitted program of a whole generation in device memory: prefill, then the greedy loop of decode steps."""
+    return _device_program(_generate_fn, ("graphdef", "max_new_tokens", "capacity", "attn_static"))
+
+
+def _decode_loop_fn(graphdef, state, tokens, cache, steps, attn_static, attn_leaves):
     model = nnx.merge(graphdef, state)
     attn = join_attention(attn_static, attn_leaves)
     out = jnp.zeros((tokens.shape[0], steps), jnp.int32).at[:, 0].set(tokens)
@@ -218,7 +242,8 @@ def decode_loop(model, tokens: Int[Array, "B"], cache: SparseCache, attn: Sparse
     tokens = jnp.asarray(tokens, jnp.int32)
     if not attn.placement.offloaded and attn.placement.mesh is None:
         graphdef, state = nnx.split(model)
-        return _decode_loop(graphdef, state, tokens, cache, steps, *split_attention(attn))
+        program = _device_program(_decode_loop_fn, ("graphdef", "steps", "attn_static"))
+        return program(graphdef, state, tokens, cache, steps, *split_attention(attn))
     out = [tokens]
     for _ in range(steps - 1):
         tokens, _, cache = decode_step(model, tokens, cache, attn)
@@ -226,8 +251,7 @@ def decode_loop(model, tokens: Int[Array, "B"], cache: SparseCache, attn: Sparse
     return jnp.stack(out, axis=1), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "capacity", "attn_static"))
-def _generate_in_device_memory(graphdef, state, prompt, lengths, max_new_tokens, capacity, attn_static, attn_leaves):
+def _generate_fn(graphdef, state, prompt, lengths, max_new_tokens, capacity, attn_static, attn_leaves):
     model = nnx.merge(graphdef, state)
     attn = join_attention(attn_static, attn_leaves)
     cache = _init_cache(model, attn, prompt.shape[0], capacity)
@@ -261,7 +285,8 @@ def _host_programs(graphdef, attn_static, cache_shardings, out_sharding, in_plac
     In device memory the cache is donated and returned (XLA updates it in place). In host memory the
     kernels write the bulk arrays in place and the programs return the cache without them (``in_place``):
     returning a host array from a program makes XLA copy it. ``compiler_options`` (``(name, value)`` pairs,
-    :attr:`fathom_jax.placement.Placement.compiler_options`) go to the step programs.
+    :attr:`fathom_jax.placement.Placement.compiler_options`) go to the step programs; the decode step's also take
+    :data:`WEIGHT_GEMM_OPTIONS` on a GPU (the attention-only step has no weight GEMMs).
     """
     out_cache = Placement.detach_bulk if in_place else (lambda c: c)
 
@@ -287,7 +312,8 @@ def _host_programs(graphdef, attn_static, cache_shardings, out_sharding, in_plac
                         out_shardings=(out_sharding, shardings, out_sharding))
     options = dict(compiler_options) or None
     step_jit = jax.jit(step_fn, donate_argnums=() if in_place else (2,),
-                       out_shardings=(out_sharding, out_sharding, shardings), compiler_options=options)
+                       out_shardings=(out_sharding, out_sharding, shardings),
+                       compiler_options=decode_compiler_options(options))
     attention_jit = jax.jit(attention_fn, donate_argnums=() if in_place else (3,), out_shardings=(out_sharding, shardings),
                             compiler_options=options)
     flush_jit = jax.jit(flush_fn, donate_argnums=() if in_place else (0,), out_shardings=shardings)
@@ -397,7 +423,7 @@ def generate(model, prompt, lengths, max_new_tokens: int, *, capacity: int, attn
     lengths = jnp.asarray(lengths, jnp.int32)
     if not attn.placement.offloaded and attn.placement.mesh is None:
         graphdef, state = nnx.split(model)
-        return _generate_in_device_memory(graphdef, state, prompt, lengths, max_new_tokens, capacity,
+        return generate_program()(graphdef, state, prompt, lengths, max_new_tokens, capacity,
                                           *split_attention(attn))
     logits, cache, attn = prefill(model, prompt, lengths, attn, capacity)
     tokens = _first_token(logits)

@@ -13,12 +13,14 @@ D = 16
 
 
 class TestRowFetch(KernelTestBase):
-    @pytest.mark.parametrize("n,s,rows", [(50, 37, 8), (64, 1, 4), (300, 128, 32)])
-    def test_exact(self, impl, rng, n, s, rows):
+    @pytest.mark.parametrize("n,s,rows,programs", [(50, 37, 8, 0), (64, 1, 4, 0), (300, 128, 32, 0),
+                                                    (300, 128, 32, 3), (50, 37, 8, 7), (64, 1, 4, 64)])
+    def test_exact(self, impl, rng, n, s, rows, programs):
+        """One program per work item, or persistent programs (more than, fewer than, not dividing the items)."""
         k = jnp.asarray(rng.standard_normal((2, 6, n, D)), jnp.bfloat16)
         v = jnp.asarray(rng.standard_normal((2, 6, n, D)), jnp.bfloat16)
         idx = jnp.asarray(rng.integers(-5, n + 5, (6, s)), jnp.int32)  # includes padding (-ve, >= n)
-        config = RF.RowFetchConfig(rows=rows)
+        config = RF.RowFetchConfig(rows=rows, programs=programs)
         fetch = jax.jit(lambda a, b, layer: RF.row_fetch(a, b, idx, layer=layer, config=config, **impl.kw))
         got_k, got_v, mask = fetch(host(k, impl), host(v, impl), jnp.int32(1))
         assert_equal(got_k, np_row_fetch(k[1], idx))
@@ -65,5 +67,7 @@ def test_row_fetch_lowers_to_triton_and_validates():
         RF.row_fetch(z((2, 64, 12), jnp.bfloat16), None, z((2, 9), jnp.int32))
     with pytest.raises(ValueError, match=r"1 <= Rc <= 1 \(groups 1\.\. of the store's 2\)"):
         RF.row_fetch(z((3, 2, 64, D), jnp.bfloat16), None, z((2, 9), jnp.int32), layer=0, group_start=1)
+    with pytest.raises(ValueError, match="programs must be an int >= 0"):
+        RF.RowFetchConfig(programs=-1)
     with pytest.raises(ValueError, match="columns must be"):
         RF.row_fetch(z((2, 64, 2 * D), jnp.bfloat16), None, z((2, 9), jnp.int32), columns=(D + 1, D))

@@ -10,9 +10,16 @@ from pallas_kernels import topk as TK
 from tests.support import lower_triton_text
 
 
+CONFIGS = {"radix": TK.TopkConfig(path="radix"), "fused": TK.TopkConfig(), "fused_wide": TK.TopkConfig(max_buckets=32),
+           "split_4_4": TK.TopkConfig(bucket_splits=4, token_splits=4),
+           "split_8_2": TK.TopkConfig(bucket_splits=8, token_splits=2),
+           "split_wide": TK.TopkConfig(max_buckets=32, bucket_splits=2, token_splits=8)}
+
+
 class TestTopk(KernelTestBase):
-    # fused_wide: buckets of 64 / 128 tokens, the fused path's layout for rows past 1M tokens (n = 2^20 + 64)
-    @pytest.mark.parametrize("path", ["radix", "fused", "fused_wide"])
+    # fused_wide: buckets of 64 / 128 tokens, the fused path's layout for rows past 1M tokens (n = 2^20 + 64);
+    # split_*: a row's bucket and token selections over several programs, then merged
+    @pytest.mark.parametrize("path", ["radix", "fused", "fused_wide", "split_4_4", "split_8_2", "split_wide"])
     @pytest.mark.parametrize("n,k,lengths", [
         (3000, 100, [3000, 1000, 50, 37, 0, 136]),
         (777, 64, [777, 700, 20, 64, 65, 100]),
@@ -21,7 +28,7 @@ class TestTopk(KernelTestBase):
     def test_same_set_as_numpy_oracle(self, impl, rng, path, n, k, lengths):
         scores = jnp.asarray(rng.standard_normal((len(lengths), n)), jnp.float32)  # ties have probability ~0
         length = jnp.asarray(lengths, jnp.int32)
-        config = TK.TopkConfig(path="fused", max_buckets=32) if path == "fused_wide" else TK.TopkConfig(path=path)
+        config = CONFIGS[path]
         got = np.asarray(TK.topk_select(scores, length, k=k, config=config, **impl.kw))
         assert got.shape == (len(lengths), k)
         for r, ln in enumerate(lengths):
@@ -32,11 +39,13 @@ class TestTopk(KernelTestBase):
         if path != "radix":
             assert_ran(TK.topk_select, scores, length, name="topk_select_tokens", impl=impl, k=k, config=config)
 
-    def test_fused_ties(self, impl, rng):
+    @pytest.mark.parametrize("path", ["fused", "split_4_4"])
+    def test_fused_ties(self, impl, rng, path):
         """Heavily tied integer scores: k distinct valid positions incl. sinks/local, the same score multiset."""
         scores = jnp.asarray(rng.integers(0, 5, (3, 2000)), jnp.float32)
         lengths = [2000, 1500, 700]
-        got = np.asarray(TK.topk_select(scores, jnp.asarray(lengths, jnp.int32), k=100, **impl.kw))
+        got = np.asarray(TK.topk_select(scores, jnp.asarray(lengths, jnp.int32), k=100, config=CONFIGS[path],
+                                        **impl.kw))
         want = np.asarray(TK.topk_select_reference(scores, jnp.asarray(lengths, jnp.int32), k=100))
         for r, ln in enumerate(lengths):
             row = got[r]
@@ -80,3 +89,9 @@ def test_topk_lowers_to_triton_and_validates():
         TK.topk_select(jnp.zeros((4, 100)), 100, k=36)
     with pytest.raises(ValueError, match="path"):
         TK.TopkConfig(path="sort")
+    with pytest.raises(ValueError, match="token_splits must be a power of two"):
+        TK.TopkConfig(token_splits=3)
+    text = lower_triton_text(TK.topk_select, jnp.zeros((4, 1 << 20)), jnp.zeros((4,), jnp.int32), k=512,
+                             interpret=False, implementation="pallas",
+                             config=TK.TopkConfig(bucket_splits=8, token_splits=4))
+    assert all(f'name = "{nm}"' in text for nm in ("topk_local_buckets", "topk_local_tokens"))

@@ -1,0 +1,132 @@
+"""What a compiled decode step moves: its optimized HLO, the largest instructions by output bytes (with the JAX op
+and source line each came from), the copies and dynamic slices among them, and the step's time, per set of XLA
+compiler options (one line of ``--option NAME=VALUE ...`` per set; the first set is always the default).
+
+    python3 scripts/step_hlo.py --context 32k --batch 8 --out $OUT \\
+        --option xla_gpu_enable_dynamic_slice_fusion=true
+
+Writes ``step_<tag>_<i>.hlo.txt`` (set ``i``) and ``step_<tag>.json`` under ``--out``. A diagnostic for the full step
+(QKV, sparse attention, MLP, lm_head) of the Qwen3-8B-shaped benchmark model (``scripts/bench_offload.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import bench_offload as bench  # noqa: E402
+import harness  # noqa: E402
+from fathom_jax.hlo import _ARRAY, _INSTR, _nbytes  # noqa: E402
+from fathom_jax.models import sparse  # noqa: E402
+from fathom_jax.models.llama import split_attention  # noqa: E402
+from fathom_jax.placement import Placement  # noqa: E402
+
+_META = re.compile(r'op_name="([^"]*)"(?:.*?source_file="([^"]*)")?(?:.*?source_line=(\d+))?')
+
+
+def instructions(text: str) -> list[dict]:
+    """Every instruction of an HLO module text with its output bytes, opcode and the JAX op it came from."""
+    out, computation = [], None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and "{" in line:
+            computation = line.split()[0].lstrip("%") if not line.startswith("ENTRY") else "ENTRY"
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, opcode, _ = m.groups()
+        nbytes = sum(_nbytes(d, dims) for d, dims, _ in _ARRAY.findall(shape))
+        meta = _META.search(line)
+        kind = re.search(r"kind=(\w+)", line)
+        out.append({"name": name, "opcode": opcode, "bytes": nbytes, "shape": shape[:120], "computation": computation,
+                    "kind": kind.group(1) if kind else None,
+                    "op": meta.group(1)[-160:] if meta else None,
+                    "source": f"{os.path.basename(meta.group(2) or '')}:{meta.group(3)}" if meta and meta.group(2) else None})
+    return out
+
+
+def summary(text: str, top: int = 40, min_bytes: int = 1 << 20) -> dict:
+    ins = [i for i in instructions(text) if i["computation"] is not None]
+    # ops that run (not fused-computation internals): the entry, while bodies, called computations
+    fused = {m.group(1) for m in re.finditer(r"calls=%?([\w.\-]+)", text)}
+    bodies = {m.group(1) for m in re.finditer(r"body=%?([\w.\-]+)", text)} | {"ENTRY"}
+    running = [i for i in ins if i["computation"] not in fused or i["computation"] in bodies]
+    big = sorted((i for i in running if i["bytes"] >= min_bytes and i["opcode"] not in
+                  ("parameter", "get-tuple-element", "tuple", "bitcast", "while", "constant")),
+                 key=lambda i: -i["bytes"])
+    copies = [i for i in big if i["opcode"] in ("copy", "copy-start", "dynamic-slice", "dynamic-update-slice")
+              or (i["name"].startswith(("copy", "dynamic_slice", "input_dynamic_slice", "loop_dynamic_slice")))]
+    return {"top": big[:top], "copies": copies, "n_copies": len(copies),
+            "copy_bytes": sum(i["bytes"] for i in copies)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--context", default="32k")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--method", default="Fathom 48", choices=list(bench.METHODS))
+    ap.add_argument("--k", type=int, default=512)
+    ap.add_argument("--option", action="append", nargs="+", default=[],
+                    help="one set of XLA compiler options NAME=VALUE ... (repeat for more sets)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    context = bench.parse_ctx(args.context)
+    cfg = bench.SMOKE if args.smoke else bench.QWEN3_8B
+    placement = Placement("pinned_host")
+    calib, scale = bench.synthetic_calibration(cfg)
+    attn = bench.hook(bench.METHODS[args.method], cfg, calib, args.k, placement, "pallas")
+    model = bench.random_model(cfg, placement)
+    cache = bench.build_cache(attn, cfg, scale, context=context, batch=args.batch, shared_kv=False)
+    start = jax.tree.map(jnp.copy, Placement.detach_bulk(cache))
+    graphdef, state = nnx.split(model)
+    attn_static, attn_leaves = split_attention(attn)
+    leaves, treedef = jax.tree.flatten(attn.placement.shardings(cache))
+    tokens = jnp.zeros((args.batch,), jnp.int32)
+    res = {"machine": harness.machine(), "command": " ".join(sys.argv), "context": context, "batch": args.batch,
+           "method": args.method, "sets": []}
+    for i, options in enumerate([[]] + args.option):
+        opts = dict(attn.placement.compiler_options)
+        for item in options:
+            name, _, value = item.partition("=")
+            opts[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+        jits = sparse._host_programs(graphdef, attn_static, (treedef, tuple(leaves)), placement.replicated(),
+                                     placement.writes_in_place, tuple(sorted(opts.items())))
+        t = time.time()
+        compiled = jits[1].lower(state, tokens, cache, attn_leaves).compile()
+        compile_s = time.time() - t
+        text = compiled.as_text()
+        with open(os.path.join(args.out, f"step_{args.tag}_{i}.hlo.txt"), "w") as f:
+            f.write(text)
+        cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
+
+        def call(st, jits=jits):
+            nxt, _, small = jits[1](state, st[0], st[1], attn_leaves)
+            return nxt, Placement.attach_bulk(small, st[1]) if placement.writes_in_place else small
+
+        timing, (_, cache) = harness.timeit_calls(call, (tokens, cache), n=args.steps, repeats=3)
+        s = summary(text)
+        print(f"[set {i}] {opts}: compile {compile_s:.1f} s, step {timing['median_ms']:.2f} ms, "
+              f"{s['n_copies']} copies / dynamic slices of >= 1 MB, {s['copy_bytes'] / 1e6:.1f} MB", flush=True)
+        for ins in s["copies"][:30]:
+            print(f"   copy {ins['name']:40s} {ins['opcode']:22s} {ins['bytes'] / 1e6:9.1f} MB  {ins['op']}  {ins['source']}")
+        for ins in s["top"][:25]:
+            print(f"   top  {ins['name']:40s} {ins['opcode']:22s} {ins['bytes'] / 1e6:9.1f} MB  {ins['op']}  {ins['source']}")
+        res["sets"].append({"options": opts, "compile_s": compile_s, "timing": timing, **s})
+        harness.write_json(os.path.join(args.out, f"step_{args.tag}.json"), res)
+
+
+if __name__ == "__main__":
+    main()
