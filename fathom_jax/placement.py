@@ -262,7 +262,7 @@ class Placement:
             return self.gather_programs
         if jax.default_backend() != "gpu" or not (self.offloaded and self.read == "staged"):
             return 0
-        return max(1, getattr(jax.devices()[0], "core_count", 132) // 2)
+        return _half_the_sms()
 
     @property
     def row_fetch_programs(self) -> int:
@@ -273,7 +273,7 @@ class Placement:
             return self.fetch_programs
         if self.memory_kind != "pinned_host":
             return 0
-        return max(1, getattr(jax.devices()[0], "core_count", 132) // 2)
+        return _half_the_sms()
 
     @property
     def row_fetch_config(self) -> RowFetchConfig:
@@ -441,6 +441,12 @@ def _on_stream(fn, stream: int):
             jax_config.compute_on_context_manager.set_local(previous)
 
     return compute_on(body, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)
+
+
+def _half_the_sms() -> int:
+    """Half the default GPU's streaming multiprocessors (66 on the H200): persistent programs that wait on the link
+    leave the other half to the kernels running beside them."""
+    return max(1, getattr(jax.devices()[0], "core_count", 132) // 2)
 
 
 def _fits_in_hbm(shape, dtype, sharding, fraction: float = 0.9) -> bool:
