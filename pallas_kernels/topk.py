@@ -388,16 +388,17 @@ def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps, bucket,
             out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32),
             grid=(r,), interpret=interpret, name="topk_select_buckets", compiler_params=params,
         )(bmax)
-    kps = kpp // token_splits
     if token_splits > 1:
+        kps = kpp // token_splits  # candidate buckets per program
+        splits = pl.cdiv(kp, kps)
         pos, keys = pl.pallas_call(
             functools.partial(_local_tokens_kernel, kps=kps, kp=kp, kpp=kpp, nb=nb, n=n, bucket=bucket, sink=sink,
                               local=local),
-            out_shape=survivors(pl.cdiv(kp, kps)), grid=(r, pl.cdiv(kp, kps)), interpret=interpret,
+            out_shape=survivors(splits), grid=(r, splits), interpret=interpret,
             name="topk_local_tokens", compiler_params=params,
         )(length, bid, scores)
         mid_idx = pl.pallas_call(
-            functools.partial(_merge_tokens_kernel, splits=pl.cdiv(kp, kps), kp=kp, kpp=kpp),
+            functools.partial(_merge_tokens_kernel, splits=splits, kp=kp, kpp=kpp),
             out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32), grid=(r,), interpret=interpret,
             name="topk_select_tokens", compiler_params=params,
         )(pos, keys)[:, :kp]

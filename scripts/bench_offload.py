@@ -133,9 +133,6 @@ def hook(spec, cfg, calib, k, placement, implementation, variant=None):
     method = methods.parse(spec)
     variant = dict(variant or {})
     topk = TOPK[variant.pop("topk", "auto")]
-    options = variant.pop("xla_options", None)
-    if options is not None:
-        variant["xla_options"] = dict(options)
     return decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
                                   placement=dataclasses.replace(placement, **variant), implementation=implementation,
                                   topk=topk)

@@ -81,9 +81,9 @@ def random_setting(seed, n=192, d=16, g=4, hkv=1):
 def np_codes(planes) -> np.ndarray:
     """4-bit codes ``[*B, n, D]`` of channel-major bit planes ``uint32 [*B, D, 4, W]`` (plane p holds bit 3 - p of
     the code, token t at bit t % 32 of word t // 32), in numpy: an independent reader for failure reports."""
-    planes = np.asarray(planes, np.uint32)
-    bits = (planes[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [*B, D, 4, W, 32]
-    bits = bits.reshape(*planes.shape[:-1], -1).astype(np.int64)  # [*B, D, 4, n]
+    from tests.pallas_kernels.oracles import unpack_plane
+
+    bits = np.apply_along_axis(unpack_plane, -1, np.asarray(planes, np.uint32))  # [*B, D, 4, n]
     codes = sum(bits[..., p, :] << (3 - p) for p in range(4))  # [*B, D, n]
     return np.swapaxes(codes, -1, -2)
 
@@ -101,7 +101,7 @@ def describe_code_difference(got_planes, want_planes, scales, keys, limit: int =
     scales = np.asarray(scales, np.float16)
     lines = [f"{len(diff)} codes differ (token, channel): got != want"]
     for t, j in diff[:limit]:
-        width = np.float64(scales[j, t // 64]) / 8
+        width = float(scales[j, t // 64]) / 8
         key = keys[t, j]
         lines.append(f"  ({t}, {j}): {got[t, j]} != {want[t, j]}; key {float(key)!r} (0x{key.view(np.uint32):08x}), "
                      f"scale {float(scales[j, t // 64])!r}, key / width {float(key) / width if width else float('nan')!r}")
@@ -124,21 +124,25 @@ def assert_trees_bitwise_equal(a, b):
 
 def count_pallas_calls(fn, *args, name: str, **kwargs) -> int:
     """How many ``pallas_call``s named ``name`` the jaxpr of ``fn(*args)`` holds."""
+    return len(pallas_call_eqns(fn, *args, name=name, **kwargs))
+
+
+def pallas_call_eqns(fn, *args, name: str, **kwargs) -> list:
+    """The ``pallas_call`` equations named ``name`` (or a name starting with it) in the jaxpr of ``fn(*args)``, nested
+    jaxprs included (their ``params`` hold e.g. the grid: ``params["grid_mapping"].grid``)."""
     jaxpr = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
-    return _count(jaxpr.jaxpr, name)
+    return list(_named_calls(jaxpr.jaxpr, name))
 
 
-def _count(jaxpr, name: str) -> int:
-    total = 0
+def _named_calls(jaxpr, name: str):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
             got = eqn.params.get("name")
             got = getattr(got, "name", got)
             if got == name or (isinstance(got, str) and got.startswith(name)):
-                total += 1
+                yield eqn
         for sub in _subjaxprs(eqn):
-            total += _count(sub, name)
-    return total
+            yield from _named_calls(sub, name)
 
 
 def _subjaxprs(eqn):

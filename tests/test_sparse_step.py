@@ -176,20 +176,10 @@ def test_pinned_host_step_equals_hbm_step_and_reference(read, split):
 
 
 def _pallas_grids(fn, *args, name):
-    from tests.support import _subjaxprs
-
     """The grids of the ``pallas_call``s named ``name`` in the jaxpr of ``fn(*args)``."""
-    grids = []
+    from tests.support import pallas_call_eqns
 
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call" and str(getattr(eqn.params["name"], "name", eqn.params["name"])) == name:
-                grids.append(tuple(eqn.params["grid_mapping"].grid))
-            for sub in _subjaxprs(eqn):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return grids
+    return [tuple(eqn.params["grid_mapping"].grid) for eqn in pallas_call_eqns(fn, *args, name=name)]
 
 
 def test_kernel_options_reach_the_kernels_and_change_no_result(setting):
