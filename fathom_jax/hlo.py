@@ -1,10 +1,16 @@
-"""Guards on compiled programs: no copy of a host-resident (``pinned_host``) array.
+"""Guards on compiled programs: no copy of a host-resident (``pinned_host``) array, no copy of a layer's weights.
 
 No Pallas GPU lowering documents host-memory operands; on JAX 0.11.2 the Triton backend reads them in
 place (the ``S(5)`` host parameters go straight into the kernels' custom calls). A JAX or XLA upgrade that
 silently staged the store or the K/V cache through device memory would read hundreds of MB per layer, and a
 program that returns a host array makes XLA copy all of it (seen: ~1 s per step at 1M tokens);
 :func:`host_array_copies` finds such instructions in a compiled module's text so a test can fail loudly.
+
+The layer scan slices each layer's weights out of the stacked ``[L, ...]`` arrays. A GEMM that XLA emits as a Triton
+fusion cannot read such a slice in place, so XLA copies it first (386 MB per layer, 7.5 ms per 1M-token Qwen3-8B step
+on the H200); :data:`fathom_jax.models.sparse.WEIGHT_GEMM_OPTIONS` makes the GEMMs cuBLAS calls under XLA's
+dynamic-slice fusion, which read the slice where it lies. :func:`device_copies` lists the copies and dynamic slices
+a compiled program still runs, so a test catches an XLA that drops that fusion.
 """
 
 from __future__ import annotations
@@ -21,6 +27,12 @@ PASS_THROUGH = {"get-tuple-element", "tuple", "while", "parameter", "bitcast", "
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)\)", re.S)
 _ARRAY = re.compile(r"(pred|[sufbc]\d+|bf16|f8\w*)\[([\d,]*)\]\{([^}]*)\}")
 _BYTES = {"pred": 1, "bf16": 2}
+_META = re.compile(r'op_name="([^"]*)"(?:.*?source_file="([^"]*)")?(?:.*?source_line=(\d+))?')
+# An async op's "-start" shape holds its operands too (a 3.7 GB stack for a 100 MB slice): it counts at its "-done".
+_NOT_WORK = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "constant", "fusion-start", "copy-start",
+             "async-start", "call-start"}
+_COPY_OPS = {"copy", "copy-done", "dynamic-slice"}
+_COPY_NAMES = ("copy", "input_dynamic_slice", "loop_dynamic_slice")
 
 
 def _nbytes(dtype: str, dims: str) -> int:
@@ -51,3 +63,46 @@ def host_array_copies(hlo_text: str, *, min_bytes: int = 1 << 20) -> list[str]:
         if (op != "custom-call" and _large_host_arrays(operands, min_bytes)) or _large_host_arrays(result, min_bytes):
             found.append(line.strip()[:300])
     return found
+
+
+def hlo_instructions(hlo_text: str) -> list[dict]:
+    """Every instruction of an HLO module's text: ``name``, ``opcode``, output ``bytes``, ``shape`` (truncated), the
+    ``computation`` it is in, fusion ``kind``, and the JAX ``op`` and ``source`` line it came from."""
+    out, computation = [], None
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and "{" in line:
+            computation = line.split()[0].lstrip("%") if not line.startswith("ENTRY") else "ENTRY"
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, opcode, _ = m.groups()
+        meta = _META.search(line)
+        kind = re.search(r"kind=(\w+)", line)
+        kind = "kCustom" if "custom_fusion_config" in line else kind.group(1) if kind else None
+        out.append({"name": name, "opcode": opcode, "shape": shape[:120], "computation": computation,
+                    "bytes": sum(_nbytes(d, dims) for d, dims, _ in _ARRAY.findall(shape)),
+                    "kind": kind, "op": meta.group(1)[-160:] if meta else None,
+                    "source": (f"{meta.group(2).rsplit('/', 1)[-1]}:{meta.group(3)}"
+                               if meta and meta.group(2) else None)})
+    return out
+
+
+def running_instructions(hlo_text: str, *, min_bytes: int = 0) -> list[dict]:
+    """The instructions that run as work of their own (the entry computation, loop bodies, called computations; not
+    the insides of fusions), with outputs of at least ``min_bytes``, largest first."""
+    fused = {m.group(1) for m in re.finditer(r"calls=%?([\w.\-]+)", hlo_text)}
+    bodies = {m.group(1) for m in re.finditer(r"body=%?([\w.\-]+)", hlo_text)} | {"ENTRY"}
+    found = [i for i in hlo_instructions(hlo_text)
+             if i["computation"] is not None and (i["computation"] not in fused or i["computation"] in bodies)
+             and i["bytes"] >= min_bytes and i["opcode"] not in _NOT_WORK]
+    return sorted(found, key=lambda i: -i["bytes"])
+
+
+def device_copies(hlo_text: str, *, min_bytes: int = 1 << 20) -> list[dict]:
+    """Copies and dynamic slices of at least ``min_bytes`` that a compiled program runs: ``copy``/``copy-done``,
+    ``dynamic-slice`` and the fusions XLA names after them, or whose JAX op is a dynamic slice. Not a copy: an
+    in-place ``dynamic-update-slice`` of a loop's output (it writes only its update), nor XLA's dynamic-slice
+    fusion of a cuBLAS call (a ``kCustom`` fusion named ``dynamic_slice_fusion``: the GEMM reads the slice in
+    place; its output is the GEMM's result and workspace)."""
+    return [i for i in running_instructions(hlo_text, min_bytes=min_bytes) if i["kind"] != "kCustom" and (
+            i["opcode"] in _COPY_OPS or i["name"].startswith(_COPY_NAMES) or (i["op"] or "").endswith("/dynamic_slice"))]

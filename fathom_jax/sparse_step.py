@@ -190,6 +190,9 @@ def _attend_read(read, q, index, length, new, group_start, kv_cache, layer, kv_l
     # No masking pass over the scores: both selections take positions >= length as invalid (the pass cost
     # 2.3 ms per 36-layer step at 1M tokens on the H200).
     idx, mask = select_topk(scores, length, k, sink=sink, local=local, implementation=implementation, config=topk)
+    # Sorted by one XLA sort even though the Pallas top-k lists each head's tokens in order: the sort-free union
+    # (group_union(sorted_heads=True)), faster alone, made the pipelined step slower (H200, run v3: 66.7 -> 77.1 ms
+    # at 1M tokens, 18.6 -> 20.0 at 128k).
     union, union_mask, member = group_union(idx, mask)
     slots = jnp.where(union_mask, union, -1)
     rows, _, _ = row_fetch(kv_cache, None, slots, layer=kv_layer, group_start=group_start,

@@ -229,6 +229,36 @@ def topk_split_cases(sizes=((1 << 17) + 64, (1 << 20) + 64), rows=(4, 32), split
     return out
 
 
+def union_cases(groups=(1, 4, 32), g=4, k=512, n=(1 << 17) + 64):
+    """A KV group's union of its heads' selections (``fathom_jax.select.group_union``), by sorting the G k slots
+    against the sort-free union of increasing lists (``sorted_heads=True``), on the Pallas top-k's own output:
+    1 group is a pipelined chunk at 1M tokens, 4 one at 128k, 32 a batch-8 chunk at 128k."""
+    from fathom_jax.select import group_union, select_topk
+
+    out = []
+    for r in groups:
+        scores = jnp.asarray(np.random.default_rng(r).standard_normal((r, g, n)), jnp.float32)
+        idx, mask = select_topk(scores, jnp.full((r,), n - 63, jnp.int32), k, implementation="pallas")
+        ref = [np.asarray(x) for x in group_union(idx, mask)]
+        for sorted_heads in (False, True):
+            fn = lambda i, s=sorted_heads: group_union(i, mask, sorted_heads=s)  # noqa: E731
+            got = [np.asarray(x) for x in fn(idx)]
+            heads = lambda u: [{int(t): tuple(u[2][b][:, j]) for j, t in enumerate(u[0][b]) if u[1][b][j]}  # noqa: E731
+                               for b in range(r)]
+            same = heads(got) == heads(ref)
+
+            def step(c, fn=fn):
+                union, _, member = fn(idx + (c[0, 0] > 1e30).astype(jnp.int32))
+                return c + (union[:, :1] + member[:, 0, :1]).astype(jnp.float32) * 1e-30
+
+            t = timeit(step, jnp.zeros((r, 1), jnp.float32), iters=200, repeats=3)
+            t.update(kernel="group_union", groups=r, heads=g, k=k, sorted_heads=sorted_heads, same_as_sorted=same)
+            out.append(t)
+            print(f"union groups={r:2d} sorted_heads={sorted_heads!s:5s} {t['median_ms']:.4f} ms "
+                  f"[{t['min_ms']:.4f}, {t['max_ms']:.4f}] same={same}", flush=True)
+    return out
+
+
 ROWFETCH_CONFIGS = ((32, 4), (16, 4), (64, 4), (64, 8), (128, 8))
 
 
@@ -423,6 +453,9 @@ def main():
     if "topksplit" in sections:
         res["topk_split"] = topk_split_cases()
         save()
+    if "union" in sections:
+        res["union"] = union_cases()
+        save()
     if "gather" in sections:
         res["gather"] = gather_cases(tune=args.tune)
         save()
@@ -475,6 +508,15 @@ def write_report(res, out, name="kernels_h200"):
         for r in res["topk_split"]:
             L.append(f"| {r['n']} | {r['rows']} | {r['bucket_splits']} | {r['token_splits']} | {r['median_ms']:.4f} | "
                      f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['same_set_as_reference']} |")
+        L.append("")
+    if "union" in res:
+        L += ["## Union of a group's selections (G = 4 heads x k = 512 slots, Pallas top-k output at 128k)", "",
+              "`sort`: the G k slots sorted (one XLA sort); `sorted lists`: the heads' increasing lists searched "
+              "(``group_union(sorted_heads=True)``).", "",
+              "| groups | union by | ms | [min, max] | same set and memberships |", "|---|---|---|---|---|"]
+        for r in res["union"]:
+            L.append(f"| {r['groups']} | {'sorted lists' if r['sorted_heads'] else 'sort'} | {r['median_ms']:.4f} | "
+                     f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['same_as_sorted']} |")
         L.append("")
     if "row_fetch" in res:
         L += ["## Row fetch (2048 rows x 8 KV heads, K and V, bf16, Dh = 128)", "",

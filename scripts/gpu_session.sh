@@ -76,6 +76,17 @@
 #   u5  (nvidia-h200)   cuBLAS GEMMs reading each layer's weights in place, by default in every decode-step program: the
 #                       decode, zero-copy and sparse-model GPU tests (not SmolLM2's: its GGUF needs two calls); the full
 #                       step at 1M, profiled
+#   v1  (nvidia-h200)   tenth session: the union of a group's selections without a sort (kernel bench against the sort);
+#                       every GPU test but SmolLM2's (the weight-copy guard new), first half of the GGUF; three methods
+#                       at 128k, both index-write modes, Fathom 48 profiled
+#   v2  (same machine)  second half; SmolLM2 GPU tests (with the weight options); three methods at 1M, both write
+#                       modes; the full step at 128k, batch 1 and 8, batch 8 profiled, the row fetch's programs varied
+#   v3  (same machine)  v2's 1M and 128k Fathom 48 rows were 10 ms slower: the same rows with the sort-free union in the
+#                       step and without it (run from the shell: UNSORTED_UNION_GROUPS 8, 0, 8; since removed)
+#   v4  (same machine)  the sort again: three methods at 1M and 128k, both write modes; the full step at 128k; the
+#                       weight-copy guard's failures (XLA's cuBLAS dynamic-slice fusion counted as a copy; the
+#                       device-memory decode loop copied its cache: not donated) (run from the shell)
+#   v5  (nvidia-h200)   after both fixes: the HLO and sparse-model GPU tests; Fathom 48 at 1M, profiled
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -393,6 +404,32 @@ u5)
   timeout 130 python3 scripts/bench_offload.py --tag h200_u5 --out /tmp/u5 --read staged --sections full,profile \
     --contexts 1m --full-contexts 1m --methods "Fathom 48" --share-kv-from 1m --time-budget 120 2>&1 \
     | tee $OUT/bench_u5.log | cut -c1-330; cp /tmp/u5/offload_h200_u5.json /tmp/u5/offload_h200_u5.md $OUT/ ;;
+v1)
+  cp .carry1/smol.part1 /tmp/smol.part1
+  timeout 120 python3 scripts/bench_kernels.py --out $OUT --name kernels_v1_h200 --sections union 2>&1 \
+    | tee $OUT/kernels_v1.log | grep -v "^ " | tail -12
+  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_v1_h200.log | tail -6
+  timeout 130 python3 scripts/bench_offload.py --tag h200_v1a --out $OUT --read staged --sections link,attn --contexts 128k \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --index-writes every_step,full_blocks --time-budget 120 2>&1 \
+    | tee $OUT/bench_v1a.log | cut -c1-330
+  timeout 80 python3 scripts/bench_offload.py --tag h200_v1b --out $OUT --read staged --sections attn,attnprofile \
+    --contexts 128k --methods "Fathom 48" --time-budget 70 2>&1 | tee $OUT/bench_v1b.log | cut -c1-330 ;;
+v2)
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_v2_h200.log | tail -4
+  timeout 150 python3 scripts/bench_offload.py --tag h200_v2a --out $OUT --read staged --sections attn --contexts 1m \
+    --methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)" --index-writes every_step,full_blocks --share-kv-from 1m \
+    --time-budget 140 2>&1 | tee $OUT/bench_v2a.log | cut -c1-330
+  timeout 200 python3 scripts/bench_offload.py --tag h200_v2b --out $OUT --read staged --sections link,full,batch,profile \
+    --contexts 128k --full-contexts 128k --batches 8 --methods "Fathom 48" --fetch-programs auto,132 \
+    --share-kv-from 512k --time-budget 190 2>&1 | tee $OUT/bench_v2b.log | cut -c1-330 ;;
+v5)
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not smollm2" tests/test_hlo.py tests/models/test_sparse.py \
+    tests/test_decode.py 2>&1 | tee $OUT/gpu_tests_v5_h200.log | tail -4
+  timeout 110 python3 scripts/bench_offload.py --tag h200_v5 --out /tmp/v5 --read staged --sections attn,attnprofile \
+    --contexts 1m --methods "Fathom 48" --share-kv-from 1m --time-budget 100 2>&1 | tee $OUT/bench_v5.log | cut -c1-330
+  cp /tmp/v5/offload_h200_v5.json /tmp/v5/offload_h200_v5.md $OUT/ ;;
 o6)
   timeout 200 python3 scripts/bench_offload.py --tag h200_o6 --out $OUT --read staged \
     --methods "32-channel (SparQ r=32),SparQ r=16" --index-writes every_step,full_blocks \

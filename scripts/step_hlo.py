@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
@@ -26,47 +25,14 @@ from flax import nnx  # noqa: E402
 
 import bench_offload as bench  # noqa: E402
 import harness  # noqa: E402
-from fathom_jax.hlo import _ARRAY, _INSTR, _nbytes  # noqa: E402
+from fathom_jax.hlo import device_copies, running_instructions  # noqa: E402
 from fathom_jax.models import sparse  # noqa: E402
 from fathom_jax.models.llama import split_attention  # noqa: E402
 from fathom_jax.placement import Placement  # noqa: E402
 
-_META = re.compile(r'op_name="([^"]*)"(?:.*?source_file="([^"]*)")?(?:.*?source_line=(\d+))?')
-
-
-def instructions(text: str) -> list[dict]:
-    """Every instruction of an HLO module text with its output bytes, opcode and the JAX op it came from."""
-    out, computation = [], None
-    for line in text.splitlines():
-        if line and not line.startswith(" ") and "{" in line:
-            computation = line.split()[0].lstrip("%") if not line.startswith("ENTRY") else "ENTRY"
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, shape, opcode, _ = m.groups()
-        nbytes = sum(_nbytes(d, dims) for d, dims, _ in _ARRAY.findall(shape))
-        meta = _META.search(line)
-        kind = re.search(r"kind=(\w+)", line)
-        out.append({"name": name, "opcode": opcode, "bytes": nbytes, "shape": shape[:120], "computation": computation,
-                    "kind": kind.group(1) if kind else None,
-                    "op": meta.group(1)[-160:] if meta else None,
-                    "source": f"{os.path.basename(meta.group(2) or '')}:{meta.group(3)}" if meta and meta.group(2) else None})
-    return out
-
-
 def summary(text: str, top: int = 40, min_bytes: int = 1 << 20) -> dict:
-    ins = [i for i in instructions(text) if i["computation"] is not None]
-    # ops that run (not fused-computation internals): the entry, while bodies, called computations
-    fused = {m.group(1) for m in re.finditer(r"calls=%?([\w.\-]+)", text)}
-    bodies = {m.group(1) for m in re.finditer(r"body=%?([\w.\-]+)", text)} | {"ENTRY"}
-    running = [i for i in ins if i["computation"] not in fused or i["computation"] in bodies]
-    # An async op's "-start" shape holds its operands too (a 3.7 GB stack for a 100 MB slice): it counts at its "-done".
-    skip = ("parameter", "get-tuple-element", "tuple", "bitcast", "while", "constant", "fusion-start", "copy-start",
-            "async-start", "call-start")
-    big = sorted((i for i in running if i["bytes"] >= min_bytes and i["opcode"] not in skip), key=lambda i: -i["bytes"])
-    copies = [i for i in big if i["opcode"] in ("copy", "copy-done", "dynamic-slice", "dynamic-update-slice")
-              or i["name"].startswith(("copy", "dynamic_slice", "input_dynamic_slice", "loop_dynamic_slice"))
-              or (i["op"] or "").endswith(("/dynamic_slice", "/dynamic_update_slice"))]
+    big = running_instructions(text, min_bytes=min_bytes)
+    copies = device_copies(text, min_bytes=min_bytes)
     return {"top": big[:top], "copies": copies, "n_copies": len(copies),
             "copy_bytes": sum(i["bytes"] for i in copies)}
 

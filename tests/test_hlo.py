@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fathom_jax import decode
-from fathom_jax.hlo import _INSTR, host_array_copies
+from fathom_jax.hlo import _INSTR, device_copies, host_array_copies
 from fathom_jax.models import sparse
 
 SNIPPET = """
@@ -30,6 +30,46 @@ def test_parser_flags_copies_slices_and_host_outputs_of_large_host_arrays():
     assert "copy-start" in found[0] and "dynamic-slice" in found[1]
     assert "output_to_operand_aliasing" in found[2]  # a kernel returning a host array: XLA copies into a new one
     assert host_array_copies(SNIPPET.replace("S(5)", "S(1)")) == []
+
+
+# Lines of run u2's compiled full step (H200, Qwen3-8B shapes, Triton GEMMs): the layer scan's body copies a layer's
+# MLP weight out of the stacked [36, ...] array as an async dynamic-slice fusion; the dynamic-update-slice of the
+# scan's stacked output is in place; the slice inside a fused computation is not work of its own.
+WEIGHT_COPY_SNIPPET = """
+%fused_slice (p0: bf16[36,64,64], p1: s32[]) -> bf16[1,64,64] {
+  %p0 = bf16[36,64,64]{2,1,0} parameter(0)
+  %inner = bf16[1,4096,12288]{2,1,0} dynamic-slice(bf16[36,4096,12288]{2,1,0} %p0, s32[] %p1, s32[] %z, s32[] %z), dynamic_slice_sizes={1,4096,12288}
+}
+
+%body.1 (arg: (s32[], bf16[36,4096,12288])) -> (s32[], bf16[36,4096,12288]) {
+  %fusion-start.9 = ((bf16[36,4096,12288]{2,1,0}, s32[]), bf16[1,4096,12288]{2,1,0}, u32[]) fusion-start(%get-tuple-element.175, %get-tuple-element.146), kind=kLoop, calls=%fused_dynamic_slice.5.clone, metadata={op_name="jit(step_fn)/while/body/jit(dynamic_index_in_dim)/dynamic_slice" deduplicated_name="loop_dynamic_slice_fusion.5" scheduling_name="fusion-start.9" stack_frame_id=125}
+  %fusion-done.9 = bf16[1,4096,12288]{2,1,0} fusion-done(%fusion-start.9), metadata={op_name="jit(step_fn)/while/body/jit(dynamic_index_in_dim)/dynamic_slice" deduplicated_name="loop_dynamic_slice_fusion.5" scheduling_name="fusion-done.9" stack_frame_id=125}
+  %fusion-start.6 = ((s32[], f32[64,128,64]{2,1,0}, f32[36,64,64,128]{2,3,1,0}), f32[36,64,128,64]{3,2,1,0}, u32[]) fusion-start(%get-tuple-element.146, %input_scatter_fusion.2, %get-tuple-element.148), kind=kLoop, calls=%fused_dynamic_update_slice.clone, metadata={op_name="jit(step_fn)/while/body/jit(dynamic_update_index_in_dim)/dynamic_update_slice" scheduling_name="fusion-start.6" stack_frame_id=125}
+  %fusion-done.6 = f32[36,64,128,64]{3,2,1,0} fusion-done(%fusion-start.6), metadata={op_name="jit(step_fn)/while/body/jit(dynamic_update_index_in_dim)/dynamic_update_slice" scheduling_name="fusion-done.6" stack_frame_id=125}
+  %custom-call.9 = (f32[32,2048,4]{1,2,0}, s8[33554432]{0}) custom-call(%wrapped_convert.2, %bitcast.486), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step_fn)/while/body/eval_jaxpr/...gd,...gmd->...gm/dot_general" scheduling_name="custom-call.9" stack_frame_id=342}
+  %dynamic_slice_fusion.4 = (bf16[8,512]{1,0}, s8[33554432]{0}) fusion(bf16[36,12288,512]{2,1,0} %w3, bf16[8,12288]{1,0} %x, s32[] %i), kind=kCustom, calls=%address_computation, backend_config={"fusion_backend_config":{"kind":"__custom_fusion","custom_fusion_config":{"name":"dynamic_address_computation"}}}
+  %loop_dynamic_slice_fusion.3 = bf16[1,64,64]{2,1,0} fusion(bf16[36,64,64]{2,1,0} %w, s32[] %i), kind=kLoop, calls=%fused_slice
+  %copy.2 = bf16[4096,4096]{0,1} copy(bf16[4096,4096]{1,0} %w2)
+}
+
+ENTRY %main (p0: bf16[36,4096,12288]) -> bf16[36,4096,12288] {
+  %p0 = bf16[36,4096,12288]{2,1,0} parameter(0)
+  ROOT %while = (s32[], bf16[36,4096,12288]{2,1,0}) while((s32[], bf16[36,4096,12288]{2,1,0}) %t), condition=%cond, body=%body.1
+}
+"""
+
+
+def test_device_copies_finds_a_layers_weight_slice_and_plain_copies():
+    """The async slice of a layer's weight counts once (at its done: the start's shape holds the 3.6 GB stack),
+    a plain copy counts, and neither the in-place update of the scan's output, the cuBLAS calls (one reading its
+    weight slice in place under XLA's dynamic-slice fusion: run v1), a small slice nor a slice inside a fused
+    computation does."""
+    found = device_copies(WEIGHT_COPY_SNIPPET)
+    assert [(i["name"], i["bytes"]) for i in found] == [("fusion-done.9", 4096 * 12288 * 2), ("copy.2", 4096 * 4096 * 2)]
+    assert found[0]["op"].endswith("/dynamic_slice") and found[0]["computation"] == "body.1"
+    small = device_copies(WEIGHT_COPY_SNIPPET, min_bytes=4096)
+    assert [i["name"] for i in small] == ["fusion-done.9", "copy.2", "loop_dynamic_slice_fusion.3"]
+    assert device_copies(WEIGHT_COPY_SNIPPET.replace("dynamic_slice", "dot").replace("copy", "negate")) == []
 
 
 @pytest.mark.gpu
@@ -81,3 +121,73 @@ def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_mo
         assert (flushed != block).any()
     else:
         assert (after != block).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("memory", ["pinned_host", "device"])
+def test_compiled_decode_step_reads_each_layers_weights_in_place(memory):
+    """The compiled decode step (offloaded: one step; in device memory: the decode loop) copies no layer's weights
+    out of the stacked arrays: under :data:`sparse.WEIGHT_GEMM_OPTIONS` its GEMMs are cuBLAS calls that read the
+    slices in place. A bf16 model whose per-layer weights (0.5-1.5 MB) and device-memory cache (1-8 MB: the loop
+    takes it donated, run v1 saw a copy of all of it without) are its only device arrays of 256 kB or more."""
+    from flax import nnx
+
+    from fathom_jax.models.config import LlamaConfig
+    from fathom_jax.models.llama import LlamaForCausalLM, split_attention
+
+    cfg = LlamaConfig(vocab=97, hidden=512, intermediate=1536, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=64,
+                      rope_theta=1e4, rms_norm_eps=1e-6, qk_norm=True)
+    model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    attn = decode.from_spec("fathom:16", k=64, calibration="session", placement=decode.Placement(memory),
+                            implementation="pallas")
+    prompt = np.random.default_rng(0).integers(0, 97, (2, 1000)).astype(np.int32)
+    logits, cache, attn = sparse.prefill(model, prompt, np.array([1000, 900]), attn, 4096)
+    graphdef, state = nnx.split(model)
+    attn_static, leaves = split_attention(attn)
+    tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+
+    def compiled(extra):  # the program as decode_step / decode_loop compile it, with ``extra`` XLA options on top
+        if memory == "pinned_host":
+            shardings = attn.placement.shardings(cache)
+            options = tuple(sorted((dict(attn.placement.compiler_options) | extra).items()))
+            jits = sparse._host_programs(graphdef, attn_static, (jax.tree.structure(shardings),
+                                         tuple(jax.tree.leaves(shardings))), attn.placement.replicated(),
+                                         attn.placement.writes_in_place, options)
+            return jits[1].lower(state, tokens, cache, leaves).compile().as_text()
+        program = sparse.decode_loop_program(tuple(sorted(extra.items())))
+        return program.lower(graphdef, state, tokens, cache, 3, attn_static, leaves).compile().as_text()
+
+    text = compiled({})  # the programs' own options (WEIGHT_GEMM_OPTIONS on a GPU)
+    copies = device_copies(text, min_bytes=256 << 10)
+    assert "__cublas$" in text, "the decode step's weight GEMMs are not cuBLAS calls"
+    assert copies == [], "the decode step copies layer weights:\n" + "\n".join(
+        f"{i['name']} {i['opcode']} {i['bytes']} B {i['shape']} {i['op']}" for i in copies)
+    # The control: Triton GEMM fusions make XLA copy each slice (run u2, Qwen3-8B shapes); printed, not asserted,
+    # since whether XLA picks Triton for GEMMs this small is its own choice.
+    triton = device_copies(compiled({"xla_gpu_enable_triton_gemm": True}), min_bytes=256 << 10)
+    print(f"with Triton GEMMs: {len(triton)} weight copies of >= 256 kB per step")
+
+
+def test_decode_loop_takes_the_cache_donated(tiny_model):
+    """The device-memory decode loop updates the cache in place: its compiled program copies neither the K/V rows
+    nor the plane store (without the donation XLA copied both whole at entry: 8 MB + 1 MB in run v1), and the cache
+    passed in is consumed."""
+    from flax import nnx
+
+    from fathom_jax.models.llama import split_attention
+
+    attn = decode.from_spec("fathom:16", k=48, calibration="session")
+    prompt = np.random.default_rng(1).integers(0, 97, (2, 100)).astype(np.int32)
+    logits, cache, attn = sparse.prefill(tiny_model, prompt, np.array([100, 90]), attn, 256)
+    graphdef, state = nnx.split(tiny_model)
+    attn_static, leaves = split_attention(attn)
+    tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+    text = sparse.decode_loop_program().lower(graphdef, state, tokens, cache, 3, attn_static, leaves).compile().as_text()
+    hlo_type = {"bfloat16": "bf16", "float32": "f32", "uint32": "u32", "float16": "f16"}
+    bulk = {f"{hlo_type[x.dtype.name]}[{','.join(map(str, x.shape))}]"
+            for x in (cache.kv, cache.index.raw.planes, cache.index.raw.scales)}
+    copied = [i["shape"] for i in device_copies(text, min_bytes=0) if i["shape"].split("{")[0] in bulk]
+    assert copied == [], f"the decode loop copies its cache: {copied}"
+    out, _ = sparse.decode_loop(tiny_model, tokens, cache, attn, 3)
+    assert out.shape == (2, 3) and cache.kv.is_deleted()

@@ -208,14 +208,22 @@ def decode_compiler_options(extra=None) -> dict | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_program(fn, static_argnames):
-    """``fn`` jitted with :func:`decode_compiler_options` (made on first use: the options depend on the backend)."""
-    return jax.jit(fn, static_argnames=static_argnames, compiler_options=decode_compiler_options())
+def _device_program(fn, static_argnames, donate_argnames=(), extra_options=()):
+    """``fn`` jitted with :func:`decode_compiler_options` (made on first use: the options depend on the backend),
+    ``extra_options`` (``(name, value)`` pairs) on top."""
+    return jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames,
+                   compiler_options=decode_compiler_options(dict(extra_options)))
 
 
 def generate_program():
     """The jitted program of a whole generation in device memory: prefill, then the greedy loop of decode steps."""
     return _device_program(_generate_fn, ("graphdef", "max_new_tokens", "capacity", "attn_static"))
+
+
+def decode_loop_program(extra_options=()):
+    """The jitted program of :func:`decode_loop` in device memory (the cache donated: the loop updates it in place
+    instead of copying all of it first); ``extra_options``: XLA options on top (``(name, value)`` pairs)."""
+    return _device_program(_decode_loop_fn, ("graphdef", "steps", "attn_static"), ("cache",), tuple(extra_options))
 
 
 def _decode_loop_fn(graphdef, state, tokens, cache, steps, attn_static, attn_leaves):
@@ -235,15 +243,14 @@ def decode_loop(model, tokens: Int[Array, "B"], cache: SparseCache, attn: Sparse
     """Greedy decoding from a prefilled cache: ``steps`` tokens per sequence, the first being ``tokens``.
 
     Device memory: one compiled program (a ``fori_loop`` of decode steps). Host memory or a mesh: one
-    compiled step per token. Returns ``(tokens [B, steps], cache)``.
+    compiled step per token. Returns ``(tokens [B, steps], cache)``; the cache passed in is donated either way.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     tokens = jnp.asarray(tokens, jnp.int32)
     if not attn.placement.offloaded and attn.placement.mesh is None:
         graphdef, state = nnx.split(model)
-        program = _device_program(_decode_loop_fn, ("graphdef", "steps", "attn_static"))
-        return program(graphdef, state, tokens, cache, steps, *split_attention(attn))
+        return decode_loop_program()(graphdef, state, tokens, cache, steps, *split_attention(attn))
     out = [tokens]
     for _ in range(steps - 1):
         tokens, _, cache = decode_step(model, tokens, cache, attn)
