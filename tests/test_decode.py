@@ -36,6 +36,15 @@ def _corpus_calib(model, seed):
     return C.calibrate(cap["k"], cap["q"])
 
 
+@pytest.fixture
+def full_f32_matmuls():
+    """f32 GEMMs at full precision (no TF32 on a GPU) while the test runs. The K rows a test compares come from two
+    programs (the sparse prefill, capture_qkv): with TF32 they differed by 1.6e-4 in run s1 and by 2.3e-3 at layer 2
+    in run v5, after other tests had compiled in the same process (the same cases passed alone, run v6)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @pytest.fixture(scope="module")
 def calib(model):
     return _corpus_calib(model, 1)
@@ -107,7 +116,7 @@ ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", re
     pytest.param("fathom:16", "every_step", "pinned_host", False, marks=ON_GPU),
     pytest.param("fathom:16", "full_blocks", "pinned_host", True, marks=ON_GPU),
     pytest.param("landmark", "every_step", "pinned_host", False, marks=ON_GPU)])
-def test_index_after_decode_equals_index_of_all_keys(model, spec, writes, memory, scan_writes):
+def test_index_after_decode_equals_index_of_all_keys(model, spec, writes, memory, scan_writes, full_f32_matmuls):
     # A raw store written every step takes the KLT store's commit path (the same code per part).
     # 60 / 45 prompt tokens + 5 decode steps cross a 64-token store block and 8-token landmark blocks.
     lengths = np.array([60, 45])
@@ -142,7 +151,7 @@ def test_index_after_decode_equals_index_of_all_keys(model, spec, writes, memory
         # the K rows are the model's keys: every layer's on the prompt (dense prefill), layer 0's on the decoded
         # tokens too (deeper layers' inputs there come from sparse attention)
         dense_k = capture_qkv(model, np.concatenate([LONG[b, : lengths[b]], LONG[b, :5]]))["k"]
-        # (a GPU runs f32 GEMMs as TF32, in other shapes in the two programs: 1.6e-4 seen on the H200, run s1)
+        # (full f32 GEMMs: full_f32_matmuls; the GPU's tolerance stays the one that held with TF32 until run v5)
         tol = 1e-4 if jax.default_backend() == "cpu" else 1e-3
         np.testing.assert_allclose(cache.k[:, rows, : lengths[b]], dense_k[:, :, : lengths[b]], atol=tol)
         np.testing.assert_allclose(cache.k[0, rows, :n], dense_k[0], atol=tol)
