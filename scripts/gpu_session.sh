@@ -87,6 +87,9 @@
 #                       weight-copy guard's failures (XLA's cuBLAS dynamic-slice fusion counted as a copy; the
 #                       device-memory decode loop copied its cache: not donated) (run from the shell)
 #   v5  (nvidia-h200)   after both fixes: the HLO and sparse-model GPU tests; Fathom 48 at 1M, profiled
+#   w1  (nvidia-h200, not run yet) after cd00015: every GPU test but SmolLM2's (the index-equality cases with full f32
+#                       GEMMs); the 1M and 128k Fathom 48 step profiled with the union by sort, then with the sort-free
+#                       union patched into this machine's copy of sparse_step.py (why it is 10 ms slower in the step)
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -430,6 +433,18 @@ v5)
   timeout 110 python3 scripts/bench_offload.py --tag h200_v5 --out /tmp/v5 --read staged --sections attn,attnprofile \
     --contexts 1m --methods "Fathom 48" --share-kv-from 1m --time-budget 100 2>&1 | tee $OUT/bench_v5.log | cut -c1-330
   cp /tmp/v5/offload_h200_v5.json /tmp/v5/offload_h200_v5.md $OUT/ ;;
+w1)
+  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_w1_h200.log | tail -6
+  for union in sort sorted_heads; do
+    if [ $union = sorted_heads ]; then  # this machine's copy only: the repository keeps the sort
+      sed -i 's/group_union(idx, mask)$/group_union(idx, mask, sorted_heads=implementation == "pallas")/' fathom_jax/sparse_step.py
+      grep -n "sorted_heads=implementation" fathom_jax/sparse_step.py || exit 1
+    fi
+    timeout 130 python3 scripts/bench_offload.py --tag h200_w1_$union --out /tmp/w1_$union --read staged \
+      --sections attn,attnprofile --contexts 1m,128k --methods "Fathom 48" --share-kv-from 1m --time-budget 120 2>&1 \
+      | tee $OUT/bench_w1_$union.log | cut -c1-330
+    cp /tmp/w1_$union/*.json /tmp/w1_$union/*.md $OUT/
+  done ;;  # the next call's copy of the tree brings the repository's sparse_step.py back
 o6)
   timeout 200 python3 scripts/bench_offload.py --tag h200_o6 --out $OUT --read staged \
     --methods "32-channel (SparQ r=32),SparQ r=16" --index-writes every_step,full_blocks \
