@@ -471,80 +471,83 @@ def main():
         save()
 
 
+def _section(title, notes, columns, rows):
+    """A report section: ``## title``, each note as a paragraph, then a markdown table of ``columns`` over ``rows``
+    (one list of cells per row)."""
+    lines = [f"## {title}", ""]
+    for note in notes:
+        lines += [note, ""]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(map(str, cells)) + " |" for cells in rows] + [""]
+
+
+def _ms(r):
+    """The median and [min, max] cells of a timing."""
+    return [f"{r['median_ms']:.4f}", f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}]"]
+
+
 def write_report(res, out, name="kernels_h200"):
     L = [f"# Kernel benchmarks ({res['machine']['device']})", "",
          f"JAX {res['jax']}, {res['date']}. Median of repeats of a jitted fori_loop (ms per call), [min, max].",
          f"HBM copy rate (read+write, 1 GiB): {res['copy']['GBps']:.0f} GB/s.", ""]
     if "scan" in res:
-        L += ["## Scans (HBM-resident, batch 4 x 8 KV heads, G=4, D=128)", "",
-              f"Correctness on the GPU: {res['scan_check']}; mean active channels per plan: {res['plan_active_channels']}.", "",
-              "lanes = 0: blocked kernel ([blocks, 2 words, 32] tiles); 8/16/32: lanes kernel (a thread owns that many tokens).", "",
-              "| kernel | n | lanes | tile | warps | ms (median) | [min, max] | GB/s (reads + f32 scores) | authors' ms |",
-              "|---|---|---|---|---|---|---|---|---|"]
-        for r in res["scan"]:
-            L.append(f"| {r['kernel']} | {r['n']} | {r.get('lanes', 0)} | {r['tile']} | {r['num_warps']} | {r['median_ms']:.4f} | "
-                     f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['GBps']:.0f} | {r['authors_ms']} |")
-        L.append("")
+        L += _section(
+            "Scans (HBM-resident, batch 4 x 8 KV heads, G=4, D=128)",
+            [f"Correctness on the GPU: {res['scan_check']}; mean active channels per plan: {res['plan_active_channels']}.",
+             "lanes = 0: blocked kernel ([blocks, 2 words, 32] tiles); 8/16/32: lanes kernel (a thread owns that many tokens)."],
+            ["kernel", "n", "lanes", "tile", "warps", "ms (median)", "[min, max]", "GB/s (reads + f32 scores)", "authors' ms"],
+            ([r["kernel"], r["n"], r.get("lanes", 0), r["tile"], r["num_warps"], *_ms(r), f"{r['GBps']:.0f}",
+              r["authors_ms"]] for r in res["scan"]))
     if "gather" in res:
-        L += ["## Run gather vs run size (8 KV heads x 128 channels x 4 planes)", "",
-              "| kernel | source | run bytes | chunk, warps | total MB | ms | GB/s |", "|---|---|---|---|---|---|---|"]
-        for r in res["gather"]:
-            cfg = f"{r['chunk']}, {r['num_warps']}" if "chunk" in r else ""
-            L.append(f"| {r['kernel']} | {r['source']} | {r['run_bytes']} | {cfg} | {r['bytes']/1e6:.1f} | "
-                     f"{r['median_ms']:.3f} | {r['GBps']:.1f} |")
-        L.append("")
+        L += _section(
+            "Run gather vs run size (8 KV heads x 128 channels x 4 planes)", [],
+            ["kernel", "source", "run bytes", "chunk, warps", "total MB", "ms", "GB/s"],
+            ([r["kernel"], r["source"], r["run_bytes"], f"{r['chunk']}, {r['num_warps']}" if "chunk" in r else "",
+              f"{r['bytes']/1e6:.1f}", f"{r['median_ms']:.3f}", f"{r['GBps']:.1f}"] for r in res["gather"]))
     if "topk" in res:
-        L += ["## Top-k (4 sink + 32 local + top-476), [32, n], k = 512", "",
-              "| method | n | ms | [min, max] | same set as reference |", "|---|---|---|---|---|"]
-        for r in res["topk"]:
-            L.append(f"| {r['kernel']} | {r['n']} | {r['median_ms']:.4f} | [{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['same_set_as_reference']} |")
-        L.append("")
+        L += _section(
+            "Top-k (4 sink + 32 local + top-476), [32, n], k = 512", [],
+            ["method", "n", "ms", "[min, max]", "same set as reference"],
+            ([r["kernel"], r["n"], *_ms(r), r["same_set_as_reference"]] for r in res["topk"]))
     if "topk_split" in res:
-        L += ["## Top-k with split rows (fused path; k = 512; a decode cache's rows, length n - 63)", "",
-              "`buckets / P`: each row's bucket selection over P programs, then one merging their survivors; "
-              "`tokens / P` likewise for the token selection among the candidate buckets (1: one program per row).", "",
-              "| n | rows | buckets / P | tokens / P | ms | [min, max] | same set as reference |",
-              "|---|---|---|---|---|---|---|"]
-        for r in res["topk_split"]:
-            L.append(f"| {r['n']} | {r['rows']} | {r['bucket_splits']} | {r['token_splits']} | {r['median_ms']:.4f} | "
-                     f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['same_set_as_reference']} |")
-        L.append("")
+        L += _section(
+            "Top-k with split rows (fused path; k = 512; a decode cache's rows, length n - 63)",
+            ["`buckets / P`: each row's bucket selection over P programs, then one merging their survivors; "
+             "`tokens / P` likewise for the token selection among the candidate buckets (1: one program per row)."],
+            ["n", "rows", "buckets / P", "tokens / P", "ms", "[min, max]", "same set as reference"],
+            ([r["n"], r["rows"], r["bucket_splits"], r["token_splits"], *_ms(r), r["same_set_as_reference"]]
+             for r in res["topk_split"]))
     if "union" in res:
-        L += ["## Union of a group's selections (G = 4 heads x k = 512 slots, Pallas top-k output at 128k)", "",
-              "`sort`: the G k slots sorted (one XLA sort); `sorted lists`: the heads' increasing lists searched "
-              "(``group_union(sorted_heads=True)``).", "",
-              "| groups | union by | ms | [min, max] | same set and memberships |", "|---|---|---|---|---|"]
-        for r in res["union"]:
-            L.append(f"| {r['groups']} | {'sorted lists' if r['sorted_heads'] else 'sort'} | {r['median_ms']:.4f} | "
-                     f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['same_as_sorted']} |")
-        L.append("")
+        L += _section(
+            "Union of a group's selections (G = 4 heads x k = 512 slots, Pallas top-k output at 128k)",
+            ["`sort`: the G k slots sorted (one XLA sort); `sorted lists`: the heads' increasing lists searched "
+             "(``group_union(sorted_heads=True)``)."],
+            ["groups", "union by", "ms", "[min, max]", "same set and memberships"],
+            ([r["groups"], "sorted lists" if r["sorted_heads"] else "sort", *_ms(r), r["same_as_sorted"]]
+             for r in res["union"]))
     if "row_fetch" in res:
-        L += ["## Row fetch (2048 rows x 8 KV heads, K and V, bf16, Dh = 128)", "",
-              "rows: `repeated` = every timed call fetches the same rows; `fresh` = each call its own random set.", "",
-              "| source | n | pattern | rows | rows/program | warps | ms | GB/s | rows/s | exact |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in res["row_fetch"]:
-            L.append(f"| {r['source']} | {r.get('n', 131072)} | {r.get('pattern', 'random')} | {r.get('rowset', 'repeated')} | {r.get('rows', 32)} | "
-                     f"{r.get('num_warps', 4)} | {r['median_ms']:.4f} | {r['GBps']:.1f} | {r['rows_per_s']:.3g} | {r['exact']} |")
-        L.append("")
+        L += _section(
+            "Row fetch (2048 rows x 8 KV heads, K and V, bf16, Dh = 128)",
+            ["rows: `repeated` = every timed call fetches the same rows; `fresh` = each call its own random set."],
+            ["source", "n", "pattern", "rows", "rows/program", "warps", "ms", "GB/s", "rows/s", "exact"],
+            ([r["source"], r.get("n", 131072), r.get("pattern", "random"), r.get("rowset", "repeated"), r.get("rows", 32),
+              r.get("num_warps", 4), f"{r['median_ms']:.4f}", f"{r['GBps']:.1f}", f"{r['rows_per_s']:.3g}", r["exact"]]
+             for r in res["row_fetch"]))
     if "row_layout" in res:
-        L += ["## Row fetch layout (2048 fresh rows per call x 8 KV heads, K and V, bf16, Dh = 128, from pinned_host)", "",
-              "`split`: K and V as two arrays (two 256-byte runs per token); `interleaved`: one `[n, 2 Dh]` array "
-              "(one 512-byte run per token).", "",
-              "| layout | n | ms | [min, max] | GB/s | exact |", "|---|---|---|---|---|---|"]
-        for r in res["row_layout"]:
-            L.append(f"| {r['layout']} | {r['n']} | {r['median_ms']:.4f} | [{r['min_ms']:.4f}, {r['max_ms']:.4f}] | "
-                     f"{r['GBps']:.1f} | {r['exact']} |")
-        L.append("")
+        L += _section(
+            "Row fetch layout (2048 fresh rows per call x 8 KV heads, K and V, bf16, Dh = 128, from pinned_host)",
+            ["`split`: K and V as two arrays (two 256-byte runs per token); `interleaved`: one `[n, 2 Dh]` array "
+             "(one 512-byte run per token)."],
+            ["layout", "n", "ms", "[min, max]", "GB/s", "exact"],
+            ([r["layout"], r["n"], *_ms(r), f"{r['GBps']:.1f}", r["exact"]] for r in res["row_layout"]))
     if "row_order" in res:
-        L += ["## Row fetch order (2048 fresh rows per call per group, one 512-byte K/V run each, from pinned_host)", "",
-              "`programs` 0: one program per 32 rows (every group's rows in flight at once); N: N persistent programs "
-              "walking the rows group by group.", "",
-              "| groups | n | K/V GiB | programs | ms | [min, max] | GB/s | exact |", "|---|---|---|---|---|---|---|---|"]
-        for r in res["row_order"]:
-            L.append(f"| {r['groups']} | {r['n']} | {r['groups'] * r['n'] * 512 / 2**30:.1f} | {r['programs']} | "
-                     f"{r['median_ms']:.4f} | [{r['min_ms']:.4f}, {r['max_ms']:.4f}] | {r['GBps']:.1f} | {r['exact']} |")
-        L.append("")
+        L += _section(
+            "Row fetch order (2048 fresh rows per call per group, one 512-byte K/V run each, from pinned_host)",
+            ["`programs` 0: one program per 32 rows (every group's rows in flight at once); N: N persistent programs "
+             "walking the rows group by group."],
+            ["groups", "n", "K/V GiB", "programs", "ms", "[min, max]", "GB/s", "exact"],
+            ([r["groups"], r["n"], f"{r['groups'] * r['n'] * 512 / 2**30:.1f}", r["programs"], *_ms(r),
+              f"{r['GBps']:.1f}", r["exact"]] for r in res["row_order"]))
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write("\n".join(L))
     try:
