@@ -118,7 +118,8 @@ class Placement:
 
     ``fetch_programs``: persistent programs of the row fetch (0: one program per 32 rows; "auto":
     :attr:`row_fetch_programs`). ``xla_options``: more XLA compiler options for the programs that run a step
-    (``{name: value}``, stored as sorted pairs; added to :attr:`compiler_options`)."""
+    (``{name: value}``, stored as sorted pairs; added to :attr:`compiler_options`): the offloaded step programs and,
+    in device memory, the generation and decode-loop programs."""
 
     memory: Memory = "device"
     mesh: jax.sharding.Mesh | None = None

@@ -1,5 +1,7 @@
 """The zero-copy guard: host-array copies are found in compiled HLO (parser on CPU, real programs on GPU)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,18 +146,15 @@ def test_compiled_decode_step_reads_each_layers_weights_in_place(memory):
     prompt = np.random.default_rng(0).integers(0, 97, (2, 1000)).astype(np.int32)
     logits, cache, attn = sparse.prefill(model, prompt, np.array([1000, 900]), attn, 4096)
     graphdef, state = nnx.split(model)
-    attn_static, leaves = split_attention(attn)
     tokens = jnp.argmax(logits, -1).astype(jnp.int32)
 
-    def compiled(extra):  # the program as decode_step / decode_loop compile it, with ``extra`` XLA options on top
+    def compiled(extra):  # the program decode_step / decode_loop runs, with ``extra`` XLA options from the placement
+        with_extra = dataclasses.replace(attn, placement=dataclasses.replace(attn.placement, xla_options=extra))
+        attn_static, leaves = split_attention(with_extra)
         if memory == "pinned_host":
-            shardings = attn.placement.shardings(cache)
-            options = tuple(sorted((dict(attn.placement.compiler_options) | extra).items()))
-            jits = sparse._host_programs(graphdef, attn_static, (jax.tree.structure(shardings),
-                                         tuple(jax.tree.leaves(shardings))), attn.placement.replicated(),
-                                         attn.placement.writes_in_place, options)
-            return jits[1].lower(state, tokens, cache, leaves).compile().as_text()
-        program = sparse.decode_loop_program(tuple(sorted(extra.items())))
+            step = sparse.host_programs(model, with_extra, cache).jits[1]
+            return step.lower(state, tokens, cache, leaves).compile().as_text()
+        program = sparse.decode_loop_program(with_extra.placement.compiler_options)
         return program.lower(graphdef, state, tokens, cache, 3, attn_static, leaves).compile().as_text()
 
     text = compiled({})  # the programs' own options (WEIGHT_GEMM_OPTIONS on a GPU)

@@ -168,3 +168,30 @@ def test_decode_programs_read_each_layers_weights_in_place_on_a_gpu():
         got = sparse.decode_compiler_options({"xla_gpu_enable_triton_gemm": True})
     assert got == {"xla_gpu_enable_triton_gemm": True, "xla_gpu_enable_dynamic_slice_fusion": True}  # extra wins
     jax.jit(lambda x: x @ x, compiler_options=sparse.WEIGHT_GEMM_OPTIONS)(jnp.ones((4, 4)))
+
+
+def test_device_memory_programs_take_the_placements_xla_options(tiny_model):
+    """generate and decode_loop in device memory compile with the placement's XLA options on top of their own, as
+    the offloaded step programs do (the same program again for the same options)."""
+    from unittest import mock
+
+    from fathom_jax import decode
+    from fathom_jax.models import sparse
+
+    extra = {"xla_gpu_enable_triton_gemm": False}
+    attn = decode.from_spec("fathom:16", k=48, placement=Placement(xla_options=extra))
+    prompt = np.random.default_rng(2).integers(0, 97, (1, 60)).astype(np.int32)
+    seen = []
+    for name in ("generate_program", "decode_loop_program"):
+        real = getattr(sparse, name)
+        with mock.patch.object(sparse, name, side_effect=lambda options=None, real=real: seen.append(options) or
+                               real(options)):
+            if name == "generate_program":
+                out = sparse.generate(tiny_model, prompt, np.array([60]), 3, capacity=128, attn=attn)
+            else:
+                logits, cache, branched = sparse.prefill(tiny_model, prompt, np.array([60]), attn, 128)
+                out, _ = sparse.decode_loop(tiny_model, jnp.argmax(logits, -1).astype(jnp.int32), cache, branched, 3)
+        assert out.shape == (1, 3)
+    assert seen == [extra, extra]
+    assert sparse.decode_loop_program(extra) is sparse.decode_loop_program(dict(extra))
+    assert sparse.decode_loop_program(extra) is not sparse.decode_loop_program()

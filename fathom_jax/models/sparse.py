@@ -208,22 +208,25 @@ def decode_compiler_options(extra=None) -> dict | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_program(fn, static_argnames, donate_argnames=(), extra_options=()):
+def _device_program(fn, static_argnames, donate_argnames=(), options=()):
     """``fn`` jitted with :func:`decode_compiler_options` (made on first use: the options depend on the backend),
-    ``extra_options`` (``(name, value)`` pairs) on top."""
+    ``options`` (``(name, value)`` pairs) on top."""
     return jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames,
-                   compiler_options=decode_compiler_options(dict(extra_options)))
+                   compiler_options=decode_compiler_options(dict(options)))
 
 
-def generate_program():
-    """The jitted program of a whole generation in device memory: prefill, then the greedy loop of decode steps."""
-    return _device_program(_generate_fn, ("graphdef", "max_new_tokens", "capacity", "attn_static"))
+def generate_program(options: dict | None = None):
+    """The jitted program of a whole generation in device memory: prefill, then the greedy loop of decode steps.
+    ``options``: more XLA options (:attr:`fathom_jax.placement.Placement.compiler_options`)."""
+    return _device_program(_generate_fn, ("graphdef", "max_new_tokens", "capacity", "attn_static"), (),
+                           tuple(sorted((options or {}).items())))
 
 
-def decode_loop_program(extra_options=()):
+def decode_loop_program(options: dict | None = None):
     """The jitted program of :func:`decode_loop` in device memory (the cache donated: the loop updates it in place
-    instead of copying all of it first); ``extra_options``: XLA options on top (``(name, value)`` pairs)."""
-    return _device_program(_decode_loop_fn, ("graphdef", "steps", "attn_static"), ("cache",), tuple(extra_options))
+    instead of copying all of it first). ``options``: more XLA options, as for :func:`generate_program`."""
+    return _device_program(_decode_loop_fn, ("graphdef", "steps", "attn_static"), ("cache",),
+                           tuple(sorted((options or {}).items())))
 
 
 def _decode_loop_fn(graphdef, state, tokens, cache, steps, attn_static, attn_leaves):
@@ -250,7 +253,8 @@ def decode_loop(model, tokens: Int[Array, "B"], cache: SparseCache, attn: Sparse
     tokens = jnp.asarray(tokens, jnp.int32)
     if not attn.placement.offloaded and attn.placement.mesh is None:
         graphdef, state = nnx.split(model)
-        return decode_loop_program()(graphdef, state, tokens, cache, steps, *split_attention(attn))
+        program = decode_loop_program(attn.placement.compiler_options)
+        return program(graphdef, state, tokens, cache, steps, *split_attention(attn))
     out = [tokens]
     for _ in range(steps - 1):
         tokens, _, cache = decode_step(model, tokens, cache, attn)
@@ -430,8 +434,8 @@ def generate(model, prompt, lengths, max_new_tokens: int, *, capacity: int, attn
     lengths = jnp.asarray(lengths, jnp.int32)
     if not attn.placement.offloaded and attn.placement.mesh is None:
         graphdef, state = nnx.split(model)
-        return generate_program()(graphdef, state, prompt, lengths, max_new_tokens, capacity,
-                                          *split_attention(attn))
+        return generate_program(attn.placement.compiler_options)(graphdef, state, prompt, lengths, max_new_tokens,
+                                                                 capacity, *split_attention(attn))
     logits, cache, attn = prefill(model, prompt, lengths, attn, capacity)
     tokens = _first_token(logits)
     out = [tokens]
