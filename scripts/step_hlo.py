@@ -12,6 +12,7 @@ Writes ``step_<tag>_<i>.hlo.txt`` (set ``i``) and ``step_<tag>.json`` under ``--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -59,19 +60,19 @@ def main(argv=None):
     model = bench.random_model(cfg, placement)
     cache = bench.build_cache(attn, cfg, scale, context=context, batch=args.batch, shared_kv=False)
     start = jax.tree.map(jnp.copy, Placement.detach_bulk(cache))
-    graphdef, state = nnx.split(model)
-    attn_static, attn_leaves = split_attention(attn)
-    leaves, treedef = jax.tree.flatten(attn.placement.shardings(cache))
+    _, state = nnx.split(model)
+    attn_leaves = split_attention(attn)[1]
     tokens = jnp.zeros((args.batch,), jnp.int32)
     res = {"machine": harness.machine(), "command": " ".join(sys.argv), "context": context, "batch": args.batch,
            "method": args.method, "sets": []}
     for i, options in enumerate([[]] + args.option):
-        opts = dict(attn.placement.compiler_options)
+        extra = {}
         for item in options:
             name, _, value = item.partition("=")
-            opts[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
-        jits = sparse._host_programs(graphdef, attn_static, (treedef, tuple(leaves)), placement.replicated(),
-                                     placement.writes_in_place, tuple(sorted(opts.items())))
+            extra[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+        with_extra = dataclasses.replace(attn, placement=dataclasses.replace(attn.placement, xla_options=extra))
+        opts = with_extra.placement.compiler_options
+        jits = sparse.host_programs(model, with_extra, cache).jits
         t = time.time()
         compiled = jits[1].lower(state, tokens, cache, attn_leaves).compile()
         compile_s = time.time() - t
