@@ -119,7 +119,8 @@ class Placement:
     ``fetch_programs``: persistent programs of the row fetch (0: one program per 32 rows; "auto":
     :attr:`row_fetch_programs`). ``xla_options``: more XLA compiler options for the programs that run a step
     (``{name: value}``, stored as sorted pairs; added to :attr:`compiler_options`): the offloaded step programs and,
-    in device memory, the generation and decode-loop programs."""
+    in device memory, the generation and decode-loop programs. ``layer_unroll``: layers per iteration of the decode
+    step's layer scan (``lax.scan(unroll=)``; 1, the default: one loop iteration per layer)."""
 
     memory: Memory = "device"
     mesh: jax.sharding.Mesh | None = None
@@ -132,6 +133,7 @@ class Placement:
     scan_writes: bool = True
     fetch_programs: int | Literal["auto"] = "auto"
     xla_options: tuple = ()
+    layer_unroll: int = 1
 
     def __post_init__(self):
         if self.memory not in MEMORIES:
@@ -141,7 +143,7 @@ class Placement:
         if self.index_writes not in get_args(IndexWrites):
             raise ValueError(f"placement index_writes must be one of {get_args(IndexWrites)}, got {self.index_writes!r}")
         for name, least, auto in (("streams", 1, False), ("pipeline", 1, True), ("gather_programs", 0, True),
-                                  ("fetch_programs", 0, True)):
+                                  ("fetch_programs", 0, True), ("layer_unroll", 1, False)):
             value = getattr(self, name)
             if auto and value == "auto":
                 continue

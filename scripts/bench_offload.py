@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import resource
 import sys
 import time
@@ -218,8 +219,8 @@ def link_rate(run) -> float:
 
 # (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan)
 SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
-                  "fetch_programs": 0, "topk": "single", "xla_options": ""}
-PLACEMENT_SPLITS = ("streams", "index_writes", "pipeline", "gather_programs", "fetch_programs")
+                  "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1}
+PLACEMENT_SPLITS = ("streams", "index_writes", "pipeline", "gather_programs", "fetch_programs", "layer_unroll")
 
 
 def options_text(options) -> str:
@@ -238,7 +239,7 @@ def split_fields(attn) -> dict:
 def variant_tag(split: dict) -> str:
     return (f"s{split['streams']}_{split['index_writes']}_p{split['pipeline']}_g{split['gather_programs']}"
             f"_f{split.get('fetch_programs', 0)}_{split.get('topk', 'single')}" + ("_w" if split.get("scan_writes") else "")
-            + ("_x" if split.get("xla_options") else ""))
+            + ("_x" if split.get("xla_options") else "") + (f"_u{split['layer_unroll']}" if split.get("layer_unroll", 1) > 1 else ""))
 
 
 def writes_text(r: dict) -> str:
@@ -259,12 +260,13 @@ def split_text(r: dict) -> str:
         text = f"gather {r['gather_programs']}" if r.get("gather_programs") else ""
     extra = ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
             (["top-k split"] if r.get("topk", "single") != "single" else []) + \
+            ([f"{r['layer_unroll']} layers per loop iteration"] if r.get("layer_unroll", 1) > 1 else []) + \
             ([f"xla: {r['xla_options']}"] if r.get("xla_options") else [])
     return "; ".join([text] * bool(text) + extra)
 
 
 def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: str = "1", fetch: str = "auto",
-                   topk: str = "auto", xla: str = "none") -> list[dict]:
+                   topk: str = "auto", xla: str = "none", unroll: str = "1") -> list[dict]:
     """Every combination of ``--streams``, ``--index-writes``, ``--pipeline`` (entries ``auto``, ``N`` or
     ``N/P``: N chunks, P persistent gather programs, "auto" where not given) and ``--scan-writes`` (1 / 0),
     without streams and pipeline together (streams run with one chunk and the per-item gather)."""
@@ -287,14 +289,23 @@ def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: 
     out = [v | {"scan_writes": f} for f in flags for v in out]
     fetches = [x if x == "auto" else int(x) for x in fetch.split(",")]
     for name in topk.split(","):
+        split = re.fullmatch(r"b(auto|\d+)t(\d+)", name)  # bBtT: B programs per row's bucket selection, T tokens'
+        if split:
+            buckets = split.group(1)
+            TOPK[name] = TopkConfig(bucket_splits=buckets if buckets == "auto" else int(buckets),
+                                    token_splits=int(split.group(2)))
         if name not in TOPK:
-            raise ValueError(f"--topk entries are {sorted(TOPK)}, got {name!r}")
+            raise ValueError(f"--topk entries are {sorted(TOPK)} or bBtT (TopkConfig(bucket_splits=B, "
+                             f"token_splits=T), B = auto or a power of two), got {name!r}")
     option_sets = []
-    for item in xla.split(";"):  # "none" or name=value,name=value
-        pairs = {} if item in ("", "none") else dict(kv.split("=", 1) for kv in item.split(","))
+    for item in xla.split(";"):  # "none" or name=value,name=value (a value may hold commas: a list of enums)
+        pairs = {} if item in ("", "none") else dict(kv.split("=", 1) for kv in re.split(r",(?=xla_)", item))
         option_sets.append(tuple((k, {"true": True, "false": False}.get(v.lower(), v)) for k, v in pairs.items()))
-    out = [v | {"fetch_programs": f, "topk": t, "xla_options": x} for f in fetches for t in topk.split(",")
-           for x in option_sets for v in out]
+    unrolls = [int(u) for u in unroll.split(",")]
+    if any(u < 1 for u in unrolls):
+        raise ValueError(f"--layer-unroll entries are ints >= 1, got {unroll!r}")
+    out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u} for f in fetches
+           for t in topk.split(",") for x in option_sets for u in unrolls for v in out]
     return list({tuple(v.items()): v for v in out}.values())
 
 
@@ -530,10 +541,13 @@ def main(argv=None):
                          "scan (1, the default) or every layer after it (0)")
     ap.add_argument("--fetch-programs", default="auto",
                     help="persistent programs of the row fetch: auto or N, 0 = one program per 32 rows (a list)")
-    ap.add_argument("--topk", default="auto", help="auto (the kernels' defaults) and/or single (one program per row per "
-                                                   "selection, the top-k before 2026-12-01) (a list)")
+    ap.add_argument("--topk", default="auto", help="auto (the kernels' defaults), single (one program per row per "
+                                                   "selection, the top-k before 2026-12-01) and/or bBtT (B programs per "
+                                                   "row of the bucket selection, T of the token selection) (a list)")
     ap.add_argument("--xla-options", default="none",
                     help="extra XLA options of the step programs: none or name=value,... (a ';'-separated list)")
+    ap.add_argument("--layer-unroll", default="1",
+                    help="layers per iteration of the step's layer scan (a list: one row each)")
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
@@ -549,9 +563,9 @@ def main(argv=None):
     args.sections = args.sections.split(",")
     try:
         args.variants = parse_variants(str(args.streams), args.index_writes, args.pipeline, args.scan_writes,
-                                       args.fetch_programs, args.topk, args.xla_options)
+                                       args.fetch_programs, args.topk, args.xla_options, args.layer_unroll)
     except ValueError as e:
-        ap.error(f"--streams / --pipeline / --scan-writes / --fetch-programs / --topk / --xla-options: {e}")
+        ap.error(f"--streams / --pipeline / --scan-writes / --fetch-programs / --topk / --xla-options / --layer-unroll: {e}")
     labels = [m for m in args.methods.split(",") if m]
     unknown = [m for m in labels if m not in METHODS]
     if unknown:

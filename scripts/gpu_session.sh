@@ -87,9 +87,14 @@
 #                       weight-copy guard's failures (XLA's cuBLAS dynamic-slice fusion counted as a copy; the
 #                       device-memory decode loop copied its cache: not donated) (run from the shell)
 #   v5  (nvidia-h200)   after both fixes: the HLO and sparse-model GPU tests; Fathom 48 at 1M, profiled
-#   w1  (nvidia-h200, not run yet) after cd00015: every GPU test but SmolLM2's (the index-equality cases with full f32
-#                       GEMMs); the 1M and 128k Fathom 48 step profiled with the union by sort, then with the sort-free
-#                       union patched into this machine's copy of sparse_step.py (why it is 10 ms slower in the step)
+#   w1  (nvidia-h200, never run; its tests went into y1) after cd00015: every GPU test but SmolLM2's; the 1M and 128k
+#                       Fathom 48 step profiled with the union by sort, then with the sort-free union patched into this
+#                       machine's copy of sparse_step.py (why it is 10 ms slower in the step)
+#   x1-x3 (nvidia-h200) eleventh session, run from the shell (results/step_options_h200.md): layers per loop iteration, the
+#                       layer loop as one CUDA graph, chunks and fetch programs; x2 kept its traces (results/tail_h200.md)
+#   y1  (nvidia-h200)   every GPU test but SmolLM2's after the layer_unroll change, the weight-copy guard's printed
+#                       controls (-s), first half of the GGUF; the top-k's split programs in the 1M and 128k step
+#   y2  (same machine)  second half; SmolLM2 GPU tests
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -433,6 +438,18 @@ v5)
   timeout 110 python3 scripts/bench_offload.py --tag h200_v5 --out /tmp/v5 --read staged --sections attn,attnprofile \
     --contexts 1m --methods "Fathom 48" --share-kv-from 1m --time-budget 100 2>&1 | tee $OUT/bench_v5.log | cut -c1-330
   cp /tmp/v5/offload_h200_v5.json /tmp/v5/offload_h200_v5.md $OUT/ ;;
+y1)
+  cp .carry1/smol.part1 /tmp/smol.part1
+  timeout 280 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_y1_h200.log | tail -8
+  timeout 80 python3 -m pytest -m gpu -q -s -p no:cacheprovider -k weights_in_place tests/test_hlo.py 2>&1 \
+    | tee $OUT/gpu_guard_y1_h200.log | grep -E "^with|passed|failed"
+  timeout 170 python3 scripts/bench_offload.py --tag h200_y1 --out $OUT --read staged --sections attn --contexts 1m,128k \
+    --methods "Fathom 48" --share-kv-from 1m --topk auto,b8t4,b16t4,b8t8,bautot8 --time-budget 160 2>&1 \
+    | tee $OUT/bench_y1.log | cut -c1-330 ;;
+y2)
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_y2_h200.log | tail -4 ;;
 w1)
   timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_w1_h200.log | tail -6
   for union in sort sorted_heads; do

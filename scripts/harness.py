@@ -185,31 +185,61 @@ def device_events(events: list[dict]) -> list[dict]:
 TRANSFER = "scan transfer (run gather)"
 
 
-def exposed_time(events: list[dict], transfer: str = TRANSFER) -> dict:
+def exposed_time(events: list[dict], transfer: str = TRANSFER, key=categorize) -> dict:
     """Where the device timeline is *not* moving planes: the span cut at every kernel's start and end; each piece
-    with no ``transfer`` kernel running is split evenly among the categories running in it ("idle" if none).
-    With overlapped transfers this is what keeps a step above its link time (ms over all ``events``)."""
+    with no ``transfer`` kernel running is split evenly among the ``key``s (categories; kernel names with
+    ``key=str``) running in it ("idle" if none). With overlapped transfers this is what keeps a step above its link
+    time (ms over all ``events``)."""
     edges = []
     for e in events:
-        cat = categorize(e.get("name", ""))
-        edges.append((e["ts"], 1, cat))
-        edges.append((e["ts"] + e["dur"], -1, cat))
+        name = e.get("name", "")
+        edges.append((e["ts"], 1, key(name), categorize(name) == transfer))
+        edges.append((e["ts"] + e["dur"], -1, key(name), categorize(name) == transfer))
     edges.sort(key=lambda x: (x[0], x[1]))
     running: dict[str, int] = {}
     out: dict[str, float] = {}
-    transfer_ms, last = 0.0, None
-    for ts, step, cat in edges:
+    transfer_ms, transfers, last = 0.0, 0, None
+    for ts, step, name, is_transfer in edges:
         if last is not None and ts > last:
             dt = (ts - last) / 1e3
             active = [c for c, n in running.items() if n > 0]
-            if transfer in active:
+            if transfers > 0:
                 transfer_ms += dt
             else:
                 for c in active or ["idle"]:
                     out[c] = out.get(c, 0.0) + dt / max(len(active), 1)
-        running[cat] = running.get(cat, 0) + step
+        running[name] = running.get(name, 0) + step
+        transfers += step * is_transfer
         last = ts
     return {"transfer_running": transfer_ms, "outside_transfers": dict(sorted(out.items(), key=lambda kv: -kv[1]))}
+
+
+def transfer_gaps(events: list[dict], transfer: str = TRANSFER) -> list[tuple[float, float]]:
+    """The stretches (start, end in the trace's microseconds) between one plane transfer's end and the next one's
+    start, the transfers' intervals merged first."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if categorize(e.get("name", "")) == transfer)
+    merged: list[list[float]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(merged[i][1], merged[i + 1][0]) for i in range(len(merged) - 1)]
+
+
+def gap_timeline(events: list[dict], *, min_us: float = 20.0, transfer: str = TRANSFER) -> dict:
+    """The median of the gaps between plane transfers longer than ``min_us`` (in a layer-pipelined step: the layer
+    boundaries, where the last chunk's scan, top-k and row fetch, the next layer's plan and its first transfer's
+    set-up run with the link idle but for the rows), with every kernel that runs in it, times relative to its start."""
+    gaps = sorted((g for g in transfer_gaps(events, transfer) if g[1] - g[0] > min_us), key=lambda g: g[1] - g[0])
+    if not gaps:
+        return {}
+    a, b = gaps[len(gaps) // 2]
+    kernels = [{"name": e.get("name", "")[:80], "category": categorize(e.get("name", "")),
+                "start_us": round(e["ts"] - a, 1), "end_us": round(e["ts"] + e["dur"] - a, 1)}
+               for e in sorted(events, key=lambda e: e["ts"]) if e["ts"] + e["dur"] > a and e["ts"] < b]
+    return {"gaps": len(gaps), "median_us": round(b - a, 1), "total_ms": sum(y - x for x, y in gaps) / 1e3,
+            "kernels": kernels}
 
 
 def profile_breakdown(call, state, trace_dir: str, *, steps: int = 3, top_kernels: int = 25) -> tuple[dict, object]:
@@ -242,9 +272,13 @@ def profile_breakdown(call, state, trace_dir: str, *, steps: int = 3, top_kernel
     exposed = exposed_time(events)
     exposed = {"transfer_running": exposed["transfer_running"] / steps,
                "outside_transfers": {k: v / steps for k, v in exposed["outside_transfers"].items()}}
+    by_kernel = exposed_time(events, key=str)["outside_transfers"]
     return {"wall_ms_per_step": wall, "device_busy_ms_per_step": busy, "device_span_ms_per_step": span,
             # the span split into: a plane transfer running, and (per category) time with none running
             "exposed_ms_per_step": exposed,
+            # the same by kernel name, the costliest first, and the median long gap between transfers, kernel by kernel
+            "exposed_kernels_ms_per_step": {k[:160]: v / steps for k, v in list(by_kernel.items())[:top_kernels]},
+            "median_gap": gap_timeline(events),
             "ms_per_step": {k: v / steps for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
             "top_kernels": [{"name": n[:160], "category": categorize(n), "ms_per_step": ms / steps,
                              "launches_per_step": cnt / steps} for n, (ms, cnt) in top],

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "scripts"))
 import bench_offload  # noqa: E402
+from pallas_kernels.topk import TopkConfig  # noqa: E402
 
 
 def part(date: str, median: float, notes: list[str], errors: list[dict]) -> dict:
@@ -50,7 +51,7 @@ def test_variants_and_their_labels():
     """--streams x --index-writes x --pipeline x --scan-writes: streams never pipelined; "auto" where a part is not
     given."""
     got = bench_offload.parse_variants("1,2", "full_blocks", "auto,1/0,8/66,4")
-    rest = dict(scan_writes=True, fetch_programs="auto", topk="auto", xla_options=())
+    rest = dict(scan_writes=True, fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1)
     assert got == [
         dict(streams=1, index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
         dict(streams=1, index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),
@@ -62,8 +63,22 @@ def test_variants_and_their_labels():
                                        "none;xla_gpu_enable_triton_gemm=false,xla_foo=3")
     assert len(got) == 8 and {v["fetch_programs"] for v in got} == {"auto", 0}
     assert {v["xla_options"] for v in got} == {(), (("xla_gpu_enable_triton_gemm", False), ("xla_foo", "3"))}
+    # a value may hold commas (a list of enums); layers per loop iteration: one row each
+    got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto",
+                                       "xla_gpu_enable_command_buffer=FUSION,WHILE,xla_foo=3", "1,2")
+    assert [v["layer_unroll"] for v in got] == [1, 2]
+    assert got[0]["xla_options"] == (("xla_gpu_enable_command_buffer", "FUSION,WHILE"), ("xla_foo", "3"))
+    with pytest.raises(ValueError, match="--layer-unroll entries"):
+        bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto", "none", "0")
+    assert "2 layers per loop iteration" in bench_offload.split_text({"layer_unroll": 2}) and bench_offload.split_text({"layer_unroll": 1}) == ""
     with pytest.raises(ValueError, match="--topk entries"):
         bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "sorted")
+    got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "b8t4,bautot8")
+    assert [v["topk"] for v in got] == ["b8t4", "bautot8"]
+    assert bench_offload.TOPK["b8t4"] == TopkConfig(bucket_splits=8, token_splits=4)
+    assert bench_offload.TOPK["bautot8"] == TopkConfig(bucket_splits="auto", token_splits=8)
+    with pytest.raises(ValueError, match="power of two"):
+        bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "b3t4")
     got = bench_offload.parse_variants("1", "every_step", "auto", "1,0")
     assert [v["scan_writes"] for v in got] == [True, False]
     with pytest.raises(ValueError, match="--scan-writes entries are 1 or 0"):

@@ -148,8 +148,10 @@ def test_compiled_decode_step_reads_each_layers_weights_in_place(memory):
     graphdef, state = nnx.split(model)
     tokens = jnp.argmax(logits, -1).astype(jnp.int32)
 
-    def compiled(extra):  # the program decode_step / decode_loop runs, with ``extra`` XLA options from the placement
-        with_extra = dataclasses.replace(attn, placement=dataclasses.replace(attn.placement, xla_options=extra))
+    def compiled(extra, **fields):  # the program decode_step / decode_loop runs, with ``extra`` XLA options (and
+        # other ``fields``) of the placement
+        with_extra = dataclasses.replace(attn, placement=dataclasses.replace(attn.placement, xla_options=extra,
+                                                                             **fields))
         attn_static, leaves = split_attention(with_extra)
         if memory == "pinned_host":
             step = sparse.host_programs(model, with_extra, cache).jits[1]
@@ -166,6 +168,11 @@ def test_compiled_decode_step_reads_each_layers_weights_in_place(memory):
     # since whether XLA picks Triton for GEMMs this small is its own choice.
     triton = device_copies(compiled({"xla_gpu_enable_triton_gemm": True}), min_bytes=256 << 10)
     print(f"with Triton GEMMs: {len(triton)} weight copies of >= 256 kB per step")
+    # Two layers per loop iteration (Placement.layer_unroll): the 128k full step took 30.0 instead of 24.9 ms with 4
+    # (run x2); printed, to say whether weight copies are why.
+    unrolled = device_copies(compiled({}, layer_unroll=2), min_bytes=256 << 10)
+    print(f"with 2 layers per loop iteration: {len(unrolled)} copies of >= 256 kB per step:",
+          [(i["name"], i["bytes"]) for i in unrolled[:8]])
 
 
 def test_decode_loop_takes_the_cache_donated(tiny_model):

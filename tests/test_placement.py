@@ -154,6 +154,14 @@ def test_row_fetch_programs_and_extra_xla_options():
             Placement(xla_options=bad)
 
 
+def test_layer_unroll_is_checked():
+    assert Placement().layer_unroll == 1
+    assert Placement("pinned_host", layer_unroll=4).layer_unroll == 4
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="layer_unroll must be an int >= 1"):
+            Placement(layer_unroll=bad)
+
+
 def test_decode_programs_read_each_layers_weights_in_place_on_a_gpu():
     """The decode-step programs ask XLA for cuBLAS GEMMs under its dynamic-slice fusion on a GPU (no copy of each
     layer's weights out of the stacked arrays); elsewhere only the placement's options; XLA knows both names."""

@@ -52,8 +52,8 @@ class LlamaForCausalLM(nnx.Module):
 
     # -- core ------------------------------------------------------------------------------
 
-    def scan_layers(self, x, positions, attend_layer):
-        """``lax.scan`` of the decoder layers with ``x`` as the carry.
+    def scan_layers(self, x, positions, attend_layer, *, unroll: int = 1):
+        """``lax.scan`` of the decoder layers with ``x`` as the carry (``unroll`` layers per loop iteration).
 
         ``attend_layer(layer_index, q, k, v) -> (o, ys)``; returns ``(x, ys stacked on [n_layers])``.
         """
@@ -65,7 +65,7 @@ class LlamaForCausalLM(nnx.Module):
             layer = nnx.merge(graphdef, state)
             return layer(cfg, x, positions, lambda q, k, v: attend_layer(idx, q, k, v))
 
-        return jax.lax.scan(body, x, (layer_state, jnp.arange(cfg.n_layers, dtype=jnp.int32)))
+        return jax.lax.scan(body, x, (layer_state, jnp.arange(cfg.n_layers, dtype=jnp.int32)), unroll=unroll)
 
     def _forward(self, tokens: Int[Array, "B T"], cache: KVCache, attend: _Attend, capture: bool):
         """Runs all layers on tokens at positions cache.length + [0, T); returns final hidden,

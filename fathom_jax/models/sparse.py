@@ -117,7 +117,8 @@ def decode_step_fn(model, tokens: Int[Array, "B"], cache: SparseCache, attn: Spa
                                 cache, layer)
         return o.reshape(b, hkv, g, 1, d), update
 
-    x, updates = model.scan_layers(model.embed_tokens(tokens[:, None]), cache.length[:, None], attend_layer)
+    x, updates = model.scan_layers(model.embed_tokens(tokens[:, None]), cache.length[:, None], attend_layer,
+                                   unroll=attn.placement.layer_unroll)
     cache = attn.commit(cache, updates)
     return model.logits(model.norm(x[:, 0])), cache
 
@@ -127,11 +128,18 @@ def attention_step_fn(q: Float[Array, "L R G D"], key: Float[Array, "L R D"], va
     """The attention part of one decode step for every layer, without the weight GEMMs: per layer the sparse
     step for given queries and new keys/values, then the in-place writes (the paper's offload benchmark)."""
 
-    def body(_, xs):
+    def body(previous, xs):
         q_l, k_l, v_l, layer = xs
-        return None, attn.attend(q_l, k_l, v_l, cache, layer)
+        # Layer l starts after layer l - 1's output, as in the model, where its query is computed from that output.
+        # A loop iteration per layer serializes them anyway; unrolled (``Placement.layer_unroll``), XLA would
+        # otherwise run independent layers side by side, which no decoder can.
+        q_l, _ = jax.lax.optimization_barrier((q_l, previous))
+        out, update = attn.attend(q_l, k_l, v_l, cache, layer)
+        return out.astype(previous.dtype), (out, update)
 
-    _, (out, updates) = jax.lax.scan(body, None, (q, key, value, jnp.arange(cache.n_layers, dtype=jnp.int32)))
+    _, (out, updates) = jax.lax.scan(body, jnp.zeros(q.shape[1:], q.dtype),
+                                     (q, key, value, jnp.arange(cache.n_layers, dtype=jnp.int32)),
+                                     unroll=attn.placement.layer_unroll)
     return out, attn.commit(cache, updates)
 
 

@@ -22,6 +22,43 @@ def greedy_with_logits(model, prompt, lengths, attn, capacity, steps):
     return np.asarray(jnp.stack(tokens, 1)), np.stack(all_logits), cache
 
 
+def assert_same_tokens_up_to_a_near_tie(tokens_a, logits_a, tokens_b, logits_b, *, atol):
+    """Two greedy runs (``tokens [B, steps]``, ``logits [steps, B, V]``, token i the argmax of logits i) whose
+    programs round differently: per sequence, the logits agree within ``atol`` up to the first step where the tokens
+    differ, and at that step each run's token beat the other's by at most ``atol`` (a near tie that rounding may
+    flip; past it the runs continue from different tokens and are not compared)."""
+    for seq in range(tokens_a.shape[0]):
+        differ = np.flatnonzero(tokens_a[seq] != tokens_b[seq])
+        upto = differ[0] if differ.size else tokens_a.shape[1]
+        np.testing.assert_allclose(logits_a[:upto, seq], logits_b[:upto, seq], rtol=0, atol=atol)
+        if differ.size:
+            step, a, b = differ[0], tokens_a[seq, differ[0]], tokens_b[seq, differ[0]]
+            margins = (logits_a[step, seq, a] - logits_a[step, seq, b], logits_b[step, seq, b] - logits_b[step, seq, a])
+            assert max(margins) <= atol, (f"sequence {seq} diverges at step {step} ({a} vs {b}) by logit margins "
+                                          f"{margins}, more than rounding ({atol})")
+
+
+def test_near_tie_comparison_of_greedy_runs():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 1, 10))
+    logits[:, 0, 3] += 5  # token 3 wins every step by a clear margin...
+    logits[4, 0, 7] = logits[4, 0, 3] - 0.001  # ...but at step 4 token 7 is within 0.001 of it
+    tokens = np.argmax(logits, -1).T
+    other_logits = logits + rng.uniform(-1e-4, 1e-4, logits.shape)
+    other_logits[4, 0, 7] = other_logits[4, 0, 3] + 0.0005
+    other_logits[5] = rng.standard_normal(10)  # after the flip: another continuation, not compared
+    other = np.argmax(other_logits, -1).T
+    assert other[0, 4] == 7 and tokens[0, 4] == 3
+    assert_same_tokens_up_to_a_near_tie(tokens, logits, other, other_logits, atol=0.01)
+    assert_same_tokens_up_to_a_near_tie(tokens, logits, tokens, logits, atol=0.0)
+    with pytest.raises(AssertionError, match="diverges at step 4"):  # a flip beyond rounding
+        assert_same_tokens_up_to_a_near_tie(tokens, logits, other, other_logits, atol=0.0008)
+    drifted = other_logits.copy()
+    drifted[2] += 0.1
+    with pytest.raises(AssertionError):  # logits apart before the flip
+        assert_same_tokens_up_to_a_near_tie(tokens, logits, other, drifted, atol=0.01)
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
@@ -29,10 +66,11 @@ def greedy_with_logits(model, prompt, lengths, attn, capacity, steps):
 def test_smollm2_offloaded_decoding_equals_hbm_decoding(smollm2, context):
     """SmolLM2-135M on real code: 64 greedy tokens with the cache and index in pinned_host memory equal the
     in-HBM sparse decode with the same method, and so do the logits (stated tolerance: 1e-5 of their scale).
-    The same holds with each layer's three KV groups in three pipelined chunks, against the same chunks in HBM;
-    chunked and unchunked decoding give the same tokens, their logits differ by float reassociation (GEMMs over
-    one group instead of three round differently on the GPU, and near-ties in the top-k then pick other rows:
-    up to 0.31 of a 43 logit scale over 32 steps at 4k on the H200, results/pipeline_h200.md)."""
+    The same holds with each layer's three KV groups in three pipelined chunks, against the same chunks in HBM.
+    Chunked and unchunked decoding differ by float reassociation (GEMMs over one group instead of three round
+    differently on the GPU, and near-ties in the top-k then pick other rows: up to 0.31 of a 43 logit scale over 32
+    steps at 4k on the H200, results/pipeline_h200.md): their logits agree within 1% of the scale and their tokens
+    until a near tie (run y2 at 8k: the same 25 tokens, then others; until then the test asked for the same 64)."""
     from fathom_jax.eval import texts
 
     model, tok, cfg = smollm2
@@ -52,7 +90,8 @@ def test_smollm2_offloaded_decoding_equals_hbm_decoding(smollm2, context):
         host, hbm = out["pinned_host", pipeline], out["device", pipeline]
         np.testing.assert_array_equal(host[0], hbm[0])
         np.testing.assert_allclose(host[1], hbm[1], rtol=0, atol=1e-5 * scale)
-    np.testing.assert_array_equal(out["pinned_host", 3][0], out["pinned_host", 1][0])
+    chunked, whole = out["pinned_host", 3], out["pinned_host", 1]
+    assert_same_tokens_up_to_a_near_tie(chunked[0], chunked[1], whole[0], whole[1], atol=1e-2 * scale)
 
 
 @pytest.mark.gpu
@@ -107,6 +146,31 @@ def test_attention_only_step_matches_the_layers_attention(tiny_model):
     np.testing.assert_allclose(np.asarray(out), np.asarray(jnp.stack(want)), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(cache.length, [41, 34])
     np.testing.assert_array_equal(np.asarray(cache.k[:, 0, 40]), np.asarray(kv[0, :, 0]))
+
+
+def test_layers_per_loop_iteration_change_no_number(tiny_model, unroll=2):
+    """``Placement(layer_unroll=N)`` only regroups the layer scan's iterations (3 layers: 2 leaves a remainder):
+    the decode step's logits and cache and the attention-only step's outputs equal one layer per iteration, bit
+    for bit, and the attention-only step still chains each layer to the previous one's output."""
+    import dataclasses
+
+    cfg = tiny_model.config
+    base = decode.from_spec("fathom:16", k=16, sink=2, local=4, calibration="session", implementation="xla")
+    prompt = np.random.default_rng(3).integers(0, 97, (2, 40)).astype(np.int32)
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((cfg.n_layers, 2 * cfg.n_kv_heads, cfg.group_size, cfg.head_dim)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((2, cfg.n_layers, 2 * cfg.n_kv_heads, cfg.head_dim)), jnp.float32)
+    got = {}
+    for n in (1, unroll):
+        attn = dataclasses.replace(base, placement=dataclasses.replace(base.placement, layer_unroll=n))
+        logits, cache, attn = sparse.prefill(tiny_model, prompt, np.array([40, 33]), attn, 64)
+        nxt, logits, cache = sparse.decode_step(tiny_model, jnp.argmax(logits, -1).astype(jnp.int32), cache, attn)
+        out, cache = sparse.attention_step(q, kv[0], kv[1], cache, attn)
+        got[n] = jax.tree.map(np.asarray, (nxt, logits, out, cache.kv, cache.index.raw.planes, cache.length))
+        hlo = jax.jit(lambda q, c: sparse.attention_step_fn(q, kv[0], kv[1], c, attn)[0]).lower(q, cache).as_text()
+        assert "optimization_barrier" in hlo, "the attention-only step's layers are not chained"
+    for want, have in zip(jax.tree.leaves(got[1]), jax.tree.leaves(got[unroll])):
+        np.testing.assert_array_equal(have, want)
 
 
 def test_cache_from_dense_prefill_branches_methods_from_one_prefill(tiny_model):
