@@ -1,0 +1,161 @@
+"""How many of a decode step's K/V rows the previous steps already selected, on a real model and real text.
+
+The row fetch from host memory is what bounds a batch of long sequences (NOTES.md: batch 8 at 128k on the H200 moves
+its rows at ~21 GB/s). A device-side cache of the rows the last W steps fetched would fetch only the rows new to it;
+this measures that fraction. Protocol (the fidelity study's): a window of the evaluation text is captured once
+(post-RoPE q/k/v of every layer); at each of the window's last ``--positions`` positions p, every method scores the
+index a decode loop holds there (``prefix_index`` of the window's index at length p + 1), selects its top-k per head
+(sink and local included, as the decode step does) and takes each KV group's union: the rows one step fetches.
+
+    python scripts/row_reuse.py --context 4096 --positions 64 --k 128 --methods exact,fathom:32
+
+writes ``results/row_reuse_smollm2_<context>.{json,md}``. Runs on CPU (SmolLM2-135M, the GGUF the README's
+set-up fetches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import harness  # noqa: E402
+from fathom_jax import calibrate as cal  # noqa: E402
+from fathom_jax import methods  # noqa: E402
+from fathom_jax.eval import fidelity as fid  # noqa: E402
+from fathom_jax.eval import texts  # noqa: E402
+from fathom_jax.index import build_index, prefix_index  # noqa: E402
+from fathom_jax.scan import scan_scores  # noqa: E402
+from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, group_union, select_topk  # noqa: E402
+
+WINDOWS = (1, 2, 4, 8)  # steps a row cache remembers
+
+
+def layer_unions(method, k: int):
+    """``(union [P, Hkv, U], mask [P, Hkv, U])`` of one layer at every position: jitted per method."""
+
+    @jax.jit
+    def run(q, keys, calib, positions):  # q [P, Hkv, G, D], keys [Hkv, T, D]
+        full = build_index(keys, calib, (method,))
+
+        def one(args):
+            q_p, p = args
+            index = prefix_index(full, keys, p + 1)
+            scores = scan_scores(method, q_p, index, calib).scores
+            idx, mask = select_topk(scores, index.length, k, implementation="xla")
+            union, union_mask, _ = group_union(idx, mask)
+            return union, union_mask
+
+        return jax.lax.map(one, (q, positions))
+
+    return run
+
+
+def new_fraction(union: np.ndarray, mask: np.ndarray, window: int, middle: tuple[int, np.ndarray] | None = None):
+    """Per step after the first ``window``: the fraction of its rows (masked-in union slots) that none of the last
+    ``window`` steps selected, pooled over groups. ``middle=(sink, local_start [P])`` counts only rows outside the
+    sink and local window (those a cache would hold trivially)."""
+    new = total = 0
+    steps = union.shape[0]
+    for t in range(window, steps):
+        for g in range(union.shape[1]):
+            rows = union[t, g][mask[t, g]]
+            if middle is not None:
+                sink, local_start = middle
+                rows = rows[(rows >= sink) & (rows < local_start[t])]
+            seen = set()
+            for w in range(1, window + 1):
+                seen.update(union[t - w, g][mask[t - w, g]].tolist())
+            new += sum(1 for r in rows.tolist() if r not in seen)
+            total += rows.size
+    return new / max(total, 1), total
+
+
+def main(argv=None):
+    from fathom_jax.models import capture_qkv
+    from fathom_jax.models.hub import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--positions", type=int, default=64, help="consecutive decode positions at the window's end")
+    ap.add_argument("--k", type=int, default=128)
+    ap.add_argument("--methods", default="exact,fathom:32")
+    ap.add_argument("--calibration-tokens", type=int, default=4096)
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args(argv)
+    if not 2 <= args.positions <= args.context:
+        ap.error(f"--positions must lie in [2, --context], got {args.positions}")
+    t0 = time.time()
+    model, tok, cfg = load_model(None)
+    eval_text, eval_info = texts.evaluation_text()
+    ids = texts.token_window(tok.encode(eval_text), args.context, name="evaluation text")
+    cap = fid.Capture(**capture_qkv(model, jnp.asarray(ids)))
+    calib_text, _ = texts.calibration_text()
+    calib_ids = texts.token_window(tok.encode(calib_text), args.calibration_tokens, name="calibration text")
+    calib_cap = fid.Capture(**capture_qkv(model, jnp.asarray(calib_ids)))
+    calib = cal.calibrate(calib_cap.k, calib_cap.q)
+    n_layers, hkv, g = cfg.n_layers, cfg.n_kv_heads, cfg.group_size
+    positions = np.arange(args.context - args.positions, args.context, dtype=np.int32)
+    local_start = positions + 1 - LOCAL_TOKENS
+    res = {"machine": harness.machine(), "command": " ".join(sys.argv), "config": vars(args).copy(),
+           "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "text": eval_info, "methods": {}}
+    for spec in args.methods.split(","):
+        method = methods.parse(spec)
+        run = layer_unions(method, args.k)
+        per_layer = []
+        for layer in range(n_layers):
+            q = cap.q[layer][:, positions].reshape(hkv, g, len(positions), -1).transpose(2, 0, 1, 3)
+            layer_calib = jax.tree.map(lambda x: x[layer], calib) if method.needs_calibration else None
+            union, mask = map(np.asarray, run(q, cap.k[layer], layer_calib, jnp.asarray(positions)))
+            per_layer.append({"rows_per_group": float(mask.sum(-1).mean()),
+                              **{f"new_w{w}": new_fraction(union, mask, w)[0] for w in WINDOWS},
+                              **{f"new_middle_w{w}": new_fraction(union, mask, w, (SINK_TOKENS, local_start))[0]
+                                 for w in WINDOWS}})
+            print(f"[{spec}] layer {layer}: {per_layer[-1]}", flush=True)
+        res["methods"][spec] = {"layers": per_layer,
+                                **{key: float(np.mean([r[key] for r in per_layer])) for key in per_layer[0]}}
+    res["wall_seconds"] = round(time.time() - t0, 1)
+    prefix = os.path.join(args.out, f"row_reuse_smollm2_{args.context // 1024}k")
+    harness.write_json(prefix + ".json", res)
+    with open(prefix + ".md", "w") as f:
+        f.write(report(res))
+    print(report(res))
+
+
+def report(res: dict) -> str:
+    c = res["config"]
+    lines = [f"# Rows a decode step shares with the steps before it (SmolLM2-135M, {c['context']} tokens)", "",
+             f"{res['machine']['date']}, JAX {res['machine']['jax']}, commit {res['machine']['commit']}, "
+             f"{res['machine']['backend']}. Command: `{res['command']}`. {res['model']}; evaluation text "
+             f"{c['context']} tokens, its last {c['positions']} positions as consecutive decode steps, k = {c['k']} per "
+             f"head ({SINK_TOKENS} sink + {LOCAL_TOKENS} local included), each KV group's union of its heads' "
+             "selections = the rows one step fetches. Fathom is calibrated on the calibration text.", "",
+             "`new (W)`: the fraction of a step's rows that none of the last W steps selected (what a device cache of "
+             "those steps' rows would still fetch), pooled over layers' groups and steps, mean over layers; "
+             "`middle`: the same for rows outside the sink and the local window.", "",
+             "| method | rows per group | " + " | ".join(f"new (W={w})" for w in WINDOWS) + " | "
+             + " | ".join(f"middle new (W={w})" for w in WINDOWS) + " |",
+             "|---|---|" + "---|" * (2 * len(WINDOWS))]
+    for spec, m in res["methods"].items():
+        lines.append(f"| {spec} | {m['rows_per_group']:.0f} | " + " | ".join(f"{m[f'new_w{w}']:.3f}" for w in WINDOWS)
+                     + " | " + " | ".join(f"{m[f'new_middle_w{w}']:.3f}" for w in WINDOWS) + " |")
+    first = next(iter(res["methods"]))
+    lines += ["", f"Per layer ({first}, new rows with W = 1 / 8):", "",
+              "| layer | rows per group | new (W=1) | new (W=8) | middle new (W=1) |", "|---|---|---|---|---|"]
+    for i, r in enumerate(res["methods"][first]["layers"]):
+        lines.append(f"| {i} | {r['rows_per_group']:.0f} | {r['new_w1']:.3f} | {r['new_w8']:.3f} | "
+                     f"{r['new_middle_w1']:.3f} |")
+    lines.append(f"\nWall time {res['wall_seconds']} s.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
