@@ -125,15 +125,36 @@ def synthetic_calibration(cfg, seed=0):
     return calib, scale
 
 
-TOPK = {"auto": None, "single": TopkConfig(bucket_splits=1, token_splits=1)}  # --topk: the kernels' defaults, or
-# one program per row for each selection (the top-k before 2026-12-01)
+SINGLE_TOPK = TopkConfig(bucket_splits=1, token_splits=1)  # one program per row per selection (before 2026-12-01)
+
+
+def topk_config(name: str) -> TopkConfig | None:
+    """A ``--topk`` entry's configuration: ``auto`` (None: the kernels' defaults), ``single`` or ``bBtT``
+    (``TopkConfig(bucket_splits=B, token_splits=T)``, B = auto or a power of two)."""
+    if name == "auto":
+        return None
+    if name == "single":
+        return SINGLE_TOPK
+    split = re.fullmatch(r"b(auto|\d+)t(\d+)", name)
+    if not split:
+        raise ValueError(f"--topk entries are auto, single or bBtT (TopkConfig(bucket_splits=B, token_splits=T), "
+                         f"B = auto or a power of two), got {name!r}")
+    buckets = split.group(1)
+    return TopkConfig(bucket_splits=buckets if buckets == "auto" else int(buckets), token_splits=int(split.group(2)))
+
+
+def topk_name(config: TopkConfig | None) -> str:
+    """The ``--topk`` entry of a configuration (:func:`topk_config` inverted)."""
+    if config is None:
+        return "auto"
+    return "single" if config == SINGLE_TOPK else f"b{config.bucket_splits}t{config.token_splits}"
 
 
 def hook(spec, cfg, calib, k, placement, implementation, variant=None):
-    """The hook of a method spec; ``variant``: Placement fields to replace, and ``topk`` (a key of :data:`TOPK`)."""
+    """The hook of a method spec; ``variant``: Placement fields to replace, and ``topk`` (a ``--topk`` entry)."""
     method = methods.parse(spec)
     variant = dict(variant or {})
-    topk = TOPK[variant.pop("topk", "auto")]
+    topk = topk_config(variant.pop("topk", "auto"))
     return decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
                                   placement=dataclasses.replace(placement, **variant), implementation=implementation,
                                   topk=topk)
@@ -231,7 +252,7 @@ def split_fields(attn) -> dict:
     """The options a row varies (the columns of the report): the placement's as a step of ``groups`` groups runs them
     (``scan_writes`` as it takes effect), the top-k's and the extra XLA options."""
     placement = attn.placement
-    topk = next(name for name, config in TOPK.items() if config == attn.topk)
+    topk = topk_name(attn.topk)
     return ({name: getattr(placement, name) for name in PLACEMENT_SPLITS}
             | {"scan_writes": placement.writes_in_scan, "topk": topk, "xla_options": options_text(placement.xla_options)})
 
@@ -289,14 +310,7 @@ def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: 
     out = [v | {"scan_writes": f} for f in flags for v in out]
     fetches = [x if x == "auto" else int(x) for x in fetch.split(",")]
     for name in topk.split(","):
-        split = re.fullmatch(r"b(auto|\d+)t(\d+)", name)  # bBtT: B programs per row's bucket selection, T tokens'
-        if split:
-            buckets = split.group(1)
-            TOPK[name] = TopkConfig(bucket_splits=buckets if buckets == "auto" else int(buckets),
-                                    token_splits=int(split.group(2)))
-        if name not in TOPK:
-            raise ValueError(f"--topk entries are {sorted(TOPK)} or bBtT (TopkConfig(bucket_splits=B, "
-                             f"token_splits=T), B = auto or a power of two), got {name!r}")
+        topk_config(name)  # a bad entry fails here, before anything runs
     option_sets = []
     for item in xla.split(";"):  # "none" or name=value,name=value (a value may hold commas: a list of enums)
         pairs = {} if item in ("", "none") else dict(kv.split("=", 1) for kv in re.split(r",(?=xla_)", item))

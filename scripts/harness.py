@@ -166,9 +166,12 @@ def trace_events(trace_dir: str) -> list[dict]:
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
     files = files or sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
                             key=os.path.getmtime)
-    if not files:
-        return []
-    with gzip.open(files[-1], "rt") as f:
+    return read_trace(files[-1]) if files else []
+
+
+def read_trace(path: str) -> list[dict]:
+    """The events of one saved trace (perfetto JSON, gzipped or not)."""
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         data = json.load(f)
     return data["traceEvents"] if isinstance(data, dict) else data
 
@@ -193,8 +196,9 @@ def exposed_time(events: list[dict], transfer: str = TRANSFER, key=categorize) -
     edges = []
     for e in events:
         name = e.get("name", "")
-        edges.append((e["ts"], 1, key(name), categorize(name) == transfer))
-        edges.append((e["ts"] + e["dur"], -1, key(name), categorize(name) == transfer))
+        label, is_transfer = key(name), categorize(name) == transfer
+        edges.append((e["ts"], 1, label, is_transfer))
+        edges.append((e["ts"] + e["dur"], -1, label, is_transfer))
     edges.sort(key=lambda x: (x[0], x[1]))
     running: dict[str, int] = {}
     out: dict[str, float] = {}
@@ -242,6 +246,17 @@ def gap_timeline(events: list[dict], *, min_us: float = 20.0, transfer: str = TR
             "kernels": kernels}
 
 
+def idle_breakdown(events: list[dict], steps: int, *, top_kernels: int = 25) -> dict:
+    """Per step of a trace of ``steps`` steps: the time a plane transfer ran and, with none running, the time by
+    category and by kernel name (the ``top_kernels`` costliest), and the median long gap between transfers."""
+    exposed = exposed_time(events)
+    by_kernel = exposed_time(events, key=str)["outside_transfers"]
+    return {"exposed_ms_per_step": {"transfer_running": exposed["transfer_running"] / steps,
+                                    "outside_transfers": {k: v / steps for k, v in exposed["outside_transfers"].items()}},
+            "exposed_kernels_ms_per_step": {k[:160]: v / steps for k, v in list(by_kernel.items())[:top_kernels]},
+            "median_gap": gap_timeline(events)}
+
+
 def profile_breakdown(call, state, trace_dir: str, *, steps: int = 3, top_kernels: int = 25) -> tuple[dict, object]:
     """Device ms per step per category of ``steps`` calls of ``call`` traced with the JAX profiler, the
     ``top_kernels`` costliest kernels by name, and the kernel launches per step."""
@@ -269,16 +284,9 @@ def profile_breakdown(call, state, trace_dir: str, *, steps: int = 3, top_kernel
         span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3 / steps
     else:
         span = float("nan")
-    exposed = exposed_time(events)
-    exposed = {"transfer_running": exposed["transfer_running"] / steps,
-               "outside_transfers": {k: v / steps for k, v in exposed["outside_transfers"].items()}}
-    by_kernel = exposed_time(events, key=str)["outside_transfers"]
     return {"wall_ms_per_step": wall, "device_busy_ms_per_step": busy, "device_span_ms_per_step": span,
-            # the span split into: a plane transfer running, and (per category) time with none running
-            "exposed_ms_per_step": exposed,
-            # the same by kernel name, the costliest first, and the median long gap between transfers, kernel by kernel
-            "exposed_kernels_ms_per_step": {k[:160]: v / steps for k, v in list(by_kernel.items())[:top_kernels]},
-            "median_gap": gap_timeline(events),
+            # the span split into: a plane transfer running, and (per category, per kernel) time with none running
+            **idle_breakdown(events, steps, top_kernels=top_kernels),
             "ms_per_step": {k: v / steps for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
             "top_kernels": [{"name": n[:160], "category": categorize(n), "ms_per_step": ms / steps,
                              "launches_per_step": cnt / steps} for n, (ms, cnt) in top],

@@ -102,7 +102,7 @@ def main(argv=None):
     calib_ids = texts.token_window(tok.encode(calib_text), args.calibration_tokens, name="calibration text")
     calib_cap = fid.Capture(**capture_qkv(model, jnp.asarray(calib_ids)))
     calib = cal.calibrate(calib_cap.k, calib_cap.q)
-    n_layers, hkv, g = cfg.n_layers, cfg.n_kv_heads, cfg.group_size
+    n_layers = cfg.n_layers
     positions = np.arange(args.context - args.positions, args.context, dtype=np.int32)
     local_start = positions + 1 - LOCAL_TOKENS
     res = {"machine": harness.machine(), "command": " ".join(sys.argv), "config": vars(args).copy(),
@@ -112,7 +112,7 @@ def main(argv=None):
         run = layer_unions(method, args.k)
         per_layer = []
         for layer in range(n_layers):
-            q = cap.q[layer][:, positions].reshape(hkv, g, len(positions), -1).transpose(2, 0, 1, 3)
+            q = cap.layer_queries(layer, positions)
             layer_calib = jax.tree.map(lambda x: x[layer], calib) if method.needs_calibration else None
             union, mask = map(np.asarray, run(q, cap.k[layer], layer_calib, jnp.asarray(positions)))
             per_layer.append({"rows_per_group": float(mask.sum(-1).mean()),

@@ -10,8 +10,6 @@ writes ``OUT.json`` and ``OUT.md``. Reads traces only: no GPU needed.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
 import sys
 
@@ -20,20 +18,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 
-def load(path: str) -> list[dict]:
-    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
-        data = json.load(f)
-    return harness.device_events(data["traceEvents"] if isinstance(data, dict) else data)
-
-
 def analyse(events: list[dict], steps: int, top: int = 20) -> dict:
-    per_cat = harness.exposed_time(events)
-    per_kernel = harness.exposed_time(events, key=str)["outside_transfers"]
+    idle = harness.idle_breakdown(events, steps, top_kernels=top)
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
-    return {"span_ms_per_step": span / steps, "transfer_running_ms_per_step": per_cat["transfer_running"] / steps,
-            "outside_transfers_ms_per_step": {k: v / steps for k, v in per_cat["outside_transfers"].items()},
-            "exposed_kernels_ms_per_step": {k[:100]: v / steps for k, v in list(per_kernel.items())[:top]},
-            "median_gap": harness.gap_timeline(events)}
+    return {"span_ms_per_step": span / steps,
+            "transfer_running_ms_per_step": idle["exposed_ms_per_step"]["transfer_running"],
+            "outside_transfers_ms_per_step": idle["exposed_ms_per_step"]["outside_transfers"],
+            "exposed_kernels_ms_per_step": idle["exposed_kernels_ms_per_step"], "median_gap": idle["median_gap"]}
 
 
 def report(res: dict) -> str:
@@ -67,7 +58,8 @@ def main(argv=None):
     res = {"note": args.note, "steps": args.steps, "traces": {}}
     for item in args.traces:
         label, _, path = item.rpartition("=")
-        res["traces"][label or os.path.basename(path)] = analyse(load(path), args.steps)
+        events = harness.device_events(harness.read_trace(path))
+        res["traces"][label or os.path.basename(path)] = analyse(events, args.steps)
     harness.write_json(args.out + ".json", res)
     with open(args.out + ".md", "w") as f:
         f.write(report(res))

@@ -75,8 +75,10 @@ def test_variants_and_their_labels():
         bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "sorted")
     got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "b8t4,bautot8")
     assert [v["topk"] for v in got] == ["b8t4", "bautot8"]
-    assert bench_offload.TOPK["b8t4"] == TopkConfig(bucket_splits=8, token_splits=4)
-    assert bench_offload.TOPK["bautot8"] == TopkConfig(bucket_splits="auto", token_splits=8)
+    assert bench_offload.topk_config("b8t4") == TopkConfig(bucket_splits=8, token_splits=4)
+    assert bench_offload.topk_config("bautot8") == TopkConfig(bucket_splits="auto", token_splits=8)
+    assert [bench_offload.topk_name(bench_offload.topk_config(n)) for n in ("auto", "single", "b8t4", "bautot8")] == \
+        ["auto", "single", "b8t4", "bautot8"]
     with pytest.raises(ValueError, match="power of two"):
         bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "b3t4")
     got = bench_offload.parse_variants("1", "every_step", "auto", "1,0")

@@ -58,6 +58,13 @@ class Capture:
     def group_size(self) -> int:
         return self.q.shape[1] // self.k.shape[1]
 
+    def layer_queries(self, layer: int, positions: np.ndarray) -> jax.Array:
+        """``[P, Hkv, G, D]`` queries of one layer at ``positions``."""
+        _, n_heads, _, d = self.q.shape
+        n_kv = self.k.shape[1]
+        q = jnp.asarray(self.q[layer])[:, positions]  # [H, P, D]
+        return jnp.moveaxis(q.reshape(n_kv, n_heads // n_kv, positions.size, d), 2, 0)
+
     def __post_init__(self):
         q, k, v = self.q, self.k, self.v
         if not (hasattr(q, "ndim") and hasattr(k, "ndim") and hasattr(v, "ndim")):
@@ -342,7 +349,7 @@ def attention_errors_many(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(evaluations) * n_layers, desc=evaluations[0].name or "layers", leave=False)
-    inputs = (jnp.stack([_layer_queries(capture, layer, positions) for layer in range(n_layers)]),
+    inputs = (jnp.stack([capture.layer_queries(layer, positions) for layer in range(n_layers)]),
               jnp.asarray(capture.k), jnp.asarray(capture.v), jnp.asarray(positions), references.outputs)
     try:
         return _Run(evaluations, inputs, ks, tasks, programs, bar).results(workers or os.cpu_count() or 1)
@@ -496,14 +503,6 @@ class _Run:
             self.bar.update(1 + len(task.also))
 
 
-def _layer_queries(capture: Capture, layer: int, positions: np.ndarray) -> jax.Array:
-    """``[P, Hkv, G, D]`` queries of one layer at ``positions``."""
-    _, n_heads, _, d = capture.q.shape
-    n_kv = capture.k.shape[1]
-    q = jnp.asarray(capture.q[layer])[:, positions]  # [H, P, D]
-    return jnp.moveaxis(q.reshape(n_kv, n_heads // n_kv, positions.size, d), 2, 0)
-
-
 @dataclasses.dataclass(frozen=True)
 class References:
     """Dense attention outputs ``[L, P, Hkv, G, D]`` of a capture at ``positions``: every method's target."""
@@ -518,7 +517,7 @@ def dense_references(capture: Capture, positions: Int[Array, "P"] | None = None)
     n_tokens = capture.q.shape[2]
     positions = default_positions(n_tokens) if positions is None else np.asarray(positions, np.int32)
     pos = jnp.asarray(positions)
-    outs = [_dense_layer(_layer_queries(capture, layer, positions), capture.k[layer], capture.v[layer], pos)
+    outs = [_dense_layer(capture.layer_queries(layer, positions), capture.k[layer], capture.v[layer], pos)
             for layer in range(capture.q.shape[0])]
     return References(positions=positions, outputs=jnp.stack(outs))
 

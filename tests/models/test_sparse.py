@@ -148,12 +148,13 @@ def test_attention_only_step_matches_the_layers_attention(tiny_model):
     np.testing.assert_array_equal(np.asarray(cache.k[:, 0, 40]), np.asarray(kv[0, :, 0]))
 
 
-def test_layers_per_loop_iteration_change_no_number(tiny_model, unroll=2):
+def test_layers_per_loop_iteration_change_no_number(tiny_model):
     """``Placement(layer_unroll=N)`` only regroups the layer scan's iterations (3 layers: 2 leaves a remainder):
     the decode step's logits and cache and the attention-only step's outputs equal one layer per iteration, bit
     for bit, and the attention-only step still chains each layer to the previous one's output."""
     import dataclasses
 
+    unroll = 2
     cfg = tiny_model.config
     base = decode.from_spec("fathom:16", k=16, sink=2, local=4, calibration="session", implementation="xla")
     prompt = np.random.default_rng(3).integers(0, 97, (2, 40)).astype(np.int32)
