@@ -207,7 +207,7 @@ def _generate(args: argparse.Namespace) -> int:
             cap = capture_qkv(model, jnp.asarray(calib_ids[: args.calib_tokens]))
             calibration = calibrate(cap["k"], cap["q"])
         placement = decode.Placement(args.placement, mesh=mesh, read=args.read, index_writes=args.index_writes,
-                                     pipeline=args.pipeline, scan_writes=args.scan_writes)
+                                     pipeline=args.pipeline, scan_writes=args.scan_writes, row_cache=args.row_cache)
         attention_fn = decode.from_spec(method, k=args.k, calibration=calibration,
                                         implementation=args.implementation, placement=placement)
         if args.k >= capacity:
@@ -304,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scan-writes", action=argparse.BooleanOptionalAction, default=True,
                    help="with --placement pinned_host on a GPU: each layer writes its new K/V row and index blocks "
                         "inside the layer scan, beside its own transfers (the default), or every layer after it")
+    p.add_argument("--row-cache", type=positive_int(0), default=0, metavar="SLOTS",
+                   help="device-memory slots per layer and KV head for the K/V rows recent steps fetched: a step "
+                        "fetches only the rows they miss (0: no row cache)")
     p.add_argument("--mesh", type=positive_int(1), default=1,
                    help="devices to split the KV heads over (sparse decoding; each device scans and fetches for its "
                         "own heads from its own slice of memory); must divide the model's KV heads")

@@ -42,7 +42,8 @@ from fathom_jax.index import KeyIndex, build_index
 from fathom_jax.methods.base import ScanMethod
 from fathom_jax.placement import Placement
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
-from fathom_jax.sparse_cache import LayerUpdate, SparseCache, cache_bytes, join_kv  # noqa: F401  (part of this API)
+from fathom_jax.sparse_cache import (  # noqa: F401  (part of this API)
+    LayerUpdate, RowCache, SparseCache, cache_bytes, commit_rows, empty_row_cache, join_kv)
 from fathom_jax.sparse_step import NewToken, sparse_attention_step
 from fathom_jax.store import KeyRotation, PlaneStore
 from pallas_kernels import backend
@@ -99,6 +100,9 @@ class SparseAttention:
             raise TypeError(f"SparseAttention: topk must be a pallas_kernels.topk.TopkConfig or None, got {self.topk!r}")
         if not isinstance(self.placement, Placement):
             object.__setattr__(self, "placement", Placement.parse(self.placement))
+        if self.placement.row_cache and getattr(self.method, "selects_all", False):
+            raise ValueError(f"SparseAttention: placement row_cache={self.placement.row_cache} caches selected rows, "
+                             f"and {self.method.label} selects every row (use row_cache=0)")
         if self.calibration_source not in _SOURCES:
             raise ValueError(
                 f"SparseAttention: calibration_source must be one of {_SOURCES}, got {self.calibration_source!r}"
@@ -207,7 +211,12 @@ class SparseAttention:
             landmark_tail=small((n_layers, r, LANDMARK_TOKENS, d), jnp.float32) if "landmarks" in parts else None,
         )
         writes = 1 + 2 * len(index.stores) + (index.landmarks is not None)
-        return SparseCache(kv=kv, index=index, length=small((batch,), jnp.int32), writes=small((writes,), jnp.int32))
+        row_cache = None
+        if self.placement.row_cache:
+            row_cache = empty_row_cache(small, n_layers=n_layers, groups=r, slots=self.placement.row_cache,
+                                        head_dim=d, dtype=dtype)
+        return SparseCache(kv=kv, index=index, length=small((batch,), jnp.int32), writes=small((writes,), jnp.int32),
+                           row_cache=row_cache)
 
     def _writer(self):
         """``write(dst, src, start, axis, layer) -> new dst``, collecting in-place write tokens in ``tokens``."""
@@ -268,7 +277,11 @@ class SparseAttention:
             landmark_tail = set_small(old.landmark_tail, built.landmark_tail)
         index = KeyIndex(length=lengths, raw=store(old.raw, built.raw), klt=store(old.klt, built.klt),
                          loki=store(old.loki, built.loki), landmarks=landmarks, landmark_tail=landmark_tail)
-        return SparseCache(kv=kv, index=index, length=cache.length, writes=_tokens(tokens, cache.writes))
+        row_cache = cache.row_cache
+        if row_cache is not None:  # the layer's rows are new: its slots are emptied
+            row_cache = dataclasses.replace(row_cache, tags=row_cache.tags.at[layer].set(0))
+        return SparseCache(kv=kv, index=index, length=cache.length, writes=_tokens(tokens, cache.writes),
+                           row_cache=row_cache)
 
     def prefilled(self, cache: SparseCache, lengths: Int[Array, "B"]) -> SparseCache:
         """The cache with its per-sequence lengths set after the last prefill layer."""
@@ -317,12 +330,16 @@ class SparseAttention:
             view["landmarks"], view["landmark_tail"] = index.landmarks, landmark[1]
         new = NewToken(position=position, key=key32, value=value, blocks={p: b[:2] for p, b in blocks.items()},
                        landmark=None if landmark is None else landmark[0])
-        out, _ = sparse_attention_step(
+        row_cache = cache.row_cache
+        if row_cache is not None:  # read at this layer in place by the step
+            row_cache = RowCache(rows=row_cache.rows, tags=row_cache.tags)
+        out, _, *fill = sparse_attention_step(
             self.method, q, KeyIndex(**view), cache.kv, position + 1, calib,
             k=self.k, sink=self.sink, local=self.local, layer=layer, kv_layer=0 if shared_kv else layer,
             new=new, placement=self.placement, implementation=self.resolved_implementation, topk=self.topk,
+            row_cache=row_cache,
         )
-        update = LayerUpdate(key=key, value=value, blocks=blocks, landmark=landmark)
+        update = LayerUpdate(key=key, value=value, blocks=blocks, landmark=landmark, rows=fill[0] if fill else None)
         if self.placement.writes_in_scan:
             # This layer's K/V row and newest blocks go to host memory now: the write kernels depend only on
             # the new key, so they run beside this layer's plane transfers instead of as one serial burst of
@@ -366,7 +383,10 @@ class SparseAttention:
         landmark_tail = None if update.landmark is None else update.landmark[1]
         index = KeyIndex(length=lengths, raw=store(index.raw, "raw"), klt=store(index.klt, "klt"),
                          loki=store(index.loki, "loki"), landmarks=landmarks, landmark_tail=landmark_tail)
-        return SparseCache(kv=kv, index=index, length=cache.length + 1, writes=writes)
+        row_cache = cache.row_cache
+        if update.rows is not None:
+            row_cache = commit_rows(row_cache, update.rows)
+        return SparseCache(kv=kv, index=index, length=cache.length + 1, writes=writes, row_cache=row_cache)
 
     def _write_new_token(self, cache, update: LayerUpdate, p, layer, *, shared_kv):
         """Write the new token's K/V rows and newest index blocks (``update`` stacked on layers ``layer ..``) at

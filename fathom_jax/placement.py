@@ -120,7 +120,11 @@ class Placement:
     :attr:`row_fetch_programs`). ``xla_options``: more XLA compiler options for the programs that run a step
     (``{name: value}``, stored as sorted pairs; added to :attr:`compiler_options`): the offloaded step programs and,
     in device memory, the generation and decode-loop programs. ``layer_unroll``: layers per iteration of the decode
-    step's layer scan (``lax.scan(unroll=)``; 1, the default: one loop iteration per layer)."""
+    step's layer scan (``lax.scan(unroll=)``; 1, the default: one loop iteration per layer).
+
+    ``row_cache``: device-memory slots per layer and group for K/V rows recent steps fetched (0, the default: none;
+    :class:`fathom_jax.sparse_cache.RowCache`): a step then fetches only the rows its slots miss. It costs
+    ``L x R x slots x (2 Dh x itemsize + 4)`` bytes of HBM and gives the same rows bit for bit."""
 
     memory: Memory = "device"
     mesh: jax.sharding.Mesh | None = None
@@ -134,6 +138,7 @@ class Placement:
     fetch_programs: int | Literal["auto"] = "auto"
     xla_options: tuple = ()
     layer_unroll: int = 1
+    row_cache: int = 0
 
     def __post_init__(self):
         if self.memory not in MEMORIES:
@@ -143,7 +148,7 @@ class Placement:
         if self.index_writes not in get_args(IndexWrites):
             raise ValueError(f"placement index_writes must be one of {get_args(IndexWrites)}, got {self.index_writes!r}")
         for name, least, auto in (("streams", 1, False), ("pipeline", 1, True), ("gather_programs", 0, True),
-                                  ("fetch_programs", 0, True), ("layer_unroll", 1, False)):
+                                  ("fetch_programs", 0, True), ("layer_unroll", 1, False), ("row_cache", 0, False)):
             value = getattr(self, name)
             if auto and value == "auto":
                 continue
@@ -354,6 +359,18 @@ class Placement:
     def detach_bulk(tree):
         """``tree`` with its bulk leaves replaced by None (what a program that wrote them in place returns)."""
         return jax.tree_util.tree_map_with_path(lambda path, x: None if is_bulk(path) else x, tree)
+
+    @staticmethod
+    def split_bulk(tree):
+        """``(small, bulk)``: ``tree`` with its bulk leaves replaced by None, and with its other leaves replaced by
+        None (a program can then donate the small leaves alone; :meth:`join_bulk` is the inverse)."""
+        return Placement.detach_bulk(tree), jax.tree_util.tree_map_with_path(
+            lambda path, x: x if is_bulk(path) else None, tree)
+
+    @staticmethod
+    def join_bulk(small, bulk):
+        """The tree :meth:`split_bulk` split."""
+        return jax.tree.map(lambda a, b: b if a is None else a, small, bulk, is_leaf=lambda x: x is None)
 
     @staticmethod
     def attach_bulk(small, full):

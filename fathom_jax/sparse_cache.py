@@ -4,6 +4,11 @@
 puts them (HBM or ``pinned_host``) and small ones (raw tails, lengths, rotations) in device memory;
 :func:`cache_bytes` sizes it before allocating; :class:`LayerUpdate` is what one decode step changes in one
 layer, written back after the layer scan by :meth:`fathom_jax.decode.SparseAttention.commit`.
+
+:class:`RowCache` (optional, ``Placement(row_cache=slots)``) keeps in device memory copies of the K/V rows that
+recent steps fetched: consecutive decode steps reselect most of their rows (SmolLM2 on real text: 63-66% of a
+step's rows were selected by the step before, ``results/row_reuse_smollm2_*.md``), so a step fetches from the
+cache's memory only the rows its slots miss. :func:`row_lookup` and :func:`row_fill` are a step's two halves.
 """
 
 from __future__ import annotations
@@ -37,6 +42,96 @@ def key_columns(rows) -> tuple[int, int]:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class RowCache:
+    """Device-memory copies of K/V rows, direct-mapped: per layer and group ``C`` slots, token ``t`` in slot ``t mod C``.
+
+    ``rows``: ``[L, R, C, 2 Dh]`` in the K/V cache's layout; ``tags``: i32 ``[L, R, C]``, one more than the token a
+    slot holds (0: empty, so a zero-filled cache is empty); ``hits`` / ``fetched``: i32 ``[L, R]``, the rows the last
+    step took from the slots and from the K/V cache. The same class may hold one layer's slots, ``rows [R, C, 2 Dh]``
+    and ``tags [R, C]``, and no counts. Tokens are never rewritten once stored, so
+    a tag that matches is always the row the K/V cache holds; a prefill of a layer empties that layer's slots.
+    """
+
+    rows: Float[Array, "L R C 2Dh"]
+    tags: Int[Array, "L R C"]
+    hits: Int[Array, "L R"] | None = None
+    fetched: Int[Array, "L R"] | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.tags.shape[-1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowFill:
+    """What one layer's step leaves for its :class:`RowCache` slots (stacked on ``[L]`` by the layer scan): the
+    selected ``tokens`` i32 ``[R, S]`` (negative: padding), which of them were ``hit`` in the slots, and their ``rows
+    [R, S, 2 Dh]``. Which rows win a slot is decided after the layer scan (:func:`commit_rows`), so that the step's
+    chain of kernels gains no scatter (one in a pipelined chunk's chain broke the chunks' overlap before: NOTES.md)."""
+
+    tokens: Int[Array, "R S"]
+    hit: Array  # bool [R, S]
+    rows: Float[Array, "R S 2Dh"]
+
+
+def empty_row_cache(zeros, *, n_layers: int, groups: int, slots: int, head_dim: int, dtype) -> RowCache:
+    """A :class:`RowCache` of ``slots`` empty slots per layer and group, from ``zeros(shape, dtype)``."""
+    return RowCache(rows=zeros((n_layers, groups, slots, 2 * head_dim), dtype),
+                    tags=zeros((n_layers, groups, slots), jnp.int32),
+                    hits=zeros((n_layers, groups), jnp.int32), fetched=zeros((n_layers, groups), jnp.int32))
+
+
+def row_lookup(cache: RowCache, tokens: Int[Array, "R S"], *, layer=None, group_start: int = 0):
+    """Which of a step's selected ``tokens`` (negative: padding) the slots hold.
+
+    ``cache`` is one layer's ``[R, C, ...]``, or with ``layer`` the stacked ``[L, R, C, ...]`` read at that layer and
+    groups ``group_start ..`` (gathered in place: slicing the layer out first would copy all its slots). Returns
+    ``(hit bool [R, S], cached rows [R, S, 2 Dh], slot i32 [R, S])``; ``cached`` is meaningful where ``hit``.
+    """
+    valid = tokens >= 0
+    slot = jnp.where(valid, tokens % cache.slots, 0)
+    if layer is None:
+        tags = jnp.take_along_axis(cache.tags, slot, axis=-1)
+        cached = jnp.take_along_axis(cache.rows, slot[..., None], axis=-2)
+    else:
+        group = group_start + jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None]
+        tags, cached = cache.tags[layer, group, slot], cache.rows[layer, group, slot]
+    return valid & (tags == tokens + 1), cached, slot
+
+
+def row_fill(cache: RowCache, tokens: Int[Array, "R S"], rows: Float[Array, "R S 2Dh"], hit) -> RowFill:
+    """What a step leaves for the slots of ``cache``: its selected tokens, their hits and rows (in the slots' dtype)."""
+    return RowFill(tokens=tokens, hit=hit, rows=rows.astype(cache.rows.dtype))
+
+
+def row_writes(slots: int, tokens: Int[Array, "*B S"], hit):
+    """Where a step's rows go: ``(slot i32 [*B, S], hits i32 [*B], fetched i32 [*B])``. Of the tokens of one group that
+    map to one slot the largest wins (a scatter-max: the winner does not depend on the order XLA scatters in); only
+    winners the slot does not hold yet are written, the rest get slot ``slots`` (past the end: dropped), so every
+    written slot has exactly one writer."""
+    valid = tokens >= 0
+    slot = jnp.where(valid, tokens % slots, 0)
+    lead = jnp.indices(tokens.shape[:-1], sparse=True)
+    index = tuple(i[..., None] for i in lead) + (slot,)
+    best = jnp.zeros(tokens.shape[:-1] + (slots,), jnp.int32).at[index].max(jnp.where(valid, tokens + 1, 0))
+    won = valid & (best[index] == tokens + 1)
+    count = lambda m: jnp.sum(m, axis=-1, dtype=jnp.int32)  # noqa: E731
+    return jnp.where(won & ~hit, slot, slots), count(hit), count(valid & ~hit)
+
+
+def commit_rows(cache: RowCache, fill: RowFill) -> RowCache:
+    """``cache`` with every layer's ``fill`` (stacked ``[L, R, S, ...]``) stored (see :func:`row_writes`)."""
+    slot, hits, fetched = row_writes(cache.slots, fill.tokens, fill.hit)
+    n_layers, groups, _ = slot.shape
+    layer = jnp.arange(n_layers)[:, None, None]
+    group = jnp.arange(groups)[None, :, None]
+    put = lambda dst, src: dst.at[layer, group, slot].set(src, mode="drop")  # noqa: E731
+    return RowCache(rows=put(cache.rows, fill.rows), tags=put(cache.tags, fill.tokens + 1), hits=hits, fetched=fetched)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SparseCache:
     """K/V rows and key index of every layer, stacked ``[L, R, ...]`` (``R = batch x KV heads``).
 
@@ -47,13 +142,14 @@ class SparseCache:
     :class:`KeyIndex` whose leaves are ``[L, R, ...]`` (no ``keys`` part: the oracle reads the keys of
     ``kv``); ``length``: tokens per sequence ``[B]``. In host memory the kernels write the bulk arrays in
     place; ``writes`` holds the tokens of the last writes, so the programs that made them return something
-    that depends on them.
+    that depends on them. ``row_cache``: device-memory copies of recently fetched rows (:class:`RowCache`), or None.
     """
 
     kv: Float[Array, "L R C 2Dh"]
     index: KeyIndex
     length: Int[Array, "B"]
     writes: Int[Array, "W"] | None = None  # completion tokens of in-place writes into host memory (see below)
+    row_cache: RowCache | None = None
 
     @property
     def k(self) -> Float[Array, "L R C Dh"]:
@@ -128,3 +224,4 @@ class LayerUpdate:
     # completion tokens i32 [writes] of the bulk writes the layer already made in the layer scan
     # (``Placement.writes_in_scan``); None: the commit after the scan makes them
     written: Array | None = None
+    rows: RowFill | None = None  # the rows this layer stores in its RowCache slots (None: no row cache)

@@ -13,6 +13,9 @@ Per KV group ``r`` (``R = batch x KV heads`` groups, ``G`` query heads each):
 5. fetch: the union's K/V rows (one copy serves every head of the group);
 6. attend: exact softmax attention of each head over its own k rows.
 
+With a row cache (:class:`fathom_jax.sparse_cache.RowCache`) step 5 fetches only the rows its slots miss and takes
+the rest from device memory, and the step returns what to store in the slots: the rows attended are the same bits.
+
 During decode the newest token is not yet in the stored cache (stores are written once per step,
 after all layers: :class:`NewToken`): its block of every index part and its K/V row are patched in from
 device memory, so the step sees exactly the cache that holds it.
@@ -35,7 +38,7 @@ from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, ScanMethod
 from fathom_jax.placement import Placement, group_window
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk
-from fathom_jax.sparse_cache import key_columns, split_kv
+from fathom_jax.sparse_cache import RowCache, join_kv, key_columns, row_fill, row_lookup, split_kv
 from pallas_kernels import backend
 from pallas_kernels.row_fetch import row_fetch
 from pallas_kernels.topk import TopkConfig
@@ -81,12 +84,6 @@ def patch_scores(scores, read, new: NewToken):
     return _put_block(scores, scan_lib.dot(read.queries, new.key[:, None, :].astype(jnp.float32)), p)
 
 
-def _patch_rows(rows, index, row, position):
-    """Fetched rows ``[R, S, Dh]`` with the slots that point at ``position`` replaced by ``row [R, Dh]``."""
-    hit = (index == position[:, None])[..., None]
-    return jnp.where(hit, row[:, None, :].astype(rows.dtype), rows)
-
-
 def _put_row(x, row, at):
     """``x [R, C, Dh]`` with ``row [R, Dh]`` written at position ``at [R]``."""
     return jax.vmap(lambda a, b, i: jax.lax.dynamic_update_slice(a, b[None].astype(a.dtype), (i, 0)))(x, row, at)
@@ -109,15 +106,19 @@ def sparse_attention_step(
     placement: Placement = Placement(),
     implementation: backend.Implementation = "xla",
     topk: TopkConfig | None = None,
-) -> tuple[Float[Array, "R G Dh"], Float[Array, "R"]]:
-    """Sparse attention of the ``G`` query heads of every group; returns the output and bits per token.
+    row_cache: RowCache | None = None,
+):
+    """Sparse attention of the ``G`` query heads of every group; returns the output ``[R, G, Dh]`` and bits per
+    token ``[R]`` (and, with ``row_cache``, the :class:`~fathom_jax.sparse_cache.RowFill` to store).
 
     ``index`` holds this layer's small leaves and (with ``layer``) the stacked bulk arrays; ``kv_cache``
     is ``[L, R, C, 2 Dh]`` with ``layer`` (``[R, C, 2 Dh]`` without), each token's key and value side by
     side (:class:`fathom_jax.sparse_cache.SparseCache`); ``length`` counts the valid tokens, the new one
     included; ``new`` patches in the token the stored cache does not hold yet. ``kv_layer`` (default:
     ``layer``) is the layer of the K/V cache to read (0 for a row buffer shared by every layer). ``topk``
-    configures the top-k kernels (:class:`pallas_kernels.topk.TopkConfig`; None: their defaults).
+    configures the top-k kernels (:class:`pallas_kernels.topk.TopkConfig`; None: their defaults). ``row_cache``:
+    slots from which the rows they hold are taken instead of fetched, stacked like the K/V cache (``[L, R, C, ...]``
+    read at ``layer``; ``[R, C, ...]`` without one); a dense read fetches every row and ignores it.
 
     With a stacked cache and ``placement.streams > 1`` the groups are split into that many chunks, each
     stepped on its own GPU stream (:meth:`fathom_jax.placement.Placement.per_stream`); with
@@ -127,22 +128,43 @@ def sparse_attention_step(
     kv_layer = layer if kv_layer is None else kv_layer
     kw = dict(k=k, sink=sink, local=local, placement=placement, implementation=implementation, topk=topk)
     groups = q.shape[0]
+    if row_cache is not None:
+        _check_row_cache(row_cache, groups, kv_cache, stacked=layer is not None)
     chunks = placement.chunks(groups, kv_cache.shape[-2]) if layer is not None else 1
     if groups % chunks:
         raise ValueError(f"placement pipeline={chunks} must divide the {groups} groups (batch x KV heads) of the step")
     if chunks > 1:
-        return _pipelined(method, q, index, length, calib, new, kv_cache, layer, kv_layer, chunks=chunks, **kw)
-    step = functools.partial(_step_groups, method, **kw)
-    if layer is None or placement.streams == 1:
-        return step(0, groups, q, index, length, calib, new, kv_cache, layer, kv_layer)
-    outs = placement.per_stream(step, groups, (q, index, length, calib, new), (kv_cache, layer, kv_layer))
-    return tuple(jnp.concatenate(parts) for parts in zip(*outs))
+        outs = _pipelined(method, q, index, length, calib, new, row_cache, kv_cache, layer, kv_layer, chunks=chunks,
+                          **kw)
+    else:
+        step = functools.partial(_step_groups, method, **kw)
+        if layer is None or placement.streams == 1:
+            outs = [step(0, groups, q, index, length, calib, new, row_cache, kv_cache, layer, kv_layer)]
+        else:
+            outs = placement.per_stream(step, groups, (q, index, length, calib, new),
+                                        (row_cache, kv_cache, layer, kv_layer))
+    out = jax.tree.map(lambda *parts: jnp.concatenate(parts), *outs) if len(outs) > 1 else outs[0]
+    return out if row_cache is not None else out[:2]
 
 
-def _pipelined(method, q, index, length, calib, new, kv_cache, layer, kv_layer, *, chunks, placement, **kw):
+def _check_row_cache(row_cache: RowCache, groups: int, kv_cache, *, stacked: bool) -> None:
+    slots = row_cache.tags.shape[-1]
+    lead = row_cache.tags.shape[:1] if stacked else ()
+    if row_cache.tags.shape != (*lead, groups, slots) or row_cache.tags.dtype != jnp.int32:
+        axes = "[L, R, C]" if stacked else "[R, C]"
+        raise ValueError(f"row_cache.tags must be i32 {axes} with R = {groups} groups, got {row_cache.tags.dtype} "
+                         f"{row_cache.tags.shape}")
+    want = (*lead, groups, slots, kv_cache.shape[-1])
+    if row_cache.rows.shape != want or row_cache.rows.dtype != kv_cache.dtype:
+        raise ValueError(f"row_cache.rows must be {kv_cache.dtype} {list(want)} (the K/V cache's rows), got "
+                         f"{row_cache.rows.dtype} {list(row_cache.rows.shape)}")
+
+
+def _pipelined(method, q, index, length, calib, new, row_cache, kv_cache, layer, kv_layer, *, chunks, placement, **kw):
     """The step in ``chunks`` chunks of groups: one plan for all, then per chunk the rest, each
     chunk's plane transfer ordered after the previous chunk's (and after nothing else), so that it can run
-    beside the previous chunk's scan, selection, row fetch and attention (see :mod:`fathom_jax.placement`)."""
+    beside the previous chunk's scan, selection, row fetch and attention (see :mod:`fathom_jax.placement`).
+    Returns the chunks' outputs (a list)."""
     q = q.astype(jnp.float32)
     read = method.read(q, index, calib, implementation=kw["implementation"])
     groups = q.shape[0]
@@ -150,27 +172,29 @@ def _pipelined(method, q, index, length, calib, new, kv_cache, layer, kv_layer, 
     outs, staged = [], None
     for start in range(0, groups, size):
         chunk = [group_window(a, start, size) for a in (read, q, index, length, new)]
-        out, staged = _attend_read(*chunk, start, kv_cache, layer, kv_layer, placement=placement, after=staged, **kw)
+        out, staged = _attend_read(*chunk, row_cache, start, kv_cache, layer, kv_layer, placement=placement,
+                                   after=staged, **kw)
         outs.append(out)
-    return tuple(jnp.concatenate(parts) for parts in zip(*outs))
+    return outs
 
 
-def _step_groups(method, group_start, size, q, index, length, calib, new, kv_cache, layer, kv_layer, *, k, sink,
-                 local, placement, implementation, topk):
+def _step_groups(method, group_start, size, q, index, length, calib, new, row_cache, kv_cache, layer, kv_layer, *, k,
+                 sink, local, placement, implementation, topk):
     """The step for groups ``group_start .. group_start + size - 1`` of the stacked cache (all of them when
     unstacked): per-group arguments hold those groups only, the bulk arrays all of them."""
     q = q.astype(jnp.float32)
     read = method.read(q, index, calib, implementation=implementation)  # a key read plans nothing from the keys themselves
-    out, _ = _attend_read(read, q, index, length, new, group_start, kv_cache, layer, kv_layer, k=k, sink=sink,
-                          local=local, placement=placement, implementation=implementation, topk=topk)
+    out, _ = _attend_read(read, q, index, length, new, row_cache, group_start, kv_cache, layer, kv_layer, k=k,
+                          sink=sink, local=local, placement=placement, implementation=implementation, topk=topk)
     return out
 
 
-def _attend_read(read, q, index, length, new, group_start, kv_cache, layer, kv_layer, *, k, sink, local, placement,
-                 implementation, topk=None, after=None):
+def _attend_read(read, q, index, length, new, row_cache, group_start, kv_cache, layer, kv_layer, *, k, sink, local,
+                 placement, implementation, topk=None, after=None):
     """Execute ``read`` for groups ``group_start ..`` (their per-group arguments), select, fetch and attend;
-    returns ``((out, bits), staged)``, ``staged`` being the staged planes a chained transfer waits for (None
-    where nothing was staged); the plane transfer itself waits for ``after``."""
+    returns ``((out, bits, fill), staged)``, ``fill`` the :class:`RowFill` for ``row_cache`` (None without one or
+    for a dense read), ``staged`` the staged planes a chained transfer waits for (None where nothing was staged);
+    the plane transfer itself waits for ``after``."""
     groups = (group_start, q.shape[0])
     staged = None
     if isinstance(read, KeyRead) and read.dense:
@@ -178,7 +202,8 @@ def _attend_read(read, q, index, length, new, group_start, kv_cache, layer, kv_l
         if new is not None:
             keys, values = _put_row(keys, new.key, new.position), _put_row(values, new.value, new.position)
         mask = jnp.arange(keys.shape[-2]) < length[:, None, None]
-        return (attend(q, keys, values, jnp.broadcast_to(mask, q.shape[:-1] + keys.shape[-2:-1])), read.bits), None
+        out = attend(q, keys, values, jnp.broadcast_to(mask, q.shape[:-1] + keys.shape[-2:-1]))
+        return (out, read.bits, None), None
     if isinstance(read, KeyRead):  # the oracle scores the cache's keys: the first half of each row, staged
         keys = placement.stage(kv_cache, kv_layer, implementation, columns=key_columns(kv_cache), groups=groups)
         scores = scan_lib.execute(read, dataclasses.replace(index, keys=keys), length, implementation=implementation)
@@ -195,10 +220,17 @@ def _attend_read(read, q, index, length, new, group_start, kv_cache, layer, kv_l
     # at 1M tokens, 18.6 -> 20.0 at 128k).
     union, union_mask, member = group_union(idx, mask)
     slots = jnp.where(union_mask, union, -1)
-    rows, _, _ = row_fetch(kv_cache, None, slots, layer=kv_layer, group_start=group_start,
-                           implementation=implementation, config=placement.row_fetch_config)  # one run per token
+    if row_cache is None:
+        rows, _, _ = row_fetch(kv_cache, None, slots, layer=kv_layer, group_start=group_start,
+                               implementation=implementation, config=placement.row_fetch_config)  # one run per token
+    else:  # the kernel skips the masked (negative) entries: only the misses cross the link
+        hit, cached, _ = row_lookup(row_cache, slots, layer=layer, group_start=group_start)
+        fetched, _, _ = row_fetch(kv_cache, None, jnp.where(hit, -1, slots), layer=kv_layer, group_start=group_start,
+                                  implementation=implementation, config=placement.row_fetch_config)
+        rows = jnp.where(hit[..., None], cached, fetched)
+    if new is not None:  # the newest token's row is not stored yet: patched in (and so cached as it will be stored)
+        hit_new = (slots == new.position[:, None])[..., None]
+        rows = jnp.where(hit_new, join_kv(new.key, new.value, rows.dtype)[:, None, :], rows)
+    fill = None if row_cache is None else row_fill(row_cache, slots, rows, hit)
     k_rows, v_rows = split_kv(rows)
-    if new is not None:
-        k_rows = _patch_rows(k_rows, slots, new.key, new.position)
-        v_rows = _patch_rows(v_rows, slots, new.value, new.position)
-    return (attend(q, k_rows, v_rows, member), read.bits), staged
+    return (attend(q, k_rows, v_rows, member), read.bits, fill), staged

@@ -17,13 +17,20 @@ a step moves are the same.
     python3 scripts/bench_offload.py --merge results/offload_h200 a.json b.json   # one file from several runs
 
 Sections (``--sections``): link, attn, full, profile, batch, control, dense, prefill; ``attnprofile`` adds a
-profiler breakdown (categories and the costliest kernels) to every attention-only row.
+profiler breakdown (categories and the costliest kernels) to every attention-only row; ``attnbatch``: attention-only
+rows at 128k for each of ``--batches``.
+
+A row cache (``--row-cache SLOTS``, :class:`fathom_jax.sparse_cache.RowCache`) pays only when a step reselects rows
+of the steps before it: ``--query-drift RHO`` gives every attention-only step new queries, drifting from the last
+step's (AR(1); 0.95 leaves ~37% of the rows new each step, what SmolLM2 measured on real text) instead of one query
+set repeated. The report's row-cache table puts each such row beside the same step without a cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -230,6 +237,31 @@ def random_step_inputs(cfg, batch, seed=1):
     return q, key, value
 
 
+def drifting_queries(q, rho: float, count: int = 64, seed: int = 2) -> list:
+    """``count`` query sets, each ``rho`` times the one before plus ``sqrt(1 - rho^2)`` fresh noise (an AR(1) drift,
+    stationary: every set has ``q``'s distribution). Real decode steps reselect most rows of the step before; one
+    repeated set would let a row cache hit every row. rho = 0.95 leaves ~37% of a group's rows new to each step
+    (numpy, 128k tokens, k = 512), as SmolLM2 measured on real text (results/row_reuse_smollm2_4k.md)."""
+    rng = np.random.default_rng(seed)
+    out, cur = [], np.asarray(q, np.float32)
+    for _ in range(count):
+        cur = rho * cur + np.sqrt(1 - rho * rho) * rng.standard_normal(cur.shape).astype(np.float32)
+        out.append(jnp.asarray(cur))
+    return out
+
+
+def row_cache_fields(cache, cfg, link_gbps: float, scan_bytes: float) -> dict:
+    """A step's row-cache counts from the cache it left (its last step): the fraction of rows taken from the slots,
+    the row bytes fetched and the link floor with only those rows."""
+    rc = cache.row_cache
+    if rc is None:
+        return {}
+    hits, fetched = int(np.asarray(rc.hits).sum()), int(np.asarray(rc.fetched).sum())
+    row_bytes = fetched * 2 * cfg.head_dim * 2  # K and V, bf16
+    return {"row_hit_fraction": hits / max(1, hits + fetched), "row_bytes_fetched": float(row_bytes),
+            "link_floor_fetched_ms": (scan_bytes + row_bytes) / (link_gbps * 1e9) * 1e3}
+
+
 def link_rate(run) -> float:
     link = run.res.get("link", {})
     if "all" in link:
@@ -240,8 +272,9 @@ def link_rate(run) -> float:
 
 # (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan)
 SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
-                  "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1}
-PLACEMENT_SPLITS = ("streams", "index_writes", "pipeline", "gather_programs", "fetch_programs", "layer_unroll")
+                  "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0}
+PLACEMENT_SPLITS = ("streams", "index_writes", "pipeline", "gather_programs", "fetch_programs", "layer_unroll",
+                    "row_cache")
 
 
 def options_text(options) -> str:
@@ -260,7 +293,8 @@ def split_fields(attn) -> dict:
 def variant_tag(split: dict) -> str:
     return (f"s{split['streams']}_{split['index_writes']}_p{split['pipeline']}_g{split['gather_programs']}"
             f"_f{split.get('fetch_programs', 0)}_{split.get('topk', 'single')}" + ("_w" if split.get("scan_writes") else "")
-            + ("_x" if split.get("xla_options") else "") + (f"_u{split['layer_unroll']}" if split.get("layer_unroll", 1) > 1 else ""))
+            + ("_x" if split.get("xla_options") else "") + (f"_u{split['layer_unroll']}" if split.get("layer_unroll", 1) > 1 else "")
+            + (f"_c{split['row_cache']}" if split.get("row_cache") else ""))
 
 
 def writes_text(r: dict) -> str:
@@ -282,12 +316,13 @@ def split_text(r: dict) -> str:
     extra = ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
             (["top-k split"] if r.get("topk", "single") != "single" else []) + \
             ([f"{r['layer_unroll']} layers per loop iteration"] if r.get("layer_unroll", 1) > 1 else []) + \
+            ([f"row cache {r['row_cache']} slots"] if r.get("row_cache") else []) + \
             ([f"xla: {r['xla_options']}"] if r.get("xla_options") else [])
     return "; ".join([text] * bool(text) + extra)
 
 
 def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: str = "1", fetch: str = "auto",
-                   topk: str = "auto", xla: str = "none", unroll: str = "1") -> list[dict]:
+                   topk: str = "auto", xla: str = "none", unroll: str = "1", row_cache: str = "0") -> list[dict]:
     """Every combination of ``--streams``, ``--index-writes``, ``--pipeline`` (entries ``auto``, ``N`` or
     ``N/P``: N chunks, P persistent gather programs, "auto" where not given) and ``--scan-writes`` (1 / 0),
     without streams and pipeline together (streams run with one chunk and the per-item gather)."""
@@ -318,8 +353,11 @@ def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: 
     unrolls = [int(u) for u in unroll.split(",")]
     if any(u < 1 for u in unrolls):
         raise ValueError(f"--layer-unroll entries are ints >= 1, got {unroll!r}")
-    out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u} for f in fetches
-           for t in topk.split(",") for x in option_sets for u in unrolls for v in out]
+    slots = [int(c) for c in row_cache.split(",")]
+    if any(c < 0 for c in slots):
+        raise ValueError(f"--row-cache entries are ints >= 0 (0: no row cache), got {row_cache!r}")
+    out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u, "row_cache": c} for f in fetches
+           for t in topk.split(",") for x in option_sets for u in unrolls for c in slots for v in out]
     return list({tuple(v.items()): v for v in out}.values())
 
 
@@ -337,6 +375,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
     # each row (a cache sized for 64 more tokens filled up after three rows, and later rows' writes fell outside
     # it: before 2026-11-30 (run o5) rows after the first ~64 steps read a full cache).
     start = jax.tree.map(jnp.copy, Placement.detach_bulk(cache))
+    queries = drifting_queries(q, args.query_drift) if args.query_drift is not None else [q]
     variants = args.variants if placement.offloaded else [{}]
     for label, variant in ((m, v) for m in labels for v in variants):
         if run.left() < 30:
@@ -346,9 +385,17 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         split = split_fields(dataclasses.replace(attn, placement=attn.placement.resolved(batch * cfg.n_kv_heads,
                                                                                          context + 64)))
         cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
+        if attn.placement.row_cache:  # the start has none (the first hook's layout): an empty one per row
+            cache = dataclasses.replace(cache, row_cache=decode.empty_row_cache(
+                lambda shape, dtype: jnp.zeros(shape, dtype), n_layers=cfg.n_layers, groups=batch * cfg.n_kv_heads,
+                slots=attn.placement.row_cache, head_dim=cfg.head_dim, dtype=cache.kv.dtype))
+        else:
+            cache = dataclasses.replace(cache, row_cache=None)
+        steps = itertools.count()
 
-        def call(state, attn=attn):
-            out, c = sparse.attention_step(q, key, value, state[1], attn)
+        def call(state, attn=attn, steps=steps):
+            q_t = queries[next(steps) % len(queries)]
+            out, c = sparse.attention_step(q_t, key, value, state[1], attn)
             return out, c
 
         try:
@@ -371,8 +418,9 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         floor_ms = (nbytes["scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
         if not placement.offloaded:  # the HBM control: no link traffic
             floor_ms = float("nan")
+        cached = row_cache_fields(cache, cfg, link_rate(run), nbytes["scan_bytes"]) if placement.offloaded else {}
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
-                 "mesh": placement.num_shards, **split, "shared_kv": shared,
+                 "mesh": placement.num_shards, **split, "shared_kv": shared, "query_drift": args.query_drift, **cached,
                  "fill_s": fill_s,
                  "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],
@@ -414,6 +462,12 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
         split = split_fields(dataclasses.replace(attn, placement=attn.placement.resolved(batch * cfg.n_kv_heads,
                                                                                          context + 64)))
         cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
+        if attn.placement.row_cache:  # as in attention_rows: an empty row cache per row that has one
+            cache = dataclasses.replace(cache, row_cache=decode.empty_row_cache(
+                lambda shape, dtype: jnp.zeros(shape, dtype), n_layers=cfg.n_layers, groups=batch * cfg.n_kv_heads,
+                slots=attn.placement.row_cache, head_dim=cfg.head_dim, dtype=cache.kv.dtype))
+        else:
+            cache = dataclasses.replace(cache, row_cache=None)
 
         def call(state, attn=attn):
             toks, _, c = sparse.decode_step(model, state[0], state[1], attn)
@@ -430,7 +484,7 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
                "mesh": placement.num_shards, **split, "shared_kv": shared, **r,
                # cuBLAS GEMMs reading each layer's weights in place, or Triton GEMMs on copies of them (before 12-01)
                "weight_gemms": "in place" if in_place else "copied",
-               **nbytes,
+               **nbytes, **row_cache_fields(cache, cfg, link_rate(run), nbytes["scan_bytes"]),
                "tokens_per_s": batch / (r["median_ms"] * 1e-3)}
         if profile:
             trace = os.path.join(args.out, "traces", f"full_{context}_{label.split()[0]}_{batch}_{variant_tag(split)}")
@@ -562,6 +616,12 @@ def main(argv=None):
                     help="extra XLA options of the step programs: none or name=value,... (a ';'-separated list)")
     ap.add_argument("--layer-unroll", default="1",
                     help="layers per iteration of the step's layer scan (a list: one row each)")
+    ap.add_argument("--row-cache", default="0",
+                    help="device-memory row-cache slots per layer and group (Placement.row_cache; a list: one row each; "
+                         "0: none)")
+    ap.add_argument("--query-drift", type=float, default=None,
+                    help="attention-only rows: each step's queries drift from the last by AR(1) with this coefficient "
+                         "(0.95: ~37%% new rows per step); default: one query set repeated")
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
@@ -577,9 +637,13 @@ def main(argv=None):
     args.sections = args.sections.split(",")
     try:
         args.variants = parse_variants(str(args.streams), args.index_writes, args.pipeline, args.scan_writes,
-                                       args.fetch_programs, args.topk, args.xla_options, args.layer_unroll)
+                                       args.fetch_programs, args.topk, args.xla_options, args.layer_unroll,
+                                       args.row_cache)
     except ValueError as e:
-        ap.error(f"--streams / --pipeline / --scan-writes / --fetch-programs / --topk / --xla-options / --layer-unroll: {e}")
+        ap.error(f"--streams / --pipeline / --scan-writes / --fetch-programs / --topk / --xla-options / --layer-unroll / "
+                 f"--row-cache: {e}")
+    if args.query_drift is not None and not 0 <= args.query_drift < 1:
+        ap.error(f"--query-drift must be in [0, 1), got {args.query_drift}")
     labels = [m for m in args.methods.split(",") if m]
     unknown = [m for m in labels if m not in METHODS]
     if unknown:
@@ -616,6 +680,10 @@ def main(argv=None):
             for b in (int(x) for x in args.batches.split(",")):
                 run.guard(f"batch {b}", full_rows, run, model, cfg, calib, scale, ctx, labels[:1], batch=b,
                           profile="profile" in args.sections and b == 8)
+        elif section == "attnbatch":  # attention-only rows of larger batches (the row cache's comparison)
+            ctx = 131072 if 131072 in args.contexts else min(args.contexts)
+            for b in (int(x) for x in args.batches.split(",")):
+                run.guard(f"attn batch {b}", attention_rows, run, cfg, calib, scale, ctx, labels[:1], batch=b)
         elif section == "control":
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             run.guard("control", attention_rows, run, cfg, calib, scale, ctx, labels[:1],
@@ -656,6 +724,40 @@ def mesh_ratio_lines(att: list[dict], default_read) -> list[str]:
                      f"{many['mesh']} | {many['median_ms']:.1f} | {many['median_ms'] / one['median_ms']:.2f} | "
                      f"{many['link_floor_ms']:.1f} | {many['median_ms'] / many['link_floor_ms']:.2f} | "
                      f"{str(one.get('run_date', ''))[:16]} / {str(many.get('run_date', ''))[:16]} |")
+    return lines + [""]
+
+
+def row_cache_lines(rows: list[dict]) -> list[str]:
+    """Rows with drifting queries or a row cache, each beside the row of the same step without a cache."""
+    picked = [r for r in rows if r.get("row_cache") or r.get("query_drift") is not None]
+    if not picked:
+        return []
+
+    def key(r):
+        return (r["kind"], r["method"], r["context"], r["batch"], r.get("query_drift"), r.get("pipeline", 1),
+                r.get("index_writes"), str(r.get("run_date", "")))
+
+    plain = {key(r): r for r in rows if not r.get("row_cache")}
+    lines = ["## Row cache (device-memory copies of the rows recent steps fetched)", "",
+             "`drift`: each step's queries are the last step's times the coefficient plus fresh noise (AR(1); none: one "
+             "query set repeated, which a row cache would hit every time; full steps: the random model's own queries). "
+             "`from slots`: of the last step's selected rows, the share taken from the slots. Floors: every planned byte "
+             "and every selected row over the link, and with only the rows fetched.", "",
+             "| step | method | context | batch | drift | slots | from slots | rows MB fetched | ms | floor ms (all rows) | "
+             "floor ms (rows fetched) | ms / floor (fetched) | vs no cache |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, spec=".1f": "" if x is None or x != x else format(x, spec)  # noqa: E731  (None and NaN: blank)
+    for r in sorted(picked, key=lambda r: key(r) + (r.get("row_cache", 0),)):
+        base = plain.get(key(r))
+        slots = r.get("row_cache") or 0
+        share = f"{100 * r['row_hit_fraction']:.0f}%" if slots else ""
+        fetched_mb = r["row_bytes_fetched"] / 1e6 if slots else r.get("row_bytes_max", float("nan")) / 1e6
+        floor = r.get("link_floor_fetched_ms") if slots else None
+        speedup = f"{base['median_ms'] / r['median_ms']:.2f}x" if slots and base else ""
+        lines.append(f"| {r['kind']} | {r['method']} | {r['context']} | {r['batch']} | {r.get('query_drift') or 'none'} | "
+                     f"{slots} | {share} | {fetched_mb:.0f}{'' if slots else ' (max)'} | {r['median_ms']:.2f} "
+                     f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {fmt(r.get('link_floor_ms'))} | {fmt(floor)} | "
+                     f"{fmt(None if floor is None else r['median_ms'] / floor, '.2f')} | {speedup} |")
     return lines + [""]
 
 
@@ -716,6 +818,7 @@ def write_report(res: dict, prefix: str) -> None:
                          f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['tokens_per_s']:.1f} | "
                          f"{r.get('wall_over_device', float('nan')):.2f} |")
         lines.append("")
+    lines += row_cache_lines(att + full)
     for r in full + att:
         if "profile" in r:
             p = r["profile"]

@@ -95,6 +95,13 @@
 #   y1  (nvidia-h200)   every GPU test but SmolLM2's after the layer_unroll change, the weight-copy guard's printed
 #                       controls (-s), first half of the GGUF; the top-k's split programs in the 1M and 128k step
 #   y2  (same machine)  second half; SmolLM2 GPU tests
+#   z1  (nvidia-h200)   twelfth session, the row cache and the donated small leaves: every GPU test but SmolLM2's, first
+#                       half of the GGUF; Fathom 48 attention-only at 1M and 128k with drifting queries, with and without a
+#                       row cache of 16384 slots
+#   z2  (same machine)  second half; SmolLM2 GPU tests; attention-only and full step at batch 8 @128k, the same two rows
+#   z3  (nvidia-h200)   the row cache's winners decided after the layer scan: its GPU tests; batch 8 @128k attention-only
+#                       (drifting queries, profiled) and full, batch 1 @128k attention-only, with and without 16384 slots
+#   z4  (same machine)  the SmolLM2 4k test after z2's tolerance change (GGUF halves: z3 carries the first)
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -450,6 +457,28 @@ y2)
   cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
   sha256sum $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
   timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_y2_h200.log | tail -4 ;;
+z1)
+  cp .carry1/smol.part1 /tmp/smol.part1
+  timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_z1_h200.log | tail -8
+  timeout 200 python3 scripts/bench_offload.py --tag h200_z1 --out $OUT --read staged --sections link,attn --contexts 1m,128k \
+    --methods "Fathom 48" --share-kv-from 1m --query-drift 0.95 --row-cache 0,16384 --time-budget 190 2>&1 \
+    | tee $OUT/bench_z1.log | cut -c1-400 ;;
+z2)
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_z2_h200.log | tail -4
+  timeout 330 python3 scripts/bench_offload.py --tag h200_z2 --out $OUT --read staged --sections link,attnbatch,batch \
+    --contexts 128k --batches 8 --methods "Fathom 48" --share-kv-from 512k --query-drift 0.95 --row-cache 0,16384 \
+    --time-budget 320 2>&1 | tee $OUT/bench_z2.log | cut -c1-400 ;;
+z3)
+  cp .carry1/smol.part1 /tmp/smol.part1
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "row_cache" tests 2>&1 | tee $OUT/gpu_tests_z3_h200.log | tail -4
+  timeout 400 python3 scripts/bench_offload.py --tag h200_z3 --out $OUT --read staged --sections link,attnbatch,attn,batch,attnprofile \
+    --contexts 128k --attn-contexts 128k --batches 8 --methods "Fathom 48" --share-kv-from 512k --query-drift 0.95 \
+    --row-cache 0,16384 --time-budget 390 2>&1 | tee $OUT/bench_z3.log | cut -c1-400 ;;
+z4)
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k "smollm2 and 4096" tests 2>&1 | tee $OUT/gpu_smollm2_z4_h200.log | tail -4 ;;
 w1)
   timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_w1_h200.log | tail -6
   for union in sort sorted_heads; do

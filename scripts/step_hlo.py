@@ -72,18 +72,18 @@ def main(argv=None):
             extra[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
         with_extra = dataclasses.replace(attn, placement=dataclasses.replace(attn.placement, xla_options=extra))
         opts = with_extra.placement.compiler_options
-        jits = sparse.host_programs(model, with_extra, cache).jits
+        programs = sparse.host_programs(model, with_extra, cache)
         t = time.time()
-        compiled = jits[1].lower(state, tokens, cache, attn_leaves).compile()
+        compiled = programs.lower_step(state, tokens, cache, attn_leaves).compile()
         compile_s = time.time() - t
         text = compiled.as_text()
         with open(os.path.join(args.out, f"step_{args.tag}_{i}.hlo.txt"), "w") as f:
             f.write(text)
         cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
 
-        def call(st, jits=jits):
-            nxt, _, small = jits[1](state, st[0], st[1], attn_leaves)
-            return nxt, Placement.attach_bulk(small, st[1]) if placement.writes_in_place else small
+        def call(st, programs=programs):
+            nxt, _, cache = programs.step(state, st[0], st[1], attn_leaves)
+            return nxt, cache
 
         timing, (_, cache) = harness.timeit_calls(call, (tokens, cache), n=args.steps, repeats=3)
         s = summary(text)

@@ -1,10 +1,12 @@
-"""scripts/bench_offload.py --merge: the newest run of a measurement wins; errors name their run; notes once."""
+"""scripts/bench_offload.py: --merge (the newest run of a measurement wins; errors name their run; notes once), the
+variants and their labels, drifting queries and the row-cache table."""
 
 import copy
 import json
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "scripts"))
@@ -51,7 +53,7 @@ def test_variants_and_their_labels():
     """--streams x --index-writes x --pipeline x --scan-writes: streams never pipelined; "auto" where a part is not
     given."""
     got = bench_offload.parse_variants("1,2", "full_blocks", "auto,1/0,8/66,4")
-    rest = dict(scan_writes=True, fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1)
+    rest = dict(scan_writes=True, fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0)
     assert got == [
         dict(streams=1, index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
         dict(streams=1, index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),
@@ -71,6 +73,11 @@ def test_variants_and_their_labels():
     with pytest.raises(ValueError, match="--layer-unroll entries"):
         bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto", "none", "0")
     assert "2 layers per loop iteration" in bench_offload.split_text({"layer_unroll": 2}) and bench_offload.split_text({"layer_unroll": 1}) == ""
+    got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto", "none", "1", "0,4096")
+    assert [v["row_cache"] for v in got] == [0, 4096] and bench_offload.split_text({"row_cache": 4096}) == \
+        "row cache 4096 slots"
+    with pytest.raises(ValueError, match="--row-cache entries"):
+        bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto", "none", "1", "-1")
     with pytest.raises(ValueError, match="--topk entries"):
         bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "sorted")
     got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "b8t4,bautot8")
@@ -92,3 +99,25 @@ def test_variants_and_their_labels():
     assert text({"pipeline": 1, "gather_programs": 66}) == "gather 66" and text({}) == ""
     assert text({"pipeline": 2, "gather_programs": 66, "fetch_programs": 66, "topk": "auto", "xla_options": "a=1"}) == \
         "pipeline 2 (gather 66); fetch 66; top-k split; xla: a=1"
+
+
+def test_drifting_queries_are_an_ar1_sequence():
+    q = np.random.default_rng(0).standard_normal((4, 8, 4, 128)).astype(np.float32)
+    seq = [np.asarray(x) for x in bench_offload.drifting_queries(q, 0.95, count=40)]
+    assert len(seq) == 40 and all(x.shape == q.shape for x in seq)
+    lag1 = np.mean([np.corrcoef(a.ravel(), b.ravel())[0, 1] for a, b in zip(seq, seq[1:])])
+    assert abs(lag1 - 0.95) < 0.01 and abs(np.std(seq[-1]) - 1) < 0.05  # stationary: the variance stays 1
+
+
+def test_row_cache_report_puts_each_row_beside_the_step_without_a_cache():
+    base = dict(kind="attention", method="Fathom 48", context=131072, batch=8, query_drift=0.95, pipeline=2,
+                index_writes="every_step", min_ms=0, max_ms=0, link_floor_ms=50.0, row_bytes_max=2e8)
+    rows = [dict(base, median_ms=120.0, row_cache=0),
+            dict(base, median_ms=80.0, row_cache=16384, row_hit_fraction=0.6, row_bytes_fetched=8e7,
+                 link_floor_fetched_ms=40.0),
+            dict(base, kind="full", query_drift=None, median_ms=130.0)]  # no cache, no drift: not a row of its own
+    lines = bench_offload.row_cache_lines(rows)
+    table = [line for line in lines if line.startswith("| attention")]
+    assert len(table) == 2 and not any(line.startswith("| full") for line in lines)
+    assert "| 16384 | 60% | 80 |" in table[1] and table[1].endswith("| 40.0 | 2.00 | 1.50x |")
+    assert bench_offload.row_cache_lines([rows[2]]) == []

@@ -253,6 +253,30 @@ def test_offloaded_placement_equals_device_placement(model, calib, spec, impleme
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("implementation,split", [
+    ("xla", {}), ("pallas", dict(pipeline=2)),
+    pytest.param("pallas", dict(pipeline=2), marks=ON_GPU, id="gpu-pinned_host")])  # natively, rows in host memory
+def test_row_cache_decodes_the_same_bits(model, calib, implementation, split):
+    """With a row cache (rows the slots hold come from device memory, the rest are fetched) every logit is the same bits
+    as without one, in a ragged batch, offloaded and pipelined too; after the steps every filled slot holds the row the
+    K/V cache holds for its tag, in the slot its token maps to, and later steps took rows from the slots."""
+    common = dict(k=12, sink=2, local=4, calibration=calib, implementation=implementation)
+    memory = "pinned_host" if split else "device"
+    plain = decode.from_spec("fathom:16", placement=decode.Placement(memory, **split), **common)
+    cached = decode.from_spec("fathom:16", placement=decode.Placement(memory, row_cache=16, **split), **common)
+    lengths = np.array([60, 47])
+    want, _, _ = sparse_forced(model, LONG, LONG[:, :STEPS], plain, capacity=72, lengths=lengths)
+    got, cache, _ = sparse_forced(model, LONG, LONG[:, :STEPS], cached, capacity=72, lengths=lengths)
+    np.testing.assert_array_equal(got, want)
+    tags, rows, kv = (np.asarray(a) for a in (cache.row_cache.tags, cache.row_cache.rows, cache.kv))
+    layer, group, slot = np.nonzero(tags)
+    assert len(slot) > 0
+    np.testing.assert_array_equal((tags[layer, group, slot] - 1) % 16, slot)
+    np.testing.assert_array_equal(rows[layer, group, slot], kv[layer, group, tags[layer, group, slot] - 1])
+    hits, fetched = np.asarray(cache.row_cache.hits), np.asarray(cache.row_cache.fetched)
+    assert hits.sum() > 0 and fetched.sum() > 0  # the last step: some rows from the slots, some fetched
+
+
 def test_ragged_batch_decodes_like_each_sequence_alone(model, calib):
     attn = decode.from_spec("fathom:16", k=12, sink=2, local=4, calibration=calib)
     lengths = np.array([24, 17])

@@ -76,33 +76,39 @@ def test_device_copies_finds_a_layers_weight_slice_and_plain_copies():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("read,streams,writes,pipeline,scan_writes", [
-    ("direct", 1, "every_step", 1, True), ("staged", 1, "every_step", 1, True), ("staged", 2, "every_step", 1, True),
-    ("staged", 1, "full_blocks", 1, True), ("staged", 1, "full_blocks", 2, True), ("staged", 1, "every_step", 2, False)])
+@pytest.mark.parametrize("read,streams,writes,pipeline,scan_writes,row_cache", [
+    ("direct", 1, "every_step", 1, True, 0), ("staged", 1, "every_step", 1, True, 0),
+    ("staged", 2, "every_step", 1, True, 0), ("staged", 1, "full_blocks", 1, True, 0),
+    ("staged", 1, "full_blocks", 2, True, 0), ("staged", 1, "every_step", 2, False, 0),
+    ("staged", 1, "every_step", 2, True, 256)])
 def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_model, read, streams, writes, pipeline,
-                                                            scan_writes):
+                                                            scan_writes, row_cache):
     """The compiled offloaded decode step has no host-to-device (or host-to-host) copy of the store or K/V,
     whether the plane scan reads host memory itself or the run gather stages the planned runs, and when the
     groups are split over GPU streams (the host arrays then pass into each stream's computation) or into
     pipelined chunks (compiled with their CUDA-graph option), and whether each layer writes its new row and blocks
-    inside the layer scan or all layers write after it."""
+    inside the layer scan or all layers write after it. With a row cache in HBM, the step updates it in place (its
+    small leaves are donated): no copy of it either."""
     placement = decode.Placement("pinned_host", read=read, streams=streams, index_writes=writes, pipeline=pipeline,
-                                 gather_programs=64 if pipeline > 1 else 0, scan_writes=scan_writes)
+                                 gather_programs=64 if pipeline > 1 else 0, scan_writes=scan_writes, row_cache=row_cache)
     attn = decode.from_spec("fathom:16", k=64, calibration="session", placement=placement, implementation="pallas")
     prompt = np.random.default_rng(0).integers(0, 97, (2, 1000)).astype(np.int32)
     logits, cache, attn = sparse.prefill(tiny_model, prompt, np.array([1000, 900]), attn, 4096)
     assert cache.kv.sharding.memory_kind == "pinned_host" and cache.index.raw.planes.sharding.memory_kind == "pinned_host"
-    step_jit = sparse.host_programs(tiny_model, attn, cache).jits[1]
+    programs = sparse.host_programs(tiny_model, attn, cache)
     from flax import nnx
     from fathom_jax.models.llama import split_attention
 
     _, state = nnx.split(tiny_model)
     leaves = split_attention(attn)[1]
     tokens = jnp.argmax(logits, -1).astype(jnp.int32)
-    text = step_jit.lower(state, tokens, cache, leaves).compile().as_text()
+    text = programs.lower_step(state, tokens, cache, leaves).compile().as_text()
     assert "S(5)" in text, "the compiled step has no host-memory operands: the cache is not offloaded"
     copies = host_array_copies(text, min_bytes=1 << 16)
     assert copies == [], "the decode step copies host-resident cache arrays:\n" + "\n".join(copies)
+    if row_cache:
+        whole = device_copies(text, min_bytes=cache.row_cache.rows.nbytes)
+        assert whole == [], "the decode step copies its row cache:\n" + "\n".join(map(str, whole))
     if streams > 1:  # the first chunk runs as a computation on a stream of its own, the last on the main stream
         assert text.count("call-start") >= streams - 1 and '_xla_stream_annotation="1"' in text
         schedule = [m.group(3) for m in map(_INSTR.match, text.splitlines()) if m]  # in scheduled order
@@ -154,8 +160,7 @@ def test_compiled_decode_step_reads_each_layers_weights_in_place(memory):
                                                                              **fields))
         attn_static, leaves = split_attention(with_extra)
         if memory == "pinned_host":
-            step = sparse.host_programs(model, with_extra, cache).jits[1]
-            return step.lower(state, tokens, cache, leaves).compile().as_text()
+            return sparse.host_programs(model, with_extra, cache).lower_step(state, tokens, cache, leaves).compile().as_text()
         program = sparse.decode_loop_program(with_extra.placement.compiler_options)
         return program.lower(graphdef, state, tokens, cache, 3, attn_static, leaves).compile().as_text()
 
@@ -197,3 +202,24 @@ def test_decode_loop_takes_the_cache_donated(tiny_model):
     assert copied == [], f"the decode loop copies its cache: {copied}"
     out, _ = sparse.decode_loop(tiny_model, tokens, cache, attn, 3)
     assert out.shape == (2, 3) and cache.kv.is_deleted()
+
+
+def test_decode_step_updates_its_row_cache_in_place(tiny_model):
+    """The step program donates the cache's small leaves, so XLA writes a step's rows into the row cache in place; the
+    same program without the donation copies the whole row cache first (the control: the check can fail)."""
+    from flax import nnx
+
+    from fathom_jax.models.llama import split_attention
+
+    attn = decode.from_spec("sparq:4", k=12, sink=2, local=4, placement=decode.Placement(row_cache=1024))
+    prompt = np.random.default_rng(0).integers(0, 97, (2, 40)).astype(np.int32)
+    logits, cache, attn = sparse.prefill(tiny_model, prompt, np.array([40, 33]), attn, 64)
+    _, state = nnx.split(tiny_model)
+    tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+    leaves = split_attention(attn)[1]
+    programs = sparse.host_programs(tiny_model, attn, cache)
+    size = cache.row_cache.rows.nbytes
+    donated = programs.lower_step(state, tokens, cache, leaves).compile().as_text()
+    assert device_copies(donated, min_bytes=size) == []
+    kept = jax.jit(programs.jits[1].__wrapped__).lower(state, tokens, *decode.Placement.split_bulk(cache), leaves)
+    assert device_copies(kept.compile().as_text(), min_bytes=size) != []

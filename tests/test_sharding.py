@@ -39,12 +39,13 @@ def smol_like(tiny_config):
 
 
 @pytest.mark.parametrize("spec,memory,implementation,batch,split", [
-    ("fathom_klt:12", "pinned_host", "xla", 1, {}), ("sparq:2", "pinned_host", "pallas", 2, dict(pipeline=2)),
+    ("fathom_klt:12", "pinned_host", "xla", 1, {}), ("sparq:2", "pinned_host", "pallas", 2, dict(pipeline=2, row_cache=16)),
     ("landmark", "device", "xla", 1, {})])
 def test_sharded_decode_equals_unsharded(tiny_model, mesh, spec, memory, implementation, batch, split):
     """2 KV heads: each device scans, selects and fetches for its own KV head(s) (with the kernels, under
     shard_map, each on its own shard); at batch 2 each device's two groups also run as two pipelined chunks
-    (the second chunk's transfer chained to the first's, at its group offset within the device's shard)."""
+    (the second chunk's transfer chained to the first's, at its group offset within the device's shard), with a row
+    cache sharded like the groups."""
     prompt = np.random.default_rng(5).integers(0, 97, (batch, 30)).astype(np.int32)
     if jax.default_backend() == "gpu":  # real pinned_host memory is read by the kernels only
         implementation = "pallas"

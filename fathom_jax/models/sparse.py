@@ -301,47 +301,51 @@ def _generate_fn(graphdef, state, prompt, lengths, max_new_tokens, capacity, att
 def _host_programs(graphdef, attn_static, cache_shardings, out_sharding, in_place, compiler_options=()):
     """Jitted prefill-layer, decode-step and attention-only programs that update a placed cache.
 
-    In device memory the cache is donated and returned (XLA updates it in place). In host memory the
-    kernels write the bulk arrays in place and the programs return the cache without them (``in_place``):
-    returning a host array from a program makes XLA copy it. ``compiler_options`` (``(name, value)`` pairs,
-    :attr:`fathom_jax.placement.Placement.compiler_options`) go to the step programs; the decode step's also take
-    :data:`WEIGHT_GEMM_OPTIONS` on a GPU (the attention-only step has no weight GEMMs).
+    Each takes the cache as two arguments, its small leaves and its bulk leaves (:meth:`Placement.split_bulk`). The
+    small leaves are donated (XLA updates them in place: lengths, tails, a row cache of gigabytes). In device memory
+    the bulk leaves are donated too and the whole cache is returned. In host memory the kernels write the bulk
+    arrays in place and the programs return the cache without them (``in_place``): returning a host array from a
+    program makes XLA copy it, and donating one it does not return would free it. ``compiler_options`` (``(name,
+    value)`` pairs, :attr:`fathom_jax.placement.Placement.compiler_options`) go to the step programs; the decode
+    step's also take :data:`WEIGHT_GEMM_OPTIONS` on a GPU (the attention-only step has no weight GEMMs).
     """
     out_cache = Placement.detach_bulk if in_place else (lambda c: c)
+    join = Placement.join_bulk
 
-    def layer_fn(state, h, lengths, cache, layer, attn_leaves):
+    def layer_fn(state, h, lengths, small, bulk, layer, attn_leaves):
         model = nnx.merge(graphdef, state)
-        h, cache, session = prefill_layer(model, h, lengths, cache, layer, join_attention(attn_static, attn_leaves))
+        attn = join_attention(attn_static, attn_leaves)
+        h, cache, session = prefill_layer(model, h, lengths, join(small, bulk), layer, attn)
         return h, out_cache(cache), session
 
-    def step_fn(state, tokens, cache, attn_leaves):
+    def step_fn(state, tokens, small, bulk, attn_leaves):
         model = nnx.merge(graphdef, state)
-        logits, cache = decode_step_fn(model, tokens, cache, join_attention(attn_static, attn_leaves))
+        logits, cache = decode_step_fn(model, tokens, join(small, bulk), join_attention(attn_static, attn_leaves))
         return _first_token(logits), logits, out_cache(cache)
 
-    def attention_fn(q, key, value, cache, attn_leaves):
-        out, cache = attention_step_fn(q, key, value, cache, join_attention(attn_static, attn_leaves))
+    def attention_fn(q, key, value, small, bulk, attn_leaves):
+        out, cache = attention_step_fn(q, key, value, join(small, bulk), join_attention(attn_static, attn_leaves))
         return out, out_cache(cache)
 
-    def flush_fn(cache, attn_leaves):
-        return out_cache(join_attention(attn_static, attn_leaves).flush(cache))
+    def flush_fn(small, bulk, attn_leaves):
+        return out_cache(join_attention(attn_static, attn_leaves).flush(join(small, bulk)))
 
     shardings = out_cache(jax.tree.unflatten(cache_shardings[0], cache_shardings[1]))
-    layer_jit = jax.jit(layer_fn, donate_argnums=() if in_place else (3,),
-                        out_shardings=(out_sharding, shardings, out_sharding))
+    donate = lambda at: (at,) if in_place else (at, at + 1)  # noqa: E731  (small, and bulk unless in place)
+    layer_jit = jax.jit(layer_fn, donate_argnums=donate(3), out_shardings=(out_sharding, shardings, out_sharding))
     options = dict(compiler_options) or None
-    step_jit = jax.jit(step_fn, donate_argnums=() if in_place else (2,),
-                       out_shardings=(out_sharding, out_sharding, shardings),
+    step_jit = jax.jit(step_fn, donate_argnums=donate(2), out_shardings=(out_sharding, out_sharding, shardings),
                        compiler_options=decode_compiler_options(options))
-    attention_jit = jax.jit(attention_fn, donate_argnums=() if in_place else (3,), out_shardings=(out_sharding, shardings),
+    attention_jit = jax.jit(attention_fn, donate_argnums=donate(3), out_shardings=(out_sharding, shardings),
                             compiler_options=options)
-    flush_jit = jax.jit(flush_fn, donate_argnums=() if in_place else (0,), out_shardings=shardings)
+    flush_jit = jax.jit(flush_fn, donate_argnums=donate(0), out_shardings=shardings)
     return layer_jit, step_jit, attention_jit, flush_jit
 
 
 class _Programs:
-    """The jitted programs of one placement and cache layout, returning whole caches either way
-    (``jits``: the underlying ``jax.jit`` objects, e.g. to lower and inspect a step)."""
+    """The jitted programs of one placement and cache layout, taking and returning whole caches (``jits``: the
+    underlying ``jax.jit`` objects, which take a cache as its small and bulk leaves; :meth:`lower_step` lowers the
+    decode step, e.g. to inspect its HLO)."""
 
     def __init__(self, model, attn: SparseAttention, cache: SparseCache):
         graphdef = nnx.split(model)[0] if model is not None else None
@@ -355,19 +359,23 @@ class _Programs:
         return Placement.attach_bulk(small, cache) if self.in_place else small
 
     def layer(self, state, h, lengths, cache, layer, attn_leaves):
-        h, small, session = self.jits[0](state, h, lengths, cache, layer, attn_leaves)
+        h, small, session = self.jits[0](state, h, lengths, *Placement.split_bulk(cache), layer, attn_leaves)
         return h, self._whole(small, cache), session
 
     def step(self, state, tokens, cache, attn_leaves):
-        nxt, logits, small = self.jits[1](state, tokens, cache, attn_leaves)
+        nxt, logits, small = self.jits[1](state, tokens, *Placement.split_bulk(cache), attn_leaves)
         return nxt, logits, self._whole(small, cache)
 
+    def lower_step(self, state, tokens, cache, attn_leaves):
+        """The decode step's ``jax.stages.Lowered`` for these arguments (nothing runs, nothing is donated)."""
+        return self.jits[1].lower(state, tokens, *Placement.split_bulk(cache), attn_leaves)
+
     def attention(self, q, key, value, cache, attn_leaves):
-        out, small = self.jits[2](q, key, value, cache, attn_leaves)
+        out, small = self.jits[2](q, key, value, *Placement.split_bulk(cache), attn_leaves)
         return out, self._whole(small, cache)
 
     def flush(self, cache, attn_leaves):
-        return self._whole(self.jits[3](cache, attn_leaves), cache)
+        return self._whole(self.jits[3](*Placement.split_bulk(cache), attn_leaves), cache)
 
 
 def host_programs(model, attn: SparseAttention, cache: SparseCache) -> _Programs:
