@@ -102,6 +102,9 @@
 #   z3  (nvidia-h200)   the row cache's winners decided after the layer scan: its GPU tests; batch 8 @128k attention-only
 #                       (drifting queries, profiled) and full, batch 1 @128k attention-only, with and without 16384 slots
 #   z4  (same machine)  the SmolLM2 4k test after z2's tolerance change (GGUF halves: z3 carries the first)
+#   z5  (nvidia-h200)   the row cache's hits read through the row fetch kernel (only the hits' slots; reverted: no gain,
+#                       the kernel's HBM reads took 14 ms per batch-8 step): its GPU tests and the guard's row-cache case;
+#                       batch 8 @128k attention-only (profiled) and full, 1M attention-only
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -479,6 +482,12 @@ z3)
 z4)
   cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k "smollm2 and 4096" tests 2>&1 | tee $OUT/gpu_smollm2_z4_h200.log | tail -4 ;;
+z5)
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "row_cache or (reads_the_host_cache_in_place and 256)" \
+    tests 2>&1 | tee $OUT/gpu_tests_z5_h200.log | tail -3
+  timeout 420 python3 scripts/bench_offload.py --tag h200_z5 --out $OUT --read staged --sections link,attnbatch,batch,attn,attnprofile \
+    --contexts 128k,1m --attn-contexts 1m --batches 8 --methods "Fathom 48" --share-kv-from 512k --query-drift 0.95 \
+    --row-cache 0,16384 --time-budget 410 2>&1 | tee $OUT/bench_z5.log | cut -c1-400 ;;
 w1)
   timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_w1_h200.log | tail -6
   for union in sort sorted_heads; do
