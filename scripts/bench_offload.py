@@ -250,6 +250,17 @@ def drifting_queries(q, rho: float, count: int = 64, seed: int = 2) -> list:
     return out
 
 
+def with_row_cache(cache, attn, cfg):
+    """``cache`` with an empty row cache of ``attn``'s slots, or none (every row starts from the same shared cache,
+    built for the first hook's layout)."""
+    slots = attn.placement.row_cache
+    row_cache = None
+    if slots:
+        row_cache = decode.empty_row_cache(lambda shape, dtype: jnp.zeros(shape, dtype), n_layers=cfg.n_layers,
+                                           groups=cache.groups, slots=slots, head_dim=cfg.head_dim, dtype=cache.kv.dtype)
+    return dataclasses.replace(cache, row_cache=row_cache)
+
+
 def row_cache_fields(cache, cfg, link_gbps: float, scan_bytes: float) -> dict:
     """A step's row-cache counts from the cache it left (its last step): the fraction of rows taken from the slots,
     the row bytes fetched and the link floor with only those rows."""
@@ -384,13 +395,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant)
         split = split_fields(dataclasses.replace(attn, placement=attn.placement.resolved(batch * cfg.n_kv_heads,
                                                                                          context + 64)))
-        cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
-        if attn.placement.row_cache:  # the start has none (the first hook's layout): an empty one per row
-            cache = dataclasses.replace(cache, row_cache=decode.empty_row_cache(
-                lambda shape, dtype: jnp.zeros(shape, dtype), n_layers=cfg.n_layers, groups=batch * cfg.n_kv_heads,
-                slots=attn.placement.row_cache, head_dim=cfg.head_dim, dtype=cache.kv.dtype))
-        else:
-            cache = dataclasses.replace(cache, row_cache=None)
+        cache = with_row_cache(Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache), attn, cfg)
         steps = itertools.count()
 
         def call(state, attn=attn, steps=steps):
@@ -461,13 +466,7 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
         attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant)
         split = split_fields(dataclasses.replace(attn, placement=attn.placement.resolved(batch * cfg.n_kv_heads,
                                                                                          context + 64)))
-        cache = Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache)
-        if attn.placement.row_cache:  # as in attention_rows: an empty row cache per row that has one
-            cache = dataclasses.replace(cache, row_cache=decode.empty_row_cache(
-                lambda shape, dtype: jnp.zeros(shape, dtype), n_layers=cfg.n_layers, groups=batch * cfg.n_kv_heads,
-                slots=attn.placement.row_cache, head_dim=cfg.head_dim, dtype=cache.kv.dtype))
-        else:
-            cache = dataclasses.replace(cache, row_cache=None)
+        cache = with_row_cache(Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache), attn, cfg)
 
         def call(state, attn=attn):
             toks, _, c = sparse.decode_step(model, state[0], state[1], attn)
