@@ -100,7 +100,7 @@ class SparseAttention:
             raise TypeError(f"SparseAttention: topk must be a pallas_kernels.topk.TopkConfig or None, got {self.topk!r}")
         if not isinstance(self.placement, Placement):
             object.__setattr__(self, "placement", Placement.parse(self.placement))
-        if self.placement.row_cache and getattr(self.method, "selects_all", False):
+        if self.placement.row_cache and self.method.selects_all:
             raise ValueError(f"SparseAttention: placement row_cache={self.placement.row_cache} caches selected rows, "
                              f"and {self.method.label} selects every row (use row_cache=0)")
         if self.calibration_source not in _SOURCES:
@@ -330,14 +330,11 @@ class SparseAttention:
             view["landmarks"], view["landmark_tail"] = index.landmarks, landmark[1]
         new = NewToken(position=position, key=key32, value=value, blocks={p: b[:2] for p, b in blocks.items()},
                        landmark=None if landmark is None else landmark[0])
-        row_cache = cache.row_cache
-        if row_cache is not None:  # read at this layer in place by the step
-            row_cache = RowCache(rows=row_cache.rows, tags=row_cache.tags)
         out, _, *fill = sparse_attention_step(
             self.method, q, KeyIndex(**view), cache.kv, position + 1, calib,
             k=self.k, sink=self.sink, local=self.local, layer=layer, kv_layer=0 if shared_kv else layer,
             new=new, placement=self.placement, implementation=self.resolved_implementation, topk=self.topk,
-            row_cache=row_cache,
+            row_cache=cache.row_cache,  # stacked: the step reads it at this layer in place
         )
         update = LayerUpdate(key=key, value=value, blocks=blocks, landmark=landmark, rows=fill[0] if fill else None)
         if self.placement.writes_in_scan:

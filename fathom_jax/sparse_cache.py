@@ -8,7 +8,7 @@ layer, written back after the layer scan by :meth:`fathom_jax.decode.SparseAtten
 :class:`RowCache` (optional, ``Placement(row_cache=slots)``) keeps in device memory copies of the K/V rows that
 recent steps fetched: consecutive decode steps reselect most of their rows (SmolLM2 on real text: 63-66% of a
 step's rows were selected by the step before, ``results/row_reuse_smollm2_*.md``), so a step fetches from the
-cache's memory only the rows its slots miss. :func:`row_lookup` and :func:`row_fill` are a step's two halves.
+cache's memory only the rows its slots miss. :func:`row_lookup` is a step's half, :func:`commit_rows` (by :func:`row_writes`) the half after the layer scan.
 """
 
 from __future__ import annotations
@@ -82,27 +82,26 @@ def empty_row_cache(zeros, *, n_layers: int, groups: int, slots: int, head_dim: 
                     hits=zeros((n_layers, groups), jnp.int32), fetched=zeros((n_layers, groups), jnp.int32))
 
 
+def _slot_of(tokens, slots: int):
+    """Each token's slot (padding, negative: slot 0, never a hit nor written)."""
+    return jnp.where(tokens >= 0, tokens % slots, 0)
+
+
 def row_lookup(cache: RowCache, tokens: Int[Array, "R S"], *, layer=None, group_start: int = 0):
     """Which of a step's selected ``tokens`` (negative: padding) the slots hold.
 
     ``cache`` is one layer's ``[R, C, ...]``, or with ``layer`` the stacked ``[L, R, C, ...]`` read at that layer and
     groups ``group_start ..`` (gathered in place: slicing the layer out first would copy all its slots). Returns
-    ``(hit bool [R, S], cached rows [R, S, 2 Dh], slot i32 [R, S])``; ``cached`` is meaningful where ``hit``.
+    ``(hit bool [R, S], cached rows [R, S, 2 Dh])``; ``cached`` is meaningful where ``hit``.
     """
-    valid = tokens >= 0
-    slot = jnp.where(valid, tokens % cache.slots, 0)
+    slot = _slot_of(tokens, cache.slots)
     if layer is None:
         tags = jnp.take_along_axis(cache.tags, slot, axis=-1)
         cached = jnp.take_along_axis(cache.rows, slot[..., None], axis=-2)
     else:
         group = group_start + jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None]
         tags, cached = cache.tags[layer, group, slot], cache.rows[layer, group, slot]
-    return valid & (tags == tokens + 1), cached, slot
-
-
-def row_fill(cache: RowCache, tokens: Int[Array, "R S"], rows: Float[Array, "R S 2Dh"], hit) -> RowFill:
-    """What a step leaves for the slots of ``cache``: its selected tokens, their hits and rows (in the slots' dtype)."""
-    return RowFill(tokens=tokens, hit=hit, rows=rows.astype(cache.rows.dtype))
+    return (tokens >= 0) & (tags == tokens + 1), cached
 
 
 def row_writes(slots: int, tokens: Int[Array, "*B S"], hit):
@@ -111,7 +110,7 @@ def row_writes(slots: int, tokens: Int[Array, "*B S"], hit):
     winners the slot does not hold yet are written, the rest get slot ``slots`` (past the end: dropped), so every
     written slot has exactly one writer."""
     valid = tokens >= 0
-    slot = jnp.where(valid, tokens % slots, 0)
+    slot = _slot_of(tokens, slots)
     lead = jnp.indices(tokens.shape[:-1], sparse=True)
     index = tuple(i[..., None] for i in lead) + (slot,)
     best = jnp.zeros(tokens.shape[:-1] + (slots,), jnp.int32).at[index].max(jnp.where(valid, tokens + 1, 0))

@@ -38,7 +38,7 @@ from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, ScanMethod
 from fathom_jax.placement import Placement, group_window
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk
-from fathom_jax.sparse_cache import RowCache, join_kv, key_columns, row_fill, row_lookup, split_kv
+from fathom_jax.sparse_cache import RowCache, RowFill, join_kv, key_columns, row_lookup, split_kv
 from pallas_kernels import backend
 from pallas_kernels.row_fetch import row_fetch
 from pallas_kernels.topk import TopkConfig
@@ -220,17 +220,17 @@ def _attend_read(read, q, index, length, new, row_cache, group_start, kv_cache, 
     # at 1M tokens, 18.6 -> 20.0 at 128k).
     union, union_mask, member = group_union(idx, mask)
     slots = jnp.where(union_mask, union, -1)
-    if row_cache is None:
-        rows, _, _ = row_fetch(kv_cache, None, slots, layer=kv_layer, group_start=group_start,
-                               implementation=implementation, config=placement.row_fetch_config)  # one run per token
-    else:  # the kernel skips the masked (negative) entries: only the misses cross the link
-        hit, cached, _ = row_lookup(row_cache, slots, layer=layer, group_start=group_start)
-        fetched, _, _ = row_fetch(kv_cache, None, jnp.where(hit, -1, slots), layer=kv_layer, group_start=group_start,
-                                  implementation=implementation, config=placement.row_fetch_config)
-        rows = jnp.where(hit[..., None], cached, fetched)
+    wanted = slots
+    if row_cache is not None:  # the kernel skips negative entries: only the misses cross the link
+        hit, cached = row_lookup(row_cache, slots, layer=layer, group_start=group_start)
+        wanted = jnp.where(hit, -1, slots)
+    rows, _, _ = row_fetch(kv_cache, None, wanted, layer=kv_layer, group_start=group_start,
+                           implementation=implementation, config=placement.row_fetch_config)  # one run per token
+    if row_cache is not None:
+        rows = jnp.where(hit[..., None], cached, rows)
     if new is not None:  # the newest token's row is not stored yet: patched in (and so cached as it will be stored)
         hit_new = (slots == new.position[:, None])[..., None]
         rows = jnp.where(hit_new, join_kv(new.key, new.value, rows.dtype)[:, None, :], rows)
-    fill = None if row_cache is None else row_fill(row_cache, slots, rows, hit)
+    fill = None if row_cache is None else RowFill(tokens=slots, hit=hit, rows=rows)
     k_rows, v_rows = split_kv(rows)
     return (attend(q, k_rows, v_rows, member), read.bits, fill), staged

@@ -250,25 +250,25 @@ def drifting_queries(q, rho: float, count: int = 64, seed: int = 2) -> list:
     return out
 
 
-def with_row_cache(cache, attn, cfg):
+def with_row_cache(cache, attn):
     """``cache`` with an empty row cache of ``attn``'s slots, or none (every row starts from the same shared cache,
     built for the first hook's layout)."""
     slots = attn.placement.row_cache
     row_cache = None
     if slots:
-        row_cache = decode.empty_row_cache(lambda shape, dtype: jnp.zeros(shape, dtype), n_layers=cfg.n_layers,
-                                           groups=cache.groups, slots=slots, head_dim=cfg.head_dim, dtype=cache.kv.dtype)
+        row_cache = decode.empty_row_cache(jnp.zeros, n_layers=cache.n_layers,
+                                           groups=cache.groups, slots=slots, head_dim=cache.head_dim, dtype=cache.kv.dtype)
     return dataclasses.replace(cache, row_cache=row_cache)
 
 
-def row_cache_fields(cache, cfg, link_gbps: float, scan_bytes: float) -> dict:
+def row_cache_fields(cache, link_gbps: float, scan_bytes: float) -> dict:
     """A step's row-cache counts from the cache it left (its last step): the fraction of rows taken from the slots,
     the row bytes fetched and the link floor with only those rows."""
     rc = cache.row_cache
     if rc is None:
         return {}
     hits, fetched = int(np.asarray(rc.hits).sum()), int(np.asarray(rc.fetched).sum())
-    row_bytes = fetched * 2 * cfg.head_dim * 2  # K and V, bf16
+    row_bytes = fetched * cache.kv.shape[-1] * cache.kv.dtype.itemsize  # each row: its K and V
     return {"row_hit_fraction": hits / max(1, hits + fetched), "row_bytes_fetched": float(row_bytes),
             "link_floor_fetched_ms": (scan_bytes + row_bytes) / (link_gbps * 1e9) * 1e3}
 
@@ -395,7 +395,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant)
         split = split_fields(dataclasses.replace(attn, placement=attn.placement.resolved(batch * cfg.n_kv_heads,
                                                                                          context + 64)))
-        cache = with_row_cache(Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache), attn, cfg)
+        cache = with_row_cache(Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache), attn)
         steps = itertools.count()
 
         def call(state, attn=attn, steps=steps):
@@ -423,7 +423,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         floor_ms = (nbytes["scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
         if not placement.offloaded:  # the HBM control: no link traffic
             floor_ms = float("nan")
-        cached = row_cache_fields(cache, cfg, link_rate(run), nbytes["scan_bytes"]) if placement.offloaded else {}
+        cached = row_cache_fields(cache, link_rate(run), nbytes["scan_bytes"])
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
                  "mesh": placement.num_shards, **split, "shared_kv": shared, "query_drift": args.query_drift, **cached,
                  "fill_s": fill_s,
@@ -466,7 +466,7 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
         attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant)
         split = split_fields(dataclasses.replace(attn, placement=attn.placement.resolved(batch * cfg.n_kv_heads,
                                                                                          context + 64)))
-        cache = with_row_cache(Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache), attn, cfg)
+        cache = with_row_cache(Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache), attn)
 
         def call(state, attn=attn):
             toks, _, c = sparse.decode_step(model, state[0], state[1], attn)
@@ -483,7 +483,7 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
                "mesh": placement.num_shards, **split, "shared_kv": shared, **r,
                # cuBLAS GEMMs reading each layer's weights in place, or Triton GEMMs on copies of them (before 12-01)
                "weight_gemms": "in place" if in_place else "copied",
-               **nbytes, **row_cache_fields(cache, cfg, link_rate(run), nbytes["scan_bytes"]),
+               **nbytes, **row_cache_fields(cache, link_rate(run), nbytes["scan_bytes"]),
                "tokens_per_s": batch / (r["median_ms"] * 1e-3)}
         if profile:
             trace = os.path.join(args.out, "traces", f"full_{context}_{label.split()[0]}_{batch}_{variant_tag(split)}")

@@ -7,7 +7,7 @@ import pytest
 
 from fathom_jax import decode, methods
 from fathom_jax.placement import Placement
-from fathom_jax.sparse_cache import RowCache, commit_rows, empty_row_cache, row_fill, row_lookup, row_writes
+from fathom_jax.sparse_cache import RowCache, RowFill, commit_rows, empty_row_cache, row_lookup, row_writes
 
 GROUPS, SLOTS, WIDTH, SELECTED = 3, 16, 4, 12
 
@@ -43,13 +43,13 @@ def test_lookup_and_fill_match_a_direct_mapped_model():
     rng = np.random.default_rng(0)
     source = rng.standard_normal((80, WIDTH)).astype(np.float32)  # the row of token t is source[t]
     cache = RowCache(rows=jnp.zeros((GROUPS, SLOTS, WIDTH)), tags=jnp.zeros((GROUPS, SLOTS), jnp.int32))
-    step = jax.jit(lambda c, t, rows: row_fill(c, t, rows, row_lookup(c, t)[0]))
+    step = jax.jit(lambda c, t, rows: RowFill(tokens=t, hit=row_lookup(c, t)[0], rows=rows))
     look = jax.jit(row_lookup)
     seen_hit = False
     for _ in range(6):
         tags, rows = np.asarray(cache.tags), np.asarray(cache.rows)
         tokens = random_step(rng, tags)
-        hit, cached, _ = look(cache, jnp.asarray(tokens))
+        hit, cached = look(cache, jnp.asarray(tokens))
         hit = np.asarray(hit)
         want_hit = (tokens >= 0) & (np.take_along_axis(tags, np.maximum(tokens, 0) % SLOTS, 1) == tokens + 1)
         np.testing.assert_array_equal(hit, want_hit)
@@ -74,7 +74,7 @@ def test_lookup_and_fill_match_a_direct_mapped_model():
 def test_colliding_tokens_keep_the_largest():
     cache = RowCache(rows=jnp.zeros((1, 4, 2)), tags=jnp.asarray([[0, 2, 0, 0]], jnp.int32))  # slot 1 holds token 1
     tokens = jnp.asarray([[9, 1, 5, -1]], jnp.int32)  # all three map to slot 1 of 4
-    hit, _, _ = row_lookup(cache, tokens)
+    hit, _ = row_lookup(cache, tokens)
     assert np.asarray(hit).tolist() == [[False, True, False, False]]
     slot, hits, fetched = row_writes(4, tokens, hit)
     assert np.asarray(slot).tolist() == [[1, 4, 4, 4]]  # only token 9 writes (slot 1); the rest drop

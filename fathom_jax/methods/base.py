@@ -78,7 +78,8 @@ class ScanMethod(abc.ABC):
     * ``needs_calibration``: whether :meth:`read` uses a :class:`~fathom_jax.calibrate.Calibration`;
     * ``spec_syntax``: how the spec reads in help texts, e.g. ``"fathom:BUDGET[:exact]"``;
     * ``data_fields``: integer fields that may hold a traced value inside ``jit`` (checked at run time),
-      so that one compiled program serves every value (the sweep's Fathom budgets).
+      so that one compiled program serves every value (the sweep's Fathom budgets);
+    * ``selects_all``: attention over every cached token, no selection (dense).
     """
 
     name: ClassVar[str]
@@ -87,6 +88,7 @@ class ScanMethod(abc.ABC):
     spec_syntax: ClassVar[str]
     summary: ClassVar[str] = ""
     data_fields: ClassVar[tuple[str, ...]] = ()
+    selects_all: ClassVar[bool] = False
 
     # -- description ----------------------------------------------------------------------
     @property

@@ -19,7 +19,6 @@ class Exact(ScanMethod):
     parts: ClassVar[frozenset[str]] = frozenset({"keys"})
     spec_syntax: ClassVar[str] = "exact"
     summary: ClassVar[str] = "exact scores from the keys (the top-k oracle)"
-    selects_all: ClassVar[bool] = False
 
     @property
     def label(self) -> str:
