@@ -241,7 +241,8 @@ def drifting_queries(q, rho: float, count: int = 64, seed: int = 2) -> list:
     """``count`` query sets, each ``rho`` times the one before plus ``sqrt(1 - rho^2)`` fresh noise (an AR(1) drift,
     stationary: every set has ``q``'s distribution). Real decode steps reselect most rows of the step before; one
     repeated set would let a row cache hit every row. rho = 0.95 leaves ~37% of a group's rows new to each step
-    (numpy, 128k tokens, k = 512), as SmolLM2 measured on real text (results/row_reuse_smollm2_4k.md)."""
+    (numpy, 128k tokens, k = 512: results/logs/query_drift_numpy_2026-12-01.txt), as SmolLM2 measured on real text
+    (results/row_reuse_smollm2_4k.md)."""
     rng = np.random.default_rng(seed)
     out, cur = [], np.asarray(q, np.float32)
     for _ in range(count):
