@@ -72,18 +72,19 @@ def scan_cases(n, tune=False):
         plan_stats[budget] = active
         bits = float(jnp.mean(plan.bits_per_token))
         nbytes = bh * n * bits / 8 + bh * 4 * n * 4  # reads (codes + scales) + f32 scores written
-        # (lanes, tile, warps): lanes = 0 is the blocked kernel, 8/16/32 the "lanes" kernel
-        cfgs = [(0, 2048, 2), (16, 512, 1), (32, 1024, 1), (8, 512, 2)]
+        cfgs = [PS.PlaneScanConfig(), PS.PlaneScanConfig(tile=1024, lanes=32), PS.PlaneScanConfig(tile=512, lanes=8,
+                                                                                                  num_warps=2)]
         if n >= 131072:
-            cfgs.insert(2, (16, 1024, 2))
+            cfgs.insert(1, PS.PlaneScanConfig(tile=1024, lanes=16, num_warps=2))
         if tune and n >= 131072:
-            cfgs += [(0, 1024, 1), (0, 4096, 4), (32, 2048, 2), (8, 256, 1)]
-        for lanes, tile, warps in cfgs:
-            step = lambda c, ch=ch, dep=dep, tile=tile, warps=warps, lanes=lanes: c + 1e-30 * PS.plane_scan(
-                q + c, planes, scales, length, ch, dep, tile=tile, num_warps=warps, assume_sorted=True, lanes=lanes
+            cfgs += [PS.PlaneScanConfig(tile=2048, lanes=32, num_warps=2), PS.PlaneScanConfig(tile=256, lanes=8),
+                     PS.PlaneScanConfig(unroll=2), PS.PlaneScanConfig(unroll=4)]
+        for cfg in cfgs:
+            step = lambda c, ch=ch, dep=dep, cfg=cfg: c + 1e-30 * PS.plane_scan(
+                q + c, planes, scales, length, ch, dep, config=cfg, assume_sorted=True
             )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
             r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
-            r.update(kernel=f"fathom_{budget}", n=n, lanes=lanes, tile=tile, num_warps=warps, active_channels=active,
+            r.update(kernel=f"fathom_{budget}", n=n, **_scan_config_fields(cfg), active_channels=active,
                      bits_per_token=bits, bytes=nbytes)
             out.append(r)
     nib = NS.pack_nibbles(planes)
@@ -94,7 +95,7 @@ def scan_cases(n, tune=False):
         cfgs = [(512, 1)]
         for tile, warps in cfgs:
             step = lambda c, ch=ch, tile=tile, warps=warps: c + 1e-30 * NS.nibble_scan(
-                q + c, nib, scales, length, ch, tile=tile, num_warps=warps
+                q + c, nib, scales, length, ch, config=NS.NibbleScanConfig(tile=tile, num_warps=warps)
             )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
             r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
             r.update(kernel=name, n=n, lanes=0, tile=tile, num_warps=warps, bits_per_token=bits, bytes=nbytes)
@@ -102,7 +103,7 @@ def scan_cases(n, tune=False):
         if tune and r_ch == 32 and n >= 131072:  # the same scan from the plane store at depth 4
             for tile, warps in ((2048, 2),):
                 step = lambda c, ch=ch, tile=tile, warps=warps: c + 1e-30 * NS.nibble_scan_planes(
-                    q + c, planes, scales, length, ch, tile=tile, num_warps=warps
+                    q + c, planes, scales, length, ch, config=NS.NibbleScanConfig(tile=tile, num_warps=warps)
                 )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
                 r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
                 r.update(kernel="nibble_32_from_planes", n=n, lanes=0, tile=tile, num_warps=warps, bits_per_token=bits, bytes=nbytes)
@@ -111,6 +112,55 @@ def scan_cases(n, tune=False):
         r["GBps"] = r["bytes"] / (r["median_ms"] * 1e-3) / 1e9
         r["authors_ms"] = AUTHORS.get(n, {}).get(r["kernel"])
     return out, plan_stats
+
+
+def _scan_config_fields(cfg):
+    return {"lanes": cfg.lanes, "tile": cfg.tile, "num_warps": cfg.num_warps, "unroll": cfg.unroll}
+
+
+# One chunk of the pipelined decode step (fathom_jax.placement): the scan of the staged planes of a few groups, which
+# sits between the layer's last plane transfer and its top-k. (groups, n): Qwen3-8B shapes at batch 1, 8 KV heads in
+# 8 chunks at 1M and in 2 at 128k; batch 8 at 128k in 2 chunks.
+SCAN_CHUNKS = ((1, 1 << 20), (4, 1 << 17), (32, 1 << 17))
+SCAN_CHUNK_CONFIGS = tuple(PS.PlaneScanConfig(tile=t, lanes=l, num_warps=w, unroll=u)
+                           for t, l, w in ((512, 16, 1), (256, 8, 1), (1024, 16, 2)) for u in (1, 2, 4))
+
+
+def parse_chunks(text):
+    """``"1x1048576,4x131072"`` -> ((1, 1048576), (4, 131072)): groups x tokens of each chunk."""
+    return tuple(tuple(int(v) for v in item.split("x")) for item in text.split(","))
+
+
+def scan_chunk_cases(chunks=SCAN_CHUNKS, configs=SCAN_CHUNK_CONFIGS, budget=48):
+    """Fathom ``budget``'s scan of one pipelined chunk's staged planes (the run gather's compact [Rc, C, 4, W] layout,
+    the active channels first, deepest first), per kernel configuration; every configuration's scores are compared
+    with the first's (``same_bits``: the unroll keeps the order of the sums)."""
+    out = []
+    for groups, n in chunks:
+        q, planes, scales, length, var = scan_inputs(n, batch=1, heads=groups)
+        q, planes, scales, length, var = (x[0] for x in (q, planes, scales, length, var))
+        plan = planner.plan_bisection(planner.importance(q, var), budget)
+        ch, dep = PS.active_channels(plan.depths)
+        planes, scales = jnp.take_along_axis(planes, ch[..., None, None], 1), jnp.take_along_axis(scales, ch[..., None], 1)
+        qs = jnp.take_along_axis(q, ch[:, None, :], axis=-1)
+        slots = jnp.broadcast_to(jnp.arange(ch.shape[-1], dtype=jnp.int32), ch.shape)
+        active = float(jnp.mean(jnp.sum(dep > 0, -1)))
+        first = None
+        for cfg in configs:
+            scan = jax.jit(lambda qq, cfg=cfg: PS.plane_scan(qq, planes, scales, length, slots, dep, config=cfg,
+                                                            assume_sorted=True))
+            got = np.asarray(scan(qs))
+            first = got if first is None else first
+            step = lambda c, cfg=cfg: c + 1e-30 * PS.plane_scan(
+                qs + c, planes, scales, length, slots, dep, config=cfg, assume_sorted=True)[:, :1, :1].sum()
+            r = timeit(step, jnp.zeros((), jnp.float32), iters=100)
+            r.update(kernel=f"fathom_{budget}_chunk", groups=groups, n=n, **_scan_config_fields(cfg),
+                     active_channels=active, same_bits=bool(np.array_equal(got, first)))
+            out.append(r)
+            print(f"scan chunk groups={groups:2d} n={n:7d} tile={cfg.tile:4d} lanes={cfg.lanes:2d} w={cfg.num_warps} "
+                  f"unroll={cfg.unroll} {r['median_ms'] * 1e3:7.1f} us [{r['min_ms'] * 1e3:.1f}, {r['max_ms'] * 1e3:.1f}] "
+                  f"same bits {r['same_bits']}", flush=True)
+    return out
 
 
 def _host(x):
@@ -395,17 +445,18 @@ def check_scans():
     length = jnp.asarray([[1984, 1000, 65], [7, 1984, 1500]], jnp.int32)
     plan = planner.plan_bisection(planner.importance(q, var), 48)
     ch, dep = PS.active_channels(plan.depths)
-    a = PS.plane_scan(q, planes, scales, length, ch, dep, lanes=0, tile=2048, num_warps=2)
     b = PS.plane_scan_reference(q, planes, scales, length, ch, dep)
-    e = {f"plane_scan_lanes{lanes}_rel_err": float(jnp.linalg.norm(
-        PS.plane_scan(q, planes, scales, length, ch, dep, lanes=lanes, tile=32 * lanes, num_warps=2) - b) / jnp.linalg.norm(b))
-        for lanes in (8, 16, 32)}
+    rel = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
+    e = {f"plane_scan_lanes{lanes}_unroll{unroll}_rel_err": rel(PS.plane_scan(
+        q, planes, scales, length, ch, dep, config=PS.PlaneScanConfig(lanes=lanes, tile=32 * lanes, num_warps=2,
+                                                                      unroll=unroll)), b)
+        for lanes, unroll in ((8, 1), (16, 1), (32, 1), (16, 4))}
     nib = NS.pack_nibbles(planes)
     ch16 = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 3, 16))
     c = NS.nibble_scan(q, nib, scales, length, ch16)
     d = NS.nibble_scan_reference(q, nib, scales, length, ch16)
     rel = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
-    return {"plane_scan_rel_err": rel(a, b), **e, "nibble_scan_rel_err": rel(c, d)}
+    return {**e, "nibble_scan_rel_err": rel(c, d)}
 
 
 def main():
@@ -416,6 +467,8 @@ def main():
     ap.add_argument("--sizes", default="32768,131072")
     ap.add_argument("--rowfetch-sizes", default="131072", help="context sizes of the row-fetch section")
     ap.add_argument("--name", default="kernels_h200", help="results file name (without extension)")
+    ap.add_argument("--chunks", default="", help="groups x tokens of the scanchunk section's chunks, e.g. "
+                                                 "1x1048576,4x131072 (default: SCAN_CHUNKS)")
     args = ap.parse_args()
     sections = args.sections.split(",")
     dev = jax.devices()[0]
@@ -447,6 +500,9 @@ def main():
         write_report(res, args.out, args.name)
 
     save()
+    if "scanchunk" in sections:
+        res["scan_chunk"] = scan_chunk_cases(parse_chunks(args.chunks) if args.chunks else SCAN_CHUNKS)
+        save()
     if "topk" in sections:
         res["topk"] = topk_cases(tune=args.tune)
         save()
@@ -495,9 +551,19 @@ def write_report(res, out, name="kernels_h200"):
             "Scans (HBM-resident, batch 4 x 8 KV heads, G=4, D=128)",
             [f"Correctness on the GPU: {res['scan_check']}; mean active channels per plan: {res['plan_active_channels']}.",
              "lanes = 0: blocked kernel ([blocks, 2 words, 32] tiles); 8/16/32: lanes kernel (a thread owns that many tokens)."],
-            ["kernel", "n", "lanes", "tile", "warps", "ms (median)", "[min, max]", "GB/s (reads + f32 scores)", "authors' ms"],
-            ([r["kernel"], r["n"], r.get("lanes", 0), r["tile"], r["num_warps"], *_ms(r), f"{r['GBps']:.0f}",
-              r["authors_ms"]] for r in res["scan"]))
+            ["kernel", "n", "lanes", "tile", "warps", "unroll", "ms (median)", "[min, max]", "GB/s (reads + f32 scores)",
+             "authors' ms"],
+            ([r["kernel"], r["n"], r.get("lanes", 0), r["tile"], r["num_warps"], r.get("unroll", 1), *_ms(r),
+              f"{r['GBps']:.0f}", r["authors_ms"]] for r in res["scan"]))
+    if "scan_chunk" in res:
+        L += _section(
+            "Scan of one pipelined chunk (Fathom 48, staged planes of the chunk's groups, HBM-resident, G=4, D=128)",
+            ["The chunk scans of the decode step: 1 group of 1M tokens (batch 1 in 8 chunks), 4 and 32 groups of 128k "
+             "(batch 1 and 8 in 2 chunks). `unroll`: channels per iteration of the kernel's channel loop; `same bits`: "
+             "scores equal to the first configuration's bit for bit."],
+            ["groups", "n", "tile", "lanes", "warps", "unroll", "us (median)", "[min, max]", "same bits"],
+            ([r["groups"], r["n"], r["tile"], r["lanes"], r["num_warps"], r["unroll"], f"{r['median_ms'] * 1e3:.1f}",
+              f"[{r['min_ms'] * 1e3:.1f}, {r['max_ms'] * 1e3:.1f}]", r["same_bits"]] for r in res["scan_chunk"]))
     if "gather" in res:
         L += _section(
             "Run gather vs run size (8 KV heads x 128 channels x 4 planes)", [],

@@ -105,6 +105,9 @@
 #   z5  (nvidia-h200)   the row cache's hits read through the row fetch kernel (only the hits' slots; reverted: no gain,
 #                       the kernel's HBM reads took 14 ms per batch-8 step): its GPU tests and the guard's row-cache case;
 #                       batch 8 @128k attention-only (profiled) and full, 1M attention-only
+#   aa1 (nvidia-h200)   thirteenth session: the plane scan's channel loop unrolled (PlaneScanConfig.unroll): its GPU tests;
+#                       the scan of one pipelined chunk per configuration; Fathom 48 attention-only at 1M and 128k with
+#                       unroll 1 (the default), then with 4 patched into this machine's copy as the default
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -488,6 +491,20 @@ z5)
   timeout 420 python3 scripts/bench_offload.py --tag h200_z5 --out $OUT --read staged --sections link,attnbatch,batch,attn,attnprofile \
     --contexts 128k,1m --attn-contexts 1m --batches 8 --methods "Fathom 48" --share-kv-from 512k --query-drift 0.95 \
     --row-cache 0,16384 --time-budget 410 2>&1 | tee $OUT/bench_z5.log | cut -c1-400 ;;
+aa1)
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/pallas_kernels/test_plane_scan.py 2>&1 \
+    | tee $OUT/gpu_tests_aa1_h200.log | tail -3
+  timeout 150 python3 scripts/bench_kernels.py --sections scanchunk --name scanchunk_h200 --out $OUT 2>&1 \
+    | tee $OUT/bench_kernels_aa1.log | grep "scan chunk"
+  for unroll in 1 4; do
+    if [ $unroll = 4 ]; then  # this machine's copy only
+      sed -i 's/^    unroll: int = 1$/    unroll: int = 4/' pallas_kernels/plane_scan.py
+      grep -n "^    unroll: int = 4" pallas_kernels/plane_scan.py || exit 1
+    fi
+    timeout 170 python3 scripts/bench_offload.py --tag h200_aa1_u$unroll --out $OUT --read staged --sections link,attn \
+      --contexts 1m,128k --methods "Fathom 48" --share-kv-from 1m --time-budget 160 2>&1 \
+      | tee $OUT/bench_aa1_u$unroll.log | cut -c1-330
+  done ;;
 w1)
   timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_w1_h200.log | tail -6
   for union in sort sorted_heads; do
