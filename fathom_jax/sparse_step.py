@@ -164,18 +164,34 @@ def _pipelined(method, q, index, length, calib, new, row_cache, kv_cache, layer,
     """The step in ``chunks`` chunks of groups: one plan for all, then per chunk the rest, each
     chunk's plane transfer ordered after the previous chunk's (and after nothing else), so that it can run
     beside the previous chunk's scan, selection, row fetch and attention (see :mod:`fathom_jax.placement`).
+
+    A chunk's row fetch waits for the next chunk's scan (``FETCH_AFTER_NEXT_SCAN``): where both were ready together
+    they shared the SMs, and the layer's last scan, which the rest of the layer waits on, ran at half speed.
     Returns the chunks' outputs (a list)."""
     q = q.astype(jnp.float32)
     read = method.read(q, index, calib, implementation=kw["implementation"])
     groups = q.shape[0]
     size = groups // chunks
-    outs, staged = [], None
+    outs, staged, pending = [], None, None
     for start in range(0, groups, size):
         chunk = [group_window(a, start, size) for a in (read, q, index, length, new)]
-        out, staged = _attend_read(*chunk, row_cache, start, kv_cache, layer, kv_layer, placement=placement,
+        selected, staged = _select(*chunk, row_cache, start, kv_cache, layer, kv_layer, placement=placement,
                                    after=staged, **kw)
-        outs.append(out)
+        if not isinstance(selected, _Selected):  # a dense read: attended already
+            outs.append(selected)
+            continue
+        if pending is not None:
+            outs.append(_fetch_attend(pending, kv_cache, kv_layer, placement=placement,
+                                      after=selected.scores if FETCH_AFTER_NEXT_SCAN else None, **kw))
+        pending = selected
+    if pending is not None:
+        outs.append(_fetch_attend(pending, kv_cache, kv_layer, placement=placement, **kw))
     return outs
+
+
+# Whether a pipelined chunk's row fetch waits for the next chunk's scan (the scan of one group of 1M tokens took 35 us
+# alone and 63 us beside the previous chunk's row fetch in the H200's 1M step).
+FETCH_AFTER_NEXT_SCAN = True
 
 
 def _step_groups(method, group_start, size, q, index, length, calib, new, row_cache, kv_cache, layer, kv_layer, *, k,
@@ -184,17 +200,37 @@ def _step_groups(method, group_start, size, q, index, length, calib, new, row_ca
     unstacked): per-group arguments hold those groups only, the bulk arrays all of them."""
     q = q.astype(jnp.float32)
     read = method.read(q, index, calib, implementation=implementation)  # a key read plans nothing from the keys themselves
-    out, _ = _attend_read(read, q, index, length, new, row_cache, group_start, kv_cache, layer, kv_layer, k=k,
-                          sink=sink, local=local, placement=placement, implementation=implementation, topk=topk)
-    return out
+    kw = dict(k=k, sink=sink, local=local, placement=placement, implementation=implementation, topk=topk)
+    selected, _ = _select(read, q, index, length, new, row_cache, group_start, kv_cache, layer, kv_layer, **kw)
+    if not isinstance(selected, _Selected):  # a dense read: attended already
+        return selected
+    return _fetch_attend(selected, kv_cache, kv_layer, **kw)
 
 
-def _attend_read(read, q, index, length, new, row_cache, group_start, kv_cache, layer, kv_layer, *, k, sink, local,
-                 placement, implementation, topk=None, after=None):
-    """Execute ``read`` for groups ``group_start ..`` (their per-group arguments), select, fetch and attend;
-    returns ``((out, bits, fill), staged)``, ``fill`` the :class:`RowFill` for ``row_cache`` (None without one or
-    for a dense read), ``staged`` the staged planes a chained transfer waits for (None where nothing was staged);
-    the plane transfer itself waits for ``after``."""
+@dataclasses.dataclass(frozen=True)
+class _Selected:
+    """A chunk's selection, before its rows are fetched: ``slots [Rc, S]`` (the union, -1 where masked), ``wanted``
+    (the slots to fetch: those the row cache misses), ``member`` (which head attends which slot), the row cache's
+    ``hit`` / ``cached`` rows (None without one), and the chunk's ``scores`` (what a later fetch may wait for)."""
+
+    q: jax.Array
+    bits: jax.Array
+    slots: jax.Array
+    wanted: jax.Array
+    member: jax.Array
+    hit: jax.Array | None
+    cached: jax.Array | None
+    scores: jax.Array
+    group_start: int
+    new: NewToken | None
+
+
+def _select(read, q, index, length, new, row_cache, group_start, kv_cache, layer, kv_layer, *, k, sink, local,
+            placement, implementation, topk=None, after=None):
+    """Execute ``read`` for groups ``group_start ..`` (their per-group arguments) and select; returns
+    ``(selected, staged)``: a :class:`_Selected` (or, for a dense read, the finished ``(out, bits, None)``) and the
+    staged planes a chained transfer waits for (None where nothing was staged); the plane transfer itself waits for
+    ``after``."""
     groups = (group_start, q.shape[0])
     staged = None
     if isinstance(read, KeyRead) and read.dense:
@@ -210,6 +246,7 @@ def _attend_read(read, q, index, length, new, row_cache, group_start, kv_cache, 
     else:
         scores, staged = scan_lib.execute_chained(read, index, length, layer=layer, group_start=group_start,
                                                   placement=placement, implementation=implementation, after=after)
+    raw_scores = scores
     if new is not None:
         scores = patch_scores(scores, read, new)
     # No masking pass over the scores: both selections take positions >= length as invalid (the pass cost
@@ -220,17 +257,25 @@ def _attend_read(read, q, index, length, new, row_cache, group_start, kv_cache, 
     # at 1M tokens, 18.6 -> 20.0 at 128k).
     union, union_mask, member = group_union(idx, mask)
     slots = jnp.where(union_mask, union, -1)
-    wanted = slots
+    wanted, hit, cached = slots, None, None
     if row_cache is not None:  # the kernel skips negative entries: only the misses cross the link
         hit, cached = row_lookup(row_cache, slots, layer=layer, group_start=group_start)
         wanted = jnp.where(hit, -1, slots)
-    rows, _, _ = row_fetch(kv_cache, None, wanted, layer=kv_layer, group_start=group_start,
+    return _Selected(q=q, bits=read.bits, slots=slots, wanted=wanted, member=member, hit=hit, cached=cached,
+                     scores=raw_scores, group_start=group_start, new=new), staged
+
+
+def _fetch_attend(sel: _Selected, kv_cache, kv_layer, *, placement, implementation, after=None, **_):
+    """Fetch a selection's rows (after ``after``: arrays the fetch waits for and never reads) and attend; returns
+    ``(out, bits, fill)``, ``fill`` the :class:`RowFill` for the row cache (None without one)."""
+    rows, _, _ = row_fetch(kv_cache, None, sel.wanted, layer=kv_layer, group_start=sel.group_start, after=after,
                            implementation=implementation, config=placement.row_fetch_config)  # one run per token
-    if row_cache is not None:
-        rows = jnp.where(hit[..., None], cached, rows)
+    if sel.hit is not None:
+        rows = jnp.where(sel.hit[..., None], sel.cached, rows)
+    new = sel.new
     if new is not None:  # the newest token's row is not stored yet: patched in (and so cached as it will be stored)
-        hit_new = (slots == new.position[:, None])[..., None]
+        hit_new = (sel.slots == new.position[:, None])[..., None]
         rows = jnp.where(hit_new, join_kv(new.key, new.value, rows.dtype)[:, None, :], rows)
-    fill = None if row_cache is None else RowFill(tokens=slots, hit=hit, rows=rows)
+    fill = None if sel.hit is None else RowFill(tokens=sel.slots, hit=sel.hit, rows=rows)
     k_rows, v_rows = split_kv(rows)
-    return (attend(q, k_rows, v_rows, member), read.bits, fill), staged
+    return attend(sel.q, k_rows, v_rows, sel.member), sel.bits, fill

@@ -45,24 +45,18 @@ class PlaneScanConfig:
     """Static tuning of the plane scan.
 
     ``tile``: tokens per program (a power of two, >= 32 * lanes); ``lanes``: consecutive tokens per
-    thread (8, 16 or 32); ``unroll``: channels per iteration of the channel loop (1, 2 or 4): their loads are
-    issued together, so a program waits on memory once per ``unroll`` channels instead of once per channel (what
-    bounds a scan of few groups, whose programs are too few to hide the wait); the sums keep their order, so every
-    ``unroll`` gives the same scores bit for bit; ``num_warps`` / ``num_stages``: Triton launch parameters.
+    thread (8, 16 or 32); ``num_warps`` / ``num_stages``: Triton launch parameters.
     """
 
     tile: int = 512
     lanes: int = 16
     num_warps: int = 1
     num_stages: int | None = None
-    unroll: int = 1
 
     def __post_init__(self):
         B.check_pow2("tile", self.tile)
         if self.lanes not in (8, 16, 32) or self.tile < WORD_BITS * self.lanes:
             raise ValueError(f"lanes must be 8, 16 or 32 with tile >= 32 * lanes, got lanes={self.lanes}, tile={self.tile}")
-        if self.unroll not in (1, 2, 4):
-            raise ValueError(f"unroll must be 1, 2 or 4, got {self.unroll}")
 
     @classmethod
     def heuristic(cls, capacity: int) -> "PlaneScanConfig":
@@ -200,7 +194,6 @@ def _plane_scan_kernel(
     lanes: int,
     num_words: int,
     group_start: int,
-    unroll: int,
 ):
     split = WORD_BITS // lanes
     r = pl.program_id(0)
@@ -215,57 +208,42 @@ def _plane_scan_kernel(
     bias = tuple(jnp.zeros((elems,), jnp.float32) for _ in range(groups))
     magic = jnp.full((elems,), _MAGIC, jnp.uint32)
 
-    def load(k, t, half):  # channel slot k's weights and plane words (t planes)
-        j = ch_ref[r, k]
-        a = plgpu.load(scales_ref.at[layer, src, j, block], mask=emask, other=0.0).astype(jnp.float32) * (1.0 / half)
-        wts = [qc_ref[r, h, k] * a for h in range(groups)]
-        words = []
-        for p in range(t):
-            if split > 1:
-                w = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), word], mask=emask, other=0)
-                w = w >> part_shift
-            else:
-                w = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), pl.ds(e0, elems)], mask=emask, other=0)
-            words.append(w)
-        return wts, words
-
-    def accumulate(acc, bias, wts, words, t, half):
-        bias = tuple(bias[h] + wts[h] * (0.5 - half) for h in range(groups))
-        new = [list(acc[h]) for h in range(groups)]
-        for lane in range(lanes):
-            code = magic
-            for p in range(t):
-                s = t - 1 - p  # plane p is bit s of c_t
-                w = words[p]
-                if lane > s:
-                    w = w >> (lane - s)
-                elif lane < s:
-                    w = w << (s - lane)
-                code = code | (w & jnp.uint32(1 << s))
-            v = jax.lax.bitcast_convert_type(code, jnp.float32) - float(2**23)  # exact: c_t
-            for h in range(groups):
-                new[h][lane] = new[h][lane] + wts[h] * v
-        return tuple(tuple(x) for x in new), bias
-
-    def channels(first, step, t, half):  # loop body over `step` consecutive slots from first + i * step
-        def body(i, carry):
-            acc, bias = carry
-            loaded = [load(first + i * step + u, t, half) for u in range(step)]  # every load before any use
-            for wts, words in loaded:
-                acc, bias = accumulate(acc, bias, wts, words, t, half)
-            return acc, bias
-        return body
-
     start = jnp.int32(0)
     for cls, t in enumerate((4, 3, 2, 1)):
         end = bounds_ref[r, cls]
         half = float(2 ** (t - 1))
-        carry = (acc, bias)
-        if unroll > 1:  # whole groups of `unroll` slots, then the rest one by one: the same order of sums
-            full = (end - start) // unroll
-            carry = jax.lax.fori_loop(0, full, channels(start, unroll, t, half), carry)
-            start = start + full * unroll
-        acc, bias = jax.lax.fori_loop(0, end - start, channels(start, 1, t, half), carry)
+
+        def body(k, carry, t=t, half=half):
+            acc, bias = carry
+            j = ch_ref[r, k]
+            a = plgpu.load(scales_ref.at[layer, src, j, block], mask=emask, other=0.0).astype(jnp.float32) * (1.0 / half)
+            wts = [qc_ref[r, h, k] * a for h in range(groups)]
+            bias = tuple(bias[h] + wts[h] * (0.5 - half) for h in range(groups))
+            words = []
+            for p in range(t):
+                if split > 1:
+                    w = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), word], mask=emask, other=0)
+                    w = w >> part_shift
+                else:
+                    w = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), pl.ds(e0, elems)], mask=emask, other=0)
+                words.append(w)
+            new = [list(acc[h]) for h in range(groups)]
+            for lane in range(lanes):
+                code = magic
+                for p in range(t):
+                    s = t - 1 - p  # plane p is bit s of c_t
+                    w = words[p]
+                    if lane > s:
+                        w = w >> (lane - s)
+                    elif lane < s:
+                        w = w << (s - lane)
+                    code = code | (w & jnp.uint32(1 << s))
+                v = jax.lax.bitcast_convert_type(code, jnp.float32) - float(2**23)  # exact: c_t
+                for h in range(groups):
+                    new[h][lane] = new[h][lane] + wts[h] * v
+            return tuple(tuple(x) for x in new), bias
+
+        acc, bias = jax.lax.fori_loop(start, end, body, (acc, bias))
         start = end
 
     tok = e[:, None] * lanes + jnp.arange(lanes, dtype=jnp.int32)[None, :]
@@ -290,7 +268,7 @@ def _plane_scan_pallas(q, planes, scales, length, channels, depths, layer, *, co
     split = WORD_BITS // config.lanes
     elems = config.tile // config.lanes
     kernel = functools.partial(_plane_scan_kernel, groups=g, elems=elems, lanes=config.lanes, num_words=w,
-                               group_start=group_start, unroll=config.unroll)
+                               group_start=group_start)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((r, g, w * split, config.lanes), jnp.float32),

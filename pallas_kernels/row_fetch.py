@@ -12,6 +12,10 @@ The decoder's cache keeps K and V of a token in one ``2 Dh`` row and fetches it 
 from host memory the cost of fresh rows scattered over gigabytes is the translation of their pages,
 so one 512-byte run per token moves 1.5x faster than two 256-byte runs at 1M tokens on the H200
 (``results/rowlayout_h200.md``).
+
+``after`` (optional arrays, never read) orders the fetch after the kernels that produced them, as the run gather's
+does: the pipelined step starts a chunk's fetch once the next chunk's scan is done, so the scan has the SMs to
+itself (:func:`fathom_jax.sparse_step.sparse_attention_step`).
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ def _row_fetch_kernel(
     idx_ref,  # i32 [Rc, S]
     layer_ref,  # i32 [1]
     *refs,  # sources [L, R, n, F] (any memory space: keys, and values if given; groups group_start.. are read),
-    #         then their outputs [Rc, S, width]
+    #         then the `after` operands (never read), then the sources' outputs [Rc, S, width]
+    sources: int,
     rows: int,
     slots: int,
     n: int,
@@ -96,6 +101,7 @@ def _row_fetch_kernel(
     group_start: int,
     programs: int,
 ):
+    refs = (*refs[:sources], *refs[-sources:])
     copy = functools.partial(_copy_rows, idx_ref, layer_ref, refs, rows=rows, slots=slots, n=n, start=start,
                              width=width, group_start=group_start)
     if not programs:
@@ -133,7 +139,7 @@ def _copy_rows(idx_ref, layer_ref, refs, r, i, active, *, rows, slots, n, start,
 
 
 @functools.partial(jax.jit, static_argnames=("columns", "config", "interpret", "group_start"))
-def _row_fetch_pallas(keys, values, index, layer, *, columns, config, interpret, group_start):
+def _row_fetch_pallas(keys, values, index, layer, after, *, columns, config, interpret, group_start):
     n = keys.shape[-2]
     r, s = index.shape
     start, width = _window(keys, columns)
@@ -141,16 +147,16 @@ def _row_fetch_pallas(keys, values, index, layer, *, columns, config, interpret,
     srcs = (keys,) if values is None else (keys, values)
     programs = min(config.programs, r * pl.cdiv(s, rows))
     out = pl.pallas_call(
-        functools.partial(_row_fetch_kernel, rows=rows, slots=s, n=n, start=start, width=width,
+        functools.partial(_row_fetch_kernel, sources=len(srcs), rows=rows, slots=s, n=n, start=start, width=width,
                           group_start=group_start, programs=programs),
         out_shape=tuple(jax.ShapeDtypeStruct((r, s, width), keys.dtype) for _ in srcs),
         grid=(programs,) if programs else (r, pl.cdiv(s, rows)),
-        in_specs=[B.any_spec()] * (2 + len(srcs)),
+        in_specs=[B.any_spec()] * (2 + len(srcs) + len(after)),
         out_specs=tuple(B.any_spec() for _ in srcs),
         interpret=interpret,
         name=KERNEL_NAME,
         compiler_params=B.compiler_params(config.num_warps),
-    )(index, layer, *srcs)
+    )(index, layer, *srcs, *after)
     return out[0], (None if values is None else out[1])
 
 
@@ -162,6 +168,7 @@ def row_fetch(
     layer=None,
     columns: tuple[int, int] | None = None,
     group_start: int = 0,
+    after=None,
     implementation: B.Implementation | None = None,
     config: RowFetchConfig | None = None,
     interpret: bool | None = None,
@@ -170,7 +177,8 @@ def row_fetch(
 
     ``columns=(start, width)``: read features ``start:start + width`` of every row (static; default all).
     With ``layer``, an index ``[Rc, S]`` reads groups ``group_start .. group_start + Rc - 1`` of the stacked
-    cache (static; see :func:`pallas_kernels.backend.request_groups`).
+    cache (static; see :func:`pallas_kernels.backend.request_groups`). ``after``: a pytree of arrays the kernel
+    waits for and never reads (ignored by the reference, which has no kernels to order).
     """
     implementation = B.resolve_implementation(implementation)
     if columns is not None:
@@ -183,8 +191,8 @@ def row_fetch(
     keys, layer_arr = B.layered(keys, layer, 2, "keys")
     if values is not None:
         values, _ = B.layered(values, layer, 2, "values")
-    k, v = _row_fetch_pallas(keys, values, index.reshape(-1, s), layer_arr, columns=columns,
-                             config=config or RowFetchConfig(), interpret=B.resolve_interpret(interpret),
+    k, v = _row_fetch_pallas(keys, values, index.reshape(-1, s), layer_arr, tuple(jax.tree.leaves(after)),
+                             columns=columns, config=config or RowFetchConfig(), interpret=B.resolve_interpret(interpret),
                              group_start=group_start)
     mask = (index >= 0) & (index < n)
     unflat = lambda x: None if x is None else x.reshape(*batch, s, -1)  # noqa: E731

@@ -77,8 +77,7 @@ def scan_cases(n, tune=False):
         if n >= 131072:
             cfgs.insert(1, PS.PlaneScanConfig(tile=1024, lanes=16, num_warps=2))
         if tune and n >= 131072:
-            cfgs += [PS.PlaneScanConfig(tile=2048, lanes=32, num_warps=2), PS.PlaneScanConfig(tile=256, lanes=8),
-                     PS.PlaneScanConfig(unroll=2), PS.PlaneScanConfig(unroll=4)]
+            cfgs += [PS.PlaneScanConfig(tile=2048, lanes=32, num_warps=2), PS.PlaneScanConfig(tile=256, lanes=8)]
         for cfg in cfgs:
             step = lambda c, ch=ch, dep=dep, cfg=cfg: c + 1e-30 * PS.plane_scan(
                 q + c, planes, scales, length, ch, dep, config=cfg, assume_sorted=True
@@ -115,15 +114,15 @@ def scan_cases(n, tune=False):
 
 
 def _scan_config_fields(cfg):
-    return {"lanes": cfg.lanes, "tile": cfg.tile, "num_warps": cfg.num_warps, "unroll": cfg.unroll}
+    return {"lanes": cfg.lanes, "tile": cfg.tile, "num_warps": cfg.num_warps}
 
 
 # One chunk of the pipelined decode step (fathom_jax.placement): the scan of the staged planes of a few groups, which
 # sits between the layer's last plane transfer and its top-k. (groups, n): Qwen3-8B shapes at batch 1, 8 KV heads in
 # 8 chunks at 1M and in 2 at 128k; batch 8 at 128k in 2 chunks.
 SCAN_CHUNKS = ((1, 1 << 20), (4, 1 << 17), (32, 1 << 17))
-SCAN_CHUNK_CONFIGS = tuple(PS.PlaneScanConfig(tile=t, lanes=l, num_warps=w, unroll=u)
-                           for t, l, w in ((512, 16, 1), (256, 8, 1), (1024, 16, 2)) for u in (1, 2, 4))
+SCAN_CHUNK_CONFIGS = tuple(PS.PlaneScanConfig(tile=t, lanes=l, num_warps=w)
+                           for t, l, w in ((512, 16, 1), (256, 8, 1), (1024, 16, 2), (1024, 32, 1)))
 
 
 def parse_chunks(text):
@@ -134,7 +133,7 @@ def parse_chunks(text):
 def scan_chunk_cases(chunks=SCAN_CHUNKS, configs=SCAN_CHUNK_CONFIGS, budget=48):
     """Fathom ``budget``'s scan of one pipelined chunk's staged planes (the run gather's compact [Rc, C, 4, W] layout,
     the active channels first, deepest first), per kernel configuration; every configuration's scores are compared
-    with the first's (``same_bits``: the unroll keeps the order of the sums)."""
+    with the first's (``same_bits``)."""
     out = []
     for groups, n in chunks:
         q, planes, scales, length, var = scan_inputs(n, batch=1, heads=groups)
@@ -158,7 +157,7 @@ def scan_chunk_cases(chunks=SCAN_CHUNKS, configs=SCAN_CHUNK_CONFIGS, budget=48):
                      active_channels=active, same_bits=bool(np.array_equal(got, first)))
             out.append(r)
             print(f"scan chunk groups={groups:2d} n={n:7d} tile={cfg.tile:4d} lanes={cfg.lanes:2d} w={cfg.num_warps} "
-                  f"unroll={cfg.unroll} {r['median_ms'] * 1e3:7.1f} us [{r['min_ms'] * 1e3:.1f}, {r['max_ms'] * 1e3:.1f}] "
+                  f"{r['median_ms'] * 1e3:7.1f} us [{r['min_ms'] * 1e3:.1f}, {r['max_ms'] * 1e3:.1f}] "
                   f"same bits {r['same_bits']}", flush=True)
     return out
 
@@ -447,10 +446,9 @@ def check_scans():
     ch, dep = PS.active_channels(plan.depths)
     b = PS.plane_scan_reference(q, planes, scales, length, ch, dep)
     rel = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
-    e = {f"plane_scan_lanes{lanes}_unroll{unroll}_rel_err": rel(PS.plane_scan(
-        q, planes, scales, length, ch, dep, config=PS.PlaneScanConfig(lanes=lanes, tile=32 * lanes, num_warps=2,
-                                                                      unroll=unroll)), b)
-        for lanes, unroll in ((8, 1), (16, 1), (32, 1), (16, 4))}
+    e = {f"plane_scan_lanes{lanes}_rel_err": rel(PS.plane_scan(
+        q, planes, scales, length, ch, dep, config=PS.PlaneScanConfig(lanes=lanes, tile=32 * lanes, num_warps=2)), b)
+        for lanes in (8, 16, 32)}
     nib = NS.pack_nibbles(planes)
     ch16 = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 3, 16))
     c = NS.nibble_scan(q, nib, scales, length, ch16)
@@ -551,18 +549,16 @@ def write_report(res, out, name="kernels_h200"):
             "Scans (HBM-resident, batch 4 x 8 KV heads, G=4, D=128)",
             [f"Correctness on the GPU: {res['scan_check']}; mean active channels per plan: {res['plan_active_channels']}.",
              "lanes = 0: blocked kernel ([blocks, 2 words, 32] tiles); 8/16/32: lanes kernel (a thread owns that many tokens)."],
-            ["kernel", "n", "lanes", "tile", "warps", "unroll", "ms (median)", "[min, max]", "GB/s (reads + f32 scores)",
-             "authors' ms"],
-            ([r["kernel"], r["n"], r.get("lanes", 0), r["tile"], r["num_warps"], r.get("unroll", 1), *_ms(r),
+            ["kernel", "n", "lanes", "tile", "warps", "ms (median)", "[min, max]", "GB/s (reads + f32 scores)", "authors' ms"],
+            ([r["kernel"], r["n"], r.get("lanes", 0), r["tile"], r["num_warps"], *_ms(r),
               f"{r['GBps']:.0f}", r["authors_ms"]] for r in res["scan"]))
     if "scan_chunk" in res:
         L += _section(
             "Scan of one pipelined chunk (Fathom 48, staged planes of the chunk's groups, HBM-resident, G=4, D=128)",
             ["The chunk scans of the decode step: 1 group of 1M tokens (batch 1 in 8 chunks), 4 and 32 groups of 128k "
-             "(batch 1 and 8 in 2 chunks). `unroll`: channels per iteration of the kernel's channel loop; `same bits`: "
-             "scores equal to the first configuration's bit for bit."],
-            ["groups", "n", "tile", "lanes", "warps", "unroll", "us (median)", "[min, max]", "same bits"],
-            ([r["groups"], r["n"], r["tile"], r["lanes"], r["num_warps"], r["unroll"], f"{r['median_ms'] * 1e3:.1f}",
+             "(batch 1 and 8 in 2 chunks). `same bits`: scores equal to the first configuration's bit for bit."],
+            ["groups", "n", "tile", "lanes", "warps", "us (median)", "[min, max]", "same bits"],
+            ([r["groups"], r["n"], r["tile"], r["lanes"], r["num_warps"], f"{r['median_ms'] * 1e3:.1f}",
               f"[{r['min_ms'] * 1e3:.1f}, {r['max_ms'] * 1e3:.1f}]", r["same_bits"]] for r in res["scan_chunk"]))
     if "gather" in res:
         L += _section(

@@ -108,6 +108,11 @@
 #   aa1 (nvidia-h200)   thirteenth session: the plane scan's channel loop unrolled (PlaneScanConfig.unroll): its GPU tests;
 #                       the scan of one pipelined chunk per configuration; Fathom 48 attention-only at 1M and 128k with
 #                       unroll 1 (the default), then with 4 patched into this machine's copy as the default
+#   aa2 (nvidia-h200)   a pipelined chunk's row fetch ordered after the next chunk's scan (sparse_step.FETCH_AFTER_NEXT_SCAN):
+#                       Fathom 48 attention-only at 1M and 128k with it (the default), then without (patched into this
+#                       machine's copy)
+#   aa3 (same machine)  every GPU test but SmolLM2's after aa2's change, first half of the GGUF
+#   aa4 (same machine)  second half; SmolLM2 GPU tests
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
@@ -505,6 +510,23 @@ aa1)
       --contexts 1m,128k --methods "Fathom 48" --share-kv-from 1m --time-budget 160 2>&1 \
       | tee $OUT/bench_aa1_u$unroll.log | cut -c1-330
   done ;;
+aa2)
+  for order in after_scan beside; do
+    if [ $order = beside ]; then  # this machine's copy only
+      sed -i 's/^FETCH_AFTER_NEXT_SCAN = True$/FETCH_AFTER_NEXT_SCAN = False/' fathom_jax/sparse_step.py
+      grep -n "^FETCH_AFTER_NEXT_SCAN = False" fathom_jax/sparse_step.py || exit 1
+    fi
+    timeout 200 python3 scripts/bench_offload.py --tag h200_aa2_$order --out $OUT --read staged --sections link,attn \
+      --contexts 1m,128k --methods "Fathom 48" --share-kv-from 1m --time-budget 190 2>&1 \
+      | tee $OUT/bench_aa2_$order.log | cut -c1-330
+  done ;;  # the next call's copy of the tree brings the repository's sparse_step.py back
+aa3)
+  cp .carry1/smol.part1 /tmp/smol.part1
+  timeout 380 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_aa3_h200.log | tail -8 ;;
+aa4)
+  cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 250 python3 -m pytest -m gpu -q -p no:cacheprovider -k smollm2 tests 2>&1 | tee $OUT/gpu_smollm2_aa4_h200.log | tail -4 ;;
 w1)
   timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_w1_h200.log | tail -6
   for union in sort sorted_heads; do

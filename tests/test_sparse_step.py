@@ -205,3 +205,31 @@ def test_kernel_options_reach_the_kernels_and_change_no_result(setting):
     assert _pallas_grids(plain, q, name="row_fetch") == [(R, G * K // 32)]  # (groups, 32-row items of the union)
     assert count_pallas_calls(tuned, q, name="topk_local_tokens") == 1
     assert count_pallas_calls(plain, q, name="topk_local_tokens") == 0
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_pipelined_chunk_fetches_wait_for_the_next_chunks_scan(setting, monkeypatch, implementation):
+    """In pipelined chunks each chunk's row fetch takes the next chunk's scores as an operand it never reads (so the
+    GPU runs it after that scan, not beside it); the last chunk's fetch has none. The order changes no result."""
+    from fathom_jax import sparse_step
+    from tests.support import pallas_call_eqns
+
+    keys, values, q, lengths, calib = setting
+    method = M.Fathom(20)
+    view, kv_cache, new = stacked_setting(setting, method)
+
+    def step(q):
+        return sparse_attention_step(method, q, view, kv_cache, jnp.asarray(lengths), calib, k=K, layer=1, new=new,
+                                     placement=Placement("pinned_host", pipeline=3, gather_programs=2),
+                                     implementation=implementation)[0]
+
+    ordered = np.asarray(jax.jit(step)(q))
+    if implementation == "pallas":
+        fetches = pallas_call_eqns(step, q, name="row_fetch")
+        assert [len(e.invars) for e in fetches] == [4, 4, 3]  # index, layer, K/V cache (+ the next chunk's scores)
+        assert all(e.invars[-1].aval.shape[:2] == (1, G) and e.invars[-1].aval.dtype == jnp.float32
+                   for e in fetches[:2])  # one group's G heads' scores
+    monkeypatch.setattr(sparse_step, "FETCH_AFTER_NEXT_SCAN", False)
+    if implementation == "pallas":
+        assert [len(e.invars) for e in pallas_call_eqns(step, q, name="row_fetch")] == [3, 3, 3]
+    np.testing.assert_array_equal(np.asarray(jax.jit(step)(q)), ordered)

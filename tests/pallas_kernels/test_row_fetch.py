@@ -16,13 +16,16 @@ class TestRowFetch(KernelTestBase):
     @pytest.mark.parametrize("n,s,rows,programs", [(50, 37, 8, 0), (64, 1, 4, 0), (300, 128, 32, 0),
                                                     (300, 128, 32, 3), (50, 37, 8, 7), (64, 1, 4, 64)])
     def test_exact(self, impl, rng, n, s, rows, programs):
-        """One program per work item, or persistent programs (more than, fewer than, not dividing the items)."""
+        """One program per work item, or persistent programs (more than, fewer than, not dividing the items); an
+        ``after`` operand (never read) changes nothing."""
         k = jnp.asarray(rng.standard_normal((2, 6, n, D)), jnp.bfloat16)
         v = jnp.asarray(rng.standard_normal((2, 6, n, D)), jnp.bfloat16)
         idx = jnp.asarray(rng.integers(-5, n + 5, (6, s)), jnp.int32)  # includes padding (-ve, >= n)
         config = RF.RowFetchConfig(rows=rows, programs=programs)
-        fetch = jax.jit(lambda a, b, layer: RF.row_fetch(a, b, idx, layer=layer, config=config, **impl.kw))
-        got_k, got_v, mask = fetch(host(k, impl), host(v, impl), jnp.int32(1))
+        fetch = jax.jit(lambda a, b, layer, after: RF.row_fetch(a, b, idx, layer=layer, after=after, config=config,
+                                                                **impl.kw))
+        after = (jnp.ones((2, 5)), jnp.int32(0)) if programs else None  # orders the kernel, changes nothing
+        got_k, got_v, mask = fetch(host(k, impl), host(v, impl), jnp.int32(1), after)
         assert_equal(got_k, np_row_fetch(k[1], idx))
         assert_equal(got_v, np_row_fetch(v[1], idx))
         assert_equal(mask, (idx >= 0) & (idx < n))
@@ -61,6 +64,11 @@ def test_row_fetch_lowers_to_triton_and_validates():
                                                                implementation="pallas", interpret=False),
                              z((3, 2, 64, D), jnp.bfloat16), z((3, 2, 64, D), jnp.bfloat16), jnp.int32(2))
     assert text.count(f'name = "{RF.KERNEL_NAME}"') == 1
+    ordered = lower_triton_text(lambda a, layer, after: RF.row_fetch(a, None, z((2, 9), jnp.int32), layer=layer,
+                                                                     after=after, implementation="pallas",
+                                                                     interpret=False),
+                                z((3, 2, 64, D), jnp.bfloat16), jnp.int32(2), z((7,), jnp.float32))
+    assert "gpu.triton(%arg1, %arg2, %arg0, %arg3)" in ordered  # index, layer, cache, then the `after` operand
     with pytest.raises(ValueError, match="values"):
         RF.row_fetch(z((2, 64, D), jnp.bfloat16), z((2, 64, D), jnp.float32), z((2, 9), jnp.int32))
     with pytest.raises(ValueError, match="power of two"):
