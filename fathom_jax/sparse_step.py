@@ -165,9 +165,9 @@ def _pipelined(method, q, index, length, calib, new, row_cache, kv_cache, layer,
     chunk's plane transfer ordered after the previous chunk's (and after nothing else), so that it can run
     beside the previous chunk's scan, selection, row fetch and attention (see :mod:`fathom_jax.placement`).
 
-    A chunk's row fetch waits for the next chunk's scan (``FETCH_AFTER_NEXT_SCAN``): where both were ready together
-    they shared the SMs, and the layer's last scan, which the rest of the layer waits on, ran at half speed.
-    Returns the chunks' outputs (a list)."""
+    The next-to-last chunk's row fetch waits for the last chunk's scan (``FETCH_AFTER_NEXT_SCAN``): where both were
+    ready together they shared the SMs, and the layer's last scan, which the rest of the layer waits on, ran at half
+    speed. Returns the chunks' outputs (a list)."""
     q = q.astype(jnp.float32)
     read = method.read(q, index, calib, implementation=kw["implementation"])
     groups = q.shape[0]
@@ -181,17 +181,21 @@ def _pipelined(method, q, index, length, calib, new, row_cache, kv_cache, layer,
             outs.append(selected)
             continue
         if pending is not None:
+            last = start + size == groups
+            wait = FETCH_AFTER_NEXT_SCAN == "every" or (FETCH_AFTER_NEXT_SCAN == "last" and last)
             outs.append(_fetch_attend(pending, kv_cache, kv_layer, placement=placement,
-                                      after=selected.scores if FETCH_AFTER_NEXT_SCAN else None, **kw))
+                                      after=selected.scores if wait else None, **kw))
         pending = selected
     if pending is not None:
         outs.append(_fetch_attend(pending, kv_cache, kv_layer, placement=placement, **kw))
     return outs
 
 
-# Whether a pipelined chunk's row fetch waits for the next chunk's scan (the scan of one group of 1M tokens took 35 us
-# alone and 63 us beside the previous chunk's row fetch in the H200's 1M step).
-FETCH_AFTER_NEXT_SCAN = True
+# Which pipelined chunks' row fetches wait for the next chunk's scan: "last" (the next-to-last chunk's, for the last
+# scan), "every" or "none". The scan of one group of 1M tokens took 35 us alone and 63 us beside the previous chunk's
+# fetch; on the H200 (run aa2) "every" against "none" took 17.65 against 18.79 ms per 128k step (2 chunks: the same
+# as "last") and 67.21 against 66.72 at 1M (8 chunks).
+FETCH_AFTER_NEXT_SCAN = "last"
 
 
 def _step_groups(method, group_start, size, q, index, length, calib, new, row_cache, kv_cache, layer, kv_layer, *, k,

@@ -111,7 +111,9 @@
 #   aa2 (nvidia-h200)   a pipelined chunk's row fetch ordered after the next chunk's scan (sparse_step.FETCH_AFTER_NEXT_SCAN):
 #                       Fathom 48 attention-only at 1M and 128k with it (the default), then without (patched into this
 #                       machine's copy)
-#   aa3 (same machine)  every GPU test but SmolLM2's after aa2's change, first half of the GGUF
+#   aa3 (same machine)  the wait for the last chunk's scan only (FETCH_AFTER_NEXT_SCAN = "last", the default; aa2 ran
+#                       "every" against "none"): Fathom 48 attention-only at 1M and 128k; every GPU test but SmolLM2's,
+#                       first half of the GGUF
 #   aa4 (same machine)  second half; SmolLM2 GPU tests
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
@@ -513,7 +515,7 @@ aa1)
 aa2)
   for order in after_scan beside; do
     if [ $order = beside ]; then  # this machine's copy only
-      sed -i 's/^FETCH_AFTER_NEXT_SCAN = True$/FETCH_AFTER_NEXT_SCAN = False/' fathom_jax/sparse_step.py
+      sed -i 's/^FETCH_AFTER_NEXT_SCAN = True$/FETCH_AFTER_NEXT_SCAN = False/' fathom_jax/sparse_step.py  # then a bool
       grep -n "^FETCH_AFTER_NEXT_SCAN = False" fathom_jax/sparse_step.py || exit 1
     fi
     timeout 200 python3 scripts/bench_offload.py --tag h200_aa2_$order --out $OUT --read staged --sections link,attn \
@@ -522,6 +524,9 @@ aa2)
   done ;;  # the next call's copy of the tree brings the repository's sparse_step.py back
 aa3)
   cp .carry1/smol.part1 /tmp/smol.part1
+  timeout 150 python3 scripts/bench_offload.py --tag h200_aa3_last --out $OUT --read staged --sections attn \
+    --contexts 1m,128k --methods "Fathom 48" --share-kv-from 1m --time-budget 140 2>&1 \
+    | tee $OUT/bench_aa3_last.log | cut -c1-330
   timeout 380 python3 -m pytest -m gpu -q -p no:cacheprovider -rs -k "not smollm2" tests 2>&1 | tee $OUT/gpu_tests_aa3_h200.log | tail -8 ;;
 aa4)
   cat /tmp/smol.part1 .carry2/smol.part2 > $FATHOM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf

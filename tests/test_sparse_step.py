@@ -209,8 +209,9 @@ def test_kernel_options_reach_the_kernels_and_change_no_result(setting):
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_pipelined_chunk_fetches_wait_for_the_next_chunks_scan(setting, monkeypatch, implementation):
-    """In pipelined chunks each chunk's row fetch takes the next chunk's scores as an operand it never reads (so the
-    GPU runs it after that scan, not beside it); the last chunk's fetch has none. The order changes no result."""
+    """In pipelined chunks the next-to-last chunk's row fetch takes the last chunk's scores as an operand it never reads
+    (so the GPU runs it after that scan, not beside it), or every chunk's fetch the next one's; the order changes no
+    result."""
     from fathom_jax import sparse_step
     from tests.support import pallas_call_eqns
 
@@ -223,13 +224,14 @@ def test_pipelined_chunk_fetches_wait_for_the_next_chunks_scan(setting, monkeypa
                                      placement=Placement("pinned_host", pipeline=3, gather_programs=2),
                                      implementation=implementation)[0]
 
+    assert sparse_step.FETCH_AFTER_NEXT_SCAN == "last"
     ordered = np.asarray(jax.jit(step)(q))
-    if implementation == "pallas":
-        fetches = pallas_call_eqns(step, q, name="row_fetch")
-        assert [len(e.invars) for e in fetches] == [4, 4, 3]  # index, layer, K/V cache (+ the next chunk's scores)
-        assert all(e.invars[-1].aval.shape[:2] == (1, G) and e.invars[-1].aval.dtype == jnp.float32
-                   for e in fetches[:2])  # one group's G heads' scores
-    monkeypatch.setattr(sparse_step, "FETCH_AFTER_NEXT_SCAN", False)
-    if implementation == "pallas":
-        assert [len(e.invars) for e in pallas_call_eqns(step, q, name="row_fetch")] == [3, 3, 3]
-    np.testing.assert_array_equal(np.asarray(jax.jit(step)(q)), ordered)
+    # operands: index, layer, K/V cache (+ the next chunk's scores)
+    for order, operands in (("last", [3, 4, 3]), ("every", [4, 4, 3]), ("none", [3, 3, 3])):
+        monkeypatch.setattr(sparse_step, "FETCH_AFTER_NEXT_SCAN", order)
+        if implementation == "pallas":
+            fetches = pallas_call_eqns(step, q, name="row_fetch")
+            assert [len(e.invars) for e in fetches] == operands, order
+            assert all(e.invars[-1].aval.shape[:2] == (1, G) and e.invars[-1].aval.dtype == jnp.float32
+                       for e, n in zip(fetches, operands) if n == 4)  # one group's G heads' scores
+        np.testing.assert_array_equal(np.asarray(jax.jit(step)(q)), ordered)
