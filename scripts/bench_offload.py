@@ -556,11 +556,19 @@ def merge(paths, out_prefix):
         key = tuple(str(row.get(f)) for f in ("kind", "method", "context", "batch", "memory", "read", "mesh",
                                               *SPLIT_DEFAULTS, "shared_kv", "tag", "weight_gemms"))
         if key not in latest or row["run_date"] >= latest[key]["run_date"]:
+            older = latest.get(key)
+            if older is not None and "profile" in older and "profile" not in row:  # the newest profile stays, dated
+                row = row | {"profile": older["profile"], "profile_run_date": older.get("profile_run_date",
+                                                                                         older["run_date"])}
             latest[key] = row
     superseded = sum(len(p.get("rows", [])) for p in parts) - len(latest)
     res["rows"] = list(latest.values())
+    tail = " rows of earlier runs superseded by later runs of the same measurement"
+    earlier = [note for note in res["notes"] if note.endswith(tail) and note.split(" ", 1)[0].isdigit()]
+    superseded += sum(int(note.split(" ", 1)[0]) for note in earlier)  # a merged file merged again: one count
+    res["notes"] = [note for note in res["notes"] if note not in earlier]
     if superseded:
-        res["notes"].append(f"{superseded} rows of earlier runs superseded by later runs of the same measurement")
+        res["notes"].append(f"{superseded}{tail}")
     for key in ("link", "hbm_copy"):
         res[key] = next((p[key] for p in parts if key in p), None) or {}
     res["links"] = [link for p in parts for link in (p.get("links") or ([{"command": p["command"], "link": p["link"]}]
@@ -826,6 +834,8 @@ def write_report(res: dict, prefix: str) -> None:
             what += f", {split_text(r)}" if split_text(r) else ""
             what += ", plane blocks written when full" if r.get("index_writes") == "full_blocks" else ""
             what += ", each layer's writes in the layer scan" if r.get("scan_writes") else ""
+            if r.get("profile_run_date"):  # profiled in an earlier run of this measurement than the row's median
+                what += f" (profiled in the run of {r['profile_run_date'][:16]}; median above from {r['run_date'][:16]})"
             lines += [f"Profile of the {what}, {r['method']} at {r['context']} (batch {r['batch']}): wall "
                       f"{p['wall_ms_per_step']:.1f} ms, device span {p['device_span_ms_per_step']:.1f} ms, busy "
                       f"{p['device_busy_ms_per_step']:.1f} ms per step; "

@@ -46,7 +46,13 @@ def test_merge_keeps_the_newest_row_and_dates_errors(tmp_path):
     again = copy.deepcopy(res)
     json.dump(again, open(tmp_path / "again.json", "w"))
     bench_offload.merge([str(tmp_path / "again.json")], str(tmp_path / "merged2"))
-    assert json.load(open(tmp_path / "merged2.json"))["errors"][0]["run_date"] == old["machine"]["date"]
+    merged2 = json.load(open(tmp_path / "merged2.json"))
+    assert merged2["errors"][0]["run_date"] == old["machine"]["date"]
+    # ... and one count of the rows superseded over all its merges, not one note per merge.
+    json.dump(new | {"machine": {**new["machine"], "date": "2026-12-01T10:00:00+00:00"}}, open(tmp_path / "newer.json", "w"))
+    bench_offload.merge([str(tmp_path / "merged2.json"), str(tmp_path / "newer.json")], str(tmp_path / "merged3"))
+    notes = [n for n in json.load(open(tmp_path / "merged3.json"))["notes"] if "superseded" in n]
+    assert notes == ["2 rows of earlier runs superseded by later runs of the same measurement"]
 
 
 def test_variants_and_their_labels():
@@ -121,3 +127,20 @@ def test_row_cache_report_puts_each_row_beside_the_step_without_a_cache():
     assert len(table) == 2 and not any(line.startswith("| full") for line in lines)
     assert "| 16384 | 60% | 80 |" in table[1] and table[1].endswith("| 40.0 | 2.00 | 1.50x |")
     assert bench_offload.row_cache_lines([rows[2]]) == []
+
+
+def test_merge_keeps_an_older_profile_dated_when_the_newer_run_has_none(tmp_path):
+    """A newer median of a measurement without a profile keeps the older run's breakdown, which the report dates."""
+    old = part("2026-11-29T10:00:00+00:00", 22.0, [], [])
+    old["rows"][0]["profile"] = {"wall_ms_per_step": 23.0, "device_span_ms_per_step": 22.5,
+                                 "device_busy_ms_per_step": 22.0, "ms_per_step": {"row fetch": 6.0}}
+    new = part("2026-11-30T10:00:00+00:00", 20.6, [], [])
+    paths = [str(tmp_path / "old.json"), str(tmp_path / "new.json")]
+    for path, p in zip(paths, (old, new)):
+        json.dump(p, open(path, "w"))
+    bench_offload.merge(paths, str(tmp_path / "merged"))
+    (row,) = json.load(open(tmp_path / "merged.json"))["rows"]
+    assert row["median_ms"] == 20.6 and row["profile"]["ms_per_step"] == {"row fetch": 6.0}
+    assert row["profile_run_date"] == old["machine"]["date"]
+    assert "(profiled in the run of 2026-11-29T10:00; median above from 2026-11-30T10:00)" in \
+        (tmp_path / "merged.md").read_text()
