@@ -548,7 +548,8 @@ def write_report(res, out, name="kernels_h200"):
         L += _section(
             "Scans (HBM-resident, batch 4 x 8 KV heads, G=4, D=128)",
             [f"Correctness on the GPU: {res['scan_check']}; mean active channels per plan: {res['plan_active_channels']}.",
-             "lanes = 0: blocked kernel ([blocks, 2 words, 32] tiles); 8/16/32: lanes kernel (a thread owns that many tokens)."],
+             "lanes: consecutive tokens a thread owns in the plane scan (8, 16 or 32; 0 in rows of the nibble scans and in "
+             "rows of the blocked kernel, since removed, in older results)."],
             ["kernel", "n", "lanes", "tile", "warps", "ms (median)", "[min, max]", "GB/s (reads + f32 scores)", "authors' ms"],
             ([r["kernel"], r["n"], r.get("lanes", 0), r["tile"], r["num_warps"], *_ms(r),
               f"{r['GBps']:.0f}", r["authors_ms"]] for r in res["scan"]))
