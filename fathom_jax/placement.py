@@ -32,7 +32,9 @@ depends on nothing else, so a runtime that runs independent kernels concurrently
 planes over the link while this chunk is scanned, selected and its rows fetched. The programs of such a
 placement ask XLA for exactly that (:attr:`Placement.compiler_options`: CUDA-graph nodes scheduled by
 their data dependencies alone), and the gather runs as ``gather_programs`` persistent programs so that it
-leaves SMs to the kernels beside it.
+leaves SMs to the kernels beside it. One order is imposed beyond the data's: the next-to-last chunk's row fetch
+waits for the last chunk's scan, which the rest of the layer waits on and which ran at half speed beside it
+(:data:`fathom_jax.sparse_step.FETCH_AFTER_NEXT_SCAN`).
 """
 
 from __future__ import annotations
