@@ -115,6 +115,9 @@
 #                       "every" against "none"): Fathom 48 attention-only at 1M and 128k; every GPU test but SmolLM2's,
 #                       first half of the GGUF
 #   aa4 (same machine)  second half; SmolLM2 GPU tests
+#   aa5-aa7 (nvidia-h200) run from the shell (commands in their JSON and logs): four methods side by side at 1M and
+#                       128k (aa5); Fathom 48 at 1M profiled with the fetch order (aa6: its traces did not come back; aa7
+#                       ran scripts/trace_gaps.py on the machine)
 #   g3/g4 (nvidia-h200-x2) g1's and g2's benchmarks with the host allocator's limit near the cache's size: g1
 #                       was killed holding 247 GB of pinned memory for a 171 GB cache (the allocator grows
 #                       its pinned regions towards XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, per device), each
