@@ -148,7 +148,7 @@ def sparse_attention_step(
 
 
 def _check_row_cache(row_cache: RowCache, groups: int, kv_cache, *, stacked: bool) -> None:
-    slots = row_cache.tags.shape[-1]
+    slots = row_cache.slots
     lead = row_cache.tags.shape[:1] if stacked else ()
     if row_cache.tags.shape != (*lead, groups, slots) or row_cache.tags.dtype != jnp.int32:
         axes = "[L, R, C]" if stacked else "[R, C]"
@@ -198,13 +198,12 @@ def _pipelined(method, q, index, length, calib, new, row_cache, kv_cache, layer,
 FETCH_AFTER_NEXT_SCAN = "last"
 
 
-def _step_groups(method, group_start, size, q, index, length, calib, new, row_cache, kv_cache, layer, kv_layer, *, k,
-                 sink, local, placement, implementation, topk):
+def _step_groups(method, group_start, size, q, index, length, calib, new, row_cache, kv_cache, layer, kv_layer, **kw):
     """The step for groups ``group_start .. group_start + size - 1`` of the stacked cache (all of them when
     unstacked): per-group arguments hold those groups only, the bulk arrays all of them."""
     q = q.astype(jnp.float32)
-    read = method.read(q, index, calib, implementation=implementation)  # a key read plans nothing from the keys themselves
-    kw = dict(k=k, sink=sink, local=local, placement=placement, implementation=implementation, topk=topk)
+    # a key read plans nothing from the keys themselves
+    read = method.read(q, index, calib, implementation=kw["implementation"])
     selected, _ = _select(read, q, index, length, new, row_cache, group_start, kv_cache, layer, kv_layer, **kw)
     if not isinstance(selected, _Selected):  # a dense read: attended already
         return selected
