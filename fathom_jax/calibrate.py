@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from fathom_jax.checks import CheckError, fail_if, is_traced
 from fathom_jax.store import KeyRotation
 
 SKIP_TOKENS = 16  # leading tokens left out of mean / variance / covariance (4 sinks x 4, as the authors)
@@ -82,21 +83,18 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(Calibration))
 # Checks
 
 
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
 def _check_floating(name: str, x, min_ndim: int, what: str) -> jax.Array:
+    """Floating point, at least ``min_ndim`` axes (trace time), and finite: a CheckError eagerly, and under jit at
+    run time (statistics are computed once per session, off the decode hot path: :mod:`fathom_jax.checks`)."""
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
     if x.ndim < min_ndim:
-        raise ValueError(f"{name} must be {what}, got shape {x.shape}")
-    if _is_concrete(x):
-        arr = np.asarray(x, np.float32)
-        if not np.all(np.isfinite(arr)):
-            bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
-            raise ValueError(f"{name} contains {bad} NaN or inf value(s); calibration needs finite values")
+        raise CheckError(f"{name} must be {what}, got shape {x.shape}")
+    if x.size:
+        nonfinite = jnp.sum(~jnp.isfinite(x)) if is_traced(x) else np.size(x) - np.count_nonzero(np.isfinite(x))
+        fail_if(nonfinite > 0, lambda bad: f"{name} contains {int(bad)} NaN or inf value(s); calibration needs "
+                                           "finite values", nonfinite)
     return x
 
 
@@ -215,8 +213,9 @@ def calibrate_session(
 
     The KLT is ordered by eigenvalue (there are no queries to measure score variance) and Loki uses the
     same basis; Double Sparsity falls back to ordering channels by ``mean|k_j|``. ``length`` marks the
-    valid prefix of each sequence (traced lengths are fine: this function is jit-friendly). If a
-    sequence holds fewer than ``skip_tokens + 2`` valid tokens, its statistics use all of them.
+    valid prefix of each sequence (traced lengths are fine: this function is jit-friendly; outside [1, n] they
+    raise eagerly, and traced in checkify mode). If a sequence holds fewer than ``skip_tokens + 2`` valid
+    tokens, its statistics use all of them. NaN or inf keys raise a CheckError, under ``jit`` at run time.
     """
     keys = _check_floating("keys", keys, 2, "[..., n, D]")
     if skip_tokens < 0:
@@ -225,8 +224,11 @@ def calibrate_session(
     if length is None:
         length = jnp.full(batch, n, jnp.int32)
     else:
-        if _is_concrete(length) and np.any((np.asarray(length) < 1) | (np.asarray(length) > n)):
-            raise ValueError(f"length must lie in [1, {n}], got {np.asarray(length)}")
+        got = length if is_traced(length) else np.asarray(length)
+        if not jnp.issubdtype(got.dtype, jnp.integer):
+            raise TypeError(f"length must be integer token counts [*B] = {list(batch)}, got dtype {got.dtype}")
+        # Traced lengths are a prefill's (checked where they enter): checked here in checkify mode only.
+        fail_if((got < 1) | (got > n), lambda bad: f"length must lie in [1, {n}], got {bad}", got, hot=True)
         length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), batch)
     keys = keys.astype(jnp.float32)
     skip = jnp.where(length - skip_tokens >= 2, skip_tokens, 0)

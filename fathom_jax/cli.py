@@ -14,6 +14,7 @@ line too (exit status 1). ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -25,6 +26,7 @@ from fathom_jax.cli_args import (  # noqa: F401  (GiB, positive_int: part of the
     EXIT_USAGE,
     GiB,
     K_TYPE,
+    Distinct,
     UsageError,
     _Parser,
     add_model_arguments,
@@ -37,6 +39,7 @@ from fathom_jax.cli_args import (  # noqa: F401  (GiB, positive_int: part of the
     peak_bytes,
     positive_int,
     run_metadata,
+    running,
     sparse_summary,
 )
 
@@ -45,7 +48,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     from fathom_jax.calibrate import SKIP_TOKENS
     from fathom_jax.eval import fidelity as fid
-    from fathom_jax.eval import study, texts
+    from fathom_jax.eval import resume, study, texts
     from fathom_jax.models import capture_qkv, hub
 
     # Arguments first: the run takes minutes to an hour, so nothing may fail after it starts.
@@ -82,12 +85,19 @@ def _sweep(args: argparse.Namespace) -> int:
                              f"fewer than --context {longest}")
 
     t0 = time.time()
+    done = []  # results files finished by this run (or by an earlier one, with --resume)
+    saved = lambda: f"finished contexts in {', '.join(done)}" if done else "no context had finished"  # noqa: E731
     # The study's programs compile in the background from here on, while the model loads and runs.
-    with study.compiling_ahead(configs, config):
+    with resume.stop_on_interrupt("sweep", saved, args.argv), study.compiling_ahead(configs, config):
         model, _, _ = hub.load_model(args.model)
         model_name = ("SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)" if args.model is None
                       else os.fspath(args.model))
         for context, cfg in zip(args.context, configs):
+            prefix = sweep_prefix(args, context)
+            if args.resume and resume.finished(prefix + ".json", dataclasses.asdict(cfg)):
+                done.append(prefix + ".json")
+                print(f"[sweep] --resume: {prefix}.json holds this context's study already; skipped", flush=True)
+                continue
             t_context = time.time()
             calib_ids = texts.token_window(calib_all, context, name="calibration text")
             eval_ids = texts.token_window(eval_all, context, name="evaluation text")
@@ -97,15 +107,19 @@ def _sweep(args: argparse.Namespace) -> int:
             meta = {"model": model_name, "calib_text": calib_info, "eval_text": eval_info, **run_metadata(args)}
             res = study.run_study(eval_cap, calib_cap, cfg, meta=meta, progress=not args.quiet)
             res["meta"]["wall_seconds"] = round(time.time() - t_context, 1)  # capture + study, this context
-            # The committed study uses the paper's 128 positions; other runs get their own files.
-            suffix = "" if args.positions == 128 else f"_{args.positions}pos"
-            size = f"{context // 1024}k" if context % 1024 == 0 else f"{context}tok"
-            prefix = os.path.join(args.out, f"fidelity_{model_slug(args.model)}_{size}{suffix}")
             paths = study.write_report(res, prefix)
+            done.append(prefix + ".json")
             print(study.render_markdown(res))
             print(f"[sweep] wrote {', '.join(paths)}")
     print(f"[sweep] done in {time.time() - t0:.0f} s")
     return 0
+
+
+def sweep_prefix(args: argparse.Namespace, context: int) -> str:
+    # The committed study uses the paper's 128 positions; other runs get their own files.
+    suffix = "" if args.positions == 128 else f"_{args.positions}pos"
+    size = f"{context // 1024}k" if context % 1024 == 0 else f"{context}tok"
+    return os.path.join(args.out, f"fidelity_{model_slug(args.model)}_{size}{suffix}")
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -219,7 +233,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[generate] {attention_fn.label}", file=sys.stderr)
         kwargs["attention_fn"] = attention_fn
     t0 = time.time()
-    out = generate(model, jnp.asarray(prompt), args.max_new_tokens, capacity=capacity, **kwargs)
+    out = generate(model, jnp.asarray(prompt), args.max_new_tokens, capacity=capacity, **kwargs,
+                   allow_long_context=args.allow_long_context, memory_check=not args.no_memory_check)
     out.block_until_ready()
     seconds = time.time() - t0
     if sparse:
@@ -262,13 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
                        description="The error-vs-bits study: calibrate on Python's documentation prose, evaluate "
                                    "every scan method on standard-library code, write results/*.json/.md/.png.",
                        epilog=BUDGET_GUIDE)
-    p.add_argument("--context", type=positive_int(1), nargs="+", default=[4096], help="window length(s) in tokens")
+    p.add_argument("--context", type=positive_int(1), nargs="+", default=[4096], action=Distinct,
+                   help="window length(s) in tokens")
     p.add_argument("--positions", type=positive_int(1), default=128,
                    help="decode positions at the end of each window (the paper: 128)")
-    p.add_argument("--k", type=K_TYPE, nargs="+", default=None,
+    p.add_argument("--k", type=K_TYPE, nargs="+", default=None, action=Distinct,
                    help="selection sizes, tokens per query head (default: 128, 256 and 2%% of the context)")
     p.add_argument("--out", default="results", help="folder for fidelity_<model>_<context>k*.json/.md/.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--resume", action="store_true",
+                   help="skip the contexts whose results files an earlier run of the same study wrote")
     add_model_arguments(p)
     p.set_defaults(func=_sweep)
 
@@ -326,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv, prog = argv, f"fathom {args.command}"
-        return args.func(args)
+        with running(args.command):
+            return args.func(args)
     except UsageError as err:
         if debug:
             raise

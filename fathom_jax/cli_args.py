@@ -9,12 +9,15 @@ every results file records. Subcommands registered from other modules reuse them
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
 import shlex
 import tempfile
 from collections.abc import Callable
+
+from fathom_jax.host_memory import available_bytes, param_count, peak_bytes, shortfall  # noqa: F401  (the CLI's API)
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -93,6 +96,44 @@ def method_spec(text: str):
 K_TYPE = positive_int(MIN_K, " (every query head keeps 4 sink + 32 local tokens)")
 
 
+class Distinct(argparse.Action):
+    """``nargs="+"`` values each given once: ``--context 256 256`` would run one study twice into the same files."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise argparse.ArgumentError(self, f"{', '.join(map(str, repeated))} given more than once")
+        setattr(namespace, self.dest, values)
+
+
+@contextlib.contextmanager
+def running(command: str):
+    """Around a command that uses JAX (all but fetch-model): its backend checked first (:func:`check_backend`),
+    and a run-time check that fires reported as the library's CheckError, message first."""
+    if command == "fetch-model":
+        yield
+        return
+    check_backend()
+    from fathom_jax.checks import reraise
+
+    with reraise():
+        yield
+
+
+def check_backend() -> None:
+    """JAX's backend starts (``JAX_PLATFORMS=cuda`` on a machine without a GPU gave a 28-line traceback)."""
+    import jax
+
+    try:
+        jax.devices()
+    except Exception as err:  # JAX raises RuntimeError, or AssertionError when the platform is not installed
+        wanted = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "the default"
+        detail = " ".join(str(err).split())[:200] or type(err).__name__
+        raise UsageError(f"JAX cannot start the platform(s) JAX_PLATFORMS={wanted!r} asks for on this machine "
+                         f"({detail}); unset JAX_PLATFORMS, or set it to one this machine has (cpu, or cuda on a GPU "
+                         "machine with the gpu extra: bash scripts/setup_env.sh --gpu)") from None
+
+
 # ----------------------------------------------------------------------------------------------
 # Checks shared by the commands (all run before any model weights are loaded)
 
@@ -124,46 +165,11 @@ def check_positions(tokens: int, config, allow_long: bool, what: str) -> None:
         )
 
 
-def param_count(config) -> int:
-    d, h, hkv, hid = config.head_dim, config.n_heads, config.n_kv_heads, config.hidden
-    per_layer = 2 * hid * h * d + 2 * hid * hkv * d + 3 * hid * config.intermediate + 2 * hid
-    embeddings = config.vocab * hid * (1 if config.tie_word_embeddings else 2)
-    return config.n_layers * per_layer + embeddings + hid
-
-
-def peak_bytes(config, tokens: int, *, capture_texts: int = 0) -> int:
-    """A sizing of the largest allocation of a run at ``tokens`` tokens (f32 on the CPU).
-
-    Prefill materialises one layer's attention scores, exponentials and probabilities
-    ([heads, T, T] f32 each); the weights are held twice while a GGUF is dequantized; the KV cache,
-    and for the study the captured q/k/v of every layer for each text, come on top.
-    """
-    weights = 2 * 4 * param_count(config)
-    scores = 3 * 4 * config.n_heads * tokens * tokens
-    cache = 2 * 4 * config.n_layers * config.n_kv_heads * tokens * config.head_dim
-    captured = capture_texts * 4 * config.n_layers * (config.n_heads + 2 * config.n_kv_heads) * tokens * config.head_dim
-    return weights + scores + cache + captured
-
-
-def available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def check_memory(need: int, what: str, skip: bool) -> None:
-    have = available_bytes()
-    if skip or have is None or need <= have:
-        return
-    raise UsageError(
-        f"{what} needs about {need / GiB:.1f} GiB of memory and {have / GiB:.1f} GiB is available; use fewer "
-        "tokens (or pass --no-memory-check to try anyway)"
-    )
+    """The run's sizing (:func:`fathom_jax.host_memory.peak_bytes`) against the memory available now."""
+    message = None if skip else shortfall(need, what, available_bytes(), "--no-memory-check")
+    if message:
+        raise UsageError(message)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -138,3 +138,50 @@ def check(allocations: list[int], *, devices: int, what: str = "the cache") -> N
         f"{phys / GiB:.0f} GiB: lower the cap to {suggest} GiB per GPU"
         + ("" if need * devices * GiB <= 0.9 * phys else ", or use fewer tokens (even that is too much)")
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Whether a run fits the machine: the one sizing the CLI and models.generate share
+
+
+def param_count(config) -> int:
+    d, h, hkv, hid = config.head_dim, config.n_heads, config.n_kv_heads, config.hidden
+    per_layer = 2 * hid * h * d + 2 * hid * hkv * d + 3 * hid * config.intermediate + 2 * hid
+    embeddings = config.vocab * hid * (1 if config.tie_word_embeddings else 2)
+    return config.n_layers * per_layer + embeddings + hid
+
+
+def peak_bytes(config, tokens: int, *, capture_texts: int = 0, batch: int = 1, weights: bool = True) -> int:
+    """A sizing of the largest allocation of a run at ``tokens`` tokens (f32 on the CPU).
+
+    Prefill materialises one layer's attention scores, exponentials and probabilities
+    ([batch, heads, T, T] f32 each); the weights are held twice while a GGUF is dequantized (``weights=False``:
+    a model already loaded); the KV cache, and for the study the captured q/k/v of every layer for each text,
+    come on top.
+    """
+    held = 2 * 4 * param_count(config) if weights else 0
+    scores = 3 * 4 * batch * config.n_heads * tokens * tokens
+    cache = 2 * 4 * batch * config.n_layers * config.n_kv_heads * tokens * config.head_dim
+    captured = capture_texts * 4 * config.n_layers * (config.n_heads + 2 * config.n_kv_heads) * tokens * config.head_dim
+    return held + scores + cache + captured
+
+
+def available_bytes() -> int | None:
+    """The machine's available memory (``MemAvailable``), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def shortfall(need: int, what: str, available: int | None, opt_out: str) -> str | None:
+    """The message when ``need`` bytes exceed ``available`` (None: it fits, or nothing is known); ``opt_out``
+    names the way to try anyway (the CLI's flag, or generate's keyword)."""
+    if available is None or need <= available:
+        return None
+    return (f"{what} needs about {need / GiB:.1f} GiB of memory and {available / GiB:.1f} GiB is available; use "
+            f"fewer tokens (or pass {opt_out} to try anyway)")

@@ -25,7 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from fathom_jax import format as fmt
-from fathom_jax.checks import fail_if, is_traced
+from fathom_jax.checks import CheckError, fail_if, is_traced
 from fathom_jax.format import N_PLANES
 from pallas_kernels import backend
 from pallas_kernels import water_line as water_line_lib
@@ -54,11 +54,36 @@ def _plan(depths: Array, theta: Array) -> ReadPlan:
     return ReadPlan(depths=depths, theta=theta, code_bits=jnp.sum(depths, axis=-1), bits_per_token=fmt.bits_per_token(depths))
 
 
+def _check_real(name: str, x, want: str) -> None:
+    """Trace-time dtype check: real numbers (floating point or integer), with the expected shape in the message."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"{name} must be real numbers {want}, got dtype {dtype}")
+
+
+def _check_shapes(name: str, q_shape, stat_shape, stat: str, want: str) -> None:
+    """``q [*G, H, D]`` against a per-channel statistic ``[*G, D]`` (leading axes broadcast)."""
+    lead, d = q_shape[:-2], q_shape[-1] if q_shape else None
+    ok = len(q_shape) >= 2 and len(stat_shape) >= 1 and stat_shape[-1] == d
+    if ok:
+        try:
+            np.broadcast_shapes(lead, stat_shape[:-1])
+        except ValueError:
+            ok = False
+    if not ok:
+        raise CheckError(f"{name}: q must be [*G, H, D] and {stat} {want}; got q {list(q_shape)} and {stat} "
+                         f"{list(stat_shape)}" + (f" (expected {stat} [..., {d}])" if len(q_shape) >= 2 else ""))
+
+
 def importance(q: Float[Array, "*G H D"], variance: Float[Array, "*G D"]) -> Float[Array, "*G D"]:
     """Eq. 3: ``g_j = sum_h q_j^2 Var(k_j)`` over the query heads of the group (axis -2).
 
-    For the KLT store pass queries already rotated (``q V``) and the eigenvalues as ``variance``.
+    For the KLT store pass queries already rotated (``q V``) and the eigenvalues as ``variance``. Shapes and
+    dtypes are checked at trace time (``variance``'s leading axes broadcast against the groups ``*G``).
     """
+    _check_real("importance: q", q, "[*G, H, D]")
+    _check_real("importance: variance", variance, "[*G, D]")
+    _check_shapes("importance", jnp.shape(q), jnp.shape(variance), "variance", "[*G, D]")
     q = jnp.asarray(q, jnp.float32)
     return jnp.sum(q * q, axis=-2) * jnp.asarray(variance, jnp.float32)
 
@@ -67,6 +92,12 @@ def importance_klt(
     q: Float[Array, "*G H D"], basis: Float[Array, "*G D D"], eigenvalues: Float[Array, "*G D"]
 ) -> Float[Array, "*G D"]:
     """The KLT form of Eq. 3: ``g_j = sum_h ((q V)_j)^2 lambda_j`` for raw (unrotated) queries."""
+    _check_real("importance_klt: q", q, "[*G, H, D]")
+    _check_real("importance_klt: basis", basis, "[*G, D, D]")
+    b = jnp.shape(basis)
+    if len(b) < 2 or b[-1] != b[-2]:
+        raise CheckError(f"importance_klt: basis must be [*G, D, D], got shape {list(b)}")
+    _check_shapes("importance_klt", jnp.shape(q), b[:-1], "basis", "[*G, D, D]")
     return importance(jnp.einsum("...hd,...de->...he", q, basis), eigenvalues)
 
 
@@ -97,23 +128,43 @@ def depths_at(g: Float[Array, "*G D"], theta: Float[Array, "*G"]) -> Int[Array, 
 
 
 def _check_budget(budget, d: int) -> None:
-    """Budgets in [0, 4 D]: eagerly, or at run time when traced (a host call only on failure), because a
-    larger budget would otherwise be clamped to reading everything without a word."""
+    """Budgets are whole numbers of code bits in [0, 4 D]: eagerly, or at run time when traced (a host call only
+    on failure), because a larger budget would otherwise be clamped to reading everything, and 48.7 planned as 48,
+    without a word."""
     top = N_PLANES * d
     b = jnp.asarray(budget, jnp.float32) if is_traced(budget) else np.asarray(budget, np.float64)
-    bad = ~((b >= 0) & (b <= top))  # NaN fails both comparisons
-    fail_if(bad, lambda got: f"budget must lie in [0, {top}] code bits (4 x D = {top} at D = {d}), got "
-                             f"{got[~((got >= 0) & (got <= top))].ravel()[:4].tolist()}", b)
+
+    def bad(x):  # NaN fails every comparison
+        floor = jnp.floor if is_traced(x) else np.floor
+        return ~((x >= 0) & (x <= top) & (x == floor(x)))
+
+    fail_if(bad(b), lambda got: f"budget must lie in [0, {top}] code bits (4 x D = {top} at D = {d}) and be a whole "
+                                f"number, got {got[bad(got)].ravel()[:4].tolist()}", b)
 
 
-def _check_importance(g) -> None:
-    if g.ndim < 1:
-        raise ValueError(f"importance must be [..., D], got shape {g.shape}")
-    if isinstance(g, jax.core.Tracer):
-        return
-    arr = np.asarray(g)
-    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-        raise ValueError("importance must be finite and non-negative (sum of squared query weights x variances)")
+def _check_importance(g) -> jax.Array:
+    """Importances ``[*G, D]`` must be finite and non-negative. Concrete: a CheckError. Traced (the decode hot
+    path): checked in checkify mode only; otherwise a channel whose importance is NaN, inf or negative is not
+    read (depth 0), the documented default, and the other channels are planned as if it were 0."""
+    _check_real("importance", g, "[*G, D]")
+    if jnp.ndim(g) < 1:
+        raise CheckError(f"importance must be [*G, D], got shape {list(jnp.shape(g))}")
+    g = jnp.asarray(g, jnp.float32)
+    valid = jnp.isfinite(g) & (g >= 0)
+    fail_if(~valid, lambda got: f"importance must be finite and non-negative (sum of squared query weights x "
+                                f"variances), got {int(np.sum(~np.isfinite(got)))} NaN or inf and "
+                                f"{int(np.sum(got < 0))} negative value(s)", g, hot=True)
+    return jnp.where(valid, g, 0.0)
+
+
+def _check_budget_shape(budget, groups: tuple[int, ...]) -> None:
+    try:
+        ok = np.broadcast_shapes(jnp.shape(budget), groups) == groups
+    except ValueError:
+        ok = False
+    if not ok:
+        raise CheckError(f"budget must be a scalar or broadcast to the query groups [*G] = {list(groups)}, got shape "
+                         f"{list(jnp.shape(budget))}")
 
 
 def _prepare(g, budget, bracket):
@@ -122,9 +173,9 @@ def _prepare(g, budget, bracket):
     The default bracket spans from ``4^-4.5`` below the smallest positive importance (every channel at
     full depth) to 4x the largest (nothing read), so it always contains the water line.
     """
-    g = jnp.asarray(g, jnp.float32)
-    _check_importance(g)
+    g = _check_importance(g)
     _check_budget(budget, g.shape[-1])
+    _check_budget_shape(budget, g.shape[:-1])
     budget = jnp.broadcast_to(jnp.asarray(budget, jnp.float32), g.shape[:-1])
     if bracket is None:
         positive = g > 0
@@ -203,10 +254,10 @@ def plan_exact(g: Float[Array, "*G D"], budget: Int[Array, "*G"] | int) -> ReadP
     Marginal gains fall by 4x per plane within a channel, so taking the largest ones overall gives every
     channel a prefix of its planes; zero-importance channels are never read.
     """
-    g = jnp.asarray(g, jnp.float32)
-    _check_importance(g)
+    g = _check_importance(g)
     d = g.shape[-1]
     _check_budget(budget, d)
+    _check_budget_shape(budget, g.shape[:-1])
     budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), g.shape[:-1])
     gains = g[..., :, None] * (0.25 ** jnp.arange(N_PLANES, dtype=jnp.float32))  # [*G, D, 4]
     flat = gains.reshape(*g.shape[:-1], d * N_PLANES)

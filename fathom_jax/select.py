@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from fathom_jax.checks import CheckError, fail_if
 from pallas_kernels import backend
 from pallas_kernels.topk import TopkConfig, topk_select
 
@@ -48,16 +49,20 @@ def select_topk(
     and the spare slots are masked. NaN scores rank below every real score (XLA path).
     ``implementation="pallas"`` uses the top-k kernels (``pallas_kernels.topk``: the same set, ties
     aside, in increasing position order; ``config`` tunes them); ``"xla"`` uses ``lax.top_k``; None: pallas on a GPU.
+
+    ``length`` (integers, broadcasting to ``[*B]``) must lie in [0, n]: a CheckError when concrete. A traced
+    length (the decode step's) is checked in checkify mode only (:func:`fathom_jax.checks.checked`); by
+    default it is clamped to [0, n], so a length past ``n`` selects as if it were ``n``.
     """
     implementation = backend.resolve_implementation(implementation)
     scores = jnp.asarray(scores)
     if scores.ndim < 2:
-        raise ValueError(f"scores must be [..., G, n], got shape {scores.shape}")
+        raise CheckError(f"select_topk: scores must be [*B, G, n], got shape {list(scores.shape)}")
+    if not jnp.issubdtype(scores.dtype, jnp.floating):
+        raise TypeError(f"select_topk: scores must be floating point [*B, G, n], got dtype {scores.dtype}")
     n = scores.shape[-1]
     check_k(k, n, sink, local)
-    length = jnp.asarray(length, jnp.int32)
-    if not isinstance(length, jax.core.Tracer) and np.any(np.asarray(length) > n):
-        raise ValueError(f"length {np.asarray(length)} exceeds the {n} scored positions")
+    length = _checked_length(length, scores.shape[:-2], n)
     if implementation == "pallas":
         rows = scores.reshape(-1, n).astype(jnp.float32)
         lengths = jnp.broadcast_to(length[..., None], scores.shape[:-1]).reshape(-1)
@@ -66,6 +71,24 @@ def select_topk(
         return jnp.maximum(idx, 0), idx >= 0
     top, idx = jax.lax.top_k(selection_priority(scores, length, sink=sink, local=local), k)
     return idx.astype(jnp.int32), top > -jnp.inf
+
+
+def _checked_length(length, batch: tuple[int, ...], n: int) -> Int[Array, "*B"]:
+    """``length`` checked (integer dtype, shape ``[*B]`` or broadcasting to it, values in [0, n]) and clamped."""
+    dtype = length.dtype if hasattr(length, "dtype") else np.asarray(length).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"select_topk: length must be integer token counts [*B], got dtype {dtype}")
+    try:
+        ok = np.broadcast_shapes(np.shape(length), batch) == batch
+    except ValueError:
+        ok = False
+    if not ok:
+        raise CheckError(f"select_topk: length must be a scalar or broadcast to the batch [*B] = {list(batch)} of "
+                         f"scores [*B, G, n], got shape {list(np.shape(length))}")
+    length = jnp.asarray(length, jnp.int32)
+    fail_if((length < 0) | (length > n), lambda got: f"select_topk: length must lie in [0, {n}] (the scored "
+            f"positions), got values in [{got.min()}, {got.max()}]", length, hot=True)
+    return jnp.clip(length, 0, n)
 
 
 def selection_priority(
@@ -213,9 +236,25 @@ def sparse_attention(
     *,
     scale: float | None = None,
 ) -> Float[Array, "*B G D"]:
-    """Attention of each head over its own selected rows only (gathered from the full K/V)."""
+    """Attention of each head over its own selected rows only (gathered from the full K/V).
+
+    Where ``mask`` is set, ``indices`` must lie in [0, n): a CheckError when concrete. Traced indices (the
+    decode step's) are checked in checkify mode only (:func:`fathom_jax.checks.checked`); by default a
+    selected index outside [0, n) reads a NaN row, so that head's output is NaN (not a row read from the
+    other end, as NumPy's negative indices would); unselected slots are never read.
+    """
     _check_attention_shapes("sparse_attention", q, keys, values, (indices, mask))
-    rows_k, rows_v = gather_rows(keys, values, indices)
+    for name, x, kind in (("indices", indices, jnp.integer), ("mask", mask, jnp.bool_)):
+        if not jnp.issubdtype(jnp.result_type(x), kind):
+            raise TypeError(f"sparse_attention: {name} must be {'integer' if kind is jnp.integer else 'bool'} "
+                            f"[..., G, k], got dtype {jnp.result_type(x)}")
+    n = keys.shape[-2]
+    outside = ((indices < 0) | (indices >= n)) & mask
+    fail_if(outside, lambda idx, out: f"sparse_attention: indices must lie in [0, {n}) (rows of keys and values) "
+            f"where mask is set, got {int(out.sum())} outside, in [{idx[out].min()}, {idx[out].max()}]",
+            indices, outside, hot=True)
+    # Row n is out of bounds: the gather fills it with NaN. Unselected slots read row 0 (weight 0).
+    rows_k, rows_v = gather_rows(keys, values, jnp.where(mask, jnp.where(outside, n, indices), 0))
     return attend_rows(q, rows_k, rows_v, mask, scale=scale)
 
 

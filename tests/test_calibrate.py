@@ -1,5 +1,7 @@
 """Calibration statistics: against plain numpy, orderings, session fallback, save/load, bad inputs."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,3 +166,26 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="basis must have shape"):
         C.from_arrays(variance=np.ones(4), mean=np.zeros(4), basis=np.eye(3), eigenvalues=np.ones(4),
                       ds_order=np.arange(4), loki_basis=np.eye(4))
+
+
+def test_nan_keys_raise_eagerly_and_under_jit_with_one_message():
+    """Issue 30: ``jax.jit(calibrate_session)`` on keys with a NaN returned NaN variances without a word. Statistics
+    are computed once per session, off the decode hot path: a run-time check, which the library's entry points
+    (and checks.reraise) report as the CheckError it is, and checks.checked as well."""
+    from fathom_jax import checks
+
+    keys = np.ones((2, 40, 4), np.float32)
+    keys[1, 5, 2] = np.nan
+    message = re.escape("keys contains 1 NaN or inf value(s); calibration needs finite values")
+    with pytest.raises(checks.CheckError, match=message):
+        C.calibrate_session(keys)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+        jax.block_until_ready(jax.jit(C.calibrate_session)(keys))
+    with pytest.raises(checks.CheckError, match=f"^{message}$"), checks.reraise():
+        jax.block_until_ready(jax.jit(C.calibrate_session)(keys))
+    with pytest.raises(checks.CheckError, match=f"^{message}$"):
+        checks.checked(jax.jit(C.calibrate_session))(keys)
+    with pytest.raises(checks.CheckError, match=r"length must lie in \[1, 40\]"):
+        checks.checked(jax.jit(C.calibrate_session))(np.ones((2, 40, 4), np.float32), length=jnp.array([40, 41]))
+    with pytest.raises(TypeError, match="length must be integer token counts"):
+        C.calibrate_session(np.ones((2, 40, 4), np.float32), length=np.array([4.0, 5.0]))

@@ -157,3 +157,57 @@ def test_bisection_never_exceeds_the_budget_at_the_water_line(jit):
     assert np.all(np.asarray(plan.code_bits) <= budget)
     np.testing.assert_array_equal(np.asarray(plan.depths), np.asarray(P.plan_exact(g, budget).depths))
     np.testing.assert_array_equal(np.asarray(P.depths_at(g, plan.theta)).sum(-1) <= budget + 1, True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 30: bad importances and budgets, eagerly, under jit and in checkify mode
+
+
+def test_nan_importance_eagerly_jitted_and_checked(appendix_importance):
+    """A NaN importance under jit silently planned the channel at depth 0. It is the documented default on the decode
+    hot path (the other channels are planned as if it were 0); eagerly and under checks.checked a CheckError."""
+    from fathom_jax import checks
+
+    g = appendix_importance.at[2].set(jnp.nan)
+    message = r"importance must be finite and non-negative .* got 1 NaN or inf and 0 negative value\(s\)"
+    with pytest.raises(checks.CheckError, match=message):
+        P.plan_bisection(g, 8)
+    plan = _BISECTION(g, 8)
+    np.testing.assert_array_equal(plan.depths, _BISECTION(appendix_importance.at[2].set(0.0), 8).depths)
+    assert int(plan.depths[2]) == 0
+    with pytest.raises(checks.CheckError, match=message):
+        checks.checked(_BISECTION)(g, 8)
+    with pytest.raises(checks.CheckError, match=r"got 0 NaN or inf and 1 negative"):
+        checks.checked(_EXACT)(appendix_importance.at[0].set(-1.0), 8)
+
+
+def test_fractional_budget_is_refused_not_floored(appendix_importance):
+    """``plan_bisection(g, 48.7)`` planned 48 bits without a word."""
+    from fathom_jax import checks
+
+    message = r"budget must lie in \[0, 16\] code bits .* and be a whole number, got \[8.5\]"
+    with pytest.raises(checks.CheckError, match=message):
+        P.plan_bisection(appendix_importance, 8.5)
+    with pytest.raises(checks.CheckError, match=message), checks.reraise():
+        jax.block_until_ready(_BISECTION(appendix_importance, jnp.float32(8.5)))
+    with pytest.raises(checks.CheckError, match=message):
+        checks.checked(_EXACT)(appendix_importance, jnp.float32(8.5))
+    assert int(_BISECTION(appendix_importance, jnp.float32(8.0)).code_bits) == 8
+
+
+def test_importance_shapes_and_dtypes_are_checked_at_trace_time():
+    from fathom_jax import checks
+
+    q = jnp.ones((2, 4, 8))
+    with pytest.raises(checks.CheckError, match=r"q must be \[\*G, H, D\] and variance \[\*G, D\]; got q \[2, 4, 8\] "
+                                                r"and variance \[2, 7\] \(expected variance \[..., 8\]\)"):
+        jax.jit(P.importance)(q, jnp.ones((2, 7)))
+    with pytest.raises(checks.CheckError, match=r"variance \[3, 8\]"):
+        P.importance(q, jnp.ones((3, 8)))
+    with pytest.raises(TypeError, match=r"importance: q must be real numbers \[\*G, H, D\], got dtype complex64"):
+        P.importance(q.astype(jnp.complex64), jnp.ones(8))
+    with pytest.raises(checks.CheckError, match=r"basis must be \[\*G, D, D\], got shape \[2, 8, 7\]"):
+        P.importance_klt(q, jnp.ones((2, 8, 7)), jnp.ones((2, 8)))
+    with pytest.raises(checks.CheckError, match=r"budget must be a scalar or broadcast to the query groups \[\*G\] = \[2\]"):
+        P.plan_bisection(jnp.ones((2, 8)), jnp.array([4, 4, 4]))
+    assert P.importance(q, jnp.ones(8)).shape == (2, 8)

@@ -181,3 +181,59 @@ def test_attention_shapes_are_checked_even_under_jit():
         sel.dense_attention(jnp.ones((2, 8)), keys, keys, 10)
     with pytest.raises(ValueError, match="indices and mask"):
         sel.sparse_attention(q, keys, keys, jnp.zeros((3, 3), jnp.int32), jnp.ones((3, 3), bool))
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 30: lengths past the context and indices past the keys, eagerly, under jit and in checkify mode
+
+
+def test_length_past_the_scores_eagerly_jitted_and_checked(rng):
+    """Jitted select_topk with length 5000 over n = 1000 scores kept 9 of the 32 most recent tokens. Eagerly and
+    under checks.checked a CheckError; under plain jit (the decode hot path) the length is clamped to n."""
+    from fathom_jax import checks
+
+    scores = jnp.asarray(rng.standard_normal((1, 2, 300)).astype(np.float32))
+    message = r"select_topk: length must lie in \[0, 300\] \(the scored positions\), got values in \[5000, 5000\]"
+    with pytest.raises(checks.CheckError, match=message):
+        sel.select_topk(scores, 5000, k=64, implementation="xla")
+    top = jax.jit(functools.partial(sel.select_topk, implementation="xla"), static_argnames="k")
+    idx, mask = top(scores, jnp.int32(5000), k=64)
+    want_idx, want_mask = top(scores, jnp.int32(300), k=64)
+    np.testing.assert_array_equal(idx, want_idx)
+    np.testing.assert_array_equal(mask, want_mask)
+    assert set(range(268, 300)) <= set(np.asarray(idx[0, 0]).tolist())  # the 32 most recent tokens
+    with pytest.raises(checks.CheckError, match=message):
+        checks.checked(top)(scores, jnp.int32(5000), k=64)
+    with pytest.raises(checks.CheckError, match=r"got values in \[-1, -1\]"):
+        sel.select_topk(scores, -1, k=64, implementation="xla")
+    with pytest.raises(TypeError, match=r"length must be integer token counts \[\*B\], got dtype float"):
+        sel.select_topk(scores, 300.0, k=64, implementation="xla")
+    with pytest.raises(checks.CheckError, match=r"broadcast to the batch \[\*B\] = \[1\] .* got shape \[2\]"):
+        sel.select_topk(scores, jnp.array([300, 300]), k=64, implementation="xla")
+
+
+def test_indices_past_the_keys_eagerly_jitted_and_checked(rng):
+    """``sparse_attention`` with indices past n gave all-NaN outputs eagerly and without a word. Eagerly and under
+    checks.checked a CheckError; under plain jit (the decode hot path) a head that selects such a row outputs
+    NaN, the documented default, while the other heads and unselected out-of-range slots are unaffected."""
+    from fathom_jax import checks
+
+    q = jnp.asarray(rng.standard_normal((1, 2, 8)).astype(np.float32))
+    keys, values = (jnp.asarray(rng.standard_normal((1, 50, 8)).astype(np.float32)) for _ in range(2))
+    idx = jnp.asarray(np.stack([np.arange(40), np.arange(40) + 5])[None].astype(np.int32))
+    mask = jnp.ones((1, 2, 40), bool)
+    good = np.asarray(sel.sparse_attention(q, keys, values, idx, mask))
+    bad_idx = idx.at[0, 1, 3].set(2000)
+    message = r"sparse_attention: indices must lie in \[0, 50\) .* where mask is set, got 1 outside, in \[2000, 2000\]"
+    with pytest.raises(checks.CheckError, match=message):
+        sel.sparse_attention(q, keys, values, bad_idx, mask)
+    out = np.asarray(jax.jit(sel.sparse_attention)(q, keys, values, bad_idx, mask))
+    np.testing.assert_array_equal(out[0, 0], good[0, 0])
+    assert np.all(np.isnan(out[0, 1]))
+    with pytest.raises(checks.CheckError, match=message):
+        checks.checked(jax.jit(sel.sparse_attention))(q, keys, values, bad_idx, mask)
+    # masked-out slots may hold anything (the Pallas top-k marks them -1): never read, never an error
+    unused = np.asarray(sel.sparse_attention(q, keys, values, idx.at[0, 1, 3].set(-1), mask.at[0, 1, 3].set(False)))
+    assert np.all(np.isfinite(unused))
+    with pytest.raises(TypeError, match=r"indices must be integer \[..., G, k\], got dtype float32"):
+        sel.sparse_attention(q, keys, values, idx.astype(jnp.float32), mask)

@@ -10,11 +10,13 @@ before the model loads; a bad one is a :class:`~fathom_jax.cli_args.UsageError` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
-from fathom_jax.cli_args import UsageError, check_out_dir, positive_int, run_metadata
+from fathom_jax.cli_args import Distinct, UsageError, check_out_dir, positive_int, run_metadata
 from fathom_jax.eval import downstream as ds
+from fathom_jax.eval import resume
 from fathom_jax.eval import ruler as ruler_lib
 from fathom_jax.eval import sweeps
 
@@ -31,11 +33,12 @@ def register(subparsers) -> None:
         description="RULER-style retrieval and tracking tasks (paper 5.5) on SmolLM2-135M-Instruct with a haystack "
                     "of Python's documentation prose; one dense prefill per sample, greedy decoding branched per "
                     "method; writes results/ruler_smollm2_<context>.json/.md/.png.")
-    p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096],
+    p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096], action=Distinct,
                    help=f"tokens of cache: prompt + {sweeps.RESERVED} (a multiple of 64, at most {SMOLLM2_POSITIONS})")
-    p.add_argument("--k", type=positive_int(1), nargs="+", default=[64, 128],
+    p.add_argument("--k", type=positive_int(1), nargs="+", default=[64, 128], action=Distinct,
                    help="selection sizes, tokens per query head (the same for every method)")
-    p.add_argument("--tasks", nargs="+", default=list(ruler_lib.TASKS), help=f"tasks: {', '.join(ruler_lib.TASKS)}")
+    p.add_argument("--tasks", nargs="+", default=list(ruler_lib.TASKS), action=Distinct,
+                   help=f"tasks: {', '.join(ruler_lib.TASKS)}")
     p.add_argument("--per-task", type=positive_int(1), default=8, help="samples per task and context")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples (needles, keys, depths)")
     p.add_argument("--methods", nargs="+", default=list(ds.DEFAULT_METHODS), help=method_help)
@@ -47,11 +50,11 @@ def register(subparsers) -> None:
         description="Step agreement (paper 5.6): every method decodes the next tokens of real code sessions from "
                     "one dense prefill; the score is the word-level sequence-match ratio against the exact top-k "
                     "step. Writes results/agreement_smollm2_<context>.json/.md/.png.")
-    p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096],
+    p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096], action=Distinct,
                    help=f"tokens of cache: session + steps (a multiple of 64, at most {SMOLLM2_POSITIONS})")
     p.add_argument("--sessions", type=positive_int(2, " (a standard error needs two)"), default=40,
                    help="code sessions")
-    p.add_argument("--k-fraction", type=float, nargs="+", default=[0.02, 0.005],
+    p.add_argument("--k-fraction", type=float, nargs="+", default=[0.02, 0.005], action=Distinct,
                    help="selection sizes as fractions of the context")
     p.add_argument("--steps", type=positive_int(1), default=64, help="tokens each method decodes")
     p.add_argument("--methods", nargs="+", default=list(ds.DEFAULT_METHODS), help=method_help)
@@ -69,6 +72,9 @@ def _common(p) -> None:
                    help="tokens of the pydoc prose captured for the corpus statistics (and the bits per token)")
     p.add_argument("--out", default="results", help="folder for the results files")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run: skip the contexts whose results files exist for the same "
+                        "arguments and the decodes its .partial.jsonl file saved (Ctrl-C saves them as they finish)")
 
 
 def _checked(configs, check, out: str):
@@ -105,18 +111,37 @@ def _label(context: int) -> str:
 
 
 def _run(kind: str, configs, args, run) -> int:
+    """Each config's sweep, its finished (batch, method) decodes saved as they finish in
+    ``<out>/<kind>_smollm2_<context>.partial.jsonl`` (removed once the results are written). ``--resume`` skips
+    the contexts whose results exist for the same configuration and the decodes the partial file holds."""
     from fathom_jax.eval import downstream_report
     from fathom_jax.models import load_smollm2
 
     t0 = time.time()
-    model, tokenizer, _ = load_smollm2()
-    meta = run_metadata(args)
+    todo, written, logs = [], [], []
     for config in configs:
-        res = run(config, model, tokenizer, progress=not args.quiet, meta=meta)
         prefix = os.path.join(args.out, f"{kind}_smollm2_{_label(config.context)}")
-        paths = downstream_report.write_report(res, prefix)
-        print(downstream_report.render_markdown(res))
-        print(f"[{kind}] wrote {', '.join(paths)}")
+        if args.resume and resume.finished(prefix + ".json", dataclasses.asdict(config)):
+            print(f"[{kind}] --resume: {prefix}.json holds this configuration's results already; skipped", flush=True)
+        else:
+            todo.append((config, prefix))
+
+    def saved() -> str:
+        held = [f"{len(log.saved)} finished decodes in {log.path}" for log in logs[-1:] if log.saved]
+        return ", ".join(held + [f"{p}.json written" for p in written]) or "nothing had finished"
+
+    with resume.stop_on_interrupt(kind, saved, args.argv):
+        model, tokenizer, _ = load_smollm2() if todo else (None, None, None)
+        meta = run_metadata(args)
+        for config, prefix in todo:
+            logs.append(resume.UnitLog(prefix + ".partial.jsonl", {"kind": kind, "config": dataclasses.asdict(config)},
+                                       resume=args.resume))
+            res = run(config, model, tokenizer, progress=not args.quiet, meta=meta, log=logs[-1])
+            paths = downstream_report.write_report(res, prefix)
+            logs[-1].remove()
+            written.append(prefix)
+            print(downstream_report.render_markdown(res))
+            print(f"[{kind}] wrote {', '.join(paths)}")
     print(f"[{kind}] done in {time.time() - t0:.0f} s")
     return 0
 

@@ -32,7 +32,9 @@ import numpy as np
 
 from fathom_jax import calibrate as cal
 from fathom_jax import planner as planner_lib
+from fathom_jax.checks import reraise
 from fathom_jax.eval import fidelity as fid
+from fathom_jax.eval.progress import Progress
 from fathom_jax.eval.report import headline, plot, render_markdown, write_report  # noqa: F401  (re-exported)
 from fathom_jax.methods import (
     DoubleSparsity,
@@ -201,6 +203,7 @@ def calibration_studies(
     return table, rule
 
 
+@reraise()  # a run-time check that fires reads as its CheckError
 def run_study(
     eval_capture: fid.Capture,
     calib_capture: fid.Capture,
@@ -224,11 +227,8 @@ def run_study(
     if default_rows:
         known = set(config.layer_plan_grid) if with_plans else set()
         calls += len(config.layer_plan_grid) * with_plans + sum(b not in known for b in basis_budgets) + len(basis_budgets)
-    bar = False
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=calls * n_layers, desc=f"study @ {n_tokens} tokens", unit="layer", smoothing=0.05)
+    # Its ETA starts at the first finished (evaluation, layer): programs compile on a background thread meanwhile.
+    bar = Progress(calls * n_layers, f"study @ {n_tokens} tokens", unit="layer", sequential=False) if progress else False
 
     calib_positions = fid.default_positions(calib_capture.q.shape[2], config.calib_positions)
     # Statistics and dense attention (every row's target), each computed once, side by side.

@@ -12,6 +12,7 @@ plain JSON (every sample's score and generation, the configuration and the run's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -22,11 +23,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fathom_jax import calibrate as cal
+from fathom_jax.checks import reraise
 from fathom_jax.eval import agreement as agreement_lib
 from fathom_jax.eval import downstream as ds
 from fathom_jax.eval import ruler as ruler_lib
+from fathom_jax.eval.progress import Progress
+from fathom_jax.eval.resume import UnitLog
 
 RESERVED = 64  # cache slots past the prompt: the longest generation (40 RULER tokens, 64 agreement tokens)
 CALIBRATIONS = ("corpus", "session")
@@ -88,6 +93,8 @@ def check_common(config, max_context: int, head_dim: int) -> None:
     for k in config.ks:
         if k < 1 or k > config.context:
             raise ValueError(f"k={k} must lie in [1, context = {config.context}]")
+    if len(set(config.ks)) != len(config.ks):
+        raise ValueError(f"selection sizes repeat: k = {list(config.ks)} at context {config.context}; give each once")
     if config.batch < 1:
         raise ValueError(f"batch must be >= 1, got {config.batch}")
     if config.calibration not in CALIBRATIONS:
@@ -170,34 +177,72 @@ def _meta(config, extra: dict | None) -> dict:
     }
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="decode", smoothing=0.05)
-
-
 def _batches(items: Sequence, size: int):
     for i in range(0, len(items), size):
         yield items[i: i + size]
 
 
-def _decode_all(model, prompts, branches, steps, config, corpus, bar, timing):
-    """Every branch's greedy tokens for one batch of prompts: ``{branch key: [B, steps] array}``."""
-    t0 = time.time()
-    prefill = ds.dense_prefill(model, prompts, config.context)
-    jax.block_until_ready(prefill.first)
-    timing["prefill_s"] += time.time() - t0
-    calib = corpus if config.calibration == "corpus" else session_calibration(prefill, model)
-    out = {}
+@dataclasses.dataclass
+class _Units:
+    """What the batches of one sweep share: the corpus statistics, the progress bar, the seconds spent, and the
+    log of finished (batch, branch) units (None: nothing saved)."""
+
+    config: Any
+    corpus: cal.Calibration
+    bar: Progress
+    log: UnitLog | None
+    timing: dict = dataclasses.field(default_factory=lambda: {"prefill_s": 0.0, "decode_s": 0.0})
+    resumed: int = 0  # units an earlier, interrupted run saved
+    earlier_s: float = 0.0  # ... and the seconds they took
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _start(config, n_samples: int, branches, progress: bool, log: UnitLog | None, corpus) -> _Units:
+    n_batches = -(-n_samples // config.batch)
+    done = [(i, b.key) for i in range(n_batches) for b in branches if log and log.get(f"{i}:{b.key}")]
+    kind = "RULER" if isinstance(config, RulerConfig) else "agreement"
+    bar = Progress(n_batches * len(branches), f"{kind} @ {config.context}", unit="decode", done=len(done),
+                   keys=len(branches), enabled=progress)
+    units = _Units(config, corpus, bar, log, resumed=len(done))
+    for i, key in done:  # the time the saved units took, so that the totals are the whole run's
+        for name in units.timing:
+            units.timing[name] += log.get(f"{i}:{key}").get(name, 0.0)
+    units.earlier_s = sum(units.timing.values())
+    return units
+
+
+def _decode_all(model, index: int, prompts, branches, steps: int, units: _Units) -> dict:
+    """Every branch's greedy tokens for batch ``index`` of the prompts: ``{branch key: [B, steps] array}``; units
+    the log holds are read back, the others decoded (after one prefill) and logged as each finishes."""
+    out, todo = {}, []
     for branch in branches:
+        saved = units.log and units.log.get(f"{index}:{branch.key}")
+        if saved:
+            out[branch.key] = np.asarray(saved["tokens"], np.int32)
+        else:
+            todo.append(branch)
+    if not todo:
+        return out
+    t0 = time.time()
+    prefill = ds.dense_prefill(model, prompts, units.config.context)
+    jax.block_until_ready(prefill.first)
+    prefill_s = time.time() - t0
+    units.timing["prefill_s"] += prefill_s
+    calib = units.corpus if units.config.calibration == "corpus" else session_calibration(prefill, model)
+    for branch in todo:
         t0 = time.time()
-        out[branch.key] = ds.decode_branch(model, prefill, branch, steps, calib)
-        timing["decode_s"] += time.time() - t0
-        if bar is not None:
-            bar.set_postfix_str(branch.name, refresh=False)
-            bar.update(1)
+        tokens = np.asarray(ds.decode_branch(model, prefill, branch, steps, calib))
+        decode_s = time.time() - t0
+        units.timing["decode_s"] += decode_s
+        out[branch.key] = tokens
+        if units.log is not None:
+            units.log.add(f"{index}:{branch.key}", {"tokens": tokens.tolist(), "decode_s": round(decode_s, 3),
+                                                    "prefill_s": round(prefill_s, 3)})
+            prefill_s = 0.0  # counted once per batch
+        units.bar.set_postfix_str(branch.name)
+        units.bar.update(1, key=branch.key)
     return out
 
 
@@ -205,8 +250,23 @@ def _decode_all(model, prompts, branches, steps, config, corpus, bar, timing):
 # The sweeps
 
 
-def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, meta: dict | None = None) -> dict:
-    """RULER-style tasks at one context: every sample's score for every branch, plus provenance."""
+def _timing(t_start: float, units: _Units) -> dict:
+    """Seconds of the whole run: this process's, plus the prefill and decoding of the units an earlier,
+    interrupted run saved (``resumed_units`` of them; its set-up time is not known)."""
+    out = {"wall_s": round(time.time() - t_start + units.earlier_s, 1),
+           **{k: round(v, 1) for k, v in units.timing.items()}}
+    if units.resumed:
+        out["resumed_units"] = units.resumed
+    return out
+
+
+@reraise()  # a run-time check that fires reads as its CheckError
+def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, meta: dict | None = None,
+              log: UnitLog | None = None) -> dict:
+    """RULER-style tasks at one context: every sample's score for every branch, plus provenance.
+
+    ``log``: where finished (batch, branch) units are written as they finish and read back from (an interrupted
+    run resumed with the same log gives the results an uninterrupted one would)."""
     from fathom_jax.eval import texts
 
     check_ruler(config, model.config.max_position_embeddings, model.config.head_dim)
@@ -216,25 +276,20 @@ def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, m
     samples = ruler_lib.make_samples(tokenizer, config.tasks, config.per_task, config.prompt_tokens, config.seed,
                                      sentences=sentences)
     branches = ds.branches(methods, config.ks)
-    n_batches = -(-len(samples) // config.batch)
-    bar = _progress(n_batches * len(branches), f"RULER @ {config.context}", progress)
-    timing = {"prefill_s": 0.0, "decode_s": 0.0}
     scores = {b.key: [] for b in branches}
     generations = {b.key: [] for b in branches}
-    for batch in _batches(samples, config.batch):
-        tokens = _decode_all(model, [s.prompt for s in batch], branches, config.steps, config, calib,
-                             bar, timing)
-        for key, toks in tokens.items():
-            for s, t in zip(batch, toks):
-                text = tokenizer.decode(t[: s.gen_tokens].tolist())
-                scores[key].append(ruler_lib.score(text, s.gold))
-                generations[key].append(text)
-    if bar is not None:
-        bar.close()
+    with contextlib.closing(_start(config, len(samples), branches, progress, log, calib)) as units:
+        for i, batch in enumerate(_batches(samples, config.batch)):
+            tokens = _decode_all(model, i, [s.prompt for s in batch], branches, config.steps, units)
+            for key in (b.key for b in branches):
+                for s, t in zip(batch, tokens[key]):
+                    text = tokenizer.decode(t[: s.gen_tokens].tolist())
+                    scores[key].append(ruler_lib.score(text, s.gold))
+                    generations[key].append(text)
     return {
         "kind": "ruler",
         "meta": {**_meta(config, meta), "calib_text": calib_info, "haystack": hay_info,
-                 "wall_s": round(time.time() - t_start, 1), **{k: round(v, 1) for k, v in timing.items()},
+                 **_timing(t_start, units), "compile_s": round(units.bar.compile_s, 1),
                  "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "head_dim": model.config.head_dim,
                  "forced_tokens": {str(k): list(ds.forced_tokens(k)) for k in config.ks}},
         "samples": [{"task": s.task, "gold": list(s.gold), "depths": [round(d, 4) for d in s.depths]} for s in samples],
@@ -242,27 +297,24 @@ def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, m
     }
 
 
+@reraise()
 def run_agreement(config: AgreementConfig, model, tokenizer, *, progress: bool = True,
-                  meta: dict | None = None) -> dict:
+                  meta: dict | None = None, log: UnitLog | None = None) -> dict:
     """Step agreement: every method's next ``steps`` tokens on every session, scored against the exact
-    top-k step at the same k (and, for reference, against the real next span of code)."""
+    top-k step at the same k (and, for reference, against the real next span of code). ``log``: as
+    :func:`run_ruler`'s."""
     check_agreement(config, model.config.max_position_embeddings, model.config.head_dim)
     t_start = time.time()
     methods, calib, calib_info, bits = _setup(config, model, tokenizer)
     sessions, session_info = agreement_lib.make_sessions(tokenizer, config.sessions, config.prompt_tokens,
                                                          config.steps)
     branches = ds.branches(methods, config.ks)
-    n_batches = -(-len(sessions) // config.batch)
-    bar = _progress(n_batches * len(branches), f"agreement @ {config.context}", progress)
-    timing = {"prefill_s": 0.0, "decode_s": 0.0}
     texts_out = {b.key: [] for b in branches}
-    for batch in _batches(sessions, config.batch):
-        tokens = _decode_all(model, [s.prompt for s in batch], branches, config.steps, config, calib,
-                             bar, timing)
-        for key, toks in tokens.items():
-            texts_out[key] += [tokenizer.decode(t.tolist()) for t in toks]
-    if bar is not None:
-        bar.close()
+    with contextlib.closing(_start(config, len(sessions), branches, progress, log, calib)) as units:
+        for i, batch in enumerate(_batches(sessions, config.batch)):
+            tokens = _decode_all(model, i, [s.prompt for s in batch], branches, config.steps, units)
+            for key in (b.key for b in branches):
+                texts_out[key] += [tokenizer.decode(t.tolist()) for t in tokens[key]]
     targets = [tokenizer.decode(list(s.target)) for s in sessions]
     entries = []
     for b in branches:
@@ -276,7 +328,7 @@ def run_agreement(config: AgreementConfig, model, tokenizer, *, progress: bool =
     return {
         "kind": "agreement",
         "meta": {**_meta(config, meta), "calib_text": calib_info, "sessions": session_info,
-                 "wall_s": round(time.time() - t_start, 1), **{k: round(v, 1) for k, v in timing.items()},
+                 **_timing(t_start, units), "compile_s": round(units.bar.compile_s, 1),
                  "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "head_dim": model.config.head_dim,
                  "ks": list(config.ks), "forced_tokens": {str(k): list(ds.forced_tokens(k)) for k in config.ks}},
         "samples": [{"package": s.package, "start": s.start, "target": t} for s, t in zip(sessions, targets)],

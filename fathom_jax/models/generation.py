@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from fathom_jax import checks
 from fathom_jax.decode import SparseAttention
-from fathom_jax.models import sparse
+from fathom_jax.models import guards, sparse
 from fathom_jax.models.cache import AttentionFn, KVCache, dense_attention
 from fathom_jax.models.llama import LlamaForCausalLM, dense_attend, join_attention, split_attention
 
@@ -39,6 +40,7 @@ def _generate(graphdef, state, prompt, max_new_tokens: int, capacity: int, attn_
     return out
 
 
+@checks.reraise()  # a run-time check that fired reads as the CheckError it is
 def generate(
     model: LlamaForCausalLM,
     prompt_ids: Int[Array, "B T"] | Int[Array, "T"],
@@ -47,6 +49,8 @@ def generate(
     capacity: int | None = None,
     attention_fn: AttentionFn | SparseAttention = dense_attention,
     lengths: Int[Array, "B"] | None = None,
+    allow_long_context: bool = False,
+    memory_check: bool = True,
 ) -> Int[Array, "B N"]:
     """Greedy decoding of `max_new_tokens` tokens (no EOS stop: fixed length, static shapes).
 
@@ -56,7 +60,14 @@ def generate(
     host memory (its ``placement``) and takes ``lengths`` (right-padded prompts of different lengths).
     ``capacity`` defaults to the longest prompt + ``max_new_tokens`` (and at least the hook's k).
     Returns [B, N] (or [N] for a 1-D prompt) new token ids.
+
+    Every argument is checked before any work, by the CLI's rules (:func:`fathom_jax.models.guards.check_generate`):
+    ``allow_long_context=True`` runs past the model's ``max_position_embeddings``, ``memory_check=False`` skips the
+    memory sizing. A failed check, then or at run time, is a :class:`~fathom_jax.checks.CheckError`.
     """
+    guards.check_generate(model, prompt_ids, max_new_tokens, lengths=lengths, capacity=capacity,
+                          allow_long_context=allow_long_context, memory_check=memory_check,
+                          offloaded=getattr(getattr(attention_fn, "placement", None), "memory", None) == "pinned_host")
     prompt = jnp.asarray(prompt_ids, jnp.int32)
     squeeze = prompt.ndim == 1
     prompt = prompt[None] if squeeze else prompt
@@ -83,7 +94,7 @@ def generate(
                              "SparseAttention (e.g. decode.from_spec('dense', k=...))")
         graphdef, state = nnx.split(model)
         out = _generate(graphdef, state, prompt, max_new_tokens, capacity, *split_attention(attention_fn))
-    return out[0] if squeeze else out
+    return jax.block_until_ready(out[0] if squeeze else out)  # inside reraise: a run-time check's error
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
