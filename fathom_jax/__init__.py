@@ -3,7 +3,9 @@
 The decode step's data flow, module by module:
 
 ``format``     the index format in one place (block size, planes, scale bits, bits per token)
-``store``      the bit-plane key store (4-bit codes, fp16 block scales, exact prefix reads, appends)
+``store``      the bit-plane key store (4-bit codes, fp16 block scales, exact prefix reads, appends); its
+               quantizer and planes are ``planes``, its pytrees ``store_layout``, its reads ``store_read``
+``checks``     the value checks' one rule: eagerly, under ``jit`` (a host callback), or in checkify mode
 ``calibrate``  channel statistics, KLT, Double Sparsity order, Loki basis (corpus or session)
 ``planner``    per-query read depths by reverse water-filling (Eq. 3 and 4)
 ``methods``    Fathom and every baseline as types, with a registry (``methods.parse("fathom:48")``)
@@ -22,8 +24,8 @@ import importlib
 
 __version__ = "0.2.0"
 
-_MODULES = ("calibrate", "decode", "format", "index", "landmarks", "methods", "placement", "planner", "scan",
-            "select", "sparse_step", "store", "models", "eval")
+_MODULES = ("calibrate", "checks", "decode", "format", "index", "landmarks", "methods", "placement", "planes",
+            "planner", "scan", "select", "sparse_step", "store", "store_layout", "store_read", "models", "eval")
 
 
 def __getattr__(name):  # lazy submodules: `pallas_kernels` imports `fathom_jax.format` without a cycle

@@ -22,6 +22,33 @@ from fathom_jax.eval import sweeps
 
 SMOLLM2_POSITIONS = 8192  # SmolLM2-135M's max_position_embeddings (checked again against the loaded model)
 
+# How long a run takes, in --help: measured numbers, each with where it comes from.
+_LONG_RUN = """\
+Ctrl-C stops a run with one line saying what was saved: every finished decode (batch x method) is written to
+<out>/{kind}_smollm2_<context>.partial.jsonl as it finishes, and the same command with --resume continues
+from there, to the results an uninterrupted run writes. The progress bar's ETA starts at the first finished
+decode and leaves compile time out (shown apart, with the programs still to compile added)."""
+
+RULER_TIME = """\
+How long, at the defaults (11 methods = 21 branches, 48 prompts per context, batch 2):
+  on an H200: 472 s at --context 4096 and 556 s at 8192 (results/ruler_smollm2_{4k,8k}.json, wall_s; batch
+  8 and 4, two other sweeps sharing the GPU);
+  on the 2-core CPU machine: hours per context. Not run to the end there: agreement's 420 decodes of 64
+  tokens had an ETA of 7 h under load (fathom agreement --help); ruler's 504 decodes of up to 40 tokens
+  should take about as long (an estimate from that run, not a measurement).
+
+""" + _LONG_RUN.format(kind="ruler")
+
+AGREEMENT_TIME = """\
+How long, at the defaults (11 methods = 21 branches, 40 sessions, batch 2: 420 decodes of 64 tokens):
+  on an H200: 487 s at --context 4096 (results/agreement_smollm2_4k.json, wall_s; batch 8, two other sweeps
+  sharing the GPU);
+  on the 2-core CPU machine: about 7 hours per context, by the ETA after 26 of the 420 decodes of a run that
+  other jobs loaded (load average 10-18; 2026-12-01): decodes took 36-127 s, a batch's prefill 128-236 s,
+  and each method's first decode 15-40 s more to compile. Not run to the end there.
+
+""" + _LONG_RUN.format(kind="agreement")
+
 
 def register(subparsers) -> None:
     """Add the ``ruler`` and ``agreement`` parsers to the ``fathom`` CLI (``cli.COMMAND_MODULES``)."""
@@ -32,7 +59,8 @@ def register(subparsers) -> None:
         "ruler", help="RULER-style tasks on SmolLM2, every method decoding from one dense prefill",
         description="RULER-style retrieval and tracking tasks (paper 5.5) on SmolLM2-135M-Instruct with a haystack "
                     "of Python's documentation prose; one dense prefill per sample, greedy decoding branched per "
-                    "method; writes results/ruler_smollm2_<context>.json/.md/.png.")
+                    "method; writes results/ruler_smollm2_<context>.json/.md/.png.",
+        epilog=RULER_TIME)
     p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096], action=Distinct,
                    help=f"tokens of cache: prompt + {sweeps.RESERVED} (a multiple of 64, at most {SMOLLM2_POSITIONS})")
     p.add_argument("--k", type=positive_int(1), nargs="+", default=[64, 128], action=Distinct,
@@ -49,7 +77,8 @@ def register(subparsers) -> None:
         "agreement", help="step agreement with exact top-k on standard-library code sessions",
         description="Step agreement (paper 5.6): every method decodes the next tokens of real code sessions from "
                     "one dense prefill; the score is the word-level sequence-match ratio against the exact top-k "
-                    "step. Writes results/agreement_smollm2_<context>.json/.md/.png.")
+                    "step. Writes results/agreement_smollm2_<context>.json/.md/.png.",
+        epilog=AGREEMENT_TIME)
     p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096], action=Distinct,
                    help=f"tokens of cache: session + steps (a multiple of 64, at most {SMOLLM2_POSITIONS})")
     p.add_argument("--sessions", type=positive_int(2, " (a standard error needs two)"), default=40,
