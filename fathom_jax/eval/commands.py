@@ -147,27 +147,28 @@ def _run(kind: str, configs, args, run) -> int:
     from fathom_jax.models import load_smollm2
 
     t0 = time.time()
-    todo, written, logs = [], [], []
-    for config in configs:
+    todo, written, running = [], [], []
+    for config in configs:  # the saved runs are read (and checked against the arguments) before the model loads
         prefix = os.path.join(args.out, f"{kind}_smollm2_{_label(config.context)}")
         if args.resume and resume.finished(prefix + ".json", dataclasses.asdict(config)):
             print(f"[{kind}] --resume: {prefix}.json holds this configuration's results already; skipped", flush=True)
-        else:
-            todo.append((config, prefix))
+            continue
+        log = resume.UnitLog(prefix + ".partial.jsonl", {"kind": kind, "config": dataclasses.asdict(config)},
+                             resume=args.resume)
+        todo.append((config, prefix, log))
 
     def saved() -> str:
-        held = [f"{len(log.saved)} finished decodes in {log.path}" for log in logs[-1:] if log.saved]
+        held = [f"{len(log.saved)} finished decodes in {log.path}" for log in running[-1:] if log.saved]
         return ", ".join(held + [f"{p}.json written" for p in written]) or "nothing had finished"
 
     with resume.stop_on_interrupt(kind, saved, args.argv):
         model, tokenizer, _ = load_smollm2() if todo else (None, None, None)
         meta = run_metadata(args)
-        for config, prefix in todo:
-            logs.append(resume.UnitLog(prefix + ".partial.jsonl", {"kind": kind, "config": dataclasses.asdict(config)},
-                                       resume=args.resume))
-            res = run(config, model, tokenizer, progress=not args.quiet, meta=meta, log=logs[-1])
+        for config, prefix, log in todo:
+            running.append(log)
+            res = run(config, model, tokenizer, progress=not args.quiet, meta=meta, log=log)
             paths = downstream_report.write_report(res, prefix)
-            logs[-1].remove()
+            log.remove()
             written.append(prefix)
             print(downstream_report.render_markdown(res))
             print(f"[{kind}] wrote {', '.join(paths)}")
