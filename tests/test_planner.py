@@ -178,7 +178,7 @@ def test_nan_importance_eagerly_jitted_and_checked(appendix_importance):
     with pytest.raises(checks.CheckError, match=message):
         checks.checked(_BISECTION)(g, 8)
     with pytest.raises(checks.CheckError, match=r"got 0 NaN or inf and 1 negative"):
-        checks.checked(_EXACT)(appendix_importance.at[0].set(-1.0), 8)
+        P.plan_exact(appendix_importance.at[0].set(-1.0), 8)
 
 
 def test_fractional_budget_is_refused_not_floored(appendix_importance):
@@ -191,7 +191,7 @@ def test_fractional_budget_is_refused_not_floored(appendix_importance):
     with pytest.raises(checks.CheckError, match=message), checks.reraise():
         jax.block_until_ready(_BISECTION(appendix_importance, jnp.float32(8.5)))
     with pytest.raises(checks.CheckError, match=message):
-        checks.checked(_EXACT)(appendix_importance, jnp.float32(8.5))
+        checks.checked(_BISECTION)(appendix_importance, jnp.float32(8.5))
     assert int(_BISECTION(appendix_importance, jnp.float32(8.0)).code_bits) == 8
 
 

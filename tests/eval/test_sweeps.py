@@ -10,7 +10,7 @@ from fathom_jax.eval import downstream as ds
 from tests.eval.test_downstream import tiny_smollm2  # noqa: F401  (fixture: a 2-layer model with SmolLM2's tokenizer)
 
 ARGV = ["agreement", "--context", "512", "--sessions", "2", "--batch", "1", "--steps", "4", "--k-fraction", "0.125",
-        "--methods", "dense", "exact", "sparq:16", "--calib-tokens", "256", "--quiet"]
+        "--methods", "dense", "exact", "--baseline", "exact", "--calib-tokens", "256", "--quiet"]
 
 
 def _results(path):
@@ -20,8 +20,8 @@ def _results(path):
 
 
 def test_interrupted_agreement_resumes_to_the_uninterrupted_results(capsys, monkeypatch, tmp_path, tiny_smollm2):  # noqa: F811
-    """Two batches x three branches (dense, exact@64, sparq:16@64): Ctrl-C during the third decode keeps the two
-    finished ones; --resume decodes the other four and writes what one run writes."""
+    """Two batches x two branches (dense, exact@64): Ctrl-C during the third decode keeps batch 0's two; --resume
+    skips batch 0 (no prefill), decodes batch 1's two and writes what one run writes."""
     assert cli.main([*ARGV, "--out", str(tmp_path / "whole")]) == 0
     want, _ = _results(tmp_path / "whole" / "agreement_smollm2_512.json")
 
@@ -48,7 +48,7 @@ def test_interrupted_agreement_resumes_to_the_uninterrupted_results(capsys, monk
     calls.clear()
     stop_at[0] = None
     assert cli.main([*ARGV, "--out", str(out), "--resume"]) == 0
-    assert len(calls) == 3 * 2 - 2 and not partial.exists()
+    assert len(calls) == 2 * 2 - 2 and not partial.exists()
     got, timing = _results(out / "agreement_smollm2_512.json")
     assert got["meta"].pop("resumed_units") == 2
     assert got == want
