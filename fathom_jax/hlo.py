@@ -8,7 +8,7 @@ program that returns a host array makes XLA copy all of it (seen: ~1 s per step 
 
 The layer scan slices each layer's weights out of the stacked ``[L, ...]`` arrays. A GEMM that XLA emits as a Triton
 fusion cannot read such a slice in place, so XLA copies it first (386 MB per layer, 7.5 ms per 1M-token Qwen3-8B step
-on the H200); :data:`fathom_jax.models.sparse.WEIGHT_GEMM_OPTIONS` makes the GEMMs cuBLAS calls under XLA's
+on the H200); :data:`fathom_jax.models.generation.WEIGHT_GEMM_OPTIONS` makes the GEMMs cuBLAS calls under XLA's
 dynamic-slice fusion, which read the slice where it lies. :func:`device_copies` lists the copies and dynamic slices
 a compiled program still runs, so a test catches an XLA that drops that fusion.
 """

@@ -516,7 +516,7 @@ def prefill_section(run: Run, model, cfg, calib, context):
     keys = jax.random.normal(jax.random.key(1), (r, context, cfg.head_dim), jnp.float32)
     from fathom_jax.index import build_index
 
-    build = jax.jit(lambda k: build_index(k, None, (attn.method,), capacity=context + 64))
+    build = jax.jit(lambda k: build_index(k, None, attn.method.parts, capacity=context + 64))
     jax.block_until_ready(build(keys))
     t = time.time()
     for _ in range(3):

@@ -14,7 +14,9 @@ its line in :data:`REGISTRY`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+from fathom_jax.index_parts import IndexPart
 
 from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, Read, ScanMethod
 from fathom_jax.methods.double_sparsity import DoubleSparsity
@@ -29,6 +31,15 @@ REGISTRY: dict[str, type[ScanMethod]] = {
     cls.name: cls
     for cls in (Fathom, FathomKLT, SparQ, SparQUnion, DoubleSparsity, Loki, Thumbnail, Landmark, Full4, Exact, Dense)
 }
+
+
+def parts_of(methods: Iterable[ScanMethod]) -> frozenset[IndexPart]:
+    """The index parts the methods read together (what :func:`fathom_jax.index.build_index` builds for them)."""
+    methods = tuple(methods)
+    for m in methods:
+        if not isinstance(m, ScanMethod):
+            raise TypeError(f"methods must be ScanMethod instances (fathom_jax.methods), got {m!r}")
+    return frozenset().union(*(m.parts for m in methods))
 
 
 def spec_help(separator: str = " | ") -> str:
@@ -88,5 +99,5 @@ def paper_methods(head_dim: int, *, budgets: Sequence[int] = (48, 64), klt: bool
 __all__ = [
     "REGISTRY", "ScanMethod", "PlaneRead", "LandmarkRead", "KeyRead", "Read",
     "Fathom", "FathomKLT", "SparQ", "SparQUnion", "DoubleSparsity", "Loki", "Thumbnail", "Full4", "Landmark",
-    "Exact", "Dense", "parse", "spec_help", "describe", "fathom_budgets", "paper_methods",
+    "Exact", "Dense", "parse", "parts_of", "spec_help", "describe", "fathom_budgets", "paper_methods",
 ]

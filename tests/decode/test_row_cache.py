@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from fathom_jax import decode, methods
-from fathom_jax.placement import Placement
-from fathom_jax.sparse_cache import RowCache, RowFill, commit_rows, empty_row_cache, row_lookup, row_writes
+from fathom_jax.models.attention import CacheShape
+from fathom_jax.decode import StepConfig
+from fathom_jax.decode.row_cache import RowCache, RowFill, commit_rows, empty_row_cache, row_lookup, row_writes
 
 GROUPS, SLOTS, WIDTH, SELECTED = 3, 16, 4, 12
 
@@ -81,24 +82,24 @@ def test_colliding_tokens_keep_the_largest():
     assert np.asarray(hits).tolist() == [1] and np.asarray(fetched).tolist() == [2]
 
 
-def test_placement_and_hook_check_the_row_cache():
+def test_step_config_and_hook_check_the_row_cache():
     with pytest.raises(ValueError, match="row_cache must be an int >= 0"):
-        Placement(row_cache=-1)
+        StepConfig(row_cache=-1)
     with pytest.raises(ValueError, match="selects every row"):
-        decode.SparseAttention(methods.parse("dense"), k=64, placement=Placement(row_cache=8))
-    attn = decode.from_spec("sparq:4", k=8, sink=2, local=4, placement=Placement(row_cache=8))
-    cache = attn.init_cache(n_layers=2, batch=1, kv_heads=2, capacity=64, head_dim=8, dtype=jnp.bfloat16)
+        decode.SparseAttention(methods.parse("dense"), k=64, step=StepConfig(row_cache=8))
+    attn = decode.from_spec("sparq:4", k=8, sink=2, local=4, step=StepConfig(row_cache=8))
+    cache = attn.init_cache(CacheShape(layers=2, batch=1, kv_heads=2, capacity=64, head_dim=8, dtype=jnp.bfloat16))
     assert cache.row_cache.rows.shape == (2, 2, 8, 16) and cache.row_cache.tags.dtype == jnp.int32
     assert int(cache.row_cache.tags.max()) == 0  # empty
 
 
 def test_prefill_of_a_layer_empties_its_slots():
-    attn = decode.from_spec("sparq:4", k=8, sink=2, local=4, placement=Placement(row_cache=8))
-    cache = attn.init_cache(n_layers=2, batch=1, kv_heads=2, capacity=64, head_dim=8, dtype=jnp.float32)
+    attn = decode.from_spec("sparq:4", k=8, sink=2, local=4, step=StepConfig(row_cache=8))
+    cache = attn.init_cache(CacheShape(layers=2, batch=1, kv_heads=2, capacity=64, head_dim=8, dtype=jnp.float32))
     full = empty_row_cache(lambda s, d: jnp.ones(s, d), n_layers=2, groups=2, slots=8, head_dim=8, dtype=jnp.float32)
     cache = cache.__class__(**{**cache.__dict__, "row_cache": full})
-    keys = jnp.asarray(np.random.default_rng(1).standard_normal((2, 16, 8)), jnp.float32)
-    out = attn.write_layer(cache, 1, keys, keys, jnp.full((2,), 16, jnp.int32), None)
+    keys = jnp.asarray(np.random.default_rng(1).standard_normal((1, 2, 16, 8)), jnp.float32)  # [B, Hkv, T, D]
+    out = attn.write_prompt(cache, 1, keys, keys, jnp.full((1,), 16, jnp.int32))
     assert int(out.row_cache.tags[0].min()) == 1 and int(out.row_cache.tags[1].max()) == 0
 
 

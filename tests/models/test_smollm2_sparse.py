@@ -1,5 +1,5 @@
-"""Sparse decoding of the real model: offloaded (pinned_host) decoding equals decoding in HBM (GPU), and the
-attention-only step matches the decode step's attention."""
+"""Sparse decoding of the real model: offloaded (pinned_host) decoding equals decoding in HBM (GPU), on one GPU and
+over two."""
 
 import jax
 import jax.numpy as jnp
@@ -7,16 +7,17 @@ import numpy as np
 import pytest
 
 from fathom_jax import decode
-from fathom_jax.models import sparse
+from fathom_jax.decode import StepConfig
+from fathom_jax.models import generation
 
 
 def greedy_with_logits(model, prompt, lengths, attn, capacity, steps):
     """Sparse prefill, then greedy decode steps one compiled step at a time: (tokens [B, steps], logits
     [steps, B, V], the final cache). The host arrays of an offloaded cache are the prefill's, written in place."""
-    logits, cache, attn = sparse.prefill(model, prompt, lengths, attn, capacity)
+    logits, cache, attn = generation.prefill(model, prompt, lengths, attn, capacity)
     tokens, all_logits = [jnp.argmax(logits, -1).astype(jnp.int32)], [np.asarray(logits)]
     for _ in range(steps - 1):
-        nxt, logits, cache = sparse.decode_step(model, tokens[-1], cache, attn)
+        nxt, logits, cache = generation.decode_step(model, tokens[-1], cache, attn)
         tokens.append(nxt)
         all_logits.append(np.asarray(logits))
     return np.asarray(jnp.stack(tokens, 1)), np.stack(all_logits), cache
@@ -70,8 +71,8 @@ def test_smollm2_offloaded_decoding_equals_hbm_decoding(smollm2, context):
     Chunked and unchunked decoding differ by float reassociation (GEMMs over one group instead of three round
     differently on the GPU, and near-ties in the top-k then pick other rows: up to 0.31 of a 43 logit scale over 32
     steps at 4k on the H200, results/pipeline_h200.md): their logits agree within 5% of the scale and their tokens
-    until a near tie (run y2 at 8k: the same 25 tokens, then others; until then the test asked for the same 64; run z2
-    at 4k: the same 64 tokens, logits 2.5% of the scale apart at step 54, over y2's 1%)."""
+    until a near tie (seen at 8k: the same 25 tokens, then others; at 4k: the same 64 tokens, logits 2.5% of the
+    scale apart at step 54)."""
     from fathom_jax.eval import texts
 
     model, tok, cfg = smollm2
@@ -80,8 +81,8 @@ def test_smollm2_offloaded_decoding_equals_hbm_decoding(smollm2, context):
     lengths = np.array([ids.shape[1]])
     out = {}
     for memory, pipeline in (("device", 1), ("pinned_host", 1), ("device", 3), ("pinned_host", 3)):
-        placement = decode.Placement(memory, pipeline=pipeline)
-        attn = decode.from_spec("fathom:32", k=128, placement=placement, implementation="pallas")
+        attn = decode.from_spec("fathom:32", k=128, placement=memory, step=StepConfig(pipeline=pipeline),
+                                implementation="pallas")
         tokens, logits, cache = greedy_with_logits(model, ids, lengths, attn, context, 64)
         out[memory, pipeline] = (tokens, logits)
         if memory == "pinned_host":
@@ -127,83 +128,3 @@ def test_smollm2_offloaded_decoding_over_two_gpus_equals_one_gpu(smollm2):
     print(f"two GPUs vs one: max |logit difference| {np.abs(out[2][1] - out[1][1]).max():.3g} of scale {scale:.3g}")
     np.testing.assert_array_equal(out[2][0], out[1][0])
     np.testing.assert_allclose(out[2][1], out[1][1], rtol=0, atol=5e-2 * scale)
-
-
-def test_attention_only_step_matches_the_layers_attention(tiny_model):
-    """attention_step (the benchmark's no-GEMM step) runs each layer's sparse attention and writes the cache
-    like the decode step's commit: the index after it holds one more token."""
-    cfg = tiny_model.config
-    attn = decode.from_spec("sparq:4", k=16, sink=2, local=4, implementation="xla")
-    prompt = np.random.default_rng(1).integers(0, 97, (2, 40)).astype(np.int32)
-    _, cache, attn = sparse.prefill(tiny_model, prompt, np.array([40, 33]), attn, 64)
-    rng = np.random.default_rng(2)
-    r = 2 * cfg.n_kv_heads
-    q = jnp.asarray(rng.standard_normal((cfg.n_layers, r, cfg.group_size, cfg.head_dim)), jnp.float32)
-    kv = jnp.asarray(rng.standard_normal((2, cfg.n_layers, r, cfg.head_dim)), jnp.float32)
-    # each layer's attention as the decode step's layer scan runs it: one program, the layer traced
-    attend = jax.jit(lambda q, key, value, cache, layer: attn.attend(q, key, value, cache, layer)[0])
-    want = [attend(q[layer], kv[0, layer], kv[1, layer], cache, jnp.int32(layer)) for layer in range(cfg.n_layers)]
-    out, cache = sparse.attention_step(q, kv[0], kv[1], cache, attn)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(jnp.stack(want)), rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(cache.length, [41, 34])
-    np.testing.assert_array_equal(np.asarray(cache.k[:, 0, 40]), np.asarray(kv[0, :, 0]))
-
-
-def test_layers_per_loop_iteration_change_no_number(tiny_model):
-    """``Placement(layer_unroll=N)`` only regroups the layer scan's iterations (3 layers: 2 leaves a remainder):
-    the decode step's logits and cache and the attention-only step's outputs equal one layer per iteration, bit
-    for bit, and the attention-only step still chains each layer to the previous one's output."""
-    import dataclasses
-
-    unroll = 2
-    cfg = tiny_model.config
-    base = decode.from_spec("fathom:16", k=16, sink=2, local=4, calibration="session", implementation="xla")
-    prompt = np.random.default_rng(3).integers(0, 97, (2, 40)).astype(np.int32)
-    rng = np.random.default_rng(4)
-    q = jnp.asarray(rng.standard_normal((cfg.n_layers, 2 * cfg.n_kv_heads, cfg.group_size, cfg.head_dim)), jnp.float32)
-    kv = jnp.asarray(rng.standard_normal((2, cfg.n_layers, 2 * cfg.n_kv_heads, cfg.head_dim)), jnp.float32)
-    got = {}
-    for n in (1, unroll):
-        attn = dataclasses.replace(base, placement=dataclasses.replace(base.placement, layer_unroll=n))
-        logits, cache, attn = sparse.prefill(tiny_model, prompt, np.array([40, 33]), attn, 64)
-        nxt, logits, cache = sparse.decode_step(tiny_model, jnp.argmax(logits, -1).astype(jnp.int32), cache, attn)
-        out, cache = sparse.attention_step(q, kv[0], kv[1], cache, attn)
-        got[n] = jax.tree.map(np.asarray, (nxt, logits, out, cache.kv, cache.index.raw.planes, cache.length))
-        hlo = jax.jit(lambda q, c: sparse.attention_step_fn(q, kv[0], kv[1], c, attn)[0]).lower(q, cache).as_text()
-        assert "optimization_barrier" in hlo, "the attention-only step's layers are not chained"
-    for want, have in zip(jax.tree.leaves(got[1]), jax.tree.leaves(got[unroll])):
-        np.testing.assert_array_equal(have, want)
-
-
-def test_cache_from_dense_prefill_branches_methods_from_one_prefill(tiny_model):
-    """A sparse cache built from one dense prefill decodes like the sparse path's own prefill."""
-    from fathom_jax.models import KVCache
-
-    cfg = tiny_model.config
-    prompt = np.random.default_rng(3).integers(0, 97, (2, 30)).astype(np.int32)
-    lengths = np.array([30, 30])
-    logits, kv = tiny_model.prefill(jnp.asarray(prompt), KVCache.init(cfg, 2, 48), last_only=True)
-    first = jnp.argmax(logits, -1).astype(jnp.int32)
-    # jitted, as the downstream sweeps run it (fathom_jax/eval/downstream.py); eagerly it is op by op (~4x slower)
-    from_dense = jax.jit(sparse.cache_from_dense)
-    for spec in ("fathom_klt:12", "landmark"):
-        attn = decode.from_spec(spec, k=12, sink=2, local=4)
-        cache, branched = from_dense(kv, lengths, attn)
-        got, _ = sparse.decode_loop(tiny_model, first, cache, branched, 5)
-        want_logits, want_cache, want_attn = sparse.prefill(tiny_model, prompt, lengths, attn, 48)
-        want, _ = sparse.decode_loop(tiny_model, jnp.argmax(want_logits, -1).astype(jnp.int32), want_cache, want_attn, 5)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_chunked_causal_attention_equals_dense_causal():
-    from fathom_jax.models.cache import causal_attention
-
-    rng = np.random.default_rng(4)
-    q = jnp.asarray(rng.standard_normal((2, 37, 6, 8)), jnp.float32)  # T not a multiple of the chunk
-    k = jnp.asarray(rng.standard_normal((2, 37, 2, 8)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((2, 37, 2, 8)), jnp.float32)
-    got = sparse.chunked_causal_attention(q, k, v, chunk=16)
-    qg = q.reshape(2, 37, 2, 3, 8).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
-    want = causal_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), 0)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want.transpose(0, 3, 1, 2, 4).reshape(2, 37, 6, 8)),
-                               rtol=1e-5, atol=1e-5)

@@ -13,8 +13,10 @@ from fathom_jax import decode
 from fathom_jax import methods as M
 from fathom_jax import store
 from fathom_jax.index import build_index
+from fathom_jax.decode import StepConfig
 from fathom_jax.models import KVCache, capture_qkv, dense_attention, generate
-from fathom_jax.models import sparse
+from fathom_jax.models import generation
+from fathom_jax.models.attention import CacheShape
 from fathom_jax.scan import scan_scores
 from fathom_jax.select import select_topk, sparse_attention
 from tests.support import assert_trees_bitwise_equal, build_index_jit, describe_code_difference
@@ -63,10 +65,10 @@ def dense_forced(model, prompt, tokens, attention_fn=dense_attention, capacity=C
 def sparse_forced(model, prompt, tokens, attn, capacity=CAPACITY, lengths=None):
     """The same through the sparse path: (logits [steps + 1, B, V], final cache, hook after prefill)."""
     lengths = np.full(prompt.shape[0], prompt.shape[1]) if lengths is None else lengths
-    logits, cache, attn = sparse.prefill(model, prompt, lengths, attn, capacity)
+    logits, cache, attn = generation.prefill(model, prompt, lengths, attn, capacity)
     out = [np.asarray(logits)]
     for t in range(tokens.shape[1]):
-        _, logits, cache = sparse.decode_step(model, tokens[:, t], cache, attn)
+        _, logits, cache = generation.decode_step(model, tokens[:, t], cache, attn)
         out.append(np.asarray(logits))
     return np.stack(out), cache, attn
 
@@ -106,42 +108,41 @@ def test_selecting_every_token_equals_dense(model, calib, dense_run, spec):
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("spec,writes,memory,scan_writes", [
-    ("fathom_klt:16", "every_step", "device", True), ("landmark", "every_step", "device", True),
-    ("fathom:16", "full_blocks", "device", True),
-    # in pinned_host memory the kernels write in place: each layer's inside the layer scan, or all after it (raw
-    # stores: on a GPU a KLT store built from all keys rotates them with another GEMM shape than the step's one
-    # key, TF32 rounds the two differently and codes at a quantizer boundary can differ: seen on the H200, run s1)
-    pytest.param("fathom:16", "every_step", "pinned_host", True, marks=ON_GPU),
-    pytest.param("fathom:16", "every_step", "pinned_host", False, marks=ON_GPU),
-    pytest.param("fathom:16", "full_blocks", "pinned_host", True, marks=ON_GPU),
-    pytest.param("landmark", "every_step", "pinned_host", False, marks=ON_GPU)])
-def test_index_after_decode_equals_index_of_all_keys(model, spec, writes, memory, scan_writes, full_f32_matmuls):
+@pytest.mark.parametrize("spec,writes,memory", [
+    ("fathom_klt:16", "every_step", "device"), ("landmark", "every_step", "device"),
+    ("fathom:16", "full_blocks", "device"),
+    # in pinned_host memory the kernels write in place, each layer's inside the layer scan (raw stores: on a GPU a
+    # KLT store built from all keys rotates them with another GEMM shape than the step's one key, TF32 rounds the
+    # two differently and codes at a quantizer boundary can differ: seen on the H200)
+    pytest.param("fathom:16", "every_step", "pinned_host", marks=ON_GPU),
+    pytest.param("fathom:16", "full_blocks", "pinned_host", marks=ON_GPU),
+    pytest.param("landmark", "every_step", "pinned_host", marks=ON_GPU)])
+def test_index_after_decode_equals_index_of_all_keys(model, spec, writes, memory, full_f32_matmuls):
     # A raw store written every step takes the KLT store's commit path (the same code per part).
     # 60 / 45 prompt tokens + 5 decode steps cross a 64-token store block and 8-token landmark blocks.
     lengths = np.array([60, 45])
-    placement = decode.Placement(memory, index_writes=writes, scan_writes=scan_writes)
-    attn = decode.from_spec(spec, k=40, placement=placement)  # fathom_klt: session calibration
+    attn = decode.from_spec(spec, k=40, placement=memory,  # fathom_klt: session calibration
+                            step=StepConfig(index_writes=writes))
     _, cache, attn = sparse_forced(model, LONG, LONG[:, :5], attn, capacity=72, lengths=lengths)
     if memory == "pinned_host":
-        assert cache.kv.sharding.memory_kind == "pinned_host" and attn.placement.writes_in_scan == scan_writes
+        assert cache.kv.sharding.memory_kind == "pinned_host" and attn.run.in_place
     cache = jax.device_get(cache) if writes == "every_step" else cache  # numpy leaves (host arrays: no eager ops)
     np.testing.assert_array_equal(cache.length, lengths + 5)
     if writes == "full_blocks":  # the steps wrote the block that filled (0 of sequence 0), not the partial ones
         hkv = model.config.n_kv_heads
-        planes = np.array(cache.index.raw.planes, copy=True)  # (a host array's numpy view would see the flush)
+        planes = np.array(cache.index["raw"].planes, copy=True)  # (a host array's numpy view would see the flush)
         assert planes[:, :hkv, :, :, :2].any() and not planes[:, :hkv, :, :, 2:4].any()  # 65 tokens: block 1 unwritten
-        cache = jax.device_get(sparse.flush(cache, attn))
-        assert planes[:, hkv:].tolist() != np.asarray(cache.index.raw.planes)[:, hkv:].tolist()  # 45 + 5: block 0 was stale
+        cache = jax.device_get(decode.flush(cache, attn))
+        assert planes[:, hkv:].tolist() != np.asarray(cache.index["raw"].planes)[:, hkv:].tolist()  # 45 + 5: block 0 was stale
     hkv = model.config.n_kv_heads
     for b, n in enumerate(lengths + 5):
         rows = slice(b * hkv, (b + 1) * hkv)
         for layer in range(model.config.n_layers):
-            calib = None if attn.calibration is None else jax.tree.map(lambda a: a[layer, rows], attn.calibration)
+            calib = None if cache.calibration is None else jax.tree.map(lambda a: a[layer, rows], cache.calibration)
             want = build_index_jit(cache.k[layer, rows, :n], calib, (attn.method,), capacity=72)
             got = jax.tree.map(lambda a: a[layer, rows], cache.index)
             for part in ("raw", "klt"):  # on failure: which cells, and the keys that decide them
-                g, w = getattr(got, part), getattr(want, part)
+                g, w = got.get(part), want.get(part)
                 if g is not None:
                     keys = store.rotate_keys(jnp.asarray(cache.k[layer, rows, :n], jnp.float32), w.rotation)
                     for h in range(hkv):
@@ -155,47 +156,47 @@ def test_index_after_decode_equals_index_of_all_keys(model, spec, writes, memory
         tol = 1e-4 if jax.default_backend() == "cpu" else 1e-3
         np.testing.assert_allclose(cache.k[:, rows, : lengths[b]], dense_k[:, :, : lengths[b]], atol=tol)
         np.testing.assert_allclose(cache.k[0, rows, :n], dense_k[0], atol=tol)
-    if attn.calibration is not None:  # session statistics are those of each sequence's prompt keys
+    if cache.calibration is not None:  # session statistics are those of each sequence's prompt keys
         for b, n in enumerate(lengths):
             want = C.calibrate_session(cache.k[:, b * hkv:(b + 1) * hkv, :n])
-            np.testing.assert_allclose(attn.calibration.basis[:, b * hkv:(b + 1) * hkv], want.basis, atol=1e-5)
+            np.testing.assert_allclose(cache.calibration.basis[:, b * hkv:(b + 1) * hkv], want.basis, atol=1e-5)
 
 
 @pytest.mark.parametrize("spec,shared_kv,writes", [("fathom_klt:16", False, "every_step"), ("landmark", True, "every_step"),
                                                    ("fathom:16", True, "full_blocks")])
 def test_writes_layer_by_layer_equal_the_writes_after_the_scan(model, spec, shared_kv, writes):
-    """What each layer writes inside the layer scan (``Placement.writes_in_scan``: in place, on a GPU) lands where
-    the commit after the scan puts it: every layer's new K/V row and index blocks at its own layer, and in a row
-    buffer shared by all layers only the last layer's row; the commit then only updates the small leaves."""
+    """What each layer writes inside the layer scan (in real host memory: in place, on a GPU) lands where the commit
+    after the scan puts it: every layer's new K/V row and index blocks at its own layer, and in a row buffer shared by
+    all layers only the last layer's row; the commit then only updates the small leaves."""
+    from fathom_jax.decode import writes as W
+
     cfg = model.config
-    attn = decode.from_spec(spec, k=12, sink=2, local=4, placement=decode.Placement(index_writes=writes))
+    attn = decode.from_spec(spec, k=12, sink=2, local=4, step=StepConfig(index_writes=writes))
     prompt = np.random.default_rng(4).integers(0, 97, (2, 63)).astype(np.int32)
-    _, cache, attn = sparse.prefill(model, prompt, np.array([63, 40]), attn, 72)
+    _, cache, attn = generation.prefill(model, prompt, np.array([63, 40]), attn, 72)
     if shared_kv:
         cache = dataclasses.replace(cache, kv=cache.kv[-1:])
     assert cache.shared_kv == shared_kv
     rng = np.random.default_rng(5)
-    r, layers = cache.groups, cfg.n_layers
-    q = jnp.asarray(rng.standard_normal((layers, r, cfg.group_size, cfg.head_dim)), jnp.float32)
-    kv = jnp.asarray(rng.standard_normal((2, layers, r, cfg.head_dim)), jnp.float32)
-    per_layer = [attn.attend(q[layer], kv[0, layer], kv[1, layer], cache, layer)[1] for layer in range(layers)]
+    hkv, layers = cfg.n_kv_heads, cfg.n_layers
+    q = jnp.asarray(rng.standard_normal((layers, 2, hkv, cfg.group_size, cfg.head_dim)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((2, layers, 2, hkv, cfg.head_dim)), jnp.float32)
+    per_layer = [attn.attend(cache, layer, q[layer], kv[0, layer], kv[1, layer])[1] for layer in range(layers)]
     updates = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
     want = attn.commit(cache, updates)
 
     got, p = cache, cache.group_length()
     for layer, update in enumerate(per_layer):
-        kv_rows, blocks, landmarks, tokens = attn._write_new_token(got, jax.tree.map(lambda a: a[None], update), p,
-                                                                   layer, shared_kv=shared_kv)
-        stores = {part: dataclasses.replace(getattr(got.index, part), planes=b[0], scales=b[1])
-                  for part, b in blocks.items()}
-        got = dataclasses.replace(got, kv=kv_rows, index=dataclasses.replace(got.index, landmarks=landmarks, **stores))
-        assert len(tokens) == 0  # functional writes here; in place they return one token per write
+        write = W.Writer(False, "xla")
+        kv_rows, data = W.write_token(got, jax.tree.map(lambda a: a[None], update), p, layer, write, writes)
+        got = dataclasses.replace(got, kv=kv_rows, index=dataclasses.replace(got.index, data=data))
+        assert len(write.tokens) == 0  # functional writes here; in place they return one token per write
     written = jnp.zeros((layers,) + cache.writes.shape, jnp.int32)
     got = attn.commit(got, dataclasses.replace(updates, written=written))
     assert_trees_bitwise_equal(got, want)
     row = np.asarray(want.kv[0, :, 63])  # sequence 0's new row: the last layer's where the buffer is shared
-    np.testing.assert_array_equal(row[: cfg.n_kv_heads, : cfg.head_dim], np.asarray(kv[0, -1 if shared_kv else 0,
-                                                                                           : cfg.n_kv_heads]))
+    np.testing.assert_array_equal(row[: cfg.n_kv_heads, : cfg.head_dim],
+                                  np.asarray(kv[0, -1 if shared_kv else 0, 0]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,7 +210,7 @@ def rebuild_attention(method, k, sink, local, calib):
     def attn(q, kc, vc, length, layer):
         c = None if calib is None else jax.tree.map(lambda a: jnp.broadcast_to(a[layer], kc.shape[:2] + a.shape[2:]),
                                                     calib)
-        index = build_index(kc.astype(jnp.float32), c, (method,), capacity=kc.shape[2], length=length)
+        index = build_index(kc.astype(jnp.float32), c, method.parts, capacity=kc.shape[2], length=length)
         scores = scan_scores(method, q, index, c, implementation="xla").scores
         sel, mask = select_topk(scores, length, k, sink=sink, local=local, implementation="xla")
         return sparse_attention(q, kc, vc, sel, mask)
@@ -246,7 +247,7 @@ def test_offloaded_placement_equals_device_placement(model, calib, spec, impleme
     # with the kernels, the staged read (run gather, then scan HBM) is the one the device path does not take
     read = "staged" if implementation == "pallas" else "direct"
     writes = "full_blocks" if split else "every_step"  # the steps never read a partial block from the store
-    host = decode.from_spec(spec, placement=decode.Placement("pinned_host", read=read, index_writes=writes, **split),
+    host = decode.from_spec(spec, placement="pinned_host", step=StepConfig(read=read, index_writes=writes, **split),
                             **common)
     assert host.placement.note is not None  # the CPU has no pinned_host memory: it says so
     got = np.asarray(generate(model, prompt, 3, capacity=CAPACITY, lengths=lengths, attention_fn=host))
@@ -262,8 +263,8 @@ def test_row_cache_decodes_the_same_bits(model, calib, implementation, split):
     K/V cache holds for its tag, in the slot its token maps to, and later steps took rows from the slots."""
     common = dict(k=12, sink=2, local=4, calibration=calib, implementation=implementation)
     memory = "pinned_host" if split else "device"
-    plain = decode.from_spec("fathom:16", placement=decode.Placement(memory, **split), **common)
-    cached = decode.from_spec("fathom:16", placement=decode.Placement(memory, row_cache=16, **split), **common)
+    plain = decode.from_spec("fathom:16", placement=memory, step=StepConfig(**split), **common)
+    cached = decode.from_spec("fathom:16", placement=memory, step=StepConfig(row_cache=16, **split), **common)
     lengths = np.array([60, 47])
     want, _, _ = sparse_forced(model, LONG, LONG[:, :STEPS], plain, capacity=72, lengths=lengths)
     got, cache, _ = sparse_forced(model, LONG, LONG[:, :STEPS], cached, capacity=72, lengths=lengths)
@@ -313,11 +314,11 @@ def test_generate_is_one_program_and_does_not_recompile(model, calib, dense_run)
     attn = decode.SparseAttention(M.Fathom(16), k=CAPACITY, calibration=calib)
     out = np.asarray(generate(model, PROMPTS[0], STEPS + 1, capacity=CAPACITY, attention_fn=attn))
     assert out.tolist() == tokens.tolist()  # k >= context: the greedy tokens of dense decode
-    size = sparse.generate_program()._cache_size()
+    size = generation.generate_program()._cache_size()
     generate(model, PROMPTS[1], STEPS + 1, capacity=CAPACITY, attention_fn=attn)
     other = decode.SparseAttention(M.Fathom(16), k=CAPACITY, calibration=_corpus_calib(model, 2))
     generate(model, PROMPTS[1], STEPS + 1, capacity=CAPACITY, attention_fn=other)
-    assert sparse.generate_program()._cache_size() == size
+    assert generation.generate_program()._cache_size() == size
 
 
 def test_session_and_corpus_calibration_both_run(model, calib):
@@ -325,11 +326,11 @@ def test_session_and_corpus_calibration_both_run(model, calib):
     corpus = decode.SparseAttention(M.FathomKLT(16), calibration=calib, **small)
     session = decode.SparseAttention(M.FathomKLT(16), calibration_source="session", **small)
     a = np.asarray(generate(model, PROMPTS[0], 4, capacity=32, attention_fn=corpus))
-    size = sparse.generate_program()._cache_size()
+    size = generation.generate_program()._cache_size()
     b = np.asarray(generate(model, PROMPTS[0], 4, capacity=32, attention_fn=session))
     c = np.asarray(generate(model, PROMPTS[1], 4, capacity=32, attention_fn=session))
     assert a.shape == b.shape == c.shape == (2, 4)
-    assert sparse.generate_program()._cache_size() == size + 1  # session: one more program, reused
+    assert generation.generate_program()._cache_size() == size + 1  # session: one more program, reused
     assert decode.from_spec("fathom_klt:16", **small) == session
 
 
@@ -359,7 +360,7 @@ def test_bad_inputs_give_clear_errors(model, calib):
     with pytest.raises(ValueError, match="needs calibration statistics"):
         decode.SparseAttention(M.Fathom(16), k=40)
     with pytest.raises(TypeError, match="topk must be a pallas_kernels.topk.TopkConfig or None"):
-        decode.SparseAttention(M.SparQ(2), k=64, topk={"token_splits": 2})
+        decode.SparseAttention(M.SparQ(2), k=64, step=StepConfig(topk={"token_splits": 2}))
     with pytest.raises(ValueError, match="sink \\+ local"):
         decode.SparseAttention(M.SparQ(2), k=20)
     with pytest.raises(ValueError, match="calibration has leading axes"):
@@ -386,7 +387,7 @@ def test_decode_step_past_capacity_raises_and_writes_nothing(model):
     _, cache, attn = sparse_forced(model, LONG, LONG[:, :4], attn, capacity=64)
     np.testing.assert_array_equal(cache.length, [64, 64])
     with pytest.raises(Exception, match="1 token\\(s\\) past capacity \\(length 64, capacity 64\\)"):
-        jax.block_until_ready(sparse.decode_step(model, LONG[:, 4], cache, attn))
+        jax.block_until_ready(generation.decode_step(model, LONG[:, 4], cache, attn))
 
 
 def test_generate_sizes_the_cache_to_at_least_k(model):
@@ -400,7 +401,8 @@ def test_generate_sizes_the_cache_to_at_least_k(model):
 def test_cache_bytes_before_allocating_equals_the_cache(spec, shared_kv):
     """decode.cache_bytes (the host memory a cache will need, from shapes alone) = the allocated cache's bytes."""
     attn = decode.from_spec(spec, k=40)
-    dims = dict(n_layers=3, capacity=200, head_dim=16)
-    cache = attn.init_cache(batch=2, kv_heads=3, dtype=jnp.bfloat16, shared_kv=shared_kv, **dims)
-    want = decode.cache_bytes(attn.method, groups=6, kv_itemsize=2, shared_kv=shared_kv, **dims)
+    cache = attn.init_cache(CacheShape(layers=3, batch=2, kv_heads=3, capacity=200, head_dim=16, dtype=jnp.bfloat16),
+                            shared_kv=shared_kv)
+    want = decode.cache_bytes(attn.index_parts, n_layers=3, groups=6, capacity=200, head_dim=16, kv_itemsize=2,
+                              shared_kv=shared_kv)
     assert cache.nbytes() == want
