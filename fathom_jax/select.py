@@ -15,11 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from fathom_jax.checks import is_traced
 from pallas_kernels import backend
-from pallas_kernels.topk import TopkConfig, topk_select
-
-SINK_TOKENS = 4
-LOCAL_TOKENS = 32
+from pallas_kernels.topk import LOCAL_TOKENS, SINK_TOKENS, TopkConfig, topk_select  # the window is defined there
 
 
 def check_k(k: int, n: int, sink: int, local: int) -> None:
@@ -56,7 +54,7 @@ def select_topk(
     n = scores.shape[-1]
     check_k(k, n, sink, local)
     length = jnp.asarray(length, jnp.int32)
-    if not isinstance(length, jax.core.Tracer) and np.any(np.asarray(length) > n):
+    if not is_traced(length) and np.any(np.asarray(length) > n):
         raise ValueError(f"length {np.asarray(length)} exceeds the {n} scored positions")
     if implementation == "pallas":
         rows = scores.reshape(-1, n).astype(jnp.float32)

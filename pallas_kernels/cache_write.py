@@ -164,7 +164,7 @@ def cache_write(
     implementation = B.resolve_implementation(implementation)
     start = jnp.asarray(start, jnp.int32)
     _validate(dst, src, start, axis)
-    if B.is_concrete(start) and np.any(np.asarray(start) < 0):
+    if not B.is_traced(start) and np.any(np.asarray(start) < 0):
         raise ValueError("start must be >= 0")
     if implementation == "xla":
         return cache_write_reference(dst, src, start, axis=axis, layer=layer)

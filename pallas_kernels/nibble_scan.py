@@ -77,7 +77,7 @@ def _validate(q, nibbles, scales, length, channels):
 
 
 def check_values(channels, head_dim: int) -> None:
-    if C.is_concrete(channels) and np.any((np.asarray(channels) < 0) | (np.asarray(channels) >= head_dim)):
+    if not C.is_traced(channels) and np.any((np.asarray(channels) < 0) | (np.asarray(channels) >= head_dim)):
         raise ValueError(f"channels must lie in [0, {head_dim})")
 
 

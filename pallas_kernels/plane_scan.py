@@ -125,7 +125,7 @@ def _validate(q, planes, scales, length, channels, depths, layer, group_start=0)
 
 def check_values(channels, depths, head_dim: int) -> None:
     """Value checks (eager only: skipped for traced arrays)."""
-    if not B.is_concrete(channels, depths):
+    if B.is_traced(channels, depths):
         return
     ch, dp = np.asarray(channels), np.asarray(depths)
     if np.any((ch < 0) | (ch >= head_dim)):

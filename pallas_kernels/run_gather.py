@@ -80,7 +80,7 @@ def _validate(planes, scales, channels, depths, layer, group_start=0):
 
 
 def check_values(channels, depths, head_dim: int) -> None:
-    if not B.is_concrete(channels, depths):
+    if B.is_traced(channels, depths):
         return
     ch, dp = np.asarray(channels), np.asarray(depths)
     if np.any((ch < 0) | (ch >= head_dim)) or np.any((dp < 0) | (dp > N_PLANES)):

@@ -29,8 +29,13 @@ from pallas_kernels import backend as C
 from pallas_kernels.topk_radix import (  # noqa: F401 (KERNEL_NAME, kth_largest: this module's API too)
     BUCKET, INT_MIN, KERNEL_NAME, finish, kth_largest, masks, sink_local, sortable_key, topk_radix, validate)
 
+# The paper's forced tokens per query head, for every method: the first SINK_TOKENS positions and the last
+# LOCAL_TOKENS. The library's one definition: fathom_jax.select, which imports this module, re-exports them.
+SINK_TOKENS = 4
+LOCAL_TOKENS = 32
 
-def topk_select_reference(scores, length, *, k: int = 512, sink: int = 4, local: int = 32):
+
+def topk_select_reference(scores, length, *, k: int = 512, sink: int = SINK_TOKENS, local: int = LOCAL_TOKENS):
     """Plain-jnp selection with ``lax.top_k`` over the middle."""
     validate(scores, length, k, sink, local)
     r, n = scores.shape
@@ -313,8 +318,8 @@ def topk_select(
     length,  # i32 [R] or scalar
     *,
     k: int = 512,
-    sink: int = 4,
-    local: int = 32,
+    sink: int = SINK_TOKENS,
+    local: int = LOCAL_TOKENS,
     implementation: C.Implementation | None = None,
     config: TopkConfig | None = None,
     interpret: bool | None = None,

@@ -241,7 +241,7 @@ def topk_cases(tune=False):
         fns = [(name, lambda s, c=c: TK.topk_select(s, length, k=k, implementation="pallas", config=c))
                for name, c in variants]
         fns += [("reference_lax_top_k", lambda s: TK.topk_select_reference(s, length, k=k)),
-                ("lax.top_k_only", lambda s: jax.lax.top_k(s, k - 36)[1])]
+                ("lax.top_k_only", lambda s: jax.lax.top_k(s, k - TK.SINK_TOKENS - TK.LOCAL_TOKENS)[1])]
         for name, fn in fns:
             same = bool(jnp.array_equal(fn(scores), b)) if name.startswith("ours") else True
             step = lambda c, fn=fn: c + fn(scores + c).astype(jnp.float32)[:, :1] * 1e-30
