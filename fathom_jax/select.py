@@ -15,11 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from fathom_jax.checks import is_traced
 from pallas_kernels import backend
-from pallas_kernels.topk import TopkConfig, topk_select
-
-SINK_TOKENS = 4
-LOCAL_TOKENS = 32
+from pallas_kernels.topk import LOCAL_TOKENS, SINK_TOKENS, TopkConfig, topk_select  # the window is defined there
 
 
 def check_k(k: int, n: int, sink: int, local: int) -> None:
@@ -56,7 +54,7 @@ def select_topk(
     n = scores.shape[-1]
     check_k(k, n, sink, local)
     length = jnp.asarray(length, jnp.int32)
-    if not isinstance(length, jax.core.Tracer) and np.any(np.asarray(length) > n):
+    if not is_traced(length) and np.any(np.asarray(length) > n):
         raise ValueError(f"length {np.asarray(length)} exceeds the {n} scored positions")
     if implementation == "pallas":
         rows = scores.reshape(-1, n).astype(jnp.float32)
@@ -90,13 +88,12 @@ def group_union(
     so one fetch of the union rows serves every head of the group. A head's masked-in indices must be
     distinct (as :func:`select_topk` returns them): a token is then held by at most G sorted entries in a
     row, and its heads are read off that window (G shifted comparisons) instead of comparing every union
-    slot with every selected index (U x k per head: 15-40 us per layer and chunk at 1M tokens on the H200).
+    slot with every selected index (U x k per head).
 
     ``sorted_heads=True`` promises that each head's masked-in indices increase and its masked slots come last
     (the Pallas top-k's order): the union then needs no sort. Each slot's place in the sorted order is counted by
-    binary search in every head's list, giving the sort's very arrays. On the H200 it is faster alone for up to a few
-    groups (1 group: 0.015 vs 0.025 ms) but made the pipelined decode step slower, which therefore keeps the sort
-    (``results/union_h200.md``).
+    binary search in every head's list, giving the sort's very arrays. Faster alone for a few groups, it measured
+    slower inside the pipelined decode step, which therefore keeps the sort (``results/union_h200.md``).
     """
     if sorted_heads:
         return _union_of_sorted(indices, mask)

@@ -5,8 +5,9 @@ depends on the last through a negligible perturbation of an input, so nothing is
 and divides; ``repeats`` such loops give the median and the spread (min, max). A single jitted call
 costs ~0.1 ms to dispatch, more than a scan at 32k, so per-call timing would measure dispatch.
 
-    python3 scripts/bench_kernels.py --out results            # everything
+    python3 scripts/bench_kernels.py --out results            # the scans (the default --sections)
     python3 scripts/bench_kernels.py --sections scan --tune    # scan tile / warp sweep
+    python3 scripts/bench_kernels.py --preset topk-tune --out $OUT   # the run behind a committed table (PRESETS)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fathom_jax import planner  # noqa: E402
+import harness  # noqa: E402
 from harness import stats, timeit, timeit_args  # noqa: E402
 from pallas_kernels import nibble_scan as NS
 from pallas_kernels import plane_scan as PS
@@ -239,7 +241,7 @@ def topk_cases(tune=False):
         fns = [(name, lambda s, c=c: TK.topk_select(s, length, k=k, implementation="pallas", config=c))
                for name, c in variants]
         fns += [("reference_lax_top_k", lambda s: TK.topk_select_reference(s, length, k=k)),
-                ("lax.top_k_only", lambda s: jax.lax.top_k(s, k - 36)[1])]
+                ("lax.top_k_only", lambda s: jax.lax.top_k(s, k - TK.SINK_TOKENS - TK.LOCAL_TOKENS)[1])]
         for name, fn in fns:
             same = bool(jnp.array_equal(fn(scores), b)) if name.startswith("ours") else True
             step = lambda c, fn=fn: c + fn(scores + c).astype(jnp.float32)[:, :1] * 1e-30
@@ -457,8 +459,21 @@ def check_scans():
     return {**e, "nibble_scan_rel_err": rel(c, d)}
 
 
-def main():
-    ap = argparse.ArgumentParser()
+# `--preset NAME`: the argument list of the run behind a committed table (results/README.md); arguments after it win.
+PRESETS = harness.presets({
+    "kernels": "--sections scan,topk,gather,rowfetch --name kernels_h200",  # its command was not recorded: its sections
+    "topk-tune": "--sections topk --tune --name topk_tune_h200",
+    "gather-tune": "--sections gather --tune --name gather_tune_h200",
+    "rowfetch": "--sections rowfetch --tune --rowfetch-sizes 131072,1048576 --name rowfetch_h200",
+    "rowfetch-fresh": "--sections rowfetch --rowfetch-sizes 131072,1048576 --name rowfetch_fresh_h200",
+    "rowlayout": "--sections rowlayout --rowfetch-sizes 131072,1048576 --name rowlayout_h200",
+    "topk-split-roworder": "--sections topksplit,roworder --name kernels_u2_h200",
+})
+SECTIONS = ("scan", "scanchunk", "topk", "topksplit", "union", "gather", "rowfetch", "roworder", "rowlayout")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results")
     ap.add_argument("--sections", default="scan")
     ap.add_argument("--tune", action="store_true")
@@ -467,8 +482,16 @@ def main():
     ap.add_argument("--name", default="kernels_h200", help="results file name (without extension)")
     ap.add_argument("--chunks", default="", help="groups x tokens of the scanchunk section's chunks, e.g. "
                                                  "1x1048576,4x131072 (default: SCAN_CHUNKS)")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None):
+    ap = parser()
+    args = ap.parse_args(harness.expand_preset(sys.argv[1:] if argv is None else argv, PRESETS))
     sections = args.sections.split(",")
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        ap.error(f"--sections: unknown {unknown}; choose from {list(SECTIONS)}")
     dev = jax.devices()[0]
     res = {
         "machine": {"device": dev.device_kind, "platform": platform.platform(), "python": platform.python_version()},

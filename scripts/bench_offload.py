@@ -15,6 +15,7 @@ a step moves are the same.
     python3 scripts/bench_offload.py --mesh 2 --tag h200x2 --out $OUT   # over two GPUs
     python3 scripts/bench_offload.py --smoke --out /tmp/smoke          # tiny shapes, any backend (CI-size)
     python3 scripts/bench_offload.py --merge results/offload_h200 a.json b.json   # one file from several runs
+    python3 scripts/bench_offload.py --preset attn --out $OUT        # the run behind a committed table (PRESETS)
 
 Sections (``--sections``): link, attn, full, profile, batch, control, dense, prefill; ``attnprofile`` adds a
 profiler breakdown (categories and the costliest kernels) to every attention-only row; ``attnbatch``: attention-only
@@ -68,6 +69,96 @@ AUTHORS_MS = {  # DESIGN.md: the authors' implementation on the same H200 (atten
     131072: {"Fathom 48": 19.3, "Fathom 64": 21.5, "SparQ r=16": 19.9, "32-channel (SparQ r=32)": 27.3},
     1 << 20: {"Fathom 48": 104.8, "Fathom 64": 120.6, "SparQ r=16": 106.4, "32-channel (SparQ r=32)": 161.1},
 }
+
+# `--preset NAME`: the argument list of the run behind a committed table (results/README.md names each table's
+# presets, their environment and the --merge that joins them); arguments after it override it (--out, --tag, ...).
+_F4 = '--methods "Fathom 48,Fathom 64,SparQ r=16,32-channel (SparQ r=32)"'
+_F3 = '--methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)"'
+_F48, _F48_32 = '--methods "Fathom 48"', '--methods "Fathom 48,32-channel (SparQ r=32)"'
+_WHILE = "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE"
+PRESETS = harness.presets({
+    # results/offload_h200.*, one H200
+    "attn": f"--tag h200_attn --read staged --sections link,attn --contexts 1m,128k {_F4} --share-kv-from 1m "
+            "--time-budget 280",
+    "attn-index-writes-1m": f"--tag h200_writes_1m --read staged --sections link,attn --contexts 1m {_F3} "
+                            "--index-writes every_step,full_blocks --share-kv-from 1m --time-budget 140",
+    "attn-index-writes-128k": f"--tag h200_writes_128k --read staged --sections attn,full --contexts 128k "
+                              f"--full-contexts 128k {_F3} --index-writes every_step,full_blocks --time-budget 90",
+    "direct-reads": "--tag h200_direct --read direct --sections link,attn --contexts 1m,128k --time-budget 280",
+    "contexts-32k-512k": f"--tag h200_32k_512k --read staged {_F4} --sections attn,dense --contexts 512k,128k,32k "
+                         "--attn-contexts 512k,32k --share-kv-from 512k --time-budget 550",
+    "full-1m": f"--tag h200_full_1m --read staged --sections full,profile --contexts 1m --full-contexts 1m {_F48} "
+               "--share-kv-from 1m --time-budget 120",
+    "full-3methods": f"--tag h200_full_3 --read staged {_F3} --sections attn,full,profile,batch,prefill,control,dense "
+                     "--contexts 1m,128k --attn-contexts 1m,128k --full-contexts 1m --share-kv-from 1m --time-budget 290",
+    "full-batches": f"--tag h200_batches {_F48} --sections link,attn,attnprofile,full,profile,batch --contexts 1m,128k "
+                    "--attn-contexts 128k --full-contexts 1m,128k --batches 8,4 --share-kv-from 512k --time-budget 400",
+    "full-batches-128k": f"--tag h200_batches_128k {_F48} --read staged --sections link,full,batch --contexts 128k "
+                         "--batches 4,8 --time-budget 320",
+    "full-batch8": f"--tag h200_batch8 --read staged --sections link,full,batch,profile --contexts 128k "
+                   f"--full-contexts 128k --batches 8 {_F48} --fetch-programs auto,132 --share-kv-from 512k "
+                   "--time-budget 190",
+    "prefill": f"--tag h200_prefill --read staged {_F48} --sections prefill,batch --contexts 128k --batches 8 "
+               "--share-kv-from 512k --time-budget 155",
+    "hbm-control": f"--tag h200_control {_F48} --read staged --sections batch,control --contexts 128k --batches 8,1 "
+                   "--time-budget 270",
+    # results/pipeline_h200.md (the pipeline rows are in offload_h200 as well)
+    "pipeline-1m": f"--tag h200_pipeline_1m --read staged {_F3} --index-writes every_step,full_blocks "
+                   "--pipeline auto,1/0 --sections link,attn,attnprofile --contexts 1m --share-kv-from 1m "
+                   "--time-budget 270",
+    "pipeline-128k": f"--tag h200_pipeline_128k --read staged {_F3} --index-writes every_step,full_blocks "
+                     "--pipeline auto,1/0 --sections link,attn --contexts 128k --time-budget 220",
+    "pipeline-chunks": f"--tag h200_chunks --read staged {_F48} --index-writes full_blocks "
+                       "--pipeline 1,1/132,2/132,4/132,8/0,8/132,8/264 --sections link,attn,attnprofile "
+                       "--contexts 1m,128k --share-kv-from 1m --time-budget 390",
+    "pipeline-programs": f"--tag h200_programs --read staged {_F48} --index-writes full_blocks "
+                         "--pipeline 1,8/132,8/66,8/33,4/66,2/66 --sections link,attn,attnprofile --contexts 1m,128k "
+                         "--share-kv-from 1m --time-budget 290",
+    # results/decode_step_h200.md (rows merged into offload_h200 too)
+    "topk-fetch-programs": f"--tag h200_topk_fetch --read staged --sections link,attn --contexts 1m {_F48} "
+                           "--fetch-programs auto,0 --topk auto,single --share-kv-from 1m --time-budget 190",
+    "weight-gemms": f"--tag h200_weights --read staged --sections link,full,batch --contexts 128k --full-contexts 128k "
+                    f"--batches 8 {_F48} --share-kv-from 512k --time-budget 160 "  # the Triton control, then the default
+                    '--xla-options "xla_gpu_enable_triton_gemm=true,xla_gpu_enable_dynamic_slice_fusion=false;none"',
+    # results/step_options_h200.md, results/tail_h200.* (traces of layer-unroll-profile)
+    "layer-unroll": f"--tag h200_unroll --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
+                    "--layer-unroll 1,2,4,6 --time-budget 280",
+    "layer-unroll-profile": f"--tag h200_unroll_profile --read staged --sections attn,attnprofile --contexts 1m,128k "
+                            f"{_F48} --share-kv-from 1m --layer-unroll 2,4 --time-budget 220",
+    "layer-unroll-full": f"--tag h200_unroll_full --read staged --sections full --contexts 128k --full-contexts 128k "
+                         f"{_F48} --layer-unroll 1,4 --time-budget 220",
+    "command-buffer-loop": f"--tag h200_while --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
+                           f'--xla-options "{_WHILE};{_WHILE},xla_gpu_command_buffer_unroll_loops=true" --time-budget 220',
+    "chunks-fetch-programs": f"--tag h200_chunks_fetch --read staged --sections attn --contexts 1m,128k {_F48} "
+                             "--share-kv-from 1m --layer-unroll 2 --pipeline auto,4,8 --fetch-programs 66,132 "
+                             "--time-budget 400",
+    "topk-programs": f"--tag h200_topk --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
+                     "--topk auto,b8t4,b16t4,b8t8,bautot8 --time-budget 160",
+    # results/row_cache_h200/
+    "row-cache-1m": f"--tag h200_row_cache_1m --read staged --sections link,attn --contexts 1m,128k {_F48} "
+                    "--share-kv-from 1m --query-drift 0.95 --row-cache 0,16384 --time-budget 190",
+    "row-cache-batch8": f"--tag h200_row_cache_b8 --read staged --sections link,attnbatch,attn,batch,attnprofile "
+                        f"--contexts 128k --attn-contexts 128k --batches 8 {_F48} --share-kv-from 512k "
+                        "--query-drift 0.95 --row-cache 0,16384 --time-budget 390",
+    # results/fetch_order_h200/ (the default fetch order) and results/scan_unroll_h200/ (the default scan)
+    "fathom48": f"--tag h200_f48 --read staged --sections link,attn --contexts 1m,128k {_F48} --share-kv-from 1m "
+                "--time-budget 160",
+    "attn-profile-1m": f"--tag h200_profile_1m --read staged --sections attn,attnprofile --contexts 1m {_F48} "
+                       "--share-kv-from 1m --time-budget 140",
+    # results/offload_h200x2.*, the two-H200 machine (every layer's own K/V: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, README)
+    "x2-1m-1gpu": f"--tag h200x2_1m_1gpu --mesh 1 --read staged --sections link,attn --contexts 1m {_F48_32} "
+                  "--index-writes every_step,full_blocks --share-kv-from none --time-budget 230",
+    "x2-1m-2gpu": f"--tag h200x2_1m_2gpu --mesh 2 --read staged --sections link,attn --contexts 1m {_F48_32} "
+                  "--index-writes every_step,full_blocks --share-kv-from none --time-budget 310",
+    "x2-512k-1gpu": f"--tag h200x2_512k_1gpu --mesh 1 --sections attn --contexts 512k {_F48} --read staged "
+                    "--share-kv-from none --time-budget 210",
+    "x2-512k-2gpu": f"--tag h200x2_512k_2gpu --mesh 2 --sections link,attn --contexts 512k {_F48} --read staged "
+                    "--share-kv-from none --time-budget 270",
+    "x2-shared-1gpu": f"--tag h200x2_shared_1gpu --mesh 1 --read staged --sections link,attn --contexts 1m,128k {_F48_32} "
+                      "--share-kv-from 1m --time-budget 140",
+    "x2-shared-2gpu": f"--tag h200x2_shared_2gpu --mesh 2 --read staged --sections link,attn --contexts 1m,128k "
+                      f"{_F48_32} --share-kv-from 1m --time-budget 160",
+})
 
 
 def parse_ctx(text: str) -> int:
@@ -591,6 +682,7 @@ def merge(paths, out_prefix):
 def main(argv=None):
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--merge":  # --merge OUT_PREFIX IN.json ...
         return merge(sys.argv[3:], sys.argv[2])
+    argv = harness.expand_preset(sys.argv[1:] if argv is None else argv, PRESETS)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results")
     ap.add_argument("--tag", default="h200")

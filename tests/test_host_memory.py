@@ -76,8 +76,8 @@ def test_init_cache_checks_before_allocating(monkeypatch):
 
 def test_side_by_side_kv_needs_less_pinned_room():
     """K and V of a token side by side (one [L, R, C, 2 Dh] array, 144 GiB at 1M on one GPU): the cache's
-    163 GiB fit in 2 + 164 GiB of regions, where two 72 GiB arrays needed 2 + 128 + 73 (h1/h2 of
-    scripts/gpu_session.sh are set from these)."""
+    163 GiB fit in 2 + 164 GiB of regions, where two 72 GiB arrays needed 2 + 128 + 73 (the caps of the two-GPU
+    benchmark runs, results/README.md, are set from these)."""
     assert smallest_limit_gib([K + V, PLANES, SCALES], existing=LINK) == 166
     assert smallest_limit_gib([(K + V) // 2, PLANES // 2, SCALES // 2], existing=LINK) == 84
 
