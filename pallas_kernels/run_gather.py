@@ -17,7 +17,7 @@ iota(C), depths)`` with ``q_staged = q[..., channels]``.
 Two grids (``RunGatherConfig.programs``): one program per work item (0, the default: ~16k programs per
 layer at 1M tokens, which fill every SM while they wait on the link), or a fixed number of persistent
 programs that loop over the items with all four planes' loads in flight at once, which leaves the other
-SMs to kernels running concurrently (the pipelined step, ``Placement(pipeline=N)``).
+SMs to kernels running concurrently (the pipelined step, ``StepConfig(pipeline=N)``).
 
 ``after`` (optional arrays, never read) orders the gather after the kernels that produced them: the
 pipelined step chains each chunk's gather to the previous chunk's staged buffer, so the transfers run one

@@ -280,39 +280,6 @@ def topk_split_cases(sizes=((1 << 17) + 64, (1 << 20) + 64), rows=(4, 32), split
     return out
 
 
-def union_cases(groups=(1, 4, 32), g=4, k=512, n=(1 << 17) + 64):
-    """A KV group's union of its heads' selections (``fathom_jax.select.group_union``), by sorting the G k slots
-    against the sort-free union of increasing lists (``sorted_heads=True``), on the Pallas top-k's own output:
-    1 group is a pipelined chunk at 1M tokens, 4 one at 128k, 32 a batch-8 chunk at 128k."""
-    from fathom_jax.select import group_union, select_topk
-
-    out = []
-    for r in groups:
-        scores = jnp.asarray(np.random.default_rng(r).standard_normal((r, g, n)), jnp.float32)
-        idx, mask = select_topk(scores, jnp.full((r,), n - 63, jnp.int32), k, implementation="pallas")
-        ref = [np.asarray(x) for x in group_union(idx, mask)]
-        for sorted_heads in (False, True):
-            fn = lambda i, s=sorted_heads: group_union(i, mask, sorted_heads=s)  # noqa: E731
-            got = [np.asarray(x) for x in fn(idx)]
-            heads = lambda u: [{int(t): tuple(u[2][b][:, j]) for j, t in enumerate(u[0][b]) if u[1][b][j]}  # noqa: E731
-                               for b in range(r)]
-            same = heads(got) == heads(ref)
-
-            def step(c, fn=fn):
-                union, _, member = fn(idx + (c[0, 0] > 1e30).astype(jnp.int32))
-                return c + (union[:, :1] + member[:, 0, :1]).astype(jnp.float32) * 1e-30
-
-            t = timeit(step, jnp.zeros((r, 1), jnp.float32), iters=200, repeats=3)
-            t.update(kernel="group_union", groups=r, heads=g, k=k, sorted_heads=sorted_heads, same_as_sorted=same)
-            out.append(t)
-            print(f"union groups={r:2d} sorted_heads={sorted_heads!s:5s} {t['median_ms']:.4f} ms "
-                  f"[{t['min_ms']:.4f}, {t['max_ms']:.4f}] same={same}", flush=True)
-    return out
-
-
-ROWFETCH_CONFIGS = ((32, 4), (16, 4), (64, 4), (64, 8), (128, 8))
-
-
 def rowfetch_cases(sizes=(131072,), configs=((32, 4),)):
     """Row fetch of 2048 rows x 8 KV heads (K and V) at each context size and config, from host and HBM.
 
@@ -469,7 +436,7 @@ PRESETS = harness.presets({
     "rowlayout": "--sections rowlayout --rowfetch-sizes 131072,1048576 --name rowlayout_h200",
     "topk-split-roworder": "--sections topksplit,roworder --name kernels_u2_h200",
 })
-SECTIONS = ("scan", "scanchunk", "topk", "topksplit", "union", "gather", "rowfetch", "roworder", "rowlayout")
+SECTIONS = ("scan", "scanchunk", "topk", "topksplit", "gather", "rowfetch", "roworder", "rowlayout")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -530,8 +497,6 @@ def main(argv=None):
     if "topksplit" in sections:
         res["topk_split"] = topk_split_cases()
         save()
-    if "union" in sections:
-        res["union"] = union_cases()
         save()
     if "gather" in sections:
         res["gather"] = gather_cases(tune=args.tune)

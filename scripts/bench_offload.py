@@ -21,7 +21,7 @@ Sections (``--sections``): link, attn, full, profile, batch, control, dense, pre
 profiler breakdown (categories and the costliest kernels) to every attention-only row; ``attnbatch``: attention-only
 rows at 128k for each of ``--batches``.
 
-A row cache (``--row-cache SLOTS``, :class:`fathom_jax.sparse_cache.RowCache`) pays only when a step reselects rows
+A row cache (``--row-cache SLOTS``, :class:`fathom_jax.decode.RowCache`) pays only when a step reselects rows
 of the steps before it: ``--query-drift RHO`` gives every attention-only step new queries, drifting from the last
 step's (AR(1); 0.95 leaves ~37% of the rows new each step, what SmolLM2 measured on real text) instead of one query
 set repeated. The report's row-cache table puts each such row beside the same step without a cache.
@@ -50,9 +50,10 @@ from flax import nnx  # noqa: E402
 
 import harness  # noqa: E402
 from fathom_jax import calibrate, decode, methods  # noqa: E402
-from fathom_jax.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from fathom_jax.models import sparse  # noqa: E402
-from fathom_jax.placement import Placement, device_mesh  # noqa: E402
+from fathom_jax.decode import StepConfig  # noqa: E402
+from fathom_jax.models import LlamaConfig, LlamaForCausalLM, generation  # noqa: E402
+from fathom_jax.models.attention import CacheShape  # noqa: E402
+from fathom_jax.placement import Placement, attach_bulk, device_mesh, split_bulk  # noqa: E402
 from pallas_kernels.topk import TopkConfig  # noqa: E402
 
 QWEN3_8B = LlamaConfig(vocab=151936, hidden=4096, intermediate=12288, n_layers=36, n_heads=32, n_kv_heads=8,
@@ -248,43 +249,43 @@ def topk_name(config: TopkConfig | None) -> str:
     return "single" if config == SINGLE_TOPK else f"b{config.bucket_splits}t{config.token_splits}"
 
 
-def hook(spec, cfg, calib, k, placement, implementation, variant=None):
-    """The hook of a method spec; ``variant``: Placement fields to replace, and ``topk`` (a ``--topk`` entry)."""
+def hook(spec, cfg, calib, k, placement, implementation, variant=None, *, batch=1, context=None):
+    """The hook of a method spec, bound to a cache of ``batch`` sequences of ``context`` (+ 64) tokens; ``variant``:
+    StepConfig fields (``topk`` a ``--topk`` entry), on top of ``--read``'s."""
     method = methods.parse(spec)
     variant = dict(variant or {})
-    topk = topk_config(variant.pop("topk", "auto"))
-    return decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
-                                  placement=dataclasses.replace(placement, **variant), implementation=implementation,
-                                  topk=topk)
+    variant["topk"] = topk_config(variant.pop("topk", "auto"))
+    variant["xla_options"] = dict(variant.get("xla_options", ()))
+    attn = decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
+                                  placement=placement, implementation=implementation, step=StepConfig(**variant))
+    return attn if context is None else attn.bind(cache_shape(cfg, batch, context))
+
+
+def cache_shape(cfg, batch: int, context: int) -> CacheShape:
+    return CacheShape(layers=cfg.n_layers, batch=batch, kv_heads=cfg.n_kv_heads, capacity=context + 64,
+                      head_dim=cfg.head_dim, dtype=jnp.bfloat16)
+
+
+def _fill_fn(cfg, context, attn, layer, key, scale, cache):
+    """One layer's synthetic keys (``scale`` the channels' scales per group) and values, written as a prefill would."""
+    b, hkv, d = cache.batch, cfg.n_kv_heads, cfg.head_dim
+    k1, k2 = jax.random.split(key)
+    keys = jax.random.normal(k1, (b, hkv, context, d), jnp.float32) * scale.reshape(b, hkv, 1, d)
+    values = jax.random.normal(k2, (b, hkv, context, d), jnp.bfloat16)
+    return None, attn.write_prompt(cache, layer, keys.astype(jnp.bfloat16), values, jnp.full((b,), context, jnp.int32))
 
 
 def build_cache(attn, cfg, scale, *, context, batch, shared_kv, seed=0):
-    """A cache holding ``context`` tokens per sequence, room for 64 more, filled layer by layer."""
-    capacity = context + 64
-    cache = attn.init_cache(n_layers=cfg.n_layers, batch=batch, kv_heads=cfg.n_kv_heads, capacity=capacity,
-                            head_dim=cfg.head_dim, dtype=jnp.bfloat16, shared_kv=shared_kv)
+    """A cache holding ``context`` tokens per sequence, room for 64 more, filled layer by layer (``attn`` bound to
+    its shape)."""
+    cache = attn.init_cache(cache_shape(cfg, batch, context), shared_kv=shared_kv)
     r, d = batch * cfg.n_kv_heads, cfg.head_dim
-    lengths = jnp.full((r,), context, jnp.int32)
     scale_r = jnp.asarray(np.tile(scale, (1, batch, 1)).reshape(cfg.n_layers, r, d))
-    shardings = attn.placement.shardings(cache)
-
-    def fill(cache, layer, key):
-        k1, k2 = jax.random.split(key)
-        keys = (jax.random.normal(k1, (r, context, d), jnp.float32) * scale_r[layer][:, None, :]).astype(jnp.bfloat16)
-        values = jax.random.normal(k2, (r, context, d), jnp.bfloat16)
-        return attn.write_layer(cache, layer, keys, values, lengths, attn.layer_calibration(layer, r))
-
-    # In host memory the kernels write the bulk arrays in place and the program returns the rest (see
-    # models/sparse.py); in device memory the cache is donated and returned.
-    in_place = attn.placement.writes_in_place
-    out = Placement.detach_bulk if in_place else (lambda c: c)
-    fill_jit = jax.jit(lambda c, l, k: out(fill(c, l, k)), donate_argnums=() if in_place else 0,
-                       out_shardings=out(shardings))
+    fill = attn.program(_fill_fn, cache, static=(cfg, context))  # donated; in host memory written in place
     key = jax.random.key(seed)
     for layer in range(cfg.n_layers):
-        small = fill_jit(cache, jnp.int32(layer), jax.random.fold_in(key, layer))
-        cache = Placement.attach_bulk(small, cache) if in_place else small
-    cache = attn.prefilled(cache, jnp.full((batch,), context, jnp.int32))
+        _, cache = fill(jnp.int32(layer), jax.random.fold_in(key, layer), scale_r[layer], cache=cache)
+    cache = attn.start_decode(cache, jnp.full((batch,), context, jnp.int32))
     return jax.block_until_ready(cache)
 
 
@@ -293,7 +294,7 @@ def step_bytes(attn, cfg, calib, q, *, context, k, kv_itemsize=2):
     method = attn.method
     bits = []
     for layer in range(cfg.n_layers):
-        c = attn.layer_calibration(layer, q.shape[1])
+        c = attn.corpus_calibration(layer, q.shape[1])
         read = method.read(q[layer], None, c) if method.name != "fathom_klt" else None
         bits.append(np.asarray(read.bits))
     bits = np.stack(bits)  # [L, R]
@@ -342,10 +343,14 @@ def drifting_queries(q, rho: float, count: int = 64, seed: int = 2) -> list:
     return out
 
 
+def without_row_cache(cache):
+    return dataclasses.replace(cache, row_cache=None)
+
+
 def with_row_cache(cache, attn):
     """``cache`` with an empty row cache of ``attn``'s slots, or none (every row starts from the same shared cache,
     built for the first hook's layout)."""
-    slots = attn.placement.row_cache
+    slots = attn.step.row_cache
     row_cache = None
     if slots:
         row_cache = decode.empty_row_cache(jnp.zeros, n_layers=cache.n_layers,
@@ -373,11 +378,10 @@ def link_rate(run) -> float:
     return float(np.mean(rates)) if rates else float("nan")
 
 
-# (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan)
+# (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan; the
+# GPU streams and writes after the scan are measured options since deleted, kept for their rows)
 SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
                   "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0}
-PLACEMENT_SPLITS = ("streams", "index_writes", "pipeline", "gather_programs", "fetch_programs", "layer_unroll",
-                    "row_cache")
 
 
 def options_text(options) -> str:
@@ -385,12 +389,13 @@ def options_text(options) -> str:
 
 
 def split_fields(attn) -> dict:
-    """The options a row varies (the columns of the report): the placement's as a step of ``groups`` groups runs them
-    (``scan_writes`` as it takes effect), the top-k's and the extra XLA options."""
-    placement = attn.placement
-    topk = topk_name(attn.topk)
-    return ({name: getattr(placement, name) for name in PLACEMENT_SPLITS}
-            | {"scan_writes": placement.writes_in_scan, "topk": topk, "xla_options": options_text(placement.xla_options)})
+    """The options a row varies (the columns of the report), as the bound hook's resolved step runs them."""
+    run = attn.run
+    return {"streams": 1, "index_writes": run.index_writes, "pipeline": run.chunks,
+            "gather_programs": getattr(run.reader, "programs", 0), "fetch_programs": run.fetcher.programs,
+            "layer_unroll": run.layer_unroll, "row_cache": run.row_cache, "scan_writes": run.in_place,
+            "topk": topk_name(run.topk), "xla_options": options_text(attn.step.xla_options),
+            "read": attn.step.read}
 
 
 def variant_tag(split: dict) -> str:
@@ -424,28 +429,18 @@ def split_text(r: dict) -> str:
     return "; ".join([text] * bool(text) + extra)
 
 
-def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: str = "1", fetch: str = "auto",
-                   topk: str = "auto", xla: str = "none", unroll: str = "1", row_cache: str = "0") -> list[dict]:
-    """Every combination of ``--streams``, ``--index-writes``, ``--pipeline`` (entries ``auto``, ``N`` or
-    ``N/P``: N chunks, P persistent gather programs, "auto" where not given) and ``--scan-writes`` (1 / 0),
-    without streams and pipeline together (streams run with one chunk and the per-item gather)."""
+def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "auto", topk: str = "auto",
+                   xla: str = "none", unroll: str = "1", row_cache: str = "0") -> list[dict]:
+    """Every combination of the step configurations the lists give (one row each): ``--index-writes``,
+    ``--pipeline`` (entries ``auto``, ``N`` or ``N/P``: N chunks, P persistent gather programs, "auto" where not
+    given), ``--fetch-programs``, ``--topk``, ``--xla-options``, ``--layer-unroll``, ``--row-cache``; ``--read`` for
+    all. Each is a set of :class:`fathom_jax.decode.StepConfig` fields, checked here."""
     pipes = []
     for item in pipeline.split(","):
         n, _, programs = item.partition("/")
         pipes.append((n if n == "auto" else int(n), "auto" if programs in ("", "auto") else int(programs)))
-    out = []
-    for s in (int(x) for x in streams.split(",")):
-        for w in index_writes.split(","):
-            if s > 1:
-                out.append(dict(streams=s, index_writes=w, pipeline=1, gather_programs=0))
-                continue
-            out += [dict(streams=1, index_writes=w, pipeline=n, gather_programs=g) for n, g in pipes]
-    flags = []
-    for item in scan_writes.split(","):
-        if item not in ("0", "1"):
-            raise ValueError(f"--scan-writes entries are 1 or 0, got {item!r}")
-        flags.append(item == "1")
-    out = [v | {"scan_writes": f} for f in flags for v in out]
+    out = [dict(read=read, index_writes=w, pipeline=n, gather_programs=g) for w in index_writes.split(",")
+           for n, g in pipes]
     fetches = [x if x == "auto" else int(x) for x in fetch.split(",")]
     for name in topk.split(","):
         topk_config(name)  # a bad entry fails here, before anything runs
@@ -461,6 +456,8 @@ def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: 
         raise ValueError(f"--row-cache entries are ints >= 0 (0: no row cache), got {row_cache!r}")
     out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u, "row_cache": c} for f in fetches
            for t in topk.split(",") for x in option_sets for u in unrolls for c in slots for v in out]
+    for v in out:  # a bad entry fails here, before anything runs
+        StepConfig(**(v | {"topk": topk_config(v["topk"]), "xla_options": dict(v["xla_options"])}))
     return list({tuple(v.items()): v for v in out}.values())
 
 
@@ -469,7 +466,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
     args = run.args
     placement = placement or args.placement
     shared = args.share_kv_from is not None and batch * context >= args.share_kv_from
-    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation)
+    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation, batch=batch, context=context)
     t = time.time()
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
     fill_s = time.time() - t
@@ -477,22 +474,23 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
     # Every row starts from the same `context` tokens: the small leaves (lengths, raw tails) are put back before
     # each row (a cache sized for 64 more tokens filled up after three rows, and later rows' writes fell outside
     # it: before 2026-11-30 (run o5) rows after the first ~64 steps read a full cache).
-    start = jax.tree.map(jnp.copy, Placement.detach_bulk(cache))
+    bulk = cache.bulk()
+    start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])
     queries = drifting_queries(q, args.query_drift) if args.query_drift is not None else [q]
     variants = args.variants if placement.offloaded else [{}]
     for label, variant in ((m, v) for m in labels for v in variants):
         if run.left() < 30:
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
             break
-        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant)
-        split = split_fields(dataclasses.replace(attn, placement=attn.placement.resolved(batch * cfg.n_kv_heads,
-                                                                                         context + 64)))
-        cache = with_row_cache(Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache), attn)
+        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant, batch=batch,
+                    context=context)
+        split = split_fields(attn)
+        cache = with_row_cache(attach_bulk(jax.tree.map(jnp.copy, start), without_row_cache(cache), bulk), attn)
         steps = itertools.count()
 
         def call(state, attn=attn, steps=steps):
             q_t = queries[next(steps) % len(queries)]
-            out, c = sparse.attention_step(q_t, key, value, state[1], attn)
+            out, c = decode.attention_step(q_t, key, value, state[1], attn)
             return out, c
 
         try:
@@ -550,25 +548,26 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
     args = run.args
     placement = placement or args.placement
     shared = args.share_kv_from is not None and batch * context >= args.share_kv_from
-    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation)
+    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation, batch=batch, context=context)
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
-    start = jax.tree.map(jnp.copy, Placement.detach_bulk(cache))  # every row from `context` tokens (see attention_rows)
+    bulk = cache.bulk()
+    start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])  # every row from `context` tokens (see attention_rows)
     tokens = jnp.zeros((batch,), jnp.int32)
     for label, variant in ((m, v) for m in labels for v in args.variants):
-        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant)
-        split = split_fields(dataclasses.replace(attn, placement=attn.placement.resolved(batch * cfg.n_kv_heads,
-                                                                                         context + 64)))
-        cache = with_row_cache(Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache), attn)
+        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant, batch=batch,
+                    context=context)
+        split = split_fields(attn)
+        cache = with_row_cache(attach_bulk(jax.tree.map(jnp.copy, start), without_row_cache(cache), bulk), attn)
 
         def call(state, attn=attn):
-            toks, _, c = sparse.decode_step(model, state[0], state[1], attn)
+            toks, _, c = generation.decode_step(model, state[0], state[1], attn)
             return toks, c
 
         r, state = harness.timeit_calls(call, (tokens, cache), n=args.steps, repeats=args.repeats)
         cache = state[1]
         q, _, _ = random_step_inputs(cfg, batch)
         nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
-        options = sparse.decode_compiler_options(attn.placement.compiler_options) or {}
+        options = generation.decode_compiler_options(attn.compiler_options) or {}
         in_place = (options.get("xla_gpu_enable_triton_gemm") is False
                     and options.get("xla_gpu_enable_dynamic_slice_fusion") is True)
         row = {"kind": "full", "method": label, "context": context, "batch": batch, "memory": placement.memory,
@@ -592,13 +591,13 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
 
 def prefill_section(run: Run, model, cfg, calib, context):
     args = run.args
-    attn = hook("fathom:48", cfg, calib, args.k, args.placement, args.implementation)
+    attn = hook("fathom:48", cfg, calib, args.k, args.placement, args.implementation, {"read": args.read})
     prompt = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab, (1, context)), jnp.int32)
     lengths = jnp.full((1,), context, jnp.int32)
     times = []
     for _ in range(2):  # the first includes compilation
         t = time.time()
-        logits, cache, _ = sparse.prefill(model, prompt, lengths, attn, context + 64)
+        logits, cache, _ = generation.prefill(model, prompt, lengths, attn, context + 64)
         jax.block_until_ready((logits, cache))
         times.append(time.time() - t)
         del cache
@@ -698,15 +697,11 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--read", default="staged", choices=["direct", "staged"])
-    ap.add_argument("--streams", default="1", help="GPU streams per device to split the groups over (a list: one row each)")
     ap.add_argument("--index-writes", default="every_step",
                     help="every_step and/or full_blocks (a list: one row each): when steps write the newest plane block")
     ap.add_argument("--pipeline", default="auto",
                     help="chunks per layer with chained plane transfers: auto, N or N/P with P persistent gather "
                          "programs (a list: one row each; 1/0 = one chunk, one program per copied chunk of a run)")
-    ap.add_argument("--scan-writes", default="1",
-                    help="1 and/or 0 (a list: one row each): each layer writes its new row and blocks inside the layer "
-                         "scan (1, the default) or every layer after it (0)")
     ap.add_argument("--fetch-programs", default="auto",
                     help="persistent programs of the row fetch: auto or N, 0 = one program per 32 rows (a list)")
     ap.add_argument("--topk", default="auto", help="auto (the kernels' defaults), single (one program per row per "
@@ -717,8 +712,8 @@ def main(argv=None):
     ap.add_argument("--layer-unroll", default="1",
                     help="layers per iteration of the step's layer scan (a list: one row each)")
     ap.add_argument("--row-cache", default="0",
-                    help="device-memory row-cache slots per layer and group (Placement.row_cache; a list: one row each; "
-                         "0: none)")
+                    help="device-memory row-cache slots per layer and group (StepConfig.row_cache; a list: one row "
+                         "each; 0: none)")
     ap.add_argument("--query-drift", type=float, default=None,
                     help="attention-only rows: each step's queries drift from the last by AR(1) with this coefficient "
                          "(0.95: ~37%% new rows per step); default: one query set repeated")
@@ -736,11 +731,10 @@ def main(argv=None):
     args.share_kv_from = None if args.share_kv_from in ("", "none") else parse_ctx(args.share_kv_from)
     args.sections = args.sections.split(",")
     try:
-        args.variants = parse_variants(str(args.streams), args.index_writes, args.pipeline, args.scan_writes,
-                                       args.fetch_programs, args.topk, args.xla_options, args.layer_unroll,
-                                       args.row_cache)
-    except ValueError as e:
-        ap.error(f"--streams / --pipeline / --scan-writes / --fetch-programs / --topk / --xla-options / --layer-unroll / "
+        args.variants = parse_variants(args.read, args.index_writes, args.pipeline, args.fetch_programs, args.topk,
+                                       args.xla_options, args.layer_unroll, args.row_cache)
+    except (ValueError, TypeError) as e:
+        ap.error(f"--index-writes / --pipeline / --fetch-programs / --topk / --xla-options / --layer-unroll / "
                  f"--row-cache: {e}")
     if args.query_drift is not None and not 0 <= args.query_drift < 1:
         ap.error(f"--query-drift must be in [0, 1), got {args.query_drift}")
@@ -752,7 +746,7 @@ def main(argv=None):
         mesh = device_mesh(args.mesh)
     except ValueError as e:
         ap.error(f"--mesh {args.mesh}: {e}")
-    args.placement = Placement("pinned_host", mesh=mesh, read=args.read)
+    args.placement = Placement("pinned_host", mesh=mesh)
     args.implementation = "pallas"
     if args.placement.note:
         print("note:", args.placement.note, flush=True)
@@ -886,9 +880,10 @@ def write_report(res: dict, prefix: str) -> None:
                   "`index writes`: `every_step` writes the newest plane block of every layer each step; `full_blocks` only "
                   "when it fills (once in 64 steps: its cost, the cache write's plane words in the profile, is then "
                   "spread over 64 steps and the median leaves it out); `in scan`: each layer writes its new K/V row and "
-                  "blocks inside the layer scan, beside its own transfers (`Placement.scan_writes`), instead of every "
-                  "layer's after the scan.", "",
-                  "`split`: a layer's groups on several GPU streams, or in pipelined chunks whose plane transfers are "
+                  "blocks inside the layer scan, beside its own transfers (the default since 2026-12-01), instead of every "
+                  "layer's after the scan (an option since deleted: measured slower).", "",
+                  "`split`: a layer's groups on several GPU streams (an option since deleted: measured slower), or in "
+                  "pipelined chunks whose plane transfers are "
                   "chained (the next chunk's transfer beside this chunk's scan, selection and row fetch), with the run "
                   "gather as that many persistent programs.", "",
                   "| method | context | batch | mesh | split | index writes | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "

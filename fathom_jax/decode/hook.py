@@ -216,7 +216,7 @@ class SparseAttention:
                                                                         cache.calibration, session))
             calib = session
         else:
-            calib = self._corpus_calibration(layer, keys.shape[0])
+            calib = self.corpus_calibration(layer, keys.shape[0])
         built = build_index(keys.astype(jnp.float32), calib, self.index_parts, capacity=cache.capacity, length=lengths)
         return writes_lib.write_layer(cache, layer, keys, values, built, self._writer())
 
@@ -302,9 +302,10 @@ class SparseAttention:
             return None
         if self.session:
             return jax.tree.map(lambda a: a[layer], cache.calibration)
-        return self._corpus_calibration(layer, cache.groups)
+        return self.corpus_calibration(layer, cache.groups)
 
-    def _corpus_calibration(self, layer, groups: int) -> Calibration | None:
+    def corpus_calibration(self, layer, groups: int) -> Calibration | None:
+        """The hook's corpus statistics of ``layer`` tiled over ``groups`` groups (None without them)."""
         if self.calibration is None or not self.uses_calibration:
             return None
         calib = jax.tree.map(lambda a: a[layer], self.calibration)
