@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 from fathom_jax import store as store_lib
 from fathom_jax.calibrate import Calibration
 from fathom_jax.format import round_capacity
-from fathom_jax.index_parts import PARTS, IndexPart, shares_store
+from fathom_jax.index_parts import PARTS, IndexPart, Planes, shares_store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +73,9 @@ class KeyIndex:
         return jnp.shape(self.length)
 
     @property
-    def stores(self) -> tuple[store_lib.PlaneStore, ...]:
-        return tuple(d for d in self.data if isinstance(d, (store_lib.PlaneStore, store_lib.UnpackedStore)))
+    def stores(self) -> tuple:
+        """The plane stores' data (of the :class:`~fathom_jax.index_parts.Planes` parts)."""
+        return tuple(d for p, d in zip(self.parts, self.data) if isinstance(p, Planes))
 
     @property
     def capacity(self) -> int:

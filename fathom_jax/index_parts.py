@@ -100,6 +100,16 @@ class IndexPart(abc.ABC):
     def nbytes(self, *, capacity: int, head_dim: int) -> int:
         """Bytes of the bulk leaves per sequence and KV head."""
 
+    @property
+    def kind(self) -> str:
+        """What the part's bytes are reported as (plane stores together)."""
+        return self.name
+
+    def bulk_bytes(self, *, layers: int, capacity: int, head_dim: int) -> dict[str, int]:
+        """Bytes of the bulk leaves of a stacked cache per sequence and KV head, by kind (``*_hbm``: those kept in
+        device memory whatever the placement)."""
+        return {self.kind: layers * self.nbytes(capacity=capacity, head_dim=head_dim)}
+
     def unpack(self, data) -> Any:
         """The data as read by readers that scan one window many times (see :func:`fathom_jax.index.unpack_index`)."""
         return data
@@ -141,6 +151,10 @@ class Planes(IndexPart):
     rotation: Callable[[Calibration], KeyRotation] | None = None
 
     writes_per_token: ClassVar[int] = 2  # plane words and scales
+
+    @property
+    def kind(self) -> str:
+        return "planes"
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]

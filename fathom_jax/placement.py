@@ -3,10 +3,13 @@
     Placement()                          # everything in device memory (HBM)
     Placement("pinned_host")             # index planes/scales, landmarks and K/V rows in host memory
     Placement("pinned_host", mesh=mesh)  # ... split over the mesh's devices on the group axis
+    Placement("pinned_host", resident_planes=1)   # ... but the top plane of every channel (and the scales) in HBM
 
 A cache is a pytree whose *bulk* leaves grow with the context (bit planes, block scales, landmark means, K/V rows:
-each cache type says which of its leaves are bulk, as a tree of bools like it); everything else (raw tails,
-lengths, rotations) is small and always stays in device memory. :meth:`Placement.put` and :meth:`Placement.zeros`
+each cache type says which of its leaves are bulk, as a tree like it: True for a bulk leaf, ``"device"`` for a bulk
+leaf kept in device memory whatever the placement, False for a small one); everything else (raw tails, lengths,
+rotations) is small and always stays in device memory. ``resident_planes`` keeps the top planes of every plane
+store's channels in device memory (per layer, or one count for all; :mod:`fathom_jax.decode.tiers`). :meth:`Placement.put` and :meth:`Placement.zeros`
 put each leaf where it belongs. How a decode step reads and writes a placed cache is
 :class:`fathom_jax.decode.StepConfig`'s business, not the placement's.
 
@@ -87,10 +90,18 @@ class Placement:
     memory: Memory = "device"
     mesh: jax.sharding.Mesh | None = None
     axis: str | None = None
+    resident_planes: int | tuple[int, ...] = 0
 
     def __post_init__(self):
         if self.memory not in MEMORIES:
             raise ValueError(f"placement memory must be one of {MEMORIES}, got {self.memory!r}")
+        counts = self.resident_planes if isinstance(self.resident_planes, tuple) else (self.resident_planes,)
+        if not counts or not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= 4 for p in counts):
+            raise ValueError(f"placement resident_planes must be an int in [0, 4] or a tuple of them (one per layer), "
+                             f"got {self.resident_planes!r}")
+        if any(counts) and not self.offloaded:
+            raise ValueError("placement resident_planes keeps planes in device memory out of a pinned_host index: "
+                             "use it with memory='pinned_host' (in device memory every plane is resident)")
         if self.mesh is not None:
             if self.axis is None:
                 object.__setattr__(self, "axis", self.mesh.axis_names[0])
@@ -123,6 +134,15 @@ class Placement:
         """Bulk arrays are in real host memory: the kernels read and write them in place, XLA never touches them."""
         return self.memory_kind == "pinned_host"
 
+    def resident(self, layers: int) -> tuple[int, ...]:
+        """Resident planes per layer for a cache of ``layers`` layers (ValueError if a per-layer tuple disagrees)."""
+        if isinstance(self.resident_planes, tuple):
+            if len(self.resident_planes) != layers:
+                raise ValueError(f"placement resident_planes has {len(self.resident_planes)} entries, the cache has "
+                                 f"{layers} layers")
+            return self.resident_planes
+        return (self.resident_planes,) * layers
+
     @property
     def note(self) -> str | None:
         """A sentence for the user when the offloaded layout runs in device memory."""
@@ -153,9 +173,10 @@ class Placement:
             )
 
     # -- shardings ----------------------------------------------------------------------------
-    def sharding(self, ndim: int, *, bulk: bool, split: bool = True) -> jax.sharding.Sharding:
-        """The sharding of a cache leaf of rank ``ndim`` (group axis 1 split over the mesh if ``split``)."""
-        kind = self.memory_kind if bulk else "device"
+    def sharding(self, ndim: int, *, bulk: bool | str, split: bool = True) -> jax.sharding.Sharding:
+        """The sharding of a cache leaf of rank ``ndim`` (group axis 1 split over the mesh if ``split``); ``bulk``
+        True: in :attr:`memory_kind`; False or ``"device"``: in device memory."""
+        kind = self.memory_kind if bulk is True else "device"
         if self.mesh is None:
             return SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
         spec = P(None, self.axis) if split and ndim >= 2 else P()
@@ -174,7 +195,7 @@ class Placement:
         """Per-leaf shardings of a cache pytree (bulk leaves in :attr:`memory_kind`, the rest on device)."""
         def one(x, is_bulk):
             split = x.ndim >= 2 and self.mesh is not None and x.shape[GROUP_AXIS] % self.num_shards == 0
-            return self.sharding(x.ndim, bulk=bool(is_bulk), split=split)
+            return self.sharding(x.ndim, bulk=is_bulk, split=split)
 
         return _with_mask(one, tree, bulk)
 
@@ -182,7 +203,7 @@ class Placement:
         """``tree`` with every leaf placed (see :meth:`shardings`)."""
         return jax.device_put(tree, self.shardings(tree, bulk))
 
-    def zeros(self, shape, dtype, *, bulk: bool = True):
+    def zeros(self, shape, dtype, *, bulk: bool | str = True):
         """A zero-filled cache array of ``shape`` placed where it belongs.
 
         A host array whose shard fits in 90% of the free HBM is made there and copied out: a
@@ -192,7 +213,7 @@ class Placement:
         still comes from (lazily allocated) zero pages on the host.
         """
         sharding = self.sharding(len(shape), bulk=bulk, split=len(shape) >= 2)
-        if bulk and self.in_host_memory and not _fits_in_hbm(shape, dtype, sharding):
+        if bulk is True and self.in_host_memory and not _fits_in_hbm(shape, dtype, sharding):
             return jax.device_put(np.zeros(shape, dtype), sharding)
         return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()
 

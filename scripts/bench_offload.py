@@ -290,22 +290,30 @@ def build_cache(attn, cfg, scale, *, context, batch, shared_kv, seed=0):
 
 
 def step_bytes(attn, cfg, calib, q, *, context, k, kv_itemsize=2):
-    """Bytes a step reads over the link: the planned planes + scales of every layer, and the selected rows."""
+    """Bytes a step reads: the planned planes + scales of every layer and the selected rows, and of those what crosses
+    the link (with resident planes: only the planes below each layer's resident count stay in HBM, with the scales)."""
     method = attn.method
-    bits = []
+    resident = attn.placement.resident(cfg.n_layers)
+    bits, link_bits = [], []
     for layer in range(cfg.n_layers):
         c = attn.corpus_calibration(layer, q.shape[1])
         read = method.read(q[layer], None, c) if method.name != "fathom_klt" else None
         bits.append(np.asarray(read.bits))
+        depths = np.asarray(getattr(read, "depths", np.zeros((1, 1))))
+        if resident[layer]:  # planes below the resident count and every scale are read in HBM
+            link_bits.append(np.maximum(depths - resident[layer], 0).sum(-1).astype(np.float64))
+        else:
+            link_bits.append(np.asarray(read.bits, np.float64))
     bits = np.stack(bits)  # [L, R]
     r = q.shape[1]
     g = q.shape[2]
     if method.name == "dense":  # reads every K and V row, selects nothing
         kv = float(cfg.n_layers * r * context * cfg.head_dim * kv_itemsize * 2)
-        return {"bits_per_token": float(bits.mean()) * 2, "scan_bytes": kv, "row_bytes_max": 0.0}
+        return {"bits_per_token": float(bits.mean()) * 2, "scan_bytes": kv, "link_scan_bytes": kv, "row_bytes_max": 0.0}
     scan = float(bits.sum() * context / 8)
+    link = float(np.sum([b.sum() for b in link_bits]) * context / 8)
     rows = float(cfg.n_layers * r * min(g * k, context) * cfg.head_dim * kv_itemsize * 2)  # union upper bound
-    return {"bits_per_token": float(bits.mean()), "scan_bytes": scan, "row_bytes_max": rows}
+    return {"bits_per_token": float(bits.mean()), "scan_bytes": scan, "link_scan_bytes": link, "row_bytes_max": rows}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,7 +429,8 @@ def split_text(r: dict) -> str:
         text = f"pipeline {r['pipeline']}" + (f" (gather {programs})" if programs else "")
     else:
         text = f"gather {r['gather_programs']}" if r.get("gather_programs") else ""
-    extra = ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
+    extra = ([f"resident planes {r['resident_planes']}"] if r.get("resident_planes") else []) + \
+            ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
             (["top-k split"] if r.get("topk", "single") != "single" else []) + \
             ([f"{r['layer_unroll']} layers per loop iteration"] if r.get("layer_unroll", 1) > 1 else []) + \
             ([f"row cache {r['row_cache']} slots"] if r.get("row_cache") else []) + \
@@ -510,12 +519,17 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
             except Exception as e:  # noqa: BLE001
                 run.res["errors"].append({"section": "attnprofile", "error": f"{type(e).__name__}: {e}"[:2000]})
         nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
-        floor_ms = (nbytes["scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
+        floor_ms = (nbytes["link_scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
+        held = cache.nbytes()
+        tiers = {"resident_planes": placement.resident_planes,
+                 "index_host_bytes": float(held.get("planes", 0) + held.get("landmarks", 0)),
+                 "index_hbm_bytes": float(held.get("planes_hbm", 0))}
         if not placement.offloaded:  # the HBM control: no link traffic
             floor_ms = float("nan")
         cached = row_cache_fields(cache, link_rate(run), nbytes["scan_bytes"])
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
-                 "mesh": placement.num_shards, **split, "shared_kv": shared, "query_drift": args.query_drift, **cached,
+                 "mesh": placement.num_shards, **split, **tiers, "shared_kv": shared, "query_drift": args.query_drift,
+                 **cached,
                  "fill_s": fill_s,
                  "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],
@@ -714,6 +728,10 @@ def main(argv=None):
     ap.add_argument("--row-cache", default="0",
                     help="device-memory row-cache slots per layer and group (StepConfig.row_cache; a list: one row "
                          "each; 0: none)")
+    ap.add_argument("--resident-planes", default="0",
+                    help="planes of every channel kept in HBM (Placement.resident_planes), a ','-separated list: one set "
+                         "of attention-only rows each, over a cache of its own (0: the whole index in host memory; 4: "
+                         "the whole index in HBM)")
     ap.add_argument("--query-drift", type=float, default=None,
                     help="attention-only rows: each step's queries drift from the last by AR(1) with this coefficient "
                          "(0.95: ~37%% new rows per step); default: one query set repeated")
@@ -736,6 +754,12 @@ def main(argv=None):
     except (ValueError, TypeError) as e:
         ap.error(f"--index-writes / --pipeline / --fetch-programs / --topk / --xla-options / --layer-unroll / "
                  f"--row-cache: {e}")
+    try:
+        args.resident_planes = [int(p) for p in args.resident_planes.split(",")]
+        for p in args.resident_planes:
+            Placement("pinned_host", resident_planes=p)
+    except ValueError as e:
+        ap.error(f"--resident-planes: {e}")
     if args.query_drift is not None and not 0 <= args.query_drift < 1:
         ap.error(f"--query-drift must be in [0, 1), got {args.query_drift}")
     labels = [m for m in args.methods.split(",") if m]
@@ -762,7 +786,10 @@ def main(argv=None):
             run.guard("link", link_section, run)
         elif section == "attn":
             for ctx in sorted(args.attn_contexts, reverse=True):
-                run.guard(f"attn {ctx}", attention_rows, run, cfg, calib, scale, ctx, labels)
+                for p in args.resident_planes:
+                    placement = dataclasses.replace(args.placement, resident_planes=p)
+                    run.guard(f"attn {ctx} p{p}", attention_rows, run, cfg, calib, scale, ctx, labels,
+                              placement=placement)
         elif section in ("full", "batch", "prefill") and model is None:
             model = run.guard("model", random_model, cfg, args.placement)
         if section == "full" and model is not None:
@@ -902,7 +929,7 @@ def write_report(res: dict, prefix: str) -> None:
         lines += ["## Full decode step (QKV, sparse attention, o_proj, MLP, lm_head)", "",
                   "`weight GEMMs`: `copied` = Triton GEMMs on copies of each layer's weights sliced out of the stacked "
                   "arrays (before 2026-12-01); `in place` = cuBLAS GEMMs reading the slices in place (XLA's dynamic-slice "
-                  "fusion, `models.sparse.WEIGHT_GEMM_OPTIONS`).", "",
+                  "fusion, `models.generation.WEIGHT_GEMM_OPTIONS`).", "",
                   "| method | context | batch | mesh | split | index writes | weight GEMMs | ms | tokens/s | wall / device |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"], r.get("streams", 1),
@@ -914,6 +941,7 @@ def write_report(res: dict, prefix: str) -> None:
                          f"{r.get('wall_over_device', float('nan')):.2f} |")
         lines.append("")
     lines += row_cache_lines(att + full)
+    lines += tier_lines(att)
     for r in full + att:
         if "profile" in r:
             p = r["profile"]
@@ -990,6 +1018,59 @@ def write_report(res: dict, prefix: str) -> None:
     ax.set_title(f"{m['device']}: index + K/V in pinned host memory, one GPU", fontsize=10)
     fig.tight_layout()
     fig.savefig(prefix + ".png", dpi=110)
+    plt.close(fig)
+    tier_plot(att, prefix + "_tiers.png", m["device"])
+
+
+def _tier_rows(att: list[dict]) -> list[dict]:
+    return [r for r in att if "resident_planes" in r and r["memory"] == "pinned_host"]
+
+
+def tier_lines(att: list[dict]) -> list[str]:
+    """The resident-planes table: each row beside the same method, context and batch with the index on the host."""
+    rows = _tier_rows(att)
+    if not any(r["resident_planes"] for r in rows):
+        return []
+    base = {(r["method"], r["context"], r["batch"]): r for r in rows if not r["resident_planes"]}
+    lines = ["## Resident planes", "",
+             "`p`: planes [0, p) of every channel, and every block scale, in HBM; planes [p, 4) in pinned host memory "
+             "(p = 4: the whole index in HBM). Link MB: the planned planes (and, at p = 0, scales) that cross the link "
+             "per step; the floor adds the selected rows (max) at the link rate measured in the run.", "",
+             "| method | context | batch | p | index host GB | index HBM GB | link MB (planes) | rows MB (max) | ms | "
+             "link floor ms | vs p = 0 | link bytes vs p = 0 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["method"], r["context"], r["batch"], str(r["resident_planes"]))):
+        b = base.get((r["method"], r["context"], r["batch"]))
+        speed = f"{b['median_ms'] / r['median_ms']:.2f}x" if b else ""
+        share = f"{r['link_scan_bytes'] / b['link_scan_bytes']:.2f}" if b and b["link_scan_bytes"] else ""
+        lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['resident_planes']} | "
+                     f"{r['index_host_bytes'] / 1e9:.2f} | {r['index_hbm_bytes'] / 1e9:.2f} | "
+                     f"{r['link_scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
+                     f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | {speed} | "
+                     f"{share} |")
+    return lines + [""]
+
+
+def tier_plot(att: list[dict], path: str, device: str) -> None:
+    """Step time against the HBM bytes of the index per session, one line per method and context."""
+    import matplotlib.pyplot as plt
+
+    rows = _tier_rows(att)
+    if not any(r["resident_planes"] for r in rows):
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for (method, context), style in zip(sorted({(r["method"], r["context"]) for r in rows}),
+                                        ("o-", "s-", "D-", "^-", "o--", "s--", "D--", "^--")):
+        pts = sorted((r["index_hbm_bytes"] / r["batch"] / 1e9, r["median_ms"]) for r in rows
+                     if (r["method"], r["context"]) == (method, context) and isinstance(r["resident_planes"], int))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{method}, {context // 1024}k")
+    ax.set_xlabel("HBM bytes of the index per session (GB)")
+    ax.set_ylabel("attention-only step (ms, 36 layers)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{device}: resident planes (p = 0, 1, 2, 4)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

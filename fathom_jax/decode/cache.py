@@ -21,7 +21,6 @@ from fathom_jax.decode.fetches import split_kv
 from fathom_jax.decode.row_cache import RowCache, RowFill, empty_row_cache
 from fathom_jax.format import round_capacity
 from fathom_jax.index import KeyIndex, check_parts
-from fathom_jax.index_parts import IndexPart
 
 
 @jax.tree_util.register_dataclass
@@ -91,11 +90,14 @@ class SparseCache:
         return jnp.repeat(self.length, self.groups // self.batch)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes of the bulk arrays by kind (K/V rows, plane stores, landmarks): what lives in host memory."""
+        """Bytes of the bulk arrays by kind (K/V rows, plane stores, landmarks): what lives where the placement puts
+        them; ``*_hbm``: bulk arrays kept in device memory whatever the placement (resident planes, their scales)."""
         out = {"kv": self.kv.nbytes}
         for part, data in zip(self.index.parts, self.index.data):
-            leaves = jax.tree.leaves(jax.tree.map(lambda x, b: x.nbytes if b else 0, data, part.bulk(data)))
-            out[_kind(part)] = out.get(_kind(part), 0) + sum(leaves)
+            for x, where in zip(jax.tree.leaves(data), jax.tree.leaves(part.bulk(data))):
+                if where:
+                    key = part.kind + ("_hbm" if where == "device" else "")
+                    out[key] = out.get(key, 0) + x.nbytes
         return out
 
 
@@ -114,10 +116,6 @@ class LayerUpdate:
     rows: RowFill | None = None
 
 
-def _kind(part: IndexPart) -> str:
-    return "planes" if part.writes_per_token == 2 else part.name
-
-
 def cache_bytes(parts, *, n_layers: int, groups: int, capacity: int, head_dim: int, kv_itemsize: int,
                 shared_kv: bool = False) -> dict[str, int]:
     """Bulk bytes of a :class:`SparseCache` holding the index ``parts`` (a method's ``parts``) before allocating it:
@@ -125,8 +123,8 @@ def cache_bytes(parts, *, n_layers: int, groups: int, capacity: int, head_dim: i
     capacity = round_capacity(capacity)
     out = {"kv": 2 * (1 if shared_kv else n_layers) * groups * capacity * head_dim * kv_itemsize}
     for part in check_parts(parts, "cache_bytes"):
-        out[_kind(part)] = out.get(_kind(part), 0) + n_layers * groups * part.nbytes(capacity=capacity,
-                                                                                     head_dim=head_dim)
+        for kind, size in part.bulk_bytes(layers=n_layers, capacity=capacity, head_dim=head_dim).items():
+            out[kind] = out.get(kind, 0) + groups * size
     return out
 
 
@@ -160,7 +158,7 @@ def bulk_allocations(parts, **dims) -> list[int]:
     sizes: list[int] = []
 
     def record(shape, dtype, *, bulk=True):
-        if bulk:
+        if bulk is True:
             sizes.append(math.prod(shape) * np.dtype(dtype).itemsize)
         return jax.ShapeDtypeStruct(shape, dtype)
 

@@ -37,7 +37,7 @@ from typing import Literal, get_args
 import jax
 
 from fathom_jax.decode.fetches import CachedRowFetch, RowFetch
-from fathom_jax.decode.reads import DeviceRead, DirectRead, IndexRead, StagedRead
+from fathom_jax.decode.reads import DeviceRead, DirectRead, IndexRead, StagedRead, TieredRead
 from fathom_jax.placement import Placement
 from pallas_kernels.topk import TopkConfig
 
@@ -115,18 +115,24 @@ class StepConfig:
                 raise ValueError(f"step config topk: {err}") from None
         return cls(xla_options=options, **kwargs)
 
-    def resolve(self, placement: Placement, *, groups: int, capacity: int, implementation: str) -> "ResolvedStep":
-        """The step as it runs for ``groups`` groups (of the whole mesh) in a cache of ``capacity`` tokens."""
+    def resolve(self, placement: Placement, *, groups: int, capacity: int, implementation: str, layers: int = 1
+                ) -> "ResolvedStep":
+        """The step as it runs for ``groups`` groups (of the whole mesh) in a cache of ``layers`` layers of
+        ``capacity`` tokens."""
         if self.pipeline != "auto" and (groups // placement.num_shards) % self.pipeline:
             raise ValueError(f"step pipeline={self.pipeline} must divide the {groups // placement.num_shards} groups "
                              "(batch x KV heads) of each device; use a divisor of it")
         host = placement.in_host_memory
-        staged = placement.offloaded and self.read == "staged"
+        resident = placement.resident(layers)
+        tiered = placement.offloaded and any(resident)
+        staged = placement.offloaded and (self.read == "staged" or tiered)
         reader: IndexRead
         if implementation == "xla":  # XLA reads device memory only
             reader = DeviceRead("xla")
         elif not placement.offloaded:
             reader = DeviceRead(implementation)
+        elif tiered:  # resident planes: the tiered gather (the read mode is about host-only planes)
+            reader = TieredRead(implementation, _programs(self.gather_programs, host))
         elif staged:
             reader = StagedRead(implementation, _programs(self.gather_programs, host))
         else:

@@ -31,9 +31,10 @@ from fathom_jax.decode import writes as writes_lib
 from fathom_jax.decode.cache import LayerUpdate, SparseCache, allocate, bulk_allocations
 from fathom_jax.decode.config import ResolvedStep, StepConfig
 from fathom_jax.decode.step import CacheView, NewToken, StepContext, sparse_attention_step
+from fathom_jax.decode.tiers import TieredPlanes
 from fathom_jax.format import round_capacity
 from fathom_jax.index import KeyIndex, build_index
-from fathom_jax.index_parts import KEYS
+from fathom_jax.index_parts import KEYS, Planes
 from fathom_jax.methods.base import ScanMethod
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.placement import Placement
@@ -125,6 +126,14 @@ class SparseAttention:
     def index_parts(self) -> frozenset:
         return self.method.parts - {KEYS}  # the oracle and dense attention read the cache's K/V rows
 
+    def cache_parts(self, layers: int) -> frozenset:
+        """The index parts of a cache of ``layers`` layers: plane stores in two tiers where the placement keeps
+        resident planes in device memory (:mod:`fathom_jax.decode.tiers`)."""
+        resident = self.placement.resident(layers)
+        if not any(resident):
+            return self.index_parts
+        return frozenset(TieredPlanes.of(p, resident) if isinstance(p, Planes) else p for p in self.index_parts)
+
     # -- the CacheAttention protocol: how the decoder drives it ---------------------------------
     @property
     def fused(self) -> bool:
@@ -169,7 +178,7 @@ class SparseAttention:
         """This hook for caches of ``shape``: checked, its step configuration resolved (before any tracing)."""
         self.check(shape)
         run = self.step.resolve(self.placement, groups=shape.groups, capacity=round_capacity(shape.capacity),
-                                implementation=self.resolved_implementation)
+                                implementation=self.resolved_implementation, layers=shape.layers)
         return dataclasses.replace(self, run=run)
 
     @property
@@ -190,11 +199,12 @@ class SparseAttention:
                     capacity=round_capacity(shape.capacity), head_dim=shape.head_dim, dtype=shape.dtype,
                     shared_kv=shared_kv, row_cache=self.step.row_cache,
                     session_calibration=_session_template(shape.head_dim) if self.session else None)
+        parts = self.cache_parts(shape.layers)
         if self.placement.in_host_memory:
             shards = self.placement.num_shards
-            sizes = [size // shards for size in bulk_allocations(self.index_parts, **dims)]
+            sizes = [size // shards for size in bulk_allocations(parts, **dims)]
             host_memory.check(sizes, devices=shards, what=f"a cache of {dims['capacity']} tokens")
-        return allocate(self.placement.zeros, self.index_parts, **dims)
+        return allocate(self.placement.zeros, parts, **dims)
 
     def write_prompt(self, cache: SparseCache, layer, keys, values, lengths) -> SparseCache:
         """Prefill: layer ``layer``'s post-RoPE ``keys, values [B, Hkv, T, Dh]`` of sequences of ``lengths [B]``
@@ -217,7 +227,7 @@ class SparseAttention:
             calib = session
         else:
             calib = self.corpus_calibration(layer, keys.shape[0])
-        built = build_index(keys.astype(jnp.float32), calib, self.index_parts, capacity=cache.capacity, length=lengths)
+        built = build_index(keys.astype(jnp.float32), calib, cache.index.parts, capacity=cache.capacity, length=lengths)
         return writes_lib.write_layer(cache, layer, keys, values, built, self._writer())
 
     def start_decode(self, cache: SparseCache, lengths) -> SparseCache:

@@ -6,6 +6,10 @@
   of every active channel) to HBM at the link rate, then the plane scan reads HBM. A staged transfer can be chained
   after another (``after``): the pipelined step orders each chunk's transfer after the previous chunk's.
 * :class:`DirectRead`: the index is in host memory and the plane scan reads it there as it computes.
+* :class:`TieredRead`: the top planes of every channel are resident in HBM and the rest in host memory
+  (:mod:`fathom_jax.decode.tiers`); the tiered gather stages each read's planes from both tiers, only the deeper
+  ones over the link, then the plane scan reads HBM (the same staged buffer, bit for bit, as the staged read of the
+  store in one tier). With every plane resident it scans the store in HBM in place.
 
 Each reads a :class:`~fathom_jax.methods.base.PlaneRead` of a stacked store ``[L, R, ...]`` at ``layer`` for groups
 ``group_start ..`` (:meth:`scores`), and stages other bulk arrays (landmark means, the oracle's keys) to device
@@ -23,11 +27,13 @@ import jax.numpy as jnp
 from fathom_jax import scan as scan_lib
 from fathom_jax import store as store_lib
 from fathom_jax.format import LANDMARK_TOKENS
+from fathom_jax.decode.tiers import TieredPlaneStore
 from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead
 from pallas_kernels import backend
 from pallas_kernels.plane_scan import active_channels, plane_scan
 from pallas_kernels.row_fetch import row_fetch
 from pallas_kernels.run_gather import RunGatherConfig, run_gather
+from pallas_kernels.tier_gather import tier_gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +78,8 @@ class IndexRead:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceRead(IndexRead):
-    """The index and K/V rows in device memory: XLA slices stage, the plane scan reads the stacked store in place."""
+    """The index and K/V rows in device memory: XLA slices stage, the plane scan reads the stacked store in place.
+    The ``"xla"`` reference reads every placement this way (on a CPU every placement is device memory)."""
 
     def _stage(self, x, layer, groups, columns):
         start, size = groups
@@ -84,8 +91,11 @@ class DeviceRead(IndexRead):
             # layer and step cost more than the whole read on CPU; the scores equal the token-major read's up to
             # the dot's summation order.
             groups = slice(group_start, group_start + length.shape[0])
-            store = dataclasses.replace(store, planes=store.planes[layer, groups], scales=store.scales[layer, groups],
-                                        length=length)
+            if isinstance(store, TieredPlaneStore):
+                store = store.layer_store(layer, groups, length)
+            else:
+                store = dataclasses.replace(store, planes=store.planes[layer, groups],
+                                            scales=store.scales[layer, groups], length=length)
             return jnp.einsum("...gd,...dn->...gn", read.queries, store_lib.dequantize_channels(store, read.depths),
                               precision=jax.lax.Precision.HIGHEST), None
         return _scan_in_place(read, store, length, layer, group_start, self.implementation), None
@@ -116,10 +126,7 @@ class StagedRead(_HostRead):
         planes, scales = run_gather(store.planes, store.scales, channels, depths, layer=layer, group_start=group_start,
                                     after=after, config=RunGatherConfig(programs=self.programs),
                                     implementation=self.implementation)
-        queries = jnp.take_along_axis(read.queries, channels[..., None, :], axis=-1)
-        slots = jnp.broadcast_to(jnp.arange(channels.shape[-1], dtype=jnp.int32), channels.shape)
-        return plane_scan(queries, planes, scales, length, slots, depths, assume_sorted=True,
-                          implementation=self.implementation), planes
+        return _scan_staged(read, planes, scales, channels, depths, length, self.implementation), planes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +135,29 @@ class DirectRead(_HostRead):
 
     def _plane_scores(self, read, store, length, layer, group_start, after):
         return _scan_in_place(read, store, length, layer, group_start, self.implementation), None
+
+
+@dataclasses.dataclass(frozen=True)
+class TieredRead(_HostRead):
+    """Resident planes read in HBM, the deeper planned runs gathered over the link (``programs`` persistent programs
+    of the tiered gather; 0: one per copied chunk of a run); every plane resident: the scan in place in HBM."""
+
+    programs: int = 0
+
+    def _plane_scores(self, read, store, length, layer, group_start, after):
+        if not isinstance(store, TieredPlaneStore):  # every plane resident: the plain store, in HBM
+            return _scan_in_place(read, store, length, layer, group_start, self.implementation), None
+        channels, depths = active_channels(read.depths, read.max_active or None)
+        planes, scales = tier_gather(store.hot, store.cold, store.scales, store.table, channels, depths, layer=layer,
+                                     group_start=group_start, after=after,
+                                     config=RunGatherConfig(programs=self.programs), implementation=self.implementation)
+        return _scan_staged(read, planes, scales, channels, depths, length, self.implementation), planes
+
+
+def _scan_staged(read, planes, scales, channels, depths, length, implementation):
+    queries = jnp.take_along_axis(read.queries, channels[..., None, :], axis=-1)
+    slots = jnp.broadcast_to(jnp.arange(channels.shape[-1], dtype=jnp.int32), channels.shape)
+    return plane_scan(queries, planes, scales, length, slots, depths, assume_sorted=True, implementation=implementation)
 
 
 def _columns(x, columns):
