@@ -77,6 +77,11 @@ class TieredPlanes(Planes):
     def all_resident(self) -> bool:
         return all(p == N_PLANES for p in self.resident)
 
+    @property
+    def writes_per_token(self) -> int:  # type: ignore[override]
+        """Each plane of the newest block goes to its tier (the write to the other one drops out), and the scales."""
+        return 2 if self.all_resident else 2 * N_PLANES + 1
+
     def bulk(self, data):
         if isinstance(data, TieredPlaneStore):
             mask = jax.tree.map(lambda _: False, data)

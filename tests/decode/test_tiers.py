@@ -125,7 +125,7 @@ def test_resident_planes_for_a_budget():
 def test_resident_planes_live_in_hbm_and_the_rest_in_host_memory(tiny_model):
     """On a GPU the hot planes and scales are device arrays and the cold planes pinned host ones; the decode equals
     the one-tier host cache's bit for bit and the compiled step copies no host array."""
-    from fathom_jax.hlo import host_array_copies
+    from fathom_jax.hlo import device_copies, host_array_copies
 
     want, _, _ = decode_run(tiny_model, 0, "pallas", pipeline=1)
     got, cache, attn = decode_run(tiny_model, 1, "pallas", pipeline=1)
@@ -139,3 +139,6 @@ def test_resident_planes_live_in_hbm_and_the_rest_in_host_memory(tiny_model):
     text = generation.decode_step_program(tiny_model, cache, attn).lower(state, jnp.asarray(LONG[:, 5]),
                                                                         cache=cache).compile().as_text()
     assert host_array_copies(text, min_bytes=1 << 10) == []
+    # the resident planes are written in place too (a copy would take the new blocks' writes away from the cache)
+    assert device_copies(text, min_bytes=store.hot.nbytes) == []
+    assert cache.writes.shape == (1 + 2 * 4 + 1,)  # K/V row, each plane to its tier, the scales
