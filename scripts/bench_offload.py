@@ -146,6 +146,15 @@ PRESETS = harness.presets({
                 "--time-budget 160",
     "attn-profile-1m": f"--tag h200_profile_1m --read staged --sections attn,attnprofile --contexts 1m {_F48} "
                        "--share-kv-from 1m --time-budget 140",
+    # results/offload_h200.* resident planes (issue 33; the p = 0 rows also re-measure the default step)
+    "tiers-1m": f"--tag h200_tiers_1m --sections link,attn --contexts 1m {_F4} --resident-planes 0,1 "
+                "--share-kv-from 1m --time-budget 350",
+    "tiers-128k": f"--tag h200_tiers_128k --sections link,attn --contexts 128k {_F4} --resident-planes 0,1 "
+                  "--share-kv-from 1m --time-budget 190",
+    "tiers-p24": '--tag h200_tiers_p24 --sections attn --contexts 1m,128k --methods "Fathom 48,Fathom 64" '
+                 "--resident-planes 2,4 --share-kv-from 1m --time-budget 210",
+    "tiers-profile": f"--tag h200_tiers_profile --sections attn,attnprofile --contexts 1m {_F48} --resident-planes 1 "
+                     "--share-kv-from 1m --time-budget 140",
     # results/offload_h200x2.*, the two-H200 machine (every layer's own K/V: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, README)
     "x2-1m-1gpu": f"--tag h200x2_1m_1gpu --mesh 1 --read staged --sections link,attn --contexts 1m {_F48_32} "
                   "--index-writes every_step,full_blocks --share-kv-from none --time-budget 230",
@@ -389,7 +398,8 @@ def link_rate(run) -> float:
 # (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan; the
 # GPU streams and writes after the scan are measured options since deleted, kept for their rows)
 SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
-                  "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0}
+                  "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
+                  "resident_planes": 0}
 
 
 def options_text(options) -> str:
@@ -686,7 +696,7 @@ def merge(paths, out_prefix):
     for row in res["rows"]:  # the link floor of rows measured in a run without the link section
         floor = row.get("link_floor_ms", float("nan"))
         if row["kind"] == "attention" and row["memory"] == "pinned_host" and link and math.isnan(floor):
-            row["link_floor_ms"] = (row["scan_bytes"] + row["row_bytes_max"]) / (link * 1e9) * 1e3
+            row["link_floor_ms"] = (row.get("link_scan_bytes", row["scan_bytes"]) + row["row_bytes_max"]) / (link * 1e9) * 1e3
             row["fraction_of_link"] = row["link_floor_ms"] / row["median_ms"]
     harness.write_json(out_prefix + ".json", res)
     write_report(res, out_prefix)
@@ -1023,7 +1033,8 @@ def write_report(res: dict, prefix: str) -> None:
 
 
 def _tier_rows(att: list[dict]) -> list[dict]:
-    return [r for r in att if "resident_planes" in r and r["memory"] == "pinned_host"]
+    """The rows of runs that recorded where the index lived (since resident planes exist)."""
+    return [r for r in att if "index_hbm_bytes" in r and r["memory"] == "pinned_host"]
 
 
 def tier_lines(att: list[dict]) -> list[str]:
