@@ -247,15 +247,20 @@ def _generate(graphdef, state, prompt, max_new_tokens: int, capacity: int, attn_
 
 
 def generate(model: Gemma3ForCausalLM, prompt_ids: Int[Array, "B T"] | Int[Array, "T"], max_new_tokens: int, *,
-             capacity: int | None = None, attention_fn: AttentionFn = dense_attention) -> Int[Array, "B N"]:
-    """Greedy decoding of ``max_new_tokens`` tokens (no EOS stop), equal-length prompts; ``attention_fn`` is the
-    global layers' dense-cache hook (see :meth:`Gemma3ForCausalLM.decode_step`). ``capacity`` (the global
-    layers' cache) defaults to prompt + new tokens. Returns [B, N] (or [N] for a 1-D prompt) new token ids."""
+             capacity: int | None = None, attention_fn: AttentionFn = dense_attention,
+             lengths: Int[Array, "B"] | None = None) -> Int[Array, "B N"]:
+    """Greedy decoding of ``max_new_tokens`` tokens (no EOS stop), equal-length prompts (``lengths``, if given,
+    must all be T); ``attention_fn`` is the global layers' dense-cache hook (see
+    :meth:`Gemma3ForCausalLM.decode_step`). ``capacity`` (the global layers' cache) defaults to prompt + new
+    tokens. Returns [B, N] (or [N] for a 1-D prompt) new token ids."""
     prompt = jnp.asarray(prompt_ids, jnp.int32)
     squeeze = prompt.ndim == 1
     prompt = prompt[None] if squeeze else prompt
     if prompt.ndim != 2 or prompt.shape[1] == 0:
         raise ValueError(f"prompt must be a non-empty [T] or [B, T] array of token ids, got shape {prompt.shape}")
+    if lengths is not None and np.any(np.asarray(lengths) != prompt.shape[1]):
+        raise ValueError(f"Gemma 3 decodes equal-length prompts (dense cache); got lengths "
+                         f"{np.asarray(lengths).tolist()} for prompts of {prompt.shape[1]} tokens")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     capacity = prompt.shape[1] + max_new_tokens if capacity is None else capacity

@@ -49,7 +49,8 @@ class Gemma3Config:
             raise ValueError(f"sliding_window={self.sliding_window} and sliding_window_pattern="
                              f"{self.sliding_window_pattern} must be >= 1")
         if self.n_layers < self.sliding_window_pattern:
-            raise ValueError(f"n_layers={self.n_layers} holds no global layer (one every {self.sliding_window_pattern})")
+            raise ValueError(f"n_layers={self.n_layers} holds no global layer (one in every "
+                             f"{self.sliding_window_pattern})")
         if not self.tie_word_embeddings:
             raise ValueError("Gemma 3 ties its output projection to the embedding; untied weights are not supported")
         if self.rope_scaling is not None and self.rope_scaling.rope_type != "linear":

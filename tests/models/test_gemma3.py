@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from fathom_jax import models
 from fathom_jax.models import dense_attention
 from fathom_jax.models import gemma3 as G
 from fathom_jax.models.config import RopeScaling
@@ -154,8 +155,10 @@ def test_generate_is_greedy_and_compiles_once(model, full_logits):
     lg, _ = model.prefill(jnp.asarray(seq), Gemma3Cache.init(CFG, 2, 16))
     assert out.tolist() == np.argmax(np.asarray(lg[:, 4:]), -1).tolist()
     size = G._generate._cache_size()
-    G.generate(model, TOKENS[:, 1:6], 9, capacity=16)
-    assert G._generate._cache_size() == size
+    again = models.generate(model, TOKENS[:, 1:6], 9, capacity=16)  # the package's generate dispatches here
+    assert G._generate._cache_size() == size and again.shape == (2, 9)
+    with pytest.raises(ValueError, match="equal-length"):
+        models.generate(model, TOKENS[:, :5], 9, lengths=np.array([5, 4]))
 
 
 def test_capture_qkv_global_and_local(model, full_logits):
@@ -165,6 +168,7 @@ def test_capture_qkv_global_and_local(model, full_logits):
     assert got["q"].shape == (2, CFG.n_heads, t, CFG.head_dim) and got["k"].shape == (2, CFG.n_kv_heads, t, 8)
     np.testing.assert_allclose(got["k"], cache.k[:, 0, :, :t], atol=1e-5)
     np.testing.assert_allclose(got["v"], cache.v[:, 0, :, :t], atol=1e-5)
+    np.testing.assert_array_equal(models.capture_qkv(model, TOKENS[0])["k"], got["k"])  # dispatches here
     local = G.capture_qkv(model, TOKENS[0], layers="local")
     assert local["k"].shape == (len(CFG.local_layers), CFG.n_kv_heads, t, 8)
     for p in range(t - w, t):  # the ring holds the last window's keys
