@@ -8,11 +8,12 @@ Layout choices, and why:
   parameters seen as [n_blocks, P - 1], a free reshape) and then runs its global layer; the tail is a second
   scan. Compile time does not grow with depth, and no layer's weights are gathered or copied per step.
 - Each kind has its own attention callback (:meth:`Gemma3ForCausalLM.run_layers`): local layers attend over a
-  window ring buffer, global layers over a full-length cache through a pluggable hook that receives the
-  *global* layer ordinal. Dense decoding passes an :class:`~fathom_jax.models.AttentionFn` (the same protocol
-  as the Llama decoder's); a sparse step plugs in the same way, on the global layers only.
-- The cache (:class:`~fathom_jax.models.gemma3_cache.Gemma3Cache`) is an explicit pytree holding post-RoPE keys,
-  threaded through both scans as part of the carry so that XLA updates it in place.
+  window ring buffer, global layers through a pluggable hook that receives the *global* layer ordinal.
+  :meth:`~Gemma3ForCausalLM.prefill` / :meth:`~Gemma3ForCausalLM.decode_step` keep a dense cache
+  (:class:`~fathom_jax.models.gemma3_cache.Gemma3Cache`, post-RoPE keys, threaded through the scans in the
+  carry so that XLA updates it in place) and take an :class:`~fathom_jax.models.AttentionFn` for the global
+  layers, as the Llama decoder does; ``gemma3_generation.py`` drives generation with any
+  :class:`~fathom_jax.models.attention.CacheAttention` (dense, or a sparse step) on the global layers only.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from fathom_jax.models.attention import CacheAttention
 from fathom_jax.models.cache import AttentionFn, dense_attention
 from fathom_jax.models.gemma3_cache import Gemma3Cache, chunked_causal_attention, window_attention
 from fathom_jax.models.gemma3_config import Gemma3Config
@@ -172,9 +174,9 @@ class Gemma3ForCausalLM(nnx.Module):
 
         There is no ``position`` argument (the Llama decoder's rewind): the ring has forgotten what a rewound
         window would need."""
-        if callable(getattr(attention_fn, "attend", None)) and hasattr(attention_fn, "commit"):
-            raise TypeError("Gemma 3 decodes with a dense-cache AttentionFn on its global layers; sparse decoding "
-                            "(a SparseAttention) is not wired into the Gemma 3 decoder yet")
+        if isinstance(attention_fn, CacheAttention):
+            raise TypeError("decode_step takes a dense-cache AttentionFn; attention with its own cache (e.g. a "
+                            "SparseAttention) decodes through fathom_jax.models.gemma3_generation.generate")
         token = jnp.asarray(token, jnp.int32)
         if token.ndim != 1:
             raise ValueError(f"decode_step takes one token per sequence [batch], got shape {token.shape}")
@@ -226,53 +228,7 @@ def dense_prefill_attend(q, k, v, start, g):
 
 
 # ----------------------------------------------------------------------------------------------
-# Greedy generation and q/k/v capture (the Llama decoder's are in generation.py)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "capacity", "attn_static"))
-def _generate(graphdef, state, prompt, max_new_tokens: int, capacity: int, attn_static, attn_leaves):
-    model = nnx.merge(graphdef, state)
-    attention_fn = join_attention(attn_static, attn_leaves)
-    b = prompt.shape[0]
-    logits, cache = model.prefill(prompt, Gemma3Cache.init(model.config, b, capacity, model.dtype), last_only=True)
-    out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(jnp.argmax(logits, -1).astype(jnp.int32))
-
-    def body(i, carry):
-        out, cache = carry
-        logits, cache = model.decode_step(out[:, i - 1], cache, attention_fn=attention_fn)
-        return out.at[:, i].set(jnp.argmax(logits, -1).astype(jnp.int32)), cache
-
-    out, _ = jax.lax.fori_loop(1, max_new_tokens, body, (out, cache))
-    return out
-
-
-def generate(model: Gemma3ForCausalLM, prompt_ids: Int[Array, "B T"] | Int[Array, "T"], max_new_tokens: int, *,
-             capacity: int | None = None, attention_fn: AttentionFn = dense_attention,
-             lengths: Int[Array, "B"] | None = None) -> Int[Array, "B N"]:
-    """Greedy decoding of ``max_new_tokens`` tokens (no EOS stop), equal-length prompts (``lengths``, if given,
-    must all be T); ``attention_fn`` is the global layers' dense-cache hook (see
-    :meth:`Gemma3ForCausalLM.decode_step`). ``capacity`` (the global layers' cache) defaults to prompt + new
-    tokens. Returns [B, N] (or [N] for a 1-D prompt) new token ids."""
-    prompt = jnp.asarray(prompt_ids, jnp.int32)
-    squeeze = prompt.ndim == 1
-    prompt = prompt[None] if squeeze else prompt
-    if prompt.ndim != 2 or prompt.shape[1] == 0:
-        raise ValueError(f"prompt must be a non-empty [T] or [B, T] array of token ids, got shape {prompt.shape}")
-    if lengths is not None and np.any(np.asarray(lengths) != prompt.shape[1]):
-        raise ValueError(f"Gemma 3 decodes equal-length prompts (dense cache); got lengths "
-                         f"{np.asarray(lengths).tolist()} for prompts of {prompt.shape[1]} tokens")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    capacity = prompt.shape[1] + max_new_tokens if capacity is None else capacity
-    if prompt.shape[1] + max_new_tokens > capacity:
-        raise ValueError(f"prompt of {prompt.shape[1]} tokens + {max_new_tokens} new tokens exceeds cache "
-                         f"capacity {capacity}")
-    if callable(getattr(attention_fn, "attend", None)) and hasattr(attention_fn, "commit"):
-        raise TypeError("Gemma 3 decodes with a dense-cache AttentionFn on its global layers; sparse decoding "
-                        "(a SparseAttention) is not wired into the Gemma 3 decoder yet")
-    graphdef, state = nnx.split(model)
-    out = _generate(graphdef, state, prompt, max_new_tokens, capacity, *split_attention(attention_fn))
-    return out[0] if squeeze else out
+# q/k/v capture (generation: gemma3_generation.py)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kind"))
