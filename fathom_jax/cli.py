@@ -181,6 +181,8 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(text)
     if not prompt:
         raise UsageError("argument prompt: the prompt tokenizes to nothing; give some text to continue")
+    if getattr(tokenizer, "add_bos", False):  # Gemma's GGUF asks for BOS first
+        prompt = [tokenizer.bos_id, *prompt]
     capacity = len(prompt) + args.max_new_tokens
     check_positions(capacity, config, args.allow_long_context,
                     f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} =")

@@ -25,6 +25,7 @@ from jaxtyping import Array, Float, Int
 
 from fathom_jax.models.attention import CacheAttention, CacheShape, as_cache_attention
 from fathom_jax.models.cache import AttentionFn, KVCache, dense_attention
+from fathom_jax.models.gemma3 import Gemma3ForCausalLM
 from fathom_jax.models.llama import LlamaForCausalLM, dense_attend
 from fathom_jax.models.prefill import PREFILL_MLP_CHUNK, prefill_attention
 
@@ -240,8 +241,13 @@ def generate(
     :class:`AttentionFn`, default :func:`dense_attention`: a plain function is a static jit argument, a callable
     pytree passes its arrays as traced arguments). ``capacity`` defaults to the longest prompt + ``max_new_tokens``
     (and at least what the attention needs, e.g. a sparse hook's k). Returns [B, N] (or [N] for a 1-D prompt) new
-    token ids.
+    token ids. Gemma 3 generates through :func:`fathom_jax.models.gemma3_generation.generate`.
     """
+    if isinstance(model, Gemma3ForCausalLM):  # window rings on its local layers, the attention on its global ones
+        from fathom_jax.models import gemma3_generation
+
+        return gemma3_generation.generate(model, prompt_ids, max_new_tokens, capacity=capacity,
+                                          attention_fn=attention_fn, lengths=lengths)
     prompt = jnp.asarray(prompt_ids, jnp.int32)
     squeeze = prompt.ndim == 1
     prompt = prompt[None] if squeeze else prompt
@@ -290,8 +296,13 @@ def _capture(graphdef, state, tokens):
 def capture_qkv(model: LlamaForCausalLM, tokens: Int[Array, "T"]) -> dict[str, Float[Array, "..."]]:
     """Post-RoPE q [L,H,T,D], k [L,Hkv,T,D], v [L,Hkv,T,D] (f32) of one sequence's dense prefill.
 
-    Query head h belongs to KV head h // G, so q.reshape(L, Hkv, G, T, D) lines up with k.
+    Query head h belongs to KV head h // G, so q.reshape(L, Hkv, G, T, D) lines up with k. Gemma 3: its global
+    layers' (:func:`fathom_jax.models.gemma3.capture_qkv`).
     """
+    if isinstance(model, Gemma3ForCausalLM):
+        from fathom_jax.models import gemma3
+
+        return gemma3.capture_qkv(model, tokens)
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 1:
         raise ValueError(f"capture_qkv takes one sequence [T], got shape {tokens.shape}")
