@@ -153,6 +153,8 @@ PRESETS = harness.presets({
                   "--share-kv-from 1m --time-budget 190",
     "tiers-p24": '--tag h200_tiers_p24 --sections attn --contexts 1m,128k --methods "Fathom 48,Fathom 64" '
                  "--resident-planes 2,4 --share-kv-from 1m --time-budget 210",
+    "tiers-batch": f"--tag h200_tiers_batch --sections link,attnbatch --contexts 128k --batches 8,16 {_F48} "
+                   "--resident-planes 0,1 --share-kv-from 512k --time-budget 300",
     "tiers-profile": f"--tag h200_tiers_profile --sections attn,attnprofile --contexts 1m {_F48} --resident-planes 1 "
                      "--share-kv-from 1m --time-budget 140",
     # results/offload_h200x2.*, the two-H200 machine (every layer's own K/V: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, README)
@@ -543,6 +545,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
                  "fill_s": fill_s,
                  "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],
+                 "tokens_per_s": batch / (r["median_ms"] * 1e-3),
                  "authors_ms": AUTHORS_MS.get(context, {}).get(label) if batch == 1 and placement.num_shards == 1 else None,
                  "tag": tag, **({"profile": profile} if profile else {})})
     return cache
@@ -811,10 +814,13 @@ def main(argv=None):
             for b in (int(x) for x in args.batches.split(",")):
                 run.guard(f"batch {b}", full_rows, run, model, cfg, calib, scale, ctx, labels[:1], batch=b,
                           profile="profile" in args.sections and b == 8)
-        elif section == "attnbatch":  # attention-only rows of larger batches (the row cache's comparison)
+        elif section == "attnbatch":  # attention-only rows of larger batches (the row cache's and tiers' comparison)
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             for b in (int(x) for x in args.batches.split(",")):
-                run.guard(f"attn batch {b}", attention_rows, run, cfg, calib, scale, ctx, labels[:1], batch=b)
+                for p in args.resident_planes:
+                    placement = dataclasses.replace(args.placement, resident_planes=p)
+                    run.guard(f"attn batch {b} p{p}", attention_rows, run, cfg, calib, scale, ctx, labels[:1], batch=b,
+                              placement=placement)
         elif section == "control":
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             run.guard("control", attention_rows, run, cfg, calib, scale, ctx, labels[:1],
@@ -1048,7 +1054,8 @@ def tier_lines(att: list[dict]) -> list[str]:
              "(p = 4: the whole index in HBM). Link MB: the planned planes (and, at p = 0, scales) that cross the link "
              "per step; the floor adds the selected rows (max) at the link rate measured in the run.", "",
              "| method | context | batch | p | index host GB | index HBM GB | link MB (planes) | rows MB (max) | ms | "
-             "link floor ms | vs p = 0 | link bytes vs p = 0 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens/s | link floor ms | vs p = 0 | link bytes vs p = 0 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["method"], r["context"], r["batch"], str(r["resident_planes"]))):
         b = base.get((r["method"], r["context"], r["batch"]))
         speed = f"{b['median_ms'] / r['median_ms']:.2f}x" if b else ""
@@ -1056,8 +1063,8 @@ def tier_lines(att: list[dict]) -> list[str]:
         lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['resident_planes']} | "
                      f"{r['index_host_bytes'] / 1e9:.2f} | {r['index_hbm_bytes'] / 1e9:.2f} | "
                      f"{r['link_scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
-                     f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | {speed} | "
-                     f"{share} |")
+                     f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['batch'] / r['median_ms'] * 1e3:.1f} | "
+                     f"{r['link_floor_ms']:.1f} | {speed} | {share} |")
     return lines + [""]
 
 

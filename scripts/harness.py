@@ -143,7 +143,7 @@ def host_to_device_rate(nbytes=2 << 30, devices=None, repeats=5) -> dict:
 
 CATEGORIES = (  # (category, substrings of kernel / op names), first match wins
     ("plane scan kernel", ("fathom_plane_scan",)),
-    ("scan transfer (run gather)", ("run_gather",)),
+    ("scan transfer (run gather)", ("run_gather", "tier_gather")),
     ("nibble scan", ("nibble_scan",)),
     ("planner (water line)", ("water_line",)),
     ("top-k", ("topk", "kth_largest")),

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 from fathom_jax.models import hub  # noqa: E402
 from fathom_jax.models.gemma3_cache import Gemma3Cache  # noqa: E402
-from fathom_jax.models.gemma3_generation import generate  # noqa: E402
+from fathom_jax.models.generation import generate  # noqa: E402
 from tests.models import conftest as prompts  # noqa: E402  (the parity test's prompts, one source)
 
 

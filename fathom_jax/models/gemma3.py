@@ -12,8 +12,9 @@ Layout choices, and why:
   :meth:`~Gemma3ForCausalLM.prefill` / :meth:`~Gemma3ForCausalLM.decode_step` keep a dense cache
   (:class:`~fathom_jax.models.gemma3_cache.Gemma3Cache`, post-RoPE keys, threaded through the scans in the
   carry so that XLA updates it in place) and take an :class:`~fathom_jax.models.AttentionFn` for the global
-  layers, as the Llama decoder does; ``gemma3_generation.py`` drives generation with any
-  :class:`~fathom_jax.models.attention.CacheAttention` (dense, or a sparse step) on the global layers only.
+  layers, as the Llama decoder does. ``generation.py`` drives generation with any
+  :class:`~fathom_jax.models.attention.CacheAttention` (dense, or a sparse step) on the global layers only, through
+  the decoder interface both models implement (``forward_prompt``, ``forward_token``, ...).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from fathom_jax.models.attention import CacheAttention
+from fathom_jax.models.attention import CacheAttention, CacheShape
 from fathom_jax.models.cache import AttentionFn, dense_attention
-from fathom_jax.models.gemma3_cache import Gemma3Cache, chunked_causal_attention, window_attention
+from fathom_jax.models.gemma3_cache import (Gemma3Cache, Gemma3State, Windows, chunked_causal_attention,
+                                            window_attention)
 from fathom_jax.models.gemma3_config import Gemma3Config
 from fathom_jax.models.gemma3_layers import DecoderLayer, RMSNorm, global_inv_freq, local_inv_freq
 from fathom_jax.models.llama import check_fits, join_attention, split_attention
+from fathom_jax.models.prefill import prefill_attention
 
 
 def _stack(config: Gemma3Config, n: int, dtype, rngs: nnx.Rngs):
@@ -60,6 +63,71 @@ class Gemma3ForCausalLM(nnx.Module):
         if config.n_tail:
             self.tail_layers = _stack(config, config.n_tail, dtype, rngs)
         self.norm = RMSNorm(config.hidden, config.rms_norm_eps, dtype=dtype)
+
+    # -- the decoder interface the generation drivers use (generation.py) ------------------
+    # The decode state is the local layers' window rings and the global layers' attention cache (Gemma3State).
+    ragged = False  # the rings have one length for the batch
+    layerwise_prompt = False  # a prompt runs through every layer in one program
+
+    def cache_shape(self, batch: int, capacity: int) -> CacheShape:
+        """The global layers' cache shape (``layers`` = the number of global layers)."""
+        cfg = self.config
+        return CacheShape(layers=len(cfg.global_layers), batch=batch, kv_heads=cfg.n_kv_heads, capacity=capacity,
+                          head_dim=cfg.head_dim, dtype=self.dtype)
+
+    def init_state(self, attention: CacheAttention, batch: int, capacity: int) -> Gemma3State:
+        return Gemma3State(Windows.init(self.config, batch, self.dtype),
+                           attention.init_cache(self.cache_shape(batch, capacity)))
+
+    @staticmethod
+    def split_state(state: Gemma3State):
+        return state.windows, state.cache
+
+    @staticmethod
+    def join_state(windows, cache) -> Gemma3State:
+        return Gemma3State(windows, cache)
+
+    def forward_prompt(self, attention: CacheAttention, prompt, lengths, state: Gemma3State):
+        """The whole (equal-length) prompt in one layer loop: local layers through their windows, global layers causal
+        over the prompt, their rows handed to ``attention.write_prompt``. Returns (f32 logits at the last token
+        [B, V], state)."""
+        t = prompt.shape[1]
+
+        def local_attend(i, q, k, v, s):
+            o, windows = s.windows.attend(i, q, k, v)
+            return o, dataclasses.replace(s, windows=windows), None
+
+        def global_attend(g, q, k, v, s):
+            return prefill_attention(q, k, v), dataclasses.replace(
+                s, cache=attention.write_prompt(s.cache, g, k, v, lengths)), None
+
+        x, state, _, _ = self.run_layers(self.embed(prompt), jnp.arange(t, dtype=jnp.int32), local_attend,
+                                         global_attend, state)
+        windows = dataclasses.replace(state.windows, length=jnp.int32(t))
+        return self.logits(self.norm(x[:, -1])), dataclasses.replace(state, windows=windows)
+
+    def forward_token(self, attention: CacheAttention, tokens, state: Gemma3State):
+        """One decode step: ``(f32 logits [B, V], state)``. The global layers call ``attention.attend(cache, g, q,
+        key, value)`` inside the layer loop (the cache read-only there) and ``attention.commit`` runs once after it."""
+        windows, cache = state.windows, state.cache
+        start = windows.length
+
+        def local_attend(i, q, k, v, w):
+            o, w = w.attend(i, q, k, v)
+            return o, w, None
+
+        def global_attend(g, q, k, v, w):
+            o, update = attention.attend(cache, g, q[:, :, :, 0], k[:, :, 0], v[:, :, 0])
+            return o[:, :, :, None], w, update
+
+        x, windows, _, updates = self.run_layers(self.embed(tokens[:, None]), start + jnp.arange(1, dtype=jnp.int32),
+                                                 local_attend, global_attend, windows)
+        state = Gemma3State(dataclasses.replace(windows, length=start + 1), attention.commit(cache, updates))
+        return self.logits(self.norm(x[:, 0])), state
+
+    def capture_qkv(self, tokens: Int[Array, "T"], *, layers: str = "global") -> dict[str, Float[Array, "..."]]:
+        """:func:`capture_qkv` of this model (its global layers by default)."""
+        return capture_qkv(self, tokens, layers=layers)
 
     # -- core ------------------------------------------------------------------------------
 
@@ -176,7 +244,7 @@ class Gemma3ForCausalLM(nnx.Module):
         window would need."""
         if isinstance(attention_fn, CacheAttention):
             raise TypeError("decode_step takes a dense-cache AttentionFn; attention with its own cache (e.g. a "
-                            "SparseAttention) decodes through fathom_jax.models.gemma3_generation.generate")
+                            "SparseAttention) decodes through fathom_jax.models.generate")
         token = jnp.asarray(token, jnp.int32)
         if token.ndim != 1:
             raise ValueError(f"decode_step takes one token per sequence [batch], got shape {token.shape}")
@@ -228,7 +296,7 @@ def dense_prefill_attend(q, k, v, start, g):
 
 
 # ----------------------------------------------------------------------------------------------
-# q/k/v capture (generation: gemma3_generation.py)
+# q/k/v capture
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kind"))
@@ -242,7 +310,7 @@ def _capture(graphdef, state, tokens, kind):
 
 
 def capture_qkv(model: Gemma3ForCausalLM, tokens: Int[Array, "T"], *, layers: str = "global"
-                ) -> dict[str, Float[Array, "..."]]:
+                ) -> dict[str, Float[Array, "..."]]:  # (also Gemma3ForCausalLM.capture_qkv)
     """Post-RoPE q [L,H,T,D], k [L,Hkv,T,D], v [L,Hkv,T,D] (f32) of one sequence's dense prefill, for the global
     layers (L = len(config.global_layers), in model order) or, with ``layers="local"``, the sliding-window ones.
 

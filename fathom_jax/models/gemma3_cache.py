@@ -122,3 +122,34 @@ def chunked_causal_attention(q: Float[Array, "B Hkv G T D"], k: Float[Array, "B 
 
     out = jnp.moveaxis(jax.lax.map(one, jnp.arange(0, t + pad, chunk, dtype=jnp.int32)), 0, 3)
     return out.reshape(*out.shape[:3], t + pad, out.shape[-1])[:, :, :, :t]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """The local layers' rings (position p at slot p mod window) and the batch's length: what a Gemma 3 decoder
+    keeps of its own between decode steps (the global layers' rows are their attention's cache)."""
+
+    k: Float[Array, "local_layers batch kv_heads window head_dim"]
+    v: Float[Array, "local_layers batch kv_heads window head_dim"]
+    length: Int[Array, ""]
+
+    @classmethod
+    def init(cls, config: Gemma3Config, batch: int, dtype) -> "Windows":
+        shape = (len(config.local_layers), batch, config.n_kv_heads, config.sliding_window, config.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+    def attend(self, i, q, k, v) -> tuple[Array, "Windows"]:
+        """Local layer ``i``'s window attention of new tokens at positions length + [0, T); their rows written."""
+        o, rk, rv = window_attention(q, k, v, self.k[i], self.v[i], self.length)
+        return o, dataclasses.replace(self, k=self.k.at[i].set(rk), v=self.v.at[i].set(rv))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Gemma3State:
+    """A Gemma 3 decode state: the local layers' ``windows`` and the global layers' attention ``cache``."""
+
+    windows: Windows
+    cache: object
+

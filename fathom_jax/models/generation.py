@@ -23,11 +23,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from fathom_jax.models.attention import CacheAttention, CacheShape, as_cache_attention
-from fathom_jax.models.cache import AttentionFn, KVCache, dense_attention
-from fathom_jax.models.gemma3 import Gemma3ForCausalLM
-from fathom_jax.models.llama import LlamaForCausalLM, dense_attend
-from fathom_jax.models.prefill import PREFILL_MLP_CHUNK, prefill_attention
+from fathom_jax.models.attention import CacheAttention, as_cache_attention
+from fathom_jax.models.cache import AttentionFn, dense_attention
 
 # On a GPU the layer scan slices each layer's weights out of the stacked [L, ...] arrays; feeding a Triton GEMM, XLA
 # copies every slice first. cuBLAS GEMMs under XLA's dynamic-slice fusion read the slice in place
@@ -43,79 +40,45 @@ def decode_compiler_options(extra=None) -> dict | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The pieces: one prefill layer, one greedy step
-
-
-def prefill_layer(model, attention: CacheAttention, h, lengths, cache, layer):
-    """One layer of the prompt: the next hidden states and the cache with this layer's keys and values written."""
-    cfg = model.config
-    graphdef, layer_state = nnx.split(model.layers)
-    block = nnx.merge(graphdef, jax.tree.map(lambda a: a[layer], layer_state))
-
-    def attend(q, k, v):
-        return prefill_attention(q, k, v), (k, v)
-
-    h, (k, v) = block(cfg, h, jnp.arange(h.shape[1], dtype=jnp.int32), attend, mlp_chunk=PREFILL_MLP_CHUNK)
-    return h, attention.write_prompt(cache, layer, k, v, lengths)
-
-
-def last_logits(model, h, lengths):
-    """f32 logits [B, V] at each sequence's last prompt token."""
-    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return model.logits(model.norm(last))
+# The step function. A decoder (LlamaForCausalLM, Gemma3ForCausalLM) runs a prompt and a token through its layers
+# (``forward_prompt`` / ``forward_token``) on a decode state: the attention's cache, with whatever the model keeps
+# of its own between steps (Gemma 3: its sliding windows); ``split_state`` / ``join_state`` take the two apart.
 
 
 def first_token(logits):
     return jnp.argmax(logits, -1).astype(jnp.int32)
 
 
-def greedy_step(model, attention: CacheAttention, tokens: Int[Array, "B"], cache):
-    """One decode step of every sequence at its own position: ``((next tokens [B], logits [B, V]), cache)``."""
-    def attend_layer(layer, q, k, v):
-        o, update = attention.attend(cache, layer, q[:, :, :, 0], k[:, :, 0], v[:, :, 0])
-        return o[:, :, :, None], update
-
-    positions = attention.positions(cache)[:, None]
-    x, updates = model.scan_layers(model.embed_tokens(tokens[:, None]), positions, attend_layer,
-                                   unroll=attention.layer_unroll)
-    cache = attention.commit(cache, updates)
-    logits = model.logits(model.norm(x[:, 0]))
-    return (first_token(logits), logits), cache
+def greedy_step(model, attention: CacheAttention, tokens: Int[Array, "B"], state):
+    """One decode step of every sequence at its own position: ``((next tokens [B], logits [B, V]), state)``."""
+    logits, state = model.forward_token(attention, tokens, state)
+    return (first_token(logits), logits), state
 
 
 # ----------------------------------------------------------------------------------------------
 # Fused drivers: the whole loop in one program
 
 
-def _cache_shape(model, batch: int, capacity: int) -> CacheShape:
-    cfg = model.config
-    return CacheShape(layers=cfg.n_layers, batch=batch, kv_heads=cfg.n_kv_heads, capacity=capacity,
-                      head_dim=cfg.head_dim, dtype=model.dtype)
-
-
-def _greedy_loop(model, attention, out, cache, steps: int):
+def _greedy_loop(model, attention, out, state, steps: int):
     def body(i, carry):
-        out, cache = carry
-        (nxt, _), cache = greedy_step(model, attention, out[:, i - 1], cache)
-        return out.at[:, i].set(nxt), cache
+        out, state = carry
+        (nxt, _), state = greedy_step(model, attention, out[:, i - 1], state)
+        return out.at[:, i].set(nxt), state
 
-    return jax.lax.fori_loop(1, steps, body, (out, cache))
+    return jax.lax.fori_loop(1, steps, body, (out, state))
+
+
+def _start(model, attention, state, lengths):
+    own, cache = model.split_state(state)
+    return model.join_state(own, attention.start_decode(cache, lengths))
 
 
 def _generate_fn(graphdef, state, attention, prompt, lengths, max_new_tokens, capacity):
     model = nnx.merge(graphdef, state)
-    cache = attention.init_cache(_cache_shape(model, prompt.shape[0], capacity))
-
-    def layer_body(carry, layer):
-        h, cache = carry
-        return prefill_layer(model, attention, h, lengths, cache, layer), None
-
-    (h, cache), _ = jax.lax.scan(layer_body, (model.embed_tokens(prompt), cache),
-                                 jnp.arange(model.config.n_layers, dtype=jnp.int32))
-    cache = attention.start_decode(cache, lengths)
-    out = jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32)
-    out = out.at[:, 0].set(first_token(last_logits(model, h, lengths)))
-    return _greedy_loop(model, attention, out, cache, max_new_tokens)[0]
+    logits, decode_state = model.forward_prompt(attention, prompt, lengths,
+                                                model.init_state(attention, prompt.shape[0], capacity))
+    out = jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32).at[:, 0].set(first_token(logits))
+    return _greedy_loop(model, attention, out, _start(model, attention, decode_state, lengths), max_new_tokens)[0]
 
 
 def _decode_loop_fn(graphdef, state, attention, tokens, cache, steps):
@@ -130,7 +93,7 @@ def generate_program(options: dict | None = None):
 
 
 def decode_loop_program(options: dict | None = None):
-    """The jitted program of :func:`decode_loop` for a fused attention (the cache donated: the loop updates it in
+    """The jitted program of :func:`decode_loop` for a fused attention (the state donated: the loop updates it in
     place instead of copying all of it first); ``options`` as for :func:`generate_program`."""
     return _program(_decode_loop_fn, ("graphdef", "steps"), ("cache",), tuple(sorted((options or {}).items())))
 
@@ -148,84 +111,100 @@ def _options(attention) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Streaming drivers: a program per prefill layer and per step
+# Streaming drivers: programs the attention makes over its cache (donated, host memory written in place); what the
+# model keeps of its own travels beside it.
 
 
-def _prefill_layer_fn(graphdef, attention, state, h, lengths, layer, cache):
-    h, cache = prefill_layer(nnx.merge(graphdef, state), attention, h, lengths, cache, layer)
-    return h, cache
+def _prompt_layer_fn(graphdef, attention, params, h, lengths, layer, cache):
+    return nnx.merge(graphdef, params).prompt_layer(attention, h, lengths, cache, layer)
 
 
-def _step_fn(graphdef, attention, state, tokens, cache):
-    return greedy_step(nnx.merge(graphdef, state), attention, tokens, cache)
+def _prompt_fn(graphdef, attention, params, prompt, lengths, own, cache):
+    model = nnx.merge(graphdef, params)
+    logits, state = model.forward_prompt(attention, prompt, lengths, model.join_state(own, cache))
+    own, cache = model.split_state(state)
+    return (logits, own), cache
+
+
+def _step_fn(graphdef, attention, params, tokens, own, cache):
+    model = nnx.merge(graphdef, params)
+    (nxt, logits), state = greedy_step(model, attention, tokens, model.join_state(own, cache))
+    own, cache = model.split_state(state)
+    return (nxt, logits, own), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _embed(graphdef, state, prompt):
-    return nnx.merge(graphdef, state).embed_tokens(prompt)
+def _embed(graphdef, params, prompt):
+    return nnx.merge(graphdef, params).embed_tokens(prompt)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _last_logits(graphdef, state, h, lengths):
-    return last_logits(nnx.merge(graphdef, state), h, lengths)
+def _last_logits(graphdef, params, h, lengths):
+    return nnx.merge(graphdef, params).last_logits(h, lengths)
 
 
 def prefill(model, prompt, lengths, attention: CacheAttention, capacity: int):
-    """Prefill ``prompt [B, T]`` (right-padded; ``lengths [B]``) into a new cache, one program per layer.
+    """Prefill ``prompt [B, T]`` (right-padded; ``lengths [B]``) into a new decode state: one program per layer where
+    the model can (Llama), else one for the prompt.
 
-    Returns ``(logits at each last prompt token [B, V], cache, attention)``, the attention bound to the cache's
-    shape (pass it to :func:`decode_step` / :func:`decode_loop` with the cache).
+    Returns ``(logits at each last prompt token [B, V], state, attention)``, the attention bound to its cache's shape
+    (pass both to :func:`decode_step` / :func:`decode_loop`). For a Llama decoder the state is the attention's cache.
     """
     prompt = jnp.asarray(prompt, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
-    shape = _cache_shape(model, prompt.shape[0], capacity)
-    attention = as_cache_attention(attention).bind(shape)
-    cache = attention.init_cache(shape)
-    graphdef, state = nnx.split(model)
-    run = attention.program(_prefill_layer_fn, cache, static=(graphdef,))
-    h = _embed(graphdef, state, prompt)
-    for layer in range(model.config.n_layers):
-        h, cache = run(state, h, lengths, jnp.int32(layer), cache=cache)
-    return _last_logits(graphdef, state, h, lengths), attention.start_decode(cache, lengths), attention
+    attention = as_cache_attention(attention).bind(model.cache_shape(prompt.shape[0], capacity))
+    own, cache = model.split_state(model.init_state(attention, prompt.shape[0], capacity))
+    graphdef, params = nnx.split(model)
+    if model.layerwise_prompt:
+        run = attention.program(_prompt_layer_fn, cache, static=(graphdef,))
+        h = _embed(graphdef, params, prompt)
+        for layer in range(model.config.n_layers):
+            h, cache = run(params, h, lengths, jnp.int32(layer), cache=cache)
+        logits = _last_logits(graphdef, params, h, lengths)
+    else:
+        (logits, own), cache = attention.program(_prompt_fn, cache, static=(graphdef,))(
+            params, prompt, lengths, own, cache=cache)
+    return logits, model.join_state(own, attention.start_decode(cache, lengths)), attention
 
 
 def decode_step_program(model, cache, attention: CacheAttention):
-    """The compiled decode step for this model and cache layout: ``run(state, tokens, cache=cache) -> ((next tokens,
-    logits), cache)`` (``run.lower(state, tokens, cache=cache)`` lowers it without running anything)."""
+    """The compiled decode step for this model and cache layout: ``run(params, tokens, own, cache=cache) -> ((next
+    tokens, logits, own), cache)`` (``run.lower(...)`` lowers it without running anything)."""
     graphdef, _ = nnx.split(model)
     return attention.program(_step_fn, cache, static=(graphdef,), options=decode_compiler_options())
 
 
-def decode_step(model, tokens, cache, attention: CacheAttention):
-    """One compiled decode step: ``(next tokens [B], logits [B, V], cache)``; the cache is donated. ``attention``
-    is the one :func:`prefill` returned with the cache."""
-    _, state = nnx.split(model)
-    run = decode_step_program(model, cache, attention)
-    (nxt, logits), cache = run(state, jnp.asarray(tokens, jnp.int32), cache=cache)
-    return nxt, logits, cache
+def decode_step(model, tokens, state, attention: CacheAttention):
+    """One compiled decode step: ``(next tokens [B], logits [B, V], state)``; the state is donated. ``attention``
+    is the one :func:`prefill` returned with the state."""
+    _, params = nnx.split(model)
+    own, cache = model.split_state(state)
+    (nxt, logits, own), cache = decode_step_program(model, cache, attention)(
+        params, jnp.asarray(tokens, jnp.int32), own, cache=cache)
+    return nxt, logits, model.join_state(own, cache)
 
 
-def decode_loop(model, tokens: Int[Array, "B"], cache, attention: CacheAttention, steps: int):
-    """Greedy decoding from a prefilled cache: ``steps`` tokens per sequence, the first being ``tokens``.
+def decode_loop(model, tokens: Int[Array, "B"], state, attention: CacheAttention, steps: int):
+    """Greedy decoding from a prefilled state: ``steps`` tokens per sequence, the first being ``tokens``.
 
     A fused attention: one compiled program (a ``fori_loop`` of :func:`greedy_step`); otherwise one compiled step per
-    token. Returns ``(tokens [B, steps], cache)``; the cache passed in is donated either way.
+    token. Returns ``(tokens [B, steps], state)``; the state passed in is donated either way.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     tokens = jnp.asarray(tokens, jnp.int32)
     if attention.fused:
-        graphdef, state = nnx.split(model)
-        return decode_loop_program(_options(attention))(graphdef, state, attention, tokens, cache, steps)
+        graphdef, params = nnx.split(model)
+        return decode_loop_program(_options(attention))(graphdef, params, attention, tokens, state, steps)
     out = [tokens]
     for _ in range(steps - 1):
-        tokens, _, cache = decode_step(model, tokens, cache, attention)
+        tokens, _, state = decode_step(model, tokens, state, attention)
         out.append(tokens)
-    return jnp.stack(out, axis=1), cache
+    return jnp.stack(out, axis=1), state
 
 
 def generate(
-    model: LlamaForCausalLM,
+    model,
     prompt_ids: Int[Array, "B T"] | Int[Array, "T"],
     max_new_tokens: int,
     *,
@@ -233,21 +212,17 @@ def generate(
     attention_fn: CacheAttention | AttentionFn = dense_attention,
     lengths: Int[Array, "B"] | None = None,
 ) -> Int[Array, "B N"]:
-    """Greedy decoding of `max_new_tokens` tokens (no EOS stop: fixed length, static shapes).
+    """Greedy decoding of `max_new_tokens` tokens (no EOS stop: fixed length, static shapes), Llama-family or Gemma 3.
 
     ``attention_fn``: attention with a cache of its own (a :class:`~fathom_jax.models.attention.CacheAttention`,
     e.g. :class:`fathom_jax.decode.SparseAttention`, which decodes with its own stacked cache in HBM or in host
     memory and takes ``lengths``: right-padded prompts of different lengths), or a dense-cache hook (an
     :class:`AttentionFn`, default :func:`dense_attention`: a plain function is a static jit argument, a callable
-    pytree passes its arrays as traced arguments). ``capacity`` defaults to the longest prompt + ``max_new_tokens``
-    (and at least what the attention needs, e.g. a sparse hook's k). Returns [B, N] (or [N] for a 1-D prompt) new
-    token ids. Gemma 3 generates through :func:`fathom_jax.models.gemma3_generation.generate`.
+    pytree passes its arrays as traced arguments). On Gemma 3 it is the global layers' attention (the local layers
+    keep their window rings in device memory). ``capacity`` defaults to the longest prompt + ``max_new_tokens`` (and
+    at least what the attention needs, e.g. a sparse hook's k). Returns [B, N] (or [N] for a 1-D prompt) new token
+    ids.
     """
-    if isinstance(model, Gemma3ForCausalLM):  # window rings on its local layers, the attention on its global ones
-        from fathom_jax.models import gemma3_generation
-
-        return gemma3_generation.generate(model, prompt_ids, max_new_tokens, capacity=capacity,
-                                          attention_fn=attention_fn, lengths=lengths)
     prompt = jnp.asarray(prompt_ids, jnp.int32)
     squeeze = prompt.ndim == 1
     prompt = prompt[None] if squeeze else prompt
@@ -262,7 +237,10 @@ def generate(
         raise ValueError(f"lengths must be [batch] = [{b}], got shape {lengths.shape}")
     if np.any(lengths < 1) or np.any(lengths > t):
         raise ValueError(f"lengths must lie in [1, {t}] (the padded prompt length), got {lengths.tolist()}")
-    if not attention.ragged and int(lengths.min()) != t:
+    if int(lengths.min()) != t and not model.ragged:
+        raise ValueError(f"{type(model).__name__} decodes equal-length prompts (its window rings have one length); "
+                         f"got lengths {lengths.tolist()} for prompts of {t} tokens")
+    if int(lengths.min()) != t and not attention.ragged:
         raise ValueError("dense-cache decoding takes equal-length prompts; for a ragged batch use a "
                          "SparseAttention (e.g. decode.from_spec('dense', k=...))")
     longest = int(lengths.max())
@@ -271,40 +249,21 @@ def generate(
     if longest + max_new_tokens > capacity:
         raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds cache capacity {capacity}")
     lengths = jnp.asarray(lengths, jnp.int32)
-    attention = attention.bind(_cache_shape(model, b, capacity))
+    attention = attention.bind(model.cache_shape(b, capacity))
     if attention.fused:
-        graphdef, state = nnx.split(model)
-        out = generate_program(_options(attention))(graphdef, state, attention, prompt, lengths, max_new_tokens,
+        graphdef, params = nnx.split(model)
+        out = generate_program(_options(attention))(graphdef, params, attention, prompt, lengths, max_new_tokens,
                                                     capacity)
     else:
-        logits, cache, attention = prefill(model, prompt, lengths, attention, capacity)
-        out, _ = decode_loop(model, first_token(logits), cache, attention, max_new_tokens)
+        logits, state, attention = prefill(model, prompt, lengths, attention, capacity)
+        out, _ = decode_loop(model, first_token(logits), state, attention, max_new_tokens)
     return out[0] if squeeze else out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _capture(graphdef, state, tokens):
-    model = nnx.merge(graphdef, state)
-    cache = KVCache.init(model.config, 1, tokens.shape[1], model.dtype)
-    _, _, (q, k, v) = model._forward(tokens, cache, dense_attend, capture=True)
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    # q: [L,1,Hkv,G,T,D] -> [L,H,T,D]; k, v: [L,1,Hkv,T,D] -> [L,Hkv,T,D]
-    q = q[:, 0].reshape(q.shape[0], -1, q.shape[-2], q.shape[-1])
-    return {"q": f32(q), "k": f32(k[:, 0]), "v": f32(v[:, 0])}
+def capture_qkv(model, tokens: Int[Array, "T"]) -> dict[str, Float[Array, "..."]]:
+    """Post-RoPE q [L,H,T,D], k [L,Hkv,T,D], v [L,Hkv,T,D] (f32) of one sequence's dense prefill (the model's own
+    ``capture_qkv``: Gemma 3's global layers).
 
-
-def capture_qkv(model: LlamaForCausalLM, tokens: Int[Array, "T"]) -> dict[str, Float[Array, "..."]]:
-    """Post-RoPE q [L,H,T,D], k [L,Hkv,T,D], v [L,Hkv,T,D] (f32) of one sequence's dense prefill.
-
-    Query head h belongs to KV head h // G, so q.reshape(L, Hkv, G, T, D) lines up with k. Gemma 3: its global
-    layers' (:func:`fathom_jax.models.gemma3.capture_qkv`).
+    Query head h belongs to KV head h // G, so q.reshape(L, Hkv, G, T, D) lines up with k.
     """
-    if isinstance(model, Gemma3ForCausalLM):
-        from fathom_jax.models import gemma3
-
-        return gemma3.capture_qkv(model, tokens)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    if tokens.ndim != 1:
-        raise ValueError(f"capture_qkv takes one sequence [T], got shape {tokens.shape}")
-    graphdef, state = nnx.split(model)
-    return _capture(graphdef, state, tokens[None])
+    return model.capture_qkv(tokens)

@@ -14,7 +14,7 @@ from flax import nnx
 from fathom_jax import models
 from fathom_jax.models import dense_attention
 from fathom_jax.models import gemma3 as G
-from fathom_jax.models import gemma3_generation as GG
+from fathom_jax.models import generation
 from fathom_jax.models.config import RopeScaling
 from fathom_jax.models.gemma3_cache import Gemma3Cache, chunked_causal_attention, window_attention
 from fathom_jax.models.gemma3_config import Gemma3Config
@@ -152,13 +152,13 @@ def test_decode_across_the_window_and_the_global_hook(model, full_logits, chunke
 
 def test_generate_is_greedy_and_compiles_once(model, full_logits):
     """Generation (window rings, the dense CacheAttention on the global layers) against teacher-forced prefill."""
-    out = np.asarray(GG.generate(model, TOKENS[:, :5], 9, capacity=16))
+    out = np.asarray(models.generate(model, TOKENS[:, :5], 9, capacity=16))
     seq = np.concatenate([TOKENS[:, :5], out[:, :-1]], 1)  # 13 tokens: the prefill's compiled shape
     lg, _ = model.prefill(jnp.asarray(seq), Gemma3Cache.init(CFG, 2, 16))
     assert out.tolist() == np.argmax(np.asarray(lg[:, 4:]), -1).tolist()
-    program = GG.generate_program()
+    program = generation.generate_program()
     size = program._cache_size()
-    again = models.generate(model, TOKENS[:, 1:6], 9, capacity=16)  # the package's generate dispatches here
+    again = models.generate(model, TOKENS[:, 1:6], 9, capacity=16)  # the same program
     assert program._cache_size() == size and again.shape == (2, 9)
     with pytest.raises(ValueError, match="equal-length"):
         models.generate(model, TOKENS[:, :5], 9, lengths=np.array([5, 4]))
@@ -170,9 +170,9 @@ def test_sparse_attention_plugs_into_the_global_layers(model):
     decoding's."""
     from fathom_jax import decode
 
-    dense = np.asarray(GG.generate(model, TOKENS[:, :5], 9, capacity=16))
+    dense = np.asarray(models.generate(model, TOKENS[:, :5], 9, capacity=16))
     sparse = decode.from_spec("fathom:16", k=16, sink=2, local=4, calibration="session")
-    np.testing.assert_array_equal(GG.generate(model, TOKENS[:, :5], 9, capacity=16, attention_fn=sparse), dense)
+    np.testing.assert_array_equal(models.generate(model, TOKENS[:, :5], 9, capacity=16, attention_fn=sparse), dense)
 
 
 def test_capture_qkv_global_and_local(model, full_logits):
@@ -209,7 +209,7 @@ def test_bad_inputs_are_named(model):
     with pytest.raises(ValueError, match="batch of 1"):
         model.prefill(jnp.asarray(TOKENS[:1]), Gemma3Cache.init(CFG, 2, 16))
     with pytest.raises(ValueError, match="exceeds cache capacity 10"):
-        GG.generate(model, TOKENS[0], 4, capacity=10)
+        models.generate(model, TOKENS[0], 4, capacity=10)
     with pytest.raises(ValueError, match=r"\[batch\]"):
         model.decode_step(jnp.asarray(TOKENS[:, :2]), Gemma3Cache.init(CFG, 2, 16))
     with pytest.raises(ValueError, match="'global' or 'local'"):
@@ -229,5 +229,5 @@ def test_hf_tiny_logit_and_greedy_parity(tiny_checkpoints):
     logits, _ = model.prefill(jnp.asarray(tokens)[None], Gemma3Cache.init(cfg, 1, 64))
     err = max_rel_err(logits[0], ref["logits"])
     assert err < 1e-4, f"gemma3: max relative logit error {err:.2e}"
-    gen = np.asarray(GG.generate(model, tokens[:8], len(ref["greedy"]), capacity=64))
+    gen = np.asarray(models.generate(model, tokens[:8], len(ref["greedy"]), capacity=64))
     np.testing.assert_array_equal(gen, ref["greedy"])

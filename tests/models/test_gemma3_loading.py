@@ -13,7 +13,7 @@ from flax import nnx
 
 from fathom_jax.models import MissingTensorError, hub
 from fathom_jax.models.gemma3 import Gemma3ForCausalLM
-from fathom_jax.models.gemma3_generation import generate
+from fathom_jax.models.generation import generate
 from fathom_jax.models.gemma3_cache import Gemma3Cache
 from fathom_jax.models.gemma3_config import Gemma3Config
 from fathom_jax.models.gemma3_loading import load_gguf, name_map, stack_layers
