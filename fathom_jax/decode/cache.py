@@ -21,6 +21,7 @@ from fathom_jax.decode.fetches import split_kv
 from fathom_jax.decode.row_cache import RowCache, RowFill, empty_row_cache
 from fathom_jax.format import round_capacity
 from fathom_jax.index import KeyIndex, check_parts
+from fathom_jax.models.attention import CacheShape
 
 
 @jax.tree_util.register_dataclass
@@ -128,39 +129,38 @@ def cache_bytes(parts, *, n_layers: int, groups: int, capacity: int, head_dim: i
     return out
 
 
-def allocate(alloc: Callable[..., Any], parts, *, n_layers: int, groups: int, batch: int, capacity: int,
-             head_dim: int, dtype, shared_kv: bool = False, row_cache: int = 0, session_calibration=None
-             ) -> SparseCache:
-    """An empty cache from ``alloc(shape, dtype, bulk=True)`` (zeros where they belong), largest array first: XLA's
-    pinned host allocator grows in regions of doubling size, and K/V rows allocated after the planes found no
-    region left at 1M tokens. ``session_calibration``: a Calibration of one group's shapes, stacked ``[L, R]``
+def allocate(alloc: Callable[..., Any], parts, shape: CacheShape, *, shared_kv: bool = False, row_cache: int = 0,
+             session_calibration=None) -> SparseCache:
+    """An empty cache of ``shape`` from ``alloc(shape, dtype, bulk=True)`` (zeros where they belong), largest array
+    first: XLA's pinned host allocator grows in regions of doubling size, and K/V rows allocated after the planes
+    found no region left at 1M tokens. ``session_calibration``: a Calibration of one group's shapes, stacked ``[L, R]``
     here for the session's statistics (None for corpus statistics)."""
-    small = lambda shape, dtype: alloc(shape, dtype, bulk=False)  # noqa: E731
-    kv = alloc((1 if shared_kv else n_layers, groups, capacity, 2 * head_dim), dtype)
-    length = small((n_layers, groups), jnp.int32)
+    small = lambda dims, dtype: alloc(dims, dtype, bulk=False)  # noqa: E731
+    layers, groups, capacity, d = shape.layers, shape.groups, round_capacity(shape.capacity), shape.head_dim
+    kv = alloc((1 if shared_kv else layers, groups, capacity, 2 * d), shape.dtype)
+    length = small((layers, groups), jnp.int32)
     parts = check_parts(parts, "allocate")
-    data = tuple(p.empty(alloc, length, layers=n_layers, groups=groups, capacity=capacity, head_dim=head_dim)
-                 for p in parts)
+    data = tuple(p.empty(alloc, length, layers=layers, groups=groups, capacity=capacity, head_dim=d) for p in parts)
     writes = 1 + sum(p.writes_per_token for p in parts)
     calibration = None
     if session_calibration is not None:
-        calibration = jax.tree.map(lambda a: small((n_layers, groups) + a.shape, a.dtype), session_calibration)
+        calibration = jax.tree.map(lambda a: small((layers, groups) + a.shape, a.dtype), session_calibration)
     rows = None
     if row_cache:
-        rows = empty_row_cache(small, n_layers=n_layers, groups=groups, slots=row_cache, head_dim=head_dim,
-                               dtype=dtype)
-    return SparseCache(kv=kv, index=KeyIndex(length, parts, data), length=small((batch,), jnp.int32),
+        rows = empty_row_cache(small, n_layers=layers, groups=groups, slots=row_cache, head_dim=d, dtype=shape.dtype)
+    return SparseCache(kv=kv, index=KeyIndex(length, parts, data), length=small((shape.batch,), jnp.int32),
                        calibration=calibration, writes=small((writes,), jnp.int32), row_cache=rows)
 
 
-def bulk_allocations(parts, **dims) -> list[int]:
-    """The bytes of every bulk array :func:`allocate` makes, in allocation order (for the host-memory check)."""
+def bulk_allocations(parts, shape: CacheShape, **options) -> list[int]:
+    """The bytes of every host array :func:`allocate` makes (``options`` as it takes them), in allocation order (for
+    the host-memory check)."""
     sizes: list[int] = []
 
-    def record(shape, dtype, *, bulk=True):
+    def record(dims, dtype, *, bulk=True):
         if bulk is True:
-            sizes.append(math.prod(shape) * np.dtype(dtype).itemsize)
-        return jax.ShapeDtypeStruct(shape, dtype)
+            sizes.append(math.prod(dims) * np.dtype(dtype).itemsize)
+        return jax.ShapeDtypeStruct(dims, dtype)
 
-    allocate(record, parts, **dims)
+    allocate(record, parts, shape, **options)
     return sizes

@@ -27,6 +27,7 @@ from fathom_jax import host_memory
 from fathom_jax import methods as methods_lib
 from fathom_jax import store as store_lib
 from fathom_jax.calibrate import SKIP_TOKENS, Calibration, calibrate_session
+from fathom_jax.checks import is_traced
 from fathom_jax.decode import writes as writes_lib
 from fathom_jax.decode.cache import LayerUpdate, SparseCache, allocate, bulk_allocations
 from fathom_jax.decode.config import ResolvedStep, StepConfig
@@ -195,16 +196,14 @@ class SparseAttention:
         :mod:`fathom_jax.host_memory`): a cap too low or regions larger than the machine fail here, before
         anything is allocated. ``shared_kv``: one K/V row buffer for every layer (a benchmark mode).
         """
-        dims = dict(n_layers=shape.layers, groups=shape.groups, batch=shape.batch,
-                    capacity=round_capacity(shape.capacity), head_dim=shape.head_dim, dtype=shape.dtype,
-                    shared_kv=shared_kv, row_cache=self.step.row_cache,
-                    session_calibration=_session_template(shape.head_dim) if self.session else None)
+        options = dict(shared_kv=shared_kv, row_cache=self.step.row_cache,
+                       session_calibration=_session_template(shape.head_dim) if self.session else None)
         parts = self.cache_parts(shape.layers)
         if self.placement.in_host_memory:
             shards = self.placement.num_shards
-            sizes = [size // shards for size in bulk_allocations(parts, **dims)]
-            host_memory.check(sizes, devices=shards, what=f"a cache of {dims['capacity']} tokens")
-        return allocate(self.placement.zeros, parts, **dims)
+            sizes = [size // shards for size in bulk_allocations(parts, shape, **options)]
+            host_memory.check(sizes, devices=shards, what=f"a cache of {round_capacity(shape.capacity)} tokens")
+        return allocate(self.placement.zeros, parts, shape, **options)
 
     def write_prompt(self, cache: SparseCache, layer, keys, values, lengths) -> SparseCache:
         """Prefill: layer ``layer``'s post-RoPE ``keys, values [B, Hkv, T, Dh]`` of sequences of ``lengths [B]``
@@ -231,8 +230,12 @@ class SparseAttention:
         return writes_lib.write_layer(cache, layer, keys, values, built, self._writer())
 
     def start_decode(self, cache: SparseCache, lengths) -> SparseCache:
-        """The cache with its per-sequence lengths set after the last prefill layer."""
-        return dataclasses.replace(cache, length=jnp.asarray(lengths, jnp.int32))
+        """The cache with its per-sequence lengths set after the last prefill layer (placed like the cache's other
+        small leaves: a length made elsewhere would be another signature of the step program, compiled again)."""
+        length = jnp.asarray(lengths, jnp.int32)
+        if not is_traced(length):
+            length = jax.device_put(length, self.placement.sharding(1, bulk=False))
+        return dataclasses.replace(cache, length=length)
 
     def positions(self, cache: SparseCache):
         return cache.length

@@ -43,7 +43,9 @@ def cache_program(attn: SparseAttention, fn, cache: SparseCache, *, static: tupl
 
     def run(*args, cache: SparseCache):
         small, bulk_leaves = split_bulk(cache, bulk)
-        args, hook_leaves = placement.replicate((args, attn_leaves))
+        # Committed where the program runs (replicated over a mesh): an uncommitted argument (a fresh token array)
+        # is another jit signature than the committed one the previous step returned, and would compile again.
+        args, hook_leaves = jax.device_put((args, attn_leaves), placement.replicated())
         outs, small = jitted(hook_leaves, args, small, bulk_leaves)
         return outs, (attach_bulk(small, cache, bulk) if in_place else small)
 
