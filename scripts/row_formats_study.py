@@ -9,6 +9,7 @@ The same command as ``fathom row-formats`` once the CLI registers :mod:`fathom_j
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from fathom_jax.cli_args import UsageError
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(["row-formats", *argv])
         args.argv = ["row-formats", *argv]
+        args.command_line = shlex.join(["python", "scripts/row_formats_study.py", *argv])
         return args.func(args)
     except UsageError as err:
         print(f"row_formats_study: {err}", file=sys.stderr)

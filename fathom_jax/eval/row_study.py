@@ -289,6 +289,7 @@ def run_command(args) -> int:
     meta = run_meta({"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)" if args.model is None
                      else os.fspath(args.model), "calib_text": calib_info, "eval_text": eval_info,
                      **run_metadata(args)})
+    meta["command"] = getattr(args, "command_line", meta["command"])  # run from the script: its own command line
     runs = []
     for config in configs:
         capture = lambda ids: fid.Capture(**capture_qkv(model, jnp.asarray(texts.token_window(ids, config.context))))  # noqa: E731
