@@ -43,10 +43,8 @@ from fathom_jax import store as plane_store
 from fathom_jax.checks import fail_if, is_traced
 from fathom_jax.row_quant import BF16, SCALE_BYTES, Codec
 
-# Inputs of quantized sides are bounded so that a group's max - min still fits an fp16 scale.
-MAX_ABS = 2.0 ** 14
-
-
+# Inputs of quantized sides must be finite fp16 numbers: min, absmax and (max - min) / qmax then fit an fp16 scale.
+MAX_ABS = fmt.FP16_MAX
 
 
 @dataclasses.dataclass(frozen=True)
