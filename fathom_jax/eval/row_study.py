@@ -264,7 +264,7 @@ def register(subparsers) -> None:
 def run_command(args) -> int:
     import os
 
-    from fathom_jax.cli_args import UsageError, check_out_dir, run_metadata
+    from fathom_jax.cli_args import UsageError, check_memory, check_out_dir, peak_bytes, run_metadata
     from fathom_jax.eval import row_report, texts
     from fathom_jax.models import capture_qkv, hub
 
@@ -282,6 +282,9 @@ def run_command(args) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     check_out_dir(args.out)
+    longest = max(args.context)
+    check_memory(peak_bytes(model_config, longest, capture_texts=2), f"row-formats --context {longest}",
+                 args.no_memory_check)
     tokenizer = hub.load_tokenizer(args.model)
     (calib_text, calib_info), (eval_text, eval_info) = texts.calibration_text(), texts.evaluation_text()
     calib_all, eval_all = tokenizer.encode(calib_text), tokenizer.encode(eval_text)
