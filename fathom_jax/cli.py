@@ -151,16 +151,14 @@ def _generate_mesh(devices: int, config):
     return mesh
 
 
-def _pipeline_arg(text: str):
-    if text == "auto":
-        return text
+def _step_config(text: str):
+    """``--step-config key=value,...``: how each decode step runs (fathom_jax.decode.StepConfig), validated."""
+    from fathom_jax.decode import StepConfig
+
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--pipeline must be 'auto' or an int >= 1, got {text!r}")
-    return value
+        return StepConfig.parse(text)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -206,10 +204,9 @@ def _generate(args: argparse.Namespace) -> int:
 
             cap = capture_qkv(model, jnp.asarray(calib_ids[: args.calib_tokens]))
             calibration = calibrate(cap["k"], cap["q"])
-        placement = decode.Placement(args.placement, mesh=mesh, read=args.read, index_writes=args.index_writes,
-                                     pipeline=args.pipeline, scan_writes=args.scan_writes, row_cache=args.row_cache)
+        placement = decode.Placement(args.placement, mesh=mesh)
         attention_fn = decode.from_spec(method, k=args.k, calibration=calibration,
-                                        implementation=args.implementation, placement=placement)
+                                        implementation=args.implementation, placement=placement, step=args.step_config)
         if args.k >= capacity:
             print(f"[generate] note: k={args.k} >= prompt + new tokens ({capacity}): every token is selected, the "
                   "output is dense decoding's; use a longer prompt (--prompt-file) or a smaller --k", file=sys.stderr)
@@ -292,21 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scan and top-k: jnp reference or Pallas kernels (default: pallas on a GPU, xla elsewhere)")
     p.add_argument("--placement", choices=["device", "pinned_host"], default="device",
                    help="where the K/V cache and key index live: device memory or pinned host memory")
-    p.add_argument("--read", choices=["direct", "staged"], default="staged",
-                   help="with --placement pinned_host: the planned runs are copied to HBM first (staged, the "
-                        "default: faster on the H200), or the plane scan reads host memory as it computes (direct)")
-    p.add_argument("--index-writes", choices=["every_step", "full_blocks"], default="every_step",
-                   help="when a decode step writes the newest 64-token block of the key index: every step, or only "
-                        "once it fills (the partial block stays in device memory; fewer scattered host writes)")
-    p.add_argument("--pipeline", type=_pipeline_arg, default="auto",
-                   help="with --placement pinned_host: chunks of each layer's KV groups whose plane transfers overlap "
-                        "the previous chunk's scan, selection and row fetch (auto: by context on a GPU; 1: none)")
-    p.add_argument("--scan-writes", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --placement pinned_host on a GPU: each layer writes its new K/V row and index blocks "
-                        "inside the layer scan, beside its own transfers (the default), or every layer after it")
-    p.add_argument("--row-cache", type=positive_int(0), default=0, metavar="SLOTS",
-                   help="device-memory slots per layer and KV head for the K/V rows recent steps fetched: a step "
-                        "fetches only the rows they miss (0: no row cache)")
+    p.add_argument("--step-config", type=_step_config, default=None, metavar="KEY=VALUE,...",
+                   help="how each sparse decode step runs, for tuning (fathom_jax.decode.StepConfig): read=staged|"
+                        "direct, pipeline=auto|N, index_writes=every_step|full_blocks, row_cache=SLOTS, "
+                        "layer_unroll=N, gather_programs / fetch_programs=auto|N, xla_*=VALUE, topk.FIELD=N; "
+                        "the defaults are the fastest measured")
     p.add_argument("--mesh", type=positive_int(1), default=1,
                    help="devices to split the KV heads over (sparse decoding; each device scans and fetches for its "
                         "own heads from its own slice of memory); must divide the model's KV heads")

@@ -164,7 +164,7 @@ def cache_write(
     implementation = B.resolve_implementation(implementation)
     start = jnp.asarray(start, jnp.int32)
     _validate(dst, src, start, axis)
-    if B.is_concrete(start) and np.any(np.asarray(start) < 0):
+    if not B.is_traced(start) and np.any(np.asarray(start) < 0):
         raise ValueError("start must be >= 0")
     if implementation == "xla":
         return cache_write_reference(dst, src, start, axis=axis, layer=layer)
@@ -185,8 +185,8 @@ def cache_write_in_place(
     """Write ``src`` into ``dst`` in place, as a side effect of the kernel; returns a completion token i32[1].
 
     XLA does not alias a custom call's output into ``pinned_host`` memory: with ``input_output_aliases`` it
-    allocated a new host buffer for every write and copied the whole cache into it (seen on the H200: an
-    18 GiB host allocation and ~1 s per decode step at 1M tokens). Here ``dst`` is only an input, written
+    allocated a new host buffer for every write and copied the whole cache into it, every decode step
+    (``results/offload_h200_before_inplace.md``). Here ``dst`` is only an input, written
     through its pointer, so nothing is allocated or copied. The caller must keep the token (return it from
     its jitted program, or XLA may drop the kernel) and must not return ``dst`` from that program (that
     would copy it): the array object itself now holds the update. GPU only: interpret mode cannot write

@@ -10,12 +10,12 @@ keys of a cache that keeps each token's K and V side by side, ``[n, 2 Dh]``).
 
 The decoder's cache keeps K and V of a token in one ``2 Dh`` row and fetches it with ``values=None``:
 from host memory the cost of fresh rows scattered over gigabytes is the translation of their pages,
-so one 512-byte run per token moves 1.5x faster than two 256-byte runs at 1M tokens on the H200
-(``results/rowlayout_h200.md``).
+so one 512-byte run per token moves faster than two 256-byte runs (measured on the H200:
+``results/rowlayout_h200.md``).
 
 ``after`` (optional arrays, never read) orders the fetch after the kernels that produced them, as the run gather's
 does: the pipelined step starts a chunk's fetch once the next chunk's scan is done, so the scan has the SMs to
-itself (:func:`fathom_jax.sparse_step.sparse_attention_step`).
+itself (:func:`fathom_jax.decode.sparse_attention_step`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ KERNEL_NAME = "row_fetch"
 class RowFetchConfig:
     """``rows``: rows copied per work item (a power of two); ``num_warps``: Triton warps; ``programs``: 0 for one
     program per work item, else that many persistent programs walking the items group by group (at any moment
-    the rows in flight come from a few groups' regions of host memory, not from every group's at once).
-    H200: 2048 rows x 8 heads (K and V, bf16) in 0.187 ms from host (results/kernels_h200.md)."""
+    the rows in flight come from a few groups' regions of host memory, not from every group's at once;
+    measured faster from host memory: ``results/decode_step_h200.md``)."""
 
     rows: int = 32
     num_warps: int = 4

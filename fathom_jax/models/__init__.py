@@ -12,15 +12,17 @@ Heavy imports stay lazy: importing this package never touches the network or the
     new_ids = generate(model, ids[0], 32, attention_fn=decode.from_spec("fathom:32", k=64))  # sparse
 
 Files by role: ``config.py`` (frozen configs, ``from_hf_config``), ``cache.py`` (the dense KV cache and
-the attention-hook protocol), ``layers.py`` (RMSNorm, RoPE, attention projections, MLP), ``llama.py``
-(the model: prefill, decode step), ``generation.py`` (greedy loops, q/k/v capture), ``sparse.py``
-(sparse decoding with a :class:`~fathom_jax.decode.SparseCache` in HBM or host memory),
-``loading.py`` / ``hub.py`` / ``tokenizer.py`` (weights and tokenizers).
+its per-layer attention hook), ``attention.py`` (the protocol of attention with a cache of its own, which
+sparse decoding implements outside this package), ``layers.py`` (RMSNorm, RoPE, attention projections,
+MLP), ``llama.py`` (the model: prefill, decode step), ``prefill.py`` (prompt attention), ``generation.py``
+(the greedy step and its drivers, q/k/v capture), ``loading.py`` / ``hub.py`` / ``tokenizer.py`` (weights
+and tokenizers). Nothing here imports the sparse code.
 """
 
+from fathom_jax.models.attention import CacheAttention, CacheShape, DenseCache
 from fathom_jax.models.cache import AttentionFn, KVCache, dense_attention
 from fathom_jax.models.config import LlamaConfig, RopeScaling
-from fathom_jax.models.generation import capture_qkv, generate
+from fathom_jax.models.generation import capture_qkv, decode_loop, decode_step, generate, prefill
 from fathom_jax.models.hub import fetch_model, load_model, load_smollm2, load_tokenizer, model_config
 from fathom_jax.models.llama import LlamaForCausalLM
 from fathom_jax.models.loading import MissingTensorError, load_gguf, load_hf_checkpoint
@@ -28,11 +30,17 @@ from fathom_jax.models.tokenizer import Tokenizer
 
 __all__ = [
     "AttentionFn",
+    "CacheAttention",
+    "CacheShape",
+    "DenseCache",
     "KVCache",
     "LlamaConfig",
     "LlamaForCausalLM",
     "RopeScaling",
     "capture_qkv",
+    "decode_loop",
+    "decode_step",
+    "prefill",
     "MissingTensorError",
     "Tokenizer",
     "dense_attention",

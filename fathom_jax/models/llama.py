@@ -7,9 +7,9 @@ Layout choices, and why:
 - The KV cache is an explicit pytree (`KVCache`, `cache.py`) holding *post-RoPE* keys, threaded through
   the layers as part of the scan carry so that XLA updates it in place.
 - `prefill` (many tokens, dense causal attention) and `decode_step` (one token, pluggable
-  `attention_fn`) are separate entry points; `generate` (`generation.py`) jit-compiles a greedy loop
-  around them. Sparse decoding, in HBM or with the cache in host memory, has its own cache and step
-  (`sparse.py`), built from the same layers.
+  `attention_fn`) are separate entry points. `generation.py` drives generation with any attention that keeps
+  a cache of its own (the `CacheAttention` protocol, `attention.py`: the dense cache, or sparse decoding in HBM
+  or host memory), built from the same layers (`scan_layers`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from fathom_jax.models.attention import CacheAttention
 from fathom_jax.models.cache import AttentionFn, KVCache, causal_attention, dense_attention
 from fathom_jax.models.config import LlamaConfig
 from fathom_jax.models.layers import DecoderLayer, RMSNorm, _linear
@@ -131,13 +132,13 @@ class LlamaForCausalLM(nnx.Module):
         The new key/value is written to slot `position` and `attention_fn` sees length
         position + 1. Returns f32 logits [B, V] and the cache with length = position + 1.
         `position` must be < capacity (under jit it cannot be checked; XLA would clamp the write).
-        Sparse attention (:class:`fathom_jax.decode.SparseAttention`) decodes through
-        :func:`fathom_jax.models.sparse.decode_step` with its own cache.
+        Attention with a cache of its own (:class:`~fathom_jax.models.attention.CacheAttention`) decodes through
+        :func:`fathom_jax.models.generation.decode_step`.
         """
-        if callable(getattr(attention_fn, "attend", None)) and hasattr(attention_fn, "commit"):
+        if isinstance(attention_fn, CacheAttention):
             raise TypeError(
-                "decode_step takes a dense-cache AttentionFn; a SparseAttention decodes with its own cache: "
-                "fathom_jax.models.sparse.prefill / decode_step, or generate(..., attention_fn=attn)"
+                "decode_step takes a dense-cache AttentionFn; attention with its own cache (e.g. a SparseAttention) "
+                "decodes through fathom_jax.models.generation.prefill / decode_step, or generate(..., attention_fn=)"
             )
         if position is not None:
             cache = dataclasses.replace(cache, length=jnp.asarray(position, jnp.int32))

@@ -248,7 +248,7 @@ def _field(reader, key: str, default=None):
 def open_gguf(path: str | os.PathLike):
     """A ``gguf.GGUFReader`` over ``path``; a missing, truncated or foreign file raises naming the file.
 
-    Parsing the metadata takes seconds (SmolLM2: ~5 s), and a command reads one file's configuration, then its
+    Parsing the metadata takes seconds, and a command reads one file's configuration, then its
     tokenizer, then its weights: each version of a file (size, modification time) is parsed once.
     """
     path = os.fspath(path)
