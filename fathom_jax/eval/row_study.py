@@ -157,7 +157,7 @@ class _Scorer:
 
     def scores(self, fn: fid.MethodScore, calib, layer: int):
         parts = fn.method.parts
-        rotated = bool(parts & fid._ROTATED_PARTS)  # noqa: SLF001
+        rotated = any(p.needs_calibration for p in parts)  # rotated stores are built with the calibration
         key = (layer, parts, id(calib) if rotated else None)
         if key not in self.indexes:
             args = (self.keys, calib if rotated else None, np.int32(layer))
