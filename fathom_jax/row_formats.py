@@ -187,6 +187,28 @@ class RowFormat:
             keys = rq.decode_side(self.key, data[..., :split], d)
         return keys, rq.decode_side(self.value, data[..., split:], d)
 
+    @property
+    def per_token(self) -> bool:
+        """Every scale sits in its token's row (no per-block K scales): rows can be written one token at a time
+        into any buffer, as a decode cache does."""
+        return not self.block
+
+    def encode_rows(self, keys: Float[Array, "*B n Dh"], values: Float[Array, "*B n Dh"]) -> Array:
+        """The rows of ``keys``/``values`` as :meth:`encode` lays them out (``bf16 [..., n, 2 Dh]``, else ``uint8
+        [..., n, row_bytes]``), with no capacity, length or range check: for a format whose scales are per token
+        (:attr:`per_token`), each row depends on its own token alone."""
+        if not self.per_token:
+            raise ValueError(f"encode_rows: format {self.spec} keeps K scales per block of tokens; use encode")
+        keys, values = jnp.asarray(keys, jnp.float32), jnp.asarray(values, jnp.float32)
+        if self.is_bf16:
+            return jnp.concatenate([keys, values], -1).astype(jnp.bfloat16)
+        return jnp.concatenate([rq.encode_side(self.key, keys), rq.encode_side(self.value, values)], -1)
+
+    def check_values(self, where: str, keys, values) -> None:
+        """An error (at run time under ``jit``) where a quantized side gets values outside the fp16 range its
+        scales can hold."""
+        self._check_inputs(where, keys, values)
+
     def gather(self, rows: "Rows", tokens: Int[Array, "*B m"]) -> tuple[Array, Float16[Array, "*B m S Dh"] | None]:
         """What a row fetch reads for ``tokens``: their rows and (K block scales) their blocks' scales."""
         data = jnp.take_along_axis(rows.data, tokens[..., None], axis=-2)

@@ -373,7 +373,8 @@ def with_row_cache(cache, attn):
     row_cache = None
     if slots:
         row_cache = decode.empty_row_cache(jnp.zeros, n_layers=cache.n_layers,
-                                           groups=cache.groups, slots=slots, head_dim=cache.head_dim, dtype=cache.kv.dtype)
+                                           groups=cache.groups, slots=slots, width=cache.layout.width,
+                                           dtype=cache.layout.storage_dtype)
     return dataclasses.replace(cache, row_cache=row_cache)
 
 
@@ -384,7 +385,7 @@ def row_cache_fields(cache, link_gbps: float, scan_bytes: float) -> dict:
     if rc is None:
         return {}
     hits, fetched = int(np.asarray(rc.hits).sum()), int(np.asarray(rc.fetched).sum())
-    row_bytes = fetched * cache.kv.shape[-1] * cache.kv.dtype.itemsize  # each row: its K and V
+    row_bytes = fetched * cache.layout.row_bytes  # each row: its K and V
     return {"row_hit_fraction": hits / max(1, hits + fetched), "row_bytes_fetched": float(row_bytes),
             "link_floor_fetched_ms": (scan_bytes + row_bytes) / (link_gbps * 1e9) * 1e3}
 

@@ -17,8 +17,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from fathom_jax.calibrate import Calibration
-from fathom_jax.decode.fetches import split_kv
 from fathom_jax.decode.row_cache import RowCache, RowFill, empty_row_cache
+from fathom_jax.decode.rows import RowLayout
 from fathom_jax.format import round_capacity
 from fathom_jax.index import KeyIndex, check_parts
 from fathom_jax.models.attention import CacheShape
@@ -29,10 +29,11 @@ from fathom_jax.models.attention import CacheShape
 class SparseCache:
     """K/V rows and key index of every layer, stacked ``[L, R, ...]`` (``R = batch x KV heads``).
 
-    ``kv``: ``[L, R, C, 2 Dh]`` in the model dtype, each token's key in the first ``Dh`` features and its value in
-    the last, so that fetching a selected token reads one contiguous run (from host memory the pages touched cost
-    more than the bytes: see :mod:`pallas_kernels.row_fetch`); ``[1, R, C, 2 Dh]``: one row buffer shared by every
-    layer, a benchmark mode for caches larger than the host. ``index``: a :class:`KeyIndex` whose leaves are
+    ``kv``: ``[L, R, C, W]``, one row per token as ``layout`` stores it (:mod:`fathom_jax.decode.rows`: by
+    default ``W = 2 Dh`` in the model dtype, each token's key in the first ``Dh`` features and its value in the last;
+    or a compressed row format's words), so that fetching a selected token reads one contiguous run (from host
+    memory the pages touched cost more than the bytes: see :mod:`pallas_kernels.row_fetch`); ``[1, R, C, W]``: one
+    row buffer shared by every layer, a benchmark mode for caches larger than the host. ``index``: a :class:`KeyIndex` whose leaves are
     ``[L, R, ...]`` (no keys part: the oracle reads the keys of ``kv``); ``length``: tokens per sequence ``[B]``;
     ``calibration``: the session's own statistics ``[L, R, ...]`` (set by the prefill; None for corpus statistics,
     which the hook holds). In host memory the kernels write the bulk arrays in place; ``writes`` holds the
@@ -40,9 +41,10 @@ class SparseCache:
     ``row_cache``: device-memory copies of recently fetched rows (:class:`RowCache`), or None.
     """
 
-    kv: Float[Array, "L R C 2Dh"]
+    kv: Float[Array, "L R C W"]
     index: KeyIndex
     length: Int[Array, "B"]
+    layout: RowLayout = dataclasses.field(metadata=dict(static=True))
     calibration: Calibration | None = None
     writes: Int[Array, "W"] | None = None
     row_cache: RowCache | None = None
@@ -50,22 +52,24 @@ class SparseCache:
     def bulk(self) -> "SparseCache":
         """A tree like this cache of bools: True for the leaves that grow with the context."""
         small = lambda tree: jax.tree.map(lambda _: False, tree)  # noqa: E731
-        return SparseCache(kv=True, index=self.index.bulk(), length=False, calibration=small(self.calibration),
+        return SparseCache(kv=True, index=self.index.bulk(), length=False, layout=self.layout,
+                           calibration=small(self.calibration),
                            writes=small(self.writes), row_cache=small(self.row_cache))
 
     @property
     def k(self) -> Float[Array, "L R C Dh"]:
-        """The keys (a copy: ``kv[..., :Dh]``), for inspection; the step reads ``kv`` in place."""
-        return split_kv(self.kv)[0]
+        """The keys as the rows hold them (a copy; dequantized for a compressed format), for inspection; the step
+        reads ``kv`` in place."""
+        return self.layout.split(self.kv)[0]
 
     @property
     def v(self) -> Float[Array, "L R C Dh"]:
-        """The values (a copy: ``kv[..., Dh:]``)."""
-        return split_kv(self.kv)[1]
+        """The values as the rows hold them (a copy)."""
+        return self.layout.split(self.kv)[1]
 
     @property
     def head_dim(self) -> int:
-        return self.kv.shape[-1] // 2
+        return self.layout.head_dim
 
     @property
     def capacity(self) -> int:
@@ -117,27 +121,29 @@ class LayerUpdate:
     rows: RowFill | None = None
 
 
-def cache_bytes(parts, *, n_layers: int, groups: int, capacity: int, head_dim: int, kv_itemsize: int,
-                shared_kv: bool = False) -> dict[str, int]:
-    """Bulk bytes of a :class:`SparseCache` holding the index ``parts`` (a method's ``parts``) before allocating it:
-    the host memory it will need, by kind as :meth:`SparseCache.nbytes` gives them."""
+def cache_bytes(parts, rows: RowLayout, *, n_layers: int, groups: int, capacity: int, shared_kv: bool = False
+                ) -> dict[str, int]:
+    """Bulk bytes of a :class:`SparseCache` holding the index ``parts`` (a method's ``parts``) and K/V rows laid out as
+    ``rows`` before allocating it: the host memory it will need, by kind as :meth:`SparseCache.nbytes` gives them."""
     capacity = round_capacity(capacity)
-    out = {"kv": 2 * (1 if shared_kv else n_layers) * groups * capacity * head_dim * kv_itemsize}
+    out = {"kv": (1 if shared_kv else n_layers) * groups * capacity * rows.row_bytes}
     for part in check_parts(parts, "cache_bytes"):
-        for kind, size in part.bulk_bytes(layers=n_layers, capacity=capacity, head_dim=head_dim).items():
+        for kind, size in part.bulk_bytes(layers=n_layers, capacity=capacity, head_dim=rows.head_dim).items():
             out[kind] = out.get(kind, 0) + groups * size
     return out
 
 
-def allocate(alloc: Callable[..., Any], parts, shape: CacheShape, *, shared_kv: bool = False, row_cache: int = 0,
-             session_calibration=None) -> SparseCache:
+def allocate(alloc: Callable[..., Any], parts, shape: CacheShape, *, rows: str | None = None, shared_kv: bool = False,
+             row_cache: int = 0, session_calibration=None) -> SparseCache:
     """An empty cache of ``shape`` from ``alloc(shape, dtype, bulk=True)`` (zeros where they belong), largest array
     first: XLA's pinned host allocator grows in regions of doubling size, and K/V rows allocated after the planes
-    found no region left at 1M tokens. ``session_calibration``: a Calibration of one group's shapes, stacked ``[L, R]``
+    found no region left at 1M tokens. ``rows``: the row format (:class:`~fathom_jax.decode.rows.RowLayout`; None:
+    the model dtype). ``session_calibration``: a Calibration of one group's shapes, stacked ``[L, R]``
     here for the session's statistics (None for corpus statistics)."""
     small = lambda dims, dtype: alloc(dims, dtype, bulk=False)  # noqa: E731
     layers, groups, capacity, d = shape.layers, shape.groups, round_capacity(shape.capacity), shape.head_dim
-    kv = alloc((1 if shared_kv else layers, groups, capacity, 2 * d), shape.dtype)
+    layout = RowLayout.of(rows, d, shape.dtype)
+    kv = alloc((1 if shared_kv else layers, groups, capacity, layout.width), layout.storage_dtype)
     length = small((layers, groups), jnp.int32)
     parts = check_parts(parts, "allocate")
     data = tuple(p.empty(alloc, length, layers=layers, groups=groups, capacity=capacity, head_dim=d) for p in parts)
@@ -145,11 +151,12 @@ def allocate(alloc: Callable[..., Any], parts, shape: CacheShape, *, shared_kv: 
     calibration = None
     if session_calibration is not None:
         calibration = jax.tree.map(lambda a: small((layers, groups) + a.shape, a.dtype), session_calibration)
-    rows = None
+    slots = None
     if row_cache:
-        rows = empty_row_cache(small, n_layers=layers, groups=groups, slots=row_cache, head_dim=d, dtype=shape.dtype)
+        slots = empty_row_cache(small, n_layers=layers, groups=groups, slots=row_cache, width=layout.width,
+                                dtype=layout.storage_dtype)
     return SparseCache(kv=kv, index=KeyIndex(length, parts, data), length=small((shape.batch,), jnp.int32),
-                       calibration=calibration, writes=small((writes,), jnp.int32), row_cache=rows)
+                       layout=layout, calibration=calibration, writes=small((writes,), jnp.int32), row_cache=slots)
 
 
 def bulk_allocations(parts, shape: CacheShape, **options) -> list[int]:
