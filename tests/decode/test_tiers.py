@@ -77,11 +77,12 @@ def test_cache_bytes_by_tier():
     attn = decode.from_spec("fathom:16", k=40, placement=Placement("pinned_host", resident_planes=(1, 2, 0)))
     shape = CacheShape(layers=3, batch=2, kv_heads=3, capacity=200, head_dim=16, dtype=jnp.bfloat16)
     cache = attn.init_cache(shape)
-    want = decode.cache_bytes(attn.cache_parts(3), n_layers=3, groups=6, capacity=200, head_dim=16, kv_itemsize=2)
+    rows = attn.row_layout(shape)
+    want = decode.cache_bytes(attn.cache_parts(3), rows, n_layers=3, groups=6, capacity=200)
     assert cache.nbytes() == want
     plane = plane_bytes(groups=6, capacity=200, head_dim=16)
     assert want["planes"] == 9 * plane and want["planes_hbm"] == 3 * plane + 3 * 6 * 16 * (256 // 64) * 2
-    assert decode.cache_bytes(attn.index_parts, n_layers=3, groups=6, capacity=200, head_dim=16, kv_itemsize=2)[
+    assert decode.cache_bytes(attn.index_parts, rows, n_layers=3, groups=6, capacity=200)[
         "planes"] == 12 * plane + 3 * 6 * 16 * 4 * 2
 
 
