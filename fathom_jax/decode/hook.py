@@ -193,7 +193,8 @@ class SparseAttention:
         if self.placement.in_host_memory:
             shards = self.placement.num_shards
             sizes = [size // shards for size in bulk_allocations(self.index_parts, **dims)]
-            host_memory.check(sizes, devices=shards, what=f"a cache of {dims['capacity']} tokens")
+            host_memory.check(sizes, devices=self.placement.local_shards,  # this host's share of the mesh
+                              what=f"a cache of {dims['capacity']} tokens")
         return allocate(self.placement.zeros, self.index_parts, **dims)
 
     def write_prompt(self, cache: SparseCache, layer, keys, values, lengths) -> SparseCache:
