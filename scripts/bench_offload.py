@@ -13,6 +13,8 @@ a step moves are the same.
 
     python3 scripts/bench_offload.py --out $OUT                      # the default sections (one H200)
     python3 scripts/bench_offload.py --mesh 2 --tag h200x2 --out $OUT   # over two GPUs
+    JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python3 scripts/bench_offload.py --mesh 2 \
+        --out $OUT                                                   # one process per host (fathom_jax.distributed)
     python3 scripts/bench_offload.py --smoke --out /tmp/smoke          # tiny shapes, any backend (CI-size)
     python3 scripts/bench_offload.py --merge results/offload_h200 a.json b.json   # one file from several runs
     python3 scripts/bench_offload.py --preset attn --out $OUT        # the run behind a committed table (PRESETS)

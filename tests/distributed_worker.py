@@ -114,7 +114,6 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="fathom:16,sparq:4")
     ap.add_argument("--mesh", type=int, default=4, help="devices of the global mesh")
     ap.add_argument("--die-after-prefill", type=int, default=None, metavar="PROCESS")
-    ap.add_argument("--different-prompts", action="store_true", help="give each process another prompt")
     ap.add_argument("--heartbeat-timeout", type=int, default=None, help="seconds (default: the library's)")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -129,8 +128,6 @@ def main(argv=None) -> int:
 
     print(distributed.describe(), file=sys.stderr, flush=True)
     model, prompt, lengths = load(args.model)
-    if args.different_prompts:  # a misconfigured job: each process was given another prompt
-        prompt = prompt + jax.process_index()
     distributed.check_same(prompt, "the prompt's token ids")
     placement = Placement("pinned_host", mesh=device_mesh(args.mesh))
     nnx.update(model, placement.replicate(nnx.state(model)))  # the weights on every device, once
