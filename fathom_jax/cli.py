@@ -162,14 +162,20 @@ def _step_config(text: str):
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import jax
     import jax.numpy as jnp
+    import numpy as np
 
-    from fathom_jax import decode
+    from fathom_jax import decode, distributed
     from fathom_jax.models import generate, hub
 
     text = _read_prompt(args)
     config = hub.model_config(args.model)
     sparse = args.method != "dense" or args.placement != "device" or args.mesh > 1
+    try:  # the job's other processes (one per host), before anything touches JAX's devices
+        several = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+        raise UsageError(f"argument --coordinator / --num-processes / --process-id: {e}") from None
     mesh = _generate_mesh(args.mesh, config)
     method = None
     if sparse:
@@ -183,6 +189,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError("argument prompt: the prompt tokenizes to nothing; give some text to continue")
     if getattr(tokenizer, "add_bos", False):  # Gemma's GGUF asks for BOS first
         prompt = [tokenizer.bos_id, *prompt]
+    distributed.check_same(np.asarray(prompt, np.int32), "the prompt's token ids")
     capacity = len(prompt) + args.max_new_tokens
     check_positions(capacity, config, args.allow_long_context,
                     f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} =")
@@ -217,6 +224,15 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"[generate] note: {attention_fn.placement.note}", file=sys.stderr)
         print(f"[generate] {attention_fn.label}", file=sys.stderr)
         kwargs["attention_fn"] = attention_fn
+        if mesh is not None:  # the weights on every device once (each program would copy them otherwise)
+            from flax import nnx
+
+            nnx.update(model, placement.replicate(nnx.state(model)))
+        if several:
+            total = decode.cache_bytes(attention_fn.index_parts, n_layers=config.n_layers, groups=config.n_kv_heads,
+                                       capacity=capacity, head_dim=config.head_dim,
+                                       kv_itemsize=jnp.dtype(model.dtype).itemsize)
+            print(f"[generate] {distributed.holding(total, mesh)}", file=sys.stderr)
     t0 = time.time()
     out = generate(model, jnp.asarray(prompt), args.max_new_tokens, capacity=capacity, **kwargs)
     out.block_until_ready()
@@ -226,7 +242,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[generate] {summary.line()}", file=sys.stderr)
     print(f"[generate] {args.max_new_tokens} tokens in {seconds:.1f} s, {args.max_new_tokens / seconds:.1f} tokens/s "
           f"(prompt of {len(prompt)} tokens; compile included)", file=sys.stderr)
-    print(("" if args.prompt_file else text) + tokenizer.decode(out.tolist()))
+    if jax.process_index() == 0:  # every process holds the tokens; one prints them
+        print(("" if args.prompt_file else text) + tokenizer.decode(out.tolist()))
     return 0
 
 
@@ -298,7 +315,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "the defaults are the fastest measured")
     p.add_argument("--mesh", type=positive_int(1), default=1,
                    help="devices to split the KV heads over (sparse decoding; each device scans and fetches for its "
-                        "own heads from its own slice of memory); must divide the model's KV heads")
+                        "own heads from its own slice of memory); must divide the model's KV heads; with several "
+                        "processes, spans them all (a multiple of the process count)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="several processes, one per host: process 0's address (default: $JAX_COORDINATOR_ADDRESS, or "
+                        "a SLURM job's); every process runs the same command")
+    p.add_argument("--num-processes", type=positive_int(1), default=None,
+                   help="processes of the job (default: $JAX_NUM_PROCESSES or the SLURM job's tasks)")
+    p.add_argument("--process-id", type=positive_int(0), default=None,
+                   help="this process, 0 .. processes - 1 (default: $JAX_PROCESS_ID or the SLURM task)")
     add_model_arguments(p)
     p.set_defaults(func=_generate)
 

@@ -68,6 +68,9 @@ BAD_ARGUMENTS = [
     # "2 cpu device(s)" here, "2 gpu device(s)" on the two-GPU machine
     (["generate", "x", "--mesh", "64"], "argument --mesh: 64 devices asked for, 2 "),
     (["generate", "x", "--mesh", "2"], "argument --mesh: the model's 3 KV heads do not split evenly over 2 devices"),
+    (["generate", "x", "--coordinator", "host0", "--num-processes", "2", "--process-id", "0"],
+     "argument --coordinator / --num-processes / --process-id: coordinator must be host:port"),
+    (["generate", "x", "--process-id", "-1"], "argument --process-id: expected an integer >= 0"),
     (["generate", "x", "--step-config", "read=sideways"], "argument --step-config: step read must be one of"),
     (["generate", "x", "--step-config", "index_writes=never"],
      "argument --step-config: step index_writes must be one of"),

@@ -213,7 +213,8 @@ class SparseAttention:
         if self.placement.in_host_memory:
             shards = self.placement.num_shards
             sizes = [size // shards for size in bulk_allocations(parts, shape, **options)]
-            host_memory.check(sizes, devices=shards, what=f"a cache of {round_capacity(shape.capacity)} tokens")
+            host_memory.check(sizes, devices=self.placement.local_shards,  # this host's share of the mesh
+                              what=f"a cache of {round_capacity(shape.capacity)} tokens")
         return allocate(self.placement.zeros, parts, shape, **options)
 
     def write_prompt(self, cache: SparseCache, layer, keys, values, lengths) -> SparseCache:
