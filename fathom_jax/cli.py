@@ -161,6 +161,16 @@ def _step_config(text: str):
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _rows(text: str):
+    """``--rows``: the decode cache's K/V row format (``model``, or a format with per-token scales), validated."""
+    from fathom_jax.decode.rows import row_format
+
+    try:
+        return row_format(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
@@ -171,7 +181,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     text = _read_prompt(args)
     config = hub.model_config(args.model)
-    sparse = args.method != "dense" or args.placement != "device" or args.mesh > 1
+    sparse = args.method != "dense" or args.placement != "device" or args.mesh > 1 or args.rows is not None
     try:  # the job's other processes (one per host), before anything touches JAX's devices
         several = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except ValueError as e:
@@ -215,7 +225,8 @@ def _generate(args: argparse.Namespace) -> int:
             calibration = calibrate(cap["k"], cap["q"])
         placement = decode.Placement(args.placement, mesh=mesh)
         attention_fn = decode.from_spec(method, k=args.k, calibration=calibration,
-                                        implementation=args.implementation, placement=placement, step=args.step_config)
+                                        implementation=args.implementation, placement=placement, step=args.step_config,
+                                        rows=args.rows)
         if args.k >= capacity:
             print(f"[generate] note: k={args.k} >= prompt + new tokens ({capacity}): every token is selected, the "
                   "output is dense decoding's; use a longer prompt (--prompt-file) or a smaller --k", file=sys.stderr)
@@ -308,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scan and top-k: jnp reference or Pallas kernels (default: pallas on a GPU, xla elsewhere)")
     p.add_argument("--placement", choices=["device", "pinned_host"], default="device",
                    help="where the K/V cache and key index live: device memory or pinned host memory")
+    p.add_argument("--rows", type=_rows, default=None, metavar="FORMAT",
+                   help="how the cache stores K/V rows: 'model' (the model's dtype, default) or a row format with "
+                        "per-token scales, e.g. k8v8 (8-bit K and V, 260 B per token at head_dim 128 instead of "
+                        "512; fathom_jax.row_formats)")
     p.add_argument("--step-config", type=_step_config, default=None, metavar="KEY=VALUE,...",
                    help="how each sparse decode step runs, for tuning (fathom_jax.decode.StepConfig): read=staged|"
                         "direct, pipeline=auto|N, index_writes=every_step|full_blocks, row_cache=SLOTS, "

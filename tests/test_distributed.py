@@ -240,6 +240,8 @@ def test_a_process_that_dies_makes_the_others_fail_not_hang(tmp_path):
     assert codes[0] != 0 and not job.results(0), job.report()  # failed, and decoded nothing
     err = job.stderr(0)
     assert "the JAX distributed service detected fatal errors" in err, job.report()
-    assert "The following tasks are unhealthy (stopped sending heartbeats):\n1" in err, job.report()
+    # Which message ends it is a race inside the service: the task list of the missed heartbeats, or process 0's
+    # own heartbeat refused once the service has shut down on that error.
+    assert "stopped sending heartbeats" in err or "StartSendingHeartbeats" in err, job.report()
     # ended by the coordination service, not by the test's deadline (slack for a loaded machine)
     assert job.ended[0] - job.ended[1] < 6 * HEARTBEAT_S, job.ended

@@ -67,7 +67,7 @@ def test_resident_planes_decode_the_same_bits(tiny_model, implementation, reside
 
         _, state = nnx.split(tiny_model)
         run = generation.decode_step_program(tiny_model, cache, attn)
-        text = run.lower(state, tokens, cache=cache).as_text()
+        text = run.lower(state, tokens, None, cache=cache).as_text()
         assert "tier_gather" in text and "run_gather" not in text
 
 
@@ -137,7 +137,7 @@ def test_resident_planes_live_in_hbm_and_the_rest_in_host_memory(tiny_model):
     from flax import nnx
 
     _, state = nnx.split(tiny_model)
-    text = generation.decode_step_program(tiny_model, cache, attn).lower(state, jnp.asarray(LONG[:, 5]),
+    text = generation.decode_step_program(tiny_model, cache, attn).lower(state, jnp.asarray(LONG[:, 5]), None,
                                                                         cache=cache).compile().as_text()
     assert host_array_copies(text, min_bytes=1 << 10) == []
     # the resident planes are written in place too (a copy would take the new blocks' writes away from the cache)
