@@ -1,0 +1,46 @@
+"""scripts/plane_shares.py's rows and report: budgets named at D = 128, the quoted numbers set beside the measured."""
+
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+import plane_shares  # noqa: E402
+
+from fathom_jax.eval.plane_reads import PlaneReads  # noqa: E402
+
+
+def fake_result() -> dict:
+    # D = 64: plane bits 32, 16, 8, 0 of 56 code bits; 8 scale bits
+    smol = PlaneReads(np.array([[0.5, 0.25, 0.125, 0.0]] * 2), head_dim=64)
+    synth = PlaneReads(np.array([[0.25, 0.125, 0.0, 0.0]]), head_dim=128)
+    rows = [plane_shares.row("smollm2 4k", "session", "last 2 positions", 24, 64, smol, context=4096),
+            plane_shares.row("synthetic", "drawn", "4 Gaussian draws", 48, 128, synth)]
+    machine = {"date": "today", "jax": "0", "backend": "cpu", "host": "h", "cpus": 1, "commit": "abc"}
+    return {"machine": machine, "command": "scripts/plane_shares.py", "rows": rows, "wall_seconds": 1.0}
+
+
+def test_rows_name_the_d128_budget_and_report_the_shares(tmp_path):
+    res = fake_result()
+    assert [r["budget_at_d128"] for r in res["rows"]] == [48, 48]
+    assert res["rows"][0]["code_share"] == pytest.approx([32 / 56, 16 / 56, 8 / 56, 0])
+    text = plane_shares.report(res)
+    assert "| smollm2 4k | session | last 2 positions | 24 (= F48) | 64.00 | 57.1 | 28.6 | 14.3 | 0.0 | 85.7 |" in text
+    assert "| synthetic | drawn | 4 Gaussian draws | 48 | " in text  # D = 128: no scaled name
+    # the issue's numbers beside the measured ones, for the rows that exist; HBM p=1 = (32 + 8) / 64
+    assert "| smollm2 4k (last 2 positions) | session | 24 | 66.0 / 91.0 | 57.1 / 85.7 | 62.5 |" in text
+    assert "| synthetic (4 Gaussian draws) | drawn | 48 | 85.0 / 99.0 | 66.7 / 100.0 |" in text
+    assert "| 1 | 0.500 | 0.250 | 0.125 | 0.000 |" in text  # the per-layer frequencies of the SmolLM2 row
+    plane_shares.plot(res, str(tmp_path / "shares.png"))
+    assert (tmp_path / "shares.png").stat().st_size > 0
+
+
+def test_bad_arguments_stop_before_any_work(capsys):
+    with pytest.raises(SystemExit):
+        plane_shares.main(["--contexts", "100"])
+    assert "must each leave" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plane_shares.main(["--smollm2-budgets", "300"])
+    assert "--smollm2-budgets" in capsys.readouterr().err
