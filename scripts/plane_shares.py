@@ -14,12 +14,14 @@ the share of every plane in the bits read and how often each (layer, plane) is r
 
     python scripts/plane_shares.py                      # writes results/plane_shares.{json,md,png}
 
-The contexts run one after the other (the 8k capture is the memory peak); the JSON is rewritten after each part.
+The contexts run one after the other, the JSON rewritten after each. From ``--chunked-from`` tokens on, the capture runs
+its attention over chunks of queries: the same numbers bit for bit, without the ``[heads, T, T]`` scores (7 GB at 8k).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -27,6 +29,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -65,15 +68,50 @@ def synthetic_rows(draws: int, seed: int) -> list[dict]:
     return rows
 
 
-def smollm2_rows(model, tokenizer, context: int, positions: int, budgets) -> tuple[list[dict], dict]:
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"))
+def _chunked_capture(graphdef, state, tokens, chunk):
+    from flax import nnx
+
+    from fathom_jax.models.cache import KVCache
+    from fathom_jax.models.prefill import chunked_causal_attention
+
+    def attend(q, k, v, start, layer):  # q [B, Hkv, G, T, D] at positions 0..T-1 over k, v [B, Hkv, T, D]
+        b, hkv, g, t, d = q.shape
+        query = q.reshape(b, hkv * g, t, d).transpose(0, 2, 1, 3)
+        o = chunked_causal_attention(query, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), chunk)
+        return o.transpose(0, 2, 1, 3).reshape(b, hkv, g, t, d)
+
+    model = nnx.merge(graphdef, state)
+    cache = KVCache.init(model.config, 1, tokens.shape[1], model.dtype)
+    _, _, (q, k, v) = model._forward(tokens, cache, attend, capture=True)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    return {"q": f32(q[:, 0].reshape(q.shape[0], -1, q.shape[-2], q.shape[-1])), "k": f32(k[:, 0]), "v": f32(v[:, 0])}
+
+
+def capture(model, ids, chunk: int | None = None) -> fid.Capture:
+    """The study's capture (:func:`fathom_jax.models.capture_qkv`); with ``chunk``, the same forward pass with its
+    attention one chunk of queries at a time (the library's ``chunked_causal_attention``): ``H chunk T`` memory for the
+    scores instead of ``H T T`` (7 GB at 8k on SmolLM2). On XLA:CPU it gave the same q/k/v bit for bit at SmolLM2's head
+    shapes (tests/test_plane_shares.py on a small decoder; SmolLM2's q and k on the study's evaluation windows of 2048
+    and 4096 tokens, compared once), not at every shape (D = 8 or chunks of 16 round differently from layer 1 on)."""
     from fathom_jax.models import capture_qkv
 
+    tokens = jnp.asarray(ids, jnp.int32)
+    if chunk is None:
+        return fid.Capture(**capture_qkv(model, tokens))
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    return fid.Capture(**_chunked_capture(graphdef, state, tokens[None], chunk))
+
+
+def smollm2_rows(model, tokenizer, context: int, positions: int, budgets, chunk=None) -> tuple[list[dict], dict]:
     calib_ids = texts.token_window(tokenizer.encode(texts.calibration_text()[0]), context, name="calibration text")
     eval_ids = texts.token_window(tokenizer.encode(texts.evaluation_text()[0]), context, name="evaluation text")
-    cap = fid.Capture(**capture_qkv(model, jnp.asarray(calib_ids)))
+    cap = capture(model, calib_ids, chunk)
     corpus = cal.calibrate(cap.k, cap.q)
     del cap  # one capture held at a time: the 8k window's is the run's memory peak
-    cap = fid.Capture(**capture_qkv(model, jnp.asarray(eval_ids)))
+    cap = capture(model, eval_ids, chunk)
     pos = fid.default_positions(context, positions)
     prefill = int(pos[0])
     session = cal.calibrate_session(cap.k[:, :, :prefill])
@@ -87,7 +125,8 @@ def smollm2_rows(model, tokenizer, context: int, positions: int, budgets) -> tup
                             plane_reads(Fathom(budget), q, calib), context=context))
             print(f"[smollm2 {context}] {calibration} Fathom {budget}: plane shares "
                   f"{np.round(rows[-1]['code_share'], 3).tolist()}", flush=True)
-    return rows, {"positions": [int(pos[0]), int(pos[-1])], "session_prefill_tokens": prefill}
+    how = "capture_qkv" if chunk is None else f"capture_qkv's forward, attention in chunks of {chunk} queries"
+    return rows, {"positions": [int(pos[0]), int(pos[-1])], "session_prefill_tokens": prefill, "capture": how}
 
 
 def main(argv=None):
@@ -95,6 +134,10 @@ def main(argv=None):
     ap.add_argument("--contexts", default="4096,8192", help="SmolLM2 windows, one after the other ('' for none)")
     ap.add_argument("--positions", type=int, default=128, help="decode positions at the window's end (the study's)")
     ap.add_argument("--smollm2-budgets", default="16,24,32,48,64", help="Fathom budgets at D = 64")
+    ap.add_argument("--chunked-from", type=int, default=8192,
+                    help="contexts from this size capture with attention in chunks of --chunk queries (same numbers, "
+                         "less memory)")
+    ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--draws", type=int, default=64, help="Gaussian query draws per group on the synthetic keys")
     ap.add_argument("--seed", type=int, default=3, help="seed of the synthetic query draws")
     ap.add_argument("--out", default="results")
@@ -106,6 +149,8 @@ def main(argv=None):
         ap.error(f"--contexts must each leave {cal.SKIP_TOKENS + 2} tokens before the {args.positions} positions")
     if args.draws < 1 or not budgets or any(not 0 <= b <= 4 * 64 for b in budgets):
         ap.error("--draws must be >= 1 and --smollm2-budgets one or more budgets in [0, 256]")
+    if args.chunk < 1:
+        ap.error(f"--chunk must be >= 1, got {args.chunk}")
     prefix = os.path.join(args.out, args.name)
     t0 = time.time()
     res = {"machine": harness.machine(), "command": " ".join(["scripts/plane_shares.py"] + sys.argv[1:]),
@@ -126,7 +171,8 @@ def main(argv=None):
         res["smollm2"] = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)",
                           "calib_text": texts.calibration_text()[1], "eval_text": texts.evaluation_text()[1]}
         for context in contexts:
-            rows, info = smollm2_rows(model, tokenizer, context, args.positions, budgets)
+            chunk = args.chunk if context >= args.chunked_from else None
+            rows, info = smollm2_rows(model, tokenizer, context, args.positions, budgets, chunk)
             res["rows"] += rows
             res["smollm2"][str(context)] = info
             save()

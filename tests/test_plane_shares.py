@@ -44,3 +44,25 @@ def test_bad_arguments_stop_before_any_work(capsys):
     with pytest.raises(SystemExit):
         plane_shares.main(["--smollm2-budgets", "300"])
     assert "--smollm2-budgets" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plane_shares.main(["--chunk", "0"])
+    assert "--chunk must be >= 1" in capsys.readouterr().err
+
+
+def test_chunked_capture_is_the_study_capture_bit_for_bit():
+    """At SmolLM2's head shapes (D = 64, 3 query heads per KV head) and chunks of 64 queries; XLA:CPU gave other
+    shapes (D = 8, or chunks of 16) other roundings from the second layer on, so the equality is shape-bound."""
+    from flax import nnx
+
+    from fathom_jax.models import capture_qkv
+    from fathom_jax.models.config import LlamaConfig
+    from fathom_jax.models.llama import LlamaForCausalLM
+
+    config = LlamaConfig(vocab=97, hidden=64, intermediate=96, n_layers=3, n_heads=9, n_kv_heads=3, head_dim=64,
+                         rope_theta=1e4, rms_norm_eps=1e-6)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    ids = np.random.default_rng(0).integers(0, 97, size=128)
+    dense = capture_qkv(model, ids)
+    chunked = plane_shares.capture(model, ids, chunk=64)
+    for name in ("q", "k", "v"):
+        np.testing.assert_array_equal(np.asarray(getattr(chunked, name)), np.asarray(dense[name]))
