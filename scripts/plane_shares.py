@@ -13,6 +13,8 @@ the share of every plane in the bits read and how often each (layer, plane) is r
   variances, Gaussian queries): its step's queries, and ``--draws`` independent query draws; budgets 32 / 48 / 64.
 
     python scripts/plane_shares.py                      # writes results/plane_shares.{json,md,png}
+    python scripts/plane_shares.py --contexts 4096      # or in parts: the synthetic keys and 4k, then 8k added
+    python scripts/plane_shares.py --contexts 8192 --no-synthetic --append
 
 The contexts run one after the other, the JSON rewritten after each. From ``--chunked-from`` tokens on, the capture runs
 its attention over chunks of queries: the same numbers bit for bit, without the ``[heads, T, T]`` scores (7 GB at 8k).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 import time
@@ -121,7 +124,7 @@ def smollm2_rows(model, tokenizer, context: int, positions: int, budgets, chunk=
     rows = []
     for calibration, calib in (("session", session), ("corpus", corpus)):
         for budget in budgets:
-            rows.append(row(f"smollm2 {context // 1024}k", calibration, f"last {positions} positions", budget, d,
+            rows.append(row(_context_keys(context), calibration, f"last {positions} positions", budget, d,
                             plane_reads(Fathom(budget), q, calib), context=context))
             print(f"[smollm2 {context}] {calibration} Fathom {budget}: plane shares "
                   f"{np.round(rows[-1]['code_share'], 3).tolist()}", flush=True)
@@ -140,6 +143,9 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--draws", type=int, default=64, help="Gaussian query draws per group on the synthetic keys")
     ap.add_argument("--seed", type=int, default=3, help="seed of the synthetic query draws")
+    ap.add_argument("--no-synthetic", action="store_true", help="leave out the synthetic keys")
+    ap.add_argument("--append", action="store_true",
+                    help="add to the results file's rows (replacing those of the parts run again) and list this run")
     ap.add_argument("--out", default="results")
     ap.add_argument("--name", default="plane_shares")
     args = ap.parse_args(argv)
@@ -152,24 +158,35 @@ def main(argv=None):
     if args.chunk < 1:
         ap.error(f"--chunk must be >= 1, got {args.chunk}")
     prefix = os.path.join(args.out, args.name)
+    if args.append and not os.path.isfile(prefix + ".json"):
+        ap.error(f"--append: no {prefix}.json to add to")
     t0 = time.time()
-    res = {"machine": harness.machine(), "command": " ".join(["scripts/plane_shares.py"] + sys.argv[1:]),
-           "config": vars(args), "smollm2": {}, "rows": []}
+    parts = ([] if args.no_synthetic else ["synthetic"]) + [_context_keys(c) for c in contexts]
+    run = {"machine": harness.machine(), "command": " ".join(["scripts/plane_shares.py"] + sys.argv[1:]),
+           "config": vars(args), "parts": parts}
+    res = {"runs": [], "smollm2": {}, "rows": []}
+    if args.append:
+        with open(prefix + ".json") as f:
+            res = json.load(f)
+        res["rows"] = [r for r in res["rows"] if r["keys"] not in parts]
+    res["runs"].append(run)
 
     def save():
-        res["wall_seconds"] = round(time.time() - t0, 1)
+        run["wall_seconds"] = round(time.time() - t0, 1)
+        res["rows"].sort(key=lambda r: (r["keys"] != "synthetic", r.get("context", 0)))  # stable: budgets stay in order
         harness.write_json(prefix + ".json", res)
         with open(prefix + ".md", "w") as f:
             f.write(report(res))
 
-    res["rows"] += synthetic_rows(args.draws, args.seed)
-    save()
+    if not args.no_synthetic:
+        res["rows"] += synthetic_rows(args.draws, args.seed)
+        save()
     if contexts:
         from fathom_jax.models.hub import load_model
 
         model, tokenizer, _ = load_model(None)
-        res["smollm2"] = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)",
-                          "calib_text": texts.calibration_text()[1], "eval_text": texts.evaluation_text()[1]}
+        res["smollm2"].update(model="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)",
+                              calib_text=texts.calibration_text()[1], eval_text=texts.evaluation_text()[1])
         for context in contexts:
             chunk = args.chunk if context >= args.chunked_from else None
             rows, info = smollm2_rows(model, tokenizer, context, args.positions, budgets, chunk)
@@ -178,6 +195,10 @@ def main(argv=None):
             save()
     plot(res, prefix + ".png")
     print(report(res))
+
+
+def _context_keys(context: int) -> str:
+    return f"smollm2 {context // 1024}k" if context % 1024 == 0 else f"smollm2 {context}tok"
 
 
 def _pct(x) -> str:
@@ -202,10 +223,11 @@ def _per_layer_row(rows: list[dict], keys: str, budget: int) -> dict | None:
 
 
 def report(res: dict) -> str:
-    m = res["machine"]
-    lines = [f"# Where Fathom's read bits come from, plane by plane ({m['date']})", "",
-             f"JAX {m['jax']}, {m['backend']} ({m['host']}, {m['cpus']} cores), commit {m['commit']}. Command: "
-             f"`{res['command']}`. Wall time {res.get('wall_seconds')} s.", "",
+    runs = [f"{m['date']}, JAX {m['jax']}, {m['backend']} ({m['host']}, {m['cpus']} cores), commit {m['commit']}: "
+            f"`{r['command']}` ({', '.join(r['parts'])}; {r.get('wall_seconds')} s)"
+            for r in res["runs"] for m in [r["machine"]]]
+    lines = [f"# Where Fathom's read bits come from, plane by plane ({res['runs'][0]['machine']['date'][:10]})", "",
+             "Runs: " + "; ".join(runs) + ".", "",
              "A read of depth t reads planes 0..t-1 of a channel (plane 0 = most significant) and, when t >= 1, its "
              "fp16 block scales (16 bits per 64 tokens). `plane i`: share of the code bits read from plane i, every "
              "layer pooled; `0-1`: planes 0 and 1; `scales`: share of all bits read (code + scales) that are scale "
@@ -217,6 +239,9 @@ def report(res: dict) -> str:
              "every layer and KV head; `session` statistics from the window's own prefill keys, `corpus` from as many "
              "tokens of the pydoc prose. Synthetic: `scripts/bench_offload.py`'s keys (Qwen3-8B shapes, 36 layers x 8 "
              "KV heads x G = 4, log-variance std 1.25), its step's queries and independent Gaussian draws.", "",
+             "Captures: " + "; ".join(f"{c} tokens: {info['capture']}, decode positions {info['positions'][0]}-"
+                                      f"{info['positions'][1]}" for c, info in res["smollm2"].items()
+                                      if isinstance(info, dict) and "capture" in info) + ".", "",
              "| keys | calibration | queries | budget | bits / token | plane 0 | plane 1 | plane 2 | plane 3 | 0-1 | "
              "scales | HBM p=1 | HBM p=2 | plane 0 by layer |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

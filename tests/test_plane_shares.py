@@ -19,7 +19,10 @@ def fake_result() -> dict:
     rows = [plane_shares.row("smollm2 4k", "session", "last 2 positions", 24, 64, smol, context=4096),
             plane_shares.row("synthetic", "drawn", "4 Gaussian draws", 48, 128, synth)]
     machine = {"date": "today", "jax": "0", "backend": "cpu", "host": "h", "cpus": 1, "commit": "abc"}
-    return {"machine": machine, "command": "scripts/plane_shares.py", "rows": rows, "wall_seconds": 1.0}
+    run = {"machine": machine, "command": "scripts/plane_shares.py", "parts": ["synthetic", "smollm2 4k"],
+           "wall_seconds": 1.0}
+    smollm2 = {"4096": {"capture": "capture_qkv", "positions": [4094, 4095]}}
+    return {"runs": [run], "smollm2": smollm2, "rows": rows}
 
 
 def test_rows_name_the_d128_budget_and_report_the_shares(tmp_path):
@@ -27,6 +30,8 @@ def test_rows_name_the_d128_budget_and_report_the_shares(tmp_path):
     assert [r["budget_at_d128"] for r in res["rows"]] == [48, 48]
     assert res["rows"][0]["code_share"] == pytest.approx([32 / 56, 16 / 56, 8 / 56, 0])
     text = plane_shares.report(res)
+    assert "commit abc: `scripts/plane_shares.py` (synthetic, smollm2 4k; 1.0 s)" in text
+    assert "4096 tokens: capture_qkv, decode positions 4094-4095" in text
     assert "| smollm2 4k | session | last 2 positions | 24 (= F48) | 64.00 | 57.1 | 28.6 | 14.3 | 0.0 | 85.7 |" in text
     assert "| synthetic | drawn | 4 Gaussian draws | 48 | " in text  # D = 128: no scaled name
     # the numbers beside the measured ones, for the rows that exist; HBM p=1 = (32 + 8) / 64
@@ -47,6 +52,9 @@ def test_bad_arguments_stop_before_any_work(capsys):
     with pytest.raises(SystemExit):
         plane_shares.main(["--chunk", "0"])
     assert "--chunk must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plane_shares.main(["--append", "--out", "/nonexistent"])
+    assert "--append: no /nonexistent/plane_shares.json" in capsys.readouterr().err
 
 
 def test_chunked_capture_is_the_study_capture_bit_for_bit():
