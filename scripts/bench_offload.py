@@ -23,6 +23,11 @@ Sections (``--sections``): link, attn, full, profile, batch, control, dense, pre
 profiler breakdown (categories and the costliest kernels) to every attention-only row; ``attnbatch``: attention-only
 rows at 128k for each of ``--batches``.
 
+K/V row formats (``--rows model,k8v8``; an entry ``FORMAT@SHARE`` sets that format's ``--share-kv-from``): one set
+of rows each in the attn, attnbatch, full and batch sections, over a cache of its own; each row records its format
+(``rows``), its row bytes per token and per step, and its host bytes per token (as held, and with every layer's own
+rows).
+
 A row cache (``--row-cache SLOTS``, :class:`fathom_jax.decode.RowCache`) pays only when a step reselects rows
 of the steps before it: ``--query-drift RHO`` gives every attention-only step new queries, drifting from the last
 step's (AR(1); 0.95 leaves ~37% of the rows new each step, what SmolLM2 measured on real text) instead of one query
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import itertools
 import math
 import os
@@ -53,6 +59,7 @@ from flax import nnx  # noqa: E402
 import harness  # noqa: E402
 from fathom_jax import calibrate, decode, distributed, methods  # noqa: E402
 from fathom_jax.decode import StepConfig  # noqa: E402
+from fathom_jax.decode.rows import RowLayout, row_format  # noqa: E402
 from fathom_jax.models import LlamaConfig, LlamaForCausalLM, generation  # noqa: E402
 from fathom_jax.models.attention import CacheShape  # noqa: E402
 from fathom_jax.placement import Placement, attach_bulk, device_mesh, split_bulk  # noqa: E402
@@ -159,6 +166,15 @@ PRESETS = harness.presets({
                    "--resident-planes 0,1 --share-kv-from 512k --time-budget 300",
     "tiers-profile": f"--tag h200_tiers_profile --sections attn,attnprofile --contexts 1m {_F48} --resident-planes 1 "
                      "--share-kv-from 1m --time-budget 140",
+    # K/V row formats (issue 32): every layer's (every session's) own rows in 8-bit K and V, beside bf16 rows; the pinned
+    # host cap must hold them (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, README). bf16 rows of every layer at 1M (167 GB) do
+    # not fit the 128 GiB host: their row, shared by every layer, is the committed baseline (offload_h200). At 128k
+    # batch 8, bf16 own rows (175 GB) do not fit either: bf16 is measured shared as the control, after k8v8 (the
+    # larger cache first: the allocator's regions, once pinned, are kept).
+    "rows-1m": f"--tag h200_rows_1m --sections link,attn,full --contexts 1m --attn-contexts 1m --full-contexts 1m "
+               f"{_F48} --rows k8v8 --share-kv-from none --time-budget 200",
+    "rows-128k-batch": f"--tag h200_rows_128k_b8 --sections link,attnbatch,batch --contexts 128k --batches 8 {_F48} "
+                       "--rows k8v8@none,model@512k --share-kv-from none --time-budget 280",
     # results/offload_h200x2.*, the two-H200 machine (every layer's own K/V: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, README)
     "x2-1m-1gpu": f"--tag h200x2_1m_1gpu --mesh 1 --read staged --sections link,attn --contexts 1m {_F48_32} "
                   "--index-writes every_step,full_blocks --share-kv-from none --time-budget 230",
@@ -192,6 +208,8 @@ class Run:
         self.res = {"machine": harness.machine(), "command": " ".join(sys.argv), "config": vars(args).copy(),
                     "rows": [], "errors": [], "notes": []}
         self.res["config"]["model"] = dataclasses.asdict(args.config)
+        if isinstance(getattr(args, "rows", None), list):  # --rows entries by name (their RowFormat is the name's)
+            self.res["config"]["rows"] = [{"name": r["name"], "share_kv_from": r["share_kv_from"]} for r in args.rows]
 
     def left(self) -> float:
         return self.args.time_budget - (time.time() - self.t0)
@@ -223,6 +241,8 @@ class Run:
             print(f"[{name}] FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
             self.save()
             return None
+        finally:  # the section's cache goes before the next is allocated (caches of every layer's own rows at 1M
+            gc.collect()  # take most of the host: two at once do not fit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,15 +284,17 @@ def topk_name(config: TopkConfig | None) -> str:
     return "single" if config == SINGLE_TOPK else f"b{config.bucket_splits}t{config.token_splits}"
 
 
-def hook(spec, cfg, calib, k, placement, implementation, variant=None, *, batch=1, context=None):
+def hook(spec, cfg, calib, k, placement, implementation, variant=None, *, batch=1, context=None, rows=None):
     """The hook of a method spec, bound to a cache of ``batch`` sequences of ``context`` (+ 64) tokens; ``variant``:
-    StepConfig fields (``topk`` a ``--topk`` entry), on top of ``--read``'s."""
+    StepConfig fields (``topk`` a ``--topk`` entry), on top of ``--read``'s; ``rows``: the K/V row format (None: the
+    model dtype; a ``--rows`` entry's ``format``)."""
     method = methods.parse(spec)
     variant = dict(variant or {})
     variant["topk"] = topk_config(variant.pop("topk", "auto"))
     variant["xla_options"] = dict(variant.get("xla_options", ()))
     attn = decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
-                                  placement=placement, implementation=implementation, step=StepConfig(**variant))
+                                  placement=placement, implementation=implementation, step=StepConfig(**variant),
+                                  rows=rows)
     return attn if context is None else attn.bind(cache_shape(cfg, batch, context))
 
 
@@ -304,10 +326,13 @@ def build_cache(attn, cfg, scale, *, context, batch, shared_kv, seed=0):
     return jax.block_until_ready(cache)
 
 
-def step_bytes(attn, cfg, calib, q, *, context, k, kv_itemsize=2):
+def step_bytes(attn, cfg, calib, q, *, context, k):
     """Bytes a step reads: the planned planes + scales of every layer and the selected rows, and of those what crosses
-    the link (with resident planes: only the planes below each layer's resident count stay in HBM, with the scales)."""
+    the link (with resident planes: only the planes below each layer's resident count stay in HBM, with the scales).
+    A selected row is what the hook's row layout stores per token (K and V: ``2 Dh`` bf16 values, or a compressed
+    format's words with their scales)."""
     method = attn.method
+    row_bytes = RowLayout.of(attn.rows, cfg.head_dim, jnp.bfloat16).row_bytes
     resident = attn.placement.resident(cfg.n_layers)
     bits, link_bits = [], []
     for layer in range(cfg.n_layers):
@@ -323,11 +348,11 @@ def step_bytes(attn, cfg, calib, q, *, context, k, kv_itemsize=2):
     r = q.shape[1]
     g = q.shape[2]
     if method.name == "dense":  # reads every K and V row, selects nothing
-        kv = float(cfg.n_layers * r * context * cfg.head_dim * kv_itemsize * 2)
+        kv = float(cfg.n_layers * r * context * row_bytes)
         return {"bits_per_token": float(bits.mean()) * 2, "scan_bytes": kv, "link_scan_bytes": kv, "row_bytes_max": 0.0}
     scan = float(bits.sum() * context / 8)
     link = float(np.sum([b.sum() for b in link_bits]) * context / 8)
-    rows = float(cfg.n_layers * r * min(g * k, context) * cfg.head_dim * kv_itemsize * 2)  # union upper bound
+    rows = float(cfg.n_layers * r * min(g * k, context) * row_bytes)  # union upper bound
     return {"bits_per_token": float(bits.mean()), "scan_bytes": scan, "link_scan_bytes": link, "row_bytes_max": rows}
 
 
@@ -396,6 +421,58 @@ def row_cache_fields(cache, link_gbps: float, scan_bytes: float) -> dict:
             "link_floor_fetched_ms": (scan_bytes + row_bytes) / (link_gbps * 1e9) * 1e3}
 
 
+def host_fields(cache, placement) -> dict:
+    """A cache's bytes per token, layer and KV head (over ``layers x batch x KV heads x capacity``) from its own arrays:
+    ``host_bytes_per_token`` as held in host memory (with ``shared_kv`` the one row buffer counted once, so less than
+    a cache of every layer's own rows would take), ``host_bytes_per_token_own`` with every layer's own rows (the
+    layout's ``row_bytes`` plus the index's host bytes per token), ``index_bytes_per_token`` (planes and scales
+    wherever they live), and ``row_bytes_per_token`` (what the row fetch moves per selected token). In device memory
+    (the HBM control) nothing is on the host: the host figures are None."""
+    held = cache.nbytes()
+    tokens = cache.n_layers * cache.groups * cache.capacity
+    index_host = sum(v for name, v in held.items() if name != "kv" and not name.endswith("_hbm"))
+    index_all = sum(v for name, v in held.items() if name != "kv")
+    out = {"row_bytes_per_token": cache.layout.row_bytes, "index_bytes_per_token": index_all / tokens,
+           "host_bytes_per_token": None, "host_bytes_per_token_own": None}
+    if placement.offloaded:
+        out["host_bytes_per_token"] = (held["kv"] + index_host) / tokens
+        out["host_bytes_per_token_own"] = cache.layout.row_bytes + index_host / tokens
+    return out
+
+
+def parse_rows(text: str, share_kv_from: int | None) -> list[dict]:
+    """``--rows`` entries, one set of rows each: ``FORMAT`` or ``FORMAT@SHARE`` (FORMAT: ``model`` for rows in the
+    model dtype, or a row format with per-token scales such as ``k8v8``, :func:`fathom_jax.decode.rows.row_format`;
+    SHARE: this format's ``--share-kv-from``, a context or ``none``). Each: ``name`` (``model`` or the format's spec),
+    ``format`` (None or the RowFormat), ``share_kv_from`` (None: every layer its own rows)."""
+    out = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        spec, at, share = entry.partition("@")
+        fmt = row_format(spec)  # ValueError on an unknown spec or a format with per-block scales
+        share_from = share_kv_from
+        if at:
+            share_from = None if share.strip().lower() in ("", "none") else parse_ctx(share.strip())
+        out.append({"name": "model" if fmt is None else fmt.spec, "format": fmt, "share_kv_from": share_from})
+    if not out:
+        raise ValueError("no row format given")
+    names = [r["name"] for r in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a row format is given twice: {names}")
+    return out
+
+
+def default_rows(args) -> dict:
+    """The ``--rows`` entry of the model dtype with the run's ``--share-kv-from`` (sections that take no ``--rows``)."""
+    return {"name": "model", "format": None, "share_kv_from": args.share_kv_from}
+
+
+def rows_tag(rows: dict) -> str:
+    """A section name's suffix naming a row format (none for the model dtype)."""
+    return "" if rows["name"] == "model" else f" rows {rows['name']}"
+
+
 def link_rate(run) -> float:
     link = run.res.get("link", {})
     if "all" in link:
@@ -408,7 +485,7 @@ def link_rate(run) -> float:
 # GPU streams and writes after the scan are measured options since deleted, kept for their rows)
 SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
                   "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
-                  "resident_planes": 0}
+                  "resident_planes": 0, "rows": "model"}
 
 
 def options_text(options) -> str:
@@ -422,14 +499,15 @@ def split_fields(attn) -> dict:
             "gather_programs": getattr(run.reader, "programs", 0), "fetch_programs": run.fetcher.programs,
             "layer_unroll": run.layer_unroll, "row_cache": run.row_cache, "scan_writes": run.in_place,
             "topk": topk_name(run.topk), "xla_options": options_text(attn.step.xla_options),
-            "read": attn.step.read}
+            "read": attn.step.read, "rows": "model" if attn.rows is None else attn.rows.spec}
 
 
 def variant_tag(split: dict) -> str:
     return (f"s{split['streams']}_{split['index_writes']}_p{split['pipeline']}_g{split['gather_programs']}"
             f"_f{split.get('fetch_programs', 0)}_{split.get('topk', 'single')}" + ("_w" if split.get("scan_writes") else "")
             + ("_x" if split.get("xla_options") else "") + (f"_u{split['layer_unroll']}" if split.get("layer_unroll", 1) > 1 else "")
-            + (f"_c{split['row_cache']}" if split.get("row_cache") else ""))
+            + (f"_c{split['row_cache']}" if split.get("row_cache") else "")
+            + (f"_r{split['rows']}" if split.get("rows", "model") != "model" else ""))
 
 
 def writes_text(r: dict) -> str:
@@ -448,7 +526,8 @@ def split_text(r: dict) -> str:
         text = f"pipeline {r['pipeline']}" + (f" (gather {programs})" if programs else "")
     else:
         text = f"gather {r['gather_programs']}" if r.get("gather_programs") else ""
-    extra = ([f"resident planes {r['resident_planes']}"] if r.get("resident_planes") else []) + \
+    extra = ([f"rows {r['rows']}"] if r.get("rows", "model") != "model" else []) + \
+            ([f"resident planes {r['resident_planes']}"] if r.get("resident_planes") else []) + \
             ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
             (["top-k split"] if r.get("topk", "single") != "single" else []) + \
             ([f"{r['layer_unroll']} layers per loop iteration"] if r.get("layer_unroll", 1) > 1 else []) + \
@@ -489,12 +568,15 @@ def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "au
     return list({tuple(v.items()): v for v in out}.values())
 
 
-def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, placement=None, tag=""):
-    """Attention-only steps of several methods over one synthetic cache (all plane methods share it)."""
+def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, placement=None, tag="", rows=None):
+    """Attention-only steps of several methods over one synthetic cache (all plane methods share it); ``rows``: a
+    ``--rows`` entry (the K/V row format and its ``--share-kv-from``; default the model dtype)."""
     args = run.args
     placement = placement or args.placement
-    shared = args.share_kv_from is not None and batch * context >= args.share_kv_from
-    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation, batch=batch, context=context)
+    rows = rows or default_rows(args)
+    shared = rows["share_kv_from"] is not None and batch * context >= rows["share_kv_from"]
+    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation, batch=batch, context=context,
+                 rows=rows["format"])
     t = time.time()
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
     fill_s = time.time() - t
@@ -511,7 +593,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
             break
         attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant, batch=batch,
-                    context=context)
+                    context=context, rows=rows["format"])
         split = split_fields(attn)
         cache = with_row_cache(attach_bulk(jax.tree.map(jnp.copy, start), without_row_cache(cache), bulk), attn)
         steps = itertools.count()
@@ -524,7 +606,8 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         try:
             r, state = harness.timeit_calls(call, (None, cache), n=args.steps, repeats=args.repeats)
         except Exception as e:  # noqa: BLE001
-            run.res["errors"].append({"section": f"attn {label} {context}", "error": f"{type(e).__name__}: {e}"[:2000],
+            run.res["errors"].append({"section": f"attn {label} {context}{rows_tag(rows)}",
+                                      "error": f"{type(e).__name__}: {e}"[:2000],
                                       "traceback": traceback.format_exc()[-4000:]})
             print(f"[attn {label} {context}] FAILED {e}"[:600], flush=True)
             return None
@@ -548,7 +631,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         cached = row_cache_fields(cache, link_rate(run), nbytes["scan_bytes"])
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
                  "mesh": placement.num_shards, **split, **tiers, "shared_kv": shared, "query_drift": args.query_drift,
-                 **cached,
+                 **cached, **host_fields(cache, placement),
                  "fill_s": fill_s,
                  "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],
@@ -578,18 +661,22 @@ def random_model(cfg, placement):
     return nnx.merge(graphdef, params)
 
 
-def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, profile=False, placement=None):
+def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, profile=False, placement=None,
+              rows=None):
+    """Full decode steps of several methods over one synthetic cache; ``rows`` as :func:`attention_rows`."""
     args = run.args
     placement = placement or args.placement
-    shared = args.share_kv_from is not None and batch * context >= args.share_kv_from
-    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation, batch=batch, context=context)
+    rows = rows or default_rows(args)
+    shared = rows["share_kv_from"] is not None and batch * context >= rows["share_kv_from"]
+    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation, batch=batch, context=context,
+                 rows=rows["format"])
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
     bulk = cache.bulk()
     start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])  # every row from `context` tokens (see attention_rows)
     tokens = jnp.zeros((batch,), jnp.int32)
     for label, variant in ((m, v) for m in labels for v in args.variants):
         attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant, batch=batch,
-                    context=context)
+                    context=context, rows=rows["format"])
         split = split_fields(attn)
         cache = with_row_cache(attach_bulk(jax.tree.map(jnp.copy, start), without_row_cache(cache), bulk), attn)
 
@@ -609,7 +696,7 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
                # cuBLAS GEMMs reading each layer's weights in place, or Triton GEMMs on copies of them (before 12-01)
                "weight_gemms": "in place" if in_place else "copied",
                **nbytes, **row_cache_fields(cache, link_rate(run), nbytes["scan_bytes"]),
-               "tokens_per_s": batch / (r["median_ms"] * 1e-3)}
+               **host_fields(cache, placement), "tokens_per_s": batch / (r["median_ms"] * 1e-3)}
         if profile:
             trace = os.path.join(args.out, "traces", f"full_{context}_{label.split()[0]}_{batch}_{variant_tag(split)}")
             try:
@@ -754,12 +841,20 @@ def main(argv=None):
                     help="planes of every channel kept in HBM (Placement.resident_planes), a ','-separated list: one set "
                          "of attention-only rows each, over a cache of its own (0: the whole index in host memory; 4: "
                          "the whole index in HBM)")
+    ap.add_argument("--rows", default="model",
+                    help="K/V row formats, a ','-separated list: one set of rows each (sections attn, attnbatch, full, "
+                         "batch), over a cache of its own. Each FORMAT or FORMAT@SHARE: model (the model dtype, bf16) or "
+                         "a format with per-token scales (k8v8, k8v4g32a, ...: fathom_jax.decode.rows); SHARE overrides "
+                         "--share-kv-from for that format (a context or none)")
     ap.add_argument("--query-drift", type=float, default=None,
                     help="attention-only rows: each step's queries drift from the last by AR(1) with this coefficient "
                          "(0.95: ~37%% new rows per step); default: one query set repeated")
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
+    ap.add_argument("--implementation", default="pallas", choices=["pallas", "xla"],
+                    help="the kernels: pallas (what the benchmark measures; interpreted on a CPU) or xla (a quick CPU "
+                         "check of the script; device memory only)")
     args = ap.parse_args(argv)
     args.config = SMOKE if args.smoke else QWEN3_8B
     args.contexts = [parse_ctx(c) for c in args.contexts.split(",")]
@@ -782,6 +877,12 @@ def main(argv=None):
             Placement("pinned_host", resident_planes=p)
     except ValueError as e:
         ap.error(f"--resident-planes: {e}")
+    try:
+        args.rows = parse_rows(args.rows, args.share_kv_from)
+        for entry in args.rows:  # the format against the model's head_dim
+            RowLayout.of(entry["format"], args.config.head_dim, jnp.bfloat16)
+    except ValueError as e:
+        ap.error(f"--rows: {e}")
     if args.query_drift is not None and not 0 <= args.query_drift < 1:
         ap.error(f"--query-drift must be in [0, 1), got {args.query_drift}")
     labels = [m for m in args.methods.split(",") if m]
@@ -793,7 +894,6 @@ def main(argv=None):
     except ValueError as e:
         ap.error(f"--mesh {args.mesh}: {e}")
     args.placement = Placement("pinned_host", mesh=mesh)
-    args.implementation = "pallas"
     if args.placement.note:
         print("note:", args.placement.note, flush=True)
     os.makedirs(args.out, exist_ok=True)
@@ -810,26 +910,30 @@ def main(argv=None):
             for ctx in sorted(args.attn_contexts, reverse=True):
                 for p in args.resident_planes:
                     placement = dataclasses.replace(args.placement, resident_planes=p)
-                    run.guard(f"attn {ctx} p{p}", attention_rows, run, cfg, calib, scale, ctx, labels,
-                              placement=placement)
+                    for rows in args.rows:
+                        run.guard(f"attn {ctx} p{p}{rows_tag(rows)}", attention_rows, run, cfg, calib, scale, ctx,
+                                  labels, placement=placement, rows=rows)
         elif section in ("full", "batch", "prefill") and model is None:
             model = run.guard("model", random_model, cfg, args.placement)
         if section == "full" and model is not None:
             for ctx in args.full_contexts:
-                run.guard(f"full {ctx}", full_rows, run, model, cfg, calib, scale, ctx, labels,
-                          profile="profile" in args.sections and ctx == max(args.full_contexts))
+                for rows in args.rows:
+                    run.guard(f"full {ctx}{rows_tag(rows)}", full_rows, run, model, cfg, calib, scale, ctx, labels,
+                              profile="profile" in args.sections and ctx == max(args.full_contexts), rows=rows)
         elif section == "batch" and model is not None:
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             for b in (int(x) for x in args.batches.split(",")):
-                run.guard(f"batch {b}", full_rows, run, model, cfg, calib, scale, ctx, labels[:1], batch=b,
-                          profile="profile" in args.sections and b == 8)
+                for rows in args.rows:
+                    run.guard(f"batch {b}{rows_tag(rows)}", full_rows, run, model, cfg, calib, scale, ctx, labels[:1],
+                              batch=b, profile="profile" in args.sections and b == 8, rows=rows)
         elif section == "attnbatch":  # attention-only rows of larger batches (the row cache's and tiers' comparison)
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             for b in (int(x) for x in args.batches.split(",")):
                 for p in args.resident_planes:
                     placement = dataclasses.replace(args.placement, resident_planes=p)
-                    run.guard(f"attn batch {b} p{p}", attention_rows, run, cfg, calib, scale, ctx, labels[:1], batch=b,
-                              placement=placement)
+                    for rows in args.rows:
+                        run.guard(f"attn batch {b} p{p}{rows_tag(rows)}", attention_rows, run, cfg, calib, scale, ctx,
+                                  labels[:1], batch=b, placement=placement, rows=rows)
         elif section == "control":
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             run.guard("control", attention_rows, run, cfg, calib, scale, ctx, labels[:1],
@@ -854,7 +958,7 @@ def mesh_ratio_lines(att: list[dict], default_read) -> list[str]:
     def key(r):  # chunk counts differ with the groups per device: pipelined pairs with pipelined
         return (r["method"], r["context"], r["batch"], r["memory"], r.get("read", default_read), r["shared_kv"],
                 r.get("index_writes", "every_step"), r.get("streams", 1), int(r.get("pipeline", 1)) > 1,
-                bool(r.get("scan_writes")))
+                bool(r.get("scan_writes")), r.get("rows", "model"))
 
     single = {key(r): r for r in att if r["mesh"] == 1}
     pairs = [(single[key(r)], r) for r in att if r["mesh"] > 1 and key(r) in single]
@@ -873,6 +977,44 @@ def mesh_ratio_lines(att: list[dict], default_read) -> list[str]:
     return lines + [""]
 
 
+def row_format_lines(rows: list[dict]) -> list[str]:
+    """The row-format table: every row of a compressed format beside the rows of the model dtype (bf16) with the same
+    step, method, context and batch, with their bytes per token on the host, row bytes per step, ms and tokens/s."""
+    def key(r):
+        return (r["kind"], r["method"], r["context"], r["batch"])
+
+    compressed = [r for r in rows if r.get("rows", "model") != "model"]
+    if not compressed:
+        return []
+    keys = {key(r) for r in compressed}
+    picked = [r for r in rows if key(r) in keys]
+    lines = ["## K/V row formats", "",
+             "`rows`: how the cache stores each token's K and V (`model`: bf16 K and V side by side; `k8v8`: 8-bit K and V, "
+             "one fp16 absmax scale per token each; `fathom_jax.decode.rows`). Host B/token: bytes per token, layer and KV "
+             "head in host memory as held (`shared K/V`: one row buffer for every layer, counted once) and with every "
+             "layer's own rows (the row plus the index's planes and scales); row B: what the row fetch moves per selected "
+             "token; rows MB: the selected rows of a step (max, the union's upper bound).", "",
+             "| step | method | context | batch | rows | shared K/V | host B/token (held) | host B/token (own rows) | "
+             "row B | rows MB (max) | ms | tokens/s | vs model rows | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, spec=".0f": "" if x is None or x != x else format(x, spec)  # noqa: E731  (None and NaN: blank)
+    base = {}
+    for r in rows:  # the fastest model-dtype row of each step: the comparison
+        if r.get("rows", "model") == "model" and (key(r) not in base or r["median_ms"] < base[key(r)]["median_ms"]):
+            base[key(r)] = r
+    for r in sorted(picked, key=lambda r: key(r) + (r.get("rows", "model") != "model", r.get("rows", "model"),
+                                                     str(r.get("run_date", "")))):
+        b = base.get(key(r))
+        ratio = f"{b['median_ms'] / r['median_ms']:.2f}x" if b is not None and b is not r else ""
+        lines.append(f"| {r['kind']} | {r['method']} | {r['context']} | {r['batch']} | {r.get('rows', 'model')} | "
+                     f"{r['shared_kv']} | {fmt(r.get('host_bytes_per_token'))} | {fmt(r.get('host_bytes_per_token_own'))} | "
+                     f"{fmt(r.get('row_bytes_per_token'))} | {fmt(r.get('row_bytes_max', float('nan')) / 1e6)} | "
+                     f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | "
+                     f"{fmt(r.get('tokens_per_s', r['batch'] / r['median_ms'] * 1e3), '.1f')} | {ratio} | "
+                     f"{str(r.get('run_date', ''))[:16]} |")
+    return lines + [""]
+
+
 def row_cache_lines(rows: list[dict]) -> list[str]:
     """Rows with drifting queries or a row cache, each beside the row of the same step without a cache."""
     picked = [r for r in rows if r.get("row_cache") or r.get("query_drift") is not None]
@@ -881,7 +1023,7 @@ def row_cache_lines(rows: list[dict]) -> list[str]:
 
     def key(r):
         return (r["kind"], r["method"], r["context"], r["batch"], r.get("query_drift"), r.get("pipeline", 1),
-                r.get("index_writes"), str(r.get("run_date", "")))
+                r.get("index_writes"), r.get("rows", "model"), str(r.get("run_date", "")))
 
     plain = {key(r): r for r in rows if not r.get("row_cache")}
     lines = ["## Row cache (device-memory copies of the rows recent steps fetched)", "",
@@ -940,7 +1082,8 @@ def write_report(res: dict, prefix: str) -> None:
                   "gather as that many persistent programs.", "",
                   "| method | context | batch | mesh | split | index writes | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
                   "link floor ms | fraction of link | authors' ms | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("read") or "", r.get("streams", 1),
+        for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("rows", "model"), r.get("read") or "",
+                                            r.get("streams", 1),
                                             r.get("pipeline", 1), r.get("gather_programs", 0),
                                             r.get("index_writes", "every_step"), bool(r.get("scan_writes")))):
             lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | {writes_text(r)} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
@@ -957,7 +1100,8 @@ def write_report(res: dict, prefix: str) -> None:
                   "fusion, `models.generation.WEIGHT_GEMM_OPTIONS`).", "",
                   "| method | context | batch | mesh | split | index writes | weight GEMMs | ms | tokens/s | wall / device |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"], r.get("streams", 1),
+        for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"], r.get("rows", "model"),
+                                             r.get("streams", 1),
                                              r.get("pipeline", 1), r.get("index_writes", "every_step"),
                                              r.get("weight_gemms", "copied"), str(r.get("run_date")))):
             lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | "
@@ -965,6 +1109,7 @@ def write_report(res: dict, prefix: str) -> None:
                          f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['tokens_per_s']:.1f} | "
                          f"{r.get('wall_over_device', float('nan')):.2f} |")
         lines.append("")
+    lines += row_format_lines(att + full)
     lines += row_cache_lines(att + full)
     lines += tier_lines(att)
     for r in full + att:
@@ -1021,7 +1166,8 @@ def write_report(res: dict, prefix: str) -> None:
             pts = sorted((r["context"], r["median_ms"]) for r in att if r["method"] == label and r["batch"] == 1
                          and r["memory"] == "pinned_host" and r.get("mesh", 1) == 1
                          and r.get("read", default_read) == read and r.get("streams", 1) == 1
-                         and r.get("index_writes", "every_step") == writes and (r.get("pipeline", 1) > 1) == pipelined)
+                         and r.get("index_writes", "every_step") == writes and (r.get("pipeline", 1) > 1) == pipelined
+                         and r.get("rows", "model") == "model")  # compressed rows: their own table
             best = {}
             for c, ms in pts:  # of several settings, the fastest at each context
                 best[c] = min(ms, best.get(c, ms))
@@ -1057,7 +1203,7 @@ def tier_lines(att: list[dict]) -> list[str]:
     rows = _tier_rows(att)
     if not any(r["resident_planes"] for r in rows):
         return []
-    base = {(r["method"], r["context"], r["batch"]): r for r in rows if not r["resident_planes"]}
+    base = {(r["method"], r["context"], r["batch"], r.get("rows", "model")): r for r in rows if not r["resident_planes"]}
     lines = ["## Resident planes", "",
              "`p`: planes [0, p) of every channel, and every block scale, in HBM; planes [p, 4) in pinned host memory "
              "(p = 4: the whole index in HBM). Link MB: the planned planes (and, at p = 0, scales) that cross the link "
@@ -1065,8 +1211,9 @@ def tier_lines(att: list[dict]) -> list[str]:
              "| method | context | batch | p | index host GB | index HBM GB | link MB (planes) | rows MB (max) | ms | "
              "tokens/s | link floor ms | vs p = 0 | link bytes vs p = 0 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["method"], r["context"], r["batch"], str(r["resident_planes"]))):
-        b = base.get((r["method"], r["context"], r["batch"]))
+    for r in sorted(rows, key=lambda r: (r["method"], r["context"], r["batch"], r.get("rows", "model"),
+                                         str(r["resident_planes"]))):
+        b = base.get((r["method"], r["context"], r["batch"], r.get("rows", "model")))
         speed = f"{b['median_ms'] / r['median_ms']:.2f}x" if b else ""
         share = f"{r['link_scan_bytes'] / b['link_scan_bytes']:.2f}" if b and b["link_scan_bytes"] else ""
         lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['resident_planes']} | "

@@ -141,3 +141,67 @@ def test_merge_keeps_an_older_profile_dated_when_the_newer_run_has_none(tmp_path
     assert row["profile_run_date"] == old["machine"]["date"]
     assert "(profiled in the run of 2026-11-29T10:00; median above from 2026-11-30T10:00)" in \
         (tmp_path / "merged.md").read_text()
+
+
+def test_rows_formats_run_side_by_side_on_cpu(tmp_path, monkeypatch):
+    """``--rows model,k8v8``: one set of attention-only and full-step rows per format over a cache of its own (tiny
+    shapes with the benchmark's head_dim 128, XLA kernels), each recording its format, its row bytes (bf16 K and V:
+    512 B per token; k8v8: the layout's words), its host bytes per token and tokens per second; the report puts them
+    side by side."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from fathom_jax.decode.rows import RowLayout
+
+    cfg = dataclasses.replace(bench_offload.SMOKE, head_dim=128, n_heads=4, n_layers=2)
+    monkeypatch.setattr(bench_offload, "SMOKE", cfg)
+    bench_offload.main(["--smoke", "--implementation", "xla", "--out", str(tmp_path), "--tag", "rows",
+                        "--sections", "attn,full", "--contexts", "128", "--methods", "Fathom 48", "--k", "64",
+                        "--steps", "1", "--repeats", "1", "--rows", "model,k8v8", "--share-kv-from", "none"])
+    res = json.load(open(tmp_path / "offload_rows.json"))
+    assert not res["errors"], res["errors"]
+    assert res["config"]["rows"] == [{"name": "model", "share_kv_from": None}, {"name": "k8v8", "share_kv_from": None}]
+    got = {(r["kind"], r["rows"]): r for r in res["rows"]}
+    assert set(got) == {(kind, rows) for kind in ("attention", "full") for rows in ("model", "k8v8")}
+    k8v8 = RowLayout.of("k8v8", 128, jnp.bfloat16).row_bytes
+    assert k8v8 == 260  # 128 8-bit codes and an fp16 scale for K, the same for V, in whole words
+    index = 4 * 128 / 8 + 2 * 128 / 64  # 4-bit planes and fp16 block scales per token
+    for (kind, rows), r in got.items():
+        row_bytes = 512 if rows == "model" else k8v8
+        assert r["row_bytes_per_token"] == row_bytes and r["shared_kv"] is False
+        assert r["index_bytes_per_token"] == pytest.approx(index)
+        assert r["host_bytes_per_token"] == r["host_bytes_per_token_own"] == pytest.approx(row_bytes + index)
+        # the selected rows of a step (the union's upper bound): layers x groups x min(G k, context) rows
+        assert r["row_bytes_max"] == 2 * 2 * min(2 * 64, 128) * row_bytes
+        assert r["tokens_per_s"] == pytest.approx(1e3 / r["median_ms"])
+    assert got["attention", "model"]["host_bytes_per_token"] == 580  # the issue's figure at Dh = 128
+    report = (tmp_path / "offload_rows.md").read_text()
+    table = report.split("## K/V row formats")[1].split("\n## ")[0]
+    lines = [line for line in table.splitlines() if line.startswith(("| attention", "| full"))]
+    assert [line.split(" | ")[4] for line in lines] == ["model", "k8v8", "model", "k8v8"]
+    assert "| 328 | 328 | 260 |" in lines[1] and "| 580 | 580 | 512 |" in lines[0]
+    assert "rows k8v8" in report  # the step tables' split column names the format
+    # One row buffer for every layer (shared_kv) is counted once as held; "own" is every layer's own rows.
+    from fathom_jax.placement import Placement
+
+    calib, _ = bench_offload.synthetic_calibration(cfg)
+    attn = bench_offload.hook("fathom:48", cfg, calib, 64, Placement("pinned_host"), "xla", rows="k8v8")
+    shared = attn.init_cache(bench_offload.cache_shape(cfg, 1, 128), shared_kv=True)
+    fields = bench_offload.host_fields(shared, Placement("pinned_host"))
+    assert fields["host_bytes_per_token"] == pytest.approx(k8v8 / cfg.n_layers + index)
+    assert fields["host_bytes_per_token_own"] == pytest.approx(k8v8 + index) == 328
+    assert bench_offload.host_fields(shared, Placement("device"))["host_bytes_per_token"] is None
+
+
+def test_rows_entries_and_their_errors(capsys):
+    rows = bench_offload.parse_rows("k8v8@none, model@512k", 1 << 20)
+    assert [(r["name"], r["share_kv_from"]) for r in rows] == [("k8v8", None), ("model", 524288)]
+    assert rows[0]["format"].spec == "k8v8" and rows[1]["format"] is None
+    assert [r["share_kv_from"] for r in bench_offload.parse_rows("model,k8v4g32a", 1 << 20)] == [1 << 20, 1 << 20]
+    for bad, match in (("k9v8", "unknown row format"), ("k4c64av8", "per block of tokens"), ("model,model", "twice")):
+        with pytest.raises(ValueError, match=match):
+            bench_offload.parse_rows(bad, None)
+        with pytest.raises(SystemExit):
+            bench_offload.main(["--smoke", "--rows", bad, "--out", "/nonexistent"])
+        assert "--rows:" in capsys.readouterr().err
