@@ -162,8 +162,6 @@ PRESETS = harness.presets({
                   "--share-kv-from 1m --time-budget 190",
     "tiers-p24": '--tag h200_tiers_p24 --sections attn --contexts 1m,128k --methods "Fathom 48,Fathom 64" '
                  "--resident-planes 2,4 --share-kv-from 1m --time-budget 210",
-    "tiers-batch": f"--tag h200_tiers_batch --sections link,attnbatch --contexts 128k --batches 8,16 {_F48} "
-                   "--resident-planes 0,1 --share-kv-from 512k --time-budget 300",
     "tiers-profile": f"--tag h200_tiers_profile --sections attn,attnprofile --contexts 1m {_F48} --resident-planes 1 "
                      "--share-kv-from 1m --time-budget 140",
     # K/V row formats (issue 32): every layer's (every session's) own rows in 8-bit K and V, beside bf16 rows; the pinned
