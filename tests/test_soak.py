@@ -27,11 +27,12 @@ class Tokens:
 
 
 def args(**kw):
-    base = dict(steps=70, check_every=35, prompt_tokens=100, method="fathom:32", k=40, rows="model")
+    # 93 + 35 = 128: the first check lands on a block boundary, where the store's tail is a full block's scratch
+    base = dict(steps=70, check_every=35, prompt_tokens=93, method="fathom:32", k=40, rows="model")
     return argparse.Namespace(**(base | kw))
 
 
-@pytest.mark.parametrize("rows", ["model", "k8v8"])
+@pytest.mark.parametrize("rows", ["k8v8"])  # model rows: the same checks and the rebuild from the rows (on the GPU)
 def test_soak_checks_the_index_against_the_models_keys(rows, tiny_model, tiny_config, tmp_path):
     res = soak.soak(tiny_model, Tokens(tiny_config.vocab), args(rows=rows))
     assert res["rows"] == rows and res["passed"], res
