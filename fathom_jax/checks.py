@@ -49,6 +49,7 @@ class CheckError(ValueError):
 
 
 def is_traced(*values) -> bool:
+    """Whether any of ``values`` is a tracer (its value unknown until run time), the one test of it in the library."""
     return any(isinstance(v, jax.core.Tracer) for v in values)
 
 

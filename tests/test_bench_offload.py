@@ -56,51 +56,48 @@ def test_merge_keeps_the_newest_row_and_dates_errors(tmp_path):
 
 
 def test_variants_and_their_labels():
-    """--streams x --index-writes x --pipeline x --scan-writes: streams never pipelined; "auto" where a part is not
-    given."""
-    got = bench_offload.parse_variants("1,2", "full_blocks", "auto,1/0,8/66,4")
-    rest = dict(scan_writes=True, fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0)
+    """--index-writes x --pipeline (``--read`` for all): "auto" where a part is not given; every variant a valid step
+    configuration."""
+    got = bench_offload.parse_variants("staged", "full_blocks", "auto,1/0,8/66,4")
+    rest = dict(fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0)
     assert got == [
-        dict(streams=1, index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
-        dict(streams=1, index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),
-        dict(streams=1, index_writes="full_blocks", pipeline=8, gather_programs=66, **rest),
-        dict(streams=1, index_writes="full_blocks", pipeline=4, gather_programs="auto", **rest),
-        dict(streams=2, index_writes="full_blocks", pipeline=1, gather_programs=0, **rest)]
+        dict(read="staged", index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
+        dict(read="staged", index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),
+        dict(read="staged", index_writes="full_blocks", pipeline=8, gather_programs=66, **rest),
+        dict(read="staged", index_writes="full_blocks", pipeline=4, gather_programs="auto", **rest)]
     # the kernels' options: row-fetch programs x top-k x extra XLA option sets
-    got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto,0", "auto,single",
+    got = bench_offload.parse_variants("staged", "every_step", "auto", "auto,0", "auto,single",
                                        "none;xla_gpu_enable_triton_gemm=false,xla_foo=3")
     assert len(got) == 8 and {v["fetch_programs"] for v in got} == {"auto", 0}
     assert {v["xla_options"] for v in got} == {(), (("xla_gpu_enable_triton_gemm", False), ("xla_foo", "3"))}
     # a value may hold commas (a list of enums); layers per loop iteration: one row each
-    got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto",
+    got = bench_offload.parse_variants("staged", "every_step", "auto", "auto", "auto",
                                        "xla_gpu_enable_command_buffer=FUSION,WHILE,xla_foo=3", "1,2")
     assert [v["layer_unroll"] for v in got] == [1, 2]
     assert got[0]["xla_options"] == (("xla_gpu_enable_command_buffer", "FUSION,WHILE"), ("xla_foo", "3"))
     with pytest.raises(ValueError, match="--layer-unroll entries"):
-        bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto", "none", "0")
+        bench_offload.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "0")
     assert "2 layers per loop iteration" in bench_offload.split_text({"layer_unroll": 2}) and bench_offload.split_text({"layer_unroll": 1}) == ""
-    got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto", "none", "1", "0,4096")
+    got = bench_offload.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "0,4096")
     assert [v["row_cache"] for v in got] == [0, 4096] and bench_offload.split_text({"row_cache": 4096}) == \
         "row cache 4096 slots"
     with pytest.raises(ValueError, match="--row-cache entries"):
-        bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto", "none", "1", "-1")
+        bench_offload.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "-1")
     with pytest.raises(ValueError, match="--topk entries"):
-        bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "sorted")
-    got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "b8t4,bautot8")
+        bench_offload.parse_variants("staged", "every_step", "auto", "auto", "sorted")
+    got = bench_offload.parse_variants("staged", "every_step", "auto", "auto", "b8t4,bautot8")
     assert [v["topk"] for v in got] == ["b8t4", "bautot8"]
     assert bench_offload.topk_config("b8t4") == TopkConfig(bucket_splits=8, token_splits=4)
     assert bench_offload.topk_config("bautot8") == TopkConfig(bucket_splits="auto", token_splits=8)
     assert [bench_offload.topk_name(bench_offload.topk_config(n)) for n in ("auto", "single", "b8t4", "bautot8")] == \
         ["auto", "single", "b8t4", "bautot8"]
     with pytest.raises(ValueError, match="power of two"):
-        bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "b3t4")
-    got = bench_offload.parse_variants("1", "every_step", "auto", "1,0")
-    assert [v["scan_writes"] for v in got] == [True, False]
-    with pytest.raises(ValueError, match="--scan-writes entries are 1 or 0"):
-        bench_offload.parse_variants("1", "every_step", "auto", "yes")
+        bench_offload.parse_variants("staged", "every_step", "auto", "auto", "b3t4")
+    with pytest.raises(ValueError, match="index_writes must be one of"):  # StepConfig checks every variant
+        bench_offload.parse_variants("staged", "sometimes", "auto")
     assert bench_offload.writes_text({"index_writes": "every_step", "scan_writes": True}) == "every_step in scan"
     assert bench_offload.writes_text({}) == "every_step"
-    text = bench_offload.split_text
+    text = bench_offload.split_text  # (rows of the deleted GPU streams option still render)
     assert text({"streams": 2}) == "streams 2" and text({"pipeline": 8, "gather_programs": 66}) == "pipeline 8 (gather 66)"
     assert text({"pipeline": 1, "gather_programs": 66}) == "gather 66" and text({}) == ""
     assert text({"pipeline": 2, "gather_programs": 66, "fetch_programs": 66, "topk": "auto", "xla_options": "a=1"}) == \
@@ -144,3 +141,67 @@ def test_merge_keeps_an_older_profile_dated_when_the_newer_run_has_none(tmp_path
     assert row["profile_run_date"] == old["machine"]["date"]
     assert "(profiled in the run of 2026-11-29T10:00; median above from 2026-11-30T10:00)" in \
         (tmp_path / "merged.md").read_text()
+
+
+def test_rows_formats_run_side_by_side_on_cpu(tmp_path, monkeypatch):
+    """``--rows model,k8v8``: one set of attention-only and full-step rows per format over a cache of its own (tiny
+    shapes with the benchmark's head_dim 128, XLA kernels), each recording its format, its row bytes (bf16 K and V:
+    512 B per token; k8v8: the layout's words), its host bytes per token and tokens per second; the report puts them
+    side by side."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from fathom_jax.decode.rows import RowLayout
+
+    cfg = dataclasses.replace(bench_offload.SMOKE, head_dim=128, n_heads=4, n_layers=2)
+    monkeypatch.setattr(bench_offload, "SMOKE", cfg)
+    bench_offload.main(["--smoke", "--implementation", "xla", "--out", str(tmp_path), "--tag", "rows",
+                        "--sections", "attn,full", "--contexts", "128", "--methods", "Fathom 48", "--k", "64",
+                        "--steps", "1", "--repeats", "1", "--rows", "model,k8v8", "--share-kv-from", "none"])
+    res = json.load(open(tmp_path / "offload_rows.json"))
+    assert not res["errors"], res["errors"]
+    assert res["config"]["rows"] == [{"name": "model", "share_kv_from": None}, {"name": "k8v8", "share_kv_from": None}]
+    got = {(r["kind"], r["rows"]): r for r in res["rows"]}
+    assert set(got) == {(kind, rows) for kind in ("attention", "full") for rows in ("model", "k8v8")}
+    k8v8 = RowLayout.of("k8v8", 128, jnp.bfloat16).row_bytes
+    assert k8v8 == 260  # 128 8-bit codes and an fp16 scale for K, the same for V, in whole words
+    index = 4 * 128 / 8 + 2 * 128 / 64  # 4-bit planes and fp16 block scales per token
+    for (kind, rows), r in got.items():
+        row_bytes = 512 if rows == "model" else k8v8
+        assert r["row_bytes_per_token"] == row_bytes and r["shared_kv"] is False
+        assert r["index_bytes_per_token"] == pytest.approx(index)
+        assert r["host_bytes_per_token"] == r["host_bytes_per_token_own"] == pytest.approx(row_bytes + index)
+        # the selected rows of a step (the union's upper bound): layers x groups x min(G k, context) rows
+        assert r["row_bytes_max"] == 2 * 2 * min(2 * 64, 128) * row_bytes
+        assert r["tokens_per_s"] == pytest.approx(1e3 / r["median_ms"])
+    assert got["attention", "model"]["host_bytes_per_token"] == 580  # the issue's figure at Dh = 128
+    report = (tmp_path / "offload_rows.md").read_text()
+    table = report.split("## K/V row formats")[1].split("\n## ")[0]
+    lines = [line for line in table.splitlines() if line.startswith(("| attention", "| full"))]
+    assert [line.split(" | ")[4] for line in lines] == ["model", "k8v8", "model", "k8v8"]
+    assert "| 328 | 328 | 260 |" in lines[1] and "| 580 | 580 | 512 |" in lines[0]
+    assert "rows k8v8" in report  # the step tables' split column names the format
+    # One row buffer for every layer (shared_kv) is counted once as held; "own" is every layer's own rows.
+    from fathom_jax.placement import Placement
+
+    calib, _ = bench_offload.synthetic_calibration(cfg)
+    attn = bench_offload.hook("fathom:48", cfg, calib, 64, Placement("pinned_host"), "xla", rows="k8v8")
+    shared = attn.init_cache(bench_offload.cache_shape(cfg, 1, 128), shared_kv=True)
+    fields = bench_offload.host_fields(shared, Placement("pinned_host"))
+    assert fields["host_bytes_per_token"] == pytest.approx(k8v8 / cfg.n_layers + index)
+    assert fields["host_bytes_per_token_own"] == pytest.approx(k8v8 + index) == 328
+    assert bench_offload.host_fields(shared, Placement("device"))["host_bytes_per_token"] is None
+
+
+def test_rows_entries_and_their_errors(capsys):
+    rows = bench_offload.parse_rows("k8v8@none, model@512k", 1 << 20)
+    assert [(r["name"], r["share_kv_from"]) for r in rows] == [("k8v8", None), ("model", 524288)]
+    assert rows[0]["format"].spec == "k8v8" and rows[1]["format"] is None
+    assert [r["share_kv_from"] for r in bench_offload.parse_rows("model,k8v4g32a", 1 << 20)] == [1 << 20, 1 << 20]
+    for bad, match in (("k9v8", "unknown row format"), ("k4c64av8", "per block of tokens"), ("model,model", "twice")):
+        with pytest.raises(ValueError, match=match):
+            bench_offload.parse_rows(bad, None)
+        with pytest.raises(SystemExit):
+            bench_offload.main(["--smoke", "--rows", bad, "--out", "/nonexistent"])
+        assert "--rows:" in capsys.readouterr().err

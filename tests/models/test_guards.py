@@ -10,7 +10,7 @@ from flax import nnx
 
 from fathom_jax import cli_args, decode, host_memory
 from fathom_jax.checks import CheckError
-from fathom_jax.models import generate, generation, guards, sparse
+from fathom_jax.models import generate, generation, guards
 from fathom_jax.models.llama import LlamaForCausalLM
 
 PROMPT = np.arange(1, 13, dtype=np.int32)  # 12 tokens of the tiny model's 97
@@ -22,8 +22,8 @@ def no_work(monkeypatch):
     def work(*args, **kwargs):
         raise AssertionError("generate started work before checking its arguments")
 
-    monkeypatch.setattr(generation, "_generate", work)
-    monkeypatch.setattr(sparse, "generate", work)
+    monkeypatch.setattr(generation, "generate_program", work)  # a fused attention's whole generation
+    monkeypatch.setattr(generation, "prefill", work)  # a streaming attention's first program
 
 
 @pytest.mark.parametrize("prompt, message", [
