@@ -159,7 +159,8 @@ def plot_ks(results: dict) -> list[str]:
 
 def figure(results: dict):
     """The error-vs-bits figure: one panel per k (ascending), log-log axes with plain-number ticks, the
-    legend in its own column right of the panels so that no point hides behind it."""
+    legend in its own column right of the panels so that no point hides behind it; below each, the excess
+    error of every row over flat Fathom's at the same bits (:func:`flat_excess`; 1 is flat Fathom)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,7 +169,8 @@ def figure(results: dict):
 
     meta = results["meta"]
     ks = plot_ks(results)
-    fig, axes = plt.subplots(1, len(ks), figsize=(4.6 * len(ks) + 2.2, 4.2), squeeze=False)
+    fig, axes = plt.subplots(2, len(ks), figsize=(4.6 * len(ks) + 2.2, 7.6), squeeze=False,
+                             gridspec_kw={"height_ratios": (4.2, 3.0)})
     families: dict[str, list[dict]] = {}
     for r in results["rows"]:
         families.setdefault(r["family"], []).append(r)
@@ -197,12 +199,36 @@ def figure(results: dict):
         ax.set_ylabel("attention-output relative L2 error")
         ax.set_title(f"k = {k}")
         ax.grid(True, which="both", alpha=0.3)
+    for ax, k in zip(axes[1], ks):
+        _ratio_panel(ax, results, families, k, colors, markers)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.suptitle(f"{meta.get('model', '')}: {meta['context']} tokens, {meta['date']}")
     fig.tight_layout(rect=(0, 0, 1 - 2.0 / fig.get_figwidth(), 1))
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1 - 1.95 / fig.get_figwidth(), 0.5), fontsize=7,
                frameon=False)
     return fig
+
+
+def _ratio_panel(ax, results, families, k, colors, markers) -> None:
+    """Excess error over flat Fathom's at the same bits, for every row in flat Fathom's range of bits."""
+    from matplotlib import ticker
+
+    for i, (fam, rows) in enumerate(families.items()):
+        if fam in ("oracle", FLAT):
+            continue
+        points = sorted((r["bits"], r["excess"][k] / f) for r in rows if "excess" in r
+                        for f in [flat_excess(results, r["bits"], k)] if f is not None and f > 0)
+        if points:
+            line = "-" if fam.startswith("Fathom") and len(points) > 1 else ""
+            ax.plot(*zip(*points), line + markers[i % len(markers)], color=colors[(2 * i) % 20 + (i // 10) % 2], ms=5)
+    ax.axhline(1.0, color="k", lw=1, label="flat Fathom")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(ticker.LogLocator(base=2))
+    ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    ax.set_xlabel("scan bits per token (per KV head, per layer)")
+    ax.set_ylabel("excess error / flat Fathom's at equal bits")
+    ax.set_title(f"k = {k}: vs flat Fathom")
+    ax.grid(True, which="both", alpha=0.3)
 
 
 def plot(results: dict, path: str) -> None:

@@ -30,7 +30,7 @@ from fathom_jax import calibrate as cal
 from fathom_jax.eval import fidelity as fid
 from fathom_jax.methods import FathomBits, FathomTuned
 
-GRID = (8, 12, 18, 26, 37, 46, 55, 64, 80, 110, 150)  # budgets (bits as read) the error is measured at
+GRID = (8, 16, 26, 37, 55, 80, 110, 150)  # budgets (bits as read) the error is measured at
 QUARTER = 0.25  # budgets are whole quarter bits (the planners' unit)
 
 
@@ -157,3 +157,17 @@ def surrogate_check(tables: Tables, budgets: np.ndarray, measured: np.ndarray) -
     predicted = np.asarray(surrogate(jnp.asarray(budgets, jnp.float32), tables.grid, jnp.asarray(tables.errors)))
     return {"pearson": float(np.corrcoef(predicted.ravel(), measured.ravel())[0, 1]),
             "predicted_mean": float(predicted.mean()), "measured_mean": float(measured.mean())}
+
+
+def tune_calibration(capture: fid.Capture, means: Sequence[float], *, grid: Sequence[int] = GRID, k: int = 128,
+                     positions: int = 64, progress: bool | Any = False) -> tuple[dict[float, cal.TunedCalibration], Tables]:
+    """The whole tuning from one calibration capture: corpus statistics, the plane errors of its keys, the
+    error tables at ``grid`` (its last ``positions`` positions, selection size ``k``) and, for every mean of
+    ``means``, a :class:`~fathom_jax.calibrate.TunedCalibration` with the tuned budgets (``fathom_tuned:observed``
+    reads it; :func:`~fathom_jax.calibrate.save_calibration` writes it)."""
+    from fathom_jax import allocation
+
+    observed = cal.tuned(cal.calibrate(capture.k, capture.q),
+                         plane_error=allocation.plane_errors(capture.k, skip_tokens=cal.SKIP_TOKENS))
+    tables = error_tables(capture, observed, grid, k=k, positions=positions, progress=progress)
+    return {mean: cal.tuned(observed, budget=optimize_budgets(tables, float(mean))[0]) for mean in means}, tables

@@ -58,3 +58,38 @@ def test_bad_targets_are_named():
     for target in (8.0, 200.0):
         with pytest.raises(ValueError, match="target must lie in"):
             T.optimize_budgets(tables, target)
+
+
+@pytest.fixture
+def tiny_model(monkeypatch):
+    """A random two-layer model at SmolLM2's head_dim with a one-token-per-character tokenizer, as load_smollm2."""
+    from flax import nnx
+
+    import fathom_jax.models as models
+    from fathom_jax.models.config import LlamaConfig
+    from fathom_jax.models.llama import LlamaForCausalLM
+
+    class Chars:
+        def encode(self, text):
+            return [ord(c) % 97 for c in text]
+
+    config = LlamaConfig(vocab=97, hidden=64, intermediate=96, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64,
+                         rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=8192)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    monkeypatch.setattr(models, "load_smollm2", lambda **kw: (model, Chars(), config))
+    return model
+
+
+def test_tune_command_saves_tuned_calibrations(capsys, tmp_path, tiny_model):
+    from fathom_jax import calibrate as C
+    from fathom_jax import cli
+
+    code = cli.main(["tune", "--context", "512", "--mean", "20", "--positions", "8", "--k", "48",
+                     "--out", str(tmp_path), "--quiet"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    calib = C.load_calibration(tmp_path / "tuned_smollm2_512_mean20")
+    assert isinstance(calib, C.TunedCalibration) and calib.budget.shape == (2, 1) and calib.plane_error.shape == (2, 1, 64, 5)
+    assert float(np.mean(calib.budget)) <= 20 and "mean 20: budgets" in out
+    assert cli.main(["tune", "--mean", "500", "--out", str(tmp_path)]) == 2
+    assert "argument --mean: [500] outside (8, 150]" in capsys.readouterr().err
