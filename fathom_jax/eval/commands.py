@@ -68,7 +68,8 @@ def register(subparsers) -> None:
     p.add_argument("--context", type=positive_int(512), default=4096, help="tokens of calibration text captured")
     p.add_argument("--mean", type=positive_int(9), nargs="+", default=[37, 55],
                    help="mean budgets over the model, bits per token as read (code + scale)")
-    p.add_argument("--positions", type=positive_int(1), default=64, help="last positions of the capture measured")
+    p.add_argument("--positions", type=positive_int(1), default=128,
+                   help="positions of the capture measured, spread over its second half")
     p.add_argument("--k", type=positive_int(36), default=128, help="selection size the error is measured at")
     p.add_argument("--out", default="calibrations", help="folder for tuned_smollm2_<context>_mean<M> checkpoints")
     p.add_argument("--force", action="store_true", help="overwrite existing checkpoints")
@@ -158,7 +159,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
     bad = [m for m in args.mean if not tuning.GRID[0] < m <= grid_top]
     if bad:
         raise UsageError(f"argument --mean: {bad} outside ({tuning.GRID[0]}, {grid_top}] bits (the tuning grid)")
-    if args.positions + 16 > args.context or args.k > args.context:
+    if args.positions > args.context // 2 or args.k > args.context:
         raise UsageError(f"argument --positions/--k: {args.positions} positions and k = {args.k} do not fit "
                          f"--context {args.context}")
     check_out_dir(args.out)

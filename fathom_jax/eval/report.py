@@ -133,15 +133,21 @@ def render_markdown(results: dict) -> str:
         out += ["", f"Basis rule (calibration text, k={br['k']}, budgets {br['budgets']}): raw {['%.4f' % e for e in br['raw']]}, "
                 f"KLT {['%.4f' % e for e in br['klt']]} -> **{br['basis']}**"]
     for source, tuned in (results.get("tuning") or {}).items():
-        where = ("the calibration capture" if source == "calibration" else
-                 f"the session (evaluation window positions {tuned['positions'][0]}-{tuned['positions'][1]})")
-        out += ["", f"Budgets tuned with optax on {where}, k={tuned['tables']['k']}, grid {tuned['tables']['grid']}: "
-                "the surrogate (the measured error interpolated between grid budgets) against the error measured at "
-                "the tuned budgets there, over (layer, KV head):", ""]
+        first, last, count = tuned["positions"]
+        where = (f"the calibration capture ({count} positions {first}-{last})" if source == "calibration" else
+                 f"the session ({count} evaluation-window positions {first}-{last}, before the evaluated ones)")
+        out += ["", f"Budgets tuned with optax on {where}, k={tuned['tables']['k']}, grid {tuned['tables']['grid']}. "
+                "The surrogate (the error measured there, interpolated between grid budgets) against the error "
+                "measured on the evaluation text at the tuned budgets, over (layer, KV head): its level, and the "
+                "change from the uniform budget (fathom_bits:MEAN:observed):", ""]
         for mean, t in tuned["means"].items():
-            sur, b = t["surrogate"], np.asarray(t["budgets"])
-            out.append(f"- mean {mean}: budgets {b.min():g}-{b.max():g} bits (mean {b.mean():.2f}), Pearson r = "
-                       f"{sur['pearson']:.3f}, predicted {sur['predicted_mean']:.4f} vs measured {sur['measured_mean']:.4f}")
+            b = np.asarray(t["budgets"])
+            line = f"- mean {mean}: budgets {b.min():g}-{b.max():g} bits (mean {b.mean():.2f})"
+            if "surrogate" in t:
+                sur = t["surrogate"]
+                line += (f"; Pearson r = {sur['pearson']:.3f} (level), {sur['pearson_change']:.3f} (change); mean "
+                         f"change predicted {sur['predicted_change']:+.4f}, measured {sur['measured_change']:+.4f}")
+            out.append(line)
     lines = allocation_lines(results)
     if lines:
         out += ["", f"Allocations vs flat Fathom at equal bits (within 1 bit; excess ratio and error gap ± standard "

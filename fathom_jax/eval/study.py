@@ -76,7 +76,8 @@ class StudyConfig:
     bits_budgets: tuple[int, ...] = (37, 55)
     observed_budgets: tuple[int, ...] = (37, 55, 73)
     exact_bits_budgets: tuple[int, ...] = (55,)
-    tuned_means: tuple[int, ...] = (37, 55)  # budgets tuned on the calibration capture (its calib_positions)
+    tuned_means: tuple[int, ...] = (37, 55)  # budgets tuned on the calibration capture
+    tuning_positions: int | None = None  # spread over the calibration window's second half; None: positions
     session_tuned_means: tuple[int, ...] = (37, 55)  # tuned on the session: positions before the evaluated ones
     session_tuning_positions: int = 64
     tuning_grid: tuple[int, ...] = tuning.GRID
@@ -141,10 +142,9 @@ def _basis_methods(grid: Sequence[int], basis_budgets: Sequence[int]) -> list[tu
             if not (name == "raw" and b in grid)]
 
 
-def _calibration_evaluations(calib, grid, basis, observed=None, tuning_grid=()) -> list[fid.Evaluation]:
+def _calibration_evaluations(calib, grid, basis) -> list[fid.Evaluation]:
     evaluations = [fid.Evaluation(fid.method_score_fn(Fathom(b)), calib, f"layer plan: Fathom {b}") for b in grid]
-    evaluations += [fid.Evaluation(fid.method_score_fn(m), calib, f"basis rule: {m.label}") for _, _, m in basis]
-    return evaluations + (tuning.grid_evaluations(observed, tuning_grid) if tuning_grid else [])
+    return evaluations + [fid.Evaluation(fid.method_score_fn(m), calib, f"basis rule: {m.label}") for _, _, m in basis]
 
 
 def _row_evaluations(rows: Sequence[Row], calibs: dict[str, Any]) -> list[fid.Evaluation]:
@@ -183,9 +183,12 @@ def compile_ahead(config: StudyConfig, n_layers: int, n_heads: int, n_kv_heads: 
     states = alloc.state_shapes(calib, n_layers, n_kv_heads, head_dim, config)
     shape = (n_layers, n_heads, n_kv_heads, config.context, head_dim)
     grid = config.layer_plan_grid if config.layer_plan_means else ()
-    tuning_grid = alloc.grid_budgets(head_dim, config) if alloc.needs_tuning(config) else ()
-    fid.compile_ahead(_calibration_evaluations(calib, grid, _basis_methods(grid, BASIS_BUDGETS), states[alloc.OBSERVED],
-                                               tuning_grid), shape, ks[:1], config.calib_positions)
+    fid.compile_ahead(_calibration_evaluations(calib, grid, _basis_methods(grid, BASIS_BUDGETS)), shape, ks[:1],
+                      config.calib_positions)
+    if alloc.needs_tuning(config):
+        evaluations = tuning.grid_evaluations(states[alloc.OBSERVED], alloc.grid_budgets(head_dim, config))
+        for count in {config.tuning_positions or config.positions, config.session_tuning_positions}:
+            fid.compile_ahead(evaluations, shape, ks[:1], count)
     rows = default_rows(head_dim, config)
     fid.compile_ahead(_row_evaluations(rows, {"corpus": calib, "session": calib, "none": None, **states}), shape, ks,
                       config.positions)
@@ -200,32 +203,29 @@ def default_rows(head_dim: int, config: StudyConfig) -> list[Row]:
 def calibration_studies(
     capture: fid.Capture, calib: cal.Calibration, *, grid: Sequence[int] = (), basis_budgets: Sequence[int] = BASIS_BUDGETS,
     k: int = 128, positions: int = 64, progress: bool | Any = False, references: fid.References | None = None,
-    observed: cal.TunedCalibration | None = None, tuning_grid: Sequence[int] = (),
-) -> tuple[np.ndarray | None, dict[str, Any] | None, tuning.Tables | None]:
+) -> tuple[np.ndarray | None, dict[str, Any] | None]:
     """What the calibration capture decides, evaluated together: the per-layer error table of Fathom (raw)
-    at each budget of ``grid`` (``[L, len(grid)]``, None without a grid), the basis rule of section 3.5
-    (raw and KLT planes at ``basis_budgets``; None without budgets) and the tuning tables of
-    ``fathom_bits:B:observed`` at each budget of ``tuning_grid`` (with ``observed``; None without).
+    at each budget of ``grid`` (``[L, len(grid)]``, None without a grid) and the basis rule of section 3.5
+    (raw and KLT planes at ``basis_budgets``; None without budgets).
 
     The basis rule is ``{"basis": "raw" | "klt", "raw": [errors], "klt": [errors], "budgets": [...], "k": k}``,
     the choice by mean error over the budgets; raw budgets in the grid reuse the table's numbers.
     """
     pos = fid.default_positions(capture.q.shape[2], positions)
     basis = _basis_methods(grid, basis_budgets)
-    measured = fid.attention_errors_many(_calibration_evaluations(calib, grid, basis, observed, tuning_grid), capture,
-                                         (k,), positions=pos, progress=progress, references=references)
-    errors = [err[0] for err, _ in measured]
-    tables = tuning.tables_from(measured[len(measured) - len(tuning_grid):], tuning_grid, k) if tuning_grid else None
+    errors = [err[0] for err, _ in fid.attention_errors_many(_calibration_evaluations(calib, grid, basis), capture,
+                                                             (k,), positions=pos, progress=progress,
+                                                             references=references)]
     table = np.stack([e.mean(axis=(1, 2, 3)) for e in errors[: len(grid)]], axis=1) if grid else None  # [L, grid]
     if not basis_budgets:
-        return table, None, tables
+        return table, None
     measured = {(name, b): float(np.mean(e)) for (name, b, _), e in zip(basis, errors[len(grid):])}
     measured.update({("raw", b): float(table[:, i].mean()) for i, b in enumerate(grid)})
     rule: dict[str, Any] = {"budgets": list(basis_budgets), "k": k}
     for name in ("raw", "klt"):
         rule[name] = [measured[(name, b)] for b in basis_budgets]
     rule["basis"] = "klt" if np.mean(rule["klt"]) < np.mean(rule["raw"]) else "raw"
-    return table, rule, tables
+    return table, rule
 
 
 def run_study(
@@ -254,8 +254,7 @@ def run_study(
     grid = config.layer_plan_grid if with_plans else ()
     # One bar over every (evaluation, layer) of the study, so progress shows from the first minute.
     calls = len(rows) + len(grid) + len(_basis_methods(grid, basis_budgets)) + len(config.layer_plan_means) * with_plans
-    calls += (len(tuning_grid) + len(config.tuned_means)) if tuning_grid else 0
-    calls += (len(session_grid) + len(config.session_tuned_means)) if session_grid else 0
+    calls += len(tuning_grid) + len(session_grid)
     bar = False
     if progress:
         from tqdm.auto import tqdm
@@ -263,7 +262,8 @@ def run_study(
         bar = tqdm(total=calls * n_layers, desc=f"study @ {n_tokens} tokens", unit="layer", smoothing=0.05)
 
     calib_positions = fid.default_positions(calib_capture.q.shape[2], config.calib_positions)
-    calibrating = defaults or bool(tuning_grid)
+    calibrating = defaults
+    tunings = []  # (source, capture, grid, positions, dense references there)
     # Statistics and dense attention (every row's target), each computed once, side by side.
     with ThreadPoolExecutor(4) as pool:
         corpus = pool.submit(cal.calibrate, calib_capture.k, calib_capture.q)
@@ -271,9 +271,13 @@ def run_study(
         session = pool.submit(cal.calibrate_session, eval_capture.k[:, :, :prefill])
         eval_refs = pool.submit(fid.dense_references, eval_capture, positions)
         calib_refs = pool.submit(fid.dense_references, calib_capture, calib_positions) if calibrating else None
+        if tuning_grid:
+            pos = tuning.spread_positions(calib_capture.q.shape[2], config.tuning_positions or config.positions)
+            tunings.append(("calibration", calib_capture, tuning_grid, pos,
+                            pool.submit(fid.dense_references, calib_capture, pos)))
         if session_grid:
-            session_positions = alloc.session_positions(prefill, config.session_tuning_positions)
-            session_refs = pool.submit(fid.dense_references, eval_capture, session_positions)
+            pos = alloc.session_positions(prefill, config.session_tuning_positions)
+            tunings.append(("session", eval_capture, session_grid, pos, pool.submit(fid.dense_references, eval_capture, pos)))
         corpus, session, eval_refs = corpus.result(), session.result(), eval_refs.result()
         calib_refs = calib_refs and calib_refs.result()
     calibs = {"corpus": corpus, "session": session, "none": None}
@@ -282,31 +286,24 @@ def run_study(
 
     layer_plans, basis_rule, tuning_report = {}, None, {}
     if calibrating:
-        table, basis_rule, tables = calibration_studies(
-            calib_capture, corpus, grid=grid, basis_budgets=basis_budgets, k=ks[0], positions=config.calib_positions,
-            progress=bar, references=calib_refs, observed=calibs.get(alloc.OBSERVED), tuning_grid=tuning_grid)
+        table, basis_rule = calibration_studies(calib_capture, corpus, grid=grid, basis_budgets=basis_budgets, k=ks[0],
+                                                positions=config.calib_positions, progress=bar, references=calib_refs)
         for mean in config.layer_plan_means if with_plans else ():
             budgets = planner_lib.greedy_layer_budgets(table, np.asarray(grid), mean)
             layer_plans[mean] = [int(b) for b in budgets]
             rows.append(Row(f"Fathom per-layer {mean}", "Fathom per-layer", None, "corpus", tuple(layer_plans[mean])))
-        if tables is not None:
-            states, means = alloc.tune(calib_capture, calibs[alloc.OBSERVED], tables, config.tuned_means,
-                                       source="calibration", positions=calib_positions, references=calib_refs,
-                                       progress=bar)
-            calibs.update(states)
-            tuning_report["calibration"] = {"tables": alloc.tables_report(tables), "means": means}
-    if session_grid:
-        refs = session_refs.result()
-        tables = tuning.error_tables(eval_capture, calibs[alloc.OBSERVED], session_grid, k=ks[0],
-                                     positions=session_positions, references=refs, progress=bar)
-        states, means = alloc.tune(eval_capture, calibs[alloc.OBSERVED], tables, config.session_tuned_means,
-                                   source="session", positions=session_positions, references=refs, progress=bar)
+    tables = {}
+    for source, capture, grid_b, pos, refs in tunings:
+        tables[source] = tuning.error_tables(capture, calibs[alloc.OBSERVED], grid_b, k=ks[0], positions=pos,
+                                             references=refs.result(), progress=bar)
+        states, means = alloc.tune(calibs[alloc.OBSERVED], tables[source], alloc.tuned_means(config, source), source)
         calibs.update(states)
-        tuning_report["session"] = {"tables": alloc.tables_report(tables), "means": means,
-                                    "positions": [int(session_positions[0]), int(session_positions[-1])]}
+        tuning_report[source] = {"tables": alloc.tables_report(tables[source]), "means": means,
+                                 "positions": [int(pos[0]), int(pos[-1]), len(pos)]}
 
     measured = fid.attention_errors_many(_row_evaluations(rows, calibs), eval_capture, ks, positions=positions,
                                          progress=bar, references=eval_refs)
+    alloc.check_surrogates(tuning_report, tables, rows, measured)
     results = []
     for row, (err, bits) in zip(rows, measured):
         results.append({

@@ -6,8 +6,9 @@ KV head) on the calibration capture.
 * ``fathom_bits:B:exact:observed``: the exact integer optimum of the same model;
 * ``fathom_tuned:observed`` at mean budgets: each (layer, KV head)'s budget chosen by
   :func:`~fathom_jax.eval.tuning.optimize_budgets` from the attention error measured on the calibration
-  capture at a grid of budgets (:func:`~fathom_jax.eval.tuning.error_tables`), and the surrogate's
-  correlation with the error measured there at the tuned budgets;
+  capture at a grid of budgets (:func:`~fathom_jax.eval.tuning.error_tables`, positions spread over its
+  second half), and how the surrogate tracks the error measured on the evaluation text at the tuned budgets
+  (against ``fathom_bits:MEAN:observed``, the same plan at the uniform budget);
 * the same tuned on the session (paper B5's protocol for statistics, here for budgets): the tables measured
   on the evaluation window's own positions just before the evaluated ones (the prompt a decode would start
   from; no evaluated position or later key enters).
@@ -28,7 +29,6 @@ import numpy as np
 
 from fathom_jax import allocation
 from fathom_jax import calibrate as cal
-from fathom_jax.eval import fidelity as fid
 from fathom_jax.eval import tuning
 from fathom_jax.methods import FathomBits, FathomTuned
 
@@ -98,24 +98,33 @@ def session_positions(first_evaluated: int, count: int) -> np.ndarray:
     return np.arange(first_evaluated - count, first_evaluated, dtype=np.int32)
 
 
-def tune(capture: fid.Capture, observed: cal.TunedCalibration, tables: tuning.Tables, means: Sequence[int], *,
-         source: str, positions: np.ndarray, references: fid.References, progress: Any = False) -> tuple[dict, dict]:
-    """Budgets for every mean of ``means`` from ``tables`` (measured on ``capture`` at ``positions``), and the
-    check of the surrogate against the error measured at them there: ``(states, report)``."""
+def tune(observed: cal.TunedCalibration, tables: tuning.Tables, means: Sequence[int], source: str) -> tuple[dict, dict]:
+    """Budgets for every mean of ``means`` from ``tables``: the states the tuned rows read, and what the optimizer
+    did (``{mean: {"budgets", "optimizer"}}``)."""
     states, report = {}, {}
     for mean in means:
         budgets, info = tuning.optimize_budgets(tables, float(mean))
         states[tuned_state(mean, source)] = cal.tuned(observed, budget=budgets)
         report[f"{mean:g}"] = {"budgets": budgets.tolist(), "optimizer": info}
-    evaluations = [tuning.tuned_evaluation(states[tuned_state(m, source)], f"tuning check ({source}): mean {m:g}")
-                   for m in means]
-    measured = fid.attention_errors_many(evaluations, capture, (tables.k,), positions=positions,
-                                         progress=progress, references=references)
-    for mean, (err, bits) in zip(means, measured):
-        entry = report[f"{mean:g}"]
-        entry["surrogate"] = tuning.surrogate_check(tables, np.asarray(entry["budgets"]), err[0].mean(axis=(1, 3)))
-        entry["tuning_bits"] = float(bits.mean())
     return states, report
+
+
+def check_surrogates(report: dict, tables: dict, rows: Sequence, measured: Sequence, k_index: int = 0) -> None:
+    """Add to every tuned mean of ``report`` (``{source: {"means": ...}}``) :func:`~fathom_jax.eval.tuning.
+    surrogate_check` on the evaluation text: the tuned row's errors per (layer, KV head) against the uniform
+    row's at the same mean (``fathom_bits:MEAN:observed``), where the study has that row."""
+    by_state = {row.state: err for row, (err, _) in zip(rows, measured) if row.state}
+    uniform = {row.method.budget: err for row, (err, _) in zip(rows, measured)
+               if isinstance(row.method, FathomBits) and not isinstance(row.method, FathomTuned)
+               and row.method.importance == "observed" and row.method.planner == "bisection"}
+    for source, entry in report.items():
+        for mean, tuned in entry["means"].items():
+            err, flat = by_state.get(tuned_state(float(mean), source)), uniform.get(int(float(mean)))
+            if err is None or flat is None:
+                continue
+            per_group = lambda e: e[k_index].mean(axis=(1, 3))  # noqa: E731  [K, L, P, Hkv, G] -> [L, Hkv]
+            tuned["surrogate"] = tuning.surrogate_check(tables[source], np.asarray(tuned["budgets"]), float(mean),
+                                                        per_group(err), per_group(flat))
 
 
 def tables_report(tables: tuning.Tables) -> dict:

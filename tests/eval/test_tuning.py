@@ -49,8 +49,12 @@ def test_surrogate_interpolates_and_check_correlates():
     np.testing.assert_allclose(at_grid, tables.errors[..., 2], rtol=1e-6)
     mid = np.asarray(T.surrogate(np.full((6, 3), 48.0), tables.grid, tables.errors))
     np.testing.assert_allclose(mid, (tables.errors[..., 2] + tables.errors[..., 3]) / 2, rtol=1e-5)
-    check = T.surrogate_check(tables, np.full((6, 3), 48.0), mid * 1.1)
-    assert check["pearson"] == pytest.approx(1.0) and check["measured_mean"] == pytest.approx(1.1 * mid.mean())
+    budgets = np.full((6, 3), 48.0)
+    predicted = np.asarray(T.surrogate(budgets, tables.grid, tables.errors))
+    uniform = np.asarray(T.surrogate(np.full((6, 3), 40.0), tables.grid, tables.errors))
+    check = T.surrogate_check(tables, budgets, 40.0, predicted * 1.1, uniform * 1.1)
+    assert check["pearson"] == pytest.approx(1.0) and check["pearson_change"] == pytest.approx(1.0)
+    assert check["measured_change"] == pytest.approx(1.1 * check["predicted_change"], rel=1e-5)
 
 
 def test_bad_targets_are_named():
@@ -92,4 +96,4 @@ def test_tune_command_saves_tuned_calibrations(capsys, tmp_path, tiny_model):
     assert isinstance(calib, C.TunedCalibration) and calib.budget.shape == (2, 1) and calib.plane_error.shape == (2, 1, 64, 5)
     assert float(np.mean(calib.budget)) <= 20 and "mean 20: budgets" in out
     assert cli.main(["tune", "--mean", "500", "--out", str(tmp_path)]) == 2
-    assert "argument --mean: [500] outside (8, 150]" in capsys.readouterr().err
+    assert "argument --mean: [500] outside (8, 120]" in capsys.readouterr().err
