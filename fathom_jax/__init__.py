@@ -7,13 +7,15 @@ The decode step's data flow, module by module:
 ``calibrate``  channel statistics, KLT, Double Sparsity order, Loki basis (corpus or session)
 ``planner``    per-query read depths by reverse water-filling (Eq. 3 and 4)
 ``methods``    Fathom and every baseline as types, with a registry (``methods.parse("fathom:48")``)
+``index_parts``  the typed parts of a key index (plane stores, landmarks, keys)
 ``index``      the key index a set of methods reads, built at once or appended to
 ``scan``       approximate scores from a method's read (jnp reference or Pallas kernels)
 ``select``     4 sink + 32 local + top-(k - 36) per head, the group's union, exact attention
 ``placement``  where the cache lives (HBM or ``pinned_host``, one device or a mesh)
-``sparse_step``  one sparse step: plan -> read -> scan -> select -> union -> fetch -> attend
-``decode``     the decoder's sparse attention hook and its stacked cache
-``models``     Llama / Qwen decoders, loaders, generation (dense, sparse, offloaded)
+``distributed``  one process per host (``jax.distributed``): the job, the global mesh, each process's shards
+``decode``     sparse decoding: the step (plan -> read -> scan -> select -> union -> fetch -> attend), its
+               configuration and strategies, the stacked cache, the decoder's attention hook
+``models``     Llama / Qwen decoders, loaders, the greedy step and its drivers (imports no sparse code)
 ``eval``       the attention-error study and the downstream evaluations
 Kernels live in the sibling package ``pallas_kernels``.
 """
@@ -22,8 +24,8 @@ import importlib
 
 __version__ = "0.2.0"
 
-_MODULES = ("calibrate", "decode", "format", "index", "landmarks", "methods", "placement", "planner", "scan",
-            "select", "sparse_step", "store", "models", "eval")
+_MODULES = ("calibrate", "decode", "distributed", "format", "index", "index_parts", "landmarks", "methods", "placement",
+            "planner", "scan", "select", "store", "models", "eval")
 
 
 def __getattr__(name):  # lazy submodules: `pallas_kernels` imports `fathom_jax.format` without a cycle

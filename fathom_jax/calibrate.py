@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from fathom_jax.checks import is_traced
 from fathom_jax.store import KeyRotation
 
 SKIP_TOKENS = 16  # leading tokens left out of mean / variance / covariance (4 sinks x 4, as the authors)
@@ -117,17 +118,13 @@ def tuned(calib: Calibration, *, plane_error=None, budget=None) -> TunedCalibrat
 # Checks
 
 
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
 def _check_floating(name: str, x, min_ndim: int, what: str) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
     if x.ndim < min_ndim:
         raise ValueError(f"{name} must be {what}, got shape {x.shape}")
-    if _is_concrete(x):
+    if not is_traced(x):
         arr = np.asarray(x, np.float32)
         if not np.all(np.isfinite(arr)):
             bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
@@ -260,7 +257,7 @@ def calibrate_session(
     if length is None:
         length = jnp.full(batch, n, jnp.int32)
     else:
-        if _is_concrete(length) and np.any((np.asarray(length) < 1) | (np.asarray(length) > n)):
+        if not is_traced(length) and np.any((np.asarray(length) < 1) | (np.asarray(length) > n)):
             raise ValueError(f"length must lie in [1, {n}], got {np.asarray(length)}")
         length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), batch)
     keys = keys.astype(jnp.float32)

@@ -26,6 +26,7 @@ _MARK = "_fathom_runtime_check"
 
 
 def is_traced(*values) -> bool:
+    """Whether any of ``values`` is a tracer (its value unknown until run time), the one test of it in the library."""
     return any(isinstance(v, jax.core.Tracer) for v in values)
 
 

@@ -151,27 +151,41 @@ def _generate_mesh(devices: int, config):
     return mesh
 
 
-def _pipeline_arg(text: str):
-    if text == "auto":
-        return text
+def _step_config(text: str):
+    """``--step-config key=value,...``: how each decode step runs (fathom_jax.decode.StepConfig), validated."""
+    from fathom_jax.decode import StepConfig
+
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--pipeline must be 'auto' or an int >= 1, got {text!r}")
-    return value
+        return StepConfig.parse(text)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _rows(text: str):
+    """``--rows``: the decode cache's K/V row format (``model``, or a format with per-token scales), validated."""
+    from fathom_jax.decode.rows import row_format
+
+    try:
+        return row_format(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import jax
     import jax.numpy as jnp
+    import numpy as np
 
-    from fathom_jax import decode
+    from fathom_jax import decode, distributed
     from fathom_jax.models import generate, hub
 
     text = _read_prompt(args)
     config = hub.model_config(args.model)
-    sparse = args.method != "dense" or args.placement != "device" or args.mesh > 1
+    sparse = args.method != "dense" or args.placement != "device" or args.mesh > 1 or args.rows is not None
+    try:  # the job's other processes (one per host), before anything touches JAX's devices
+        several = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+        raise UsageError(f"argument --coordinator / --num-processes / --process-id: {e}") from None
     mesh = _generate_mesh(args.mesh, config)
     method = None
     if sparse:
@@ -183,6 +197,9 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(text)
     if not prompt:
         raise UsageError("argument prompt: the prompt tokenizes to nothing; give some text to continue")
+    if getattr(tokenizer, "add_bos", False):  # Gemma's GGUF asks for BOS first
+        prompt = [tokenizer.bos_id, *prompt]
+    distributed.check_same(np.asarray(prompt, np.int32), "the prompt's token ids")
     capacity = len(prompt) + args.max_new_tokens
     check_positions(capacity, config, args.allow_long_context,
                     f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} =")
@@ -206,10 +223,10 @@ def _generate(args: argparse.Namespace) -> int:
 
             cap = capture_qkv(model, jnp.asarray(calib_ids[: args.calib_tokens]))
             calibration = calibrate(cap["k"], cap["q"])
-        placement = decode.Placement(args.placement, mesh=mesh, read=args.read, index_writes=args.index_writes,
-                                     pipeline=args.pipeline, scan_writes=args.scan_writes, row_cache=args.row_cache)
+        placement = decode.Placement(args.placement, mesh=mesh)
         attention_fn = decode.from_spec(method, k=args.k, calibration=calibration,
-                                        implementation=args.implementation, placement=placement)
+                                        implementation=args.implementation, placement=placement, step=args.step_config,
+                                        rows=args.rows)
         if args.k >= capacity:
             print(f"[generate] note: k={args.k} >= prompt + new tokens ({capacity}): every token is selected, the "
                   "output is dense decoding's; use a longer prompt (--prompt-file) or a smaller --k", file=sys.stderr)
@@ -218,6 +235,15 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"[generate] note: {attention_fn.placement.note}", file=sys.stderr)
         print(f"[generate] {attention_fn.label}", file=sys.stderr)
         kwargs["attention_fn"] = attention_fn
+        if mesh is not None:  # the weights on every device once (each program would copy them otherwise)
+            from flax import nnx
+
+            nnx.update(model, placement.replicate(nnx.state(model)))
+        if several:
+            total = decode.cache_bytes(attention_fn.index_parts, n_layers=config.n_layers, groups=config.n_kv_heads,
+                                       capacity=capacity, head_dim=config.head_dim,
+                                       kv_itemsize=jnp.dtype(model.dtype).itemsize)
+            print(f"[generate] {distributed.holding(total, mesh)}", file=sys.stderr)
     t0 = time.time()
     out = generate(model, jnp.asarray(prompt), args.max_new_tokens, capacity=capacity, **kwargs)
     out.block_until_ready()
@@ -227,7 +253,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[generate] {summary.line()}", file=sys.stderr)
     print(f"[generate] {args.max_new_tokens} tokens in {seconds:.1f} s, {args.max_new_tokens / seconds:.1f} tokens/s "
           f"(prompt of {len(prompt)} tokens; compile included)", file=sys.stderr)
-    print(("" if args.prompt_file else text) + tokenizer.decode(out.tolist()))
+    if jax.process_index() == 0:  # every process holds the tokens; one prints them
+        print(("" if args.prompt_file else text) + tokenizer.decode(out.tolist()))
     return 0
 
 
@@ -292,24 +319,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scan and top-k: jnp reference or Pallas kernels (default: pallas on a GPU, xla elsewhere)")
     p.add_argument("--placement", choices=["device", "pinned_host"], default="device",
                    help="where the K/V cache and key index live: device memory or pinned host memory")
-    p.add_argument("--read", choices=["direct", "staged"], default="staged",
-                   help="with --placement pinned_host: the planned runs are copied to HBM first (staged, the "
-                        "default: faster on the H200), or the plane scan reads host memory as it computes (direct)")
-    p.add_argument("--index-writes", choices=["every_step", "full_blocks"], default="every_step",
-                   help="when a decode step writes the newest 64-token block of the key index: every step, or only "
-                        "once it fills (the partial block stays in device memory; fewer scattered host writes)")
-    p.add_argument("--pipeline", type=_pipeline_arg, default="auto",
-                   help="with --placement pinned_host: chunks of each layer's KV groups whose plane transfers overlap "
-                        "the previous chunk's scan, selection and row fetch (auto: by context on a GPU; 1: none)")
-    p.add_argument("--scan-writes", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --placement pinned_host on a GPU: each layer writes its new K/V row and index blocks "
-                        "inside the layer scan, beside its own transfers (the default), or every layer after it")
-    p.add_argument("--row-cache", type=positive_int(0), default=0, metavar="SLOTS",
-                   help="device-memory slots per layer and KV head for the K/V rows recent steps fetched: a step "
-                        "fetches only the rows they miss (0: no row cache)")
+    p.add_argument("--rows", type=_rows, default=None, metavar="FORMAT",
+                   help="how the cache stores K/V rows: 'model' (the model's dtype, default) or a row format with "
+                        "per-token scales, e.g. k8v8 (8-bit K and V, 260 B per token at head_dim 128 instead of "
+                        "512; fathom_jax.row_formats)")
+    p.add_argument("--step-config", type=_step_config, default=None, metavar="KEY=VALUE,...",
+                   help="how each sparse decode step runs, for tuning (fathom_jax.decode.StepConfig): read=staged|"
+                        "direct, pipeline=auto|N, index_writes=every_step|full_blocks, row_cache=SLOTS, "
+                        "layer_unroll=N, gather_programs / fetch_programs=auto|N, xla_*=VALUE, topk.FIELD=N; "
+                        "the defaults are the fastest measured")
     p.add_argument("--mesh", type=positive_int(1), default=1,
                    help="devices to split the KV heads over (sparse decoding; each device scans and fetches for its "
-                        "own heads from its own slice of memory); must divide the model's KV heads")
+                        "own heads from its own slice of memory); must divide the model's KV heads; with several "
+                        "processes, spans them all (a multiple of the process count)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="several processes, one per host: process 0's address (default: $JAX_COORDINATOR_ADDRESS, or "
+                        "a SLURM job's); every process runs the same command")
+    p.add_argument("--num-processes", type=positive_int(1), default=None,
+                   help="processes of the job (default: $JAX_NUM_PROCESSES or the SLURM job's tasks)")
+    p.add_argument("--process-id", type=positive_int(0), default=None,
+                   help="this process, 0 .. processes - 1 (default: $JAX_PROCESS_ID or the SLURM task)")
     add_model_arguments(p)
     p.set_defaults(func=_generate)
 

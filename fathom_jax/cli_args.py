@@ -246,9 +246,10 @@ class SparseSummary:
 
 def sparse_summary(method, k: int, context: int, head_dim: int) -> SparseSummary:
     from fathom_jax import format as fmt
+    from fathom_jax.index_parts import KEYS
 
     fixed = method.fixed_bits_per_token(head_dim)
-    if "keys" in method.parts:
+    if KEYS in method.parts:
         fixed = fmt.key_bits_per_token(head_dim)
     bound = fixed if fixed is not None else float(getattr(method, "budget", 4 * head_dim)) + \
         method.max_active(head_dim) * fmt.SCALE_BITS_PER_TOKEN

@@ -3,14 +3,14 @@
 No Pallas GPU lowering documents host-memory operands; on JAX 0.11.2 the Triton backend reads them in
 place (the ``S(5)`` host parameters go straight into the kernels' custom calls). A JAX or XLA upgrade that
 silently staged the store or the K/V cache through device memory would read hundreds of MB per layer, and a
-program that returns a host array makes XLA copy all of it (seen: ~1 s per step at 1M tokens);
+program that returns a host array makes XLA copy all of it (``results/offload_h200_before_inplace.md``);
 :func:`host_array_copies` finds such instructions in a compiled module's text so a test can fail loudly.
 
 The layer scan slices each layer's weights out of the stacked ``[L, ...]`` arrays. A GEMM that XLA emits as a Triton
-fusion cannot read such a slice in place, so XLA copies it first (386 MB per layer, 7.5 ms per 1M-token Qwen3-8B step
-on the H200); :data:`fathom_jax.models.sparse.WEIGHT_GEMM_OPTIONS` makes the GEMMs cuBLAS calls under XLA's
-dynamic-slice fusion, which read the slice where it lies. :func:`device_copies` lists the copies and dynamic slices
-a compiled program still runs, so a test catches an XLA that drops that fusion.
+fusion cannot read such a slice in place, so XLA copies it first (386 MB per Qwen3-8B layer, every decode step:
+``results/decode_step_h200.md``); :data:`fathom_jax.models.generation.WEIGHT_GEMM_OPTIONS` makes the GEMMs cuBLAS calls
+under XLA's dynamic-slice fusion, which read the slice where it lies. :func:`device_copies` lists the copies and
+dynamic slices a compiled program still runs, so a test catches an XLA that drops that fusion.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ XLA allocates ``pinned_host`` arrays from one BFC allocator per GPU (``xla_gpu_h
 request it pins a new region of the next power-of-two size (doubling a running size that starts at 2 MiB),
 trimmed to what the cap leaves, and it never returns a region. A cache is therefore bigger in pinned memory
 than its bytes: at 1M tokens with Qwen3-8B shapes on one GPU, K (72 GiB) takes a 128 GiB region whose free
-part then holds the planes, and V needs a second region of its own. Measured on the two-H200 host
-(NOTES.md, 2026-11-30): with the planes allocated first, a 171 GB cache reserved 236 GiB and was killed by
-the kernel's OOM killer; with K/V first and 106 GiB per GPU it fits.
+part then holds the planes, and V needs a second region of its own. Allocated in the other order, a cache of
+every layer's own K/V at 1M tokens reserved far more than its bytes and was killed by the kernel's OOM killer on
+the two-H200 host (NOTES.md, "The offloaded decode step"); with K/V first it fits.
 
 :func:`regions` replays the allocator's growth rule for a sequence of allocations; :func:`check` turns it
 into a clear error before anything is allocated (the cap too low for the cache, or the regions more than

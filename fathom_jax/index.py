@@ -1,86 +1,107 @@
 """The key index: what the scans read for a batch of sequences, built at once or appended to.
 
-    index = build_index(keys, calib, [method, ...])     # once per sequence (pytree)
+    index = build_index(keys, calib, method.parts)      # once per sequence (pytree)
     index = append_index(index, new_keys)               # decode: the same index, bit for bit
+    index["raw"], index.get("landmarks")                # a part's data (None where absent)
 
-Every plane method reads the *same* 4-bit codes with the *same* fp16 64-token block scales (a
-:class:`~fathom_jax.store.PlaneStore`); the rotated methods (Fathom KLT, Loki) read the same kind of
-store built over rotated keys, and the store remembers its rotation. Which parts an index holds is the
-union of the ``parts`` of the methods it serves.
+An index is a set of typed parts (:mod:`fathom_jax.index_parts`): every plane method reads the *same* 4-bit codes
+with the *same* fp16 64-token block scales (a :class:`~fathom_jax.store.PlaneStore`); the rotated methods (Fathom
+KLT, Loki) read the same kind of store built over rotated keys, and the store remembers its rotation. Which parts
+an index holds is the union of the ``parts`` of the methods it serves (:func:`fathom_jax.methods.parts_of`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from fathom_jax import landmarks as landmarks_lib
 from fathom_jax import store as store_lib
-from fathom_jax.calibrate import Calibration, key_rotation, loki_rotation
-from fathom_jax.format import LANDMARK_TOKENS, round_capacity
-from fathom_jax.methods.base import ScanMethod
-from fathom_jax.store import PlaneStore, UnpackedStore
+from fathom_jax.calibrate import Calibration
+from fathom_jax.format import round_capacity
+from fathom_jax.index_parts import PARTS, IndexPart, Planes, shares_store
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KeyIndex:
-    """What the scans read for one batch of sequences ``[*B]``; parts not needed are None.
+    """The parts (static: :class:`~fathom_jax.index_parts.IndexPart`) and their data for a batch of sequences
+    ``[*B]``, and the valid tokens per sequence ``length [*B]``.
 
-    raw: planes of the keys (or their :class:`~fathom_jax.store.UnpackedStore`, see :func:`unpack_index`); klt: planes of ``(k - mu) V``; loki: planes of ``(k - mu) V_loki``;
-    landmarks: fp16 block means ``[*B, capacity / 8, D]``; keys: the keys as given ``[*B, capacity, D]``
-    (for the exact oracle and dense attention); length: valid tokens ``[*B]``.
-    landmark_tail: the raw keys (f32) of the partially filled last 8-token block, zeros elsewhere
-    (present with ``landmarks``), from which an append recomputes that block's mean.
+    ``index[name]`` is a part's data (:class:`~fathom_jax.store.PlaneStore`, or its
+    :class:`~fathom_jax.store.UnpackedStore` after :func:`unpack_index`; :class:`~fathom_jax.index_parts.Landmarks`;
+    the keys ``[*B, capacity, D]``); ``index.get(name)`` is None where the index lacks it.
     """
 
     length: Int[Array, "*B"]
-    raw: PlaneStore | UnpackedStore | None = None
-    klt: PlaneStore | UnpackedStore | None = None
-    loki: PlaneStore | UnpackedStore | None = None
-    landmarks: Float[Array, "*B NL D"] | None = None
-    keys: Float[Array, "*B n D"] | None = None
-    landmark_tail: Float[Array, "*B 8 D"] | None = None
+    parts: tuple[IndexPart, ...] = ()
+    data: tuple = ()
+
+    def __post_init__(self):
+        if len(self.parts) != len(self.data):
+            raise ValueError(f"KeyIndex: {len(self.parts)} parts but {len(self.data)} data entries")
+
+    def __getitem__(self, name: str) -> Any:
+        for part, data in zip(self.parts, self.data):
+            if part.name == name:
+                return data
+        raise KeyError(f"the index has no part {name!r} (it holds {[p.name for p in self.parts]})")
+
+    def get(self, name: str) -> Any:
+        return self[name] if self.has(name) else None
+
+    def has(self, name: str) -> bool:
+        return any(p.name == name for p in self.parts)
+
+    def replace(self, **data) -> "KeyIndex":
+        """The index with the named parts' data replaced (``length=`` too)."""
+        length = data.pop("length", self.length)
+        unknown = set(data) - {p.name for p in self.parts}
+        if unknown:
+            raise KeyError(f"the index has no parts {sorted(unknown)}")
+        return KeyIndex(length, self.parts, tuple(data.get(p.name, d) for p, d in zip(self.parts, self.data)))
+
+    def bulk(self) -> "KeyIndex":
+        """A tree like this index of bools: which leaves grow with the context (each part says)."""
+        return KeyIndex(False, self.parts, tuple(p.bulk(d) for p, d in zip(self.parts, self.data)))
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
-        return self.length.shape
+        return jnp.shape(self.length)
 
     @property
-    def stores(self) -> tuple[PlaneStore, ...]:
-        return tuple(p for p in (self.raw, self.klt, self.loki) if p is not None)
+    def stores(self) -> tuple:
+        """The plane stores' data (of the :class:`~fathom_jax.index_parts.Planes` parts)."""
+        return tuple(d for p, d in zip(self.parts, self.data) if isinstance(p, Planes))
 
     @property
     def capacity(self) -> int:
         if self.stores:
             return self.stores[0].capacity
-        if self.keys is not None:
-            return self.keys.shape[-2]
-        return self.landmarks.shape[-2] * LANDMARK_TOKENS
+        if self.has("keys"):
+            return self["keys"].shape[-2]
+        return self["landmarks"].means.shape[-2] * 8
 
     @property
     def head_dim(self) -> int:
         if self.stores:
             return self.stores[0].head_dim
-        return (self.keys if self.keys is not None else self.landmarks).shape[-1]
+        return (self["keys"] if self.has("keys") else self["landmarks"].means).shape[-1]
 
 
-def parts_of(methods: Iterable[ScanMethod]) -> frozenset[str]:
-    """The index parts the methods read together."""
-    return frozenset().union(*(m.parts for m in methods))
+jax.tree_util.register_dataclass(KeyIndex, data_fields=["length", "data"], meta_fields=["parts"])
 
 
-def check_methods(methods, head_dim: int, where: str) -> tuple[ScanMethod, ...]:
-    methods = tuple(methods)
-    for m in methods:
-        if not isinstance(m, ScanMethod):
-            raise TypeError(f"{where}: methods must be ScanMethod instances (fathom_jax.methods), got {m!r}")
-        m.validate(head_dim)
-    return methods
+def check_parts(parts: Iterable[IndexPart], where: str) -> tuple[IndexPart, ...]:
+    parts = tuple(parts)
+    for p in parts:
+        if not isinstance(p, IndexPart):
+            raise TypeError(f"{where}: parts must be IndexPart instances (fathom_jax.index_parts, or a method's "
+                            f".parts), got {p!r}")
+    return tuple(sorted(set(parts), key=lambda p: (PARTS.index(p) if p in PARTS else len(PARTS), p.name)))
 
 
 def check_calibration(calib: Calibration | None, batch: tuple[int, ...], d: int, where: str) -> None:
@@ -92,67 +113,52 @@ def check_calibration(calib: Calibration | None, batch: tuple[int, ...], d: int,
         raise ValueError(f"{where}: calib leading axes {calib.batch_shape} do not match keys' {tuple(batch)}")
 
 
+def _map_parts(index: KeyIndex, fn) -> tuple:
+    """``fn(part, data)`` for every part, once per distinct data object (a store two parts share stays shared)."""
+    done: dict[int, Any] = {}
+    return tuple(done.setdefault(id(d), fn(p, d)) for p, d in zip(index.parts, index.data))
+
+
 def build_index(
     keys: Float[Array, "*B n D"],
     calib: Calibration | None,
-    methods: Iterable[ScanMethod],
+    parts: Iterable[IndexPart],
     *,
     capacity: int | None = None,
     length: Int[Array, "*B"] | int | None = None,
-    parts: frozenset[str] | None = None,
 ) -> KeyIndex:
-    """Build the parts of a :class:`KeyIndex` that ``methods`` read (post-RoPE keys ``[*B, n, D]``).
+    """Build the given parts of a :class:`KeyIndex` over post-RoPE keys ``[*B, n, D]`` (a method's
+    ``method.parts``, or :func:`fathom_jax.methods.parts_of` several methods).
 
     ``calib`` (batch shape ``*B``) is needed only for the rotated stores (Fathom KLT, Loki).
     ``capacity`` rounds up to whole 64-token blocks as in :func:`fathom_jax.store.build_store`.
-    ``parts`` overrides the parts to build (e.g. without ``"keys"`` when the K/V cache serves them).
     """
     keys = jnp.asarray(keys)
     if keys.ndim < 2:
         raise ValueError(f"build_index: keys must be [..., n, D], got shape {keys.shape}")
     if not jnp.issubdtype(keys.dtype, jnp.floating):
         raise TypeError(f"build_index: keys must be floating point, got {keys.dtype}")
-    methods = check_methods(methods, keys.shape[-1], "build_index")
-    needs = parts_of(methods) if parts is None else parts
+    parts = check_parts(parts, "build_index")
     *batch, n, d = keys.shape
-    if needs & {"klt", "loki"}:
+    if any(p.needs_calibration for p in parts):
         check_calibration(calib, tuple(batch), d, "build_index")
     capacity = round_capacity(n if capacity is None else capacity)
     if capacity < n:
         raise ValueError(f"build_index: capacity={capacity} is smaller than the {n} keys given")
-    if length is None:
-        length_arr = jnp.full(batch, n, jnp.int32)
-    else:
-        length_arr = jnp.broadcast_to(jnp.asarray(length, jnp.int32), batch)
-
-    def store(rotation):
-        return store_lib.build_store(keys, capacity=capacity, length=length, rotation=rotation)
-
-    raw = store(None) if "raw" in needs else None
-    klt = store(key_rotation(calib)) if "klt" in needs else None
-    loki = None
-    if "loki" in needs:
-        loki = klt if (klt is not None and calib.loki_basis is calib.basis) else store(loki_rotation(calib))
-    padded = None
-    if needs & {"keys", "landmarks"}:
-        padded = jnp.zeros((*batch, capacity, d), keys.dtype).at[..., :n, :].set(keys)
-    landmarks = tail = None
-    if "landmarks" in needs:
-        landmarks = landmarks_lib.build(padded.astype(jnp.float32), length_arr)
-        tail = store_lib.block_tail(padded.astype(jnp.float32), length_arr, LANDMARK_TOKENS)
-    exact_keys = padded if "keys" in needs else None
-    return KeyIndex(
-        length=length_arr, raw=raw, klt=klt, loki=loki, landmarks=landmarks, keys=exact_keys, landmark_tail=tail
-    )
+    length_arr = jnp.full(batch, n, jnp.int32) if length is None else jnp.broadcast_to(
+        jnp.asarray(length, jnp.int32), batch)
+    built: list = []
+    for i, part in enumerate(parts):
+        twin = next((j for j in range(i) if shares_store(parts[j], part, calib)), None)
+        given = None if length is None else length_arr  # (a store checks a length it is given)
+        built.append(built[twin] if twin is not None else part.build(keys, calib, capacity=capacity, length=given))
+    return KeyIndex(length_arr, parts, tuple(built))
 
 
 def unpack_index(index: KeyIndex) -> KeyIndex:
     """The index with its plane stores unpacked (:class:`~fathom_jax.store.UnpackedStore`): for readers
     that scan the same window many times with the ``"xla"`` scan; reads are unchanged, bit for bit."""
-    unpack = lambda part: None if part is None else store_lib.unpack_store(part)  # noqa: E731
-    klt = unpack(index.klt)
-    loki = klt if (index.loki is not None and index.loki is index.klt) else unpack(index.loki)
-    return dataclasses.replace(index, raw=unpack(index.raw), klt=klt, loki=loki)
+    return KeyIndex(index.length, index.parts, _map_parts(index, lambda p, d: p.unpack(d)))
 
 
 def prefix_index(index: KeyIndex, keys: Float[Array, "*B n D"], length: Int[Array, "*B"] | int) -> KeyIndex:
@@ -169,22 +175,14 @@ def prefix_index(index: KeyIndex, keys: Float[Array, "*B n D"], length: Int[Arra
         raise TypeError(f"prefix_index: index must be a KeyIndex (from build_index), got {type(index).__name__}")
     keys = jnp.asarray(keys)
     length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), index.batch_shape)
-    cut = lambda part: None if part is None else store_lib.truncate(part, keys, length)  # noqa: E731
-    raw, klt = cut(index.raw), cut(index.klt)
-    loki = klt if (index.loki is not None and index.loki is index.klt) else cut(index.loki)
-    landmarks = tail = None
-    if index.landmarks is not None:
-        tail = store_lib.block_tail(keys.astype(jnp.float32), length, LANDMARK_TOKENS)
-        landmarks = landmarks_lib.truncate(index.landmarks, tail, length)
-    return KeyIndex(length=length, raw=raw, klt=klt, loki=loki, landmarks=landmarks, keys=index.keys,
-                    landmark_tail=tail)
+    return KeyIndex(length, index.parts, _map_parts(index, lambda p, d: p.prefix(d, keys, length)))
 
 
 def append_index(index: KeyIndex, keys: Float[Array, "*B m D"], *, check: bool = True) -> KeyIndex:
     """Append ``m`` keys to every sequence of ``index``, to every part it holds.
 
     Plane stores (raw, KLT, Loki) requantize their last 64-token block (``store.append``), landmarks
-    recompute their last 8-token block mean from ``landmark_tail``, exact keys are written at rows
+    recompute their last 8-token block mean from their tail, exact keys are written at rows
     ``length ..``. The result equals :func:`build_index` over all the keys, bit for bit. Appending
     past capacity raises (eagerly when lengths are concrete, through a host callback under jit) unless
     ``check=False``, for loops whose bounds were checked before entering them.
@@ -198,34 +196,7 @@ def append_index(index: KeyIndex, keys: Float[Array, "*B m D"], *, check: bool =
                          f"got {keys.shape}")
     if not jnp.issubdtype(keys.dtype, jnp.floating):
         raise TypeError(f"append_index: keys must be floating point, got {keys.dtype}")
-    m, capacity = keys.shape[-2], index.capacity
-    if index.keys is not None:
-        capacity = min(capacity, index.keys.shape[-2])
     if check:
-        store_lib.check_capacity(index.length, m, capacity)
-
-    def store(part):
-        return None if part is None else store_lib.append(part, keys, check=False)
-
-    raw, klt = store(index.raw), store(index.klt)
-    loki = klt if (index.loki is not None and index.loki is index.klt) else store(index.loki)
-
-    flat = lambda x: x.reshape(-1, *x.shape[len(batch):])  # noqa: E731
-    unflat = lambda x: x.reshape(*batch, *x.shape[1:])  # noqa: E731
-    length = flat(index.length)
-    new_keys = flat(keys.astype(jnp.float32))
-    landmarks, tail = index.landmarks, index.landmark_tail
-    if landmarks is not None:
-        if tail is None:
-            raise ValueError("append_index: the index has landmarks but no landmark_tail (build it with build_index)")
-        step = jax.vmap(landmarks_lib.append_one)
-        lm, tl = flat(landmarks), flat(tail)
-        lm, tl = jax.lax.fori_loop(0, m, lambda i, c: step(c[0], c[1], length + i, new_keys[:, i]), (lm, tl))
-        landmarks, tail = unflat(lm), unflat(tl)
-    exact = index.keys
-    if exact is not None:
-        write = jax.vmap(lambda rows, new, at: jax.lax.dynamic_update_slice(rows, new, (at, 0)))
-        exact = unflat(write(flat(exact), flat(keys.astype(exact.dtype)), length))
-    return KeyIndex(
-        length=index.length + m, raw=raw, klt=klt, loki=loki, landmarks=landmarks, keys=exact, landmark_tail=tail
-    )
+        store_lib.check_capacity(index.length, keys.shape[-2], index.capacity)
+    data = _map_parts(index, lambda p, d: p.append(d, keys, index.length))
+    return KeyIndex(index.length + keys.shape[-2], index.parts, data)

@@ -110,7 +110,7 @@ def _check_budget(budget, d: int) -> None:
 def _check_importance(g) -> None:
     if g.ndim < 1:
         raise ValueError(f"importance must be [..., D], got shape {g.shape}")
-    if isinstance(g, jax.core.Tracer):
+    if is_traced(g):
         return
     arr = np.asarray(g)
     if not np.all(np.isfinite(arr)) or np.any(arr < 0):

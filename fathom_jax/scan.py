@@ -6,9 +6,8 @@
 A method plans its read (:meth:`~fathom_jax.methods.ScanMethod.read`); :func:`execute` carries it out:
 
 * plane reads: ``implementation="xla"`` dequantizes the store (the reference); ``"pallas"`` runs the
-  plane-scan kernel over the active channels only (never a dequantized copy). With a ``layer`` index the
-  store is a stacked ``[L, R, ...]`` cache read in place, from HBM or ``pinned_host`` memory, directly
-  (the scan streams planes as it computes) or staged through the run-gather kernel (``Placement.read``);
+  plane-scan kernel over the active channels only (never a dequantized copy). A decode cache's stacked
+  ``[L, R, ...]`` stores, in device or host memory, are read by :mod:`fathom_jax.decode.reads`;
 * landmark reads score each 8-token block mean and spread the score over the block;
 * key reads score the keys themselves (the exact oracle; dense attention).
 """
@@ -26,12 +25,8 @@ from fathom_jax.calibrate import Calibration
 from fathom_jax.format import LANDMARK_TOKENS
 from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, Read, ScanMethod
-from fathom_jax.placement import Placement
 from pallas_kernels import backend
 from pallas_kernels.plane_scan import active_channels, plane_scan
-from pallas_kernels.run_gather import RunGatherConfig, run_gather
-
-_DEVICE = Placement()
 
 
 @jax.tree_util.register_dataclass
@@ -69,7 +64,7 @@ def check_scan_inputs(method: ScanMethod, q, index: KeyIndex, calib: Calibration
     if q.shape[-1] != d:
         raise ValueError(f"{where}: q head_dim {q.shape[-1]} does not match the keys' head_dim {d}")
     method.validate(d)
-    missing = sorted(part for part in method.parts if getattr(index, part) is None)
+    missing = sorted(part.name for part in method.parts if part not in index.parts)
     if missing:
         raise ValueError(f"{where}: {method.label} needs index parts {missing}; pass it to build_index")
     if method.needs_calibration:
@@ -82,73 +77,28 @@ def check_scan_inputs(method: ScanMethod, q, index: KeyIndex, calib: Calibration
     return q.astype(jnp.float32)
 
 
-def _plane_scores(read: PlaneRead, store, length, layer, group_start, placement: Placement, implementation,
-                  after=None) -> tuple[jax.Array, jax.Array | None]:
-    """Scores of a plane read, and the staged planes (None where nothing was staged)."""
-    if implementation == "xla":
-        if layer is not None:
-            # A stacked cache (the decode step): read this layer's planes channel-major and contract over
-            # channels there. Transposing every token's codes per layer and step cost more than the whole
-            # read on CPU; the scores equal the token-major read's up to the dot's summation order.
-            groups = slice(group_start, group_start + length.shape[0])
-            store = dataclasses.replace(store, planes=store.planes[layer, groups], scales=store.scales[layer, groups],
-                                        length=length)
-            return jnp.einsum("...gd,...dn->...gn", read.queries, store_lib.dequantize_channels(store, read.depths),
-                              precision=jax.lax.Precision.HIGHEST), None
-        store = dataclasses.replace(store, length=length)
-        return dot(read.queries, store_lib.dequantize(store, read.depths)), None
-    if isinstance(store, store_lib.UnpackedStore):
-        raise ValueError("an unpacked store (fathom_jax.store.UnpackedStore) is read by the 'xla' scan only; "
-                         "the Pallas kernels read packed planes")
-    channels, depths = active_channels(read.depths, read.max_active or None)
-    if placement.offloaded and placement.read == "staged":
-        config = RunGatherConfig(programs=placement.run_gather_programs)
-        staged_planes, staged_scales = run_gather(store.planes, store.scales, channels, depths, layer=layer,
-                                                  group_start=group_start, after=after, config=config,
-                                                  implementation=implementation)
-        queries = jnp.take_along_axis(read.queries, channels[..., None, :], axis=-1)
-        slots = jnp.broadcast_to(jnp.arange(channels.shape[-1], dtype=jnp.int32), channels.shape)
-        return plane_scan(queries, staged_planes, staged_scales, length, slots, depths, assume_sorted=True,
-                          implementation=implementation), staged_planes
-    return plane_scan(read.queries, store.planes, store.scales, length, channels, depths, layer=layer,
-                      group_start=group_start, assume_sorted=True, implementation=implementation), None
-
-
-def execute(
-    read: Read,
-    index: KeyIndex,
-    length: Int[Array, "*B"],
-    *,
-    layer=None,
-    group_start: int = 0,
-    placement: Placement = _DEVICE,
-    implementation: backend.Implementation = "xla",
-) -> Float[Array, "*B G n"]:
-    """Raw scores ``read.queries . k_hat`` (plus the read's shift) of every stored position.
-
-    ``index`` holds bulk arrays with a leading layer axis when ``layer`` is given (a stacked cache; its
-    small leaves are already this layer's, for groups ``group_start ..`` of it) and ``length`` is the
-    number of valid tokens; positions past it are not masked here (:func:`mask_invalid`).
-    """
-    return execute_chained(read, index, length, layer=layer, group_start=group_start, placement=placement,
-                           implementation=implementation)[0]
-
-
-def execute_chained(read: Read, index: KeyIndex, length, *, layer=None, group_start: int = 0,
-                    placement: Placement = _DEVICE, implementation: backend.Implementation = "xla", after=None):
-    """:func:`execute`, with a staged plane transfer ordered after ``after`` (arrays, never read); returns
-    ``(scores, staged)``: what the next transfer of a chain waits for (None where nothing was staged)."""
+def execute(read: Read, index: KeyIndex, length: Int[Array, "*B"], *,
+            implementation: backend.Implementation = "xla") -> Float[Array, "*B G n"]:
+    """Raw scores ``read.queries . k_hat`` (plus the read's shift) of every stored position of an index in device
+    memory; positions past ``length`` are not masked here (:func:`mask_invalid`). The decode step's reads of a
+    stacked cache, in device or host memory, are :mod:`fathom_jax.decode.reads`."""
     if isinstance(read, PlaneRead):
-        scores, staged = _plane_scores(read, getattr(index, read.part), length, layer, group_start, placement,
-                                       implementation, after)
-        return (scores if read.shift is None else scores + read.shift[..., None]), staged
-    groups = None if layer is None else (group_start, length.shape[0])  # a stacked cache's window of groups
+        store = dataclasses.replace(index[read.part], length=length)
+        if implementation == "xla":
+            scores = dot(read.queries, store_lib.dequantize(store, read.depths))
+        else:
+            if isinstance(store, store_lib.UnpackedStore):
+                raise ValueError("an unpacked store (fathom_jax.store.UnpackedStore) is read by the 'xla' scan only; "
+                                 "the Pallas kernels read packed planes")
+            channels, depths = active_channels(read.depths, read.max_active or None)
+            scores = plane_scan(read.queries, store.planes, store.scales, length, channels, depths,
+                                assume_sorted=True, implementation=implementation)
+        return scores if read.shift is None else scores + read.shift[..., None]
     if isinstance(read, LandmarkRead):
-        landmarks = placement.stage(index.landmarks, layer, implementation, groups=groups)
-        return jnp.repeat(dot(read.queries, landmarks.astype(jnp.float32)), LANDMARK_TOKENS, axis=-1), None
+        means = index["landmarks"].means.astype(jnp.float32)
+        return jnp.repeat(dot(read.queries, means), LANDMARK_TOKENS, axis=-1)
     if isinstance(read, KeyRead):
-        keys = placement.stage(index.keys, layer, implementation, groups=groups)
-        return dot(read.queries, keys.astype(jnp.float32)), None
+        return dot(read.queries, index["keys"].astype(jnp.float32))
     raise TypeError(f"unknown read {type(read).__name__}")
 
 

@@ -15,11 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from fathom_jax.checks import is_traced
 from pallas_kernels import backend
-from pallas_kernels.topk import TopkConfig, topk_select
-
-SINK_TOKENS = 4
-LOCAL_TOKENS = 32
+from pallas_kernels.topk import LOCAL_TOKENS, SINK_TOKENS, TopkConfig, topk_select  # the window is defined there
 
 
 def check_k(k: int, n: int, sink: int, local: int) -> None:
@@ -56,7 +54,7 @@ def select_topk(
     n = scores.shape[-1]
     check_k(k, n, sink, local)
     length = jnp.asarray(length, jnp.int32)
-    if not isinstance(length, jax.core.Tracer) and np.any(np.asarray(length) > n):
+    if not is_traced(length) and np.any(np.asarray(length) > n):
         raise ValueError(f"length {np.asarray(length)} exceeds the {n} scored positions")
     if implementation == "pallas":
         rows = scores.reshape(-1, n).astype(jnp.float32)
@@ -82,7 +80,7 @@ def selection_priority(
 
 
 def group_union(
-    indices: Int[Array, "*B G k"], mask: Bool[Array, "*B G k"], *, sorted_heads: bool = False
+    indices: Int[Array, "*B G k"], mask: Bool[Array, "*B G k"]
 ) -> tuple[Int[Array, "*B U"], Bool[Array, "*B U"], Bool[Array, "*B G U"]]:
     """The union of a group's selected tokens (U = G * k slots, duplicates masked out).
 
@@ -90,16 +88,12 @@ def group_union(
     so one fetch of the union rows serves every head of the group. A head's masked-in indices must be
     distinct (as :func:`select_topk` returns them): a token is then held by at most G sorted entries in a
     row, and its heads are read off that window (G shifted comparisons) instead of comparing every union
-    slot with every selected index (U x k per head: 15-40 us per layer and chunk at 1M tokens on the H200).
+    slot with every selected index (U x k per head).
 
-    ``sorted_heads=True`` promises that each head's masked-in indices increase and its masked slots come last
-    (the Pallas top-k's order): the union then needs no sort. Each slot's place in the sorted order is counted by
-    binary search in every head's list, giving the sort's very arrays. On the H200 it is faster alone for up to a few
-    groups (1 group: 0.015 vs 0.025 ms) but made the pipelined decode step slower, which therefore keeps the sort
+    The union is taken by one sort even though the Pallas top-k lists each head's tokens in order: a sort-free union
+    of the sorted lists, faster alone, measured slower inside the pipelined decode step and was deleted
     (``results/union_h200.md``).
     """
-    if sorted_heads:
-        return _union_of_sorted(indices, mask)
     *batch, g, k = indices.shape
     big = jnp.iinfo(jnp.int32).max
     flat = jnp.where(mask, indices, big).reshape(*batch, g * k)
@@ -117,44 +111,6 @@ def group_union(
         (flat_p[..., None, s:s + u] == flat[..., None, :]) & (head_p[..., None, s:s + u] == heads) for s in range(g)])
     return union, union_mask, member & union_mask[..., None, :]
 
-
-def _count_below(rows: Int[Array, "*B G k"], x: Int[Array, "*B U"]) -> Int[Array, "*B G U"]:
-    """Per row of ``rows`` (each non-decreasing), how many of its entries are ``< x``: a branchless binary search
-    (``log2 k`` gathers, one fusion)."""
-    k = rows.shape[-1]
-    x = jnp.broadcast_to(x[..., None, :], (*rows.shape[:-1], x.shape[-1]))
-    lo = jnp.zeros(x.shape, jnp.int32)
-    step = 1 << (k.bit_length() - 1)  # the largest power of two <= k: the steps sum to >= k
-    while step:
-        probe = lo + step
-        value = jnp.take_along_axis(rows, jnp.minimum(probe, k) - 1, axis=-1)
-        lo = jnp.where((probe <= k) & (value < x), probe, lo)
-        step //= 2
-    return lo
-
-
-def _union_of_sorted(indices, mask):
-    *batch, g, k = indices.shape
-    out = jax.vmap(_union_of_sorted_lists)(indices.reshape(-1, g, k), mask.reshape(-1, g, k))
-    return tuple(x.reshape(*batch, *x.shape[1:]) for x in out)
-
-
-def _union_of_sorted_lists(indices: Int[Array, "G k"], mask: Bool[Array, "G k"]):
-    g, k = indices.shape
-    lists = jnp.where(mask, indices, jnp.iinfo(jnp.int32).max)  # each row increasing, masked slots last
-    flat, valid = lists.reshape(g * k), mask.reshape(g * k)
-    below = _count_below(lists, flat)  # [G, U]: how many of head h's tokens lie below slot u's
-    found = jnp.take_along_axis(lists, jnp.minimum(below, k - 1), axis=-1)
-    held = (below < k) & (found == flat) & valid  # [G, U]: head h holds slot u's token
-    owner = jnp.arange(g * k, dtype=jnp.int32) // k
-    earlier = held & (jnp.arange(g, dtype=jnp.int32)[:, None] < owner)  # ... and comes before slot u's own head
-    first = valid & ~jnp.any(earlier, axis=0)
-    # Slot u's place among the G k slots sorted (a token's copies in head order, masked slots last): the sort-based
-    # union's very arrays, so the attention sums the same rows in the same order either way.
-    rank = jnp.where(valid, jnp.sum(below, axis=0) + jnp.sum(earlier, axis=0),
-                     jnp.sum(valid) + jnp.cumsum(~valid) - 1)
-    place = lambda x: jnp.zeros_like(x).at[..., rank].set(x, unique_indices=True)  # noqa: E731
-    return place(jnp.where(first, flat, 0)), place(first), place(held & first)
 
 def attend(
     q: Float[Array, "*B G D"],

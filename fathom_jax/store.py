@@ -250,7 +250,7 @@ def pack_planes(codes: Int[Array, "*B n D"]) -> UInt32[Array, "*B D 4 W"]:
 def unpack_planes(planes: UInt32[Array, "*B D 4 W"], depth: Int[Array, "*B D"] | int = N_PLANES) -> Int[Array, "*B n D"]:
     """Codes from the first ``depth`` planes (per channel): ``c >> (4 - depth)``, token-major."""
     _check_depth("unpack_planes", depth)
-    # Transpose as its own op: fused into the bit extraction, XLA:CPU ran the whole unpack strided (~5x slower).
+    # Transpose as its own op: fused into the bit extraction, XLA:CPU ran the whole unpack strided (measured slower).
     return jnp.swapaxes(jax.lax.optimization_barrier(unpack_planes_channels(planes, depth)), -1, -2)
 
 

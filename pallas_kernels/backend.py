@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fathom_jax.checks import is_traced  # noqa: F401 (the kernels check traced values with it too)
+
 Implementation = Literal["xla", "pallas"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 
@@ -69,10 +71,6 @@ def check_array(name: str, x, *, ndim_min: int | None = None, ndim: int | None =
         raise ValueError(f"{name} must have at least {ndim_min} dims, got shape {x.shape}")
     if dtypes is not None and jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
         raise TypeError(f"{name} must have dtype in {[str(jnp.dtype(d)) for d in dtypes]}, got {x.dtype}")
-
-
-def is_concrete(*xs) -> bool:
-    return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
 def prod(shape) -> int:

@@ -114,10 +114,15 @@ def _cache_write_kernel(
         data = plgpu.load(src_ref.at[(l, r, *mid_idx, pl.ds(m0, chunk))], mask=ok, other=0)
         plgpu.store(out_ref.at[(layer, r, *mid_idx, pl.ds(start_ref[r] + m0, chunk))], data, mask=ok)
     else:
-        col = jnp.arange(tail, dtype=jnp.int32)
+        col = jnp.arange(pl.next_power_of_2(tail), dtype=jnp.int32)  # Triton's blocks are powers of two
         ok2 = ok[:, None] & (col[None, :] < tail)
-        data = plgpu.load(src_ref.at[(l, r, *mid_idx, pl.ds(m0, chunk), slice(None))], mask=ok2, other=0)
-        plgpu.store(out_ref.at[(layer, r, *mid_idx, pl.ds(start_ref[r] + m0, chunk), slice(None))], data, mask=ok2)
+        if col.shape[0] == tail:
+            data = plgpu.load(src_ref.at[(l, r, *mid_idx, pl.ds(m0, chunk), slice(None))], mask=ok2, other=0)
+            plgpu.store(out_ref.at[(layer, r, *mid_idx, pl.ds(start_ref[r] + m0, chunk), slice(None))], data,
+                        mask=ok2)
+        else:  # rows of any width (a compressed row format's words): masked 2-D gather and scatter
+            data = plgpu.load(src_ref.at[(l, r, *mid_idx, m[:, None], col[None, :])], mask=ok2, other=0)
+            plgpu.store(out_ref.at[(layer, r, *mid_idx, at[:, None], col[None, :])], data, mask=ok2)
 
 
 def _cache_write_pallas(dst, src, start, layer, *, axis, config, interpret, in_place=False):
@@ -126,8 +131,6 @@ def _cache_write_pallas(dst, src, start, layer, *, axis, config, interpret, in_p
     if len(tail_shape) > 1:
         raise ValueError(f"cache_write: at most one axis after the written one, got dst {dst.shape}, axis {axis}")
     tail = tail_shape[0] if tail_shape else None
-    if tail is not None:
-        B.check_pow2("the last axis of dst", tail)
     rows, n = src.shape[axis], dst.shape[axis]
     chunk = min(config.chunk, pl.next_power_of_2(rows))
     kernel = functools.partial(_cache_write_kernel, mid=mid, rows=rows, n=n, chunk=chunk, tail=tail, in_place=in_place)
@@ -164,7 +167,7 @@ def cache_write(
     implementation = B.resolve_implementation(implementation)
     start = jnp.asarray(start, jnp.int32)
     _validate(dst, src, start, axis)
-    if B.is_concrete(start) and np.any(np.asarray(start) < 0):
+    if not B.is_traced(start) and np.any(np.asarray(start) < 0):
         raise ValueError("start must be >= 0")
     if implementation == "xla":
         return cache_write_reference(dst, src, start, axis=axis, layer=layer)
@@ -185,8 +188,8 @@ def cache_write_in_place(
     """Write ``src`` into ``dst`` in place, as a side effect of the kernel; returns a completion token i32[1].
 
     XLA does not alias a custom call's output into ``pinned_host`` memory: with ``input_output_aliases`` it
-    allocated a new host buffer for every write and copied the whole cache into it (seen on the H200: an
-    18 GiB host allocation and ~1 s per decode step at 1M tokens). Here ``dst`` is only an input, written
+    allocated a new host buffer for every write and copied the whole cache into it, every decode step
+    (``results/offload_h200_before_inplace.md``). Here ``dst`` is only an input, written
     through its pointer, so nothing is allocated or copied. The caller must keep the token (return it from
     its jitted program, or XLA may drop the kernel) and must not return ``dst`` from that program (that
     would copy it): the array object itself now holds the update. GPU only: interpret mode cannot write

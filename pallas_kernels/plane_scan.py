@@ -60,8 +60,8 @@ class PlaneScanConfig:
 
     @classmethod
     def heuristic(cls, capacity: int) -> "PlaneScanConfig":
-        """H200 (results/kernels_h200.md): 16 lanes, 512-token tiles, 1 warp was best from 32k to 128k
-        (0.140 ms for Fathom 48 at 128k, batch 4 x 8 heads); small stores keep the same shape."""
+        """16 lanes, 512-token tiles, 1 warp: the H200's best from 32k to 128k tokens (``results/kernels_h200.md``);
+        small stores keep the same shape."""
         del capacity
         return cls()
 
@@ -125,7 +125,7 @@ def _validate(q, planes, scales, length, channels, depths, layer, group_start=0)
 
 def check_values(channels, depths, head_dim: int) -> None:
     """Value checks (eager only: skipped for traced arrays)."""
-    if not B.is_concrete(channels, depths):
+    if B.is_traced(channels, depths):
         return
     ch, dp = np.asarray(channels), np.asarray(depths)
     if np.any((ch < 0) | (ch >= head_dim)):

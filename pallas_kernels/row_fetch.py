@@ -5,17 +5,17 @@
 layer in place) and a fixed-size index list ``index i32 [*, S]`` (padding entries are negative or
 ``>= n``) give ``k_rows, v_rows [*, S, F]`` with zero rows at padding, and ``mask bool [*, S]`` (which
 slots hold a real row). One program copies ``rows`` rows (a 2-D gather: ``rows`` x ``F`` elements,
-each row one contiguous run). ``columns=(start, width)`` reads only those features of every row (the
+each row one contiguous run; ``F`` any width, e.g. a compressed row format's 33 words). ``columns=(start, width)`` reads only those features of every row (the
 keys of a cache that keeps each token's K and V side by side, ``[n, 2 Dh]``).
 
 The decoder's cache keeps K and V of a token in one ``2 Dh`` row and fetches it with ``values=None``:
 from host memory the cost of fresh rows scattered over gigabytes is the translation of their pages,
-so one 512-byte run per token moves 1.5x faster than two 256-byte runs at 1M tokens on the H200
-(``results/rowlayout_h200.md``).
+so one 512-byte run per token moves faster than two 256-byte runs (measured on the H200:
+``results/rowlayout_h200.md``).
 
 ``after`` (optional arrays, never read) orders the fetch after the kernels that produced them, as the run gather's
 does: the pipelined step starts a chunk's fetch once the next chunk's scan is done, so the scan has the SMs to
-itself (:func:`fathom_jax.sparse_step.sparse_attention_step`).
+itself (:func:`fathom_jax.decode.sparse_attention_step`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ KERNEL_NAME = "row_fetch"
 class RowFetchConfig:
     """``rows``: rows copied per work item (a power of two); ``num_warps``: Triton warps; ``programs``: 0 for one
     program per work item, else that many persistent programs walking the items group by group (at any moment
-    the rows in flight come from a few groups' regions of host memory, not from every group's at once).
-    H200: 2048 rows x 8 heads (K and V, bf16) in 0.187 ms from host (results/kernels_h200.md)."""
+    the rows in flight come from a few groups' regions of host memory, not from every group's at once;
+    measured faster from host memory: ``results/decode_step_h200.md``)."""
 
     rows: int = 32
     num_warps: int = 4
@@ -62,7 +62,8 @@ def _validate(keys, values, index, layer, columns=None, group_start=0):
     if index.shape[:-1] != batch:
         raise ValueError(f"index must be [*batch, S] with batch {batch}, got {index.shape}")
     start, width = _window(keys, columns)
-    B.check_pow2("row width (columns read)", width)
+    if width < 1:
+        raise ValueError(f"columns must read at least one feature, got width {width}")
     if start < 0 or start + width > keys.shape[-1]:
         raise ValueError(f"columns must be (start, width) within the row's {keys.shape[-1]} features, got {columns}")
 
@@ -129,13 +130,17 @@ def _copy_rows(idx_ref, layer_ref, refs, r, i, active, *, rows, slots, n, start,
     idx = plgpu.load(idx_ref.at[r, pl.ds(s0, rows)], mask=smask, other=-1)
     valid = (idx >= 0) & (idx < n)
     safe = jnp.where(valid, idx, 0)
-    col = jnp.arange(width, dtype=jnp.int32)
+    col = jnp.arange(pl.next_power_of_2(width), dtype=jnp.int32)  # Triton's blocks are powers of two: masked past
     m2 = valid[:, None] & (col[None, :] < width)
     out_mask = smask[:, None] & (col[None, :] < width)
     half = len(refs) // 2
     for src, dst in zip(refs[:half], refs[half:]):
         data = plgpu.load(src.at[layer, src_group, safe[:, None], start + col[None, :]], mask=m2, other=0)  # 2-D gather
-        plgpu.store(dst.at[r, pl.ds(s0, rows), :], data, mask=out_mask)
+        if col.shape[0] == width:
+            plgpu.store(dst.at[r, pl.ds(s0, rows), :], data, mask=out_mask)
+        else:  # rows of any width (a compressed row format's words): a masked 2-D scatter
+            out_rows = s0 + jnp.arange(rows, dtype=jnp.int32)
+            plgpu.store(dst.at[r, out_rows[:, None], col[None, :]], data, mask=out_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("columns", "config", "interpret", "group_start"))

@@ -17,7 +17,7 @@ iota(C), depths)`` with ``q_staged = q[..., channels]``.
 Two grids (``RunGatherConfig.programs``): one program per work item (0, the default: ~16k programs per
 layer at 1M tokens, which fill every SM while they wait on the link), or a fixed number of persistent
 programs that loop over the items with all four planes' loads in flight at once, which leaves the other
-SMs to kernels running concurrently (the pipelined step, ``Placement(pipeline=N)``).
+SMs to kernels running concurrently (the pipelined step, ``StepConfig(pipeline=N)``).
 
 ``after`` (optional arrays, never read) orders the gather after the kernels that produced them: the
 pipelined step chains each chunk's gather to the previous chunk's staged buffer, so the transfers run one
@@ -46,8 +46,8 @@ class RunGatherConfig:
     """``chunk``: words of each plane run copied per work item (a power of two); ``num_warps``: Triton warps;
     ``programs``: 0 for one program per work item, else that many persistent programs looping over them.
 
-    H200: 45-50 GB/s from pinned_host for runs of 8 KiB and more with chunk 2048, 4 warps
-    (results/kernels_h200.md)."""
+    The defaults move runs of 8 KiB and more from pinned_host at the link rate on the H200, and no other chunk or
+    warp count moves them faster (``results/kernels_h200.md``, ``results/gather_tune_h200.md``)."""
 
     chunk: int = 2048
     num_warps: int = 4
@@ -80,7 +80,7 @@ def _validate(planes, scales, channels, depths, layer, group_start=0):
 
 
 def check_values(channels, depths, head_dim: int) -> None:
-    if not B.is_concrete(channels, depths):
+    if B.is_traced(channels, depths):
         return
     ch, dp = np.asarray(channels), np.asarray(depths)
     if np.any((ch < 0) | (ch >= head_dim)) or np.any((dp < 0) | (dp > N_PLANES)):

@@ -6,21 +6,13 @@ than ``k`` positions are valid. Sinks are positions ``< min(sink, length)``, the
 ``[max(sink, length - local), length)``, the middle ``[sink, length - local)`` contributes its
 ``k - sink - local`` best scores.
 
-The fast path never sorts ``n`` scores (``lax.top_k`` over [32, 1M] takes 8 ms on the H200). Scores are
-mapped to order-preserving int32 keys, then:
-
-1. bucket maxima over 32-token buckets (one pass, ``n/32`` values per row);
-2. ``tau`` = the k'-th largest bucket maximum (k' = k - sink - local), by the Pallas radix-select kernel
-   ``kth_largest`` (8 rounds of 4-bit digits; each round counts, for the 15 candidate digits at once,
-   how many keys reach the candidate prefix);
-3. every top-k' element lies in a bucket whose maximum is ``>= tau``, and there are k' such buckets
-   (ties aside): gather those k' x 32 candidates;
-4. ``v`` = the exact k'-th largest candidate (the same kernel), select ``> v`` plus the first ``== v``
-   ties, compact to k' slots.
-
-The set equals ``lax.top_k``'s except among tied scores. That is the ``path="radix"`` version; the default
-``path="fused"`` (below) does the same selection in three to five Pallas kernels with a one-bit-per-round
-search over registers instead of the radix kernel, and no XLA pass over ``[R, n]``.
+The fast paths never sort ``n`` scores (``lax.top_k`` over long rows is far slower on a GPU:
+``results/kernels_h200.md``). Both keep the k' = k - sink - local best middle tokens through bucket maxima: every
+top-k' token lies in a bucket whose maximum reaches the k'-th largest bucket maximum, so only those k' buckets'
+tokens are candidates. The default ``path="fused"`` (below) does this in three to five Pallas kernels with a
+one-bit-per-round search over registers and no XLA pass over ``[R, n]``; ``path="radix"``
+(:mod:`pallas_kernels.topk_radix`) with XLA bucket maxima and a radix-select kernel. The set equals ``lax.top_k``'s
+except among tied scores.
 """
 
 from __future__ import annotations
@@ -34,148 +26,28 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import backend as C
+from pallas_kernels.topk_radix import (  # noqa: F401 (KERNEL_NAME, kth_largest: this module's API too)
+    BUCKET, INT_MIN, KERNEL_NAME, finish, kth_largest, masks, sink_local, sortable_key, topk_radix, validate)
 
-KERNEL_NAME = "kth_largest"
-BUCKET = 32
-INT_MIN = -(2**31)
-
-
-def sortable_key(x):
-    """f32 -> int32 with the same order (signed compare); NaN-free inputs."""
-    b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    return b ^ ((b >> 31) & jnp.int32(0x7FFFFFFF))
+# The paper's forced tokens per query head, for every method: the first SINK_TOKENS positions and the last
+# LOCAL_TOKENS. The library's one definition: fathom_jax.select, which imports this module, re-exports them.
+SINK_TOKENS = 4
+LOCAL_TOKENS = 32
 
 
-def _validate(scores, length, k, sink, local):
-    C.check_array("scores", scores, ndim=2, dtypes=(jnp.float32, jnp.bfloat16, jnp.float16))
-    if jnp.shape(length) not in ((scores.shape[0],), ()):
-        raise ValueError(f"length must be [R] or a scalar, got {jnp.shape(length)}")
-    if sink < 0 or local < 0 or k <= sink + local:
-        raise ValueError(f"need k > sink + local >= 0, got k={k}, sink={sink}, local={local}")
-
-
-def _masks(n, length, sink, local):
-    pos = jnp.arange(n, dtype=jnp.int32)[None, :]
-    length = length[:, None]
-    sink_m = pos < jnp.minimum(sink, length)
-    local_m = (pos >= jnp.maximum(sink, length - local)) & (pos < length)
-    middle_m = (pos >= sink) & (pos < length - local)
-    return sink_m, local_m, middle_m
-
-
-def _finish(sink_idx, local_idx, mid_idx, k):
-    idx = jnp.concatenate([sink_idx, local_idx, mid_idx], axis=-1)
-    big = jnp.iinfo(jnp.int32).max
-    idx = jnp.sort(jnp.where(idx < 0, big, idx), axis=-1)[:, :k]
-    return jnp.where(idx == big, -1, idx).astype(jnp.int32)
-
-
-def _sink_local(n, length, sink, local):
-    r = length.shape[0]
-    s = jnp.broadcast_to(jnp.arange(sink, dtype=jnp.int32), (r, sink))
-    sink_idx = jnp.where(s < jnp.minimum(sink, length)[:, None], s, -1)
-    l = jnp.maximum(sink, length - local)[:, None] + jnp.arange(local, dtype=jnp.int32)
-    local_idx = jnp.where(l < length[:, None], l, -1)
-    return sink_idx, local_idx
-
-
-def topk_select_reference(scores, length, *, k: int = 512, sink: int = 4, local: int = 32):
+def topk_select_reference(scores, length, *, k: int = 512, sink: int = SINK_TOKENS, local: int = LOCAL_TOKENS):
     """Plain-jnp selection with ``lax.top_k`` over the middle."""
-    _validate(scores, length, k, sink, local)
+    validate(scores, length, k, sink, local)
     r, n = scores.shape
     length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (r,))
-    _, _, middle_m = _masks(n, length, sink, local)
+    _, _, middle_m = masks(n, length, sink, local)
     kp = min(k - sink - local, n)
     masked = jnp.where(middle_m, scores.astype(jnp.float32), -jnp.inf)
     _, top = jax.lax.top_k(masked, kp)
     ok = jnp.take_along_axis(middle_m, top, axis=-1)
     mid_idx = jnp.where(ok, top, -1).astype(jnp.int32)
-    sink_idx, local_idx = _sink_local(n, length, sink, local)
-    return _finish(sink_idx, local_idx, mid_idx, k)
-
-
-# ----------------------------------------------------------------------------------------------
-# Radix select kernel
-
-
-def _kth_largest_kernel(
-    # inputs
-    x_ref,  # i32 [R, N]   sortable keys
-    # outputs
-    out_ref,  # i32 [R]     k-th largest key (INT_MIN if fewer than k keys are > INT_MIN)
-    *,
-    k: int,
-    size: int,
-    tile: int,
-):
-    r = pl.program_id(0)
-    digits = jnp.arange(16, dtype=jnp.int32)
-    prefix = jnp.int32(0)  # in unsigned-order space: key_u = key_s ^ INT_MIN
-    for sh in range(28, -4, -4):
-        cand_u = prefix | (digits << sh)  # [16]
-        cand_s = cand_u ^ jnp.int32(INT_MIN)
-
-        def body(i, counts, cand_s=cand_s):
-            off = i * tile
-            m = off + jnp.arange(tile, dtype=jnp.int32) < size
-            x = plgpu.load(x_ref.at[r, pl.ds(off, tile)], mask=m, other=INT_MIN)
-            hit = (x[:, None] >= cand_s[None, :]) & m[:, None]
-            return counts + jnp.sum(hit.astype(jnp.int32), axis=0)
-
-        counts = jax.lax.fori_loop(0, pl.cdiv(size, tile), body, jnp.zeros((16,), jnp.int32))
-        best = jnp.sum(((counts >= k) & (digits > 0)).astype(jnp.int32))
-        prefix = prefix | (best << sh)
-    out_ref[r] = prefix ^ jnp.int32(INT_MIN)
-
-
-@functools.partial(jax.jit, static_argnames=("k", "tile", "num_warps", "interpret"))
-def kth_largest(keys, *, k: int, tile: int = 1024, num_warps: int = 4, interpret: bool = False):
-    """Per row of ``keys i32 [R, N]``: the k-th largest value (exact; INT_MIN when fewer than k)."""
-    r, n = keys.shape
-    tile = min(tile, pl.next_power_of_2(n))
-    return pl.pallas_call(
-        functools.partial(_kth_largest_kernel, k=k, size=n, tile=tile),
-        out_shape=jax.ShapeDtypeStruct((r,), jnp.int32),
-        grid=(r,),
-        interpret=interpret,
-        name=KERNEL_NAME,
-        compiler_params=C.compiler_params(num_warps),
-    )(keys)
-
-
-def _row_compact(mask, values, size, fill=-1):
-    """Per row, the first ``size`` entries of ``values`` where ``mask`` (index order), ``fill``-padded."""
-    pos = jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1
-    pos = jnp.where(mask & (pos < size), pos, size)  # out-of-range slot is dropped
-    out = jnp.full((mask.shape[0], size + 1), fill, values.dtype)
-    rows = jnp.arange(mask.shape[0])[:, None]
-    return out.at[rows, pos].set(values, mode="drop")[:, :size]
-
-
-@functools.partial(jax.jit, static_argnames=("k", "sink", "local", "interpret", "tile", "num_warps"))
-def _topk_pallas(scores, length, *, k, sink, local, interpret, tile, num_warps):
-    r, n = scores.shape
-    kp = k - sink - local
-    nb = pl.cdiv(n, BUCKET)
-    _, _, middle_m = _masks(n, length, sink, local)
-    keys = jnp.where(middle_m, sortable_key(scores), INT_MIN)
-    keys = jnp.pad(keys, ((0, 0), (0, nb * BUCKET - n)), constant_values=INT_MIN)
-    buckets = keys.reshape(r, nb, BUCKET)
-    bmax = jnp.max(buckets, axis=-1)  # [R, nb]
-    tau = kth_largest(bmax, k=kp, tile=tile, num_warps=num_warps, interpret=interpret)
-    cb = (bmax >= tau[:, None]) & (bmax > INT_MIN)
-    bid = _row_compact(cb, jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (r, nb)), kp, fill=nb)
-    padded = jnp.concatenate([buckets, jnp.full((r, 1, BUCKET), INT_MIN, jnp.int32)], axis=1)
-    cand = jnp.take_along_axis(padded, bid[:, :, None], axis=1).reshape(r, kp * BUCKET)
-    cand_idx = (bid[:, :, None] * BUCKET + jnp.arange(BUCKET, dtype=jnp.int32)).reshape(r, kp * BUCKET)
-    v = kth_largest(cand, k=kp, tile=tile, num_warps=num_warps, interpret=interpret)
-    above = (cand > v[:, None]) & (cand > INT_MIN)
-    tie = (cand == v[:, None]) & (cand > INT_MIN)
-    need = kp - jnp.sum(above, axis=-1, keepdims=True)
-    sel = above | (tie & (jnp.cumsum(tie.astype(jnp.int32), axis=-1) <= need))
-    mid_idx = _row_compact(sel, cand_idx, kp)
-    sink_idx, local_idx = _sink_local(n, length, sink, local)
-    return _finish(sink_idx, local_idx, mid_idx, k)
+    sink_idx, local_idx = sink_local(n, length, sink, local)
+    return finish(sink_idx, local_idx, mid_idx, k)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,8 +202,8 @@ def _merge_tokens_kernel(pos_ref, keys_ref, out_ref, *, splits, kp, kpp):
 
 
 # Bucket maxima of a row held in one program's registers. 65536, not 32768: a decode cache of 1M tokens has 2^20 + 64
-# slots, and 64-token buckets there doubled the last kernel's candidates; on the H200, [32, 2^20 + 64] at k = 512
-# takes 0.252 ms with 32-token buckets against 0.325 ms with 64 (run m1, results/topk_tune_h200.md).
+# slots, and 64-token buckets there doubled the last kernel's candidates (measured slower on the H200:
+# results/topk_tune_h200.md).
 MAX_FUSED_BUCKETS = 65536
 AUTO_SLICE_BUCKETS = 16384  # bucket maxima per program of the bucket selection with bucket_splits="auto"
 MAX_FUSED_BUCKET = 128  # candidates per selected bucket (k' x bucket of them held in one program)
@@ -409,17 +281,16 @@ def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps, bucket,
             out_shape=jax.ShapeDtypeStruct((r, kp + 1), jnp.int32),
             grid=(r,), interpret=interpret, name="topk_select_tokens", compiler_params=params,
         )(length, bid, scores)[:, :kp]
-    sink_idx, local_idx = _sink_local(n, length, sink, local)
-    return _finish(sink_idx, local_idx, mid_idx, k)
+    sink_idx, local_idx = sink_local(n, length, sink, local)
+    return finish(sink_idx, local_idx, mid_idx, k)
 
 
 @dataclasses.dataclass(frozen=True)
 class TopkConfig:
     """``path``: ``"fused"`` (three fused kernels, rows of up to 65536 buckets of 32 to 128 tokens = 8M tokens;
     longer rows fall back to ``"radix"``) or ``"radix"`` (XLA bucket maxima + two radix selects); ``num_warps`` (default 16
-    fused, 4 radix); ``tile``: elements per step of the radix kernel.
-    H200, [32, n], k = 512: fused 0.072 / 0.083 / 0.252 ms at 32k / 128k / 1M (2^k + 64 rows: a decode cache), radix
-    0.165 / 0.198 / 0.500 (results/topk_tune_h200.md)."""
+    fused, 4 radix); ``tile``: elements per step of the radix kernel. The fused path is the faster from 32k to 1M
+    tokens on the H200 (``results/topk_tune_h200.md``)."""
 
     path: str = "fused"
     num_warps: int | None = None
@@ -427,8 +298,8 @@ class TopkConfig:
     max_buckets: int = MAX_FUSED_BUCKETS  # buckets per row of the fused path (tests lower it to reach wide buckets)
     # Programs per row of the fused path's two selections, each then merged by one program per row: the bucket
     # selection ("auto": slices of at most AUTO_SLICE_BUCKETS buckets) and the token selection among the candidates.
-    # H200, k = 512 (results/kernels_u2_h200.md): 4 rows of 2^20 + 64 slots 0.130 -> 0.090 ms, 32 rows 0.234 -> 0.188;
-    # 4 rows of 2^17 + 64 slots 0.076 -> 0.056 ms (tokens only: splitting 4k buckets costs more than it saves).
+    # Both splits measured faster on the H200 for a decode chunk's rows, except the bucket selection of rows under
+    # 512k tokens, whose split costs more than it saves (results/decode_step_h200/kernels_u2_h200.md).
     bucket_splits: int | str = "auto"
     token_splits: int = 4
 
@@ -447,8 +318,8 @@ def topk_select(
     length,  # i32 [R] or scalar
     *,
     k: int = 512,
-    sink: int = 4,
-    local: int = 32,
+    sink: int = SINK_TOKENS,
+    local: int = LOCAL_TOKENS,
     implementation: C.Implementation | None = None,
     config: TopkConfig | None = None,
     interpret: bool | None = None,
@@ -456,7 +327,7 @@ def topk_select(
     """Selected positions ``i32 [R, k]`` (increasing, -1 padded); see the module docstring."""
     implementation = C.resolve_implementation(implementation)
     config = config or TopkConfig()
-    _validate(scores, length, k, sink, local)
+    validate(scores, length, k, sink, local)
     length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (scores.shape[0],))
     if implementation == "xla" or k - sink - local > scores.shape[1]:
         return topk_select_reference(scores, length, k=k, sink=sink, local=local)
@@ -467,5 +338,5 @@ def topk_select(
                            num_warps=16 if config.num_warps is None else config.num_warps, bucket=bucket,
                            bucket_splits=config.bucket_splits,
                            token_splits=min(config.token_splits, pl.next_power_of_2(k - sink - local)))
-    return _topk_pallas(scores, length, k=k, sink=sink, local=local, interpret=interpret, tile=config.tile,
+    return topk_radix(scores, length, k=k, sink=sink, local=local, interpret=interpret, tile=config.tile,
                         num_warps=4 if config.num_warps is None else config.num_warps)

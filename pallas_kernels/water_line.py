@@ -9,9 +9,9 @@ try ``x = (lo + hi) / 2``; if the depths overflow the budget, ``x`` becomes the 
 bits; ``(1.25, 1, 1, 1)`` counts bits as read, the first plane of a channel paying its fp16 block scale
 (:mod:`fathom_jax.allocation`). Returns the plan ``depths i32 [N, D]`` and the final ``log_hi f32 [N]``.
 
-Why a kernel: in XLA the 30 steps are ~40 small kernels per layer (each step ends in a reduction), ~2 ms
-of launches per 36-layer decode step on the H200 at every context (NOTES, "Where the 1M step goes"); here
-they are one launch. Why thresholds: the loop is comparisons, one IEEE add and a multiply by 1/2 only, so
+Why a kernel: in XLA the 30 steps are ~40 small kernels per layer (each step ends in a reduction), whose
+launches the decode step paid at every context (``results/offload_h200.md``, NOTES.md "Planner"); here they
+are one launch. Why thresholds: the loop is comparisons, one IEEE add and a multiply by 1/2 only, so
 the kernel and the XLA reference give the same plan bit for bit on every backend; the logarithms (which
 Triton and XLA round differently) are taken once, outside, by XLA (:func:`fathom_jax.planner.water_line_thresholds`).
 """

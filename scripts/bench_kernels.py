@@ -5,8 +5,9 @@ depends on the last through a negligible perturbation of an input, so nothing is
 and divides; ``repeats`` such loops give the median and the spread (min, max). A single jitted call
 costs ~0.1 ms to dispatch, more than a scan at 32k, so per-call timing would measure dispatch.
 
-    python3 scripts/bench_kernels.py --out results            # everything
+    python3 scripts/bench_kernels.py --out results            # the scans (the default --sections)
     python3 scripts/bench_kernels.py --sections scan --tune    # scan tile / warp sweep
+    python3 scripts/bench_kernels.py --preset topk-tune --out $OUT   # the run behind a committed table (PRESETS)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fathom_jax import planner  # noqa: E402
+import harness  # noqa: E402
 from harness import stats, timeit, timeit_args  # noqa: E402
 from pallas_kernels import nibble_scan as NS
 from pallas_kernels import plane_scan as PS
@@ -239,7 +241,7 @@ def topk_cases(tune=False):
         fns = [(name, lambda s, c=c: TK.topk_select(s, length, k=k, implementation="pallas", config=c))
                for name, c in variants]
         fns += [("reference_lax_top_k", lambda s: TK.topk_select_reference(s, length, k=k)),
-                ("lax.top_k_only", lambda s: jax.lax.top_k(s, k - 36)[1])]
+                ("lax.top_k_only", lambda s: jax.lax.top_k(s, k - TK.SINK_TOKENS - TK.LOCAL_TOKENS)[1])]
         for name, fn in fns:
             same = bool(jnp.array_equal(fn(scores), b)) if name.startswith("ours") else True
             step = lambda c, fn=fn: c + fn(scores + c).astype(jnp.float32)[:, :1] * 1e-30
@@ -276,39 +278,6 @@ def topk_split_cases(sizes=((1 << 17) + 64, (1 << 20) + 64), rows=(4, 32), split
                 print(f"topk split n={n:8d} rows={r:2d} buckets/{bs:2d} tokens/{ts:2d} {t['median_ms']:.4f} ms "
                       f"[{t['min_ms']:.4f}, {t['max_ms']:.4f}] same={same}", flush=True)
     return out
-
-
-def union_cases(groups=(1, 4, 32), g=4, k=512, n=(1 << 17) + 64):
-    """A KV group's union of its heads' selections (``fathom_jax.select.group_union``), by sorting the G k slots
-    against the sort-free union of increasing lists (``sorted_heads=True``), on the Pallas top-k's own output:
-    1 group is a pipelined chunk at 1M tokens, 4 one at 128k, 32 a batch-8 chunk at 128k."""
-    from fathom_jax.select import group_union, select_topk
-
-    out = []
-    for r in groups:
-        scores = jnp.asarray(np.random.default_rng(r).standard_normal((r, g, n)), jnp.float32)
-        idx, mask = select_topk(scores, jnp.full((r,), n - 63, jnp.int32), k, implementation="pallas")
-        ref = [np.asarray(x) for x in group_union(idx, mask)]
-        for sorted_heads in (False, True):
-            fn = lambda i, s=sorted_heads: group_union(i, mask, sorted_heads=s)  # noqa: E731
-            got = [np.asarray(x) for x in fn(idx)]
-            heads = lambda u: [{int(t): tuple(u[2][b][:, j]) for j, t in enumerate(u[0][b]) if u[1][b][j]}  # noqa: E731
-                               for b in range(r)]
-            same = heads(got) == heads(ref)
-
-            def step(c, fn=fn):
-                union, _, member = fn(idx + (c[0, 0] > 1e30).astype(jnp.int32))
-                return c + (union[:, :1] + member[:, 0, :1]).astype(jnp.float32) * 1e-30
-
-            t = timeit(step, jnp.zeros((r, 1), jnp.float32), iters=200, repeats=3)
-            t.update(kernel="group_union", groups=r, heads=g, k=k, sorted_heads=sorted_heads, same_as_sorted=same)
-            out.append(t)
-            print(f"union groups={r:2d} sorted_heads={sorted_heads!s:5s} {t['median_ms']:.4f} ms "
-                  f"[{t['min_ms']:.4f}, {t['max_ms']:.4f}] same={same}", flush=True)
-    return out
-
-
-ROWFETCH_CONFIGS = ((32, 4), (16, 4), (64, 4), (64, 8), (128, 8))
 
 
 def rowfetch_cases(sizes=(131072,), configs=((32, 4),)):
@@ -457,8 +426,21 @@ def check_scans():
     return {**e, "nibble_scan_rel_err": rel(c, d)}
 
 
-def main():
-    ap = argparse.ArgumentParser()
+# `--preset NAME`: the argument list of the run behind a committed table (results/README.md); arguments after it win.
+PRESETS = harness.presets({
+    "kernels": "--sections scan,topk,gather,rowfetch --name kernels_h200",  # its command was not recorded: its sections
+    "topk-tune": "--sections topk --tune --name topk_tune_h200",
+    "gather-tune": "--sections gather --tune --name gather_tune_h200",
+    "rowfetch": "--sections rowfetch --tune --rowfetch-sizes 131072,1048576 --name rowfetch_h200",
+    "rowfetch-fresh": "--sections rowfetch --rowfetch-sizes 131072,1048576 --name rowfetch_fresh_h200",
+    "rowlayout": "--sections rowlayout --rowfetch-sizes 131072,1048576 --name rowlayout_h200",
+    "topk-split-roworder": "--sections topksplit,roworder --name kernels_u2_h200",
+})
+SECTIONS = ("scan", "scanchunk", "topk", "topksplit", "gather", "rowfetch", "roworder", "rowlayout")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results")
     ap.add_argument("--sections", default="scan")
     ap.add_argument("--tune", action="store_true")
@@ -467,8 +449,16 @@ def main():
     ap.add_argument("--name", default="kernels_h200", help="results file name (without extension)")
     ap.add_argument("--chunks", default="", help="groups x tokens of the scanchunk section's chunks, e.g. "
                                                  "1x1048576,4x131072 (default: SCAN_CHUNKS)")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None):
+    ap = parser()
+    args = ap.parse_args(harness.expand_preset(sys.argv[1:] if argv is None else argv, PRESETS))
     sections = args.sections.split(",")
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        ap.error(f"--sections: unknown {unknown}; choose from {list(SECTIONS)}")
     dev = jax.devices()[0]
     res = {
         "machine": {"device": dev.device_kind, "platform": platform.platform(), "python": platform.python_version()},
@@ -507,8 +497,6 @@ def main():
     if "topksplit" in sections:
         res["topk_split"] = topk_split_cases()
         save()
-    if "union" in sections:
-        res["union"] = union_cases()
         save()
     if "gather" in sections:
         res["gather"] = gather_cases(tune=args.tune)

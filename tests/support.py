@@ -10,6 +10,7 @@ import numpy as np
 
 from fathom_jax import calibrate as C
 from fathom_jax import index as I
+from fathom_jax import methods as M
 
 
 def oracle_dir(owner: int | None = None) -> str:
@@ -27,12 +28,12 @@ def oracle_dir(owner: int | None = None) -> str:
     return os.path.join(tempfile.gettempdir(), f"fathom_oracle_{owner}_{started}")
 
 
-_build_jit = jax.jit(I.build_index, static_argnums=(2,), static_argnames=("capacity", "parts"))
+_build_jit = jax.jit(I.build_index, static_argnums=(2,), static_argnames=("capacity",))
 
 
 def build_index_jit(keys, calib, methods, **kw):
-    """build_index under jit (much faster to compile than op by op on CPU)."""
-    return _build_jit(keys, calib, tuple(methods), **kw)
+    """build_index of the methods' parts under jit (much faster to compile than op by op on CPU)."""
+    return _build_jit(keys, calib, M.parts_of(methods), **kw)
 
 
 

@@ -56,51 +56,48 @@ def test_merge_keeps_the_newest_row_and_dates_errors(tmp_path):
 
 
 def test_variants_and_their_labels():
-    """--streams x --index-writes x --pipeline x --scan-writes: streams never pipelined; "auto" where a part is not
-    given."""
-    got = bench_offload.parse_variants("1,2", "full_blocks", "auto,1/0,8/66,4")
-    rest = dict(scan_writes=True, fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0)
+    """--index-writes x --pipeline (``--read`` for all): "auto" where a part is not given; every variant a valid step
+    configuration."""
+    got = bench_offload.parse_variants("staged", "full_blocks", "auto,1/0,8/66,4")
+    rest = dict(fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0)
     assert got == [
-        dict(streams=1, index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
-        dict(streams=1, index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),
-        dict(streams=1, index_writes="full_blocks", pipeline=8, gather_programs=66, **rest),
-        dict(streams=1, index_writes="full_blocks", pipeline=4, gather_programs="auto", **rest),
-        dict(streams=2, index_writes="full_blocks", pipeline=1, gather_programs=0, **rest)]
+        dict(read="staged", index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
+        dict(read="staged", index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),
+        dict(read="staged", index_writes="full_blocks", pipeline=8, gather_programs=66, **rest),
+        dict(read="staged", index_writes="full_blocks", pipeline=4, gather_programs="auto", **rest)]
     # the kernels' options: row-fetch programs x top-k x extra XLA option sets
-    got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto,0", "auto,single",
+    got = bench_offload.parse_variants("staged", "every_step", "auto", "auto,0", "auto,single",
                                        "none;xla_gpu_enable_triton_gemm=false,xla_foo=3")
     assert len(got) == 8 and {v["fetch_programs"] for v in got} == {"auto", 0}
     assert {v["xla_options"] for v in got} == {(), (("xla_gpu_enable_triton_gemm", False), ("xla_foo", "3"))}
     # a value may hold commas (a list of enums); layers per loop iteration: one row each
-    got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto",
+    got = bench_offload.parse_variants("staged", "every_step", "auto", "auto", "auto",
                                        "xla_gpu_enable_command_buffer=FUSION,WHILE,xla_foo=3", "1,2")
     assert [v["layer_unroll"] for v in got] == [1, 2]
     assert got[0]["xla_options"] == (("xla_gpu_enable_command_buffer", "FUSION,WHILE"), ("xla_foo", "3"))
     with pytest.raises(ValueError, match="--layer-unroll entries"):
-        bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto", "none", "0")
+        bench_offload.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "0")
     assert "2 layers per loop iteration" in bench_offload.split_text({"layer_unroll": 2}) and bench_offload.split_text({"layer_unroll": 1}) == ""
-    got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto", "none", "1", "0,4096")
+    got = bench_offload.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "0,4096")
     assert [v["row_cache"] for v in got] == [0, 4096] and bench_offload.split_text({"row_cache": 4096}) == \
         "row cache 4096 slots"
     with pytest.raises(ValueError, match="--row-cache entries"):
-        bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "auto", "none", "1", "-1")
+        bench_offload.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "-1")
     with pytest.raises(ValueError, match="--topk entries"):
-        bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "sorted")
-    got = bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "b8t4,bautot8")
+        bench_offload.parse_variants("staged", "every_step", "auto", "auto", "sorted")
+    got = bench_offload.parse_variants("staged", "every_step", "auto", "auto", "b8t4,bautot8")
     assert [v["topk"] for v in got] == ["b8t4", "bautot8"]
     assert bench_offload.topk_config("b8t4") == TopkConfig(bucket_splits=8, token_splits=4)
     assert bench_offload.topk_config("bautot8") == TopkConfig(bucket_splits="auto", token_splits=8)
     assert [bench_offload.topk_name(bench_offload.topk_config(n)) for n in ("auto", "single", "b8t4", "bautot8")] == \
         ["auto", "single", "b8t4", "bautot8"]
     with pytest.raises(ValueError, match="power of two"):
-        bench_offload.parse_variants("1", "every_step", "auto", "1", "auto", "b3t4")
-    got = bench_offload.parse_variants("1", "every_step", "auto", "1,0")
-    assert [v["scan_writes"] for v in got] == [True, False]
-    with pytest.raises(ValueError, match="--scan-writes entries are 1 or 0"):
-        bench_offload.parse_variants("1", "every_step", "auto", "yes")
+        bench_offload.parse_variants("staged", "every_step", "auto", "auto", "b3t4")
+    with pytest.raises(ValueError, match="index_writes must be one of"):  # StepConfig checks every variant
+        bench_offload.parse_variants("staged", "sometimes", "auto")
     assert bench_offload.writes_text({"index_writes": "every_step", "scan_writes": True}) == "every_step in scan"
     assert bench_offload.writes_text({}) == "every_step"
-    text = bench_offload.split_text
+    text = bench_offload.split_text  # (rows of the deleted GPU streams option still render)
     assert text({"streams": 2}) == "streams 2" and text({"pipeline": 8, "gather_programs": 66}) == "pipeline 8 (gather 66)"
     assert text({"pipeline": 1, "gather_programs": 66}) == "gather 66" and text({}) == ""
     assert text({"pipeline": 2, "gather_programs": 66, "fetch_programs": 66, "topk": "auto", "xla_options": "a=1"}) == \

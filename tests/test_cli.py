@@ -68,9 +68,15 @@ BAD_ARGUMENTS = [
     # "2 cpu device(s)" here, "2 gpu device(s)" on the two-GPU machine
     (["generate", "x", "--mesh", "64"], "argument --mesh: 64 devices asked for, 2 "),
     (["generate", "x", "--mesh", "2"], "argument --mesh: the model's 3 KV heads do not split evenly over 2 devices"),
-    (["generate", "x", "--read", "sideways"], "argument --read: invalid choice: 'sideways'"),
-    (["generate", "x", "--index-writes", "never"], "argument --index-writes: invalid choice: 'never'"),
-    (["generate", "x", "--pipeline", "0"], "argument --pipeline: --pipeline must be 'auto' or an int >= 1, got '0'"),
+    (["generate", "x", "--coordinator", "host0", "--num-processes", "2", "--process-id", "0"],
+     "argument --coordinator / --num-processes / --process-id: coordinator must be host:port"),
+    (["generate", "x", "--process-id", "-1"], "argument --process-id: expected an integer >= 0"),
+    (["generate", "x", "--step-config", "read=sideways"], "argument --step-config: step read must be one of"),
+    (["generate", "x", "--step-config", "index_writes=never"],
+     "argument --step-config: step index_writes must be one of"),
+    (["generate", "x", "--step-config", "pipeline=0"],
+     "argument --step-config: step pipeline must be an int >= 1 or 'auto', got 0"),
+    (["generate", "x", "--step-config", "streams=2"], "argument --step-config: step config: unknown key 'streams'"),
     (["sweep", "--k", "0"], "argument --k: expected an integer >= 36"),
     (["sweep", "--k", "5000"], "argument --k: [5000] is more than the 4096 tokens of --context 4096"),
     (["sweep", "--positions", "0"], "argument --positions: expected an integer >= 1"),
@@ -198,9 +204,9 @@ def test_generate_with_a_local_hf_model_reports_what_was_sparse(capsys, tiny_hf_
     assert out.startswith(prompt) and len(out) > len(prompt)
 
 
-def test_generate_passes_mesh_and_read_to_the_placement(capsys, monkeypatch, tiny_hf_model):
-    """--mesh 2 --placement pinned_host --read staged --index-writes full_blocks --pipeline 1 --no-scan-writes reach the
-    attention hook (the sharded decode itself is tested against the unsharded one in tests/test_sharding.py)."""
+def test_generate_passes_mesh_and_step_config_to_the_hook(capsys, monkeypatch, tiny_hf_model):
+    """--mesh 2 --placement pinned_host reach the hook's placement, --step-config its step configuration (the sharded
+    decode itself is tested against the unsharded one in tests/test_sharding.py)."""
     import jax.numpy as jnp
 
     import fathom_jax.models as models
@@ -208,18 +214,18 @@ def test_generate_passes_mesh_and_read_to_the_placement(capsys, monkeypatch, tin
     seen = {}
 
     def fake_generate(model, prompt, n, *, capacity, attention_fn=None):
-        seen["placement"] = attention_fn.placement
+        seen["attn"] = attention_fn
         return jnp.concatenate([prompt, jnp.zeros((n,), prompt.dtype)])
 
     monkeypatch.setattr(models, "generate", fake_generate)
     prompt = " ".join(f"w{(7 * i) % 49}" for i in range(80))
     code, _, err = run(capsys, "generate", prompt, "--model", str(tiny_hf_model), "--method", "fathom:8", "--k", "40",
-                       "--max-new-tokens", "2", "--mesh", "2", "--placement", "pinned_host", "--read", "staged",
-                       "--index-writes", "full_blocks", "--pipeline", "1", "--no-scan-writes")
+                       "--max-new-tokens", "2", "--mesh", "2", "--placement", "pinned_host", "--step-config",
+                       "read=staged,index_writes=full_blocks,pipeline=1")
     assert code == 0, err
-    placement = seen["placement"]
-    assert placement.num_shards == 2 and placement.read == "staged" and placement.memory == "pinned_host"
-    assert placement.index_writes == "full_blocks" and placement.pipeline == 1 and placement.scan_writes is False
+    placement, step = seen["attn"].placement, seen["attn"].step
+    assert placement.num_shards == 2 and placement.memory == "pinned_host"
+    assert step.read == "staged" and step.index_writes == "full_blocks" and step.pipeline == 1
 
 
 def test_registered_command_modules_share_the_conventions(capsys, monkeypatch):

@@ -1,5 +1,5 @@
 """The profiler-trace arithmetic of scripts/harness.py (the benchmarks' breakdowns): what runs while no plane
-transfer does, and the gaps between transfers."""
+transfer does, and the gaps between transfers; and ``--preset NAME`` on a benchmark's command line."""
 
 import gzip
 import json
@@ -60,3 +60,22 @@ def test_trace_gaps_reports_a_saved_trace(tmp_path):
     assert res["traces"]["layer"]["span_ms_per_step"] == pytest.approx(0.46)
     text = (tmp_path / "gaps.md").read_text()
     assert "## layer" in text and "| `row_fetch` | 0.025 |" in text and "| 50.0 | 80.0 | `row_fetch` |" in text
+
+
+PRESETS = harness.presets({"a": '--tag a --methods "Fathom 48,SparQ r=16" --steps 3', "b": "--sections link"})
+
+
+def test_a_preset_comes_first_so_the_command_line_overrides_it():
+    assert PRESETS["a"] == ["--tag", "a", "--methods", "Fathom 48,SparQ r=16", "--steps", "3"]
+    assert harness.expand_preset(["--out", "x", "--preset", "a", "--steps", "5"], PRESETS) == [
+        "--tag", "a", "--methods", "Fathom 48,SparQ r=16", "--steps", "3", "--out", "x", "--steps", "5"]
+    assert harness.expand_preset(["--preset=b"], PRESETS) == ["--sections", "link"]
+    assert harness.expand_preset(["--steps", "5"], PRESETS) == ["--steps", "5"]
+
+
+@pytest.mark.parametrize("argv, message", [(["--preset", "c"], "'c' is not a preset; presets: a, b"),
+                                           (["--preset"], "'' is not a preset"),
+                                           (["--preset", "a", "--preset=b"], "give one preset")])
+def test_a_bad_preset_is_one_clear_line(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        harness.expand_preset(argv, PRESETS)

@@ -7,9 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
 from fathom_jax import decode
-from fathom_jax.hlo import _INSTR, device_copies, host_array_copies
-from fathom_jax.models import sparse
+from fathom_jax.decode import StepConfig
+from fathom_jax.hlo import device_copies, host_array_copies
+from fathom_jax.models import generation
 
 SNIPPET = """
 ENTRY %main (p0: u32[36,8,128,4,32768], p1: f32[8,4,128]) -> f32[8,4,1048576] {
@@ -76,56 +79,41 @@ def test_device_copies_finds_a_layers_weight_slice_and_plain_copies():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("read,streams,writes,pipeline,scan_writes,row_cache", [
-    ("direct", 1, "every_step", 1, True, 0), ("staged", 1, "every_step", 1, True, 0),
-    ("staged", 2, "every_step", 1, True, 0), ("staged", 1, "full_blocks", 1, True, 0),
-    ("staged", 1, "full_blocks", 2, True, 0), ("staged", 1, "every_step", 2, False, 0),
-    ("staged", 1, "every_step", 2, True, 256)])
-def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_model, read, streams, writes, pipeline,
-                                                            scan_writes, row_cache):
+@pytest.mark.parametrize("read,writes,pipeline,row_cache", [
+    ("direct", "every_step", 1, 0), ("staged", "every_step", 1, 0), ("staged", "full_blocks", 1, 0),
+    ("staged", "full_blocks", 2, 0), ("staged", "every_step", 2, 256)])
+def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_model, read, writes, pipeline, row_cache):
     """The compiled offloaded decode step has no host-to-device (or host-to-host) copy of the store or K/V,
     whether the plane scan reads host memory itself or the run gather stages the planned runs, and when the
-    groups are split over GPU streams (the host arrays then pass into each stream's computation) or into
-    pipelined chunks (compiled with their CUDA-graph option), and whether each layer writes its new row and blocks
-    inside the layer scan or all layers write after it. With a row cache in HBM, the step updates it in place (its
-    small leaves are donated): no copy of it either."""
-    placement = decode.Placement("pinned_host", read=read, streams=streams, index_writes=writes, pipeline=pipeline,
-                                 gather_programs=64 if pipeline > 1 else 0, scan_writes=scan_writes, row_cache=row_cache)
-    attn = decode.from_spec("fathom:16", k=64, calibration="session", placement=placement, implementation="pallas")
+    groups are split into pipelined chunks (compiled with their CUDA-graph option); each layer writes its new row and
+    blocks inside the layer scan. With a row cache in HBM, the step updates it in place (its small leaves are
+    donated): no copy of it either."""
+    step = StepConfig(read=read, index_writes=writes, pipeline=pipeline, gather_programs=64 if pipeline > 1 else 0,
+                      row_cache=row_cache)
+    attn = decode.from_spec("fathom:16", k=64, calibration="session", placement="pinned_host", step=step,
+                            implementation="pallas")
     prompt = np.random.default_rng(0).integers(0, 97, (2, 1000)).astype(np.int32)
-    logits, cache, attn = sparse.prefill(tiny_model, prompt, np.array([1000, 900]), attn, 4096)
-    assert cache.kv.sharding.memory_kind == "pinned_host" and cache.index.raw.planes.sharding.memory_kind == "pinned_host"
-    programs = sparse.host_programs(tiny_model, attn, cache)
-    from flax import nnx
-    from fathom_jax.models.llama import split_attention
-
+    logits, cache, attn = generation.prefill(tiny_model, prompt, np.array([1000, 900]), attn, 4096)
+    assert cache.kv.sharding.memory_kind == "pinned_host"
+    assert cache.index["raw"].planes.sharding.memory_kind == "pinned_host"
     _, state = nnx.split(tiny_model)
-    leaves = split_attention(attn)[1]
     tokens = jnp.argmax(logits, -1).astype(jnp.int32)
-    text = programs.lower_step(state, tokens, cache, leaves).compile().as_text()
+    text = generation.decode_step_program(tiny_model, cache, attn).lower(state, tokens, None, cache=cache).compile().as_text()
     assert "S(5)" in text, "the compiled step has no host-memory operands: the cache is not offloaded"
     copies = host_array_copies(text, min_bytes=1 << 16)
     assert copies == [], "the decode step copies host-resident cache arrays:\n" + "\n".join(copies)
     if row_cache:
         whole = device_copies(text, min_bytes=cache.row_cache.rows.nbytes)
         assert whole == [], "the decode step copies its row cache:\n" + "\n".join(map(str, whole))
-    if streams > 1:  # the first chunk runs as a computation on a stream of its own, the last on the main stream
-        assert text.count("call-start") >= streams - 1 and '_xla_stream_annotation="1"' in text
-        schedule = [m.group(3) for m in map(_INSTR.match, text.splitlines()) if m]  # in scheduled order
-        start, done = schedule.index("call-start"), schedule.index("call-done")
-        between = schedule[start + 1:done]
-        print("scheduled between the stream's start and done:", between.count("custom-call"), "custom calls of",
-              len(between), "instructions")
-        assert "custom-call" in between, "nothing of the main stream is scheduled while the other stream runs"
     # and the cache is really written: the next step sees the new token's K row in host memory
-    block = np.asarray(cache.index.raw.planes[:, 0, :, :, 30:32])  # sequence 0's partial block 15 (tokens 960..1000)
-    nxt, _, cache2 = sparse.decode_step(tiny_model, tokens, cache, attn)
+    block = np.asarray(cache.index["raw"].planes[:, 0, :, :, 30:32])  # sequence 0's partial block 15 (tokens 960..1000)
+    nxt, _, cache2 = generation.decode_step(tiny_model, tokens, cache, attn)
     assert cache2.kv is cache.kv  # the same host array, updated in place
     assert np.abs(np.asarray(cache2.k[:, 0, 1000])).max() > 0 and np.abs(np.asarray(cache2.k[:, 0, 1001])).max() == 0
-    after = np.asarray(cache2.index.raw.planes[:, 0, :, :, 30:32])
+    after = np.asarray(cache2.index["raw"].planes[:, 0, :, :, 30:32])
     if writes == "full_blocks":  # the step left the partial block to the tail; flush writes it
         np.testing.assert_array_equal(after, block)
-        flushed = np.asarray(sparse.flush(cache2, attn).index.raw.planes[:, 0, :, :, 30:32])
+        flushed = np.asarray(decode.flush(cache2, attn).index["raw"].planes[:, 0, :, :, 30:32])
         assert (flushed != block).any()
     else:
         assert (after != block).any()
@@ -136,45 +124,42 @@ def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_mo
 @pytest.mark.parametrize("memory", ["pinned_host", "device"])
 def test_compiled_decode_step_reads_each_layers_weights_in_place(memory):
     """The compiled decode step (offloaded: one step; in device memory: the decode loop) copies no layer's weights
-    out of the stacked arrays: under :data:`sparse.WEIGHT_GEMM_OPTIONS` its GEMMs are cuBLAS calls that read the
+    out of the stacked arrays: under :data:`generation.WEIGHT_GEMM_OPTIONS` its GEMMs are cuBLAS calls that read the
     slices in place. A bf16 model whose per-layer weights (0.5-1.5 MB) and device-memory cache (1-8 MB: the loop
-    takes it donated, run v1 saw a copy of all of it without) are its only device arrays of 256 kB or more."""
-    from flax import nnx
-
+    takes it donated, a copy of all of it was seen without) are its only device arrays of 256 kB or more."""
     from fathom_jax.models.config import LlamaConfig
-    from fathom_jax.models.llama import LlamaForCausalLM, split_attention
+    from fathom_jax.models.llama import LlamaForCausalLM
 
     cfg = LlamaConfig(vocab=97, hidden=512, intermediate=1536, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=64,
                       rope_theta=1e4, rms_norm_eps=1e-6, qk_norm=True)
     model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    attn = decode.from_spec("fathom:16", k=64, calibration="session", placement=decode.Placement(memory),
-                            implementation="pallas")
+    attn = decode.from_spec("fathom:16", k=64, calibration="session", placement=memory, implementation="pallas")
     prompt = np.random.default_rng(0).integers(0, 97, (2, 1000)).astype(np.int32)
-    logits, cache, attn = sparse.prefill(model, prompt, np.array([1000, 900]), attn, 4096)
+    logits, cache, attn = generation.prefill(model, prompt, np.array([1000, 900]), attn, 4096)
     graphdef, state = nnx.split(model)
     tokens = jnp.argmax(logits, -1).astype(jnp.int32)
 
     def compiled(extra, **fields):  # the program decode_step / decode_loop runs, with ``extra`` XLA options (and
-        # other ``fields``) of the placement
-        with_extra = dataclasses.replace(attn, placement=dataclasses.replace(attn.placement, xla_options=extra,
-                                                                             **fields))
-        attn_static, leaves = split_attention(with_extra)
+        # other ``fields``) of the step configuration
+        with_extra = dataclasses.replace(attn, step=dataclasses.replace(attn.step, xla_options=extra, **fields))
+        with_extra = with_extra.bind(decode.cache_shape(cache))
         if memory == "pinned_host":
-            return sparse.host_programs(model, with_extra, cache).lower_step(state, tokens, cache, leaves).compile().as_text()
-        program = sparse.decode_loop_program(with_extra.placement.compiler_options)
-        return program.lower(graphdef, state, tokens, cache, 3, attn_static, leaves).compile().as_text()
+            run = generation.decode_step_program(model, cache, with_extra)
+            return run.lower(state, tokens, None, cache=cache).compile().as_text()
+        program = generation.decode_loop_program(with_extra.compiler_options)
+        return program.lower(graphdef, state, with_extra, tokens, cache, 3).compile().as_text()
 
     text = compiled({})  # the programs' own options (WEIGHT_GEMM_OPTIONS on a GPU)
     copies = device_copies(text, min_bytes=256 << 10)
     assert "__cublas$" in text, "the decode step's weight GEMMs are not cuBLAS calls"
     assert copies == [], "the decode step copies layer weights:\n" + "\n".join(
         f"{i['name']} {i['opcode']} {i['bytes']} B {i['shape']} {i['op']}" for i in copies)
-    # The control: Triton GEMM fusions make XLA copy each slice (run u2, Qwen3-8B shapes); printed, not asserted,
-    # since whether XLA picks Triton for GEMMs this small is its own choice.
+    # The control: Triton GEMM fusions make XLA copy each slice (Qwen3-8B shapes); printed, not asserted, since
+    # whether XLA picks Triton for GEMMs this small is its own choice.
     triton = device_copies(compiled({"xla_gpu_enable_triton_gemm": True}), min_bytes=256 << 10)
     print(f"with Triton GEMMs: {len(triton)} weight copies of >= 256 kB per step")
-    # Two layers per loop iteration (Placement.layer_unroll): the 128k full step took 30.0 instead of 24.9 ms with 4
-    # (run x2); printed, to say whether weight copies are why.
+    # Two layers per loop iteration (StepConfig.layer_unroll, slower in the full 128k step): printed, to say whether
+    # weight copies are why.
     unrolled = device_copies(compiled({}, layer_unroll=2), min_bytes=256 << 10)
     print(f"with 2 layers per loop iteration: {len(unrolled)} copies of >= 256 kB per step:",
           [(i["name"], i["bytes"]) for i in unrolled[:8]])
@@ -182,46 +167,41 @@ def test_compiled_decode_step_reads_each_layers_weights_in_place(memory):
 
 def test_decode_loop_takes_the_cache_donated(tiny_model):
     """The device-memory decode loop updates the cache in place: its compiled program copies neither the K/V rows
-    nor the plane store (without the donation XLA copied both whole at entry: 8 MB + 1 MB in run v1), and the cache
-    passed in is consumed."""
-    from flax import nnx
-
-    from fathom_jax.models.llama import split_attention
-
+    nor the plane store (without the donation XLA copied both whole at entry), and the cache passed in is
+    consumed."""
     attn = decode.from_spec("fathom:16", k=48, calibration="session")
     prompt = np.random.default_rng(1).integers(0, 97, (2, 100)).astype(np.int32)
-    logits, cache, attn = sparse.prefill(tiny_model, prompt, np.array([100, 90]), attn, 256)
+    logits, cache, attn = generation.prefill(tiny_model, prompt, np.array([100, 90]), attn, 256)
     graphdef, state = nnx.split(tiny_model)
-    attn_static, leaves = split_attention(attn)
     tokens = jnp.argmax(logits, -1).astype(jnp.int32)
-    text = sparse.decode_loop_program().lower(graphdef, state, tokens, cache, 3, attn_static, leaves).compile().as_text()
+    text = generation.decode_loop_program().lower(graphdef, state, attn, tokens, cache, 3).compile().as_text()
     hlo_type = {"bfloat16": "bf16", "float32": "f32", "uint32": "u32", "float16": "f16"}
     bulk = {f"{hlo_type[x.dtype.name]}[{','.join(map(str, x.shape))}]"
-            for x in (cache.kv, cache.index.raw.planes, cache.index.raw.scales)}
+            for x in (cache.kv, cache.index["raw"].planes, cache.index["raw"].scales)}
     copied = [i["shape"] for i in device_copies(text, min_bytes=0) if i["shape"].split("{")[0] in bulk]
     assert copied == [], f"the decode loop copies its cache: {copied}"
-    out, _ = sparse.decode_loop(tiny_model, tokens, cache, attn, 3)
+    out, _ = generation.decode_loop(tiny_model, tokens, cache, attn, 3)
     assert out.shape == (2, 3) and cache.kv.is_deleted()
 
 
 def test_decode_step_updates_its_row_cache_in_place(tiny_model):
     """The step program donates the cache's small leaves, so XLA writes a step's rows into the row cache in place; the
     same program without the donation copies the whole row cache first (the control: the check can fail)."""
-    from flax import nnx
+    from fathom_jax.models.attention import CacheShape
+    from fathom_jax.placement import split_bulk
 
-    from fathom_jax.models.llama import split_attention
-
-    attn = decode.from_spec("sparq:4", k=12, sink=2, local=4, placement=decode.Placement(row_cache=1024))
     cfg = tiny_model.config
-    cache = attn.init_cache(n_layers=cfg.n_layers, batch=2, kv_heads=cfg.n_kv_heads, capacity=64, head_dim=cfg.head_dim,
-                            dtype=jnp.float32)  # only compiled, never run: its contents do not matter
-    cache = attn.prefilled(cache, jnp.array([40, 33], jnp.int32))
+    shape = CacheShape(layers=cfg.n_layers, batch=2, kv_heads=cfg.n_kv_heads, capacity=64, head_dim=cfg.head_dim,
+                       dtype=jnp.float32)
+    attn = decode.from_spec("sparq:4", k=12, sink=2, local=4, step=StepConfig(row_cache=1024)).bind(shape)
+    cache = attn.init_cache(shape)  # only compiled, never run: its contents do not matter
+    cache = attn.start_decode(cache, jnp.array([40, 33], jnp.int32))
     _, state = nnx.split(tiny_model)
     tokens = jnp.zeros((2,), jnp.int32)
-    leaves = split_attention(attn)[1]
-    programs = sparse.host_programs(tiny_model, attn, cache)
+    run = generation.decode_step_program(tiny_model, cache, attn)
     size = cache.row_cache.rows.nbytes
-    donated = programs.lower_step(state, tokens, cache, leaves).compile().as_text()
+    donated = run.lower(state, tokens, None, cache=cache).compile().as_text()
     assert device_copies(donated, min_bytes=size) == []
-    kept = jax.jit(programs.jits[1].__wrapped__).lower(state, tokens, *decode.Placement.split_bulk(cache), leaves)
+    leaves = jax.tree.leaves(attn)
+    kept = jax.jit(run.jit.__wrapped__).lower(leaves, (state, tokens, None), *split_bulk(cache, cache.bulk()))
     assert device_copies(kept.compile().as_text(), min_bytes=size) != []

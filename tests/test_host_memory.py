@@ -4,6 +4,7 @@ import pytest
 
 from fathom_jax import decode, host_memory
 from fathom_jax.host_memory import GiB, regions, smallest_limit_gib
+from fathom_jax.models.attention import CacheShape
 from fathom_jax.placement import Placement
 
 # A 1M-token cache with Qwen3-8B shapes (36 layers, 8 KV heads, D = 128), every layer's own K/V, one GPU.
@@ -70,13 +71,13 @@ def test_init_cache_checks_before_allocating(monkeypatch):
     monkeypatch.setenv(host_memory.LIMIT_VARIABLE, "8")
     attn = decode.from_spec("fathom:16", k=64, placement="pinned_host")
     with pytest.raises(ValueError, match=r"a cache of 4194304 tokens .* under XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=8"):
-        attn.init_cache(n_layers=4, batch=1, kv_heads=8, capacity=1 << 22, head_dim=64, dtype="bfloat16")
+        attn.init_cache(CacheShape(layers=4, batch=1, kv_heads=8, capacity=1 << 22, head_dim=64, dtype="bfloat16"))
 
 
 def test_side_by_side_kv_needs_less_pinned_room():
     """K and V of a token side by side (one [L, R, C, 2 Dh] array, 144 GiB at 1M on one GPU): the cache's
-    163 GiB fit in 2 + 164 GiB of regions, where two 72 GiB arrays needed 2 + 128 + 73 (h1/h2 of
-    scripts/gpu_session.sh are set from these)."""
+    163 GiB fit in 2 + 164 GiB of regions, where two 72 GiB arrays needed 2 + 128 + 73 (the caps of the two-GPU
+    benchmark runs, results/README.md, are set from these)."""
     assert smallest_limit_gib([K + V, PLANES, SCALES], existing=LINK) == 166
     assert smallest_limit_gib([(K + V) // 2, PLANES // 2, SCALES // 2], existing=LINK) == 84
 
@@ -92,7 +93,7 @@ def test_init_cache_allocates_kv_first_as_one_array(monkeypatch):
     monkeypatch.setattr(host_memory, "check", stop)
     attn = decode.from_spec("fathom:16", k=64, placement="pinned_host")
     with pytest.raises(RuntimeError, match="stop"):
-        attn.init_cache(n_layers=4, batch=1, kv_heads=8, capacity=1 << 12, head_dim=64, dtype="bfloat16")
+        attn.init_cache(CacheShape(layers=4, batch=1, kv_heads=8, capacity=1 << 12, head_dim=64, dtype="bfloat16"))
     kv, planes, scales = seen[0]
     assert kv == 4 * 8 * (1 << 12) * 2 * 64 * 2  # [L, R, C, 2 Dh] bf16
     assert planes == 4 * 8 * 64 * 4 * (1 << 12) // 32 * 4 and scales == 4 * 8 * 64 * (1 << 12) // 64 * 2

@@ -7,6 +7,7 @@ import pytest
 
 from fathom_jax import calibrate as C
 from fathom_jax import index as I
+from fathom_jax import index_parts as P
 from fathom_jax import methods as M
 from tests.support import assert_trees_bitwise_equal
 from tests.support import build_index_jit as build
@@ -30,24 +31,24 @@ def test_append_index_equals_build_index(split, random_keys):
 def test_parts_follow_the_methods(random_keys):
     keys = random_keys(np.random.default_rng(1), (2, 70, 8))
     calib = C.calibrate_session(jnp.asarray(keys))
-    index = I.build_index(keys, calib, [M.SparQ(2), M.Landmark()])
-    assert index.raw is not None and index.landmarks is not None
-    assert index.klt is None and index.loki is None and index.keys is None
-    assert I.parts_of([M.Fathom(8), M.Loki(2), M.Exact()]) == {"raw", "loki", "keys"}
-    no_keys = I.build_index(keys, calib, [M.Exact(), M.Fathom(8)], parts=frozenset({"raw"}))
-    assert no_keys.keys is None and no_keys.raw is not None
+    index = I.build_index(keys, calib, M.parts_of([M.SparQ(2), M.Landmark()]))
+    assert index.get("raw") is not None and index.get("landmarks") is not None
+    assert index.get("klt") is None and index.get("loki") is None and index.get("keys") is None
+    assert M.parts_of([M.Fathom(8), M.Loki(2), M.Exact()]) == {P.RAW, P.LOKI, P.KEYS}
+    no_keys = I.build_index(keys, calib, {P.RAW})
+    assert no_keys.get("keys") is None and no_keys.get("raw") is not None
     assert index.capacity == 128 and index.head_dim == 8 and index.batch_shape == (2,)
 
 
 def test_append_index_errors(random_keys):
-    index = I.build_index(random_keys(np.random.default_rng(0), (2, 60, 8)), None, [M.Landmark()], capacity=64)
+    index = I.build_index(random_keys(np.random.default_rng(0), (2, 60, 8)), None, M.Landmark().parts, capacity=64)
     with pytest.raises(ValueError, match="past capacity"):
         I.append_index(index, jnp.zeros((2, 5, 8)))
     with pytest.raises(ValueError, match=r"\[\*batch, m, D\]"):
         I.append_index(index, jnp.zeros((2, 8)))
     with pytest.raises(Exception, match="past capacity"):  # under jit: raised through a host callback
         jax.block_until_ready(jax.jit(I.append_index)(index, jnp.zeros((2, 5, 8))))
-    with pytest.raises(TypeError, match="ScanMethod"):
+    with pytest.raises(TypeError, match="IndexPart"):
         I.build_index(jnp.zeros((2, 8, 8)), None, ["fathom:8"])
 
 
@@ -69,7 +70,7 @@ def test_prefix_index_equals_build_index_with_that_length(random_keys):
         assert_trees_bitwise_equal(cut(full, keys, length), want)
         got = cut(unpacked, keys, length)
         for part in ("raw", "klt", "loki"):
-            a, b = getattr(want, part), getattr(got, part)
+            a, b = want[part], got[part]
             assert isinstance(b, S.UnpackedStore)
             for depth in (0, 2, 4, depths):
                 np.testing.assert_array_equal(np.asarray(S.dequantize(a, depth)), np.asarray(S.dequantize(b, depth)))

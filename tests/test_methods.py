@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fathom_jax import calibrate as C
+from fathom_jax import index_parts as P
 from fathom_jax import methods as M
 from fathom_jax import scan as SC
 from tests.support import build_index_jit as build
@@ -207,8 +208,8 @@ def test_help_is_derived_from_the_registry():
 
 
 def test_parts_and_calibration_needs():
-    assert M.Fathom(8).parts == {"raw"} and M.FathomKLT(8).parts == {"klt"} and M.Loki(4).parts == {"loki"}
-    assert M.Landmark().parts == {"landmarks"} and M.Exact().parts == {"keys"}
+    assert M.Fathom(8).parts == {P.RAW} and M.FathomKLT(8).parts == {P.KLT} and M.Loki(4).parts == {P.LOKI}
+    assert M.Landmark().parts == {P.LANDMARKS} and M.Exact().parts == {P.KEYS}
     needs = {cls.name for cls in M.REGISTRY.values() if cls.needs_calibration}
     assert needs == {"fathom", "fathom_klt", "fathom_bits", "fathom_tuned", "double_sparsity", "loki"}
     assert M.Fathom(100).max_active(64) == 64 and M.Fathom(12).max_active(64) == 12 and M.SparQ(8).max_active(64) == 8

@@ -147,7 +147,7 @@ def test_dense_and_exact_are_exact_scores():
 
 def test_bad_inputs_name_the_argument():
     keys, q, calib = random_setting(16, n=64, d=8)
-    index = I.build_index(keys, calib, [M.SparQ(2), M.Fathom(8)])
+    index = I.build_index(keys, calib, M.parts_of([M.SparQ(2), M.Fathom(8)]))
     with pytest.raises(TypeError, match="q must be floating"):
         SC.scan_scores(M.SparQ(2), q.astype(np.int32), index, calib)
     with pytest.raises(ValueError, match="q must be \\[\\*B, G, D\\]"):
@@ -161,7 +161,7 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="r must be <= D = 8"):
         SC.scan_scores(M.SparQ(9), q, index, calib)
     with pytest.raises(ValueError, match="c must be <= D = 8"):
-        I.build_index(keys, calib, [M.DoubleSparsity(9)])
+        SC.scan_scores(M.DoubleSparsity(9), q, index, calib)
     with pytest.raises(ValueError, match="r must be an int >= 1"):
         M.Loki(0)
     with pytest.raises(ValueError, match="unknown scan method 'quest'"):
@@ -177,15 +177,15 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="needs calib"):
         SC.scan_scores(M.Fathom(8), q, index, None)
     with pytest.raises(ValueError, match="calib is required"):
-        I.build_index(keys, None, [M.Loki(2)])
+        I.build_index(keys, None, M.Loki(2).parts)
     with pytest.raises(ValueError, match="calib head_dim 8 does not match keys head_dim 4"):
-        I.build_index(keys[..., :4], calib, [M.Loki(2)])
+        I.build_index(keys[..., :4], calib, M.Loki(2).parts)
     bad = keys.copy()
     bad[0, 3, 1] = np.nan
     with pytest.raises(ValueError, match="keys contains 1 NaN"):
         C.calibrate(bad)
     with pytest.raises(ValueError, match="keys contains"):
-        I.build_index(bad, calib, [M.Full4()])
+        I.build_index(bad, calib, M.Full4().parts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,9 +200,9 @@ def test_jit_static_method_and_vmap_over_layers():
     calib = C.calibrate(keys, queries)
     q = rng.standard_normal((layers, hkv, g, d)).astype(np.float32)
     methods = (M.Fathom(12), M.FathomKLT(12), M.SparQUnion(2), M.Loki(4), M.Landmark())
-    index = jax.jit(lambda k, c: I.build_index(k, c, methods))(keys, calib)
-    eager_index = I.build_index(keys[1], calib[1], methods[:1])
-    np.testing.assert_array_equal(index.raw.planes[1], eager_index.raw.planes)
+    index = jax.jit(lambda k, c: I.build_index(k, c, M.parts_of(methods)))(keys, calib)
+    eager_index = I.build_index(keys[1], calib[1], methods[0].parts)
+    np.testing.assert_array_equal(index["raw"].planes[1], eager_index["raw"].planes)
     scan_jit = jax.jit(SC.scan_scores, static_argnums=0)
     for m in methods:
         batched = scan_jit(m, q, index, calib)  # leading axes [L, Hkv] handled directly
@@ -223,7 +223,7 @@ def test_pallas_plane_scan_equals_reference(make):
     q = rng.standard_normal((2, 3, d)).astype(np.float32)
     calib = C.calibrate_session(keys)
     method = make(d)
-    index = I.build_index(keys, calib, [method], length=np.array([n, 150]))
+    index = I.build_index(keys, calib, method.parts, length=np.array([n, 150]))
     want = SC.scan_scores(method, q, index, calib)
     got = SC.scan_scores(method, q, index, calib, implementation="pallas")
     np.testing.assert_array_equal(np.asarray(got.bits_per_token), np.asarray(want.bits_per_token))

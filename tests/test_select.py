@@ -1,4 +1,3 @@
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -76,48 +75,6 @@ def test_group_union_of_selections_against_numpy(rng, g, ties):
             assert set(union[b][member[b, h]].tolist()) == chosen[h]
             assert not np.any(member[b, h] & ~umask[b])
 
-
-def sorted_selection(rng, batch, g, k, n, fill):
-    """Per head ``k`` slots: distinct increasing tokens below ``n`` (about ``fill`` of the slots), masked slots last
-    (the Pallas top-k's layout: padding -1, mapped to 0 by select_topk)."""
-    idx = np.zeros((batch, g, k), np.int32)
-    mask = np.zeros((batch, g, k), bool)
-    for b in range(batch):
-        for h in range(g):
-            m = int(rng.integers(0, k + 1)) if fill is None else int(fill * k)
-            idx[b, h, :m] = np.sort(rng.choice(n, m, replace=False))
-            mask[b, h, :m] = True
-    return idx, mask
-
-
-@pytest.mark.parametrize("g,k,n,fill", [(4, 64, 100, 1.0), (4, 64, 5000, 1.0), (3, 33, 60, None), (1, 16, 40, 0.5),
-                                        (5, 8, 12, None)])
-def test_union_of_sorted_lists_is_the_sorted_union(rng, g, k, n, fill):
-    """``sorted_heads=True`` (no sort) gives the sort-based union's arrays exactly (n small against G k: heads share
-    most tokens), and every head's member slots hold exactly its tokens."""
-    idx, mask = sorted_selection(rng, 6, g, k, n, fill)
-    want = [np.asarray(x) for x in sel.group_union(idx, mask)]
-    got = [np.asarray(x) for x in jax.jit(functools.partial(sel.group_union, sorted_heads=True))(idx, mask)]
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a, b)
-    union, umask, member = got
-    for b in range(6):
-        kept = union[b][umask[b]]
-        assert len(kept) == len(set(kept.tolist()))
-        for h in range(g):
-            assert set(union[b][member[b, h]].tolist()) == set(idx[b, h][mask[b, h]].tolist())
-    flat = [np.asarray(x) for x in sel.group_union(idx[0], mask[0], sorted_heads=True)]  # no batch axes
-    for a, b in zip(flat, want):
-        np.testing.assert_array_equal(a, b[0])
-
-
-def test_union_of_the_pallas_selection_needs_no_sort(rng):
-    """On the Pallas top-k's own output (interpret mode on CPU; tied scores, ragged lengths) the sort-free union
-    equals the sort-based one, array for array."""
-    scores = np.round(rng.standard_normal((3, 4, 400)) * 2).astype(np.float32)
-    idx, mask = sel.select_topk(scores, np.array([400, 150, 60]), 64, implementation="pallas")
-    for a, b in zip(sel.group_union(idx, mask, sorted_heads=True), sel.group_union(idx, mask)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 def test_sparse_attention_equals_dense_when_all_selected(rng):
     q = rng.standard_normal((3, 2, 16)).astype(np.float32)

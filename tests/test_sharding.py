@@ -8,7 +8,8 @@ from jax.sharding import PartitionSpec as P
 
 from fathom_jax import decode
 from fathom_jax.models import LlamaForCausalLM, generate
-from fathom_jax.models import sparse
+from fathom_jax.decode import StepConfig
+from fathom_jax.models import generation
 from fathom_jax.placement import Placement, device_mesh
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (the CPU tests force 2 host devices)")
@@ -52,7 +53,7 @@ def test_sharded_decode_equals_unsharded(tiny_model, mesh, spec, memory, impleme
     common = dict(k=12, sink=2, local=4, implementation=implementation)
     steps = 2 if implementation == "pallas" else 4
     want = np.asarray(generate(tiny_model, prompt, steps, capacity=48, attention_fn=decode.from_spec(spec, **common)))
-    attn = decode.from_spec(spec, placement=Placement(memory, mesh=mesh, **split), **common)
+    attn = decode.from_spec(spec, placement=Placement(memory, mesh=mesh), step=StepConfig(**split), **common)
     got = np.asarray(generate(tiny_model, prompt, steps, capacity=48, attention_fn=attn))
     np.testing.assert_array_equal(got, want)
 
@@ -66,21 +67,21 @@ def test_uneven_heads_split_by_groups_and_cache_is_sharded(smol_like, mesh):
     local = decode.from_spec("fathom:12", k=12, sink=2, local=4, calibration="session")
     sharded = decode.from_spec("fathom:12", k=12, sink=2, local=4, calibration="session",
                                placement=Placement("pinned_host", mesh=mesh))
-    logits, want_cache, want_attn = sparse.prefill(smol_like, prompt, lengths, local, 48)
-    got_logits, prefilled, _ = sparse.prefill(smol_like, prompt, lengths, sharded, 48)
-    assert prefilled.kv.sharding.spec == P(None, "x") and prefilled.index.raw.planes.sharding.spec == P(None, "x")
+    logits, want_cache, want_attn = generation.prefill(smol_like, prompt, lengths, local, 48)
+    got_logits, prefilled, got_attn = generation.prefill(smol_like, prompt, lengths, sharded, 48)
+    assert prefilled.kv.sharding.spec == P(None, "x") and prefilled.index["raw"].planes.sharding.spec == P(None, "x")
     assert prefilled.kv.addressable_shards[0].data.shape[1] == 3  # each device holds 3 of the 6 groups
     # On a GPU f32 GEMMs run as TF32 and the partitioned program picks other algorithms: 3e-4 of the logit
     # scale was seen between the two prefills on two H200s; on the CPU they agree to 2e-6.
     tol = 1e-5 if jax.default_backend() == "cpu" else 2e-3
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(logits), rtol=0, atol=tol * np.abs(logits).max())
-    # the same prefilled cache (and session statistics) on the mesh: the step itself is compared
-    cache = sharded.placement.put(jax.tree.map(np.asarray, want_cache))
-    got_attn = sharded.with_calibration(want_attn.calibration)
+    # the same prefilled cache (and its session statistics) on the mesh: the step itself is compared
+    cache = jax.tree.map(np.asarray, want_cache)
+    cache = sharded.placement.put(cache, cache.bulk())
     tokens = np.argmax(np.asarray(logits), -1).astype(np.int32)
     for _ in range(4):
-        want_tokens, want, want_cache = sparse.decode_step(smol_like, tokens, want_cache, want_attn)
-        got_tokens, got, cache = sparse.decode_step(smol_like, tokens, cache, got_attn)
+        want_tokens, want, want_cache = generation.decode_step(smol_like, tokens, want_cache, want_attn)
+        got_tokens, got, cache = generation.decode_step(smol_like, tokens, cache, got_attn)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=tol * np.abs(want).max())
         np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
         tokens = np.asarray(got_tokens)

@@ -8,8 +8,8 @@ with sparse attention on every generated token and the same k for every method:
         tokens = decode_branch(model, prefill, branch, steps, calibration=calib)   # [B, steps]
 
 :func:`decode_branch` builds the method's sparse cache from the dense K/V rows
-(:func:`fathom_jax.models.sparse.cache_from_dense`, jitted) and runs the compiled greedy loop
-(:func:`fathom_jax.models.sparse.decode_loop`): one program per (method, k, shape), no Python per token.
+(:func:`fathom_jax.decode.cache_from_dense`, jitted) and runs the compiled greedy loop
+(:func:`fathom_jax.models.generation.decode_loop`): one program per (method, k, shape), no Python per token.
 The first generated token comes from the dense prefill (it is the same for every method); every later
 token is decoded with the method's attention. The dense row is the sparse path's ``dense`` method
 (attention over every cached token), which reproduces transformers' greedy tokens (tests/eval).
@@ -33,9 +33,10 @@ from fathom_jax import methods as methods_lib
 from fathom_jax.calibrate import Calibration
 from fathom_jax.index import build_index
 from fathom_jax.methods import ScanMethod
-from fathom_jax.models import sparse
+from fathom_jax.models import generation
 from fathom_jax.models.cache import KVCache
 from fathom_jax.models.llama import dense_attend
+from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
 
 # The paper's method set at D = 64 (SmolLM2): Fathom at 24 / 32 / 48 code bits (~28 / 37 / 56 bits per
 # token with scales) in the basis the rule picks for SmolLM2 (raw planes, results/fidelity_smollm2_*.md),
@@ -43,15 +44,14 @@ from fathom_jax.models.llama import dense_attend
 # with the exact top-k oracle and dense attention.
 DEFAULT_METHODS = ("dense", "exact", "fathom:24", "fathom:32", "fathom:48", "sparq:8", "sparq:16",
                    "double_sparsity:16", "loki:16", "thumbnail:2", "landmark")
-SINK, LOCAL = 4, 32  # the paper's forced tokens per query head
 
 
 def forced_tokens(k: int) -> tuple[int, int]:
     """(sink, local) for selection size ``k``: the paper's 4 + 32 from k = 128 up; below, a quarter of k
     for the local window and at most k/8 sinks, so that most of a small k is still chosen by the scan."""
     if k >= 128:
-        return SINK, LOCAL
-    return min(SINK, max(1, k // 8)), max(1, k // 4)
+        return SINK_TOKENS, LOCAL_TOKENS
+    return min(SINK_TOKENS, max(1, k // 8)), max(1, k // 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +134,7 @@ def dense_prefill(model, prompts: Sequence[Sequence[int]], capacity: int) -> Pre
     return Prefill(kv=kv, lengths=jnp.asarray(lengths), first=jnp.argmax(logits, -1).astype(jnp.int32))
 
 
-_cache_from_dense = jax.jit(sparse.cache_from_dense)
+_cache_from_dense = jax.jit(decode.cache_from_dense)
 
 
 def attention_for(branch: Branch, capacity: int, calibration: Calibration | str | None) -> decode.SparseAttention:
@@ -150,7 +150,7 @@ def decode_branch(model, prefill: Prefill, branch: Branch, steps: int,
     """Greedy tokens ``[B, steps]`` of one branch from the shared prefill (the first is the prefill's)."""
     attn = attention_for(branch, prefill.capacity, calibration)
     cache, attn = _cache_from_dense(prefill.kv, prefill.lengths, attn)
-    tokens, _ = sparse.decode_loop(model, prefill.first, cache, attn, steps)
+    tokens, _ = generation.decode_loop(model, prefill.first, cache, attn, steps)
     return np.asarray(tokens)
 
 
@@ -173,7 +173,7 @@ def read_bits(method: ScanMethod, capture, calib: Calibration | None, positions:
 
     @jax.jit
     def layer_bits(q, keys, c):
-        index = build_index(keys, c, (method,))
+        index = build_index(keys, c, method.parts)
         return jax.vmap(lambda q_p: method.read(q_p, index, c).bits)(q)
 
     out = []

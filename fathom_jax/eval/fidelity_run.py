@@ -21,6 +21,7 @@ import numpy as np
 from fathom_jax.eval import prefix_scan, ranking
 from fathom_jax.eval.scoring import Evaluation, MethodScore, ScoreFn
 from fathom_jax.index import build_index, prefix_index, unpack_index
+from fathom_jax.index_parts import IndexPart
 from fathom_jax.select import attend_rows, gather_rows, select_topk
 from pallas_kernels import backend
 
@@ -79,14 +80,14 @@ def _select(scores, lengths, k):
     return select_topk(scores, lengths, k)
 
 
-def _window_index(parts: frozenset[str]):
+def _window_index(parts: frozenset[IndexPart]):
     """The index of a layer's whole window with ``parts``, which every position of every row reading those
     parts cuts to its own length, and on XLA the windows plane reads multiply (:func:`~fathom_jax.eval.
     prefix_scan.plane_windows`; None elsewhere): built once, shared by those rows."""
 
     def build(keys, layer_states, layer):
         keys, calib = _take_layer((keys, layer_states), layer)
-        full = build_index(keys, calib, (), parts=parts)
+        full = build_index(keys, calib, parts)
         if backend.resolve_implementation(None) != "xla":
             return full, None
         full = unpack_index(full)  # the xla scan then reads codes without extracting bits each time
@@ -100,9 +101,6 @@ def _take_layer(tree, layer):
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False), tree)
 
 
-# Index parts built from rotated keys: they depend on the calibration, so only rows sharing it share them.
-_ROTATED_PARTS = frozenset({"klt", "loki"})
-
 
 @dataclasses.dataclass(frozen=True)
 class _Task:
@@ -114,7 +112,7 @@ class _Task:
     layer: int
     program: Hashable
     data: dict[str, np.ndarray]
-    index: tuple[int, frozenset[str], int | None] | None
+    index: tuple[int, frozenset[IndexPart], int | None] | None
     also: list[int] = dataclasses.field(default_factory=list)  # rows whose same (evaluation, layer) this computes
 
 
@@ -142,7 +140,7 @@ def plan_tasks(evaluations: Sequence[Evaluation], n_layers: int, reuse_blocks: b
             if reuse:
                 # Rotated stores are built with the calibration: only rows sharing it share them.
                 parts = fn.method.parts
-                index = (layer, parts, id(ev.layer_states) if parts & _ROTATED_PARTS else None)
+                index = (layer, parts, id(ev.layer_states) if any(p.needs_calibration for p in parts) else None)
             same = (program, tuple((name, int(value)) for name, value in data.items()), layer, id(ev.layer_states))
             if same in seen:
                 seen[same].also.append(row)

@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, Int
 from fathom_jax import store as store_lib
 from fathom_jax.format import BLOCK_TOKENS, LANDMARK_TOKENS, N_PLANES
 from fathom_jax.index import KeyIndex, prefix_index
+from fathom_jax.index_parts import Planes
 from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, ScanMethod
 from fathom_jax.scan import check_scan_inputs, dot, mask_invalid
 
@@ -57,12 +58,12 @@ def prefix_scores(
         # position by position, as the scan computes it (XLA drops the rest of this read).
         read = dataclasses.replace(read, shift=jax.lax.map(lambda q: read_one(q).shift, queries))
     if isinstance(read, PlaneRead):
-        window = windows[read.part] if windows else _window(getattr(full, read.part))
+        window = windows[read.part] if windows else _window(full[read.part])
         scores = _plane_scores(read, window, full, keys, lengths)
     elif isinstance(read, LandmarkRead):
         scores = _landmark_scores(read, full, keys, lengths)
     elif isinstance(read, KeyRead):
-        scores = _shared_dot(read.queries, full.keys.astype(jnp.float32))
+        scores = _shared_dot(read.queries, full["keys"].astype(jnp.float32))
     else:
         raise TypeError(f"unknown read {type(read).__name__}")
     batch = lengths.shape + full.batch_shape
@@ -72,7 +73,7 @@ def prefix_scores(
 
 def plane_windows(full: KeyIndex) -> dict[str, Float[Array, "*B n K"]]:
     """``W`` of every plane store of ``full`` (by part): the window at depths 1..4, ``[*B, n, (D, 4)]``."""
-    return {part: _window(getattr(full, part)) for part in ("raw", "klt", "loki") if getattr(full, part) is not None}
+    return {part.name: _window(full[part.name]) for part in full.parts if isinstance(part, Planes)}
 
 
 def _window(store) -> Float[Array, "*B n K"]:
@@ -87,7 +88,7 @@ def _plane_scores(read: PlaneRead, window, full: KeyIndex, keys, lengths):
     scores = _shared_dot(spread, window)
 
     def block_scores(queries, depths, length):
-        cut = getattr(prefix_index(full, keys, length), read.part)
+        cut = prefix_index(full, keys, length)[read.part]
         return dot(queries, store_lib.dequantize_block(cut, depths))  # [*B, G, 64]
 
     blocks = jax.vmap(block_scores)(read.queries, read.depths, lengths)
@@ -96,10 +97,10 @@ def _plane_scores(read: PlaneRead, window, full: KeyIndex, keys, lengths):
 
 
 def _landmark_scores(read: LandmarkRead, full: KeyIndex, keys, lengths):
-    scores = _shared_dot(read.queries, full.landmarks.astype(jnp.float32))  # [P, *B, G, n / 8]
+    scores = _shared_dot(read.queries, full["landmarks"].means.astype(jnp.float32))  # [P, *B, G, n / 8]
 
     def block_scores(queries, length):
-        cut = prefix_index(full, keys, length).landmarks
+        cut = prefix_index(full, keys, length)["landmarks"].means
         block = jnp.minimum(length // LANDMARK_TOKENS, cut.shape[-2] - 1)  # = n / 8: no partial block, no row read
         return dot(queries, jax.lax.dynamic_slice_in_dim(cut, block, 1, axis=-2).astype(jnp.float32))  # [*B, G, 1]
 

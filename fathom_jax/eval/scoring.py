@@ -75,7 +75,7 @@ class MethodScore:
     def index(self, keys, calib, length=None) -> KeyIndex:
         if length is not None:
             length = jnp.broadcast_to(length, keys.shape[:-2])
-        return build_index(keys, calib, (self.method,), length=length)
+        return build_index(keys, calib, self.method.parts, length=length)
 
     def scores(self, q, index: KeyIndex, calib):
         result = scan_scores(self.method, q, index, calib)

@@ -40,19 +40,7 @@ from fathom_jax.eval import fidelity as fid
 from fathom_jax.eval import study_allocation as alloc
 from fathom_jax.eval import tuning
 from fathom_jax.eval.report import headline, plot, render_markdown, write_report  # noqa: F401  (re-exported)
-from fathom_jax.methods import (
-    DoubleSparsity,
-    Exact,
-    Fathom,
-    FathomKLT,
-    Full4,
-    Landmark,
-    Loki,
-    ScanMethod,
-    SparQ,
-    SparQUnion,
-    Thumbnail,
-)
+from fathom_jax.methods import Fathom, FathomKLT, ScanMethod, SparQUnion, paper_methods
 
 DEFAULT_BUDGETS = (16, 24, 28, 32, 40, 48, 64, 80, 128)
 DEFAULT_KLT_BUDGETS = (16, 32, 48, 64)
@@ -100,21 +88,17 @@ class Row:
     state: str | None = None  # the calibration state read, when not the one named by ``calibration``
 
 
+FAMILIES = {"sparq": "SparQ", "sparq_union": "SparQ union", "double_sparsity": "Double Sparsity", "loki": "Loki",
+            "thumbnail": "thumbnail", "landmark": "landmark", "full4": "full 4-bit", "exact": "oracle"}
+
+
 def baseline_rows(head_dim: int) -> list[Row]:
-    d = head_dim
-    methods = [
-        ("SparQ", SparQ(d // 8)),
-        ("SparQ", SparQ(d // 4)),
-        ("SparQ union", SparQUnion(d // 8)),
-        ("Double Sparsity", DoubleSparsity(d // 4)),
-        ("Loki", Loki(d // 4)),
-        ("Loki", Loki(d // 2)),
-        ("thumbnail", Thumbnail(2)),
-        ("landmark", Landmark()),
-        ("full 4-bit", Full4()),
-        ("oracle", Exact()),
-    ]
-    return [Row(m.label, fam, m, "corpus" if m.needs_calibration else "none") for fam, m in methods]
+    """The paper's baselines (:data:`fathom_jax.methods.PAPER_METHODS` less dense attention, which the study's error is
+    measured against), with SparQ's union read at r = D/8 after the SparQ rows."""
+    methods = [m for m in paper_methods(head_dim, budgets=()) if m.name != "dense"]
+    after_sparq = max(i for i, m in enumerate(methods) if m.name == "sparq") + 1
+    methods.insert(after_sparq, SparQUnion(head_dim // 8))
+    return [Row(m.label, FAMILIES[m.name], m, "corpus" if m.needs_calibration else "none") for m in methods]
 
 
 def fathom_rows(head_dim: int, config: StudyConfig) -> list[Row]:

@@ -14,7 +14,9 @@ its line in :data:`REGISTRY`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+from fathom_jax.index_parts import IndexPart
 
 from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, Read, ScanMethod
 from fathom_jax.methods.double_sparsity import DoubleSparsity
@@ -30,6 +32,15 @@ REGISTRY: dict[str, type[ScanMethod]] = {
     cls.name: cls
     for cls in (Fathom, FathomKLT, FathomBits, FathomTuned, SparQ, SparQUnion, DoubleSparsity, Loki, Thumbnail, Landmark, Full4, Exact, Dense)
 }
+
+
+def parts_of(methods: Iterable[ScanMethod]) -> frozenset[IndexPart]:
+    """The index parts the methods read together (what :func:`fathom_jax.index.build_index` builds for them)."""
+    methods = tuple(methods)
+    for m in methods:
+        if not isinstance(m, ScanMethod):
+            raise TypeError(f"methods must be ScanMethod instances (fathom_jax.methods), got {m!r}")
+    return frozenset().union(*(m.parts for m in methods))
 
 
 def spec_help(separator: str = " | ") -> str:
@@ -62,33 +73,35 @@ def fathom_budgets(head_dim: int, budgets: Sequence[int] = (40, 48, 64, 80)) -> 
     return tuple(max(1, round(b * head_dim / 128)) for b in budgets)
 
 
+# The paper's method set besides Fathom, as the paper sizes it (``D/n``: a size relative to the head dim D), in the
+# order the studies report it; Fathom's budgets are code bits at D = 128 (:func:`fathom_budgets`). The one definition:
+# :func:`paper_methods` and the error study's rows (``fathom_jax.eval.study``) derive from it.
+PAPER_METHODS = ("sparq:D/8", "sparq:D/4", "double_sparsity:D/4", "loki:D/4", "loki:D/2", "thumbnail:2", "landmark",
+                 "full4", "exact", "dense")
+
+
+def at_head_dim(spec: str, head_dim: int) -> str:
+    """A :data:`PAPER_METHODS` spec with its ``D/n`` size at ``head_dim`` (``sparq:D/8`` at D = 64: ``sparq:8``)."""
+    name, _, size = spec.partition(":D/")
+    return f"{name}:{head_dim // int(size)}" if size else spec
+
+
 def paper_methods(head_dim: int, *, budgets: Sequence[int] = (48, 64), klt: bool = True) -> tuple[ScanMethod, ...]:
-    """The paper's method set scaled to ``head_dim``: Fathom (and KLT) at the given D=128 budgets,
-    Double Sparsity c = D/4, SparQ r = D/8 and D/4, Loki r = D/4 and D/2, the 2-bit thumbnail, the
-    8-token landmark, the full 4-bit scan, the exact top-k oracle and dense attention."""
+    """The paper's method set scaled to ``head_dim``: Fathom (and KLT) at the given D=128 budgets, then
+    :data:`PAPER_METHODS`: SparQ r = D/8 and D/4, Double Sparsity c = D/4, Loki r = D/4 and D/2, the 2-bit
+    thumbnail, the 8-token landmark, the full 4-bit scan, the exact top-k oracle and dense attention."""
     if head_dim < 8 or head_dim % 8:
         raise ValueError(f"head_dim must be a positive multiple of 8, got {head_dim}")
     scaled = fathom_budgets(head_dim, budgets)
     out: list[ScanMethod] = [Fathom(b) for b in scaled]
     if klt:
         out += [FathomKLT(b) for b in scaled]
-    out += [
-        DoubleSparsity(head_dim // 4),
-        SparQ(head_dim // 8),
-        SparQ(head_dim // 4),
-        Loki(head_dim // 4),
-        Loki(head_dim // 2),
-        Thumbnail(2),
-        Landmark(),
-        Full4(),
-        Exact(),
-        Dense(),
-    ]
-    return tuple(out)
+    return (*out, *(parse(at_head_dim(spec, head_dim)) for spec in PAPER_METHODS))
 
 
 __all__ = [
     "REGISTRY", "ScanMethod", "PlaneRead", "LandmarkRead", "KeyRead", "Read",
-    "Fathom", "FathomKLT", "FathomBits", "FathomTuned", "SparQ", "SparQUnion", "DoubleSparsity", "Loki", "Thumbnail", "Full4", "Landmark",
-    "Exact", "Dense", "parse", "spec_help", "describe", "fathom_budgets", "paper_methods",
+    "Fathom", "FathomKLT", "FathomBits", "FathomTuned", "SparQ", "SparQUnion", "DoubleSparsity", "Loki", "Thumbnail",
+    "Full4", "Landmark", "Exact", "Dense", "parse", "parts_of", "spec_help", "describe", "fathom_budgets",
+    "paper_methods",
 ]

@@ -22,10 +22,9 @@ from jaxtyping import Array, Float, Int
 if TYPE_CHECKING:  # pragma: no cover
     from fathom_jax.calibrate import Calibration
     from fathom_jax.index import KeyIndex
+    from fathom_jax.index_parts import IndexPart
     from pallas_kernels.backend import Implementation
 
-# Index parts a method can read (the fields of fathom_jax.index.KeyIndex).
-PARTS = ("raw", "klt", "loki", "landmarks", "keys")
 
 
 @jax.tree_util.register_dataclass
@@ -74,7 +73,8 @@ class ScanMethod(abc.ABC):
     Subclasses are frozen dataclasses whose fields are the method's static parameters, and set:
 
     * ``name``: the spec keyword (``parse("name:param")``) and the ``kind`` recorded in results;
-    * ``parts``: the index parts read (``"raw"``, ``"klt"``, ``"loki"``, ``"landmarks"``, ``"keys"``);
+    * ``parts``: the index parts read (:mod:`fathom_jax.index_parts`: ``RAW``, ``KLT``, ``LOKI``, ``LANDMARKS``,
+      ``KEYS``);
     * ``needs_calibration``: whether :meth:`read` uses a :class:`~fathom_jax.calibrate.Calibration`;
     * ``spec_syntax``: how the spec reads in help texts, e.g. ``"fathom:BUDGET[:exact]"``;
     * ``data_fields``: integer fields that may hold a traced value inside ``jit`` (checked at run time),
@@ -83,7 +83,7 @@ class ScanMethod(abc.ABC):
     """
 
     name: ClassVar[str]
-    parts: ClassVar[frozenset[str]]
+    parts: ClassVar[frozenset[IndexPart]]
     needs_calibration: ClassVar[bool] = False
     spec_syntax: ClassVar[str]
     summary: ClassVar[str] = ""

@@ -8,6 +8,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from fathom_jax import format as fmt
+from fathom_jax.index_parts import KEYS
 from fathom_jax.methods.base import KeyRead, ScanMethod
 
 
@@ -16,7 +17,7 @@ class Exact(ScanMethod):
     """Exact scores ``q . k``: the top-k oracle every scan is measured against (16 D bits per token)."""
 
     name: ClassVar[str] = "exact"
-    parts: ClassVar[frozenset[str]] = frozenset({"keys"})
+    parts: ClassVar[frozenset[str]] = frozenset({KEYS})
     spec_syntax: ClassVar[str] = "exact"
     summary: ClassVar[str] = "exact scores from the keys (the top-k oracle)"
 

@@ -11,6 +11,7 @@ from fathom_jax import planner as planner_lib
 from fathom_jax import store as store_lib
 from fathom_jax.checks import is_traced
 from fathom_jax.format import N_PLANES
+from fathom_jax.index_parts import KLT, RAW
 from fathom_jax.methods.base import PlaneRead, ScanMethod, int_param, parse_int
 
 Planner = Literal["bisection", "exact"]
@@ -30,7 +31,7 @@ class Fathom(ScanMethod):
     planner: Planner = "bisection"
 
     name: ClassVar[str] = "fathom"
-    parts: ClassVar[frozenset[str]] = frozenset({"raw"})
+    parts: ClassVar[frozenset[str]] = frozenset({RAW})
     needs_calibration: ClassVar[bool] = True
     spec_syntax: ClassVar[str] = "fathom:BUDGET[:exact]"
     summary: ClassVar[str] = "per-query read depths on raw bit planes, BUDGET code bits per token"
@@ -89,17 +90,17 @@ class FathomKLT(Fathom):
     """Fathom on the KLT store: ``qV``, ``g = sum_h (qV)^2 lambda``, planes of ``(k - mu) V``.
 
     Scores ``qV . k_hat + q . mu``: the constant ``q . mu`` keeps scores on the scale of ``q . k`` (it
-    changes no ranking). The rotation is the one the store was built with (``index.klt.rotation``).
+    changes no ranking). The rotation is the one the store was built with (``index["klt"].rotation``).
     """
 
     name: ClassVar[str] = "fathom_klt"
-    parts: ClassVar[frozenset[str]] = frozenset({"klt"})
+    parts: ClassVar[frozenset[str]] = frozenset({KLT})
     spec_syntax: ClassVar[str] = "fathom_klt:BUDGET[:exact]"
     summary: ClassVar[str] = "Fathom on the calibration KLT basis"
     _label: ClassVar[str] = "Fathom KLT"
 
     def read(self, q, index, calib, *, implementation=None):
-        rotation = index.klt.rotation
+        rotation = index["klt"].rotation
         qs = store_lib.rotate_queries(q, rotation)
         plan = self._plan(qs, calib.eigenvalues, implementation)
         shift = jnp.einsum("...gd,...d->...g", q, rotation.mean)

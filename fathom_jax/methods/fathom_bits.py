@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from fathom_jax import allocation
 from fathom_jax.checks import is_traced
+from fathom_jax.index_parts import RAW, IndexPart
 from fathom_jax.methods.base import PlaneRead, ScanMethod, int_param, parse_int
 
 IMPORTANCES = ("variance", "observed")
@@ -44,7 +45,7 @@ class FathomBits(ScanMethod):
     importance: str = "variance"
 
     name: ClassVar[str] = "fathom_bits"
-    parts: ClassVar[frozenset[str]] = frozenset({"raw"})
+    parts: ClassVar[frozenset[IndexPart]] = frozenset({RAW})
     needs_calibration: ClassVar[bool] = True
     spec_syntax: ClassVar[str] = "fathom_bits:BITS[:exact][:observed]"
     summary: ClassVar[str] = "Fathom within BITS bits per token as read (code + scale), the scale priced in the plan"

@@ -8,6 +8,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from fathom_jax import format as fmt
+from fathom_jax.index_parts import LANDMARKS
 from fathom_jax.methods.base import LandmarkRead, ScanMethod
 
 
@@ -18,7 +19,7 @@ class Landmark(ScanMethod):
     block are left to the selection (lower positions first, as the authors' tiny within-block ramp)."""
 
     name: ClassVar[str] = "landmark"
-    parts: ClassVar[frozenset[str]] = frozenset({"landmarks"})
+    parts: ClassVar[frozenset[str]] = frozenset({LANDMARKS})
     spec_syntax: ClassVar[str] = "landmark"
     summary: ClassVar[str] = "fp16 mean key of every 8-token block"
 

@@ -8,6 +8,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from fathom_jax import store as store_lib
+from fathom_jax.index_parts import LOKI
 from fathom_jax.methods.sparq import _ChannelMethod
 
 
@@ -18,7 +19,7 @@ class Loki(_ChannelMethod):
     coordinates gives every r the same codes as a store of r coordinates."""
 
     name: ClassVar[str] = "loki"
-    parts: ClassVar[frozenset[str]] = frozenset({"loki"})
+    parts: ClassVar[frozenset[str]] = frozenset({LOKI})
     needs_calibration: ClassVar[bool] = True
     spec_syntax: ClassVar[str] = "loki:R"
     summary: ClassVar[str] = "the first R coordinates of a calibration PCA basis, at 4 bits"
@@ -28,7 +29,7 @@ class Loki(_ChannelMethod):
         return f"Loki r={self.r}"
 
     def read(self, q, index, calib, *, implementation=None):
-        rotation = index.loki.rotation
+        rotation = index["loki"].rotation
         qs = store_lib.rotate_queries(q, rotation)
         d = q.shape[-1]
         mask = jnp.broadcast_to(jnp.arange(d) < self.r, q.shape[:-2] + (d,))

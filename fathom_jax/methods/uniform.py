@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from fathom_jax import format as fmt
 from fathom_jax.format import N_PLANES
+from fathom_jax.index_parts import RAW
 from fathom_jax.methods.base import PlaneRead, ScanMethod, parse_int, uniform_depths
 
 
@@ -17,7 +18,7 @@ class Thumbnail(ScanMethod):
     depth: int = 2
 
     name: ClassVar[str] = "thumbnail"
-    parts: ClassVar[frozenset[str]] = frozenset({"raw"})
+    parts: ClassVar[frozenset[str]] = frozenset({RAW})
     spec_syntax: ClassVar[str] = "thumbnail[:DEPTH]"
     summary: ClassVar[str] = "every channel at DEPTH planes (default 2)"
 

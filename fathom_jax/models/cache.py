@@ -2,7 +2,7 @@
 
 The cache holds *post-RoPE* keys, because Fathom's scans rank keys exactly as attention sees them. It is
 an explicit pytree that the layers take and return (threaded through the layer scan, so XLA updates it
-in place). Sparse decoding uses its own stacked cache, :class:`fathom_jax.decode.SparseCache`.
+in place). Attention with a cache of its own (sparse decoding) implements :mod:`fathom_jax.models.attention`.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ class AttentionFn(Protocol):
     arrays it closes over are baked in as constants), or a callable pytree, e.g. a frozen
     dataclass registered with `jax.tree_util.register_dataclass` whose array fields are traced: new
     values of the same shapes do not recompile. Runs inside `lax.scan` over layers, so index
-    per-layer tables with `layer`. Sparse decoding has its own hook,
-    :class:`fathom_jax.decode.SparseAttention`.
+    per-layer tables with `layer`. Attention with a cache of its own implements
+    :class:`fathom_jax.models.attention.CacheAttention` instead.
     """
 
     def __call__(

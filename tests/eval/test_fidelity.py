@@ -105,7 +105,7 @@ def _definition(method, cap, ks, positions, calib):
     def one(q_p, keys, values, p, c):
         length = p + 1
         lengths = jnp.broadcast_to(length, keys.shape[:1])
-        result = scan_scores(method, q_p, build_index(keys, c, (method,), length=lengths), c)
+        result = scan_scores(method, q_p, build_index(keys, c, method.parts, length=lengths), c)
         ref = dense_attention(q_p, keys, values, lengths)
         ref_norm = jnp.maximum(jnp.linalg.norm(ref, axis=-1), 1e-30)
         errs = []

@@ -54,3 +54,15 @@ def test_study_end_to_end_and_report_from_json(rng, tmp_path, random_keys):
     markdown = open(paths[1]).read()
     assert "Budgets tuned with optax on the session" in markdown and "Allocations vs flat Fathom at equal bits" in markdown
     assert (tmp_path / "fid.png").stat().st_size > 1000
+
+
+def test_baseline_rows_are_the_papers_method_set_at_the_head_dim():
+    """The study's baselines are fathom_jax.methods.PAPER_METHODS at D (less dense attention, the error's reference),
+    with SparQ's per-head union beside the two SparQ rows."""
+    from fathom_jax import methods as M
+
+    assert M.at_head_dim("sparq:D/8", 64) == "sparq:8" and M.at_head_dim("thumbnail:2", 64) == "thumbnail:2"
+    specs = [row.method.spec for row in study.baseline_rows(64)]
+    assert specs == ["sparq:8", "sparq:16", "sparq_union:8", "double_sparsity:16", "loki:16", "loki:32", "thumbnail:2",
+                     "landmark", "full4", "exact"]
+    assert [m.spec for m in M.paper_methods(64, budgets=())] == [M.at_head_dim(s, 64) for s in M.PAPER_METHODS]

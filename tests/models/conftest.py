@@ -39,6 +39,27 @@ SMOL_EXTRA_PROMPTS = (
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n    for _ in range(n):\n",
 )
 
+# Gemma 3 270M (a base model; prompts start with BOS, as its GGUF asks): a completion, a needle more than one
+# 512-token window before the question (only the global layers reach it), a span of code. GEMMA_TEXTS: further
+# texts compared token for token with transformers' tokenizer from the same GGUF.
+_FILLER = ("The sky was clear over the harbor. Ships came and went all day, and the gulls followed them out past "
+           "the breakwater. In the market, traders argued about the price of salt and rope. ")
+GEMMA_PROMPT = "The capital of France is"
+GEMMA_EXTRA_PROMPTS = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz you "
+    "about the numbers afterwards.\nOne of the special magic numbers for lucky-kettle is: 4839201.\n" + _FILLER * 12
+    + "\nWhat is the special magic number for lucky-kettle mentioned in the provided text? The special magic number "
+    "for lucky-kettle mentioned in the provided text is",
+    SMOL_EXTRA_PROMPTS[1],
+)
+GEMMA_NEW_TOKENS = 10  # the long prompt's answer, ": 4839201.", is 10 tokens
+GEMMA_TEXTS = (
+    "  two leading spaces,   three inside, a tab\there and trailing  ",
+    "<start_of_turn>user\nHéllo wörld! 你好, 12345 squares ≈ 1.5e-3<end_of_turn>\n<start_of_turn>model\n",
+    "\n\n\nthree newlines, a bell \x07 and an emoji 🦜 in byte fallback; ẞ ǅ ﬁ",
+    "def f(x):\n    return x ** 2  # comment\n\n\n\n",
+)
+
 _jobs: dict[str, subprocess.Popen | None] = {}  # oracles this process started (None: no oracle venv)
 _WAIT_S = 900
 
@@ -49,8 +70,11 @@ def _shared_dir() -> str:
     return path
 
 
+_OUTPUTS = {"tiny_checkpoints": "tiny", "smollm2_ref": "smol.npz", "gemma3_ref": "gemma3.npz"}
+
+
 def _output(name: str) -> str:
-    return os.path.join(_shared_dir(), "tiny" if name == "tiny_checkpoints" else "smol.npz")
+    return os.path.join(_shared_dir(), _OUTPUTS[name])
 
 
 def _oracle_args(name: str) -> list[str]:
@@ -59,10 +83,18 @@ def _oracle_args(name: str) -> list[str]:
         return ["tiny", "--out", out]
     from fathom_jax.models.hub import fetch_model
 
-    args = ["gguf", "--gguf", fetch_model("smollm2"), "--prompt", SMOL_PROMPT,
-            "--new-tokens", str(SMOL_NEW_TOKENS), "--out", out]
-    for text in SMOL_EXTRA_PROMPTS:
+    if name == "gemma3_ref":
+        args = ["gguf", "--gguf", fetch_model("gemma3-270m"), "--bos", "--prompt", GEMMA_PROMPT,
+                "--new-tokens", str(GEMMA_NEW_TOKENS), "--out", out]
+        extra, texts = GEMMA_EXTRA_PROMPTS, GEMMA_TEXTS
+    else:
+        args = ["gguf", "--gguf", fetch_model("smollm2"), "--prompt", SMOL_PROMPT,
+                "--new-tokens", str(SMOL_NEW_TOKENS), "--out", out]
+        extra, texts = SMOL_EXTRA_PROMPTS, ()
+    for text in extra:
         args += ["--extra-prompt", text]
+    for text in texts:
+        args += ["--tokenize", text]
     return args
 
 
@@ -105,7 +137,7 @@ def _result(name: str) -> str:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    oracles = ("tiny_checkpoints", "smollm2_ref")
+    oracles = tuple(_OUTPUTS)
     wanted = {f for item in items for f in getattr(item, "fixturenames", ()) if f in oracles}
     for name in sorted(wanted):
         _start(name)
@@ -149,3 +181,19 @@ def smollm2(smollm2_path):
     from fathom_jax.models.hub import load_smollm2
 
     return load_smollm2()
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> str:
+    from fathom_jax.models.hub import fetch_model
+
+    return fetch_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_ref() -> dict:
+    """transformers' tokens (with BOS), logits [T, V] and greedy tokens for GEMMA_PROMPT on the Gemma 3 GGUF;
+    ``extra_tokens_<i>`` / ``extra_last_logits_<i>`` / ``extra_greedy_<i>`` for each of GEMMA_EXTRA_PROMPTS, and
+    ``tokenize_<i>`` (no BOS) for each of GEMMA_TEXTS."""
+    return dict(np.load(_result("gemma3_ref")), prompt=GEMMA_PROMPT, extra_prompts=GEMMA_EXTRA_PROMPTS,
+                texts=GEMMA_TEXTS)

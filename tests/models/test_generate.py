@@ -38,9 +38,9 @@ def test_generate_is_greedy_and_compiles_once(model, CFG):
     seq = np.concatenate([prompt, out[:-1]])[None]
     lg, _ = model.prefill(jnp.asarray(seq), KVCache.init(CFG, 1, 16))
     assert out.tolist() == np.argmax(np.asarray(lg[0, 4:]), -1).tolist()
-    size = generation._generate._cache_size()
+    size = generation.generate_program()._cache_size()
     generate(model, TOKENS[1, :5], 6, capacity=16)
-    assert generation._generate._cache_size() == size  # same shapes: no recompilation
+    assert generation.generate_program()._cache_size() == size  # same shapes: no recompilation
     batched = np.asarray(generate(model, TOKENS[:, :5], 6, capacity=16))
     assert batched[0].tolist() == out.tolist()
 
@@ -91,10 +91,10 @@ def test_pytree_attention_fn_is_traced_not_recompiled(model, full_logits, CFG):
     ones = ScaledAttention(jnp.ones(CFG.n_layers))
     out = np.asarray(generate(model, prompt, 4, capacity=16, attention_fn=ones))
     assert out.tolist() == np.asarray(generate(model, prompt, 4, capacity=16)).tolist()
-    size = generation._generate._cache_size()
+    size = generation.generate_program()._cache_size()
     hot = ScaledAttention(jnp.full(CFG.n_layers, 30.0, jnp.float32))  # same dtype, not weak-typed
     generate(model, prompt, 4, capacity=16, attention_fn=hot)
-    assert generation._generate._cache_size() == size  # new arrays, same program
+    assert generation.generate_program()._cache_size() == size  # new arrays, same program
     _, cache = model.prefill(jnp.asarray(TOKENS[:, :11]), KVCache.init(CFG, 2, 16))
     a, _ = model.decode_step(jnp.asarray(TOKENS[:, 11]), cache, attention_fn=ones)
     b, _ = model.decode_step(jnp.asarray(TOKENS[:, 11]), cache, attention_fn=hot)

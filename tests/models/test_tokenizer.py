@@ -1,6 +1,6 @@
 import pytest
 
-from fathom_jax.models.tokenizer import from_gguf, from_tokenizer_json
+from fathom_jax.models.tokenizer import _merges_by_position, from_gguf, from_tokenizer_json
 
 TEXT = "def f(x):\n    return x ** 2  # 12345 squares\n<|im_start|>user\nHéllo wörld!<|im_end|>"
 
@@ -23,3 +23,10 @@ def test_tokenizer_json_roundtrip(tok, tmp_path):
     tok.backend.save(str(tmp_path / "tokenizer.json"))
     again = from_tokenizer_json(tmp_path, bos_id=1, eos_id=2)
     assert again.encode(TEXT) == tok.encode(TEXT)
+
+
+def test_gemma_merges_follow_file_order_then_longer_left_part():
+    """transformers' generate_merges(vocab, {token: -position}) for Gemma files, which list no merges."""
+    tokens = ["a", "b", "c", "ab", "abc", "bc", "ca"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    assert _merges_by_position(tokens, vocab) == [("a", "b"), ("ab", "c"), ("a", "bc"), ("b", "c"), ("c", "a")]

@@ -1,0 +1,37 @@
+"""Sparse decoding with any scan method, in HBM or host memory: the decoder's attention and everything under it.
+
+    from fathom_jax import decode, methods
+    attn = decode.SparseAttention(methods.Fathom(48), k=128, calibration=calib)   # corpus: calib [L, Hkv]
+    attn = decode.from_spec("fathom_klt:48", k=128)                              # session calibration
+    attn = decode.from_spec("fathom:48", k=512, placement="pinned_host",         # where the cache lives
+                            step=decode.StepConfig(index_writes="full_blocks"))  # how a step runs
+    ids = fathom_jax.models.generate(model, prompt, 64, attention_fn=attn)
+
+One decode step's data flow, file by file:
+
+* ``hook.py``: :class:`SparseAttention`, the models' ``CacheAttention`` protocol: per layer it adds the new token to
+  every index part (its newest block, in device memory) and builds the layer's :class:`~fathom_jax.decode.step.
+  CacheView`, runs the step, and (in host memory) writes the token's row and blocks in place inside the layer scan;
+* ``step.py``: the step itself: plan (the method), read (``reads.py``), select and union (``fathom_jax.select``),
+  fetch (``fetches.py``), attend; in pipelined chunks where the resolved configuration says so;
+* ``config.py``: :class:`StepConfig` (how a step runs), resolved once per cache shape into the strategies;
+* ``cache.py`` / ``writes.py`` / ``row_cache.py``: the stacked cache, its writes, the optional row cache;
+* ``rows.py``: how the cache stores each token's K/V row (the model dtype, or a compressed row format);
+* ``programs.py``: the compiled programs over a placed cache (donation, in-place host writes), the attention-only
+  benchmark step, flush, and a sparse cache from a dense prefill.
+"""
+
+from fathom_jax.decode.cache import LayerUpdate, SparseCache, cache_bytes
+from fathom_jax.decode.config import ResolvedStep, StepConfig
+from fathom_jax.decode.hook import SparseAttention, from_spec
+from fathom_jax.decode.programs import attention_step, cache_from_dense, cache_shape, flush
+from fathom_jax.decode.row_cache import RowCache, RowFill, commit_rows, empty_row_cache
+from fathom_jax.decode.rows import RowLayout
+from fathom_jax.decode.step import CacheView, NewToken, StepContext, StepResult, sparse_attention_step
+from fathom_jax.placement import Placement
+
+__all__ = [
+    "CacheView", "LayerUpdate", "NewToken", "Placement", "ResolvedStep", "RowCache", "RowFill", "RowLayout",
+    "SparseAttention", "SparseCache", "StepConfig", "StepContext", "StepResult", "attention_step", "cache_bytes",
+    "cache_from_dense", "cache_shape", "commit_rows", "empty_row_cache", "flush", "from_spec", "sparse_attention_step",
+]

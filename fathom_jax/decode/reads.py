@@ -1,0 +1,170 @@
+"""How a decode step reads the key index of a stacked cache: one strategy object per way, chosen once.
+
+* :class:`DeviceRead`: the index is in device memory (HBM); the ``"xla"`` reference dequantizes the layer's planes,
+  ``"pallas"`` runs the plane scan on the stacked store in place.
+* :class:`StagedRead`: the index is in host memory; the run gather copies the planned runs (the first ``t_j`` planes
+  of every active channel) to HBM at the link rate, then the plane scan reads HBM. A staged transfer can be chained
+  after another (``after``): the pipelined step orders each chunk's transfer after the previous chunk's.
+* :class:`DirectRead`: the index is in host memory and the plane scan reads it there as it computes.
+* :class:`TieredRead`: the top planes of every channel are resident in HBM and the rest in host memory
+  (:mod:`fathom_jax.decode.tiers`); the tiered gather stages each read's planes from both tiers, only the deeper
+  ones over the link, then the plane scan reads HBM (the same staged buffer, bit for bit, as the staged read of the
+  store in one tier). With every plane resident it scans the store in HBM in place.
+
+Each reads a :class:`~fathom_jax.methods.base.PlaneRead` of a stacked store ``[L, R, ...]`` at ``layer`` for groups
+``group_start ..`` (:meth:`scores`), and stages other bulk arrays (landmark means, the oracle's keys) to device
+memory (:meth:`stage`). A view without a layer (an unstacked index in device memory) reads like
+:func:`fathom_jax.scan.execute`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from fathom_jax import scan as scan_lib
+from fathom_jax import store as store_lib
+from fathom_jax.format import LANDMARK_TOKENS
+from fathom_jax.decode.tiers import TieredPlaneStore
+from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead
+from pallas_kernels import backend
+from pallas_kernels.plane_scan import active_channels, plane_scan
+from pallas_kernels.row_fetch import row_fetch
+from pallas_kernels.run_gather import RunGatherConfig, run_gather
+from pallas_kernels.tier_gather import tier_gather
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexRead:
+    """The base of the read strategies: ``implementation`` runs the kernels (``"pallas"``) or the reference."""
+
+    implementation: backend.Implementation = "xla"
+
+    def scores(self, read, index, length, *, layer=None, group_start: int = 0, after=None):
+        """``(scores [Rc, G, n], staged)``: raw scores of every stored position of groups ``group_start ..`` (the
+        read's shift added; positions past ``length`` not masked) and what a chained transfer waits for (None
+        where nothing was staged). ``index`` holds the layer's small leaves for those groups and the stacked bulk
+        arrays; ``after``: arrays a staged transfer waits for and never reads."""
+        if layer is None:
+            return scan_lib.execute(read, index, length, implementation=self.implementation), None
+        groups = (group_start, length.shape[0])
+        if isinstance(read, PlaneRead):
+            scores, staged = self._plane_scores(read, index[read.part], length, layer, group_start, after)
+            return (scores if read.shift is None else scores + read.shift[..., None]), staged
+        if isinstance(read, LandmarkRead):
+            means = self.stage(index["landmarks"].means, layer, groups=groups)
+            return jnp.repeat(scan_lib.dot(read.queries, means.astype(jnp.float32)), LANDMARK_TOKENS, axis=-1), None
+        if isinstance(read, KeyRead):
+            keys = self.stage(index["keys"], layer, groups=groups)
+            return scan_lib.dot(read.queries, keys.astype(jnp.float32)), None
+        raise TypeError(f"unknown read {type(read).__name__}")
+
+    def stage(self, x, layer, *, groups: tuple[int, int], columns: tuple[int, int] | None = None):
+        """``x[layer]`` for groups ``(start, size)`` (``[Rc, N, F]`` of a stacked ``[L, R, N, F]`` bulk array) in
+        device memory; with ``columns=(start, width)`` only those features (the keys of the K/V rows). Without a
+        layer ``x`` is one layer's ``[R, N, F]`` in device memory already."""
+        if layer is None:
+            return _columns(x, columns)
+        return self._stage(x, layer, groups, columns)
+
+    def _stage(self, x, layer, groups, columns):
+        raise NotImplementedError
+
+    def _plane_scores(self, read, store, length, layer, group_start, after):
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRead(IndexRead):
+    """The index and K/V rows in device memory: XLA slices stage, the plane scan reads the stacked store in place.
+    The ``"xla"`` reference reads every placement this way (on a CPU every placement is device memory)."""
+
+    def _stage(self, x, layer, groups, columns):
+        start, size = groups
+        return _columns(x[layer, start:start + size], columns)
+
+    def _plane_scores(self, read, store, length, layer, group_start, after):
+        if self.implementation == "xla":
+            # The layer's planes channel-major, contracted over channels there: transposing every token's codes per
+            # layer and step cost more than the whole read on CPU; the scores equal the token-major read's up to
+            # the dot's summation order.
+            groups = slice(group_start, group_start + length.shape[0])
+            if isinstance(store, TieredPlaneStore):
+                store = store.layer_store(layer, groups, length)
+            else:
+                store = dataclasses.replace(store, planes=store.planes[layer, groups],
+                                            scales=store.scales[layer, groups], length=length)
+            return jnp.einsum("...gd,...dn->...gn", read.queries, store_lib.dequantize_channels(store, read.depths),
+                              precision=jax.lax.Precision.HIGHEST), None
+        return _scan_in_place(read, store, length, layer, group_start, self.implementation), None
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostRead(IndexRead):
+    """Bulk arrays in host memory (or the offloaded layout in device memory where there is none): kernels stage."""
+
+    def _stage(self, x, layer, groups, columns):
+        start, size = groups
+        n = x.shape[-2]
+        index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (size, n))
+        rows, _, _ = row_fetch(x, None, index, layer=layer, columns=columns, group_start=start,
+                               implementation=self.implementation)
+        return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedRead(_HostRead):
+    """The run gather copies the planned runs to HBM (``programs`` persistent programs; 0: one per copied chunk of
+    a run), then the plane scan reads them there."""
+
+    programs: int = 0
+
+    def _plane_scores(self, read, store, length, layer, group_start, after):
+        channels, depths = active_channels(read.depths, read.max_active or None)
+        planes, scales = run_gather(store.planes, store.scales, channels, depths, layer=layer, group_start=group_start,
+                                    after=after, config=RunGatherConfig(programs=self.programs),
+                                    implementation=self.implementation)
+        return _scan_staged(read, planes, scales, channels, depths, length, self.implementation), planes
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectRead(_HostRead):
+    """The plane scan reads the planes from host memory as it computes."""
+
+    def _plane_scores(self, read, store, length, layer, group_start, after):
+        return _scan_in_place(read, store, length, layer, group_start, self.implementation), None
+
+
+@dataclasses.dataclass(frozen=True)
+class TieredRead(_HostRead):
+    """Resident planes read in HBM, the deeper planned runs gathered over the link (``programs`` persistent programs
+    of the tiered gather; 0: one per copied chunk of a run); every plane resident: the scan in place in HBM."""
+
+    programs: int = 0
+
+    def _plane_scores(self, read, store, length, layer, group_start, after):
+        if not isinstance(store, TieredPlaneStore):  # every plane resident: the plain store, in HBM
+            return _scan_in_place(read, store, length, layer, group_start, self.implementation), None
+        channels, depths = active_channels(read.depths, read.max_active or None)
+        planes, scales = tier_gather(store.hot, store.cold, store.scales, store.table, channels, depths, layer=layer,
+                                     group_start=group_start, after=after,
+                                     config=RunGatherConfig(programs=self.programs), implementation=self.implementation)
+        return _scan_staged(read, planes, scales, channels, depths, length, self.implementation), planes
+
+
+def _scan_staged(read, planes, scales, channels, depths, length, implementation):
+    queries = jnp.take_along_axis(read.queries, channels[..., None, :], axis=-1)
+    slots = jnp.broadcast_to(jnp.arange(channels.shape[-1], dtype=jnp.int32), channels.shape)
+    return plane_scan(queries, planes, scales, length, slots, depths, assume_sorted=True, implementation=implementation)
+
+
+def _columns(x, columns):
+    return x if columns is None else x[..., columns[0]:columns[0] + columns[1]]
+
+
+def _scan_in_place(read, store, length, layer, group_start, implementation):
+    channels, depths = active_channels(read.depths, read.max_active or None)
+    return plane_scan(read.queries, store.planes, store.scales, length, channels, depths, layer=layer,
+                      group_start=group_start, assume_sorted=True, implementation=implementation)

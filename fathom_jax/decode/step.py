@@ -1,0 +1,251 @@
+"""One sparse-attention step of one layer: plan -> read -> scan -> select -> union -> fetch -> attend.
+
+    out = sparse_attention_step(method, q, view, ctx)      # StepResult(out [R, G, Dh], bits [R], fill)
+
+Written once, for every scan method and placement: the decoder's sparse attention (:mod:`fathom_jax.decode.hook`)
+calls it per layer inside its layer scan. ``view`` (:class:`CacheView`) is what the layer reads (its index, K/V rows,
+lengths, the new token); ``ctx`` (:class:`StepContext`) is how: ``k``, the sink and local window, and the resolved
+step (:class:`~fathom_jax.decode.config.ResolvedStep`) with its read strategy (index in HBM, staged from host, read in
+place from host) and fetch strategy (with or without a row cache).
+
+Per KV group ``r`` (``R = batch x KV heads`` groups, ``G`` query heads each):
+
+1. plan: the method's read for the group's queries (Fathom: importance and depths by the planner);
+2. read + scan: approximate scores of every stored position (the read strategy);
+3. select: per query head 4 sink + 32 local + the top-(k - 36) by approximate score;
+4. union: the group's G sets as one fixed-size list (``G k`` slots, duplicates masked);
+5. fetch: the union's K/V rows (the fetch strategy; one copy serves every head of the group);
+6. attend: exact softmax attention of each head over its own k rows.
+
+With ``ctx.run.chunks > 1`` the groups go through steps 2-6 in chunks whose plane transfers are chained: chunk
+``i + 1``'s transfer is ordered after chunk ``i``'s (and after nothing else), so it runs beside chunk ``i``'s scan,
+selection, fetch and attention; and the next-to-last chunk's row fetch waits for the last chunk's scan, which the
+rest of the layer waits on and which ran at half speed beside it (NOTES.md). Every group's result is the same as
+in one chunk. Dense attention (a method that selects every row) has its own path, :func:`dense_attention_step`.
+
+During decode the newest token is not yet in the stored cache (stores are written after the step, or after all
+layers): its block of every index part and its K/V row are patched in from device memory (:class:`NewToken`), so
+the step sees exactly the cache that holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from fathom_jax import scan as scan_lib
+from fathom_jax import store as store_lib
+from fathom_jax.calibrate import Calibration
+from fathom_jax.decode.config import ResolvedStep
+from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
+from fathom_jax.decode.rows import RowLayout
+from fathom_jax.format import BLOCK_TOKENS, LANDMARK_TOKENS
+from fathom_jax.index import KeyIndex
+from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, ScanMethod
+from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NewToken:
+    """The token a decode step adds, per group: what the stored cache lacks until the step writes it.
+
+    ``position`` is its slot (the length before the step); ``blocks[part]`` the newest block of each index part
+    after appending it (:class:`~fathom_jax.index_parts.PlaneBlock`, :class:`~fathom_jax.index_parts.LandmarkBlock`).
+    """
+
+    position: Int[Array, "R"]
+    key: Float[Array, "R D"]
+    value: Float[Array, "R D"]
+    blocks: dict = dataclasses.field(default_factory=dict)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheView:
+    """What one layer's step reads.
+
+    ``index``: the layer's small leaves and (with ``layer``) the stacked bulk arrays ``[L, R, ...]``; ``kv``: K/V rows
+    ``[L, R, C, W]`` read at ``kv_layer`` (default ``layer``; 0 for a row buffer shared by every layer), or
+    ``[R, C, W]`` without a layer, stored as ``layout`` says (static; None: ``W = 2 Dh`` rows in ``kv``'s dtype); ``length``: valid tokens per group, the new one included; ``calib``: the
+    layer's statistics per group; ``new``: the token the stored cache does not hold yet; ``row_cache``: slots
+    stacked like ``kv`` (read at ``layer``), with a :class:`~fathom_jax.decode.fetches.CachedRowFetch`.
+    """
+
+    index: KeyIndex
+    kv: Float[Array, "*L R C W"]
+    length: Int[Array, "R"]
+    calib: Calibration | None = None
+    layer: Int[Array, ""] | None = None
+    kv_layer: Int[Array, ""] | None = None
+    new: NewToken | None = None
+    row_cache: RowCache | None = None
+    layout: RowLayout | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.kv_layer is None and self.layer is not None:
+            object.__setattr__(self, "kv_layer", self.layer)
+
+    @property
+    def rows(self) -> RowLayout:
+        """How ``kv`` stores each token's row."""
+        return self.layout or RowLayout(self.kv.shape[-1] // 2, self.kv.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """How a step runs: ``k`` rows per query head (the ``sink`` first and ``local`` last tokens included) and the
+    resolved step configuration (static)."""
+
+    k: int
+    run: ResolvedStep
+    sink: int = SINK_TOKENS
+    local: int = LOCAL_TOKENS
+
+
+class StepResult(NamedTuple):
+    out: Float[Array, "R G Dh"]
+    bits: Float[Array, "R"]
+    fill: RowFill | None = None  # what to store in the row-cache slots (None without a row cache)
+
+
+def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext
+                          ) -> StepResult:
+    """Sparse attention of the ``G`` query heads of every group (dense attention for a method that selects every
+    row: :func:`dense_attention_step`); returns the output, bits per token read and the row-cache fill."""
+    if method.selects_all:
+        return dense_attention_step(method, q, view, ctx)
+    groups = q.shape[0]
+    if view.row_cache is not None:
+        check_row_cache(view.row_cache, groups, view.kv, stacked=view.layer is not None)
+    chunks = ctx.run.chunks if view.layer is not None else 1
+    if groups % chunks:
+        raise ValueError(f"step pipeline={chunks} must divide the {groups} groups (batch x KV heads) of the step")
+    q = q.astype(jnp.float32)
+    read = method.read(q, view.index, view.calib, implementation=ctx.run.implementation)
+    size = groups // chunks
+    bulk = view.index.bulk()
+    outs, staged, pending = [], None, None
+    for start in range(0, groups, size):
+        chunk_read, chunk_q, chunk_index, chunk_length, chunk_new = _groups(
+            (read, q, view.index, view.length, view.new), (False, False, bulk, False, False), start, size)
+        chunk = dataclasses.replace(view, index=chunk_index, length=chunk_length, new=chunk_new)
+        selection, staged = _select(chunk_read, chunk_q, chunk, ctx, start, after=staged)
+        if pending is not None:  # the next-to-last chunk's fetch waits for the last chunk's scan
+            last = start + size == groups
+            outs.append(_fetch_attend(pending, view, ctx, after=selection.scores if last else None))
+        pending = selection
+    outs.append(_fetch_attend(pending, view, ctx))
+    if len(outs) == 1:
+        return outs[0]
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts), *outs)
+
+
+def dense_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext
+                         ) -> StepResult:
+    """Exact attention of every group's heads over all its valid rows (no scan, no selection)."""
+    q = q.astype(jnp.float32)
+    rows = ctx.run.reader.stage(view.kv, view.kv_layer, groups=(0, q.shape[0]))
+    if view.new is not None:  # the newest row as the cache will store it
+        rows = _put_row(rows, view.rows.join(view.new.key, view.new.value), view.new.position)
+    keys, values = view.rows.split(rows)
+    mask = jnp.arange(keys.shape[-2]) < view.length[:, None, None]
+    out = attend(q, keys, values, jnp.broadcast_to(mask, q.shape[:-1] + keys.shape[-2:-1]))
+    bits = jnp.full(q.shape[:1], method.fixed_bits_per_token(q.shape[-1]), jnp.float32)
+    return StepResult(out, bits, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Selection:
+    """A chunk's selection before its rows are fetched: the union ``slots [Rc, S]`` (-1 where masked), which head
+    attends which slot (``member``), and the chunk's raw ``scores`` (what a later fetch may wait for)."""
+
+    q: jax.Array
+    bits: jax.Array
+    slots: jax.Array
+    member: jax.Array
+    scores: jax.Array
+    group_start: int
+    new: NewToken | None
+
+
+def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=None):
+    """Execute ``read`` for the view's groups (from ``group_start`` of the stacked cache) and select; returns the
+    :class:`_Selection` and the staged planes a chained transfer waits for (None where nothing was staged); the
+    plane transfer itself waits for ``after``."""
+    reader = ctx.run.reader
+    staged = None
+    if isinstance(read, KeyRead):  # the oracle scores the cache's keys, staged (only their features where they can be)
+        keys = reader.stage(view.kv, view.kv_layer, groups=(group_start, q.shape[0]), columns=view.rows.key_columns())
+        if view.rows.key_columns() is None:
+            keys = view.rows.split(keys)[0]
+        scores = scan_lib.dot(read.queries, keys.astype(jnp.float32))
+    else:
+        scores, staged = reader.scores(read, view.index, view.length, layer=view.layer, group_start=group_start,
+                                       after=after)
+    raw_scores = scores
+    if view.new is not None:
+        scores = patch_scores(scores, read, view.new)
+    # No masking pass over the scores: both selections take positions >= length as invalid.
+    idx, mask = select_topk(scores, view.length, ctx.k, sink=ctx.sink, local=ctx.local,
+                            implementation=ctx.run.implementation, config=ctx.run.topk)
+    # One XLA sort even though the Pallas top-k lists each head's tokens in order: the sort-free union, faster
+    # alone, made the pipelined step slower (results/union_h200.md).
+    union, union_mask, member = group_union(idx, mask)
+    slots = jnp.where(union_mask, union, -1)
+    return _Selection(q=q, bits=read.bits, slots=slots, member=member, scores=raw_scores, group_start=group_start,
+                      new=view.new), staged
+
+
+def _fetch_attend(sel: _Selection, view: CacheView, ctx: StepContext, after=None) -> StepResult:
+    """Fetch a selection's rows (after ``after``: arrays the fetch waits for and never reads) and attend."""
+    chunk = dataclasses.replace(view, new=sel.new)
+    rows, fill = ctx.run.fetcher.fetch(sel.slots, chunk, group_start=sel.group_start, after=after)
+    k_rows, v_rows = view.rows.split(rows)
+    return StepResult(attend(sel.q, k_rows, v_rows, sel.member), sel.bits, fill)
+
+
+def _groups(trees, bulk_masks, start: int, size: int):
+    """``trees`` with every per-group ``[R, ...]`` leaf cut to groups ``start .. start + size - 1``; bulk leaves
+    (stacked ``[L, R, ...]`` cache arrays, possibly in host memory, where no XLA op may slice them) stay whole for
+    the kernels to read at that group offset."""
+    def cut(tree, bulk):
+        if bulk is False:
+            return jax.tree.map(lambda x: x[start:start + size], tree)
+        return jax.tree.map(lambda x, b: x if b else x[start:start + size], tree, bulk)
+
+    return tuple(cut(tree, bulk) for tree, bulk in zip(trees, bulk_masks))
+
+
+def _put_block(scores, block_scores, start):
+    """``scores [R, G, n]`` with ``block_scores [R, G, m]`` written at position ``start [R]`` (clipped in range)."""
+    return jax.vmap(lambda s, b, at: jax.lax.dynamic_update_slice(s, b, (0, at)))(scores, block_scores, start)
+
+
+def patch_scores(scores, read, new: NewToken):
+    """Scores of the newest block from the fresh block data (the stored block is stale until written)."""
+    p = new.position
+    if isinstance(read, PlaneRead):
+        block = new.blocks[read.part]
+        codes = store_lib.unpack_planes(block.words, read.depths)  # [R, 64, D]
+        values = store_lib.dequantize_codes(codes, block.scale.astype(jnp.float32)[:, None, :],
+                                            read.depths[:, None, :])
+        block_scores = scan_lib.dot(read.queries, values)
+        if read.shift is not None:
+            block_scores = block_scores + read.shift[..., None]
+        return _put_block(scores, block_scores, p // BLOCK_TOKENS * BLOCK_TOKENS)
+    if isinstance(read, LandmarkRead):
+        mean = new.blocks["landmarks"].mean
+        block_scores = scan_lib.dot(read.queries, mean.astype(jnp.float32)[:, None, :])  # [R, G, 1]
+        return _put_block(scores, jnp.repeat(block_scores, LANDMARK_TOKENS, axis=-1),
+                          p // LANDMARK_TOKENS * LANDMARK_TOKENS)
+    return _put_block(scores, scan_lib.dot(read.queries, new.key[:, None, :].astype(jnp.float32)), p)
+
+
+def _put_row(x, row, at):
+    """``x [R, C, W]`` with ``row [R, W]`` written at position ``at [R]``."""
+    return jax.vmap(lambda a, b, i: jax.lax.dynamic_update_slice(a, b[None].astype(a.dtype), (i, 0)))(x, row, at)

@@ -1,0 +1,98 @@
+"""Writing a stacked cache: a prefill's layer, a decode step's new token, the commit after the layer scan, a flush.
+
+In device memory every write is functional (XLA updates the donated buffers in place); in real host memory the
+``cache_write`` kernel writes in place as a side effect and returns a completion token, which the program's outputs
+depend on (:class:`Writer`). Every index part writes its own data (:mod:`fathom_jax.index_parts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from fathom_jax.decode.cache import LayerUpdate, SparseCache
+from fathom_jax.decode.row_cache import commit_rows
+from fathom_jax.format import BLOCK_TOKENS
+from fathom_jax.index import KeyIndex
+from pallas_kernels.cache_write import cache_write, cache_write_in_place
+
+
+class Writer:
+    """``write(dst, src, start, axis, layer) -> dst``: in place (collecting completion tokens in ``tokens``) or
+    functionally by the kernel or its reference."""
+
+    def __init__(self, in_place: bool, implementation: str):
+        self.in_place, self.implementation, self.tokens = in_place, implementation, []
+
+    def __call__(self, dst, src, start, axis, layer=0):
+        if self.in_place:
+            self.tokens.append(cache_write_in_place(dst, src, start, axis=axis, layer=layer))
+            return dst
+        return cache_write(dst, src, start, axis=axis, layer=layer, implementation=self.implementation)
+
+    def done(self, previous):
+        """The completion tokens of this program's in-place writes (or the previous ones when it made none)."""
+        return jnp.concatenate(self.tokens) if self.tokens else previous
+
+
+def materialized(keys, values):
+    """``keys, values`` computed once: both the stored K/V rows and the index are built from these bits. Without the
+    barrier XLA may fuse the elementwise producers (RoPE) into each consumer, and on a GPU two fusions can contract
+    multiply-adds differently, so the index could quantize other key bits than the rows hold."""
+    return jax.lax.optimization_barrier((keys, values))
+
+
+def write_layer(cache: SparseCache, layer, keys, values, built: KeyIndex, write: Writer) -> SparseCache:
+    """Prefill: layer ``layer``'s K/V rows (``keys, values [R, T, Dh]``) and its ``built`` index written."""
+    zero = jnp.zeros(keys.shape[:1], jnp.int32)
+    kv = write(cache.kv, cache.layout.join(keys, values)[None], zero, 2, 0 if cache.shared_kv else layer)
+    length = cache.index.length.at[layer].set(built.length)
+    data = tuple(part.write_layer(write, stacked, new, layer, length)
+                 for part, stacked, new in zip(cache.index.parts, cache.index.data, built.data))
+    row_cache = cache.row_cache
+    if row_cache is not None:  # the layer's rows are new: its slots are emptied
+        row_cache = dataclasses.replace(row_cache, tags=row_cache.tags.at[layer].set(0))
+    return dataclasses.replace(cache, kv=kv, index=KeyIndex(length, cache.index.parts, data),
+                               writes=write.done(cache.writes), row_cache=row_cache)
+
+
+def write_token(cache: SparseCache, update: LayerUpdate, position, layer, write: Writer, index_writes: str):
+    """The new token's K/V rows and newest index blocks (``update`` stacked on layers ``layer ..``) written at group
+    positions ``position [R]`` into the bulk arrays; returns ``(kv, index data)``: new arrays for functional writes,
+    the same ones when written in place."""
+    rows = cache.layout.join(update.key, update.value)  # [Ls, R, W]
+    if cache.shared_kv:  # one row buffer for every layer keeps the last layer's row (others drop past the end)
+        last = jnp.asarray(layer) + rows.shape[0] == cache.n_layers
+        kv = write(cache.kv, rows[-1:, :, None, :], jnp.where(last, position, cache.capacity), 2, 0)
+    else:
+        kv = write(cache.kv, rows[:, :, None, :], position, 2, layer)
+    # "full_blocks": only a block this step fills is written; a partial one stays in the stores' tails
+    due = (position + 1) % BLOCK_TOKENS == 0 if index_writes == "full_blocks" else True
+    data = tuple(part.write_token(write, stacked, update.blocks[part.name], position, layer, due)
+                 for part, stacked in zip(cache.index.parts, cache.index.data))
+    return kv, data
+
+
+def commit(cache: SparseCache, update: LayerUpdate, position, write: Writer, index_writes: str) -> SparseCache:
+    """Every layer's step (``update`` stacked on [L]) into the cache: the bulk writes unless each layer made them
+    in the layer scan (``update.written``), then the small leaves (tails, lengths, row-cache slots)."""
+    if update.written is None:
+        kv, data = write_token(cache, update, position, 0, write, index_writes)
+        writes = write.done(cache.writes)
+    else:
+        kv, data = cache.kv, cache.index.data
+        writes = jnp.sum(update.written, axis=0)  # depends on every layer's writes
+    length = cache.index.length + 1
+    data = tuple(part.commit(stacked, update.blocks[part.name], length) for part, stacked in zip(cache.index.parts, data))
+    row_cache = cache.row_cache if update.rows is None else commit_rows(cache.row_cache, update.rows)
+    return dataclasses.replace(cache, kv=kv, index=KeyIndex(length, cache.index.parts, data), length=cache.length + 1,
+                               writes=writes, row_cache=row_cache)
+
+
+def flush(cache: SparseCache, write: Writer) -> SparseCache:
+    """The cache with every layer's partial newest plane block written into the stores (from their raw tails)."""
+    length = cache.group_length()
+    data = tuple(part.flush(write, stacked, length) for part, stacked in zip(cache.index.parts, cache.index.data))
+    return dataclasses.replace(cache, index=dataclasses.replace(cache.index, data=data), writes=write.done(cache.writes))

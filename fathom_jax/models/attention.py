@@ -1,0 +1,159 @@
+"""The attention protocol the decoder drives: attention with a cache of its own.
+
+The decoder (``generation.py``) knows nothing of how a cache is laid out or where it lives. It asks an attention
+object (a :class:`CacheAttention`) for an empty cache, hands it each layer's prompt keys and values during prefill,
+and in a decode step calls :meth:`~CacheAttention.attend` per layer inside its layer scan (the new token's
+post-RoPE query, key and value; the cache does not hold the token yet) and :meth:`~CacheAttention.commit` once after
+the scan with every layer's update. Programs that take and return the cache are made by the attention object
+(:meth:`~CacheAttention.program`), which knows how its cache must be donated and placed.
+
+:class:`DenseCache` is the protocol over the dense :class:`~fathom_jax.models.cache.KVCache` with any
+:class:`~fathom_jax.models.cache.AttentionFn`; sparse attention (``fathom_jax.decode.SparseAttention``) implements
+the same protocol outside this package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from fathom_jax.models.cache import AttentionFn, KVCache, dense_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheShape:
+    """The shape of an attention cache: ``layers`` x ``batch`` sequences x ``kv_heads``, ``capacity`` tokens of
+    ``head_dim`` channels, rows in ``dtype``."""
+
+    layers: int
+    batch: int
+    kv_heads: int
+    capacity: int
+    head_dim: int
+    dtype: Any
+
+    @property
+    def groups(self) -> int:
+        return self.batch * self.kv_heads
+
+
+@runtime_checkable
+class CacheAttention(Protocol):
+    """Attention with a cache of its own, as the decoder drives it.
+
+    ``fused``: a whole generation may be one program (the cache can ride in loop carries); ``ragged``: sequences of
+    different lengths decode together; ``min_capacity``: the fewest cache slots it works with; ``layer_unroll``:
+    layers per iteration of the decode step's layer scan.
+    Shapes: ``q [B, Hkv, G, D]``, ``key``/``value [B, Hkv, D]`` in a decode step; ``keys``/``values [B, Hkv, T, D]``
+    (post-RoPE) with ``lengths [B]`` valid tokens per sequence in prefill.
+    """
+
+    fused: bool
+    ragged: bool
+    min_capacity: int
+    layer_unroll: int
+
+    def bind(self, shape: CacheShape) -> "CacheAttention":
+        """This attention for caches of ``shape`` (checked; any configuration resolved once, before tracing)."""
+
+    def init_cache(self, shape: CacheShape) -> Any: ...
+
+    def write_prompt(self, cache, layer, keys, values, lengths) -> Any: ...
+
+    def start_decode(self, cache, lengths) -> Any:
+        """The cache after the last prefill layer, its sequences ``lengths [B]`` long."""
+
+    def positions(self, cache) -> Int[Array, "B"]:
+        """Where each sequence's next token goes."""
+
+    def attend(self, cache, layer, q, key, value) -> tuple[Array, Any]: ...
+
+    def commit(self, cache, updates) -> Any: ...
+
+    def program(self, fn: Callable, cache, *, static: tuple = (), options: dict | None = None) -> Callable:
+        """``fn(*static, attention, *args, cache) -> (outs, cache)`` as one compiled program, called as
+        ``run(*args, cache=cache) -> (outs, cache)``; the cache is donated."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseCache:
+    """The dense KV cache (:class:`KVCache`, one shared length: equal-length prompts) with attention ``fn`` over
+    the whole cache (:func:`dense_attention` by default, or any :class:`AttentionFn`)."""
+
+    fn: AttentionFn = dense_attention
+    fused = True
+    ragged = False
+    min_capacity = 1
+    layer_unroll = 1
+
+    def bind(self, shape: CacheShape) -> "DenseCache":
+        return self
+
+    def init_cache(self, shape: CacheShape) -> KVCache:
+        dims = (shape.layers, shape.batch, shape.kv_heads, shape.capacity, shape.head_dim)
+        return KVCache(jnp.zeros(dims, shape.dtype), jnp.zeros(dims, shape.dtype), jnp.zeros((), jnp.int32))
+
+    def write_prompt(self, cache: KVCache, layer, keys, values, lengths) -> KVCache:
+        at = (layer, 0, 0, 0, 0)
+        return dataclasses.replace(cache, k=jax.lax.dynamic_update_slice(cache.k, keys[None].astype(cache.k.dtype), at),
+                                   v=jax.lax.dynamic_update_slice(cache.v, values[None].astype(cache.v.dtype), at))
+
+    def start_decode(self, cache: KVCache, lengths) -> KVCache:
+        return dataclasses.replace(cache, length=jnp.asarray(lengths, jnp.int32)[0])
+
+    def positions(self, cache: KVCache) -> Int[Array, "B"]:
+        return jnp.full(cache.k.shape[1:2], cache.length, jnp.int32)
+
+    def attend(self, cache: KVCache, layer, q, key, value):
+        at = (0, 0, cache.length, 0)
+        k = jax.lax.dynamic_update_slice(cache.k[layer], key[:, :, None].astype(cache.k.dtype), at)
+        v = jax.lax.dynamic_update_slice(cache.v[layer], value[:, :, None].astype(cache.v.dtype), at)
+        return self.fn(q, k, v, cache.length + 1, layer), (key, value)
+
+    def commit(self, cache: KVCache, updates) -> KVCache:
+        keys, values = updates  # [L, B, Hkv, D]
+        at = (0, 0, 0, cache.length, 0)
+        put = lambda dst, src: jax.lax.dynamic_update_slice(dst, src[:, :, :, None].astype(dst.dtype), at)  # noqa: E731
+        return KVCache(put(cache.k, keys), put(cache.v, values), cache.length + 1)
+
+    def program(self, fn, cache, *, static=(), options=None):
+        jitted = _dense_program(fn, static, tuple(sorted((options or {}).items())))
+        leaves, treedef = jax.tree.flatten(self)
+        return lambda *args, cache: jitted(treedef, leaves, args, cache)
+
+
+def _flatten(d: DenseCache):
+    # A plain function hook is static (hashed into the program); a callable pytree passes its arrays as traced leaves.
+    leaves, treedef = jax.tree.flatten(d.fn)
+    if len(leaves) == 1 and leaves[0] is d.fn:
+        return (), d.fn
+    return (tuple(leaves),), treedef
+
+
+def _unflatten(aux, children):
+    if isinstance(aux, jax.tree_util.PyTreeDef):
+        return DenseCache(jax.tree.unflatten(aux, children[0]))
+    return DenseCache(aux)
+
+
+jax.tree_util.register_pytree_node(DenseCache, _flatten, _unflatten)
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_program(fn, static, options):
+    def body(treedef, leaves, args, cache):
+        return fn(*static, jax.tree.unflatten(treedef, leaves), *args, cache)
+
+    return jax.jit(body, static_argnums=(0,), donate_argnums=(3,), compiler_options=dict(options) or None)
+
+
+def as_cache_attention(attention: "CacheAttention | AttentionFn") -> CacheAttention:
+    """``attention`` if it has a cache of its own, else the dense cache with it as its attention function."""
+    return attention if isinstance(attention, CacheAttention) else DenseCache(attention)
+
+

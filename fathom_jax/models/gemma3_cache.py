@@ -1,0 +1,155 @@
+"""Gemma 3's dense cache and its two attentions: a ring buffer of one window for each sliding-window layer, a
+full-length cache for each global layer (both hold post-RoPE keys).
+
+The sliding-window layers keep only their last ``sliding_window`` positions (position p in slot p mod W): at
+32k tokens a full-length cache per local layer would hold 64x more rows, none of them ever attended, and only
+the global layers' rows are what a sparse decode step indexes. Attention over the ring is order-free (a
+softmax over a set of keys), so slots are never reordered when decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from fathom_jax.models.cache import KVCache, causal_attention
+from fathom_jax.models.gemma3_config import Gemma3Config
+
+PREFILL_QUERY_CHUNK = 1024  # queries per chunk of prefill attention: memory ~ chunk x keys, not T x keys
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Gemma3Cache:
+    """``k``/``v``: the global layers' rows, slots [0, length) valid (a :class:`KVCache` over the global layers:
+    :attr:`global_cache`); ``local_k``/``local_v``: each local layer's last ``window`` positions, position p at
+    slot p mod window. One ``length`` for the batch, as in :class:`KVCache`."""
+
+    local_k: Float[Array, "local_layers batch kv_heads window head_dim"]
+    local_v: Float[Array, "local_layers batch kv_heads window head_dim"]
+    k: Float[Array, "global_layers batch kv_heads capacity head_dim"]
+    v: Float[Array, "global_layers batch kv_heads capacity head_dim"]
+    length: Int[Array, ""]
+
+    @classmethod
+    def init(cls, config: Gemma3Config, batch: int, capacity: int, dtype=jnp.float32) -> "Gemma3Cache":
+        if batch < 1 or capacity < 1:
+            raise ValueError(f"batch and capacity must be >= 1, got batch={batch}, capacity={capacity}")
+        rows = (batch, config.n_kv_heads)
+        local = (len(config.local_layers), *rows, config.sliding_window, config.head_dim)
+        full = (len(config.global_layers), *rows, capacity, config.head_dim)
+        zeros = lambda shape: jnp.zeros(shape, dtype)  # noqa: E731
+        return cls(zeros(local), zeros(local), zeros(full), zeros(full), jnp.zeros((), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def window(self) -> int:
+        return self.local_k.shape[3]
+
+    @property
+    def global_cache(self) -> KVCache:
+        """The global layers' rows as a :class:`KVCache` (stacked over the global layers only)."""
+        return KVCache(self.k, self.v, self.length)
+
+
+def window_attention(q: Float[Array, "B Hkv G T D"], k: Float[Array, "B Hkv T D"], v: Float[Array, "B Hkv T D"],
+                     ring_k: Float[Array, "B Hkv W D"], ring_v: Float[Array, "B Hkv W D"], start: Int[Array, ""],
+                     chunk: int = PREFILL_QUERY_CHUNK):
+    """Sliding-window attention of T new tokens at positions start + [0, T): each query sees the W positions up
+    to its own (transformers: kv > q - W), from the ring (positions < start) and the new keys.
+
+    Returns (o [B,Hkv,G,T,D] f32, ring_k, ring_v with the new tokens' last min(T, W) rows written)."""
+    w, t = ring_k.shape[2], q.shape[3]
+    order = (start + jnp.arange(w)) % w  # index i of `keys` <-> position start - W + i
+    keys = jnp.concatenate([jnp.take(ring_k, order, axis=2), k.astype(ring_k.dtype)], axis=2)
+    values = jnp.concatenate([jnp.take(ring_v, order, axis=2), v.astype(ring_v.dtype)], axis=2)
+    o = _banded_attention(q, keys, values, start, w, chunk)
+    n = min(t, w)
+    slots = (start + t - n + jnp.arange(n)) % w
+    ring_k = ring_k.at[:, :, slots].set(k[:, :, t - n:].astype(ring_k.dtype), unique_indices=True)
+    ring_v = ring_v.at[:, :, slots].set(v[:, :, t - n:].astype(ring_v.dtype), unique_indices=True)
+    return o, ring_k, ring_v
+
+
+def _banded_attention(q, keys, values, start, w: int, chunk: int):
+    """Query t (position start + t) over keys index j (position start - W + j), j in (t, t + W], position >= 0;
+    by chunks of queries, each over the W + chunk keys its band can reach."""
+    t = q.shape[3]
+    scale = 1.0 / math.sqrt(q.shape[-1])  # as dense_attention: query_scale folded Gemma's scalar into q
+
+    def band(qc, kc, vc, t0, j0):  # queries t0 + [0, Tc) over keys j0 + [0, Kc)
+        s = jnp.einsum("bhgtd,bhjd->bhgtj", qc.astype(jnp.float32), kc.astype(jnp.float32)) * scale
+        qi = t0 + jnp.arange(qc.shape[3])[:, None]
+        kj = j0 + jnp.arange(kc.shape[2])[None, :]
+        s = jnp.where((kj > qi) & (kj <= qi + w) & (kj >= w - start), s, -jnp.inf)
+        return jnp.einsum("bhgtj,bhjd->bhgtd", jax.nn.softmax(s, axis=-1), vc.astype(jnp.float32))
+
+    if t <= chunk:
+        return band(q, keys, values, 0, 0)
+    pad = -t % chunk
+    qp = jnp.pad(q, ((0, 0),) * 3 + ((0, pad), (0, 0)))
+    kp, vp = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (keys, values))
+
+    def one(t0):
+        qc = jax.lax.dynamic_slice_in_dim(qp, t0, chunk, axis=3)
+        kc, vc = (jax.lax.dynamic_slice_in_dim(a, t0, chunk + w, axis=2) for a in (kp, vp))
+        return band(qc, kc, vc, t0, t0)
+
+    out = jax.lax.map(one, jnp.arange(0, t + pad, chunk, dtype=jnp.int32))  # [chunks, B, Hkv, G, chunk, D]
+    out = jnp.moveaxis(out, 0, 3)
+    return out.reshape(*out.shape[:3], t + pad, out.shape[-1])[:, :, :, :t]
+
+
+def chunked_causal_attention(q: Float[Array, "B Hkv G T D"], k: Float[Array, "B Hkv C D"],
+                             v: Float[Array, "B Hkv C D"], start: Int[Array, ""], chunk: int = PREFILL_QUERY_CHUNK):
+    """:func:`~fathom_jax.models.cache.causal_attention` (queries at start + [0, T) over cache slots <= their
+    position) by chunks of queries."""
+    t = q.shape[3]
+    if t <= chunk:
+        return causal_attention(q, k, v, start)
+    pad = -t % chunk
+    qp = jnp.pad(q, ((0, 0),) * 3 + ((0, pad), (0, 0)))
+
+    def one(t0):
+        return causal_attention(jax.lax.dynamic_slice_in_dim(qp, t0, chunk, axis=3), k, v, start + t0)
+
+    out = jnp.moveaxis(jax.lax.map(one, jnp.arange(0, t + pad, chunk, dtype=jnp.int32)), 0, 3)
+    return out.reshape(*out.shape[:3], t + pad, out.shape[-1])[:, :, :, :t]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """The local layers' rings (position p at slot p mod window) and the batch's length: what a Gemma 3 decoder
+    keeps of its own between decode steps (the global layers' rows are their attention's cache)."""
+
+    k: Float[Array, "local_layers batch kv_heads window head_dim"]
+    v: Float[Array, "local_layers batch kv_heads window head_dim"]
+    length: Int[Array, ""]
+
+    @classmethod
+    def init(cls, config: Gemma3Config, batch: int, dtype) -> "Windows":
+        shape = (len(config.local_layers), batch, config.n_kv_heads, config.sliding_window, config.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+    def attend(self, i, q, k, v) -> tuple[Array, "Windows"]:
+        """Local layer ``i``'s window attention of new tokens at positions length + [0, T); their rows written."""
+        o, rk, rv = window_attention(q, k, v, self.k[i], self.v[i], self.length)
+        return o, dataclasses.replace(self, k=self.k.at[i].set(rk), v=self.v.at[i].set(rv))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Gemma3State:
+    """A Gemma 3 decode state: the local layers' ``windows`` and the global layers' attention ``cache``."""
+
+    windows: Windows
+    cache: object
+

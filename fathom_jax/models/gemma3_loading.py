@@ -1,0 +1,155 @@
+"""Gemma 3 weights: llama.cpp GGUF files and HF safetensors checkpoints -> :class:`Gemma3ForCausalLM`.
+
+As for the Llama family (``loading.py``): the model is created abstractly, then every parameter is filled from
+a name map ``module path -> TensorSpec``; per-layer names hold ``{i}``, the model layer index, and each stacked
+module reads its own layers (``local_layers``: the local layers before the last global one, in order;
+``global_layers``; ``tail_layers``). llama.cpp stores every Gemma norm as ``1 + w`` and keeps HF's row order
+(no Q/K permutation: Gemma uses NeoX-style RoPE there); the norms are shifted back in f32, as transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from flax import nnx
+
+from fathom_jax.models.gemma3 import Gemma3ForCausalLM
+from fathom_jax.models.gemma3_config import Gemma3Config, config_from_gguf, from_hf_dict
+from fathom_jax.models.loading import (
+    MissingTensorError,
+    Path,
+    SafetensorsDir,
+    TensorSpec,
+    _gguf_path,
+    _identity,
+    _resolve_dtype,
+    _transpose,
+    gguf_tensors,
+    open_gguf,
+)
+
+# module path inside a layer -> (HF name inside model.layers.{i}, llama.cpp name inside blk.{i})
+_LAYER = {
+    ("input_layernorm", "weight"): ("input_layernorm.weight", "attn_norm.weight"),
+    ("self_attn", "q_proj", "kernel"): ("self_attn.q_proj.weight", "attn_q.weight"),
+    ("self_attn", "k_proj", "kernel"): ("self_attn.k_proj.weight", "attn_k.weight"),
+    ("self_attn", "v_proj", "kernel"): ("self_attn.v_proj.weight", "attn_v.weight"),
+    ("self_attn", "o_proj", "kernel"): ("self_attn.o_proj.weight", "attn_output.weight"),
+    ("self_attn", "q_norm", "weight"): ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+    ("self_attn", "k_norm", "weight"): ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    ("post_attention_layernorm", "weight"): ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+    ("pre_feedforward_layernorm", "weight"): ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+    ("mlp", "gate_proj", "kernel"): ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    ("mlp", "up_proj", "kernel"): ("mlp.up_proj.weight", "ffn_up.weight"),
+    ("mlp", "down_proj", "kernel"): ("mlp.down_proj.weight", "ffn_down.weight"),
+    ("post_feedforward_layernorm", "weight"): ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+}
+_TOP = {
+    ("embed_tokens", "embedding"): ("model.embed_tokens.weight", "token_embd.weight"),
+    ("norm", "weight"): ("model.norm.weight", "output_norm.weight"),
+}
+_STACKS = ("local_layers", "global_layers", "tail_layers")
+
+
+def _unshift_norm(a: np.ndarray) -> np.ndarray:
+    return (np.asarray(a, np.float32) - np.float32(1.0)).astype(np.float32)
+
+
+def name_map(config: Gemma3Config, source: str) -> dict[Path, TensorSpec]:
+    """Module path -> tensor name and transform, for ``source`` "hf" or "gguf"."""
+    col = {"hf": 0, "gguf": 1}[source]
+    out: dict[Path, TensorSpec] = {}
+    for path, names in _TOP.items():
+        shift = source == "gguf" and path[0] == "norm"
+        out[path] = TensorSpec(names[col], _unshift_norm if shift else _identity)
+    for stack in _STACKS:
+        for sub, names in _LAYER.items():
+            prefix = "model.layers.{i}." if source == "hf" else "blk.{i}."
+            if sub[-1] == "kernel":
+                transform = _transpose  # [out, in] -> nnx.Linear's [in, out]
+            else:
+                transform = _unshift_norm if source == "gguf" else _identity
+            out[(stack, *sub)] = TensorSpec(prefix + names[col], transform)
+    return out
+
+
+def stack_layers(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
+    """Model layer indices each stacked module holds, in its order."""
+    n = config.n_blocks * (config.sliding_window_pattern - 1)
+    return {"local_layers": config.local_layers[:n], "global_layers": config.global_layers,
+            "tail_layers": config.local_layers[n:]}
+
+
+def build_model(config: Gemma3Config, get, names: dict[Path, TensorSpec], *, dtype="float32",
+                source: str = "checkpoint") -> Gemma3ForCausalLM:
+    """A model with every parameter filled from ``get(name)`` (None if absent)."""
+    import jax.numpy as jnp
+
+    dtype = _resolve_dtype(dtype)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Gemma3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))))
+    rows = stack_layers(config)
+
+    def fetch(name: str) -> np.ndarray:
+        a = get(name)
+        if a is None:
+            raise MissingTensorError(f"tensor {name!r} is missing from {source}")
+        return a
+
+    pure: dict = {}
+    for path, var in nnx.to_flat_state(state):
+        path = tuple(str(p) for p in path)
+        spec = names[path]
+        if path[0] in rows:
+            arr = np.stack([spec.transform(fetch(spec.name.format(i=i))) for i in rows[path[0]]])
+        else:
+            arr = spec.transform(fetch(spec.name))
+        want = var.get_value().shape
+        if arr.shape != want:
+            raise ValueError(f"tensor {spec.name!r} from {source} has shape {arr.shape} after transform, model "
+                             f"parameter {'.'.join(path)} expects {want}")
+        node = pure
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = jnp.asarray(arr, dtype=dtype)
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def gguf_architecture(reader) -> str | None:
+    f = reader.fields.get("general.architecture")
+    return None if f is None else f.contents()
+
+
+def load_gguf(path, *, dtype="float32") -> tuple[Gemma3ForCausalLM, Gemma3Config]:
+    """A llama.cpp Gemma 3 GGUF (a path or an open ``gguf.GGUFReader``), dequantized to ``dtype``."""
+    import gguf
+
+    reader = path if isinstance(path, gguf.GGUFReader) else open_gguf(path)
+    config = config_from_gguf(reader)
+    model = build_model(config, gguf_tensors(reader), name_map(config, "gguf"), dtype=dtype,
+                        source=_gguf_path(reader))
+    return model, config
+
+
+def is_hf_gemma3(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint directory's config.json is a Gemma 3 text model."""
+    file = os.path.join(os.fspath(path), "config.json")
+    try:
+        with open(file) as f:
+            return json.load(f).get("model_type") == "gemma3_text"
+    except (OSError, ValueError, AttributeError):
+        return False  # let the Llama loader report what is wrong with it
+
+
+def hf_config(path: str | os.PathLike) -> Gemma3Config:
+    with open(os.path.join(os.fspath(path), "config.json")) as f:
+        return from_hf_dict(json.load(f))
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype="float32") -> tuple[Gemma3ForCausalLM, Gemma3Config]:
+    """A HF ``Gemma3ForCausalLM`` checkpoint directory (config.json + safetensors)."""
+    config = hf_config(path)
+    model = build_model(config, SafetensorsDir(path), name_map(config, "hf"), dtype=dtype, source=os.fspath(path))
+    return model, config

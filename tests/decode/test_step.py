@@ -1,0 +1,251 @@
+"""The one sparse step: every method equals the per-head reference; stacked layers, the newest-token patch,
+pipelined chunks, and the pinned_host placement on the GPU (compared like with like)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fathom_jax import calibrate as C
+from fathom_jax import index as I
+from fathom_jax import index_parts as P
+from fathom_jax import landmarks
+from fathom_jax import methods as M
+from fathom_jax import store as S
+from fathom_jax.decode import CacheView, NewToken, RowLayout, StepConfig, StepContext, sparse_attention_step
+from fathom_jax.index_parts import LandmarkBlock, PlaneBlock
+from fathom_jax.placement import Placement
+from fathom_jax.scan import scan_scores
+from fathom_jax.select import select_topk, sparse_attention
+
+METHODS = [M.Fathom(20), M.FathomKLT(20), M.SparQ(4), M.SparQUnion(3), M.DoubleSparsity(4), M.Loki(6),
+           M.Thumbnail(2), M.Full4(), M.Landmark(), M.Exact(), M.Dense()]
+R, G, D, N, K = 3, 4, 16, 200, 48
+
+
+@pytest.fixture(scope="module")
+def setting():
+    rng = np.random.default_rng(11)
+    keys = (rng.standard_normal((R, N, D)) * np.exp(rng.normal(size=D))).astype(np.float32)
+    values = rng.standard_normal((R, N, D)).astype(np.float32)
+    q = (rng.standard_normal((R, G, D)) * np.exp(rng.normal(size=D) / 2)).astype(np.float32)
+    lengths = np.array([200, 131, 64], np.int32)
+    calib = C.calibrate_session(jnp.asarray(keys), length=lengths)
+    return keys, values, q, lengths, calib
+
+
+def context(implementation="xla", placement=Placement(), k=K, groups=R, capacity=N, **step):
+    """The step context of a step over ``groups`` groups of a ``capacity``-token cache (the configuration resolved
+    as the decoder resolves it)."""
+    run = StepConfig(**step).resolve(placement, groups=groups, capacity=capacity, implementation=implementation)
+    return StepContext(k=k, run=run)
+
+
+def step(method, q, index, kv, lengths, calib, ctx, **view):
+    """``(out, bits)`` of the step over a view of ``index`` and the K/V rows ``kv``."""
+    res = sparse_attention_step(method, q, CacheView(index=index, kv=kv, length=lengths, calib=calib, **view), ctx)
+    return res.out, res.bits
+
+
+def side_by_side(keys, values):
+    """The cache's layout: each token's key and value in one row ``[..., n, 2 D]``, in the keys' dtype."""
+    keys = jnp.asarray(keys)
+    return RowLayout(keys.shape[-1], keys.dtype).join(keys, jnp.asarray(values))
+
+
+def per_head_reference(method, q, keys, values, lengths, calib, k=K):
+    """scan_scores -> select_topk -> each head attends over its own rows (no union, no fetch)."""
+    if method.name == "dense":
+        from fathom_jax.select import dense_attention
+
+        return dense_attention(q, keys, values, lengths)
+    index = I.build_index(keys, calib, method.parts, length=lengths)
+    scores = scan_scores(method, q, index, calib, implementation="xla").scores
+    idx, mask = select_topk(scores, lengths, k, implementation="xla")
+    return sparse_attention(q, keys, values, idx, mask)
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.spec)
+def test_step_equals_per_head_reference(setting, method):
+    keys, values, q, lengths, calib = setting
+    index = I.build_index(keys, calib, method.parts - {P.KEYS}, length=lengths)
+    got, bits = step(method, q, index, side_by_side(keys, values), jnp.asarray(lengths), calib, context())
+    want = per_head_reference(method, q, keys, values, lengths, calib)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert bits.shape == (R,)
+
+
+def stacked_setting(setting, method):
+    """A stacked two-layer cache, the view of layer 1 with the newest token patched in, and that token."""
+    keys, values, q, lengths, calib = setting
+    prev = lengths - 1
+    parts = method.parts - {P.KEYS}
+    layers = [I.build_index(keys * s, calib, parts, length=prev) for s in (0.5, 1.0)]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *layers)
+    kv = lambda x: jnp.stack([jnp.where(jnp.arange(N)[:, None] < prev[:, None, None], x * s, 0) for s in (0.5, 1.0)])  # noqa: E731
+    kv_cache = side_by_side(kv(keys), kv(values))
+    key = keys[np.arange(R), prev]
+    value = values[np.arange(R), prev]
+    blocks, view = {}, {"length": stacked.length[1]}
+    if P.RAW in parts:
+        words, scale, tail = jax.vmap(S.append_block)(stacked["raw"].tail[1], jnp.asarray(prev), jnp.asarray(key))
+        blocks["raw"] = PlaneBlock(words, scale, tail)
+        view["raw"] = dataclasses.replace(stacked["raw"], tail=tail, length=jnp.asarray(lengths))
+    if P.LANDMARKS in parts:
+        mean, ltail = jax.vmap(landmarks.append_block)(stacked["landmarks"].tail[1], jnp.asarray(prev),
+                                                       jnp.asarray(key))
+        blocks["landmarks"] = LandmarkBlock(mean, ltail)
+        view["landmarks"] = P.Landmarks(means=stacked["landmarks"].means, tail=ltail)
+    new = NewToken(position=jnp.asarray(prev), key=jnp.asarray(key), value=jnp.asarray(value), blocks=blocks)
+    return stacked.replace(**view), kv_cache, new
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("method", [M.Fathom(20), M.Landmark(), M.Exact()], ids=lambda m: m.spec)
+def test_stacked_layers_and_newest_token_patch(setting, method, implementation):
+    """A stacked [L, R] cache read at a layer, with the newest token patched in from device memory,
+    equals the step over that layer's index with the token appended."""
+    keys, values, q, lengths, calib = setting
+    view, kv_cache, new = stacked_setting(setting, method)
+    got, _ = step(method, q, view, kv_cache, jnp.asarray(lengths), calib,
+                  context(implementation, Placement("pinned_host")), layer=1, new=new)
+    full = I.build_index(keys, calib, method.parts - {P.KEYS}, length=lengths)
+    want, _ = step(method, q, full, side_by_side(keys, values), jnp.asarray(lengths), calib, context())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+PIPELINE = dict(pipeline=3, gather_programs=5)
+
+
+@pytest.mark.parametrize("method,implementation", [(M.Fathom(20), "pallas"), (M.Exact(), "xla"), (M.Landmark(), "xla")],
+                         ids=lambda x: getattr(x, "spec", x))
+def test_groups_split_into_chunks_equal_one_chunk(setting, method, implementation):
+    """With ``pipeline=3`` each group is stepped in its own chunk (its plane transfer chained to the previous chunk's;
+    one after the other here), reading the stacked cache at its group offset: every output equals the one-chunk
+    step's. The kernels read group windows (plane scan via the run gather, persistent programs in the pipeline, row
+    fetch); landmarks and the oracle's keys are staged by the kernels' group windows too."""
+    q, lengths, calib = setting[2], jnp.asarray(setting[3]), setting[4]
+    view, kv_cache, new = stacked_setting(setting, method)
+    host = Placement("pinned_host")
+
+    def run(**kw):
+        ctx = context(implementation, host, **kw)
+        fn = jax.jit(lambda view, kv, new: step(method, q, view, kv, lengths, calib, ctx, layer=jnp.int32(1),
+                                                new=new))
+        return fn(view, kv_cache, new)
+
+    (one, bits1), (three, bits3) = run(pipeline=1), run(**PIPELINE)
+    with pytest.raises(ValueError, match="pipeline=2 must divide the 3 groups"):
+        run(pipeline=2)
+    np.testing.assert_array_equal(np.asarray(three), np.asarray(one))
+    np.testing.assert_array_equal(np.asarray(bits3), np.asarray(bits1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("read,split", [("direct", {}), ("staged", {}),
+                                        ("staged", dict(pipeline=4, gather_programs=64))],
+                         ids=["direct", "staged", "pipeline4"])
+def test_pinned_host_step_equals_hbm_step_and_reference(read, split):
+    """On a GPU the index and K/V rows live in pinned_host memory and the kernels read them there. The host
+    and HBM steps read the same bf16 cache (like with like: the store is built from the bf16 keys) and agree
+    exactly, also with the groups in pipelined chunks (run concurrently under the pipeline's compiler options);
+    both match the per-head reference. ``staged`` is one chunk: ``pipeline="auto"`` would split these 8 groups
+    into 2 chunks in host memory against the HBM step's one, and their GEMMs over 4 and 8 groups agreed bit for
+    bit in one process and not in another (9e-8)."""
+    rng = np.random.default_rng(3)
+    r, n = 8, 4096
+    keys = jnp.asarray(rng.standard_normal((r, n, 128)) * np.exp(rng.normal(size=128)), jnp.bfloat16)
+    values = jnp.asarray(rng.standard_normal((r, n, 128)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((r, 4, 128)), jnp.float32)
+    lengths = jnp.full((r,), n, jnp.int32)
+    keys32 = keys.astype(jnp.float32)
+    calib = C.calibrate_session(keys32)
+    method = M.Fathom(48)
+    index = I.build_index(keys32, calib, method.parts, length=lengths)
+    stacked = jax.tree.map(lambda x: x[None], index)
+    host = Placement("pinned_host")
+    placed = host.put(stacked, stacked.bulk())  # bulk leaves (planes, scales) to pinned_host, the rest on the device
+    assert placed["raw"].planes.sharding.memory_kind == "pinned_host"
+    kv = side_by_side(keys, values)[None]
+    kv_host = jax.device_put(kv, host.sharding(4, bulk=True))
+    assert kv_host.sharding.memory_kind == "pinned_host"
+    ctx = context("pallas", host, k=256, groups=r, capacity=n, **({"read": read, "pipeline": 1} | split))
+    got = jax.jit(lambda idx, c: step(method, q, idx, c, lengths, calib, ctx, layer=0)[0],
+                  compiler_options=ctx.run.options or None)(placed, kv_host)
+    hbm_ctx = context("pallas", k=256, groups=r, capacity=n)
+    hbm = jax.jit(lambda idx, c: step(method, q, idx, c, lengths, calib, hbm_ctx, layer=0)[0])(stacked, kv)
+    if not split:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(hbm))
+    else:  # GEMMs over fewer groups may sum in another order on the GPU (seen: 3e-7 with 4 chunks)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(hbm), rtol=1e-5, atol=1e-6)
+    want = per_head_reference(method, q, keys32, values.astype(jnp.float32), lengths, calib, k=256)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)
+
+
+def _pallas_grids(fn, *args, name):
+    """The grids of the ``pallas_call``s named ``name`` in the jaxpr of ``fn(*args)``."""
+    from tests.support import pallas_call_eqns
+
+    return [tuple(eqn.params["grid_mapping"].grid) for eqn in pallas_call_eqns(fn, *args, name=name)]
+
+
+def test_kernel_options_reach_the_kernels_and_change_no_result(setting):
+    """``StepConfig(fetch_programs=P)`` runs the row fetch as P persistent programs, ``topk=TopkConfig(...)`` splits
+    the top-k's selections over several programs per row: the same step (interpreted on CPU)."""
+    from pallas_kernels.topk import TopkConfig
+    from tests.support import count_pallas_calls
+
+    keys, values, q, lengths, calib = setting
+    method = M.Fathom(20)
+    view, kv_cache, new = stacked_setting(setting, method)
+
+    def run(**kw):
+        ctx = context("pallas", Placement("pinned_host"), **kw)
+        return lambda q: step(method, q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]
+
+    plain = run(fetch_programs=0, topk=TopkConfig(bucket_splits=1, token_splits=1))
+    tuned = run(fetch_programs=3, topk=TopkConfig(bucket_splits=2, token_splits=2))
+    np.testing.assert_array_equal(np.asarray(tuned(q)), np.asarray(plain(q)))
+    assert _pallas_grids(tuned, q, name="row_fetch") == [(3,)]
+    assert _pallas_grids(plain, q, name="row_fetch") == [(R, G * K // 32)]  # (groups, 32-row items of the union)
+    assert count_pallas_calls(tuned, q, name="topk_local_tokens") == 1
+    assert count_pallas_calls(plain, q, name="topk_local_tokens") == 0
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_pipelined_chunk_fetches_wait_for_the_next_chunks_scan(setting, implementation):
+    """In pipelined chunks the next-to-last chunk's row fetch takes the last chunk's scores as an operand it never
+    reads (so the GPU runs it after that scan, not beside it); the order changes no result."""
+    from tests.support import pallas_call_eqns
+
+    keys, values, q, lengths, calib = setting
+    method = M.Fathom(20)
+    view, kv_cache, new = stacked_setting(setting, method)
+
+    def run(pipeline):
+        ctx = context(implementation, Placement("pinned_host"), pipeline=pipeline, gather_programs=2)
+        return lambda q: step(method, q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]
+
+    ordered = np.asarray(jax.jit(run(3))(q))
+    if implementation == "pallas":
+        fetches = pallas_call_eqns(run(3), q, name="row_fetch")
+        # operands: index, layer, K/V cache (+ the next chunk's scores)
+        assert [len(e.invars) for e in fetches] == [3, 4, 3]
+        assert fetches[1].invars[-1].aval.shape[:2] == (1, G) and fetches[1].invars[-1].aval.dtype == jnp.float32
+    np.testing.assert_array_equal(ordered, np.asarray(jax.jit(run(1))(q)))
+
+
+def test_dense_attention_has_its_own_path(setting):
+    """A method that selects every row attends over all of them, with no scan, selection or fetch kernel."""
+    from tests.support import count_pallas_calls
+
+    keys, values, q, lengths, calib = setting
+    view, kv_cache, new = stacked_setting(setting, M.Dense())
+    ctx = context("pallas", Placement())
+    fn = lambda q: step(M.Dense(), q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]  # noqa: E731
+    assert count_pallas_calls(fn, q, name="") == 0
+    want = per_head_reference(M.Dense(), q, keys, values, lengths, calib)
+    np.testing.assert_allclose(np.asarray(fn(q)), np.asarray(want), rtol=2e-5, atol=2e-5)

@@ -1,0 +1,145 @@
+"""Resident planes: a cache whose top planes live in HBM decodes the same bits as the one-tier cache, holds the same
+planes after appends (each plane written to its tier), reports its bytes by tier; the HBM budget's chooser."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fathom_jax import decode
+from fathom_jax.decode import StepConfig
+from fathom_jax.decode.tiers import TieredPlanes, TieredPlaneStore, link_bytes, plane_bytes, resident_for_budget
+from fathom_jax.models import generation
+from fathom_jax.models.attention import CacheShape
+from fathom_jax.placement import Placement
+
+LONG = np.random.default_rng(7).integers(0, 97, (2, 60)).astype(np.int32)
+LENGTHS = np.array([60, 45])
+
+
+def decode_run(model, resident, implementation, **step):
+    """Prefill (60 / 45 tokens) and 5 decode steps (crossing a 64-token block): (logits [6, B, V], cache, hook)."""
+    attn = decode.from_spec("fathom:16", k=12, sink=2, local=4, calibration="session", implementation=implementation,
+                            placement=Placement("pinned_host", resident_planes=resident), step=StepConfig(**step))
+    logits, cache, attn = generation.prefill(model, LONG, LENGTHS, attn, 72)
+    out = [np.asarray(logits)]
+    for t in range(5):
+        _, logits, cache = generation.decode_step(model, LONG[:, t], cache, attn)
+        out.append(np.asarray(logits))
+    return np.stack(out), cache, attn
+
+
+def planes_of(cache) -> np.ndarray:
+    """The one-tier planes [L, R, D, 4, W] of a cache's raw store, whichever tiers hold them."""
+    store = cache.index["raw"]
+    if not isinstance(store, TieredPlaneStore):
+        return np.asarray(store.planes)
+    layers, groups = store.scales.shape[:2]
+    return np.stack([np.asarray(store.layer_store(layer, slice(0, groups), None).planes) for layer in range(layers)])
+
+
+@pytest.mark.parametrize("implementation,resident,step", [
+    ("xla", 1, {}), ("pallas", 2, dict(pipeline=2)), ("pallas", (1, 0, 3), dict(index_writes="full_blocks")),
+    ("pallas", 4, {})])
+def test_resident_planes_decode_the_same_bits(tiny_model, implementation, resident, step):
+    """p planes of every channel in device memory (the same layout and kernels as on a GPU, where the rest is in
+    pinned host memory): the logits equal the one-tier host cache's bit for bit, with every plane in its tier after the
+    appends (blocks written when full: after a flush); the tiered gather ran."""
+    want, want_cache, _ = decode_run(tiny_model, 0, implementation, **step)
+    got, cache, attn = decode_run(tiny_model, resident, implementation, **step)
+    np.testing.assert_array_equal(got, want)
+    if step.get("index_writes") == "full_blocks":
+        cache, want_cache = decode.flush(cache, attn), decode.flush(want_cache, attn)
+    np.testing.assert_array_equal(planes_of(cache), planes_of(want_cache))
+    store = cache.index["raw"]
+    if resident == 4:  # every plane resident: the one-tier store, in device memory, scanned in place
+        assert not isinstance(store, TieredPlaneStore) and type(attn.run.reader).__name__ == "TieredRead"
+        return
+    per_layer = attn.placement.resident(3)
+    assert isinstance(store, TieredPlaneStore) and store.hot.shape[0] == sum(per_layer)
+    assert store.cold.shape[0] == 4 * 3 - sum(per_layer)
+    if implementation == "pallas":
+        from tests.support import count_pallas_calls
+
+        assert type(attn.run.reader).__name__ == "TieredRead"
+        tokens = jnp.asarray(LONG[:, 5])
+        from flax import nnx
+
+        _, state = nnx.split(tiny_model)
+        run = generation.decode_step_program(tiny_model, cache, attn)
+        text = run.lower(state, tokens, None, cache=cache).as_text()
+        assert "tier_gather" in text and "run_gather" not in text
+
+
+def test_cache_bytes_by_tier():
+    """The bytes a tiered cache holds, by tier, equal what cache_bytes predicts; the hot planes and scales are in
+    device memory."""
+    attn = decode.from_spec("fathom:16", k=40, placement=Placement("pinned_host", resident_planes=(1, 2, 0)))
+    shape = CacheShape(layers=3, batch=2, kv_heads=3, capacity=200, head_dim=16, dtype=jnp.bfloat16)
+    cache = attn.init_cache(shape)
+    rows = attn.row_layout(shape)
+    want = decode.cache_bytes(attn.cache_parts(3), rows, n_layers=3, groups=6, capacity=200)
+    assert cache.nbytes() == want
+    plane = plane_bytes(groups=6, capacity=200, head_dim=16)
+    assert want["planes"] == 9 * plane and want["planes_hbm"] == 3 * plane + 3 * 6 * 16 * (256 // 64) * 2
+    assert decode.cache_bytes(attn.index_parts, rows, n_layers=3, groups=6, capacity=200)[
+        "planes"] == 12 * plane + 3 * 6 * 16 * 4 * 2
+
+
+def test_placement_checks_resident_planes():
+    for bad in (5, -1, 1.5, (1, 7), ()):
+        with pytest.raises(ValueError, match="resident_planes must be an int in \\[0, 4\\]"):
+            Placement("pinned_host", resident_planes=bad)
+    with pytest.raises(ValueError, match="use it with memory='pinned_host'"):
+        Placement("device", resident_planes=1)
+    with pytest.raises(ValueError, match="has 2 entries, the cache has 3 layers"):
+        Placement("pinned_host", resident_planes=(1, 2)).resident(3)
+    assert Placement("pinned_host", resident_planes=2).resident(3) == (2, 2, 2)
+    assert isinstance(next(iter(decode.from_spec("fathom:8", k=40, placement=Placement(
+        "pinned_host", resident_planes=1)).cache_parts(2))), TieredPlanes)
+
+
+def test_resident_planes_for_a_budget():
+    """Scales first, then planes by read frequency, each layer's a prefix; bad budgets raise before allocating."""
+    reads = np.array([[0.9, 0.3, 0.05, 0.0], [0.6, 0.5, 0.2, 0.1], [0.2, 0.1, 0.0, 0.0]])
+    dims = dict(groups=8, capacity=1 << 16, head_dim=128)
+    plane = plane_bytes(**dims)
+    scales = 3 * 8 * 128 * (1 << 16) // 64 * 2
+    assert resident_for_budget(0, reads, **dims) == (0, 0, 0)
+    assert resident_for_budget(scales + plane - 1, reads, **dims) == (0, 0, 0)
+    assert resident_for_budget(scales + plane, reads, **dims) == (1, 0, 0)
+    assert resident_for_budget(scales + 3 * plane, reads, **dims) == (1, 2, 0)  # 0.9, 0.6, 0.5 (not 0.3)
+    assert resident_for_budget(scales + 12 * plane, reads, **dims) == (4, 4, 4)
+    assert link_bytes((1, 2, 0), reads, **dims) == pytest.approx((0.3 + 0.05 + 0.2 + 0.1 + 0.2 + 0.1) * plane)
+    for bad, match in ((-1, "budget must be an int >= 0"), (scales + 12 * plane + 1, "more than the whole index"),
+                       (1.5, "budget must be an int")):
+        with pytest.raises(ValueError, match=match):
+            resident_for_budget(bad, reads, **dims)
+    with pytest.raises(ValueError, match="device memory left beside the model"):
+        resident_for_budget(scales + plane, reads, hbm_free=scales, **dims)
+    with pytest.raises(ValueError, match="reads must be \\[layers, 4\\]"):
+        resident_for_budget(0, reads[:, :3], **dims)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_resident_planes_live_in_hbm_and_the_rest_in_host_memory(tiny_model):
+    """On a GPU the hot planes and scales are device arrays and the cold planes pinned host ones; the decode equals
+    the one-tier host cache's bit for bit and the compiled step copies no host array."""
+    from fathom_jax.hlo import device_copies, host_array_copies
+
+    want, _, _ = decode_run(tiny_model, 0, "pallas", pipeline=1)
+    got, cache, attn = decode_run(tiny_model, 1, "pallas", pipeline=1)
+    np.testing.assert_array_equal(got, want)
+    store = cache.index["raw"]
+    assert store.hot.sharding.memory_kind == "device" and store.scales.sharding.memory_kind == "device"
+    assert store.cold.sharding.memory_kind == "pinned_host" and cache.kv.sharding.memory_kind == "pinned_host"
+    from flax import nnx
+
+    _, state = nnx.split(tiny_model)
+    text = generation.decode_step_program(tiny_model, cache, attn).lower(state, jnp.asarray(LONG[:, 5]), None,
+                                                                        cache=cache).compile().as_text()
+    assert host_array_copies(text, min_bytes=1 << 10) == []
+    # the resident planes are written in place too (a copy would take the new blocks' writes away from the cache)
+    assert device_copies(text, min_bytes=store.hot.nbytes) == []
+    assert cache.writes.shape == (1 + 2 * 4 + 1,)  # K/V row, each plane to its tier, the scales
