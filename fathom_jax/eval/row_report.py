@@ -12,6 +12,8 @@ import math
 import os
 from typing import Any
 
+from fathom_jax import row_formats
+
 TARGET_METHOD = "Fathom 48"
 ORACLE = "exact top-k oracle"
 SHORT = {TARGET_METHOD: "F48", ORACLE: "oracle"}
@@ -45,6 +47,14 @@ def recommend(results: dict) -> str | None:
     worst = lambda s: max(relative_added(r, TARGET_METHOD, s, TARGET_K) for r in runs)  # noqa: E731
     return min(passing, key=lambda s: (round(worst(s), 4), runs[0]["formats"][s]["bytes_per_token_dh128"]),
                default=None)
+
+
+def fetch_bytes(spec: str, head_dim: int = 128) -> str:
+    f = row_formats.parse(spec)
+    if f.key.store:
+        return "-"
+    extra = f" +{f.key.scale_count * head_dim * 2}" if f.block else ""
+    return f"{f.row_bytes(head_dim)}{extra}"
 
 
 def _main_k(run: dict) -> str:
@@ -83,6 +93,9 @@ def render_markdown(results: dict) -> str:
         f"- bytes: host bytes per token per layer and KV head: the row, K block scales, and the key index's planes "
         f"and scales (4 Dh/8 + 2 Dh/64). SmolLM2 has Dh = {d}; `B@128` is the same format at Dh = 128 "
         "(bf16 rows: 580). `f32`: the captured rows (the study's own numbers); `bf16`: today's rows.",
+        "- fetch B@128: what a row fetch reads per selected token at Dh = 128: its row, and for K scales per (channel, "
+        "block) that block's fp16 scales (`+256`/`+512`: once per block touched; nothing if they stay in device "
+        "memory, 4-8 B per token). The store's K codes are bits of channel-major planes, not a row: no row fetch.",
         f"- added: relative to the bf16 rows' error, same method, k and context. Target: <= "
         f"+{TARGET_RELATIVE:.0%} on {TARGET_METHOD} at k = {TARGET_K} at every context, <= "
         f"{TARGET_BYTES_DH128:.0f} B@128.",
@@ -99,12 +112,12 @@ def render_markdown(results: dict) -> str:
         head = [f"{SHORT[m]} {what}k={k}" for m in shown for what in ("", "added ") for k in ks]
         km = _main_k(run)
         head.append(f"{SHORT[shown[-1]]} in quadrature k={km}")
-        out += ["| format | row B | B/token | B@128 | " + " | ".join(head) + " | all methods |",
-                "|---|---:|---:|---:|" + "---:|" * (len(head) + 1)]
+        out += ["| format | row B | B/token | B@128 | fetch B@128 | " + " | ".join(head) + " | all methods |",
+                "|---|---:|---:|---:|---:|" + "---:|" * (len(head) + 1)]
         for spec in ["f32"] + sorted(_specs(run), key=lambda s: -run["formats"][s]["bytes_per_token_dh128"]):
             f = run["formats"][spec]
-            sizes = ("-", "-", "-") if f["row_bytes"] is None else (
-                f["row_bytes"], f"{f['bytes_per_token']:.0f}", f"{f['bytes_per_token_dh128']:.0f}")
+            sizes = ("-", "-", "-", "-") if f["row_bytes"] is None else (
+                f["row_bytes"], f"{f['bytes_per_token']:.0f}", f"{f['bytes_per_token_dh128']:.0f}", fetch_bytes(spec))
             cells = []
             for m in shown:
                 cells += [f"{run['error'][m][spec][k]:.4f}" for k in ks]
@@ -112,7 +125,7 @@ def render_markdown(results: dict) -> str:
             base, err = run["error"][shown[-1]][BASE][km], run["error"][shown[-1]][spec][km]
             cells.append(f"{math.sqrt(max(err * err - base * base, 0.0)):.4f}")
             every = f"{_method_mean(run, spec, km):+.1%}"
-            out.append(f"| {spec} | {sizes[0]} | {sizes[1]} | {sizes[2]} | " + " | ".join(cells) + f" | {every} |")
+            out.append(f"| {spec} | " + " | ".join(map(str, sizes)) + " | " + " | ".join(cells) + f" | {every} |")
         out += ["", f"Every method at k = {km} (error; formats within the byte target and bf16):", ""]
         cols = [BASE] + [s for s in _specs(run) if s != BASE and
                          run["formats"][s]["bytes_per_token_dh128"] <= TARGET_BYTES_DH128]

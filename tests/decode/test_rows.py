@@ -16,7 +16,7 @@ from fathom_jax.models import KVCache
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.scan import scan_scores
 from fathom_jax.select import attend, select_topk, sparse_attention
-from tests.decode.test_hook import LONG, STEPS, _corpus_calib, sparse_forced
+from tests.decode.test_hook import LONG, ON_GPU, STEPS, _corpus_calib, sparse_forced
 
 FORMATS = ["k8v8", "k8v4g8a", "bf16"]
 SMALL = dict(k=12, sink=2, local=4)
@@ -65,7 +65,8 @@ def _random_dense(seed, *, layers=2, batch=2, kv_heads=2, capacity=200, head_dim
 
 
 @pytest.mark.parametrize("spec", ["k8v8", "k8v4g8a"])
-@pytest.mark.parametrize("implementation,memory", [("xla", "device"), ("pallas", "pinned_host")])
+@pytest.mark.parametrize("implementation,memory", [("xla", "device"), ("pallas", "pinned_host"),
+                                                   pytest.param("pallas", "pinned_host", marks=ON_GPU, id="gpu")])
 def test_rows_after_appends_equal_rows_of_all_keys(spec, implementation, memory):
     """A prefill of 70 / 45 tokens, then 5 decode steps through the attention step: every stored row is the format's
     row of its token (the appends through the kernels' writes too)."""
@@ -110,15 +111,17 @@ def reference_step(attn, layout, keys, values, lengths, q):
     return np.stack([np.asarray(o) for o in outs])
 
 
+@pytest.mark.parametrize("implementation", ["xla", pytest.param("pallas", marks=ON_GPU, id="gpu")])
 @pytest.mark.parametrize("spec", ["sparq:2", "landmark", "exact", "dense"])
 @pytest.mark.parametrize("rows", FORMATS)
-def test_step_attends_over_the_dequantized_rows(spec, rows):
+def test_step_attends_over_the_dequantized_rows(spec, rows, implementation):
     """Three attention steps over a prefilled cache with compressed rows: each equals attention over the dequantized
     rows (selection by the method on its own index, the new token's row patched in), and the format changes the
     result."""
     kv = _random_dense(3, capacity=128)
     lengths = np.array([70, 45])
-    attn = decode.from_spec(spec, k=24 if spec != "dense" else 128, sink=2, local=4, rows=rows, implementation="xla")
+    attn = decode.from_spec(spec, k=24 if spec != "dense" else 128, sink=2, local=4, rows=rows,
+                            implementation=implementation)
     cache, attn = decode.cache_from_dense(kv, lengths, attn)
     plain_cache, plain = decode.cache_from_dense(kv, lengths, dataclasses.replace(attn, rows=None, run=None))
     layers, groups, d = kv.k.shape[0], 4, kv.k.shape[-1]
@@ -138,7 +141,8 @@ def test_step_attends_over_the_dequantized_rows(spec, rows):
         assert np.abs(np.asarray(got) - np.asarray(without)).max() > 1e-4 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("implementation,split", [("xla", {}), ("pallas", dict(pipeline=2))])
+@pytest.mark.parametrize("implementation,split", [("xla", {}), ("pallas", dict(pipeline=2)),
+                                                  pytest.param("pallas", dict(pipeline=2), marks=ON_GPU, id="gpu")])
 def test_row_cache_holds_compressed_rows(model, calib, implementation, split):
     """With a row cache the slots hold the stored words and every logit is the same bits as without one."""
     common = dict(calibration=calib, implementation=implementation, rows="k8v8", **SMALL)
