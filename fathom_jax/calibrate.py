@@ -79,6 +79,41 @@ class Calibration:
 _FIELDS = tuple(f.name for f in dataclasses.fields(Calibration))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TunedCalibration(Calibration):
+    """A :class:`Calibration` with what the allocations of :mod:`fathom_jax.allocation` read besides it.
+
+    * ``plane_error [.., D, 5]``: the variance of ``k_j - k_hat_j(t)`` the store's quantizer leaves at
+      depths t = 0..4 on the calibration keys (:func:`fathom_jax.allocation.plane_errors`), the error model
+      of ``fathom_bits:B:observed``;
+    * ``budget [..]``: bits per token as read (code + scale) of every (layer, KV head), tuned on a
+      calibration capture (:mod:`fathom_jax.eval.tuning`), the budgets of ``fathom_tuned``.
+
+    Either may be None (not computed). Saved and loaded with the rest by :func:`save_calibration`.
+    """
+
+    plane_error: Float[Array, "*B D 5"] | None = None
+    budget: Float[Array, "*B"] | None = None
+
+
+_TUNED_FIELDS = ("plane_error", "budget")
+
+
+def tuned(calib: Calibration, *, plane_error=None, budget=None) -> TunedCalibration:
+    """``calib`` with plane errors and/or per-group budgets (kept from ``calib`` where not given)."""
+    fields = {name: getattr(calib, name) for name in _FIELDS}
+    for name, value in (("plane_error", plane_error), ("budget", budget)):
+        value = getattr(calib, name, None) if value is None else jnp.asarray(value, jnp.float32)
+        fields[name] = value
+    batch, d = calib.batch_shape, calib.head_dim
+    if fields["plane_error"] is not None and fields["plane_error"].shape != (*batch, d, 5):
+        raise ValueError(f"plane_error must have shape {(*batch, d, 5)}, got {fields['plane_error'].shape}")
+    if fields["budget"] is not None and fields["budget"].shape != batch:
+        raise ValueError(f"budget must have shape {batch} (one per group), got {fields['budget'].shape}")
+    return TunedCalibration(**fields)
+
+
 # ----------------------------------------------------------------------------------------------
 # Checks
 
@@ -282,17 +317,20 @@ def from_arrays(**arrays: Any) -> Calibration:
 
 
 def save_calibration(path: str | os.PathLike, calib: Calibration, *, force: bool = False) -> None:
-    """Write ``calib`` as an orbax checkpoint directory at ``path`` (``force`` overwrites)."""
+    """Write ``calib`` (a :class:`TunedCalibration` with the fields it has) as an orbax checkpoint directory at
+    ``path`` (``force`` overwrites)."""
     import orbax.checkpoint as ocp
 
-    state = {name: np.asarray(getattr(calib, name)) for name in _FIELDS}
+    names = _FIELDS + tuple(n for n in _TUNED_FIELDS if getattr(calib, n, None) is not None)
+    state = {name: np.asarray(getattr(calib, name)) for name in names}
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(os.path.abspath(os.fspath(path)), state, force=force)
         ckpt.wait_until_finished()
 
 
 def load_calibration(path: str | os.PathLike) -> Calibration:
-    """Read a Calibration written by :func:`save_calibration` (bit for bit)."""
+    """Read a Calibration written by :func:`save_calibration` (bit for bit; a :class:`TunedCalibration` where
+    it was saved with plane errors or budgets)."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(path))
@@ -309,4 +347,6 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
     missing = [f for f in _FIELDS if f not in state]
     if missing:
         raise ValueError(f"load_calibration: checkpoint at {path} lacks fields {missing}")
-    return Calibration(**{name: jnp.asarray(state[name]) for name in _FIELDS})
+    calib = Calibration(**{name: jnp.asarray(state[name]) for name in _FIELDS})
+    extra = {name: state[name] for name in _TUNED_FIELDS if name in state}
+    return tuned(calib, **extra) if extra else calib

@@ -49,7 +49,8 @@ class ReadPlan:
         return self.depths > 0
 
 
-def _plan(depths: Array, theta: Array) -> ReadPlan:
+def make_plan(depths: Array, theta: Array) -> ReadPlan:
+    """A :class:`ReadPlan` of ``depths`` with its exact bit accounting (code bits, bits per token as read)."""
     depths = depths.astype(jnp.int32)
     return ReadPlan(depths=depths, theta=theta, code_bits=jnp.sum(depths, axis=-1), bits_per_token=fmt.bits_per_token(depths))
 
@@ -222,7 +223,7 @@ def bisection_trace(
     # (seen on SmolLM2: 33 code bits at a budget of 32 in ~1% of groups).
     init = (log_lo, log_hi, jnp.zeros(g.shape, jnp.int32))
     (_, log_hi, depths), (trials, sums) = jax.lax.scan(step, init, None, length=steps, unroll=True)
-    return _plan(depths, jnp.exp(log_hi)), trials, sums
+    return make_plan(depths, jnp.exp(log_hi)), trials, sums
 
 
 def plan_bisection(
@@ -245,7 +246,7 @@ def plan_bisection(
     depths, log_hi = water_line_lib.water_line(
         thresholds, budget.reshape(n), log_lo.reshape(n), log_hi.reshape(n), steps=steps,
         implementation=implementation)
-    return _plan(depths.reshape(g.shape), jnp.exp(log_hi).reshape(batch))
+    return make_plan(depths.reshape(g.shape), jnp.exp(log_hi).reshape(batch))
 
 
 def plan_exact(g: Float[Array, "*G D"], budget: Int[Array, "*G"] | int) -> ReadPlan:
@@ -266,7 +267,7 @@ def plan_exact(g: Float[Array, "*G D"], budget: Int[Array, "*G"] | int) -> ReadP
     taken = (rank < budget[..., None]) & (flat > 0)
     depths = jnp.sum(taken.reshape(*g.shape[:-1], d, N_PLANES), axis=-1)
     smallest = jnp.min(jnp.where(taken, flat, jnp.inf), axis=-1)
-    return _plan(depths, jnp.where(jnp.isfinite(smallest), smallest, 0.0))
+    return make_plan(depths, jnp.where(jnp.isfinite(smallest), smallest, 0.0))
 
 
 def plan(

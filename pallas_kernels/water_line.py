@@ -5,7 +5,9 @@ Each of ``N`` groups has, per channel ``j`` and plane ``t = 0..3``, a threshold 
 ``budget[n]`` and a bracket ``[log_lo[n], log_hi[n]]`` that holds the water line. Channel ``j`` reads
 ``depth_j(x) = #{t : x <= thresholds[t, j]}`` planes at log water line ``x``. Bisection: ``steps`` times,
 try ``x = (lo + hi) / 2``; if the depths overflow the budget, ``x`` becomes the new ``lo``, else the new
-``hi`` and its depths the plan. Returns the plan ``depths i32 [N, D]`` and the final ``log_hi f32 [N]``.
+``hi`` and its depths the plan. ``plane_cost`` (static) prices plane t of a channel: all ones count code
+bits; ``(1.25, 1, 1, 1)`` counts bits as read, the first plane of a channel paying its fp16 block scale
+(:mod:`fathom_jax.allocation`). Returns the plan ``depths i32 [N, D]`` and the final ``log_hi f32 [N]``.
 
 Why a kernel: in XLA the 30 steps are ~40 small kernels per layer (each step ends in a reduction), whose
 launches the decode step paid at every context (``results/offload_h200.md``, NOTES.md "Planner"); here they
@@ -51,15 +53,36 @@ def _validate(thresholds, budget, log_lo, log_hi):
             raise ValueError(f"{name} must be [N] = [{n}], got {x.shape}")
 
 
-def water_line_reference(thresholds, budget, log_lo, log_hi, *, steps: int):
+UNIT_COST = (1.0,) * N_PLANES  # every plane one code bit: the paper's budget
+
+
+def _used(reads, plane_cost) -> jax.Array:
+    """Bits a trial spends from its per-plane reads ``[4] x [rows, D]`` (bool): code bits when every plane costs
+    one (summed as integers, as before plane costs existed), else each channel's cost in quarter bits summed as
+    integers, then quartered (exact: the costs are multiples of 1/4 and the sums small). One reduction per
+    trial either way: four (one per plane) made XLA:CPU compile the unrolled bisection ~3x slower."""
+    if plane_cost == UNIT_COST:
+        total = reads[0].astype(jnp.int32)
+        for r in reads[1:]:
+            total += r.astype(jnp.int32)
+        return jnp.sum(total, axis=-1).astype(jnp.float32)
+    quarters = [int(4 * c) for c in plane_cost]
+    total = quarters[0] * reads[0].astype(jnp.int32)
+    for q, r in zip(quarters[1:], reads[1:]):
+        total += q * r.astype(jnp.int32)
+    return 0.25 * jnp.sum(total, axis=-1).astype(jnp.float32)
+
+
+def water_line_reference(thresholds, budget, log_lo, log_hi, *, steps: int, plane_cost: tuple[float, ...] = UNIT_COST):
     """Plain jnp: the bisection unrolled (straight-line code fuses better than a loop on the GPU)."""
     _validate(thresholds, budget, log_lo, log_hi)
     lo, hi = log_lo, log_hi
     depths = jnp.zeros(thresholds.shape[1:], jnp.int32)
     for _ in range(steps):
         mid = 0.5 * (lo + hi)
-        trial = jnp.sum(mid[None, :, None] <= thresholds, axis=0, dtype=jnp.int32)
-        over = jnp.sum(trial, axis=-1).astype(jnp.float32) > budget
+        reads = [mid[:, None] <= thresholds[t] for t in range(N_PLANES)]
+        trial = jnp.sum(jnp.stack(reads), axis=0, dtype=jnp.int32)
+        over = _used(reads, plane_cost) > budget
         lo, hi = jnp.where(over, mid, lo), jnp.where(over, hi, mid)
         depths = jnp.where(over[:, None], depths, trial)
     return depths, hi
@@ -76,22 +99,19 @@ def _water_line_kernel(
     hi_out_ref,  # f32 [rows]
     *,
     steps: int,
+    plane_cost: tuple[float, ...],
 ):
     thresholds = [thr_ref[t] for t in range(N_PLANES)]
     budget = budget_ref[...]
 
-    def depths_at(x):
-        x = x[:, None]
-        total = (x <= thresholds[0]).astype(jnp.int32)
-        for thr in thresholds[1:]:
-            total += (x <= thr).astype(jnp.int32)
-        return total
-
     def step(_, carry):
         lo, hi, depths = carry
         mid = 0.5 * (lo + hi)
-        trial = depths_at(mid)
-        over = jnp.sum(trial, axis=1).astype(jnp.float32) > budget
+        reads = [mid[:, None] <= thr for thr in thresholds]
+        trial = reads[0].astype(jnp.int32)
+        for r in reads[1:]:
+            trial += r.astype(jnp.int32)
+        over = _used(reads, plane_cost) > budget
         return jnp.where(over, mid, lo), jnp.where(over, hi, mid), jnp.where(over[:, None], depths, trial)
 
     init = (lo_ref[...], hi_ref[...], jnp.zeros(depths_ref.shape, jnp.int32))
@@ -100,8 +120,8 @@ def _water_line_kernel(
     hi_out_ref[...] = hi
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "config", "interpret"))
-def _water_line_pallas(thresholds, budget, log_lo, log_hi, *, steps, config, interpret):
+@functools.partial(jax.jit, static_argnames=("steps", "config", "interpret", "plane_cost"))
+def _water_line_pallas(thresholds, budget, log_lo, log_hi, *, steps, config, interpret, plane_cost):
     _, n, d = thresholds.shape
     rows = config.rows
     n_pad, d_pad = pl.cdiv(n, rows) * rows, pl.next_power_of_2(d)
@@ -110,7 +130,7 @@ def _water_line_pallas(thresholds, budget, log_lo, log_hi, *, steps, config, int
     budget, log_lo, log_hi = (jnp.pad(x, (0, n_pad - n)) for x in (budget, log_lo, log_hi))
     row_spec = pl.BlockSpec((rows,), lambda i: (i,))
     depths, hi = pl.pallas_call(
-        functools.partial(_water_line_kernel, steps=steps),
+        functools.partial(_water_line_kernel, steps=steps, plane_cost=plane_cost),
         out_shape=(jax.ShapeDtypeStruct((n_pad, d_pad), jnp.int32), jax.ShapeDtypeStruct((n_pad,), jnp.float32)),
         grid=(n_pad // rows,),
         in_specs=[pl.BlockSpec((N_PLANES, rows, d_pad), lambda i: (0, i, 0)), row_spec, row_spec, row_spec],
@@ -124,11 +144,12 @@ def _water_line_pallas(thresholds, budget, log_lo, log_hi, *, steps, config, int
 
 def water_line(
     thresholds,  # f32 [4, N, D]   log g_j - (t + 1/2) log 4; NaN: never read
-    budget,  # f32 [N]   code bits
+    budget,  # f32 [N]   bits: code bits (unit plane costs) or sum of plane_cost over the planes read
     log_lo,  # f32 [N]   bracket of the log water line
     log_hi,  # f32 [N]
     *,
     steps: int,
+    plane_cost: tuple[float, ...] = UNIT_COST,
     implementation: B.Implementation | None = None,
     config: WaterLineConfig | None = None,
     interpret: bool | None = None,
@@ -138,7 +159,10 @@ def water_line(
     _validate(thresholds, budget, log_lo, log_hi)
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    plane_cost = tuple(float(c) for c in plane_cost)
+    if len(plane_cost) != N_PLANES or not all(c > 0 and (4 * c).is_integer() for c in plane_cost):
+        raise ValueError(f"plane_cost must be {N_PLANES} positive multiples of 1/4 (bits per plane), got {plane_cost}")
     if implementation == "xla":
-        return water_line_reference(thresholds, budget, log_lo, log_hi, steps=steps)
+        return water_line_reference(thresholds, budget, log_lo, log_hi, steps=steps, plane_cost=plane_cost)
     return _water_line_pallas(thresholds, budget, log_lo, log_hi, steps=steps, config=config or WaterLineConfig(),
-                              interpret=B.resolve_interpret(interpret))
+                              interpret=B.resolve_interpret(interpret), plane_cost=plane_cost)

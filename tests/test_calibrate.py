@@ -118,6 +118,30 @@ def test_save_load_round_trip_bit_for_bit(tmp_path_factory, seed):
         assert a.tobytes() == b.tobytes(), name
 
 
+def test_tuned_calibration_round_trip_and_shapes(tmp_path):
+    from fathom_jax import allocation as A
+
+    keys, queries = _capture(seed=8, layers=2, hkv=2, n=80, nq=8, d=4)
+    calib = C.calibrate(keys, queries)
+    tuned = C.tuned(calib, plane_error=A.plane_errors(keys), budget=np.full((2, 2), 9.5, np.float32))
+    assert isinstance(tuned[1], C.TunedCalibration) and tuned[1].budget.shape == (2,)
+    C.save_calibration(tmp_path / "t", tuned)
+    back = C.load_calibration(tmp_path / "t")
+    assert isinstance(back, C.TunedCalibration)
+    for name in ("variance", "ds_order", "plane_error", "budget"):
+        assert np.asarray(getattr(back, name)).tobytes() == np.asarray(getattr(tuned, name)).tobytes(), name
+    assert type(C.load_calibration(_saved(tmp_path / "plain", calib))) is C.Calibration
+    with pytest.raises(ValueError, match=r"budget must have shape \(2, 2\)"):
+        C.tuned(calib, budget=np.zeros(2))
+    with pytest.raises(ValueError, match="plane_error must have shape"):
+        C.tuned(calib, plane_error=np.zeros((2, 2, 4, 4)))
+
+
+def _saved(path, calib):
+    C.save_calibration(path, calib)
+    return path
+
+
 def test_save_refuses_overwrite_without_force(tmp_path):
     keys, _ = _capture(seed=6, layers=1, hkv=1, n=64, d=4)
     calib = C.calibrate(keys)

@@ -113,6 +113,33 @@ def test_fathom_bits_are_planes_plus_active_scales(seed, budget, exact_plan):
     np.testing.assert_allclose(r.bits_per_token, depths.sum(-1) + (depths > 0).sum(-1) / 4)
 
 
+def test_fathom_bits_read_within_their_budget_as_read():
+    from fathom_jax import allocation as A
+
+    keys, q, calib = random_setting(11, n=64, d=16)
+    calib = C.tuned(calib, plane_error=A.plane_errors(keys))
+    index = build(keys, calib, [M.Fathom(0)])  # every plane method reads the same raw store
+    for m in (M.FathomBits(30), M.FathomBits(45, "exact", "observed")):
+        r = SC.scan_scores(m, q, index, calib)
+        depths = np.asarray(r.depths)
+        assert float(r.bits_per_token[0]) == depths.sum() + (depths > 0).sum() / 4 <= m.budget
+        assert float(r.bits_per_token[0]) > m.budget - 1.25 * (m.planner == "exact") - 4.25
+    tuned = C.tuned(calib, budget=np.full(1, 30, np.float32))
+    r2 = SC.scan_scores(M.FathomTuned(), q, index, tuned)
+    np.testing.assert_array_equal(r2.depths, SC.scan_scores(M.FathomBits(30), q, index, calib).depths)
+
+
+def test_fathom_bits_need_their_calibration_fields():
+    keys, q, calib = random_setting(1, n=64, d=16)
+    index = build(keys, calib, [M.FathomBits(20)])
+    with pytest.raises(ValueError, match="observed error model needs calibration with plane errors"):
+        SC.scan_scores(M.FathomBits(20, importance="observed"), q, index, calib)
+    with pytest.raises(ValueError, match="needs calibration with tuned budgets"):
+        SC.scan_scores(M.FathomTuned(), q, index, calib)
+    with pytest.raises(ValueError, match=r"budget must lie in \[0, 68\] bits per token as read"):
+        SC.scan_scores(M.FathomBits(69), q, index, calib)
+
+
 def test_sparq_union_bits_count_the_union():
     keys, q, calib = random_setting(3, n=64)
     m = M.SparQUnion(4)
@@ -144,7 +171,10 @@ def test_labels_and_paper_settings():
 # The registry: specs round-trip, one class per method, derived help
 
 
-@pytest.mark.parametrize("method", M.paper_methods(64) + (M.Fathom(40, "exact"), M.SparQUnion(8), M.Thumbnail(3)),
+@pytest.mark.parametrize("method", M.paper_methods(64) + (M.Fathom(40, "exact"), M.SparQUnion(8), M.Thumbnail(3),
+                                                          M.FathomBits(55), M.FathomBits(37, "exact", "observed"),
+                                                          M.FathomBits(20, importance="observed"), M.FathomTuned(),
+                                                          M.FathomTuned("exact", "observed")),
                          ids=lambda m: m.spec)
 def test_spec_round_trip(method):
     assert M.parse(method.spec) == method
@@ -157,11 +187,15 @@ def test_parse_specs_and_errors():
     assert M.parse("double_sparsity:16") == M.DoubleSparsity(16) and M.DoubleSparsity(16).c == 16
     assert M.parse("thumbnail") == M.Thumbnail(2) and M.parse(" landmark ") == M.Landmark()
     assert M.parse(M.SparQ(4)) == M.SparQ(4)
+    assert M.parse("fathom_bits:55:observed:exact") == M.FathomBits(55, "exact", "observed")
+    assert M.FathomBits(55, "exact", "observed").label == "Fathom 55 bits as read (exact, observed)"
     for bad, match in [("fathmo:48", "unknown scan method 'fathmo'"), ("fathom", "expected fathom:BUDGET"),
                        ("sparq:x", "r must be an integer"), ("exact:3", "exact takes no parameters"),
                        ("", "non-empty"), ("fathom:-3", "budget must be an int >= 0"),
                        ("fathom:abc", "budget must be an integer"), ("fathom:8:greedy", "planner must be one of"),
-                       ("thumbnail:5", "depth must be an int in \\[1, 4\\]"), ("loki:0", "r must be an int >= 1")]:
+                       ("thumbnail:5", "depth must be an int in \\[1, 4\\]"), ("loki:0", "r must be an int >= 1"),
+                       ("fathom_bits:55:exact:exact", "planner one of"), ("fathom_bits", "expected fathom_bits:BITS"),
+                       ("fathom_tuned:48", "error model one of")]:
         with pytest.raises(ValueError, match=match):
             M.parse(bad)
 
@@ -177,5 +211,5 @@ def test_parts_and_calibration_needs():
     assert M.Fathom(8).parts == {P.RAW} and M.FathomKLT(8).parts == {P.KLT} and M.Loki(4).parts == {P.LOKI}
     assert M.Landmark().parts == {P.LANDMARKS} and M.Exact().parts == {P.KEYS}
     needs = {cls.name for cls in M.REGISTRY.values() if cls.needs_calibration}
-    assert needs == {"fathom", "fathom_klt", "double_sparsity", "loki"}
+    assert needs == {"fathom", "fathom_klt", "fathom_bits", "fathom_tuned", "double_sparsity", "loki"}
     assert M.Fathom(100).max_active(64) == 64 and M.Fathom(12).max_active(64) == 12 and M.SparQ(8).max_active(64) == 8

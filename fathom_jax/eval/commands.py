@@ -2,8 +2,9 @@
 
     fathom ruler --context 4096 --k 64 128 --per-task 8       # results/ruler_smollm2_4k.{json,md,png}
     fathom agreement --context 4096 --sessions 40             # results/agreement_smollm2_4k.{json,md,png}
+    fathom tune --context 4096 --mean 37 55                   # calibrations/tuned_smollm2_4k_mean{37,55} (orbax)
 
-:func:`register` adds both subcommands to an ``argparse`` subparsers object. Every argument is checked
+:func:`register` adds the subcommands to an ``argparse`` subparsers object. Every argument is checked
 before the model loads; a bad one is a :class:`~fathom_jax.cli_args.UsageError` (one line, exit 2).
 """
 
@@ -90,6 +91,22 @@ def register(subparsers) -> None:
     p.add_argument("--baseline", default="sparq:16", help="the method paired differences are taken against")
     _common(p)
     p.set_defaults(func=run_agreement_command)
+
+    p = subparsers.add_parser(
+        "tune", help="per-(layer, KV head) budgets tuned with optax on the calibration text, saved with orbax",
+        description="Captures --context tokens of the pydoc prose, measures each (layer, KV head)'s attention error "
+                    "of fathom_bits:B:observed at a grid of budgets, tunes budgets at each --mean with optax and saves "
+                    "each as an orbax calibration (fathom_tuned:observed reads it; load_calibration loads it).")
+    p.add_argument("--context", type=positive_int(512), default=4096, help="tokens of calibration text captured")
+    p.add_argument("--mean", type=positive_int(9), nargs="+", default=[37, 55],
+                   help="mean budgets over the model, bits per token as read (code + scale)")
+    p.add_argument("--positions", type=positive_int(1), default=128,
+                   help="positions of the capture measured, spread over its second half")
+    p.add_argument("--k", type=positive_int(36), default=128, help="selection size the error is measured at")
+    p.add_argument("--out", default="calibrations", help="folder for tuned_smollm2_<context>_mean<M> checkpoints")
+    p.add_argument("--force", action="store_true", help="overwrite existing checkpoints")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_tune_command)
 
 
 def _common(p) -> None:
@@ -182,3 +199,36 @@ def run_ruler_command(args: argparse.Namespace) -> int:
 
 def run_agreement_command(args: argparse.Namespace) -> int:
     return _run("agreement", agreement_configs(args), args, sweeps.run_agreement)
+
+
+def run_tune_command(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fathom_jax import calibrate as cal
+    from fathom_jax.eval import texts, tuning
+    from fathom_jax.eval.fidelity import Capture
+    from fathom_jax.models import capture_qkv, load_smollm2
+
+    grid_top = tuning.GRID[-1]
+    bad = [m for m in args.mean if not tuning.GRID[0] < m <= grid_top]
+    if bad:
+        raise UsageError(f"argument --mean: {bad} outside ({tuning.GRID[0]}, {grid_top}] bits (the tuning grid)")
+    if args.positions > args.context // 2 or args.k > args.context:
+        raise UsageError(f"argument --positions/--k: {args.positions} positions and k = {args.k} do not fit "
+                         f"--context {args.context}")
+    check_out_dir(args.out)
+    t0 = time.time()
+    model, tokenizer, _ = load_smollm2()
+    text, _ = texts.calibration_text()
+    ids = texts.token_window(tokenizer.encode(text), args.context, name="calibration text")
+    capture = Capture(**capture_qkv(model, jnp.asarray(ids)))
+    tuned, tables = tuning.tune_calibration(capture, args.mean, k=args.k, positions=args.positions,
+                                            progress=not args.quiet)
+    for mean, calib in tuned.items():
+        path = os.path.join(args.out, f"tuned_smollm2_{_label(args.context)}_mean{mean}")
+        cal.save_calibration(path, calib, force=args.force)
+        b = np.asarray(calib.budget)
+        print(f"[tune] mean {mean}: budgets {b.min():g}-{b.max():g} bits per (layer, KV head) -> {path}")
+    print(f"[tune] done in {time.time() - t0:.0f} s")
+    return 0

@@ -4,7 +4,16 @@ rebuilt from the results JSON alone (every number in a report traces to the file
 from __future__ import annotations
 
 import json
+import math
 import os
+
+import numpy as np
+
+FLAT = "Fathom"  # the family of flat Fathom budgets: every "vs flat" number compares with it
+# Rows compared with flat Fathom at equal bits in their own section (the allocations beyond the paper's).
+ALLOCATION_FAMILIES = ("Fathom per-layer", "Fathom bits as read", "Fathom observed errors", "Fathom observed, exact plan",
+                       "Fathom tuned", "Fathom session-tuned")
+SE_BLOCK = 8  # consecutive decode positions per block of the standard errors (neighbours share their context)
 
 
 def headline(results: dict) -> list[str]:
@@ -31,6 +40,63 @@ def headline(results: dict) -> list[str]:
     return lines
 
 
+def flat_excess(results: dict, bits: float, k: str) -> float | None:
+    """Flat Fathom's excess error at ``bits`` bits per token: log-log interpolation between its two budgets
+    around ``bits`` (None outside their range or without an oracle)."""
+    flat = sorted((r for r in results["rows"] if r["family"] == FLAT and "excess" in r), key=lambda r: r["bits"])
+    xs = [r["bits"] for r in flat]
+    if len(flat) < 2 or not xs[0] <= bits <= xs[-1]:
+        return None
+    ys = [r["excess"][k] for r in flat]
+    if min(ys) <= 0:
+        return float(np.interp(bits, xs, ys))
+    return float(math.exp(np.interp(math.log(bits), np.log(xs), np.log(ys))))
+
+
+def _block_means(x: np.ndarray) -> np.ndarray:
+    n = len(x) // SE_BLOCK * SE_BLOCK
+    return x[:n].reshape(-1, SE_BLOCK).mean(axis=1) if n >= 2 * SE_BLOCK else x
+
+
+def paired(results: dict, row: dict, flat: dict, k: str) -> dict:
+    """``row`` against the flat Fathom row ``flat`` at selection size k: both excess errors, their ratio and the
+    error gap ``flat - row``, with standard errors over blocks of :data:`SE_BLOCK` decode positions (the ratio's
+    by the delta method). No standard errors without per-position errors in the file."""
+    oracle = next(r for r in results["rows"] if r["kind"] == "exact")
+    out = {"row": row["excess"][k], "flat": flat["excess"][k]}
+    out["ratio"] = out["row"] / out["flat"] if out["flat"] > 0 else float("nan")
+    out["gap"] = flat["error"][k] - row["error"][k]
+    if all("error_per_position" in r for r in (row, flat, oracle)):
+        e = {name: np.asarray(r["error_per_position"][k], np.float64) for name, r in
+             (("row", row), ("flat", flat), ("oracle", oracle))}
+        a, b = e["row"] - e["oracle"], e["flat"] - e["oracle"]
+        blocks = len(_block_means(a))
+        out["ratio_se"] = float(np.std(_block_means(a - out["ratio"] * b), ddof=1) / math.sqrt(blocks) / b.mean())
+        out["gap_se"] = float(np.std(_block_means(e["flat"] - e["row"]), ddof=1) / math.sqrt(blocks))
+    return out
+
+
+def allocation_lines(results: dict) -> list[str]:
+    """Every allocation row against the flat Fathom row nearest in bits (within 1 bit), at every k."""
+    flat = [r for r in results["rows"] if r["family"] == FLAT]
+    has_oracle = any(r["kind"] == "exact" for r in results["rows"])
+    lines = []
+    for row in sorted((r for r in results["rows"] if r["family"] in ALLOCATION_FAMILIES), key=lambda r: r["bits"]):
+        near = min(flat, key=lambda f: abs(f["bits"] - row["bits"]), default=None)
+        if near is None or abs(near["bits"] - row["bits"]) > 1.0 or not has_oracle:
+            continue
+        parts = []
+        for k in (str(k) for k in results["meta"]["ks"]):
+            p = paired(results, row, near, k)
+            se = f" ± {p['ratio_se']:.2f}" if "ratio_se" in p else ""
+            gap_se = f" ± {p['gap_se']:.4f}" if "gap_se" in p else ""
+            parts.append(f"k={k}: excess {p['row']:.4f} vs {p['flat']:.4f}, ratio {p['ratio']:.2f}{se} "
+                         f"(error gap {p['gap']:+.4f}{gap_se})")
+        lines.append(f"{row['name']} ({row['bits']:.1f} bits) vs {near['name']} ({near['bits']:.1f} bits): "
+                     + "; ".join(parts))
+    return lines
+
+
 def render_markdown(results: dict) -> str:
     meta = results["meta"]
     ks = [str(k) for k in meta["ks"]]
@@ -45,15 +111,19 @@ def render_markdown(results: dict) -> str:
         f"- D = {meta['head_dim']}, not the paper's 128: the paper's settings run as the same fractions of D "
         f"(SparQ r = D/8 and D/4, Double Sparsity c = D/4, Loki r = D/4 and D/2, Fathom budgets in code bits).",
         "- bits: per token per KV head per layer (code bits + 16 bits per 64 tokens per channel read); "
-        "excess: error minus the exact top-k oracle's.",
+        "excess: error minus the exact top-k oracle's; vs flat: excess over flat Fathom's at the same bits "
+        "(log-log interpolation between its budgets).",
         "",
-        "| method | calib | bits | " + " | ".join(f"err k={k}" for k in ks) + " | " + " | ".join(f"excess k={k}" for k in ks) + " |",
-        "|---|---|---:|" + "---:|" * (2 * len(ks)),
+        "| method | calib | bits | " + " | ".join(f"err k={k}" for k in ks) + " | " + " | ".join(f"excess k={k}" for k in ks)
+        + " | " + " | ".join(f"vs flat k={k}" for k in ks) + " |",
+        "|---|---|---:|" + "---:|" * (3 * len(ks)),
     ]
     for r in sorted(results["rows"], key=lambda r: (r["family"] != "oracle", r["bits"])):
         errs = " | ".join(f"{r['error'][k]:.4f}" for k in ks)
         exc = " | ".join(f"{r.get('excess', {}).get(k, float('nan')):+.4f}" for k in ks)
-        out.append(f"| {r['name']} | {r['calibration']} | {r['bits']:.1f} | {errs} | {exc} |")
+        ref = [flat_excess(results, r["bits"], k) if "excess" in r else None for k in ks]
+        vs = " | ".join("" if f is None or f <= 0 else f"{r['excess'][k] / f:.2f}" for k, f in zip(ks, ref))
+        out.append(f"| {r['name']} | {r['calibration']} | {r['bits']:.1f} | {errs} | {exc} | {vs} |")
     if results.get("layer_plans"):
         out += ["", "Per-layer budgets (greedy plan on the calibration capture):", ""]
         for mean, b in results["layer_plans"].items():
@@ -62,6 +132,26 @@ def render_markdown(results: dict) -> str:
         br = results["basis_rule"]
         out += ["", f"Basis rule (calibration text, k={br['k']}, budgets {br['budgets']}): raw {['%.4f' % e for e in br['raw']]}, "
                 f"KLT {['%.4f' % e for e in br['klt']]} -> **{br['basis']}**"]
+    for source, tuned in (results.get("tuning") or {}).items():
+        first, last, count = tuned["positions"]
+        where = (f"the calibration capture ({count} positions {first}-{last})" if source == "calibration" else
+                 f"the session ({count} evaluation-window positions {first}-{last}, before the evaluated ones)")
+        out += ["", f"Budgets tuned with optax on {where}, k={tuned['tables']['k']}, grid {tuned['tables']['grid']}. "
+                "The surrogate (the error measured there, interpolated between grid budgets) against the error "
+                "measured on the evaluation text at the tuned budgets, over (layer, KV head): its level, and the "
+                "change from the uniform budget (fathom_bits:MEAN:observed):", ""]
+        for mean, t in tuned["means"].items():
+            b = np.asarray(t["budgets"])
+            line = f"- mean {mean}: budgets {b.min():g}-{b.max():g} bits (mean {b.mean():.2f})"
+            if "surrogate" in t:
+                sur = t["surrogate"]
+                line += (f"; Pearson r = {sur['pearson']:.3f} (level), {sur['pearson_change']:.3f} (change); mean "
+                         f"change predicted {sur['predicted_change']:+.4f}, measured {sur['measured_change']:+.4f}")
+            out.append(line)
+    lines = allocation_lines(results)
+    if lines:
+        out += ["", f"Allocations vs flat Fathom at equal bits (within 1 bit; excess ratio and error gap ± standard "
+                f"error over blocks of {SE_BLOCK} decode positions):", ""] + [f"- {line}" for line in lines]
     lines = headline(results)
     if lines:
         out += ["", "Fathom vs SparQ at equal or fewer bits:", ""] + [f"- {line}" for line in lines]
@@ -75,7 +165,8 @@ def plot_ks(results: dict) -> list[str]:
 
 def figure(results: dict):
     """The error-vs-bits figure: one panel per k (ascending), log-log axes with plain-number ticks, the
-    legend in its own column right of the panels so that no point hides behind it."""
+    legend in its own column right of the panels so that no point hides behind it; below each, the excess
+    error of every row over flat Fathom's at the same bits (:func:`flat_excess`; 1 is flat Fathom)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,7 +175,8 @@ def figure(results: dict):
 
     meta = results["meta"]
     ks = plot_ks(results)
-    fig, axes = plt.subplots(1, len(ks), figsize=(4.6 * len(ks) + 2.2, 4.2), squeeze=False)
+    fig, axes = plt.subplots(2, len(ks), figsize=(4.6 * len(ks) + 2.2, 7.6), squeeze=False,
+                             gridspec_kw={"height_ratios": (4.2, 3.0)})
     families: dict[str, list[dict]] = {}
     for r in results["rows"]:
         families.setdefault(r["family"], []).append(r)
@@ -113,12 +205,36 @@ def figure(results: dict):
         ax.set_ylabel("attention-output relative L2 error")
         ax.set_title(f"k = {k}")
         ax.grid(True, which="both", alpha=0.3)
+    for ax, k in zip(axes[1], ks):
+        _ratio_panel(ax, results, families, k, colors, markers)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.suptitle(f"{meta.get('model', '')}: {meta['context']} tokens, {meta['date']}")
     fig.tight_layout(rect=(0, 0, 1 - 2.0 / fig.get_figwidth(), 1))
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1 - 1.95 / fig.get_figwidth(), 0.5), fontsize=7,
                frameon=False)
     return fig
+
+
+def _ratio_panel(ax, results, families, k, colors, markers) -> None:
+    """Excess error over flat Fathom's at the same bits, for every row in flat Fathom's range of bits."""
+    from matplotlib import ticker
+
+    for i, (fam, rows) in enumerate(families.items()):
+        if fam in ("oracle", FLAT):
+            continue
+        points = sorted((r["bits"], r["excess"][k] / f) for r in rows if "excess" in r
+                        for f in [flat_excess(results, r["bits"], k)] if f is not None and f > 0)
+        if points:
+            line = "-" if fam.startswith("Fathom") and len(points) > 1 else ""
+            ax.plot(*zip(*points), line + markers[i % len(markers)], color=colors[(2 * i) % 20 + (i // 10) % 2], ms=5)
+    ax.axhline(1.0, color="k", lw=1, label="flat Fathom")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(ticker.LogLocator(base=2))
+    ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    ax.set_xlabel("scan bits per token (per KV head, per layer)")
+    ax.set_ylabel("excess error / flat Fathom's at equal bits")
+    ax.set_title(f"k = {k}: vs flat Fathom")
+    ax.grid(True, which="both", alpha=0.3)
 
 
 def plot(results: dict, path: str) -> None:

@@ -33,6 +33,7 @@ from fathom_jax import format as fmt
 from fathom_jax import methods as methods_lib
 from fathom_jax import row_formats
 from fathom_jax.eval import fidelity as fid
+from fathom_jax.eval import fidelity_run as fid_run
 from fathom_jax.eval import study
 from fathom_jax.select import attend_rows, gather_rows
 
@@ -120,7 +121,7 @@ def _errors_program(k_sel: tuple[int, ...]):
     def run(q, refs, positions, scores, window, opened):
         n = window[0].shape[-3]
         lengths = jnp.broadcast_to((positions + 1)[:, None], scores.shape[:2])
-        idx, mask = fid._select(scores[..., :n], lengths, k_max)  # noqa: SLF001  [P, Hkv, G, k]
+        idx, mask = fid_run._select(scores[..., :n], lengths, k_max)  # noqa: SLF001  [P, Hkv, G, k]
 
         def position(a):
             q_p, idx_p, mask_p, ref_p, ok_p, p = a  # ok_p [Hkv, 64, F, D]
@@ -161,12 +162,13 @@ class _Scorer:
         key = (layer, parts, id(calib) if rotated else None)
         if key not in self.indexes:
             args = (self.keys, calib if rotated else None, np.int32(layer))
-            build = fid._compile(("index", parts), fid._window_index(parts), args)  # noqa: SLF001
+            build = fid_run.compile_program(("index", parts), fid_run._window_index(parts), args)  # noqa: SLF001
             self.indexes = {k: v for k, v in self.indexes.items() if k[0] == layer}  # free earlier layers'
             self.indexes[key] = build.result()(*args)
         program, data = fn.program()
         args = (self.queries, self.keys, self.positions, calib, np.int32(layer), self.indexes[key], data)
-        run = fid._compile((program, True, fid._signature(calib)), fid._score_program(fn, True), args)  # noqa: SLF001
+        key = (program, True, fid_run._signature(calib))  # noqa: SLF001
+        run = fid_run.compile_program(key, fid_run._score_program(fn, True), args)  # noqa: SLF001
         return run.result()(*args)[0]
 
 

@@ -8,6 +8,9 @@ the bits per token it read. Rows:
 * Fathom (raw planes) at flat budgets, the KLT store at a subset, the per-layer plan (section 3.3,
   calibrated on the calibration capture), session calibration (statistics from the evaluation
   window's own prefill keys, paper B5), and the exact integer planner for comparison;
+* allocations that know their costs (:mod:`~fathom_jax.eval.study_allocation`): budgets in bits as read,
+  the calibration keys' observed quantization errors, budgets tuned per (layer, KV head) on the
+  calibration capture with optax;
 * every baseline at the paper's settings as fractions of D (SparQ r = D/8, D/4 and the per-head
   union, Double Sparsity c = D/4, Loki r = D/4, D/2, the 2-bit thumbnail, the 8-token landmark, the
   full 4-bit scan) and the exact top-k oracle, whose own error is the floor every scan sits on.
@@ -30,10 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fathom_jax import allocation
 from fathom_jax import calibrate as cal
 from fathom_jax import planner as planner_lib
 from fathom_jax.checks import reraise
 from fathom_jax.eval import fidelity as fid
+from fathom_jax.eval import study_allocation as alloc
+from fathom_jax.eval import tuning
 from fathom_jax.eval.progress import Progress
 from fathom_jax.eval.report import headline, plot, render_markdown, write_report  # noqa: F401  (re-exported)
 from fathom_jax.methods import Fathom, FathomKLT, ScanMethod, SparQUnion, paper_methods
@@ -56,6 +62,15 @@ class StudyConfig:
     layer_plan_grid: tuple[int, ...] = LAYER_PLAN_GRID
     session_budgets: tuple[int, ...] = (32, 48)
     exact_planner_budgets: tuple[int, ...] = (32, 48)
+    # Allocations in bits as read, just under flat Fathom 32, 48 and 64's (37.1, 55.2, 73.1 on SmolLM2).
+    bits_budgets: tuple[int, ...] = (37, 55)
+    observed_budgets: tuple[int, ...] = (37, 55, 73)
+    exact_bits_budgets: tuple[int, ...] = (55,)
+    tuned_means: tuple[int, ...] = (37, 55)  # budgets tuned on the calibration capture
+    tuning_positions: int | None = None  # spread over the calibration window's second half; None: positions
+    session_tuned_means: tuple[int, ...] = (37, 55)  # tuned on the session: positions before the evaluated ones
+    session_tuning_positions: int = 64
+    tuning_grid: tuple[int, ...] = tuning.GRID
 
     def selection_sizes(self) -> tuple[int, ...]:
         if self.ks:
@@ -72,6 +87,7 @@ class Row:
     method: ScanMethod | None  # None: per-layer plan (methods per layer)
     calibration: str = "corpus"  # "corpus" | "session" | "none"
     layer_budgets: tuple[int, ...] | None = None
+    state: str | None = None  # the calibration state read, when not the one named by ``calibration``
 
 
 FAMILIES = {"sparq": "SparQ", "sparq_union": "SparQ union", "double_sparsity": "Double Sparsity", "loki": "Loki",
@@ -124,7 +140,7 @@ def _row_evaluations(rows: Sequence[Row], calibs: dict[str, Any]) -> list[fid.Ev
             fns = [fid.method_score_fn(Fathom(b)) for b in row.layer_budgets]
         else:
             fns = fid.method_score_fn(row.method)
-        evaluations.append(fid.Evaluation(fns, calibs[row.calibration], row.name))
+        evaluations.append(fid.Evaluation(fns, calibs[row.state or row.calibration], row.name))
     return evaluations
 
 
@@ -150,13 +166,24 @@ def compile_ahead(config: StudyConfig, n_layers: int, n_heads: int, n_kv_heads: 
     keys = jax.ShapeDtypeStruct((n_layers, n_kv_heads, config.context, head_dim), jnp.float32)
     queries = jax.ShapeDtypeStruct((n_layers, n_heads, config.context, head_dim), jnp.float32)
     calib = jax.eval_shape(cal.calibrate, keys, queries)  # corpus and session statistics have the same shapes
+    states = alloc.state_shapes(calib, n_layers, n_kv_heads, head_dim, config)
     shape = (n_layers, n_heads, n_kv_heads, config.context, head_dim)
     grid = config.layer_plan_grid if config.layer_plan_means else ()
     fid.compile_ahead(_calibration_evaluations(calib, grid, _basis_methods(grid, BASIS_BUDGETS)), shape, ks[:1],
                       config.calib_positions)
-    rows = fathom_rows(head_dim, config) + baseline_rows(head_dim)
-    fid.compile_ahead(_row_evaluations(rows, {"corpus": calib, "session": calib, "none": None}), shape, ks,
+    if alloc.needs_tuning(config):
+        evaluations = tuning.grid_evaluations(states[alloc.OBSERVED], alloc.grid_budgets(head_dim, config))
+        for count in {config.tuning_positions or config.positions, config.session_tuning_positions}:
+            fid.compile_ahead(evaluations, shape, ks[:1], count)
+    rows = default_rows(head_dim, config)
+    fid.compile_ahead(_row_evaluations(rows, {"corpus": calib, "session": calib, "none": None, **states}), shape, ks,
                       config.positions)
+
+
+def default_rows(head_dim: int, config: StudyConfig) -> list[Row]:
+    """Every row of the study but the per-layer plans (which the calibration capture decides)."""
+    return (fathom_rows(head_dim, config) + alloc.fixed_rows(head_dim, config, Row) + alloc.tuned_rows(config, Row)
+            + baseline_rows(head_dim))
 
 
 def calibration_studies(
@@ -202,54 +229,79 @@ def run_study(
     ks = config.selection_sizes()
     positions = fid.default_positions(n_tokens, config.positions)
     prefill = int(positions[0])  # the session's own keys: everything before the first decode position
-    default_rows = rows is None
-    rows = fathom_rows(d, config) + baseline_rows(d) if default_rows else list(rows)
-    with_plans = default_rows and bool(config.layer_plan_means)
-    basis_budgets = BASIS_BUDGETS
+    defaults = rows is None
+    rows = default_rows(d, config) if defaults else list(rows)
+    with_plans = defaults and bool(config.layer_plan_means)
+    tuned = {src: any(row.state in {alloc.tuned_state(m, src) for m in alloc.tuned_means(config, src)} for row in rows)
+             for src in alloc.SOURCES}
+    tuning_grid = alloc.grid_budgets(d, config) if tuned["calibration"] else ()
+    session_grid = alloc.grid_budgets(d, config) if tuned["session"] else ()
+    observed = any(tuned.values()) or any(row.state == alloc.OBSERVED for row in rows)
+    basis_budgets = BASIS_BUDGETS if defaults else ()
+    grid = config.layer_plan_grid if with_plans else ()
     # One bar over every (evaluation, layer) of the study, so progress shows from the first minute.
-    calls = len(rows) + len(config.layer_plan_means) * with_plans
-    if default_rows:
-        known = set(config.layer_plan_grid) if with_plans else set()
-        calls += len(config.layer_plan_grid) * with_plans + sum(b not in known for b in basis_budgets) + len(basis_budgets)
+    calls = len(rows) + len(grid) + len(_basis_methods(grid, basis_budgets)) + len(config.layer_plan_means) * with_plans
+    calls += len(tuning_grid) + len(session_grid)
     # Its ETA starts at the first finished (evaluation, layer): programs compile on a background thread meanwhile.
     bar = Progress(calls * n_layers, f"study @ {n_tokens} tokens", unit="layer", sequential=False) if progress else False
 
     calib_positions = fid.default_positions(calib_capture.q.shape[2], config.calib_positions)
+    calibrating = defaults
+    tunings = []  # (source, capture, grid, positions, dense references there)
     # Statistics and dense attention (every row's target), each computed once, side by side.
     with ThreadPoolExecutor(4) as pool:
         corpus = pool.submit(cal.calibrate, calib_capture.k, calib_capture.q)
+        plane_error = pool.submit(allocation.plane_errors, calib_capture.k, skip_tokens=cal.SKIP_TOKENS) if observed else None
         session = pool.submit(cal.calibrate_session, eval_capture.k[:, :, :prefill])
         eval_refs = pool.submit(fid.dense_references, eval_capture, positions)
-        calib_refs = pool.submit(fid.dense_references, calib_capture, calib_positions) if default_rows else None
+        calib_refs = pool.submit(fid.dense_references, calib_capture, calib_positions) if calibrating else None
+        if tuning_grid:
+            pos = tuning.spread_positions(calib_capture.q.shape[2], config.tuning_positions or config.positions)
+            tunings.append(("calibration", calib_capture, tuning_grid, pos,
+                            pool.submit(fid.dense_references, calib_capture, pos)))
+        if session_grid:
+            pos = alloc.session_positions(prefill, config.session_tuning_positions)
+            tunings.append(("session", eval_capture, session_grid, pos, pool.submit(fid.dense_references, eval_capture, pos)))
         corpus, session, eval_refs = corpus.result(), session.result(), eval_refs.result()
         calib_refs = calib_refs and calib_refs.result()
     calibs = {"corpus": corpus, "session": session, "none": None}
+    if observed:
+        calibs[alloc.OBSERVED] = alloc.observed_state(corpus, plane_error.result())
 
-    layer_plans = {}
-    basis_rule = None
-    if default_rows:
-        grid = config.layer_plan_grid if with_plans else ()
-        table, basis_rule = calibration_studies(calib_capture, corpus, grid=grid, basis_budgets=basis_budgets,
-                                                k=ks[0], positions=config.calib_positions, progress=bar,
-                                                references=calib_refs)
+    layer_plans, basis_rule, tuning_report = {}, None, {}
+    if calibrating:
+        table, basis_rule = calibration_studies(calib_capture, corpus, grid=grid, basis_budgets=basis_budgets, k=ks[0],
+                                                positions=config.calib_positions, progress=bar, references=calib_refs)
         for mean in config.layer_plan_means if with_plans else ():
             budgets = planner_lib.greedy_layer_budgets(table, np.asarray(grid), mean)
             layer_plans[mean] = [int(b) for b in budgets]
             rows.append(Row(f"Fathom per-layer {mean}", "Fathom per-layer", None, "corpus", tuple(layer_plans[mean])))
+    tables = {}
+    for source, capture, grid_b, pos, refs in tunings:
+        tables[source] = tuning.error_tables(capture, calibs[alloc.OBSERVED], grid_b, k=ks[0], positions=pos,
+                                             references=refs.result(), progress=bar)
+        states, means = alloc.tune(calibs[alloc.OBSERVED], tables[source], alloc.tuned_means(config, source), source)
+        calibs.update(states)
+        tuning_report[source] = {"tables": alloc.tables_report(tables[source]), "means": means,
+                                 "positions": [int(pos[0]), int(pos[-1]), len(pos)]}
 
     measured = fid.attention_errors_many(_row_evaluations(rows, calibs), eval_capture, ks, positions=positions,
                                          progress=bar, references=eval_refs)
+    alloc.check_surrogates(tuning_report, tables, rows, measured)
     results = []
     for row, (err, bits) in zip(rows, measured):
         results.append({
             "name": row.name,
             "family": row.family,
             "kind": "fathom" if row.method is None else row.method.kind,
+            "spec": None if row.method is None else row.method.spec,
             "calibration": row.calibration,
             "layer_budgets": list(row.layer_budgets) if row.layer_budgets else None,
             "bits": float(bits.mean()),
             "error": {str(k): float(err[i].mean()) for i, k in enumerate(ks)},
             "error_per_layer": {str(k): err[i].mean(axis=(1, 2, 3)).tolist() for i, k in enumerate(ks)},
+            # Per decode position (mean over layers and heads): the standard errors of the report's comparisons.
+            "error_per_position": {str(k): err[i].mean(axis=(0, 2, 3)).tolist() for i, k in enumerate(ks)},
         })
     if bar:
         bar.close()
@@ -273,6 +325,7 @@ def run_study(
         },
         "layer_plans": {str(m): b for m, b in layer_plans.items()},
         "basis_rule": basis_rule,
+        "tuning": tuning_report or None,
         "rows": results,
     }
 

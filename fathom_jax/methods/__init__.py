@@ -22,6 +22,7 @@ from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, Read, Scan
 from fathom_jax.methods.double_sparsity import DoubleSparsity
 from fathom_jax.methods.exact import Dense, Exact
 from fathom_jax.methods.fathom import Fathom, FathomKLT
+from fathom_jax.methods.fathom_bits import FathomBits, FathomTuned
 from fathom_jax.methods.landmark import Landmark
 from fathom_jax.methods.loki import Loki
 from fathom_jax.methods.sparq import SparQ, SparQUnion
@@ -29,7 +30,7 @@ from fathom_jax.methods.uniform import Full4, Thumbnail
 
 REGISTRY: dict[str, type[ScanMethod]] = {
     cls.name: cls
-    for cls in (Fathom, FathomKLT, SparQ, SparQUnion, DoubleSparsity, Loki, Thumbnail, Landmark, Full4, Exact, Dense)
+    for cls in (Fathom, FathomKLT, FathomBits, FathomTuned, SparQ, SparQUnion, DoubleSparsity, Loki, Thumbnail, Landmark, Full4, Exact, Dense)
 }
 
 
@@ -53,7 +54,8 @@ def describe() -> list[tuple[str, str]]:
 
 
 def parse(spec: str) -> ScanMethod:
-    """A method from ``name[:param][:planner]``: ``fathom:48``, ``fathom:48:exact``, ``sparq:8``,
+    """A method from ``name[:param][:planner]``: ``fathom:48``, ``fathom:48:exact``, ``fathom_bits:55``,
+    ``fathom_bits:55:exact:observed``, ``fathom_tuned``, ``sparq:8``,
     ``loki:16``, ``thumbnail:2``, ``landmark``, ``exact``, ``dense``. Fathom budgets are code bits per
     token at the model's own head_dim (not rescaled from D = 128)."""
     if isinstance(spec, ScanMethod):
@@ -99,6 +101,7 @@ def paper_methods(head_dim: int, *, budgets: Sequence[int] = (48, 64), klt: bool
 
 __all__ = [
     "REGISTRY", "ScanMethod", "PlaneRead", "LandmarkRead", "KeyRead", "Read",
-    "Fathom", "FathomKLT", "SparQ", "SparQUnion", "DoubleSparsity", "Loki", "Thumbnail", "Full4", "Landmark",
-    "Exact", "Dense", "parse", "parts_of", "spec_help", "describe", "fathom_budgets", "paper_methods",
+    "Fathom", "FathomKLT", "FathomBits", "FathomTuned", "SparQ", "SparQUnion", "DoubleSparsity", "Loki", "Thumbnail",
+    "Full4", "Landmark", "Exact", "Dense", "parse", "parts_of", "spec_help", "describe", "fathom_budgets",
+    "paper_methods",
 ]

@@ -5,6 +5,7 @@ import pytest
 
 from fathom_jax import methods, row_formats
 from fathom_jax.eval import fidelity as fid
+from fathom_jax.eval import fidelity_run
 from fathom_jax.eval import row_report, row_study
 from fathom_jax.select import attend_rows, dense_attention, gather_rows
 
@@ -50,7 +51,7 @@ def test_rows_are_the_caches_at_each_position(captures, result):
         q = cap.layer_queries(0, np.array([p]))[0]  # [Hkv, G, D]
         scores, _ = fid.method_score_fn(methods.Exact())(q, cap.k[0], p + 1, None)
         lengths = jnp.full((1, 2), p + 1)
-        idx, mask = fid._select(scores[None], lengths, 64)  # the oracle's ranking, as the sweep ranks
+        idx, mask = fidelity_run._select(scores[None], lengths, 64)  # the oracle's ranking, as the sweep ranks
         keys, values = cache(cap.k[0], cap.v[0], p + 1)
         rows_k, rows_v = gather_rows(keys, values, idx[0])
         ref = dense_attention(q, cap.k[0], cap.v[0], jnp.full((2,), p + 1))

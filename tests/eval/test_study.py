@@ -18,13 +18,27 @@ def test_study_end_to_end_and_report_from_json(rng, tmp_path, random_keys):
     config = study.StudyConfig(
         context=192, ks=(48, 64), positions=8, calib_positions=8, budgets=(8, 16, 32), klt_budgets=(16,),
         layer_plan_means=(16,), layer_plan_grid=(8, 16, 32), session_budgets=(16,), exact_planner_budgets=(16,),
+        bits_budgets=(18,), observed_budgets=(18,), exact_bits_budgets=(18,), tuned_means=(18,), tuning_grid=(4, 16, 48),
+        session_tuned_means=(18,), session_tuning_positions=8,
     )
     res = study.run_study(tiny_capture(random_keys, rng), tiny_capture(random_keys, rng), config, meta={"model": "random"}, progress=False)
     names = [r["name"] for r in res["rows"]]
     for want in ["Fathom 16", "Fathom KLT 16", "Fathom 16 (session calib)", "Fathom 16 (exact plan)",
                  "SparQ r=2", "SparQ r=4", "Double Sparsity c=4", "Loki r=4", "Loki r=8", "2-bit thumbnail",
-                 "block landmark", "full 4-bit scan", "exact top-k oracle", "Fathom per-layer 16"]:
+                 "block landmark", "full 4-bit scan", "exact top-k oracle", "Fathom per-layer 16",
+                 "Fathom 18 bits as read", "Fathom 18 bits as read (observed)", "Fathom 18 bits as read (exact, observed)",
+                 "Fathom tuned, mean 18 bits (per layer and KV head)", "Fathom tuned on the session, mean 18 bits"]:
         assert want in names, want
+    for r in res["rows"]:
+        if r["family"] in ("Fathom bits as read", "Fathom observed errors", "Fathom observed, exact plan"):
+            assert r["bits"] <= 18
+    for source in ("calibration", "session"):
+        tuned = res["tuning"][source]["means"]["18"]
+        assert np.asarray(tuned["budgets"]).shape == (2, 2) and np.mean(tuned["budgets"]) <= 18
+        assert -1 <= tuned["surrogate"]["pearson_change"] <= 1 and len(res["tuning"][source]["tables"]["grid"]) == 3
+    assert res["tuning"]["session"]["positions"] == [176, 183, 8]  # just before the 8 evaluated positions
+    assert res["tuning"]["calibration"]["positions"] == [107, 191, 8]  # spread over the second half
+    assert all(len(v) == 8 for v in res["rows"][0]["error_per_position"].values())
     oracle = next(r for r in res["rows"] if r["kind"] == "exact")
     assert all(abs(v) < 1e-12 for v in oracle["excess"].values())
     full = next(r for r in res["rows"] if r["kind"] == "full4")
@@ -37,6 +51,8 @@ def test_study_end_to_end_and_report_from_json(rng, tmp_path, random_keys):
     with open(paths[0]) as f:
         again = json.load(f)
     assert study.render_markdown(again) == open(paths[1]).read()
+    markdown = open(paths[1]).read()
+    assert "Budgets tuned with optax on the session" in markdown and "Allocations vs flat Fathom at equal bits" in markdown
     assert (tmp_path / "fid.png").stat().st_size > 1000
 
 

@@ -60,6 +60,19 @@ class TestWaterLine(KernelTestBase):
         assert_ran(lambda g, implementation, interpret: P.plan_bisection(g, 8, implementation=implementation), g,
                    name=WL.KERNEL_NAME, impl=impl)
 
+    def test_plane_costs_count_bits_as_read(self, impl, rng):
+        """Priced planes (the first 1.25 bits: its channel's scale) against the reference and the bit count."""
+        g = random_importance(rng, 13, 40)
+        thresholds, _, lo, hi = kernel_inputs(g, 0)
+        budget = jnp.asarray(rng.uniform(0, 4.25 * 40, 13), jnp.float32)
+        cost = (1.25, 1.0, 1.0, 1.0)
+        depths, log_hi = WL.water_line(thresholds, budget, lo, hi, steps=30, plane_cost=cost, **impl.kw)
+        want = WL.water_line_reference(thresholds, budget, lo, hi, steps=30, plane_cost=cost)
+        assert_equal(depths, want[0])
+        assert_equal(log_hi, want[1])
+        d = np.asarray(depths)
+        assert np.all(d.sum(-1) + (d > 0).sum(-1) / 4 <= np.asarray(budget))
+
     def test_deterministic(self, impl, rng):
         inputs = kernel_inputs(random_importance(rng, 16, 128), rng.integers(0, 513, 16))
         first = WL.water_line(*inputs, steps=30, **impl.kw)
@@ -86,6 +99,8 @@ def test_bad_arguments():
         WL.water_line(z((4, 2, 8)), z(3), z(2), z(2), steps=30)
     with pytest.raises(ValueError, match="steps"):
         WL.water_line(z((4, 2, 8)), z(2), z(2), z(2), steps=-1)
+    with pytest.raises(ValueError, match="plane_cost must be 4 positive multiples of 1/4"):
+        WL.water_line(z((4, 2, 8)), z(2), z(2), z(2), steps=30, plane_cost=(1.1, 1, 1, 1))
     with pytest.raises(ValueError, match="rows must be a power of two"):
         WL.WaterLineConfig(rows=6)
 
