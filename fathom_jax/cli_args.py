@@ -20,6 +20,7 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 MIN_K = 36  # every query head keeps 4 sink + 32 local tokens (fathom_jax.select)
 GiB = 1024**3
+MiB = 1024**2
 
 BUDGET_GUIDE = """\
 choosing a scan budget (bits are per token, per KV head, per layer; D = the model's head_dim):
@@ -131,17 +132,63 @@ def param_count(config) -> int:
     return config.n_layers * per_layer + embeddings + hid
 
 
-def peak_bytes(config, tokens: int, *, capture_texts: int = 0) -> int:
+def cache_layers(config) -> tuple[int, int, int]:
+    """``(layers that cache the whole context, layers that cache a window, the window)``: Gemma 3's global and
+    sliding-window layers; every layer of a Llama-family model caches the whole context."""
+    global_layers = getattr(config, "global_layers", None)
+    if global_layers is None:
+        return config.n_layers, 0, 0
+    return len(global_layers), len(config.local_layers), config.sliding_window
+
+
+def state_bytes(config, capacity: int, method=None, *, batch: int = 1, itemsize: int = 4) -> dict[str, int]:
+    """Bytes of a generation's decode state at ``capacity`` tokens, by kind: the K/V rows of the layers that cache
+    the whole context (``kv``) and, with a sparse ``method`` (its cache rounded up to whole blocks), their key index
+    (``planes``, ``scales``, ...: :func:`fathom_jax.decode.cache_bytes`); ``windows``: the sliding-window layers'
+    rings, in device memory whatever the placement. None: the dense cache."""
+    full, local, window = cache_layers(config)
+    rows, d = batch * config.n_kv_heads, config.head_dim
+    if method is None:
+        out = {"kv": 2 * full * rows * capacity * d * itemsize}
+    else:
+        from fathom_jax import decode
+        from fathom_jax.index_parts import KEYS
+
+        out = decode.cache_bytes(method.parts - {KEYS}, n_layers=full, groups=rows, capacity=capacity, head_dim=d,
+                                 kv_itemsize=itemsize)
+    if local:
+        out["windows"] = 2 * local * rows * window * d * itemsize
+    return out
+
+
+def describe_state(config, sizes: dict[str, int], memory: str) -> str:
+    """One line: where the decode state's bytes (:func:`state_bytes`) go."""
+    full, local, window = cache_layers(config)
+    held = {kind: n for kind, n in sizes.items() if kind != "windows"}
+    kinds = " + ".join(f"{kind} {n / MiB:.1f} MiB" for kind, n in held.items())
+    which = "global layers" if local else "layers"
+    line = f"decode state: {full} {which}' cache {sum(held.values()) / MiB:.1f} MiB ({kinds}) in {memory} memory"
+    if local:
+        line += f"; {local} sliding-window layers' {window}-token rings {sizes['windows'] / MiB:.1f} MiB in device memory"
+    return line
+
+
+def peak_bytes(config, tokens: int, *, capture_texts: int = 0, cache: int | None = None) -> int:
     """A sizing of the largest allocation of a run at ``tokens`` tokens (f32 on the CPU).
 
-    Prefill materialises one layer's attention scores, exponentials and probabilities
-    ([heads, T, T] f32 each); the weights are held twice while a GGUF is dequantized; the KV cache,
-    and for the study the captured q/k/v of every layer for each text, come on top.
+    A Llama-family capture materialises one layer's attention scores, exponentials and probabilities ([heads, T, T]
+    f32 each; Gemma 3 attends by chunks of queries: [heads, chunk, T]); the weights are held twice while a GGUF is
+    dequantized; the decode state (``cache`` bytes, default the dense cache: :func:`state_bytes`), and for the
+    study the captured q/k/v of the layers that cache the whole context for each text, come on top.
     """
+    from fathom_jax.models.prefill import PREFILL_QUERY_CHUNK
+
+    full = cache_layers(config)[0]
     weights = 2 * 4 * param_count(config)
-    scores = 3 * 4 * config.n_heads * tokens * tokens
-    cache = 2 * 4 * config.n_layers * config.n_kv_heads * tokens * config.head_dim
-    captured = capture_texts * 4 * config.n_layers * (config.n_heads + 2 * config.n_kv_heads) * tokens * config.head_dim
+    query_rows = min(tokens, PREFILL_QUERY_CHUNK) if hasattr(config, "global_layers") else tokens
+    scores = 3 * 4 * config.n_heads * query_rows * tokens
+    cache = sum(state_bytes(config, tokens).values()) if cache is None else cache
+    captured = capture_texts * 4 * full * (config.n_heads + 2 * config.n_kv_heads) * tokens * config.head_dim
     return weights + scores + cache + captured
 
 
@@ -177,10 +224,21 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def model_slug(source: str | None) -> str:
-    if source is None:
-        return "smollm2"
+    from fathom_jax.models.hub import known_model
+
+    known = known_model(source)
+    if known is not None:
+        return known.slug
     name = os.path.basename(os.path.normpath(source))
     return re.sub(r"[^a-z0-9]+", "_", os.path.splitext(name)[0].lower()).strip("_") or "model"
+
+
+def model_title(source: str | None) -> str:
+    """What results files call the model: the registry's title for a known name, else the path."""
+    from fathom_jax.models.hub import known_model
+
+    known = known_model(source)
+    return known.title if known is not None else os.fspath(source)
 
 
 # ----------------------------------------------------------------------------------------------
