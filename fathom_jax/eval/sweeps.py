@@ -28,6 +28,7 @@ from fathom_jax.eval import agreement as agreement_lib
 from fathom_jax.eval import downstream as ds
 from fathom_jax.eval import ruler as ruler_lib
 
+SMOLLM2 = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)"  # the model unless the run's meta names another
 RESERVED = 64  # cache slots past the prompt: the longest generation (40 RULER tokens, 64 agreement tokens)
 CALIBRATIONS = ("corpus", "session")
 
@@ -170,6 +171,13 @@ def _meta(config, extra: dict | None) -> dict:
     }
 
 
+def _start(tokenizer) -> list[int]:
+    """What every prompt starts with: BOS where the model asks for one (Gemma 3), else nothing."""
+    from fathom_jax.models.tokenizer import encode_prompt
+
+    return encode_prompt(tokenizer, "")
+
+
 def _progress(total: int, desc: str, enabled: bool):
     if not enabled:
         return None
@@ -213,8 +221,9 @@ def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, m
     t_start = time.time()
     methods, calib, calib_info, bits = _setup(config, model, tokenizer)
     sentences, hay_info = texts.prose_sentences()
-    samples = ruler_lib.make_samples(tokenizer, config.tasks, config.per_task, config.prompt_tokens, config.seed,
-                                     sentences=sentences)
+    start = _start(tokenizer)
+    samples = ruler_lib.make_samples(tokenizer, config.tasks, config.per_task, config.prompt_tokens - len(start),
+                                     config.seed, sentences=sentences)
     branches = ds.branches(methods, config.ks)
     n_batches = -(-len(samples) // config.batch)
     bar = _progress(n_batches * len(branches), f"RULER @ {config.context}", progress)
@@ -222,7 +231,7 @@ def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, m
     scores = {b.key: [] for b in branches}
     generations = {b.key: [] for b in branches}
     for batch in _batches(samples, config.batch):
-        tokens = _decode_all(model, [s.prompt for s in batch], branches, config.steps, config, calib,
+        tokens = _decode_all(model, [[*start, *s.prompt] for s in batch], branches, config.steps, config, calib,
                              bar, timing)
         for key, toks in tokens.items():
             for s, t in zip(batch, toks):
@@ -233,9 +242,9 @@ def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, m
         bar.close()
     return {
         "kind": "ruler",
-        "meta": {**_meta(config, meta), "calib_text": calib_info, "haystack": hay_info,
+        "meta": {"model": SMOLLM2, **_meta(config, meta), "calib_text": calib_info, "haystack": hay_info,
                  "wall_s": round(time.time() - t_start, 1), **{k: round(v, 1) for k, v in timing.items()},
-                 "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "head_dim": model.config.head_dim,
+                 "head_dim": model.config.head_dim, "bos": bool(start),
                  "forced_tokens": {str(k): list(ds.forced_tokens(k)) for k in config.ks}},
         "samples": [{"task": s.task, "gold": list(s.gold), "depths": [round(d, 4) for d in s.depths]} for s in samples],
         "branches": [_branch_entry(b, bits, scores[b.key], generations[b.key]) for b in branches],
@@ -249,7 +258,8 @@ def run_agreement(config: AgreementConfig, model, tokenizer, *, progress: bool =
     check_agreement(config, model.config.max_position_embeddings, model.config.head_dim)
     t_start = time.time()
     methods, calib, calib_info, bits = _setup(config, model, tokenizer)
-    sessions, session_info = agreement_lib.make_sessions(tokenizer, config.sessions, config.prompt_tokens,
+    start = _start(tokenizer)
+    sessions, session_info = agreement_lib.make_sessions(tokenizer, config.sessions, config.prompt_tokens - len(start),
                                                          config.steps)
     branches = ds.branches(methods, config.ks)
     n_batches = -(-len(sessions) // config.batch)
@@ -257,7 +267,7 @@ def run_agreement(config: AgreementConfig, model, tokenizer, *, progress: bool =
     timing = {"prefill_s": 0.0, "decode_s": 0.0}
     texts_out = {b.key: [] for b in branches}
     for batch in _batches(sessions, config.batch):
-        tokens = _decode_all(model, [s.prompt for s in batch], branches, config.steps, config, calib,
+        tokens = _decode_all(model, [[*start, *s.prompt] for s in batch], branches, config.steps, config, calib,
                              bar, timing)
         for key, toks in tokens.items():
             texts_out[key] += [tokenizer.decode(t.tolist()) for t in toks]
@@ -275,9 +285,9 @@ def run_agreement(config: AgreementConfig, model, tokenizer, *, progress: bool =
         entries.append(entry)
     return {
         "kind": "agreement",
-        "meta": {**_meta(config, meta), "calib_text": calib_info, "sessions": session_info,
+        "meta": {"model": SMOLLM2, **_meta(config, meta), "calib_text": calib_info, "sessions": session_info,
                  "wall_s": round(time.time() - t_start, 1), **{k: round(v, 1) for k, v in timing.items()},
-                 "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "head_dim": model.config.head_dim,
+                 "head_dim": model.config.head_dim, "bos": bool(start),
                  "ks": list(config.ks), "forced_tokens": {str(k): list(ds.forced_tokens(k)) for k in config.ks}},
         "samples": [{"package": s.package, "start": s.start, "target": t} for s, t in zip(sessions, targets)],
         "branches": entries,
