@@ -165,12 +165,19 @@ def describe_state(config, sizes: dict[str, int], memory: str) -> str:
     """One line: where the decode state's bytes (:func:`state_bytes`) go."""
     full, local, window = cache_layers(config)
     held = {kind: n for kind, n in sizes.items() if kind != "windows"}
-    kinds = " + ".join(f"{kind} {n / MiB:.1f} MiB" for kind, n in held.items())
+    kinds = " + ".join(f"{kind} {readable_bytes(n)}" for kind, n in held.items())
     which = "global layers" if local else "layers"
-    line = f"decode state: {full} {which}' cache {sum(held.values()) / MiB:.1f} MiB ({kinds}) in {memory} memory"
+    line = f"decode state: {full} {which}' cache {readable_bytes(sum(held.values()))} ({kinds}) in {memory} memory"
     if local:
-        line += f"; {local} sliding-window layers' {window}-token rings {sizes['windows'] / MiB:.1f} MiB in device memory"
+        line += f"; {local} sliding-window layers' {window}-token rings {readable_bytes(sizes['windows'])} in device memory"
     return line
+
+
+def readable_bytes(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def peak_bytes(config, tokens: int, *, capture_texts: int = 0, cache: int | None = None) -> int:
