@@ -12,6 +12,7 @@ The decode step's data flow, module by module:
 ``scan``       approximate scores from a method's read (jnp reference or Pallas kernels)
 ``select``     4 sink + 32 local + top-(k - 36) per head, the group's union, exact attention
 ``placement``  where the cache lives (HBM or ``pinned_host``, one device or a mesh)
+``distributed``  one process per host (``jax.distributed``): the job, the global mesh, each process's shards
 ``decode``     sparse decoding: the step (plan -> read -> scan -> select -> union -> fetch -> attend), its
                configuration and strategies, the stacked cache, the decoder's attention hook
 ``models``     Llama / Qwen decoders, loaders, the greedy step and its drivers (imports no sparse code)
@@ -23,8 +24,8 @@ import importlib
 
 __version__ = "0.2.0"
 
-_MODULES = ("calibrate", "decode", "format", "index", "index_parts", "landmarks", "methods", "placement", "planner",
-            "scan", "select", "store", "models", "eval")
+_MODULES = ("calibrate", "decode", "distributed", "format", "index", "index_parts", "landmarks", "methods", "placement",
+            "planner", "scan", "select", "store", "models", "eval")
 
 
 def __getattr__(name):  # lazy submodules: `pallas_kernels` imports `fathom_jax.format` without a cycle

@@ -165,15 +165,31 @@ def _step_config(text: str):
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _generate(args: argparse.Namespace) -> int:
-    import jax.numpy as jnp
+def _rows(text: str):
+    """``--rows``: the decode cache's K/V row format (``model``, or a format with per-token scales), validated."""
+    from fathom_jax.decode.rows import row_format
 
-    from fathom_jax import decode
+    try:
+        return row_format(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fathom_jax import decode, distributed
     from fathom_jax.models import generate, hub
 
     text = _read_prompt(args)
     config = hub.model_config(args.model)
-    sparse = args.method != "dense" or args.placement != "device" or args.mesh > 1
+    sparse = args.method != "dense" or args.placement != "device" or args.mesh > 1 or args.rows is not None
+    try:  # the job's other processes (one per host), before anything touches JAX's devices
+        several = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+        raise UsageError(f"argument --coordinator / --num-processes / --process-id: {e}") from None
     mesh = _generate_mesh(args.mesh, config)
     method = None
     if sparse:
@@ -187,10 +203,11 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError("argument prompt: the prompt tokenizes to nothing; give some text to continue")
     if getattr(tokenizer, "add_bos", False):  # Gemma's GGUF asks for BOS first
         prompt = [tokenizer.bos_id, *prompt]
+    distributed.check_same(np.asarray(prompt, np.int32), "the prompt's token ids")
     capacity = len(prompt) + args.max_new_tokens
     check_positions(capacity, config, args.allow_long_context,
                     f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} =")
-    state = state_bytes(config, max(capacity, args.k) if sparse else capacity, method)
+    state = state_bytes(config, max(capacity, args.k) if sparse else capacity, method, rows=args.rows)
     check_memory(peak_bytes(config, max(capacity, args.k), cache=sum(state.values())), f"generate over {capacity} tokens",
                  args.no_memory_check)
     calibration, corpus = "session", sparse and args.calibration == "corpus" and method.needs_calibration
@@ -214,7 +231,8 @@ def _generate(args: argparse.Namespace) -> int:
             calibration = calibrate(cap["k"], cap["q"])
         placement = decode.Placement(args.placement, mesh=mesh)
         attention_fn = decode.from_spec(method, k=args.k, calibration=calibration,
-                                        implementation=args.implementation, placement=placement, step=args.step_config)
+                                        implementation=args.implementation, placement=placement, step=args.step_config,
+                                        rows=args.rows)
         if args.k >= capacity:
             print(f"[generate] note: k={args.k} >= prompt + new tokens ({capacity}): every token is selected, the "
                   "output is dense decoding's; use a longer prompt (--prompt-file) or a smaller --k", file=sys.stderr)
@@ -223,6 +241,13 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"[generate] note: {attention_fn.placement.note}", file=sys.stderr)
         print(f"[generate] {attention_fn.label}", file=sys.stderr)
         kwargs["attention_fn"] = attention_fn
+        if mesh is not None:  # the weights on every device once (each program would copy them otherwise)
+            from flax import nnx
+
+            nnx.update(model, placement.replicate(nnx.state(model)))
+        if several:  # the cache split over the mesh: the layers that cache the whole context (the windows stay apart)
+            print(f"[generate] {distributed.holding({k: n for k, n in state.items() if k != 'windows'}, mesh)}",
+                  file=sys.stderr)
     memory = kwargs["attention_fn"].placement.memory_kind if sparse else "device"
     print(f"[generate] {describe_state(config, state, memory)}", file=sys.stderr)
     t0 = time.time()
@@ -234,7 +259,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[generate] {summary.line()}", file=sys.stderr)
     print(f"[generate] {args.max_new_tokens} tokens in {seconds:.1f} s, {args.max_new_tokens / seconds:.1f} tokens/s "
           f"(prompt of {len(prompt)} tokens; compile included)", file=sys.stderr)
-    print(("" if args.prompt_file else text) + tokenizer.decode(out.tolist()))
+    if jax.process_index() == 0:  # every process holds the tokens; one prints them
+        print(("" if args.prompt_file else text) + tokenizer.decode(out.tolist()))
     return 0
 
 
@@ -299,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scan and top-k: jnp reference or Pallas kernels (default: pallas on a GPU, xla elsewhere)")
     p.add_argument("--placement", choices=["device", "pinned_host"], default="device",
                    help="where the K/V cache and key index live: device memory or pinned host memory")
+    p.add_argument("--rows", type=_rows, default=None, metavar="FORMAT",
+                   help="how the cache stores K/V rows: 'model' (the model's dtype, default) or a row format with "
+                        "per-token scales, e.g. k8v8 (8-bit K and V, 260 B per token at head_dim 128 instead of "
+                        "512; fathom_jax.row_formats)")
     p.add_argument("--step-config", type=_step_config, default=None, metavar="KEY=VALUE,...",
                    help="how each sparse decode step runs, for tuning (fathom_jax.decode.StepConfig): read=staged|"
                         "direct, pipeline=auto|N, index_writes=every_step|full_blocks, row_cache=SLOTS, "
@@ -306,7 +336,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "the defaults are the fastest measured")
     p.add_argument("--mesh", type=positive_int(1), default=1,
                    help="devices to split the KV heads over (sparse decoding; each device scans and fetches for its "
-                        "own heads from its own slice of memory); must divide the model's KV heads")
+                        "own heads from its own slice of memory); must divide the model's KV heads; with several "
+                        "processes, spans them all (a multiple of the process count)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="several processes, one per host: process 0's address (default: $JAX_COORDINATOR_ADDRESS, or "
+                        "a SLURM job's); every process runs the same command")
+    p.add_argument("--num-processes", type=positive_int(1), default=None,
+                   help="processes of the job (default: $JAX_NUM_PROCESSES or the SLURM job's tasks)")
+    p.add_argument("--process-id", type=positive_int(0), default=None,
+                   help="this process, 0 .. processes - 1 (default: $JAX_PROCESS_ID or the SLURM task)")
     add_model_arguments(p)
     p.set_defaults(func=_generate)
 

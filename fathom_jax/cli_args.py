@@ -141,23 +141,26 @@ def cache_layers(config) -> tuple[int, int, int]:
     return len(global_layers), len(config.local_layers), config.sliding_window
 
 
-def state_bytes(config, capacity: int, method=None, *, batch: int = 1, itemsize: int = 4) -> dict[str, int]:
+def state_bytes(config, capacity: int, method=None, *, rows=None, batch: int = 1, itemsize: int = 4
+                ) -> dict[str, int]:
     """Bytes of a generation's decode state at ``capacity`` tokens, by kind: the K/V rows of the layers that cache
     the whole context (``kv``) and, with a sparse ``method`` (its cache rounded up to whole blocks), their key index
-    (``planes``, ``scales``, ...: :func:`fathom_jax.decode.cache_bytes`); ``windows``: the sliding-window layers'
-    rings, in device memory whatever the placement. None: the dense cache."""
+    (``planes``, ``scales``, ...: :func:`fathom_jax.decode.cache_bytes`), its K/V rows in the row format ``rows``
+    (``--rows``; None: the model dtype); ``windows``: the sliding-window layers' rings, in device memory whatever the
+    placement. ``method`` None: the dense cache."""
     full, local, window = cache_layers(config)
-    rows, d = batch * config.n_kv_heads, config.head_dim
+    groups, d = batch * config.n_kv_heads, config.head_dim
     if method is None:
-        out = {"kv": 2 * full * rows * capacity * d * itemsize}
+        out = {"kv": 2 * full * groups * capacity * d * itemsize}
     else:
         from fathom_jax import decode
+        from fathom_jax.decode.rows import RowLayout
         from fathom_jax.index_parts import KEYS
 
-        out = decode.cache_bytes(method.parts - {KEYS}, n_layers=full, groups=rows, capacity=capacity, head_dim=d,
-                                 kv_itemsize=itemsize)
+        layout = RowLayout.of(rows, d, f"f{itemsize}")
+        out = decode.cache_bytes(method.parts - {KEYS}, layout, n_layers=full, groups=groups, capacity=capacity)
     if local:
-        out["windows"] = 2 * local * rows * window * d * itemsize
+        out["windows"] = 2 * local * groups * window * d * itemsize
     return out
 
 

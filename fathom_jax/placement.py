@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from fathom_jax import distributed
 from pallas_kernels import backend
 
 Memory = Literal["device", "pinned_host"]
@@ -49,13 +50,9 @@ def host_memory_available() -> bool:
 
 
 def device_mesh(devices: int, axis: str = "x") -> jax.sharding.Mesh | None:
-    """A one-axis mesh of the first ``devices`` devices for ``Placement(mesh=...)``; None for one device."""
-    if not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices must be an int >= 1, got {devices!r}")
-    have = jax.devices()
-    if devices > len(have):
-        raise ValueError(f"{devices} devices asked for, {len(have)} {jax.default_backend()} device(s) available")
-    return None if devices == 1 else jax.sharding.Mesh(np.array(have[:devices]), (axis,))
+    """A one-axis mesh of the first ``devices`` devices for ``Placement(mesh=...)``; None for one device. With
+    several processes (:mod:`fathom_jax.distributed`) it spans them all, ``devices / processes`` from each."""
+    return distributed.global_mesh(devices, axis)
 
 
 # -- bulk and small leaves ----------------------------------------------------------------------------------
@@ -155,6 +152,11 @@ class Placement:
     def num_shards(self) -> int:
         return 1 if self.mesh is None else self.mesh.shape[self.axis]
 
+    @property
+    def local_shards(self) -> int:
+        """The shards this process holds (its own devices of the mesh; all of them in one process)."""
+        return round(self.num_shards * distributed.local_share(self.mesh))
+
     def check(self, implementation: backend.Implementation | None) -> backend.Implementation:
         """Resolve the implementation for this placement (host memory is read by the kernels only)."""
         implementation = backend.resolve_implementation(implementation)
@@ -178,18 +180,20 @@ class Placement:
         True: in :attr:`memory_kind`; False or ``"device"``: in device memory."""
         kind = self.memory_kind if bulk is True else "device"
         if self.mesh is None:
-            return SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+            return SingleDeviceSharding(jax.local_devices()[0], memory_kind=kind)
         spec = P(None, self.axis) if split and ndim >= 2 else P()
         return NamedSharding(self.mesh, spec, memory_kind=kind)
 
     def replicated(self) -> jax.sharding.Sharding:
         if self.mesh is None:
-            return SingleDeviceSharding(jax.devices()[0])
+            return SingleDeviceSharding(jax.local_devices()[0])
         return NamedSharding(self.mesh, P())
 
     def replicate(self, tree):
         """``tree`` replicated over the mesh (weights, hook statistics); unchanged without a mesh."""
-        return tree if self.mesh is None else jax.device_put(tree, self.replicated())
+        if self.mesh is None:
+            return tree
+        return distributed.put(tree, jax.tree.map(lambda _: self.replicated(), tree))
 
     def shardings(self, tree, bulk):
         """Per-leaf shardings of a cache pytree (bulk leaves in :attr:`memory_kind`, the rest on device)."""
@@ -200,8 +204,8 @@ class Placement:
         return _with_mask(one, tree, bulk)
 
     def put(self, tree, bulk):
-        """``tree`` with every leaf placed (see :meth:`shardings`)."""
-        return jax.device_put(tree, self.shardings(tree, bulk))
+        """``tree`` with every leaf placed (see :meth:`shardings`; across processes each places its own shards)."""
+        return distributed.put(tree, self.shardings(tree, bulk))
 
     def zeros(self, shape, dtype, *, bulk: bool | str = True):
         """A zero-filled cache array of ``shape`` placed where it belongs.
@@ -214,7 +218,7 @@ class Placement:
         """
         sharding = self.sharding(len(shape), bulk=bulk, split=len(shape) >= 2)
         if bulk is True and self.in_host_memory and not _fits_in_hbm(shape, dtype, sharding):
-            return jax.device_put(np.zeros(shape, dtype), sharding)
+            return distributed.zeros(shape, dtype, sharding)
         return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()
 
     # -- running per-group work over the mesh ------------------------------------------------
@@ -247,7 +251,7 @@ class Placement:
 def _fits_in_hbm(shape, dtype, sharding, fraction: float = 0.9) -> bool:
     """Whether one shard of a ``shape`` array takes at most ``fraction`` of every device's free memory."""
     shard = np.prod(sharding.shard_shape(tuple(shape)), dtype=np.int64) * np.dtype(dtype).itemsize
-    for device in sharding.device_set:
+    for device in sharding.addressable_devices:  # another process's devices are its own business
         stats = device.memory_stats()
         if not stats or "bytes_limit" not in stats:
             return False

@@ -114,10 +114,15 @@ def _cache_write_kernel(
         data = plgpu.load(src_ref.at[(l, r, *mid_idx, pl.ds(m0, chunk))], mask=ok, other=0)
         plgpu.store(out_ref.at[(layer, r, *mid_idx, pl.ds(start_ref[r] + m0, chunk))], data, mask=ok)
     else:
-        col = jnp.arange(tail, dtype=jnp.int32)
+        col = jnp.arange(pl.next_power_of_2(tail), dtype=jnp.int32)  # Triton's blocks are powers of two
         ok2 = ok[:, None] & (col[None, :] < tail)
-        data = plgpu.load(src_ref.at[(l, r, *mid_idx, pl.ds(m0, chunk), slice(None))], mask=ok2, other=0)
-        plgpu.store(out_ref.at[(layer, r, *mid_idx, pl.ds(start_ref[r] + m0, chunk), slice(None))], data, mask=ok2)
+        if col.shape[0] == tail:
+            data = plgpu.load(src_ref.at[(l, r, *mid_idx, pl.ds(m0, chunk), slice(None))], mask=ok2, other=0)
+            plgpu.store(out_ref.at[(layer, r, *mid_idx, pl.ds(start_ref[r] + m0, chunk), slice(None))], data,
+                        mask=ok2)
+        else:  # rows of any width (a compressed row format's words): masked 2-D gather and scatter
+            data = plgpu.load(src_ref.at[(l, r, *mid_idx, m[:, None], col[None, :])], mask=ok2, other=0)
+            plgpu.store(out_ref.at[(layer, r, *mid_idx, at[:, None], col[None, :])], data, mask=ok2)
 
 
 def _cache_write_pallas(dst, src, start, layer, *, axis, config, interpret, in_place=False):
@@ -126,8 +131,6 @@ def _cache_write_pallas(dst, src, start, layer, *, axis, config, interpret, in_p
     if len(tail_shape) > 1:
         raise ValueError(f"cache_write: at most one axis after the written one, got dst {dst.shape}, axis {axis}")
     tail = tail_shape[0] if tail_shape else None
-    if tail is not None:
-        B.check_pow2("the last axis of dst", tail)
     rows, n = src.shape[axis], dst.shape[axis]
     chunk = min(config.chunk, pl.next_power_of_2(rows))
     kernel = functools.partial(_cache_write_kernel, mid=mid, rows=rows, n=n, chunk=chunk, tail=tail, in_place=in_place)

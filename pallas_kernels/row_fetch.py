@@ -5,7 +5,7 @@
 layer in place) and a fixed-size index list ``index i32 [*, S]`` (padding entries are negative or
 ``>= n``) give ``k_rows, v_rows [*, S, F]`` with zero rows at padding, and ``mask bool [*, S]`` (which
 slots hold a real row). One program copies ``rows`` rows (a 2-D gather: ``rows`` x ``F`` elements,
-each row one contiguous run). ``columns=(start, width)`` reads only those features of every row (the
+each row one contiguous run; ``F`` any width, e.g. a compressed row format's 33 words). ``columns=(start, width)`` reads only those features of every row (the
 keys of a cache that keeps each token's K and V side by side, ``[n, 2 Dh]``).
 
 The decoder's cache keeps K and V of a token in one ``2 Dh`` row and fetches it with ``values=None``:
@@ -62,7 +62,8 @@ def _validate(keys, values, index, layer, columns=None, group_start=0):
     if index.shape[:-1] != batch:
         raise ValueError(f"index must be [*batch, S] with batch {batch}, got {index.shape}")
     start, width = _window(keys, columns)
-    B.check_pow2("row width (columns read)", width)
+    if width < 1:
+        raise ValueError(f"columns must read at least one feature, got width {width}")
     if start < 0 or start + width > keys.shape[-1]:
         raise ValueError(f"columns must be (start, width) within the row's {keys.shape[-1]} features, got {columns}")
 
@@ -129,13 +130,17 @@ def _copy_rows(idx_ref, layer_ref, refs, r, i, active, *, rows, slots, n, start,
     idx = plgpu.load(idx_ref.at[r, pl.ds(s0, rows)], mask=smask, other=-1)
     valid = (idx >= 0) & (idx < n)
     safe = jnp.where(valid, idx, 0)
-    col = jnp.arange(width, dtype=jnp.int32)
+    col = jnp.arange(pl.next_power_of_2(width), dtype=jnp.int32)  # Triton's blocks are powers of two: masked past
     m2 = valid[:, None] & (col[None, :] < width)
     out_mask = smask[:, None] & (col[None, :] < width)
     half = len(refs) // 2
     for src, dst in zip(refs[:half], refs[half:]):
         data = plgpu.load(src.at[layer, src_group, safe[:, None], start + col[None, :]], mask=m2, other=0)  # 2-D gather
-        plgpu.store(dst.at[r, pl.ds(s0, rows), :], data, mask=out_mask)
+        if col.shape[0] == width:
+            plgpu.store(dst.at[r, pl.ds(s0, rows), :], data, mask=out_mask)
+        else:  # rows of any width (a compressed row format's words): a masked 2-D scatter
+            out_rows = s0 + jnp.arange(rows, dtype=jnp.int32)
+            plgpu.store(dst.at[r, out_rows[:, None], col[None, :]], data, mask=out_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("columns", "config", "interpret", "group_start"))

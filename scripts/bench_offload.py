@@ -13,6 +13,8 @@ a step moves are the same.
 
     python3 scripts/bench_offload.py --out $OUT                      # the default sections (one H200)
     python3 scripts/bench_offload.py --mesh 2 --tag h200x2 --out $OUT   # over two GPUs
+    JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python3 scripts/bench_offload.py --mesh 2 \
+        --out $OUT                                                   # one process per host (fathom_jax.distributed)
     python3 scripts/bench_offload.py --smoke --out /tmp/smoke          # tiny shapes, any backend (CI-size)
     python3 scripts/bench_offload.py --merge results/offload_h200 a.json b.json   # one file from several runs
     python3 scripts/bench_offload.py --preset attn --out $OUT        # the run behind a committed table (PRESETS)
@@ -49,7 +51,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import harness  # noqa: E402
-from fathom_jax import calibrate, decode, methods  # noqa: E402
+from fathom_jax import calibrate, decode, distributed, methods  # noqa: E402
 from fathom_jax.decode import StepConfig  # noqa: E402
 from fathom_jax.models import LlamaConfig, LlamaForCausalLM, generation  # noqa: E402
 from fathom_jax.models.attention import CacheShape  # noqa: E402
@@ -195,6 +197,8 @@ class Run:
         return self.args.time_budget - (time.time() - self.t0)
 
     def save(self):
+        if jax.process_index() != 0:  # across processes every one measures the same rows; process 0 writes them
+            return
         self.res["wall_seconds"] = time.time() - self.t0
         harness.write_json(self.path, self.res)
         write_report(self.res, self.path[:-5])
@@ -332,7 +336,9 @@ def step_bytes(attn, cfg, calib, q, *, context, k, kv_itemsize=2):
 
 
 def link_section(run: Run):
-    devices = jax.devices()[: run.args.mesh]
+    mesh = run.args.placement.mesh  # this process's devices of the mesh (each host measures its own links)
+    devices = jax.local_devices()[:1] if mesh is None else [d for d in mesh.devices.flat
+                                                            if d.process_index == jax.process_index()]
     run.res["link"] = harness.host_to_device_rate(run.args.link_bytes, devices=devices)
     run.res["hbm_copy"] = harness.hbm_copy_rate()
     print("link", run.res["link"], "hbm", run.res["hbm_copy"]["GBps"], flush=True)
@@ -373,7 +379,8 @@ def with_row_cache(cache, attn):
     row_cache = None
     if slots:
         row_cache = decode.empty_row_cache(jnp.zeros, n_layers=cache.n_layers,
-                                           groups=cache.groups, slots=slots, head_dim=cache.head_dim, dtype=cache.kv.dtype)
+                                           groups=cache.groups, slots=slots, width=cache.layout.width,
+                                           dtype=cache.layout.storage_dtype)
     return dataclasses.replace(cache, row_cache=row_cache)
 
 
@@ -383,8 +390,8 @@ def row_cache_fields(cache, link_gbps: float, scan_bytes: float) -> dict:
     rc = cache.row_cache
     if rc is None:
         return {}
-    hits, fetched = int(np.asarray(rc.hits).sum()), int(np.asarray(rc.fetched).sum())
-    row_bytes = fetched * cache.kv.shape[-1] * cache.kv.dtype.itemsize  # each row: its K and V
+    hits, fetched = int(distributed.to_host(rc.hits).sum()), int(distributed.to_host(rc.fetched).sum())
+    row_bytes = fetched * cache.layout.row_bytes  # each row: its K and V
     return {"row_hit_fraction": hits / max(1, hits + fetched), "row_bytes_fetched": float(row_bytes),
             "link_floor_fetched_ms": (scan_bytes + row_bytes) / (link_gbps * 1e9) * 1e3}
 
@@ -709,6 +716,7 @@ def main(argv=None):
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--merge":  # --merge OUT_PREFIX IN.json ...
         return merge(sys.argv[3:], sys.argv[2])
     argv = harness.expand_preset(sys.argv[1:] if argv is None else argv, PRESETS)
+    distributed.initialize()  # one process per host, from the environment (fathom_jax.distributed); else a no-op
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results")
     ap.add_argument("--tag", default="h200")
@@ -719,7 +727,8 @@ def main(argv=None):
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--k", type=int, default=512)
     ap.add_argument("--batches", default="4,8", help="batch sizes of the batch section")
-    ap.add_argument("--mesh", type=int, default=1, help="GPUs in the mesh (the group axis is split over them)")
+    ap.add_argument("--mesh", type=int, default=1, help="GPUs in the mesh (the group axis is split over them; "
+                                                        "across processes, of every process)")
     ap.add_argument("--share-kv-from", default="512k", help="contexts from this size share one K/V row buffer")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)

@@ -98,7 +98,7 @@ def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_mo
     assert cache.index["raw"].planes.sharding.memory_kind == "pinned_host"
     _, state = nnx.split(tiny_model)
     tokens = jnp.argmax(logits, -1).astype(jnp.int32)
-    text = generation.decode_step_program(tiny_model, cache, attn).lower(state, tokens, cache=cache).compile().as_text()
+    text = generation.decode_step_program(tiny_model, cache, attn).lower(state, tokens, None, cache=cache).compile().as_text()
     assert "S(5)" in text, "the compiled step has no host-memory operands: the cache is not offloaded"
     copies = host_array_copies(text, min_bytes=1 << 16)
     assert copies == [], "the decode step copies host-resident cache arrays:\n" + "\n".join(copies)
@@ -145,7 +145,7 @@ def test_compiled_decode_step_reads_each_layers_weights_in_place(memory):
         with_extra = with_extra.bind(decode.cache_shape(cache))
         if memory == "pinned_host":
             run = generation.decode_step_program(model, cache, with_extra)
-            return run.lower(state, tokens, cache=cache).compile().as_text()
+            return run.lower(state, tokens, None, cache=cache).compile().as_text()
         program = generation.decode_loop_program(with_extra.compiler_options)
         return program.lower(graphdef, state, with_extra, tokens, cache, 3).compile().as_text()
 
@@ -200,8 +200,8 @@ def test_decode_step_updates_its_row_cache_in_place(tiny_model):
     tokens = jnp.zeros((2,), jnp.int32)
     run = generation.decode_step_program(tiny_model, cache, attn)
     size = cache.row_cache.rows.nbytes
-    donated = run.lower(state, tokens, cache=cache).compile().as_text()
+    donated = run.lower(state, tokens, None, cache=cache).compile().as_text()
     assert device_copies(donated, min_bytes=size) == []
     leaves = jax.tree.leaves(attn)
-    kept = jax.jit(run.jit.__wrapped__).lower(leaves, (state, tokens), *split_bulk(cache, cache.bulk()))
+    kept = jax.jit(run.jit.__wrapped__).lower(leaves, (state, tokens, None), *split_bulk(cache, cache.bulk()))
     assert device_copies(kept.compile().as_text(), min_bytes=size) != []

@@ -25,7 +25,7 @@ class FakeSharding:
     split: int = 1
 
     @property
-    def device_set(self):
+    def addressable_devices(self):  # this process's devices: here all of them
         return set(self.devices)
 
     def shard_shape(self, shape):

@@ -16,22 +16,22 @@ One decode step's data flow, file by file:
   fetch (``fetches.py``), attend; in pipelined chunks where the resolved configuration says so;
 * ``config.py``: :class:`StepConfig` (how a step runs), resolved once per cache shape into the strategies;
 * ``cache.py`` / ``writes.py`` / ``row_cache.py``: the stacked cache, its writes, the optional row cache;
+* ``rows.py``: how the cache stores each token's K/V row (the model dtype, or a compressed row format);
 * ``programs.py``: the compiled programs over a placed cache (donation, in-place host writes), the attention-only
   benchmark step, flush, and a sparse cache from a dense prefill.
 """
 
 from fathom_jax.decode.cache import LayerUpdate, SparseCache, cache_bytes
 from fathom_jax.decode.config import ResolvedStep, StepConfig
-from fathom_jax.decode.fetches import join_kv, split_kv
 from fathom_jax.decode.hook import SparseAttention, from_spec
 from fathom_jax.decode.programs import attention_step, cache_from_dense, cache_shape, flush
 from fathom_jax.decode.row_cache import RowCache, RowFill, commit_rows, empty_row_cache
+from fathom_jax.decode.rows import RowLayout
 from fathom_jax.decode.step import CacheView, NewToken, StepContext, StepResult, sparse_attention_step
 from fathom_jax.placement import Placement
 
 __all__ = [
-    "CacheView", "LayerUpdate", "NewToken", "Placement", "ResolvedStep", "RowCache", "RowFill", "SparseAttention",
-    "SparseCache", "StepConfig", "StepContext", "StepResult", "attention_step", "cache_bytes", "cache_from_dense",
-    "cache_shape", "commit_rows", "empty_row_cache", "flush", "from_spec", "join_kv", "sparse_attention_step",
-    "split_kv",
+    "CacheView", "LayerUpdate", "NewToken", "Placement", "ResolvedStep", "RowCache", "RowFill", "RowLayout",
+    "SparseAttention", "SparseCache", "StepConfig", "StepContext", "StepResult", "attention_step", "cache_bytes",
+    "cache_from_dense", "cache_shape", "commit_rows", "empty_row_cache", "flush", "from_spec", "sparse_attention_step",
 ]

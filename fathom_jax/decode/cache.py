@@ -17,10 +17,11 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from fathom_jax.calibrate import Calibration
-from fathom_jax.decode.fetches import split_kv
 from fathom_jax.decode.row_cache import RowCache, RowFill, empty_row_cache
+from fathom_jax.decode.rows import RowLayout
 from fathom_jax.format import round_capacity
 from fathom_jax.index import KeyIndex, check_parts
+from fathom_jax.models.attention import CacheShape
 
 
 @jax.tree_util.register_dataclass
@@ -28,10 +29,11 @@ from fathom_jax.index import KeyIndex, check_parts
 class SparseCache:
     """K/V rows and key index of every layer, stacked ``[L, R, ...]`` (``R = batch x KV heads``).
 
-    ``kv``: ``[L, R, C, 2 Dh]`` in the model dtype, each token's key in the first ``Dh`` features and its value in
-    the last, so that fetching a selected token reads one contiguous run (from host memory the pages touched cost
-    more than the bytes: see :mod:`pallas_kernels.row_fetch`); ``[1, R, C, 2 Dh]``: one row buffer shared by every
-    layer, a benchmark mode for caches larger than the host. ``index``: a :class:`KeyIndex` whose leaves are
+    ``kv``: ``[L, R, C, W]``, one row per token as ``layout`` stores it (:mod:`fathom_jax.decode.rows`: by
+    default ``W = 2 Dh`` in the model dtype, each token's key in the first ``Dh`` features and its value in the last;
+    or a compressed row format's words), so that fetching a selected token reads one contiguous run (from host
+    memory the pages touched cost more than the bytes: see :mod:`pallas_kernels.row_fetch`); ``[1, R, C, W]``: one
+    row buffer shared by every layer, a benchmark mode for caches larger than the host. ``index``: a :class:`KeyIndex` whose leaves are
     ``[L, R, ...]`` (no keys part: the oracle reads the keys of ``kv``); ``length``: tokens per sequence ``[B]``;
     ``calibration``: the session's own statistics ``[L, R, ...]`` (set by the prefill; None for corpus statistics,
     which the hook holds). In host memory the kernels write the bulk arrays in place; ``writes`` holds the
@@ -39,9 +41,10 @@ class SparseCache:
     ``row_cache``: device-memory copies of recently fetched rows (:class:`RowCache`), or None.
     """
 
-    kv: Float[Array, "L R C 2Dh"]
+    kv: Float[Array, "L R C W"]
     index: KeyIndex
     length: Int[Array, "B"]
+    layout: RowLayout = dataclasses.field(metadata=dict(static=True))
     calibration: Calibration | None = None
     writes: Int[Array, "W"] | None = None
     row_cache: RowCache | None = None
@@ -49,22 +52,24 @@ class SparseCache:
     def bulk(self) -> "SparseCache":
         """A tree like this cache of bools: True for the leaves that grow with the context."""
         small = lambda tree: jax.tree.map(lambda _: False, tree)  # noqa: E731
-        return SparseCache(kv=True, index=self.index.bulk(), length=False, calibration=small(self.calibration),
+        return SparseCache(kv=True, index=self.index.bulk(), length=False, layout=self.layout,
+                           calibration=small(self.calibration),
                            writes=small(self.writes), row_cache=small(self.row_cache))
 
     @property
     def k(self) -> Float[Array, "L R C Dh"]:
-        """The keys (a copy: ``kv[..., :Dh]``), for inspection; the step reads ``kv`` in place."""
-        return split_kv(self.kv)[0]
+        """The keys as the rows hold them (a copy; dequantized for a compressed format), for inspection; the step
+        reads ``kv`` in place."""
+        return self.layout.split(self.kv)[0]
 
     @property
     def v(self) -> Float[Array, "L R C Dh"]:
-        """The values (a copy: ``kv[..., Dh:]``)."""
-        return split_kv(self.kv)[1]
+        """The values as the rows hold them (a copy)."""
+        return self.layout.split(self.kv)[1]
 
     @property
     def head_dim(self) -> int:
-        return self.kv.shape[-1] // 2
+        return self.layout.head_dim
 
     @property
     def capacity(self) -> int:
@@ -116,53 +121,56 @@ class LayerUpdate:
     rows: RowFill | None = None
 
 
-def cache_bytes(parts, *, n_layers: int, groups: int, capacity: int, head_dim: int, kv_itemsize: int,
-                shared_kv: bool = False) -> dict[str, int]:
-    """Bulk bytes of a :class:`SparseCache` holding the index ``parts`` (a method's ``parts``) before allocating it:
-    the host memory it will need, by kind as :meth:`SparseCache.nbytes` gives them."""
+def cache_bytes(parts, rows: RowLayout, *, n_layers: int, groups: int, capacity: int, shared_kv: bool = False
+                ) -> dict[str, int]:
+    """Bulk bytes of a :class:`SparseCache` holding the index ``parts`` (a method's ``parts``) and K/V rows laid out as
+    ``rows`` before allocating it: the host memory it will need, by kind as :meth:`SparseCache.nbytes` gives them."""
     capacity = round_capacity(capacity)
-    out = {"kv": 2 * (1 if shared_kv else n_layers) * groups * capacity * head_dim * kv_itemsize}
+    out = {"kv": (1 if shared_kv else n_layers) * groups * capacity * rows.row_bytes}
     for part in check_parts(parts, "cache_bytes"):
-        for kind, size in part.bulk_bytes(layers=n_layers, capacity=capacity, head_dim=head_dim).items():
+        for kind, size in part.bulk_bytes(layers=n_layers, capacity=capacity, head_dim=rows.head_dim).items():
             out[kind] = out.get(kind, 0) + groups * size
     return out
 
 
-def allocate(alloc: Callable[..., Any], parts, *, n_layers: int, groups: int, batch: int, capacity: int,
-             head_dim: int, dtype, shared_kv: bool = False, row_cache: int = 0, session_calibration=None
-             ) -> SparseCache:
-    """An empty cache from ``alloc(shape, dtype, bulk=True)`` (zeros where they belong), largest array first: XLA's
-    pinned host allocator grows in regions of doubling size, and K/V rows allocated after the planes found no
-    region left at 1M tokens. ``session_calibration``: a Calibration of one group's shapes, stacked ``[L, R]``
+def allocate(alloc: Callable[..., Any], parts, shape: CacheShape, *, rows: str | None = None, shared_kv: bool = False,
+             row_cache: int = 0, session_calibration=None) -> SparseCache:
+    """An empty cache of ``shape`` from ``alloc(shape, dtype, bulk=True)`` (zeros where they belong), largest array
+    first: XLA's pinned host allocator grows in regions of doubling size, and K/V rows allocated after the planes
+    found no region left at 1M tokens. ``rows``: the row format (:class:`~fathom_jax.decode.rows.RowLayout`; None:
+    the model dtype). ``session_calibration``: a Calibration of one group's shapes, stacked ``[L, R]``
     here for the session's statistics (None for corpus statistics)."""
-    small = lambda shape, dtype: alloc(shape, dtype, bulk=False)  # noqa: E731
-    kv = alloc((1 if shared_kv else n_layers, groups, capacity, 2 * head_dim), dtype)
-    length = small((n_layers, groups), jnp.int32)
+    small = lambda dims, dtype: alloc(dims, dtype, bulk=False)  # noqa: E731
+    layers, groups, capacity, d = shape.layers, shape.groups, round_capacity(shape.capacity), shape.head_dim
+    layout = RowLayout.of(rows, d, shape.dtype)
+    kv = alloc((1 if shared_kv else layers, groups, capacity, layout.width), layout.storage_dtype)
+    length = small((layers, groups), jnp.int32)
     parts = check_parts(parts, "allocate")
     # Each part its own zeros, not the index's length array: a program donates every small leaf, and XLA refuses one
     # buffer donated twice (Gemma 3's prompt program, which threads the whole cache through its layer loop).
-    data = tuple(p.empty(alloc, small((n_layers, groups), jnp.int32), layers=n_layers, groups=groups,
-                         capacity=capacity, head_dim=head_dim) for p in parts)
+    data = tuple(p.empty(alloc, small((layers, groups), jnp.int32), layers=layers, groups=groups, capacity=capacity,
+                         head_dim=d) for p in parts)
     writes = 1 + sum(p.writes_per_token for p in parts)
     calibration = None
     if session_calibration is not None:
-        calibration = jax.tree.map(lambda a: small((n_layers, groups) + a.shape, a.dtype), session_calibration)
-    rows = None
+        calibration = jax.tree.map(lambda a: small((layers, groups) + a.shape, a.dtype), session_calibration)
+    slots = None
     if row_cache:
-        rows = empty_row_cache(small, n_layers=n_layers, groups=groups, slots=row_cache, head_dim=head_dim,
-                               dtype=dtype)
-    return SparseCache(kv=kv, index=KeyIndex(length, parts, data), length=small((batch,), jnp.int32),
-                       calibration=calibration, writes=small((writes,), jnp.int32), row_cache=rows)
+        slots = empty_row_cache(small, n_layers=layers, groups=groups, slots=row_cache, width=layout.width,
+                                dtype=layout.storage_dtype)
+    return SparseCache(kv=kv, index=KeyIndex(length, parts, data), length=small((shape.batch,), jnp.int32),
+                       layout=layout, calibration=calibration, writes=small((writes,), jnp.int32), row_cache=slots)
 
 
-def bulk_allocations(parts, **dims) -> list[int]:
-    """The bytes of every bulk array :func:`allocate` makes, in allocation order (for the host-memory check)."""
+def bulk_allocations(parts, shape: CacheShape, **options) -> list[int]:
+    """The bytes of every host array :func:`allocate` makes (``options`` as it takes them), in allocation order (for
+    the host-memory check)."""
     sizes: list[int] = []
 
-    def record(shape, dtype, *, bulk=True):
+    def record(dims, dtype, *, bulk=True):
         if bulk is True:
-            sizes.append(math.prod(shape) * np.dtype(dtype).itemsize)
-        return jax.ShapeDtypeStruct(shape, dtype)
+            sizes.append(math.prod(dims) * np.dtype(dtype).itemsize)
+        return jax.ShapeDtypeStruct(dims, dtype)
 
-    allocate(record, parts, **dims)
+    allocate(record, parts, shape, **options)
     return sizes

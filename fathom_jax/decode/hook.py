@@ -27,9 +27,11 @@ from fathom_jax import host_memory
 from fathom_jax import methods as methods_lib
 from fathom_jax import store as store_lib
 from fathom_jax.calibrate import SKIP_TOKENS, Calibration, calibrate_session
+from fathom_jax.checks import is_traced
 from fathom_jax.decode import writes as writes_lib
 from fathom_jax.decode.cache import LayerUpdate, SparseCache, allocate, bulk_allocations
 from fathom_jax.decode.config import ResolvedStep, StepConfig
+from fathom_jax.decode.rows import RowLayout, row_format
 from fathom_jax.decode.step import CacheView, NewToken, StepContext, sparse_attention_step
 from fathom_jax.decode.tiers import TieredPlanes
 from fathom_jax.format import round_capacity
@@ -38,6 +40,7 @@ from fathom_jax.index_parts import KEYS, Planes
 from fathom_jax.methods.base import ScanMethod
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.placement import Placement
+from fathom_jax.row_formats import RowFormat
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
 from pallas_kernels import backend
 
@@ -51,7 +54,8 @@ class SparseAttention:
 
     Static: ``method``, ``k`` (tokens per query head, sinks and local window included), ``calibration_source``,
     ``sink``, ``local``, ``skip_tokens``, ``implementation`` (None: pallas on a GPU, xla elsewhere), ``placement``
-    (where the cache lives), ``step`` (how a step runs) and ``run`` (the step resolved for a cache's shape: set by
+    (where the cache lives), ``rows`` (how the cache stores K/V rows: None for the model dtype, or a row format with
+    per-token scales such as ``"k8v8"``, :mod:`fathom_jax.decode.rows`), ``step`` (how a step runs) and ``run`` (the step resolved for a cache's shape: set by
     :meth:`bind`). Traced: ``calibration``, corpus statistics with leading axes ``[n_layers, Hkv]``; new arrays of
     the same shapes reuse the compiled program.
 
@@ -70,6 +74,7 @@ class SparseAttention:
     implementation: backend.Implementation | None = None
     placement: Placement = Placement()
     step: StepConfig = StepConfig()
+    rows: RowFormat | None = None
     run: ResolvedStep | None = None
 
     def __post_init__(self):
@@ -88,6 +93,7 @@ class SparseAttention:
         backend.resolve_implementation(self.implementation)
         if not isinstance(self.placement, Placement):
             object.__setattr__(self, "placement", Placement.parse(self.placement))
+        object.__setattr__(self, "rows", row_format(self.rows))  # per-token scales; head_dim is checked when bound
         if not isinstance(self.step, StepConfig):
             raise TypeError(f"SparseAttention: step must be a fathom_jax.decode.StepConfig, got {self.step!r}")
         if self.step.row_cache and self.method.selects_all:
@@ -116,7 +122,8 @@ class SparseAttention:
     def label(self) -> str:
         src = f", {self.calibration_source} calibration" if self.uses_calibration else ""
         where = f", {self.placement.memory}" if self.placement.offloaded else ""
-        return f"{self.method.label}, k={self.k}{src}{where}"
+        rows = f", rows {self.rows.spec}" if self.rows is not None else ""
+        return f"{self.method.label}, k={self.k}{src}{where}{rows}"
 
     @property
     def resolved_implementation(self) -> backend.Implementation:
@@ -158,6 +165,7 @@ class SparseAttention:
     def check(self, shape: CacheShape) -> None:
         """Shape checks against the model and cache (raises ValueError naming the argument)."""
         self.method.validate(shape.head_dim)
+        self.row_layout(shape)
         self.placement.check(self.implementation)
         self.placement.check_groups(shape.groups)
         if self.k > shape.capacity:
@@ -173,6 +181,10 @@ class SparseAttention:
                     f"SparseAttention: calibration has leading axes {c.batch_shape} and head_dim {c.head_dim}; "
                     f"the model needs [n_layers, Hkv] = {(shape.layers, shape.kv_heads)} and head_dim "
                     f"{shape.head_dim}")
+
+    def row_layout(self, shape: CacheShape) -> RowLayout:
+        """How a cache of ``shape`` stores its K/V rows (checks the format against the head_dim)."""
+        return RowLayout.of(self.rows, shape.head_dim, shape.dtype)
 
     def bind(self, shape: CacheShape) -> "SparseAttention":
         """This hook for caches of ``shape``: checked, its step configuration resolved (before any tracing)."""
@@ -195,16 +207,15 @@ class SparseAttention:
         :mod:`fathom_jax.host_memory`): a cap too low or regions larger than the machine fail here, before
         anything is allocated. ``shared_kv``: one K/V row buffer for every layer (a benchmark mode).
         """
-        dims = dict(n_layers=shape.layers, groups=shape.groups, batch=shape.batch,
-                    capacity=round_capacity(shape.capacity), head_dim=shape.head_dim, dtype=shape.dtype,
-                    shared_kv=shared_kv, row_cache=self.step.row_cache,
-                    session_calibration=_session_template(shape.head_dim) if self.session else None)
+        options = dict(rows=self.rows, shared_kv=shared_kv, row_cache=self.step.row_cache,
+                       session_calibration=_session_template(shape.head_dim) if self.session else None)
         parts = self.cache_parts(shape.layers)
         if self.placement.in_host_memory:
             shards = self.placement.num_shards
-            sizes = [size // shards for size in bulk_allocations(parts, **dims)]
-            host_memory.check(sizes, devices=shards, what=f"a cache of {dims['capacity']} tokens")
-        return allocate(self.placement.zeros, parts, **dims)
+            sizes = [size // shards for size in bulk_allocations(parts, shape, **options)]
+            host_memory.check(sizes, devices=self.placement.local_shards,  # this host's share of the mesh
+                              what=f"a cache of {round_capacity(shape.capacity)} tokens")
+        return allocate(self.placement.zeros, parts, shape, **options)
 
     def write_prompt(self, cache: SparseCache, layer, keys, values, lengths) -> SparseCache:
         """Prefill: layer ``layer``'s post-RoPE ``keys, values [B, Hkv, T, Dh]`` of sequences of ``lengths [B]``
@@ -221,6 +232,9 @@ class SparseAttention:
 
     def _write_groups(self, cache, keys, values, lengths, session, layer):
         keys, values = writes_lib.materialized(keys, values)
+        if self.rows is not None:  # out-of-range values would come back wrong from the rows (checked at run time)
+            valid = (jnp.arange(keys.shape[1]) < lengths[:, None])[..., None]
+            self.rows.check_values("write_prompt", jnp.where(valid, keys, 0), jnp.where(valid, values, 0))
         if session is not None:
             cache = dataclasses.replace(cache, calibration=jax.tree.map(lambda a, s: a.at[layer].set(s),
                                                                         cache.calibration, session))
@@ -231,8 +245,12 @@ class SparseAttention:
         return writes_lib.write_layer(cache, layer, keys, values, built, self._writer())
 
     def start_decode(self, cache: SparseCache, lengths) -> SparseCache:
-        """The cache with its per-sequence lengths set after the last prefill layer."""
-        return dataclasses.replace(cache, length=jnp.asarray(lengths, jnp.int32))
+        """The cache with its per-sequence lengths set after the last prefill layer (placed like the cache's other
+        small leaves: a length made elsewhere would be another signature of the step program, compiled again)."""
+        length = jnp.asarray(lengths, jnp.int32)
+        if not is_traced(length):
+            length = jax.device_put(length, self.placement.sharding(1, bulk=False))
+        return dataclasses.replace(cache, length=length)
 
     def positions(self, cache: SparseCache):
         return cache.length
@@ -261,7 +279,7 @@ class SparseAttention:
         new = NewToken(position=position, key=key32, value=value, blocks=blocks)
         view = CacheView(index=KeyIndex(index.length[layer], index.parts, tuple(views)), kv=cache.kv,
                          length=position + 1, calib=calib, layer=layer, kv_layer=0 if cache.shared_kv else layer,
-                         new=new, row_cache=cache.row_cache)  # the row cache is read at this layer in place
+                         new=new, row_cache=cache.row_cache, layout=cache.layout)  # the row cache is read at this layer in place
         out, _, fill = sparse_attention_step(self.method, q, view, ctx)
         update = LayerUpdate(key=key, value=value, blocks=blocks, rows=fill)
         if ctx.run.in_place:
@@ -330,7 +348,7 @@ class SparseAttention:
 jax.tree_util.register_dataclass(
     SparseAttention, data_fields=["calibration"],
     meta_fields=["method", "k", "calibration_source", "sink", "local", "skip_tokens", "implementation", "placement",
-                 "step", "run"])
+                 "step", "rows", "run"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -342,17 +360,18 @@ def _session_template(head_dim: int) -> Calibration:
 
 def from_spec(spec: str | ScanMethod, *, k: int, calibration: Calibration | str | None = "session",
               sink: int = SINK_TOKENS, local: int = LOCAL_TOKENS, implementation: backend.Implementation | None = None,
-              placement: Placement | str | None = None, step: StepConfig | None = None) -> SparseAttention:
+              placement: Placement | str | None = None, step: StepConfig | None = None,
+              rows: str | RowFormat | None = None) -> SparseAttention:
     """The decode attention for a method spec (see :func:`fathom_jax.methods.parse`).
 
     ``calibration``: ``"session"`` (default: statistics of the prompt's own keys), a :class:`Calibration`
     ``[n_layers, Hkv]`` (corpus), or None; ignored by methods that read no statistics. ``placement``: ``"device"``
     (default) or ``"pinned_host"`` (or a :class:`Placement`); ``step``: how a step runs (default
-    :class:`StepConfig`).
+    :class:`StepConfig`); ``rows``: the K/V row format (None / ``"model"``: the model dtype; e.g. ``"k8v8"``).
     """
     method = methods_lib.parse(spec)
     common = dict(sink=sink, local=local, implementation=implementation, placement=Placement.parse(placement),
-                  step=step or StepConfig())
+                  step=step or StepConfig(), rows=rows)
     if not method.needs_calibration:
         return SparseAttention(method, k, **common)
     if isinstance(calibration, str):

@@ -43,7 +43,9 @@ def cache_program(attn: SparseAttention, fn, cache: SparseCache, *, static: tupl
 
     def run(*args, cache: SparseCache):
         small, bulk_leaves = split_bulk(cache, bulk)
-        args, hook_leaves = placement.replicate((args, attn_leaves))
+        # Committed where the program runs (replicated over a mesh): an uncommitted argument (a fresh token array)
+        # is another jit signature than the committed one the previous step returned, and would compile again.
+        args, hook_leaves = jax.device_put((args, attn_leaves), placement.replicated())
         outs, small = jitted(hook_leaves, args, small, bulk_leaves)
         return outs, (attach_bulk(small, cache, bulk) if in_place else small)
 
@@ -117,7 +119,7 @@ def _flush_fn(attn, cache):
 def cache_shape(cache: SparseCache) -> CacheShape:
     """The shape of the caches like ``cache`` (what :meth:`SparseAttention.bind` takes)."""
     return CacheShape(layers=cache.n_layers, batch=cache.batch, kv_heads=cache.groups // cache.batch,
-                      capacity=cache.capacity, head_dim=cache.head_dim, dtype=cache.kv.dtype)
+                      capacity=cache.capacity, head_dim=cache.head_dim, dtype=cache.layout.dtype)
 
 
 def cache_from_dense(kv, lengths, attn: SparseAttention) -> tuple[SparseCache, SparseAttention]:

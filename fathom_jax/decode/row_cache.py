@@ -50,9 +50,10 @@ class RowFill:
     rows: Float[Array, "R S 2Dh"]
 
 
-def empty_row_cache(zeros, *, n_layers: int, groups: int, slots: int, head_dim: int, dtype) -> RowCache:
-    """A :class:`RowCache` of ``slots`` empty slots per layer and group, from ``zeros(shape, dtype)``."""
-    return RowCache(rows=zeros((n_layers, groups, slots, 2 * head_dim), dtype),
+def empty_row_cache(zeros, *, n_layers: int, groups: int, slots: int, width: int, dtype) -> RowCache:
+    """A :class:`RowCache` of ``slots`` empty slots per layer and group for rows of ``width`` elements (the K/V
+    cache's), from ``zeros(shape, dtype)``."""
+    return RowCache(rows=zeros((n_layers, groups, slots, width), dtype),
                     tags=zeros((n_layers, groups, slots), jnp.int32),
                     hits=zeros((n_layers, groups), jnp.int32), fetched=zeros((n_layers, groups), jnp.int32))
 

@@ -41,8 +41,8 @@ from fathom_jax import scan as scan_lib
 from fathom_jax import store as store_lib
 from fathom_jax.calibrate import Calibration
 from fathom_jax.decode.config import ResolvedStep
-from fathom_jax.decode.fetches import join_kv, split_kv
 from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
+from fathom_jax.decode.rows import RowLayout
 from fathom_jax.format import BLOCK_TOKENS, LANDMARK_TOKENS
 from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, ScanMethod
@@ -70,24 +70,30 @@ class CacheView:
     """What one layer's step reads.
 
     ``index``: the layer's small leaves and (with ``layer``) the stacked bulk arrays ``[L, R, ...]``; ``kv``: K/V rows
-    ``[L, R, C, 2 Dh]`` read at ``kv_layer`` (default ``layer``; 0 for a row buffer shared by every layer), or
-    ``[R, C, 2 Dh]`` without a layer; ``length``: valid tokens per group, the new one included; ``calib``: the
+    ``[L, R, C, W]`` read at ``kv_layer`` (default ``layer``; 0 for a row buffer shared by every layer), or
+    ``[R, C, W]`` without a layer, stored as ``layout`` says (static; None: ``W = 2 Dh`` rows in ``kv``'s dtype); ``length``: valid tokens per group, the new one included; ``calib``: the
     layer's statistics per group; ``new``: the token the stored cache does not hold yet; ``row_cache``: slots
     stacked like ``kv`` (read at ``layer``), with a :class:`~fathom_jax.decode.fetches.CachedRowFetch`.
     """
 
     index: KeyIndex
-    kv: Float[Array, "*L R C 2Dh"]
+    kv: Float[Array, "*L R C W"]
     length: Int[Array, "R"]
     calib: Calibration | None = None
     layer: Int[Array, ""] | None = None
     kv_layer: Int[Array, ""] | None = None
     new: NewToken | None = None
     row_cache: RowCache | None = None
+    layout: RowLayout | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
         if self.kv_layer is None and self.layer is not None:
             object.__setattr__(self, "kv_layer", self.layer)
+
+    @property
+    def rows(self) -> RowLayout:
+        """How ``kv`` stores each token's row."""
+        return self.layout or RowLayout(self.kv.shape[-1] // 2, self.kv.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,10 +150,9 @@ def dense_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Cac
     """Exact attention of every group's heads over all its valid rows (no scan, no selection)."""
     q = q.astype(jnp.float32)
     rows = ctx.run.reader.stage(view.kv, view.kv_layer, groups=(0, q.shape[0]))
-    keys, values = split_kv(rows)
-    if view.new is not None:
-        keys, values = _put_row(keys, view.new.key, view.new.position), _put_row(values, view.new.value,
-                                                                                 view.new.position)
+    if view.new is not None:  # the newest row as the cache will store it
+        rows = _put_row(rows, view.rows.join(view.new.key, view.new.value), view.new.position)
+    keys, values = view.rows.split(rows)
     mask = jnp.arange(keys.shape[-2]) < view.length[:, None, None]
     out = attend(q, keys, values, jnp.broadcast_to(mask, q.shape[:-1] + keys.shape[-2:-1]))
     bits = jnp.full(q.shape[:1], method.fixed_bits_per_token(q.shape[-1]), jnp.float32)
@@ -174,9 +179,10 @@ def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=
     plane transfer itself waits for ``after``."""
     reader = ctx.run.reader
     staged = None
-    if isinstance(read, KeyRead):  # the oracle scores the cache's keys: the first half of each row, staged
-        keys = reader.stage(view.kv, view.kv_layer, groups=(group_start, q.shape[0]),
-                            columns=(0, view.kv.shape[-1] // 2))
+    if isinstance(read, KeyRead):  # the oracle scores the cache's keys, staged (only their features where they can be)
+        keys = reader.stage(view.kv, view.kv_layer, groups=(group_start, q.shape[0]), columns=view.rows.key_columns())
+        if view.rows.key_columns() is None:
+            keys = view.rows.split(keys)[0]
         scores = scan_lib.dot(read.queries, keys.astype(jnp.float32))
     else:
         scores, staged = reader.scores(read, view.index, view.length, layer=view.layer, group_start=group_start,
@@ -199,7 +205,7 @@ def _fetch_attend(sel: _Selection, view: CacheView, ctx: StepContext, after=None
     """Fetch a selection's rows (after ``after``: arrays the fetch waits for and never reads) and attend."""
     chunk = dataclasses.replace(view, new=sel.new)
     rows, fill = ctx.run.fetcher.fetch(sel.slots, chunk, group_start=sel.group_start, after=after)
-    k_rows, v_rows = split_kv(rows)
+    k_rows, v_rows = view.rows.split(rows)
     return StepResult(attend(sel.q, k_rows, v_rows, sel.member), sel.bits, fill)
 
 
@@ -241,5 +247,5 @@ def patch_scores(scores, read, new: NewToken):
 
 
 def _put_row(x, row, at):
-    """``x [R, C, Dh]`` with ``row [R, Dh]`` written at position ``at [R]``."""
+    """``x [R, C, W]`` with ``row [R, W]`` written at position ``at [R]``."""
     return jax.vmap(lambda a, b, i: jax.lax.dynamic_update_slice(a, b[None].astype(a.dtype), (i, 0)))(x, row, at)

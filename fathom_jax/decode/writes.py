@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 
 from fathom_jax.decode.cache import LayerUpdate, SparseCache
-from fathom_jax.decode.fetches import join_kv
 from fathom_jax.decode.row_cache import commit_rows
 from fathom_jax.format import BLOCK_TOKENS
 from fathom_jax.index import KeyIndex
@@ -48,7 +47,7 @@ def materialized(keys, values):
 def write_layer(cache: SparseCache, layer, keys, values, built: KeyIndex, write: Writer) -> SparseCache:
     """Prefill: layer ``layer``'s K/V rows (``keys, values [R, T, Dh]``) and its ``built`` index written."""
     zero = jnp.zeros(keys.shape[:1], jnp.int32)
-    kv = write(cache.kv, join_kv(keys, values, cache.kv.dtype)[None], zero, 2, 0 if cache.shared_kv else layer)
+    kv = write(cache.kv, cache.layout.join(keys, values)[None], zero, 2, 0 if cache.shared_kv else layer)
     length = cache.index.length.at[layer].set(built.length)
     data = tuple(part.write_layer(write, stacked, new, layer, length)
                  for part, stacked, new in zip(cache.index.parts, cache.index.data, built.data))
@@ -63,7 +62,7 @@ def write_token(cache: SparseCache, update: LayerUpdate, position, layer, write:
     """The new token's K/V rows and newest index blocks (``update`` stacked on layers ``layer ..``) written at group
     positions ``position [R]`` into the bulk arrays; returns ``(kv, index data)``: new arrays for functional writes,
     the same ones when written in place."""
-    rows = join_kv(update.key, update.value, cache.kv.dtype)  # [Ls, R, 2 Dh]
+    rows = cache.layout.join(update.key, update.value)  # [Ls, R, W]
     if cache.shared_kv:  # one row buffer for every layer keeps the last layer's row (others drop past the end)
         last = jnp.asarray(layer) + rows.shape[0] == cache.n_layers
         kv = write(cache.kv, rows[-1:, :, None, :], jnp.where(last, position, cache.capacity), 2, 0)

@@ -401,8 +401,8 @@ def test_generate_sizes_the_cache_to_at_least_k(model):
 def test_cache_bytes_before_allocating_equals_the_cache(spec, shared_kv):
     """decode.cache_bytes (the host memory a cache will need, from shapes alone) = the allocated cache's bytes."""
     attn = decode.from_spec(spec, k=40)
-    cache = attn.init_cache(CacheShape(layers=3, batch=2, kv_heads=3, capacity=200, head_dim=16, dtype=jnp.bfloat16),
-                            shared_kv=shared_kv)
-    want = decode.cache_bytes(attn.index_parts, n_layers=3, groups=6, capacity=200, head_dim=16, kv_itemsize=2,
+    shape = CacheShape(layers=3, batch=2, kv_heads=3, capacity=200, head_dim=16, dtype=jnp.bfloat16)
+    cache = attn.init_cache(shape, shared_kv=shared_kv)
+    want = decode.cache_bytes(attn.index_parts, attn.row_layout(shape), n_layers=3, groups=6, capacity=200,
                               shared_kv=shared_kv)
     assert cache.nbytes() == want

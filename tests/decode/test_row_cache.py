@@ -96,7 +96,7 @@ def test_step_config_and_hook_check_the_row_cache():
 def test_prefill_of_a_layer_empties_its_slots():
     attn = decode.from_spec("sparq:4", k=8, sink=2, local=4, step=StepConfig(row_cache=8))
     cache = attn.init_cache(CacheShape(layers=2, batch=1, kv_heads=2, capacity=64, head_dim=8, dtype=jnp.float32))
-    full = empty_row_cache(lambda s, d: jnp.ones(s, d), n_layers=2, groups=2, slots=8, head_dim=8, dtype=jnp.float32)
+    full = empty_row_cache(lambda s, d: jnp.ones(s, d), n_layers=2, groups=2, slots=8, width=16, dtype=jnp.float32)
     cache = cache.__class__(**{**cache.__dict__, "row_cache": full})
     keys = jnp.asarray(np.random.default_rng(1).standard_normal((1, 2, 16, 8)), jnp.float32)  # [B, Hkv, T, D]
     out = attn.write_prompt(cache, 1, keys, keys, jnp.full((1,), 16, jnp.int32))

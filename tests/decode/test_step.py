@@ -14,7 +14,7 @@ from fathom_jax import index_parts as P
 from fathom_jax import landmarks
 from fathom_jax import methods as M
 from fathom_jax import store as S
-from fathom_jax.decode import CacheView, NewToken, StepConfig, StepContext, join_kv, sparse_attention_step
+from fathom_jax.decode import CacheView, NewToken, RowLayout, StepConfig, StepContext, sparse_attention_step
 from fathom_jax.index_parts import LandmarkBlock, PlaneBlock
 from fathom_jax.placement import Placement
 from fathom_jax.scan import scan_scores
@@ -51,7 +51,8 @@ def step(method, q, index, kv, lengths, calib, ctx, **view):
 
 def side_by_side(keys, values):
     """The cache's layout: each token's key and value in one row ``[..., n, 2 D]``, in the keys' dtype."""
-    return join_kv(jnp.asarray(keys), jnp.asarray(values), jnp.asarray(keys).dtype)
+    keys = jnp.asarray(keys)
+    return RowLayout(keys.shape[-1], keys.dtype).join(keys, jnp.asarray(values))
 
 
 def per_head_reference(method, q, keys, values, lengths, calib, k=K):

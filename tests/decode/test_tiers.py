@@ -67,7 +67,7 @@ def test_resident_planes_decode_the_same_bits(tiny_model, implementation, reside
 
         _, state = nnx.split(tiny_model)
         run = generation.decode_step_program(tiny_model, cache, attn)
-        text = run.lower(state, tokens, cache=cache).as_text()
+        text = run.lower(state, tokens, None, cache=cache).as_text()
         assert "tier_gather" in text and "run_gather" not in text
 
 
@@ -77,11 +77,12 @@ def test_cache_bytes_by_tier():
     attn = decode.from_spec("fathom:16", k=40, placement=Placement("pinned_host", resident_planes=(1, 2, 0)))
     shape = CacheShape(layers=3, batch=2, kv_heads=3, capacity=200, head_dim=16, dtype=jnp.bfloat16)
     cache = attn.init_cache(shape)
-    want = decode.cache_bytes(attn.cache_parts(3), n_layers=3, groups=6, capacity=200, head_dim=16, kv_itemsize=2)
+    rows = attn.row_layout(shape)
+    want = decode.cache_bytes(attn.cache_parts(3), rows, n_layers=3, groups=6, capacity=200)
     assert cache.nbytes() == want
     plane = plane_bytes(groups=6, capacity=200, head_dim=16)
     assert want["planes"] == 9 * plane and want["planes_hbm"] == 3 * plane + 3 * 6 * 16 * (256 // 64) * 2
-    assert decode.cache_bytes(attn.index_parts, n_layers=3, groups=6, capacity=200, head_dim=16, kv_itemsize=2)[
+    assert decode.cache_bytes(attn.index_parts, rows, n_layers=3, groups=6, capacity=200)[
         "planes"] == 12 * plane + 3 * 6 * 16 * 4 * 2
 
 
@@ -136,7 +137,7 @@ def test_resident_planes_live_in_hbm_and_the_rest_in_host_memory(tiny_model):
     from flax import nnx
 
     _, state = nnx.split(tiny_model)
-    text = generation.decode_step_program(tiny_model, cache, attn).lower(state, jnp.asarray(LONG[:, 5]),
+    text = generation.decode_step_program(tiny_model, cache, attn).lower(state, jnp.asarray(LONG[:, 5]), None,
                                                                         cache=cache).compile().as_text()
     assert host_array_copies(text, min_bytes=1 << 10) == []
     # the resident planes are written in place too (a copy would take the new blocks' writes away from the cache)

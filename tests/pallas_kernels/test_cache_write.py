@@ -16,12 +16,14 @@ CASES = {  # name: (dst shape, src shape, axis)
     "planes_ragged": ((2, 3, 40, 4, 10), (2, 3, 40, 4, 2), 4),  # 160 (channel, plane) rows: 64 per program, the last part-full
     "scales": ((3, 4, 8, 5), (3, 4, 8, 1), 3),
     "prefill_layer": ((3, 4, 300, 16), (1, 4, 257, 16), 2),
+    "word_rows": ((3, 4, 50, 33), (3, 4, 1, 33), 2),  # a compressed row format's uint32 rows (k8v8, Dh = 64)
+    "word_rows_prefill": ((3, 4, 300, 20), (1, 4, 257, 20), 2),
 }
 
 
 def _arrays(rng, name):
     dst_shape, src_shape, axis = CASES[name]
-    dtype = {"planes": np.uint32, "planes_ragged": np.uint32, "scales": np.float16}.get(name, jnp.bfloat16)
+    dtype = {"scales": np.float16}.get(name, np.uint32 if "planes" in name or "word" in name else jnp.bfloat16)
     if dtype == np.uint32:
         return (rng.integers(0, 2**32, dst_shape, dtype=np.uint32), rng.integers(0, 2**32, src_shape, dtype=np.uint32),
                 axis)
@@ -59,7 +61,8 @@ class TestCacheWrite(KernelTestBase):
 def test_cache_write_lowers_to_triton_and_validates():
     z = jnp.zeros
     for dst, src, axis in ((z((3, 2, 64, 16), jnp.bfloat16), z((3, 2, 1, 16), jnp.bfloat16), 2),
-                           (z((3, 2, 8, 4, 20), jnp.uint32), z((3, 2, 8, 4, 2), jnp.uint32), 4)):
+                           (z((3, 2, 8, 4, 20), jnp.uint32), z((3, 2, 8, 4, 2), jnp.uint32), 4),
+                           (z((3, 2, 64, 33), jnp.uint32), z((3, 2, 1, 33), jnp.uint32), 2)):
         text = lower_triton_text(lambda d, s, st: CW.cache_write(d, s, st, axis=axis, implementation="pallas",
                                                                  interpret=False), dst, src, z((2,), jnp.int32))
         assert text.count(f'name = "{CW.KERNEL_NAME}"') == 1

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kernel_test_base import KernelTestBase, assert_equal, assert_ran, host
@@ -46,6 +47,19 @@ class TestRowFetch(KernelTestBase):
         assert_equal(got, np_row_fetch(kv[2, ..., start:start + width], idx))
         assert_equal(mask, (idx >= 0) & (idx < n))
 
+    @pytest.mark.parametrize("width,rows", [(33, 8), (65, 32), (20, 4)])
+    def test_rows_of_any_width(self, impl, rng, width, rows):
+        """Compressed row formats store ``uint32`` rows of any width (33 words: k8v8 at Dh = 64)."""
+        n, s = 70, 45
+        kv = jnp.asarray(rng.integers(0, 2**32, (3, 4, n, width), dtype=np.uint32))
+        idx = jnp.asarray(rng.integers(-3, n + 3, (4, s)), jnp.int32)
+        fetch = jax.jit(lambda a, layer: RF.row_fetch(a, None, idx, layer=layer, config=RF.RowFetchConfig(rows=rows),
+                                                      **impl.kw))
+        got, _, mask = fetch(host(kv, impl), jnp.int32(1))
+        assert got.dtype == jnp.uint32 and got.shape == (4, s, width)
+        assert_equal(got, np_row_fetch(kv[1], idx))
+        assert_equal(mask, (idx >= 0) & (idx < n))
+
     @pytest.mark.parametrize("group_start,groups", [(0, 3), (1, 2), (3, 1)])
     def test_group_window_of_stacked_cache(self, impl, rng, group_start, groups):
         """An index over Rc groups reads groups group_start.. of a stacked cache (one GPU stream's share)."""
@@ -71,8 +85,11 @@ def test_row_fetch_lowers_to_triton_and_validates():
     assert "gpu.triton(%arg1, %arg2, %arg0, %arg3)" in ordered  # index, layer, cache, then the `after` operand
     with pytest.raises(ValueError, match="values"):
         RF.row_fetch(z((2, 64, D), jnp.bfloat16), z((2, 64, D), jnp.float32), z((2, 9), jnp.int32))
-    with pytest.raises(ValueError, match="power of two"):
-        RF.row_fetch(z((2, 64, 12), jnp.bfloat16), None, z((2, 9), jnp.int32))
+    with pytest.raises(ValueError, match="at least one feature"):
+        RF.row_fetch(z((2, 64, 12), jnp.bfloat16), None, z((2, 9), jnp.int32), columns=(0, 0))
+    odd = lower_triton_text(lambda a: RF.row_fetch(a, None, z((2, 9), jnp.int32), implementation="pallas",
+                                                   interpret=False), z((2, 64, 33), jnp.uint32))
+    assert odd.count(f'name = "{RF.KERNEL_NAME}"') == 1  # rows of any width lower (blocks padded and masked)
     with pytest.raises(ValueError, match=r"1 <= Rc <= 1 \(groups 1\.\. of the store's 2\)"):
         RF.row_fetch(z((3, 2, 64, D), jnp.bfloat16), None, z((2, 9), jnp.int32), layer=0, group_start=1)
     with pytest.raises(ValueError, match="programs must be an int >= 0"):

@@ -1,0 +1,168 @@
+"""The collectives a sharded decode step issues, read from its compiled HLO: results/step_collectives_<tag>.{json,md}.
+
+    python3 scripts/step_collectives.py --devices 2,4,8 --contexts 128k,1m --batches 1,8 --out results
+
+For every mesh size, context and batch: the full decode step (QKV, sparse attention, o_proj, MLP, lm_head) of the
+Qwen3-8B-shaped benchmark model (``scripts/bench_offload.py``) with the cache in the host layout split over a mesh of
+that many CPU host devices, lowered and compiled from shapes alone (nothing is allocated), and every collective in
+its HLO: opcode, shape, bytes, how many times one step runs it (a collective inside the layer scan runs once per
+layer) and the JAX op it came from. XLA's SPMD partitioner is the same on every backend; the sparse attention here is
+the ``xla`` implementation (the Pallas kernels run inside ``shard_map``, per device, and issue no collective).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all",
+               "collective-broadcast", "ragged-all-to-all")
+
+
+def _devices_flag(argv) -> int:
+    """The most devices any mesh asks for (XLA's host device count is fixed before JAX starts)."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--devices"):
+            value = arg.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "2")
+            return max(int(x) for x in value.split(","))
+    return 2
+
+
+if __name__ == "__main__":
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={_devices_flag(sys.argv[1:])}").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import bench_offload as bench  # noqa: E402
+import harness  # noqa: E402
+from fathom_jax.hlo import hlo_instructions  # noqa: E402
+from fathom_jax.models import LlamaForCausalLM, generation  # noqa: E402
+from fathom_jax.placement import Placement, device_mesh  # noqa: E402
+
+_REF = re.compile(r"\b(?:calls|body|condition|to_apply)=%?([\w.\-]+)")
+_REFS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _structs(tree, sharding_of):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding_of(tree))
+
+
+def abstract_step(cfg, placement: Placement, *, context: int, batch: int, method: str, k: int):
+    """The compiled decode step's HLO text for a cache of ``context`` tokens (+ 64) per sequence, from shapes."""
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    rep = placement.replicated()
+    _, state = nnx.split(model)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
+    calib, _ = bench.synthetic_calibration(cfg)
+    attn = bench.hook(bench.METHODS[method], cfg, calib, k, placement, "xla", batch=batch, context=context)
+    shape = bench.cache_shape(cfg, batch, context)
+    cache = jax.eval_shape(lambda: attn.init_cache(shape))
+    cache = _structs(cache, lambda c: placement.shardings(c, c.bulk()))
+    run = generation.decode_step_program(model, cache, attn)
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep)
+    return run.lower(state, tokens, cache=cache).compile().as_text()
+
+
+def trip_counts(text: str) -> dict[str, int]:
+    """How many times one run of the module runs each computation (a while body: its known trip count times its
+    caller's; everything else: its caller's)."""
+    callers: dict[str, list[tuple[str, int]]] = {}
+    computation = None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and "{" in line:
+            computation = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+            continue
+        trips = _TRIPS.search(line)
+        body = re.search(r"body=%?([\w.\-]+)", line)
+        callees = _REF.findall(line) + [c for group in _REFS.findall(line) for c in re.findall(r"[\w.\-]+", group)]
+        for callee in callees:
+            n = int(trips.group(1)) if trips and body and callee == body.group(1) else 1
+            callers.setdefault(callee, []).append((computation, n))
+    memo: dict[str, int] = {"ENTRY": 1}
+
+    def count(name: str, depth: int = 0) -> int:
+        if name not in memo:
+            memo[name] = 0 if depth > 50 else sum(n * count(c, depth + 1) for c, n in callers.get(name, []))
+        return memo[name]
+
+    return {name: count(name) for name in set(callers) | {"ENTRY"}}
+
+
+def collectives(text: str) -> list[dict]:
+    """Every collective of an HLO module (an async pair once, at its ``-done``... or its ``-start`` shape where XLA
+    keeps the pair): opcode, shape, bytes, runs per module run, the JAX op."""
+    runs = trip_counts(text)
+    found = []
+    for i in hlo_instructions(text):
+        op = i["opcode"]
+        if not op.startswith(COLLECTIVES) or op.endswith("-start"):
+            continue
+        found.append({"opcode": op.removesuffix("-done"), "shape": i["shape"], "bytes": i["bytes"],
+                      "per_step": runs.get(i["computation"], 1), "computation": i["computation"],
+                      "op": i["op"], "source": i["source"]})
+    return found
+
+
+def write_report(res: dict, prefix: str) -> None:
+    m, c, cfg = res["machine"], res["config"]["model"], res["config"]
+    lines = [f"# Collectives of one sharded decode step ({m['backend']}, compiled HLO)", "",
+             f"{m['date']}, JAX {m['jax']}, commit {m['commit']}, host {m['host']}. Command: `{res['command']}`.", "",
+             f"Model shapes: {c['n_layers']} layers, {c['n_heads']} query / {c['n_kv_heads']} KV heads, D = "
+             f"{c['head_dim']}, hidden {c['hidden']}, bf16 weights; {cfg['method']}, k = {cfg['k']}, the cache in "
+             "the host layout split over the mesh on the KV-head groups, the weights replicated. `per step`: runs "
+             "of the collective in one step (inside the layer scan: once per layer). `bytes`: its output buffer on "
+             "each device.", "",
+             "| devices | context | batch | collective | shape | bytes | per step | bytes per step | JAX op |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in res["rows"]:
+        if not row["collectives"]:
+            lines.append(f"| {row['devices']} | {row['context']} | {row['batch']} | none | | | | | |")
+        for c in row["collectives"]:
+            op = (c["op"] or "").rsplit("/", 3)
+            lines.append(f"| {row['devices']} | {row['context']} | {row['batch']} | {c['opcode']} | `{c['shape']}` | "
+                         f"{c['bytes']} | {c['per_step']} | {c['bytes'] * c['per_step']} | `{'/'.join(op[-3:])}` |")
+    harness.write_json(prefix + ".json", res)
+    with open(prefix + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--devices", default="2", help="mesh sizes (a list)")
+    ap.add_argument("--contexts", default="128k,1m")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--method", default="Fathom 48", choices=list(bench.METHODS))
+    ap.add_argument("--k", type=int, default=512)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (a check of the script)")
+    ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args(argv)
+    cfg = bench.SMOKE if args.smoke else bench.QWEN3_8B
+    res = {"machine": harness.machine(), "command": "python3 scripts/step_collectives.py " + " ".join(
+        sys.argv[1:] if argv is None else argv), "config": {**vars(args), "model": dataclasses.asdict(cfg)}, "rows": []}
+    for devices in (int(d) for d in args.devices.split(",")):
+        placement = Placement("pinned_host", mesh=device_mesh(devices))
+        for context in (bench.parse_ctx(c) for c in args.contexts.split(",")):
+            for batch in (int(b) for b in args.batches.split(",")):
+                text = abstract_step(cfg, placement, context=context, batch=batch, method=args.method, k=args.k)
+                row = {"devices": devices, "context": context, "batch": batch, "collectives": collectives(text)}
+                res["rows"].append(row)
+                print(devices, context, batch, [(c["opcode"], c["shape"], c["per_step"]) for c in row["collectives"]],
+                      flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    write_report(res, os.path.join(args.out, f"step_collectives_{args.tag}"))
+
+
+if __name__ == "__main__":
+    main()
