@@ -34,13 +34,16 @@ from fathom_jax.cli_args import (  # noqa: F401  (GiB, positive_int: part of the
     check_method,
     check_out_dir,
     check_positions,
+    describe_state,
     method_spec,
     model_slug,
+    model_title,
     peak_bytes,
     positive_int,
     run_metadata,
     running,
     sparse_summary,
+    state_bytes,
 )
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -50,6 +53,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from fathom_jax.eval import fidelity as fid
     from fathom_jax.eval import resume, study, texts
     from fathom_jax.models import capture_qkv, hub
+    from fathom_jax.models.tokenizer import encode_prompt
 
     # Arguments first: the run takes minutes to an hour, so nothing may fail after it starts.
     check_out_dir(args.out)
@@ -77,7 +81,7 @@ def _sweep(args: argparse.Namespace) -> int:
     tokenizer = hub.load_tokenizer(args.model)
     calib_text, calib_info = texts.calibration_text()
     eval_text, eval_info = texts.evaluation_text()
-    calib_all, eval_all = tokenizer.encode(calib_text), tokenizer.encode(eval_text)  # once, for every context
+    calib_all, eval_all = encode_prompt(tokenizer, calib_text), encode_prompt(tokenizer, eval_text)  # once, for all
     longest = max(args.context)
     for name, ids in (("calibration text", calib_all), ("evaluation text", eval_all)):
         if len(ids) < longest:
@@ -90,8 +94,7 @@ def _sweep(args: argparse.Namespace) -> int:
     # The study's programs compile in the background from here on, while the model loads and runs.
     with resume.stop_on_interrupt("sweep", saved, args.argv), study.compiling_ahead(configs, config):
         model, _, _ = hub.load_model(args.model)
-        model_name = ("SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)" if args.model is None
-                      else os.fspath(args.model))
+        model_name = model_title(args.model)
         for context, cfg in zip(args.context, configs):
             prefix = sweep_prefix(args, context)
             if args.resume and resume.finished(prefix + ".json", dataclasses.asdict(cfg)):
@@ -104,7 +107,8 @@ def _sweep(args: argparse.Namespace) -> int:
             print(f"[sweep] capturing q/k/v over {context} tokens of each text", flush=True)
             calib_cap = fid.Capture(**capture_qkv(model, jnp.asarray(calib_ids)))
             eval_cap = fid.Capture(**capture_qkv(model, jnp.asarray(eval_ids)))
-            meta = {"model": model_name, "calib_text": calib_info, "eval_text": eval_info, **run_metadata(args)}
+            meta = {"model": model_name, "calib_text": calib_info, "eval_text": eval_info, **study.layer_meta(config),
+                    **run_metadata(args)}
             res = study.run_study(eval_cap, calib_cap, cfg, meta=meta, progress=not args.quiet)
             res["meta"]["wall_seconds"] = round(time.time() - t_context, 1)  # capture + study, this context
             paths = study.write_report(res, prefix)
@@ -217,7 +221,9 @@ def _generate(args: argparse.Namespace) -> int:
     capacity = len(prompt) + args.max_new_tokens
     check_positions(capacity, config, args.allow_long_context,
                     f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} =")
-    check_memory(peak_bytes(config, max(capacity, args.k)), f"generate over {capacity} tokens", args.no_memory_check)
+    state = state_bytes(config, max(capacity, args.k) if sparse else capacity, method, rows=args.rows)
+    check_memory(peak_bytes(config, max(capacity, args.k), cache=sum(state.values())), f"generate over {capacity} tokens",
+                 args.no_memory_check)
     calibration, corpus = "session", sparse and args.calibration == "corpus" and method.needs_calibration
     if corpus:
         from fathom_jax.eval import texts
@@ -253,11 +259,11 @@ def _generate(args: argparse.Namespace) -> int:
             from flax import nnx
 
             nnx.update(model, placement.replicate(nnx.state(model)))
-        if several:
-            total = decode.cache_bytes(attention_fn.index_parts, n_layers=config.n_layers, groups=config.n_kv_heads,
-                                       capacity=capacity, head_dim=config.head_dim,
-                                       kv_itemsize=jnp.dtype(model.dtype).itemsize)
-            print(f"[generate] {distributed.holding(total, mesh)}", file=sys.stderr)
+        if several:  # the cache split over the mesh: the layers that cache the whole context (the windows stay apart)
+            print(f"[generate] {distributed.holding({k: n for k, n in state.items() if k != 'windows'}, mesh)}",
+                  file=sys.stderr)
+    memory = kwargs["attention_fn"].placement.memory_kind if sparse else "device"
+    print(f"[generate] {describe_state(config, state, memory)}", file=sys.stderr)
     t0 = time.time()
     if args.allow_long_context:  # generate applies the CLI's checks too: the same opt-outs
         kwargs["allow_long_context"] = True

@@ -17,12 +17,13 @@ import shlex
 import tempfile
 from collections.abc import Callable
 
-from fathom_jax.host_memory import available_bytes, param_count, peak_bytes, shortfall  # noqa: F401  (the CLI's API)
+from fathom_jax.host_memory import available_bytes, cache_layers, param_count, peak_bytes, shortfall  # noqa: F401  (the CLI's API)
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 MIN_K = 36  # every query head keeps 4 sink + 32 local tokens (fathom_jax.select)
 GiB = 1024**3
+MiB = 1024**2
 
 BUDGET_GUIDE = """\
 choosing a scan budget (bits are per token, per KV head, per layer; D = the model's head_dim):
@@ -165,6 +166,48 @@ def check_positions(tokens: int, config, allow_long: bool, what: str) -> None:
         )
 
 
+def state_bytes(config, capacity: int, method=None, *, rows=None, batch: int = 1, itemsize: int = 4
+                ) -> dict[str, int]:
+    """Bytes of a generation's decode state at ``capacity`` tokens, by kind: the K/V rows of the layers that cache
+    the whole context (``kv``) and, with a sparse ``method`` (its cache rounded up to whole blocks), their key index
+    (``planes``, ``scales``, ...: :func:`fathom_jax.decode.cache_bytes`), its K/V rows in the row format ``rows``
+    (``--rows``; None: the model dtype); ``windows``: the sliding-window layers' rings, in device memory whatever the
+    placement. ``method`` None: the dense cache."""
+    full, local, window = cache_layers(config)
+    groups, d = batch * config.n_kv_heads, config.head_dim
+    if method is None:
+        out = {"kv": 2 * full * groups * capacity * d * itemsize}
+    else:
+        from fathom_jax import decode
+        from fathom_jax.decode.rows import RowLayout
+        from fathom_jax.index_parts import KEYS
+
+        layout = RowLayout.of(rows, d, f"f{itemsize}")
+        out = decode.cache_bytes(method.parts - {KEYS}, layout, n_layers=full, groups=groups, capacity=capacity)
+    if local:
+        out["windows"] = 2 * local * groups * window * d * itemsize
+    return out
+
+
+def describe_state(config, sizes: dict[str, int], memory: str) -> str:
+    """One line: where the decode state's bytes (:func:`state_bytes`) go."""
+    full, local, window = cache_layers(config)
+    held = {kind: n for kind, n in sizes.items() if kind != "windows"}
+    kinds = " + ".join(f"{kind} {readable_bytes(n)}" for kind, n in held.items())
+    which = "global layers" if local else "layers"
+    line = f"decode state: {full} {which}' cache {readable_bytes(sum(held.values()))} ({kinds}) in {memory} memory"
+    if local:
+        line += f"; {local} sliding-window layers' {window}-token rings {readable_bytes(sizes['windows'])} in device memory"
+    return line
+
+
+def readable_bytes(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def check_memory(need: int, what: str, skip: bool) -> None:
     """The run's sizing (:func:`fathom_jax.host_memory.peak_bytes`) against the memory available now."""
     message = None if skip else shortfall(need, what, available_bytes(), "--no-memory-check")
@@ -183,10 +226,21 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def model_slug(source: str | None) -> str:
-    if source is None:
-        return "smollm2"
+    from fathom_jax.models.hub import known_model
+
+    known = known_model(source)
+    if known is not None:
+        return known.slug
     name = os.path.basename(os.path.normpath(source))
     return re.sub(r"[^a-z0-9]+", "_", os.path.splitext(name)[0].lower()).strip("_") or "model"
+
+
+def model_title(source: str | None) -> str:
+    """What results files call the model: the registry's title for a known name, else the path."""
+    from fathom_jax.models.hub import known_model
+
+    known = known_model(source)
+    return known.title if known is not None else os.fspath(source)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -151,18 +151,34 @@ def param_count(config) -> int:
     return config.n_layers * per_layer + embeddings + hid
 
 
-def peak_bytes(config, tokens: int, *, capture_texts: int = 0, batch: int = 1, weights: bool = True) -> int:
+def cache_layers(config) -> tuple[int, int, int]:
+    """``(layers that cache the whole context, layers that cache a window, the window)``: Gemma 3's global and
+    sliding-window layers; every layer of a Llama-family model caches the whole context."""
+    global_layers = getattr(config, "global_layers", None)
+    if global_layers is None:
+        return config.n_layers, 0, 0
+    return len(global_layers), len(config.local_layers), config.sliding_window
+
+
+def peak_bytes(config, tokens: int, *, capture_texts: int = 0, batch: int = 1, weights: bool = True,
+               cache: int | None = None) -> int:
     """A sizing of the largest allocation of a run at ``tokens`` tokens (f32 on the CPU).
 
-    Prefill materialises one layer's attention scores, exponentials and probabilities
-    ([batch, heads, T, T] f32 each); the weights are held twice while a GGUF is dequantized (``weights=False``:
-    a model already loaded); the KV cache, and for the study the captured q/k/v of every layer for each text,
-    come on top.
+    Prefill materialises one layer's attention scores, exponentials and probabilities ([batch, heads, T, T] f32
+    each; Gemma 3 attends by chunks of queries: [batch, heads, chunk, T]); the weights are held twice while a GGUF
+    is dequantized (``weights=False``: a model already loaded); the decode state (``cache`` bytes, default the
+    dense cache of the layers that cache the whole context and the sliding windows), and for the study the
+    captured q/k/v of those layers for each text, come on top.
     """
+    from fathom_jax.models.prefill import PREFILL_QUERY_CHUNK
+
+    full, local, window = cache_layers(config)
     held = 2 * 4 * param_count(config) if weights else 0
-    scores = 3 * 4 * batch * config.n_heads * tokens * tokens
-    cache = 2 * 4 * batch * config.n_layers * config.n_kv_heads * tokens * config.head_dim
-    captured = capture_texts * 4 * config.n_layers * (config.n_heads + 2 * config.n_kv_heads) * tokens * config.head_dim
+    query_rows = min(tokens, PREFILL_QUERY_CHUNK) if local else tokens
+    scores = 3 * 4 * batch * config.n_heads * query_rows * tokens
+    if cache is None:
+        cache = 2 * 4 * batch * config.n_kv_heads * config.head_dim * (full * tokens + local * window)
+    captured = capture_texts * 4 * full * (config.n_heads + 2 * config.n_kv_heads) * tokens * config.head_dim
     return held + scores + cache + captured
 
 

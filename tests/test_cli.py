@@ -251,3 +251,75 @@ def test_registered_command_modules_share_the_conventions(capsys, monkeypatch):
     assert run(capsys, "fake")[::2] == (1, "fathom fake: error: the library says no (--debug shows the traceback)\n")
     with pytest.raises(ValueError, match="the library says no"):
         cli.main(["fake", "--debug"])
+
+
+def _gemma_state(spec, batch, capacity, rows=None):
+    """The bytes of a tiny Gemma 3's decode state as allocated, by kind (K/V rows in the row format ``rows``, index
+    parts, windows)."""
+    from flax import nnx
+
+    from fathom_jax import decode
+    from fathom_jax.models import gemma3 as G
+    from fathom_jax.models.attention import DenseCache
+    from tests.models.test_gemma3 import CFG
+
+    model = nnx.eval_shape(lambda: G.Gemma3ForCausalLM(CFG, rngs=nnx.Rngs(0)))  # the state needs no weights
+    attention = DenseCache() if spec is None else decode.from_spec(spec, k=40, rows=rows)
+    windows, cache = model.split_state(model.init_state(attention.bind(model.cache_shape(batch, capacity)), batch,
+                                                        capacity))
+    held = {"kv": cache.k.nbytes + cache.v.nbytes} if spec is None else cache.nbytes()
+    return {**held, "windows": windows.k.nbytes + windows.v.nbytes}
+
+
+@pytest.mark.parametrize("spec, rows", [(None, None), ("dense", None), ("fathom:16", None), ("sparq:2", None),
+                                        ("landmark", None), ("dense", "k8v8"), ("fathom:16", "k8v8")])
+def test_state_bytes_are_the_allocated_state_of_the_global_layers_and_windows(spec, rows):
+    """What fathom generate sizes and prints: the global layers' K/V (in the --rows format; and a sparse method's key
+    index), the local layers' windows; byte for byte what the decoder allocates. A Llama model's every layer caches
+    the context."""
+    from fathom_jax import methods
+    from tests.models.test_gemma3 import CFG
+
+    method = None if spec is None else methods.parse(spec)
+    want = _gemma_state(spec, 2, 200, rows)
+    assert cli_args.state_bytes(CFG, 200, method, rows=rows, batch=2) == want
+    assert cli_args.cache_layers(CFG) == (2, 4, 4) and cli_args.cache_layers(SMOL) == (30, 0, 0)
+    assert cli_args.state_bytes(SMOL, 1000) == {"kv": 2 * 30 * 3 * 1000 * 64 * 4}
+    assert cli_args.peak_bytes(CFG, 200) == cli_args.peak_bytes(CFG, 200, cache=0) + sum(cli_args.state_bytes(
+        CFG, 200).values())
+
+
+@pytest.mark.parametrize("rows", [None, "k8v8"])
+def test_generate_on_gemma3_sizes_and_prints_what_its_global_layers_hold(capsys, monkeypatch, rows):
+    """--model gemma3-270m --method fathom:16 --placement pinned_host (--rows k8v8): the memory check and the printed
+    line count the global layers' sparse cache (its rows in the format asked for) and the windows (the decoding
+    itself: tests/models/test_gemma3_sparse.py)."""
+    import jax.numpy as jnp
+
+    import fathom_jax.models as models
+    from flax import nnx
+
+    from fathom_jax import methods
+    from fathom_jax.decode.rows import row_format
+    from fathom_jax.models import gemma3 as G
+    from tests.models.test_gemma3 import CFG
+
+    model = nnx.eval_shape(lambda: G.Gemma3ForCausalLM(CFG, rngs=nnx.Rngs(0)))  # generate is a stub here
+    monkeypatch.setattr(hub, "model_config", lambda source=None: CFG)
+    monkeypatch.setattr(hub, "load_tokenizer", lambda source=None: CharTokenizer())
+    monkeypatch.setattr(hub, "load_model", lambda source=None: (model, CharTokenizer(), CFG))
+    seen = {}
+    monkeypatch.setattr(cli, "check_memory", lambda need, what, skip: seen.update(need=need))
+    monkeypatch.setattr(models, "generate", lambda model, prompt, n, *, capacity, attention_fn=None: seen.update(
+        attn=attention_fn) or jnp.zeros((n,), jnp.int32))
+    code, _, err = run(capsys, "generate", "x" * 60, "--model", "gemma3-270m", "--method", "fathom:16", "--k", "40",
+                       "--max-new-tokens", "4", "--placement", "pinned_host", *(["--rows", rows] if rows else []))
+    assert code == 0, err
+    sizes = cli_args.state_bytes(CFG, 64, methods.Fathom(16), rows=rows)
+    assert sizes == _gemma_state("fathom:16", 1, 64, rows) and seen["attn"].placement.memory == "pinned_host"
+    assert seen["attn"].rows == (None if rows is None else row_format(rows))
+    assert seen["need"] == cli_args.peak_bytes(CFG, 64, cache=sum(sizes.values()))
+    held = sum(n for kind, n in sizes.items() if kind != "windows")
+    line = next(line for line in err.splitlines() if "decode state" in line)
+    assert f"2 global layers' cache {cli_args.readable_bytes(held)} (kv " in line
+    assert f"4 sliding-window layers' 4-token rings {cli_args.readable_bytes(sizes['windows'])}" in line

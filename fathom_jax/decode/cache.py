@@ -146,7 +146,10 @@ def allocate(alloc: Callable[..., Any], parts, shape: CacheShape, *, rows: str |
     kv = alloc((1 if shared_kv else layers, groups, capacity, layout.width), layout.storage_dtype)
     length = small((layers, groups), jnp.int32)
     parts = check_parts(parts, "allocate")
-    data = tuple(p.empty(alloc, length, layers=layers, groups=groups, capacity=capacity, head_dim=d) for p in parts)
+    # Each part its own zeros, not the index's length array: a program donates every small leaf, and XLA refuses one
+    # buffer donated twice (Gemma 3's prompt program, which threads the whole cache through its layer loop).
+    data = tuple(p.empty(alloc, small((layers, groups), jnp.int32), layers=layers, groups=groups, capacity=capacity,
+                         head_dim=d) for p in parts)
     writes = 1 + sum(p.writes_per_token for p in parts)
     calibration = None
     if session_calibration is not None:

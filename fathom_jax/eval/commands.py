@@ -1,8 +1,9 @@
-"""``fathom ruler`` and ``fathom agreement``: the downstream sweeps on SmolLM2 from the command line.
+"""``fathom ruler`` and ``fathom agreement``: the downstream sweeps on a real model from the command line.
 
     fathom ruler --context 4096 --k 64 128 --per-task 8       # results/ruler_smollm2_4k.{json,md,png}
     fathom agreement --context 4096 --sessions 40             # results/agreement_smollm2_4k.{json,md,png}
     fathom tune --context 4096 --mean 37 55                   # calibrations/tuned_smollm2_4k_mean{37,55} (orbax)
+    fathom ruler --model gemma3-270m --context 8192           # results/ruler_gemma3_8k.{json,md,png}
 
 :func:`register` adds the subcommands to an ``argparse`` subparsers object. Every argument is checked
 before the model loads; a bad one is a :class:`~fathom_jax.cli_args.UsageError` (one line, exit 2).
@@ -15,13 +16,13 @@ import dataclasses
 import os
 import time
 
-from fathom_jax.cli_args import Distinct, UsageError, check_out_dir, positive_int, run_metadata
+from fathom_jax.cli_args import Distinct, UsageError, check_out_dir, model_slug, model_title, positive_int, run_metadata
 from fathom_jax.eval import downstream as ds
 from fathom_jax.eval import resume
 from fathom_jax.eval import ruler as ruler_lib
 from fathom_jax.eval import sweeps
 
-SMOLLM2_POSITIONS = 8192  # SmolLM2-135M's max_position_embeddings (checked again against the loaded model)
+SMOLLM2_POSITIONS = 8192  # SmolLM2-135M's max_position_embeddings (each run checks its model's own)
 
 # How long a run takes, in --help: measured numbers, each with where it comes from.
 _LONG_RUN = """\
@@ -57,20 +58,22 @@ def register(subparsers) -> None:
 
     method_help = "dense, the exact top-k oracle, or scans: " + methods.spec_help(", ")
     p = subparsers.add_parser(
-        "ruler", help="RULER-style tasks on SmolLM2, every method decoding from one dense prefill",
-        description="RULER-style retrieval and tracking tasks (paper 5.5) on SmolLM2-135M-Instruct with a haystack "
-                    "of Python's documentation prose; one dense prefill per sample, greedy decoding branched per "
-                    "method; writes results/ruler_smollm2_<context>.json/.md/.png.",
+        "ruler", help="RULER-style tasks on a real model, every method decoding from one dense prefill",
+        description="RULER-style retrieval and tracking tasks (paper 5.5) on SmolLM2-135M-Instruct (or --model) with "
+                    "a haystack of Python's documentation prose; one dense prefill per sample, greedy decoding "
+                    "branched per method; writes results/ruler_<model>_<context>.json/.md/.png.",
         epilog=RULER_TIME)
     p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096], action=Distinct,
-                   help=f"tokens of cache: prompt + {sweeps.RESERVED} (a multiple of 64, at most {SMOLLM2_POSITIONS})")
+                   help=f"tokens of cache: prompt + {sweeps.RESERVED} (a multiple of 64, at most the model's positions: "
+                        f"{SMOLLM2_POSITIONS} for SmolLM2)")
     p.add_argument("--k", type=positive_int(1), nargs="+", default=[64, 128], action=Distinct,
                    help="selection sizes, tokens per query head (the same for every method)")
     p.add_argument("--tasks", nargs="+", default=list(ruler_lib.TASKS), action=Distinct,
                    help=f"tasks: {', '.join(ruler_lib.TASKS)}")
     p.add_argument("--per-task", type=positive_int(1), default=8, help="samples per task and context")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples (needles, keys, depths)")
-    p.add_argument("--methods", nargs="+", default=list(ds.DEFAULT_METHODS), help=method_help)
+    p.add_argument("--methods", nargs="+", default=None, help=method_help + "; default: the paper's set at the model's "
+                   f"head_dim (D = 64: {' '.join(ds.DEFAULT_METHODS)})")
     _common(p)
     p.set_defaults(func=run_ruler_command)
 
@@ -78,17 +81,18 @@ def register(subparsers) -> None:
         "agreement", help="step agreement with exact top-k on standard-library code sessions",
         description="Step agreement (paper 5.6): every method decodes the next tokens of real code sessions from "
                     "one dense prefill; the score is the word-level sequence-match ratio against the exact top-k "
-                    "step. Writes results/agreement_smollm2_<context>.json/.md/.png.",
+                    "step. Writes results/agreement_<model>_<context>.json/.md/.png.",
         epilog=AGREEMENT_TIME)
     p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096], action=Distinct,
-                   help=f"tokens of cache: session + steps (a multiple of 64, at most {SMOLLM2_POSITIONS})")
+                   help="tokens of cache: session + steps (a multiple of 64, at most the model's positions)")
     p.add_argument("--sessions", type=positive_int(2, " (a standard error needs two)"), default=40,
                    help="code sessions")
     p.add_argument("--k-fraction", type=float, nargs="+", default=[0.02, 0.005], action=Distinct,
                    help="selection sizes as fractions of the context")
     p.add_argument("--steps", type=positive_int(1), default=64, help="tokens each method decodes")
-    p.add_argument("--methods", nargs="+", default=list(ds.DEFAULT_METHODS), help=method_help)
-    p.add_argument("--baseline", default="sparq:16", help="the method paired differences are taken against")
+    p.add_argument("--methods", nargs="+", default=None, help=method_help + "; default: as for fathom ruler")
+    p.add_argument("--baseline", default=None,
+                   help="the method paired differences are taken against (default: SparQ r = D/4; D = 64: sparq:16)")
     _common(p)
     p.set_defaults(func=run_agreement_command)
 
@@ -110,6 +114,8 @@ def register(subparsers) -> None:
 
 
 def _common(p) -> None:
+    p.add_argument("--model", default=None,
+                   help="a known model (smollm2, gemma3-270m), a local HF directory or a GGUF file; default: SmolLM2")
     p.add_argument("--batch", type=positive_int(1), default=2, help="samples prefilled and decoded together")
     p.add_argument("--calibration", choices=sweeps.CALIBRATIONS, default="corpus",
                    help="statistics for Fathom, Double Sparsity and Loki: a capture of the pydoc prose (corpus) "
@@ -123,11 +129,22 @@ def _common(p) -> None:
                         "arguments and the decodes its .partial.jsonl file saved (Ctrl-C saves them as they finish)")
 
 
-def _checked(configs, check, out: str):
-    """Every config checked and the output folder proven writable, before the model loads."""
+def _model_config(args: argparse.Namespace):
+    """The model's config, read from its metadata (no weights loaded)."""
+    from fathom_jax.models import hub
+
+    return hub.model_config(args.model)
+
+
+def _methods(args: argparse.Namespace, head_dim: int) -> tuple[str, ...]:
+    return tuple(args.methods) if args.methods else ds.default_methods(head_dim)
+
+
+def _checked(configs, check, out: str, model_config):
+    """Every config checked against the model and the output folder proven writable, before the model loads."""
     for config in configs:
         try:
-            check(config, SMOLLM2_POSITIONS)
+            check(config, model_config.max_position_embeddings, model_config.head_dim)
         except ValueError as err:
             raise UsageError(str(err)) from None
     check_out_dir(out)
@@ -136,20 +153,26 @@ def _checked(configs, check, out: str):
 
 def ruler_configs(args: argparse.Namespace) -> list[sweeps.RulerConfig]:
     """One config per context, every argument checked (before any model is loaded)."""
+    model_config = _model_config(args)
     configs = [sweeps.RulerConfig(context=c, ks=tuple(args.k), tasks=tuple(args.tasks), per_task=args.per_task,
-                                  methods=tuple(args.methods), batch=args.batch, seed=args.seed,
+                                  methods=_methods(args, model_config.head_dim), batch=args.batch, seed=args.seed,
                                   calibration=args.calibration, calib_tokens=args.calib_tokens)
                for c in args.context]
-    return _checked(configs, sweeps.check_ruler, args.out)
+    return _checked(configs, sweeps.check_ruler, args.out, model_config)
 
 
 def agreement_configs(args: argparse.Namespace) -> list[sweeps.AgreementConfig]:
+    from fathom_jax.methods import at_head_dim
+
+    model_config = _model_config(args)
+    d = model_config.head_dim
+    baseline = args.baseline or at_head_dim("sparq:D/4", d)
     configs = [sweeps.AgreementConfig(context=c, sessions=args.sessions, k_fractions=tuple(args.k_fraction),
-                                      steps=args.steps, methods=tuple(args.methods), baseline=args.baseline,
+                                      steps=args.steps, methods=_methods(args, d), baseline=baseline,
                                       batch=args.batch, calibration=args.calibration,
                                       calib_tokens=args.calib_tokens)
                for c in args.context]
-    return _checked(configs, sweeps.check_agreement, args.out)
+    return _checked(configs, sweeps.check_agreement, args.out, model_config)
 
 
 def _label(context: int) -> str:
@@ -161,12 +184,12 @@ def _run(kind: str, configs, args, run) -> int:
     ``<out>/<kind>_smollm2_<context>.partial.jsonl`` (removed once the results are written). ``--resume`` skips
     the contexts whose results exist for the same configuration and the decodes the partial file holds."""
     from fathom_jax.eval import downstream_report
-    from fathom_jax.models import load_smollm2
+    from fathom_jax.models import hub
 
     t0 = time.time()
     todo, written, running = [], [], []
     for config in configs:  # the saved runs are read (and checked against the arguments) before the model loads
-        prefix = os.path.join(args.out, f"{kind}_smollm2_{_label(config.context)}")
+        prefix = os.path.join(args.out, f"{kind}_{model_slug(args.model)}_{_label(config.context)}")
         if args.resume and resume.finished(prefix + ".json", dataclasses.asdict(config)):
             print(f"[{kind}] --resume: {prefix}.json holds this configuration's results already; skipped", flush=True)
             continue
@@ -179,8 +202,8 @@ def _run(kind: str, configs, args, run) -> int:
         return ", ".join(held + [f"{p}.json written" for p in written]) or "nothing had finished"
 
     with resume.stop_on_interrupt(kind, saved, args.argv):
-        model, tokenizer, _ = load_smollm2() if todo else (None, None, None)
-        meta = run_metadata(args)
+        model, tokenizer, _ = hub.load_model(args.model) if todo else (None, None, None)
+        meta = {"model": model_title(args.model), **run_metadata(args)}
         for config, prefix, log in todo:
             running.append(log)
             res = run(config, model, tokenizer, progress=not args.quiet, meta=meta, log=log)

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,16 +35,24 @@ from fathom_jax.calibrate import Calibration
 from fathom_jax.index import build_index
 from fathom_jax.methods import ScanMethod
 from fathom_jax.models import generation
+from fathom_jax.models.attention import DenseCache
 from fathom_jax.models.cache import KVCache
 from fathom_jax.models.llama import dense_attend
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
 
-# The paper's method set at D = 64 (SmolLM2): Fathom at 24 / 32 / 48 code bits (~28 / 37 / 56 bits per
-# token with scales) in the basis the rule picks for SmolLM2 (raw planes, results/fidelity_smollm2_*.md),
-# SparQ r = D/8 and D/4, Double Sparsity c = D/4, Loki r = D/4, the 2-bit thumbnail and the 8-token landmark,
-# with the exact top-k oracle and dense attention.
-DEFAULT_METHODS = ("dense", "exact", "fathom:24", "fathom:32", "fathom:48", "sparq:8", "sparq:16",
-                   "double_sparsity:16", "loki:16", "thumbnail:2", "landmark")
+
+
+def default_methods(head_dim: int) -> tuple[str, ...]:
+    """The paper's method set at ``head_dim``: Fathom at 48 / 64 / 96 code bits at D = 128 (D = 64: 24 / 32 / 48,
+    ~28 / 37 / 56 bits per token with scales) in raw planes (the basis the rule picks for SmolLM2:
+    results/fidelity_smollm2_*.md), SparQ r = D/8 and D/4, Double Sparsity c = D/4,
+    Loki r = D/4, the 2-bit thumbnail and the 8-token landmark, with the exact top-k oracle and dense attention."""
+    fathoms = tuple(f"fathom:{b}" for b in methods_lib.fathom_budgets(head_dim, (48, 64, 96)))
+    return ("dense", "exact", *fathoms, *(methods_lib.at_head_dim(spec, head_dim) for spec in (
+        "sparq:D/8", "sparq:D/4", "double_sparsity:D/4", "loki:D/4", "thumbnail:2", "landmark")))
+
+
+DEFAULT_METHODS = default_methods(64)  # SmolLM2's
 
 
 def forced_tokens(k: int) -> tuple[int, int]:
@@ -94,11 +103,13 @@ def branches(methods: Sequence[ScanMethod], ks: Sequence[int]) -> list[Branch]:
 
 @dataclasses.dataclass(frozen=True)
 class Prefill:
-    """The dense prefill every branch starts from: K/V rows, prompt lengths, the first generated token."""
+    """The dense prefill every branch starts from: K/V rows (of the layers that cache the whole context), prompt
+    lengths, the first generated token, and what the model keeps of its own between steps (Gemma 3: its windows)."""
 
     kv: KVCache
     lengths: jax.Array  # [B]
     first: jax.Array  # [B] argmax of the logits at each prompt's last token
+    own: Any = None
 
     @property
     def capacity(self) -> int:
@@ -127,6 +138,13 @@ def dense_prefill(model, prompts: Sequence[Sequence[int]], capacity: int) -> Pre
     tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
+    if not model.ragged:  # Gemma 3: equal-length prompts, through the decoder interface (its windows beside the cache)
+        if lengths.min() != lengths.max():
+            raise ValueError(f"dense_prefill: {type(model).__name__} prefills equal-length prompts, got lengths "
+                             f"{lengths.tolist()}")
+        logits, state, _ = generation.prefill(model, tokens, lengths, DenseCache(), capacity)
+        own, kv = model.split_state(state)
+        return Prefill(kv=kv, lengths=jnp.asarray(lengths), first=generation.first_token(logits), own=own)
     cfg = model.config
     graphdef, state = nnx.split(model)
     logits, kv = _prefill_last(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths),
@@ -150,7 +168,8 @@ def decode_branch(model, prefill: Prefill, branch: Branch, steps: int,
     """Greedy tokens ``[B, steps]`` of one branch from the shared prefill (the first is the prefill's)."""
     attn = attention_for(branch, prefill.capacity, calibration)
     cache, attn = _cache_from_dense(prefill.kv, prefill.lengths, attn)
-    tokens, _ = generation.decode_loop(model, prefill.first, cache, attn, steps)
+    own = jax.tree.map(jnp.copy, prefill.own)  # the loop donates its state; every branch starts from the prefill's
+    tokens, _ = generation.decode_loop(model, prefill.first, model.join_state(own, cache), attn, steps)
     return np.asarray(tokens)
 
 

@@ -95,6 +95,15 @@ def allocation_lines(results: dict) -> list[str]:
         lines.append(f"{row['name']} ({row['bits']:.1f} bits) vs {near['name']} ({near['bits']:.1f} bits): "
                      + "; ".join(parts))
     return lines
+def _layers(meta: dict) -> str:
+    """The layers the study scanned: every layer, or (Gemma 3) the global layers, named."""
+    ids, of = meta.get("captured_layers"), meta.get("model_layers")
+    if ids is None or of is None or len(ids) == of:
+        return f"{meta['layers']} layers"
+    window = meta.get("sliding_window")
+    rest = f"; the other {of - len(ids)} attend a {window}-token window and hold no long cache" if window else ""
+    return (f"{meta['layers']} layers (the model's global layers: layers {', '.join(map(str, ids))} of {of}, counted "
+            f"from 0{rest})")
 
 
 def render_markdown(results: dict) -> str:
@@ -103,13 +112,14 @@ def render_markdown(results: dict) -> str:
     out = [
         f"# Attention-output error vs scan bits: {meta.get('model', 'model')}",
         "",
-        f"- context {meta['context']} tokens, last {meta['positions']} positions, {meta['layers']} layers, "
+        f"- context {meta['context']} tokens, last {meta['positions']} positions, {_layers(meta)}, "
         f"D = {meta['head_dim']}; selection: 4 sink + 32 local + top-(k-36) per query head; k = {', '.join(ks)}",
         f"- calibration text: {meta.get('calib_text', {}).get('kind', '?')}; evaluation text: "
         f"{meta.get('eval_text', {}).get('kind', '?')} (disjoint)",
         f"- {meta['date']}, {meta['machine']}, JAX {meta['jax']}",
         f"- D = {meta['head_dim']}, not the paper's 128: the paper's settings run as the same fractions of D "
-        f"(SparQ r = D/8 and D/4, Double Sparsity c = D/4, Loki r = D/4 and D/2, Fathom budgets in code bits).",
+        f"(SparQ r = D/8 and D/4, Double Sparsity c = D/4, Loki r = D/4 and D/2; Fathom budgets in code bits, "
+        f"the study's grid at D = 128 scaled to D).",
         "- bits: per token per KV head per layer (code bits + 16 bits per 64 tokens per channel read); "
         "excess: error minus the exact top-k oracle's; vs flat: excess over flat Fathom's at the same bits "
         "(log-log interpolation between its budgets).",

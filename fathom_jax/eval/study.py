@@ -42,26 +42,39 @@ from fathom_jax.eval import study_allocation as alloc
 from fathom_jax.eval import tuning
 from fathom_jax.eval.progress import Progress
 from fathom_jax.eval.report import headline, plot, render_markdown, write_report  # noqa: F401  (re-exported)
-from fathom_jax.methods import Fathom, FathomKLT, ScanMethod, SparQUnion, paper_methods
+from fathom_jax.methods import Fathom, FathomKLT, ScanMethod, SparQUnion, fathom_budgets, paper_methods
 
-DEFAULT_BUDGETS = (16, 24, 28, 32, 40, 48, 64, 80, 128)
-DEFAULT_KLT_BUDGETS = (16, 32, 48, 64)
-LAYER_PLAN_GRID = (16, 24, 32, 40, 48, 64, 80, 96, 128)
-BASIS_BUDGETS = (48, 64)  # the basis rule's budgets (section 3.5)
+# The study's Fathom budgets, code bits per token at the paper's D = 128; a study at head_dim D runs them scaled to D
+# as methods.fathom_budgets scales the paper's (D = 64, SmolLM2: 16 ... 128; D = 256, Gemma 3: 64 ... 512), so that
+# they sit at the same fractions of D as the baselines' settings (SparQ r = D/8 and D/4, ...).
+DEFAULT_BUDGETS = (32, 48, 56, 64, 80, 96, 128, 160, 256)
+DEFAULT_KLT_BUDGETS = (32, 64, 96, 128)
+LAYER_PLAN_MEANS = (96, 128)
+LAYER_PLAN_GRID = (32, 48, 64, 80, 96, 128, 160, 192, 256)
+SESSION_BUDGETS = (64, 96)
+EXACT_PLANNER_BUDGETS = (64, 96)
+BASIS_BUDGETS = (96, 128)  # the basis rule's budgets (section 3.5)
+_BUDGET_FIELDS = {"budgets": DEFAULT_BUDGETS, "klt_budgets": DEFAULT_KLT_BUDGETS, "layer_plan_means": LAYER_PLAN_MEANS,
+                  "layer_plan_grid": LAYER_PLAN_GRID, "session_budgets": SESSION_BUDGETS,
+                  "exact_planner_budgets": EXACT_PLANNER_BUDGETS, "basis_budgets": BASIS_BUDGETS}
 
 
 @dataclasses.dataclass(frozen=True)
 class StudyConfig:
+    """What one study runs. Budget fields are code bits per token at the model's own head_dim; None (the default):
+    the study's grid above, scaled to the head_dim of the capture (:meth:`at_head_dim`)."""
+
     context: int = 4096
     ks: tuple[int, ...] = ()  # default: 128, 256 and 2% of the context
     positions: int = 128
     calib_positions: int = 64
-    budgets: tuple[int, ...] = DEFAULT_BUDGETS
-    klt_budgets: tuple[int, ...] = DEFAULT_KLT_BUDGETS
-    layer_plan_means: tuple[int, ...] = (48, 64)
-    layer_plan_grid: tuple[int, ...] = LAYER_PLAN_GRID
-    session_budgets: tuple[int, ...] = (32, 48)
-    exact_planner_budgets: tuple[int, ...] = (32, 48)
+    budgets: tuple[int, ...] | None = None
+    klt_budgets: tuple[int, ...] | None = None
+    layer_plan_means: tuple[int, ...] | None = None
+    layer_plan_grid: tuple[int, ...] | None = None
+    session_budgets: tuple[int, ...] | None = None
+    exact_planner_budgets: tuple[int, ...] | None = None
+    basis_budgets: tuple[int, ...] | None = None
     # Allocations in bits as read, just under flat Fathom 32, 48 and 64's (37.1, 55.2, 73.1 on SmolLM2).
     bits_budgets: tuple[int, ...] = (37, 55)
     observed_budgets: tuple[int, ...] = (37, 55, 73)
@@ -76,6 +89,25 @@ class StudyConfig:
         if self.ks:
             return tuple(self.ks)
         return (128, 256, max(40, round(0.02 * self.context)))
+
+    def at_head_dim(self, head_dim: int) -> "StudyConfig":
+        """This config with every budget left None set to the study's grid at ``head_dim``."""
+        return dataclasses.replace(self, **{
+            name: fathom_budgets(head_dim, at_128) for name, at_128 in _BUDGET_FIELDS.items()
+            if getattr(self, name) is None})
+
+
+def captured_layers(model_config) -> tuple[int, ...]:
+    """The model layers whose q/k/v ``capture_qkv`` returns, in order: Gemma 3's global layers (the only ones that
+    hold the whole context; the local layers keep a window), every layer of a Llama-family model."""
+    return tuple(getattr(model_config, "global_layers", range(model_config.n_layers)))
+
+
+def layer_meta(model_config) -> dict:
+    """What a results file records of the layers a study scanned (:func:`captured_layers`) and the model's depth."""
+    window = getattr(model_config, "sliding_window", None)
+    return {"captured_layers": list(captured_layers(model_config)), "model_layers": model_config.n_layers,
+            **({"sliding_window": window} if window else {})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +136,7 @@ def baseline_rows(head_dim: int) -> list[Row]:
 
 
 def fathom_rows(head_dim: int, config: StudyConfig) -> list[Row]:
+    config = config.at_head_dim(head_dim)
     cap = 4 * head_dim
     rows = [Row(Fathom(b).label, "Fathom", Fathom(b)) for b in config.budgets if b <= cap]
     rows += [Row(FathomKLT(b).label, "Fathom KLT", FathomKLT(b)) for b in config.klt_budgets if b <= cap]
@@ -149,7 +182,7 @@ def compiling_ahead(configs: Sequence[StudyConfig], model_config):
     """Compile every config's programs (:func:`compile_ahead`) in the background while the body runs (loading
     the model, capturing); if the body fails, the compiles not yet started are dropped so the process can exit."""
     for config in configs:
-        compile_ahead(config, model_config.n_layers, model_config.n_heads, model_config.n_kv_heads,
+        compile_ahead(config, len(captured_layers(model_config)), model_config.n_heads, model_config.n_kv_heads,
                       model_config.head_dim)
     try:
         yield
@@ -162,6 +195,7 @@ def compile_ahead(config: StudyConfig, n_layers: int, n_heads: int, n_kv_heads: 
     """Start compiling, in the background, what :func:`run_study` (default rows) will run on captures of
     ``config.context`` tokens of a model of this shape; returns at once. Called before the model loads, the
     compiles overlap loading and capturing instead of holding up the study."""
+    config = config.at_head_dim(head_dim)
     ks = config.selection_sizes()
     keys = jax.ShapeDtypeStruct((n_layers, n_kv_heads, config.context, head_dim), jnp.float32)
     queries = jax.ShapeDtypeStruct((n_layers, n_heads, config.context, head_dim), jnp.float32)
@@ -169,7 +203,7 @@ def compile_ahead(config: StudyConfig, n_layers: int, n_heads: int, n_kv_heads: 
     states = alloc.state_shapes(calib, n_layers, n_kv_heads, head_dim, config)
     shape = (n_layers, n_heads, n_kv_heads, config.context, head_dim)
     grid = config.layer_plan_grid if config.layer_plan_means else ()
-    fid.compile_ahead(_calibration_evaluations(calib, grid, _basis_methods(grid, BASIS_BUDGETS)), shape, ks[:1],
+    fid.compile_ahead(_calibration_evaluations(calib, grid, _basis_methods(grid, config.basis_budgets)), shape, ks[:1],
                       config.calib_positions)
     if alloc.needs_tuning(config):
         evaluations = tuning.grid_evaluations(states[alloc.OBSERVED], alloc.grid_budgets(head_dim, config))
@@ -187,7 +221,7 @@ def default_rows(head_dim: int, config: StudyConfig) -> list[Row]:
 
 
 def calibration_studies(
-    capture: fid.Capture, calib: cal.Calibration, *, grid: Sequence[int] = (), basis_budgets: Sequence[int] = BASIS_BUDGETS,
+    capture: fid.Capture, calib: cal.Calibration, *, grid: Sequence[int] = (), basis_budgets: Sequence[int] = (),
     k: int = 128, positions: int = 64, progress: bool | Any = False, references: fid.References | None = None,
 ) -> tuple[np.ndarray | None, dict[str, Any] | None]:
     """What the calibration capture decides, evaluated together: the per-layer error table of Fathom (raw)
@@ -226,6 +260,7 @@ def run_study(
 ) -> dict[str, Any]:
     """Run every row on ``eval_capture`` (calibrated on ``calib_capture``) and return the results dict."""
     n_layers, _, n_tokens, d = eval_capture.q.shape
+    config = config.at_head_dim(d)
     ks = config.selection_sizes()
     positions = fid.default_positions(n_tokens, config.positions)
     prefill = int(positions[0])  # the session's own keys: everything before the first decode position
@@ -237,7 +272,7 @@ def run_study(
     tuning_grid = alloc.grid_budgets(d, config) if tuned["calibration"] else ()
     session_grid = alloc.grid_budgets(d, config) if tuned["session"] else ()
     observed = any(tuned.values()) or any(row.state == alloc.OBSERVED for row in rows)
-    basis_budgets = BASIS_BUDGETS if defaults else ()
+    basis_budgets = config.basis_budgets if defaults else ()
     grid = config.layer_plan_grid if with_plans else ()
     # One bar over every (evaluation, layer) of the study, so progress shows from the first minute.
     calls = len(rows) + len(grid) + len(_basis_methods(grid, basis_budgets)) + len(config.layer_plan_means) * with_plans

@@ -33,6 +33,7 @@ from fathom_jax.eval import ruler as ruler_lib
 from fathom_jax.eval.progress import Progress
 from fathom_jax.eval.resume import UnitLog
 
+SMOLLM2 = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)"  # the model unless the run's meta names another
 RESERVED = 64  # cache slots past the prompt: the longest generation (40 RULER tokens, 64 agreement tokens)
 CALIBRATIONS = ("corpus", "session")
 
@@ -177,6 +178,13 @@ def _meta(config, extra: dict | None) -> dict:
     }
 
 
+def _bos(tokenizer) -> list[int]:
+    """What every prompt starts with: BOS where the model asks for one (Gemma 3), else nothing."""
+    from fathom_jax.models.tokenizer import encode_prompt
+
+    return encode_prompt(tokenizer, "")
+
+
 def _batches(items: Sequence, size: int):
     for i in range(0, len(items), size):
         yield items[i: i + size]
@@ -273,14 +281,15 @@ def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, m
     t_start = time.time()
     methods, calib, calib_info, bits = _setup(config, model, tokenizer)
     sentences, hay_info = texts.prose_sentences()
-    samples = ruler_lib.make_samples(tokenizer, config.tasks, config.per_task, config.prompt_tokens, config.seed,
-                                     sentences=sentences)
+    start = _bos(tokenizer)
+    samples = ruler_lib.make_samples(tokenizer, config.tasks, config.per_task, config.prompt_tokens - len(start),
+                                     config.seed, sentences=sentences)
     branches = ds.branches(methods, config.ks)
     scores = {b.key: [] for b in branches}
     generations = {b.key: [] for b in branches}
     with contextlib.closing(_start(config, len(samples), branches, progress, log, calib)) as units:
         for i, batch in enumerate(_batches(samples, config.batch)):
-            tokens = _decode_all(model, i, [s.prompt for s in batch], branches, config.steps, units)
+            tokens = _decode_all(model, i, [[*start, *s.prompt] for s in batch], branches, config.steps, units)
             for key in (b.key for b in branches):
                 for s, t in zip(batch, tokens[key]):
                     text = tokenizer.decode(t[: s.gen_tokens].tolist())
@@ -288,9 +297,9 @@ def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, m
                     generations[key].append(text)
     return {
         "kind": "ruler",
-        "meta": {**_meta(config, meta), "calib_text": calib_info, "haystack": hay_info,
+        "meta": {"model": SMOLLM2, **_meta(config, meta), "calib_text": calib_info, "haystack": hay_info,
                  **_timing(t_start, units), "compile_s": round(units.bar.compile_s, 1),
-                 "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "head_dim": model.config.head_dim,
+                 "head_dim": model.config.head_dim, "bos": bool(start),
                  "forced_tokens": {str(k): list(ds.forced_tokens(k)) for k in config.ks}},
         "samples": [{"task": s.task, "gold": list(s.gold), "depths": [round(d, 4) for d in s.depths]} for s in samples],
         "branches": [_branch_entry(b, bits, scores[b.key], generations[b.key]) for b in branches],
@@ -306,13 +315,14 @@ def run_agreement(config: AgreementConfig, model, tokenizer, *, progress: bool =
     check_agreement(config, model.config.max_position_embeddings, model.config.head_dim)
     t_start = time.time()
     methods, calib, calib_info, bits = _setup(config, model, tokenizer)
-    sessions, session_info = agreement_lib.make_sessions(tokenizer, config.sessions, config.prompt_tokens,
+    start = _bos(tokenizer)
+    sessions, session_info = agreement_lib.make_sessions(tokenizer, config.sessions, config.prompt_tokens - len(start),
                                                          config.steps)
     branches = ds.branches(methods, config.ks)
     texts_out = {b.key: [] for b in branches}
     with contextlib.closing(_start(config, len(sessions), branches, progress, log, calib)) as units:
         for i, batch in enumerate(_batches(sessions, config.batch)):
-            tokens = _decode_all(model, i, [s.prompt for s in batch], branches, config.steps, units)
+            tokens = _decode_all(model, i, [[*start, *s.prompt] for s in batch], branches, config.steps, units)
             for key in (b.key for b in branches):
                 texts_out[key] += [tokenizer.decode(t.tolist()) for t in tokens[key]]
     targets = [tokenizer.decode(list(s.target)) for s in sessions]
@@ -327,9 +337,9 @@ def run_agreement(config: AgreementConfig, model, tokenizer, *, progress: bool =
         entries.append(entry)
     return {
         "kind": "agreement",
-        "meta": {**_meta(config, meta), "calib_text": calib_info, "sessions": session_info,
+        "meta": {"model": SMOLLM2, **_meta(config, meta), "calib_text": calib_info, "sessions": session_info,
                  **_timing(t_start, units), "compile_s": round(units.bar.compile_s, 1),
-                 "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "head_dim": model.config.head_dim,
+                 "head_dim": model.config.head_dim, "bos": bool(start),
                  "ks": list(config.ks), "forced_tokens": {str(k): list(ds.forced_tokens(k)) for k in config.ks}},
         "samples": [{"package": s.package, "start": s.start, "target": t} for s, t in zip(sessions, targets)],
         "branches": entries,

