@@ -185,7 +185,8 @@ def render_agreement(results: dict) -> str:
                                           for k in ks) + " | real next span |",
         "|---|---:|" + "---:|---:|" * len(ks) + "---:|",
     ]
-    for key in ["dense"] + [e["key"] for e in _sorted(results["branches"]) if e["kind"] != "dense"]:
+    dense = [e["key"] for e in results["branches"] if e["kind"] == "dense"]  # first, when the run has it
+    for key in dense + [e["key"] for e in _sorted(results["branches"]) if e["kind"] != "dense"]:
         e = next(b for b in results["branches"] if b["key"] == key)
         s = summary[key]
         cells = []
@@ -231,7 +232,7 @@ def plot_agreement(results: dict, path: str) -> None:
             m, se = summary[e["key"]]["agreement"][k]
             ax.errorbar([e["bits"]], [m], yerr=[se], fmt="o", capsize=3, color=colors.get(e["kind"], "k"))
             ax.annotate(e["label"], (e["bits"], m), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        dense = summary["dense"]["agreement"].get(k)
+        dense = summary["dense"]["agreement"].get(k) if "dense" in summary else None
         if dense:
             ax.axhline(dense[0], ls="--", color="k", lw=1, label="dense vs exact top-k")
         ax.set_xscale("log", base=2)

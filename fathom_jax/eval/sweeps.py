@@ -110,6 +110,8 @@ def check_common(config, max_context: int, head_dim: int) -> None:
 def check_ruler(config: RulerConfig, max_context: int = 8192, head_dim: int = 64) -> None:
     ruler_lib.check_tasks(config.tasks)
     check_common(config, max_context, head_dim)
+    if not any(m.name == "dense" for m in ds.parse_methods(config.methods)):
+        raise ValueError("the methods must include dense (the accuracy every method is read against)")
     if config.per_task < 1:
         raise ValueError(f"samples per task must be >= 1, got {config.per_task}")
     if config.steps > RESERVED:
