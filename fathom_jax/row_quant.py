@@ -81,12 +81,19 @@ def fit_scales(c: Codec, x, valid, axis: int):
     scales are products by a constant (exact everywhere), not quotients."""
     inv = np.float32(1.0 / qmax(c))
     if not c.asym:
-        return (jnp.max(jnp.abs(x), axis=axis, keepdims=True) * inv).astype(jnp.float16), None
+        return stored(jnp.max(jnp.abs(x), axis=axis, keepdims=True) * inv), None
     lo = jnp.min(jnp.where(valid, x, jnp.inf), axis=axis, keepdims=True)
     hi = jnp.max(jnp.where(valid, x, -jnp.inf), axis=axis, keepdims=True)
     lo, hi = jnp.where(hi >= lo, lo, 0.0), jnp.where(hi >= lo, hi, 0.0)  # no valid token: 0
-    zero = lo.astype(jnp.float16)
-    return ((hi - zero.astype(jnp.float32)) * inv).astype(jnp.float16), zero
+    zero = stored(lo)
+    return stored((hi - zero.astype(jnp.float32)) * inv), zero
+
+
+def stored(x):
+    """``x`` rounded to the fp16 the row stores. The barrier keeps the rounding: a GPU compile that allows excess
+    precision folds ``f32 -> f16 -> f32`` away inside a fusion, and the codes would then be fit to a scale the row
+    does not hold (one code in a few thousand off by one against another program's encoding)."""
+    return jax.lax.optimization_barrier(x.astype(jnp.float16))
 
 
 def quantize(c: Codec, x, scale, zero):

@@ -3,6 +3,7 @@ from a cache in device memory and in the offloaded layout (``placement="pinned_h
 and code in device memory), through ``models.generate`` (one fused program, or the streaming drivers) and through
 ``generation.prefill`` / ``decode_step``; the local layers keep their window rings beside the sparse cache."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -61,3 +62,22 @@ def test_sparse_global_layers_in_device_memory_and_offloaded(model, spec):
     dense = np.moveaxis(np.asarray(full[:, PROMPT.shape[1] - 1:]), 1, 0)
     np.testing.assert_allclose(logits[0], dense[0], rtol=0, atol=1e-5 * np.abs(dense).max())  # the prefill's
     assert np.abs(logits[1:] - dense[1:]).max() > 1e-3 * np.abs(dense).max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec,rows", [("fathom:16", None), ("fathom:16", "k8v8"), ("sparq:2", None)])
+def test_gpu_kernels_over_pinned_host_equal_device_memory(model, spec, rows):
+    """On the GPU, with the Pallas kernels: the global layers' cache in pinned host memory (streamed step by step)
+    decodes the tokens and logits of the same cache in HBM, and its K/V rows really live on the host."""
+    kernels = dict(SPARSE, implementation="pallas", rows=rows)
+    device = decode.from_spec(spec, **kernels)
+    host = decode.from_spec(spec, placement="pinned_host", **kernels)
+    want = np.asarray(models.generate(model, PROMPT, STEPS, capacity=CAPACITY, attention_fn=device))
+    np.testing.assert_array_equal(models.generate(model, PROMPT, STEPS, capacity=CAPACITY, attention_fn=host), want)
+    tokens, logits, state = stream(model, host)
+    np.testing.assert_array_equal(tokens, want)
+    _, cache = model.split_state(state)
+    assert cache.kv.sharding.memory_kind == "pinned_host"
+    _, device_logits, _ = stream(model, device)
+    np.testing.assert_allclose(logits, device_logits, rtol=0, atol=1e-5 * np.abs(device_logits).max())
