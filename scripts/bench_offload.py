@@ -690,7 +690,8 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
         in_place = (options.get("xla_gpu_enable_triton_gemm") is False
                     and options.get("xla_gpu_enable_dynamic_slice_fusion") is True)
         row = {"kind": "full", "method": label, "context": context, "batch": batch, "memory": placement.memory,
-               "mesh": placement.num_shards, **split, "shared_kv": shared, **r,
+               "mesh": placement.num_shards, **split, "resident_planes": placement.resident_planes, "shared_kv": shared,
+               **r,
                # cuBLAS GEMMs reading each layer's weights in place, or Triton GEMMs on copies of them (before 12-01)
                "weight_gemms": "in place" if in_place else "copied",
                **nbytes, **row_cache_fields(cache, link_rate(run), nbytes["scan_bytes"]),
@@ -921,9 +922,12 @@ def main(argv=None):
         elif section == "batch" and model is not None:
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             for b in (int(x) for x in args.batches.split(",")):
-                for rows in args.rows:
-                    run.guard(f"batch {b}{rows_tag(rows)}", full_rows, run, model, cfg, calib, scale, ctx, labels[:1],
-                              batch=b, profile="profile" in args.sections and b == 8, rows=rows)
+                for p in args.resident_planes:
+                    placement = dataclasses.replace(args.placement, resident_planes=p)
+                    for rows in args.rows:
+                        run.guard(f"batch {b} p{p}{rows_tag(rows)}", full_rows, run, model, cfg, calib, scale, ctx,
+                                  labels[:1], batch=b, profile="profile" in args.sections and b == 8,
+                                  placement=placement, rows=rows)
         elif section == "attnbatch":  # attention-only rows of larger batches (the row cache's and tiers' comparison)
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             for b in (int(x) for x in args.batches.split(",")):
