@@ -9,7 +9,7 @@ The decode step's data flow, module by module:
 ``calibrate``  channel statistics, KLT, Double Sparsity order, Loki basis (corpus or session)
 ``planner``    per-query read depths by reverse water-filling (Eq. 3 and 4)
 ``methods``    Fathom and every baseline as types, with a registry (``methods.parse("fathom:48")``)
-``index_parts``  the typed parts of a key index (plane stores, landmarks, keys)
+``index_parts``  the typed parts of a key index (plane stores, landmarks, Quest's page bounds, keys)
 ``index``      the key index a set of methods reads, built at once or appended to
 ``scan``       approximate scores from a method's read (jnp reference or Pallas kernels)
 ``select``     4 sink + 32 local + top-(k - 36) per head, the group's union, exact attention
@@ -27,7 +27,8 @@ import importlib
 __version__ = "0.2.0"
 
 _MODULES = ("calibrate", "checks", "decode", "distributed", "format", "index", "index_parts", "landmarks", "methods",
-            "placement", "planes", "planner", "scan", "select", "store", "store_layout", "store_read", "models", "eval")
+            "page_bounds", "placement", "planes", "planner", "scan", "select", "store", "store_layout", "store_read",
+            "models", "eval")
 
 
 def __getattr__(name):  # lazy submodules: `pallas_kernels` imports `fathom_jax.format` without a cycle

@@ -33,7 +33,8 @@ class KeyIndex:
 
     ``index[name]`` is a part's data (:class:`~fathom_jax.store.PlaneStore`, or its
     :class:`~fathom_jax.store.UnpackedStore` after :func:`unpack_index`; :class:`~fathom_jax.index_parts.Landmarks`;
-    the keys ``[*B, capacity, D]``); ``index.get(name)`` is None where the index lacks it.
+    :class:`~fathom_jax.index_parts.Pages`; the keys ``[*B, capacity, D]``); ``index.get(name)`` is None where the
+    index lacks it.
     """
 
     length: Int[Array, "*B"]
@@ -79,17 +80,12 @@ class KeyIndex:
 
     @property
     def capacity(self) -> int:
-        if self.stores:
-            return self.stores[0].capacity
-        if self.has("keys"):
-            return self["keys"].shape[-2]
-        return self["landmarks"].means.shape[-2] * 8
+        """The tokens the index has room for (every part has room for as many)."""
+        return self.parts[0].capacity_of(self.data[0])
 
     @property
     def head_dim(self) -> int:
-        if self.stores:
-            return self.stores[0].head_dim
-        return (self["keys"] if self.has("keys") else self["landmarks"].means).shape[-1]
+        return self.parts[0].head_dim_of(self.data[0])
 
 
 jax.tree_util.register_dataclass(KeyIndex, data_fields=["length", "data"], meta_fields=["parts"])

@@ -3,6 +3,8 @@
     RAW, KLT, LOKI   bit-plane stores (:class:`~fathom_jax.store.PlaneStore`) of the keys, or of a calibration
                      rotation of them (Fathom KLT, Loki)
     LANDMARKS        fp16 means of every 8-token block (:class:`Landmarks`)
+    QUEST16, QUEST8  fp16 per-channel min and max key of every 16- or 8-token page (:class:`PageBounds`: any page
+                     dividing the 64-token block; Quest)
     KEYS             the keys as given (the exact oracle; dense attention)
 
 A method names the parts it reads (:attr:`fathom_jax.methods.ScanMethod.parts`); :func:`fathom_jax.index.build_index`
@@ -25,9 +27,10 @@ from jaxtyping import Array, Float, Float16, Int, UInt32
 
 from fathom_jax import format as fmt
 from fathom_jax import landmarks as landmarks_lib
+from fathom_jax import page_bounds as bounds_lib
 from fathom_jax import store as store_lib
 from fathom_jax.calibrate import Calibration, key_rotation, loki_rotation
-from fathom_jax.format import BLOCK_TOKENS, LANDMARK_TOKENS, N_PLANES, WORDS_PER_BLOCK
+from fathom_jax.format import BLOCK_TOKENS, LANDMARK_TOKENS, N_PLANES, QUEST_PAGE_TOKENS, WORDS_PER_BLOCK
 from fathom_jax.store import KeyRotation, PlaneStore
 
 # alloc(shape, dtype, bulk) -> a zero array placed where it belongs (fathom_jax.placement.Placement.zeros)
@@ -44,6 +47,27 @@ class Landmarks:
 
     means: Float16[Array, "*B NL D"]
     tail: Float[Array, "*B 8 D"]
+
+    @property
+    def rows(self) -> Float16[Array, "*B NL D"]:
+        """One row per block, what a :class:`~fathom_jax.methods.base.BlockRead` scores."""
+        return self.means
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pages:
+    """fp16 ``[min | max]`` of every channel per ``P``-token page ``bounds [*B, capacity / P, 2 D]`` (Quest) and the
+    raw keys (f32) of the partially filled last page ``tail [*B, P, D]`` (zeros elsewhere), from which an append
+    recomputes that page's bounds."""
+
+    bounds: Float16[Array, "*B NP 2D"]
+    tail: Float[Array, "*B P D"]
+
+    @property
+    def rows(self) -> Float16[Array, "*B NP 2D"]:
+        """One row per page, what a :class:`~fathom_jax.methods.base.BlockRead` scores."""
+        return self.bounds
 
 
 @jax.tree_util.register_dataclass
@@ -65,6 +89,24 @@ class LandmarkBlock:
 
     mean: Float16[Array, "R D"]
     tail: Float[Array, "R 8 D"]
+
+    @property
+    def row(self) -> Float16[Array, "R D"]:
+        return self.mean
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageBlock:
+    """Quest's newest page after a decode step adds its token: its fp16 ``bounds [R, 2 D]`` and raw
+    ``tail [R, P, D]``."""
+
+    bounds: Float16[Array, "R 2D"]
+    tail: Float[Array, "R P D"]
+
+    @property
+    def row(self) -> Float16[Array, "R 2D"]:
+        return self.bounds
 
 
 def _small_like(tree, value: bool):
@@ -113,6 +155,14 @@ class IndexPart(abc.ABC):
     def unpack(self, data) -> Any:
         """The data as read by readers that scan one window many times (see :func:`fathom_jax.index.unpack_index`)."""
         return data
+
+    def capacity_of(self, data) -> int:
+        """The tokens ``data`` has room for (a plane store's own ``capacity`` by default)."""
+        return data.capacity
+
+    def head_dim_of(self, data) -> int:
+        """The keys' head_dim (a plane store's own ``head_dim`` by default)."""
+        return data.head_dim
 
     # -- a stacked decode cache ``[L, R, ...]`` -------------------------------------------------------------
     def empty(self, alloc: Alloc, length, *, layers: int, groups: int, capacity: int, head_dim: int) -> Any:
@@ -263,6 +313,12 @@ class LandmarkMeans(IndexPart):
     def bulk(self, data):
         return Landmarks(means=True, tail=False)
 
+    def capacity_of(self, data):
+        return data.means.shape[-2] * LANDMARK_TOKENS
+
+    def head_dim_of(self, data):
+        return data.means.shape[-1]
+
     def nbytes(self, *, capacity, head_dim):
         return capacity // LANDMARK_TOKENS * head_dim * 2
 
@@ -282,6 +338,74 @@ class LandmarkMeans(IndexPart):
     def write_token(self, write, stacked, block, position, layer, due):
         means = write(stacked.means, block.mean[:, :, None, :], position // LANDMARK_TOKENS, 2, layer)
         return dataclasses.replace(stacked, means=means)
+
+    def commit(self, stacked, block, length):
+        return dataclasses.replace(stacked, tail=block.tail)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageBounds(IndexPart):
+    """Quest's fp16 per-channel min and max key of every ``page``-token page (:class:`Pages`), named
+    ``quest<page>``: parts of different page sizes are different parts."""
+
+    page: int = QUEST_PAGE_TOKENS
+    writes_per_token: ClassVar[int] = 1
+
+    def __post_init__(self):
+        bounds_lib.check_page(self.page, "PageBounds")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"quest{self.page}"
+
+    def build(self, keys, calib, *, capacity, length):
+        padded = _padded(keys, capacity).astype(jnp.float32)
+        if length is None:
+            length = jnp.full(keys.shape[:-2], keys.shape[-2], jnp.int32)
+        return Pages(bounds=bounds_lib.build(padded, length, self.page),
+                     tail=store_lib.block_tail(padded, length, self.page))
+
+    def append(self, data, keys, length):
+        batch = length.shape
+        flat = lambda x: x.reshape(-1, *x.shape[len(batch):])  # noqa: E731
+        step = jax.vmap(bounds_lib.append_one)
+        start, new = flat(length), flat(keys.astype(jnp.float32))
+        bounds, tail = jax.lax.fori_loop(0, keys.shape[-2], lambda i, c: step(c[0], c[1], start + i, new[:, i]),
+                                         (flat(data.bounds), flat(data.tail)))
+        return Pages(bounds=bounds.reshape(data.bounds.shape), tail=tail.reshape(data.tail.shape))
+
+    def prefix(self, data, keys, length):
+        tail = store_lib.block_tail(keys.astype(jnp.float32), length, self.page)
+        return Pages(bounds=bounds_lib.truncate(data.bounds, tail, length), tail=tail)
+
+    def bulk(self, data):
+        return Pages(bounds=True, tail=False)
+
+    def capacity_of(self, data):
+        return data.bounds.shape[-2] * self.page
+
+    def head_dim_of(self, data):
+        return data.tail.shape[-1]
+
+    def nbytes(self, *, capacity, head_dim):
+        return capacity // self.page * 2 * head_dim * 2
+
+    def empty(self, alloc, length, *, layers, groups, capacity, head_dim):
+        return Pages(bounds=alloc((layers, groups, capacity // self.page, 2 * head_dim), jnp.float16),
+                     tail=alloc((layers, groups, self.page, head_dim), jnp.float32, bulk=False))
+
+    def write_layer(self, write, stacked, built, layer, length):
+        zero = jnp.zeros(built.bounds.shape[:1], jnp.int32)
+        return Pages(bounds=write(stacked.bounds, built.bounds[None], zero, 2, layer),
+                     tail=stacked.tail.at[layer].set(built.tail))
+
+    def add_token(self, stacked, layer, position, key):
+        bounds, tail = jax.vmap(bounds_lib.append_page)(stacked.tail[layer], position, key)
+        return Pages(bounds=stacked.bounds, tail=tail), PageBlock(bounds=bounds, tail=tail)
+
+    def write_token(self, write, stacked, block, position, layer, due):
+        bounds = write(stacked.bounds, block.bounds[:, :, None, :], position // self.page, 2, layer)
+        return dataclasses.replace(stacked, bounds=bounds)
 
     def commit(self, stacked, block, length):
         return dataclasses.replace(stacked, tail=block.tail)
@@ -308,6 +432,12 @@ class StoredKeys(IndexPart):
     def bulk(self, data):
         return True
 
+    def capacity_of(self, data):
+        return data.shape[-2]
+
+    def head_dim_of(self, data):
+        return data.shape[-1]
+
     def nbytes(self, *, capacity, head_dim):
         return capacity * head_dim * 2
 
@@ -321,8 +451,10 @@ RAW = Planes("raw")
 KLT = Planes("klt", key_rotation)
 LOKI = Planes("loki", loki_rotation)
 LANDMARKS = LandmarkMeans()
+QUEST16 = PageBounds(16)
+QUEST8 = PageBounds(8)
 KEYS = StoredKeys()
-PARTS: tuple[IndexPart, ...] = (RAW, KLT, LOKI, LANDMARKS, KEYS)
+PARTS: tuple[IndexPart, ...] = (RAW, KLT, LOKI, LANDMARKS, QUEST16, QUEST8, KEYS)
 
 
 def shares_store(a: IndexPart, b: IndexPart, calib: Calibration | None) -> bool:

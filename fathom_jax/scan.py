@@ -8,7 +8,8 @@ A method plans its read (:meth:`~fathom_jax.methods.ScanMethod.read`); :func:`ex
 * plane reads: ``implementation="xla"`` dequantizes the store (the reference); ``"pallas"`` runs the
   plane-scan kernel over the active channels only (never a dequantized copy). A decode cache's stacked
   ``[L, R, ...]`` stores, in device or host memory, are read by :mod:`fathom_jax.decode.reads`;
-* landmark reads score each 8-token block mean and spread the score over the block;
+* block reads score one row per block of tokens (the landmark's 8-token block mean, Quest's page bounds) and
+  spread the score over the block;
 * key reads score the keys themselves (the exact oracle; dense attention).
 """
 
@@ -22,9 +23,8 @@ from jaxtyping import Array, Float, Int
 
 from fathom_jax import store as store_lib
 from fathom_jax.calibrate import Calibration
-from fathom_jax.format import LANDMARK_TOKENS
 from fathom_jax.index import KeyIndex
-from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, Read, ScanMethod
+from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, Read, ScanMethod
 from pallas_kernels import backend
 from pallas_kernels.plane_scan import active_channels, plane_scan
 
@@ -35,7 +35,7 @@ class ScanResult:
     """Approximate scores ``[*B, G, n]`` (f32, ``-inf`` past length) and bits per token ``[*B]``.
 
     ``depths [*B, D]`` are the planes read per channel (in the scanned store's basis) for the
-    plane-store methods (the union for the SparQ union); None for landmark, exact and dense.
+    plane-store methods (the union for the SparQ union); None for landmark, Quest, exact and dense.
     """
 
     scores: Float[Array, "*B G n"]
@@ -94,12 +94,16 @@ def execute(read: Read, index: KeyIndex, length: Int[Array, "*B"], *,
             scores = plane_scan(read.queries, store.planes, store.scales, length, channels, depths,
                                 assume_sorted=True, implementation=implementation)
         return scores if read.shift is None else scores + read.shift[..., None]
-    if isinstance(read, LandmarkRead):
-        means = index["landmarks"].means.astype(jnp.float32)
-        return jnp.repeat(dot(read.queries, means), LANDMARK_TOKENS, axis=-1)
+    if isinstance(read, BlockRead):
+        return block_scores(read, index[read.part].rows)
     if isinstance(read, KeyRead):
         return dot(read.queries, index["keys"].astype(jnp.float32))
     raise TypeError(f"unknown read {type(read).__name__}")
+
+
+def block_scores(read: BlockRead, rows: Float[Array, "*B NB F"]) -> Float[Array, "*B G n"]:
+    """``read.queries . row`` of every block's row, spread over the block's tokens."""
+    return jnp.repeat(dot(read.queries, rows.astype(jnp.float32)), read.block, axis=-1)
 
 
 def mask_invalid(scores: jax.Array, length: jax.Array) -> jax.Array:

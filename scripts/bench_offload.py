@@ -622,7 +622,8 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         floor_ms = (nbytes["link_scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
         held = cache.nbytes()
         tiers = {"resident_planes": placement.resident_planes,
-                 "index_host_bytes": float(held.get("planes", 0) + held.get("landmarks", 0)),
+                 "index_host_bytes": float(sum(n for kind, n in held.items()
+                                               if kind != "kv" and not kind.endswith("_hbm"))),
                  "index_hbm_bytes": float(held.get("planes_hbm", 0))}
         if not placement.offloaded:  # the HBM control: no link traffic
             floor_ms = float("nan")

@@ -272,7 +272,8 @@ def _gemma_state(spec, batch, capacity, rows=None):
 
 
 @pytest.mark.parametrize("spec, rows", [(None, None), ("dense", None), ("fathom:16", None), ("sparq:2", None),
-                                        ("landmark", None), ("dense", "k8v8"), ("fathom:16", "k8v8")])
+                                        ("landmark", None), ("quest:16", None), ("dense", "k8v8"),
+                                        ("fathom:16", "k8v8")])
 def test_state_bytes_are_the_allocated_state_of_the_global_layers_and_windows(spec, rows):
     """What fathom generate sizes and prints: the global layers' K/V (in the --rows format; and a sparse method's key
     index), the local layers' windows; byte for byte what the decoder allocates. A Llama model's every layer caches

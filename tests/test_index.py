@@ -17,11 +17,11 @@ from tests.support import build_index_jit as build
 def test_append_index_equals_build_index(split, random_keys):
     keys = random_keys(np.random.default_rng(split), (2, 2, 140, 16))
     calib = C.calibrate_session(jnp.asarray(keys))
-    methods = (M.Fathom(24), M.FathomKLT(24), M.Loki(4), M.Landmark(), M.Exact())
+    methods = (M.Fathom(24), M.FathomKLT(24), M.Loki(4), M.Landmark(), M.Quest(), M.Quest(8), M.Exact())
     append = jax.jit(I.append_index)
     index = build(jnp.asarray(keys[:, :, :split]), calib, methods, capacity=192)
     i = split
-    for m in (1, 1, 7, 1, 130 - split):  # one by one and in chunks, across 8- and 64-token blocks
+    for m in (1, 1, 7, 1, 130 - split):  # one by one and in chunks, across 8-, 16- and 64-token blocks
         index = append(index, jnp.asarray(keys[:, :, i:i + m]))
         i += m
     assert i == 140
@@ -59,12 +59,12 @@ def test_prefix_index_equals_build_index_with_that_length(random_keys):
 
     keys = jnp.asarray(random_keys(np.random.default_rng(5), (2, 2, 150, 16)))
     calib = C.calibrate_session(keys)
-    methods = (M.Fathom(24), M.FathomKLT(24), M.Loki(4), M.Landmark(), M.Exact())
+    methods = (M.Fathom(24), M.FathomKLT(24), M.Loki(4), M.Landmark(), M.Quest(), M.Quest(8), M.Exact())
     full = build(keys, calib, methods)
     cut = jax.jit(I.prefix_index)
     unpacked = I.unpack_index(full)
     depths = jnp.asarray(np.random.default_rng(6).integers(0, 5, (2, 2, 16)), jnp.int32)
-    for length in ([1, 1], [63, 64], [64, 65], [128, 100], [149, 150], [150, 150]):
+    for length in ([1, 1], [63, 64], [64, 65], [128, 100], [149, 150], [150, 150], [16, 17], [0, 8]):
         length = jnp.asarray(length, jnp.int32)
         want = build(keys, calib, methods, length=length)
         assert_trees_bitwise_equal(cut(full, keys, length), want)
@@ -83,3 +83,28 @@ def test_prefix_index_equals_build_index_with_that_length(random_keys):
                     np.testing.assert_array_equal(block[i, j], np.pad(rows, ((0, 64 - len(rows)), (0, 0))))
             np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
             np.testing.assert_array_equal(np.asarray(a.tail), np.asarray(b.tail))
+
+
+@pytest.mark.parametrize("page", [16, 8, 4])
+def test_page_bounds_are_the_fp16_min_and_max_of_each_pages_valid_keys(page, random_keys):
+    """Quest's pages: ``[min | max]`` over each page's valid keys, rounded to the nearest fp16 (not outward), zeros
+    where a page holds none; the tail is the raw keys of the partial last page. A Quest-only index knows its
+    capacity and head_dim from its pages."""
+    keys = random_keys(np.random.default_rng(page), (3, 70, 8))
+    length = np.array([70, 37, 0], np.int32)
+    index = I.build_index(keys, None, M.Quest(page).parts, capacity=128, length=length)
+    data = index[f"quest{page}"]
+    assert isinstance(data, P.Pages) and data.bounds.dtype == jnp.float16 and data.bounds.shape == (3, 128 // page, 16)
+    assert index.capacity == 128 and index.head_dim == 8
+    bounds, tail = np.asarray(data.bounds), np.asarray(data.tail)
+    for b, n in enumerate(length):
+        for i in range(128 // page):
+            rows = keys[b, i * page:min((i + 1) * page, n)]
+            want = np.concatenate([rows.min(0), rows.max(0)]).astype(np.float16) if len(rows) else np.zeros(16)
+            np.testing.assert_array_equal(bounds[b, i], want)
+        start = n // page * page
+        np.testing.assert_array_equal(tail[b, :n - start], keys[b, start:n])
+        np.testing.assert_array_equal(tail[b, n - start:], 0)
+    assert np.all(bounds[..., :8] <= bounds[..., 8:])
+    with pytest.raises(ValueError, match="page must be an int dividing 64"):
+        P.PageBounds(24)

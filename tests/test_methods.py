@@ -94,7 +94,8 @@ def test_fixed_byte_counts_at_d128():
     q = rng.standard_normal((4, 128)).astype(np.float32)
     calib = C.calibrate_session(keys)
     expect = {M.SparQ(32): 136, M.DoubleSparsity(32): 136, M.Loki(32): 136, M.SparQ(16): 68, M.Loki(64): 272,
-              M.Thumbnail(2): 288, M.Full4(): 544, M.Landmark(): 256, M.Exact(): 2048, M.Dense(): 2048}
+              M.Thumbnail(2): 288, M.Full4(): 544, M.Landmark(): 256, M.Quest(): 256, M.Quest(8): 512, M.Exact(): 2048,
+              M.Dense(): 2048}
     index = build(keys, calib, expect)
     for m, bits in expect.items():
         assert m.fixed_bits_per_token(128) == bits, m.label
@@ -157,8 +158,8 @@ def test_sparq_union_bits_count_the_union():
 def test_labels_and_paper_settings():
     labels = [m.label for m in M.paper_methods(128)]
     for want in ("Fathom 48", "Fathom 64", "Fathom KLT 48", "Double Sparsity c=32", "SparQ r=16", "SparQ r=32",
-                 "Loki r=32", "Loki r=64", "2-bit thumbnail", "block landmark", "full 4-bit scan",
-                 "exact top-k oracle", "dense"):
+                 "Loki r=32", "Loki r=64", "2-bit thumbnail", "block landmark", "Quest P=16", "Quest P=8",
+                 "full 4-bit scan", "exact top-k oracle", "dense"):
         assert want in labels
     assert [m.label for m in M.paper_methods(64, klt=False)][:2] == ["Fathom 24", "Fathom 32"]
     assert M.Fathom(48, "exact").label == "Fathom 48 (exact plan)"
@@ -174,7 +175,7 @@ def test_labels_and_paper_settings():
 @pytest.mark.parametrize("method", M.paper_methods(64) + (M.Fathom(40, "exact"), M.SparQUnion(8), M.Thumbnail(3),
                                                           M.FathomBits(55), M.FathomBits(37, "exact", "observed"),
                                                           M.FathomBits(20, importance="observed"), M.FathomTuned(),
-                                                          M.FathomTuned("exact", "observed")),
+                                                          M.FathomTuned("exact", "observed"), M.Quest(4)),
                          ids=lambda m: m.spec)
 def test_spec_round_trip(method):
     assert M.parse(method.spec) == method
@@ -186,6 +187,8 @@ def test_parse_specs_and_errors():
     assert M.parse("Fathom_KLT:64:exact") == M.FathomKLT(64, planner="exact")
     assert M.parse("double_sparsity:16") == M.DoubleSparsity(16) and M.DoubleSparsity(16).c == 16
     assert M.parse("thumbnail") == M.Thumbnail(2) and M.parse(" landmark ") == M.Landmark()
+    assert M.parse("quest") == M.Quest(16) == M.Quest() and M.parse("Quest:8") == M.Quest(8) != M.Quest()
+    assert M.Quest().spec == "quest:16" and M.Quest(8).label == "Quest P=8" and M.Quest().kind == "quest"
     assert M.parse(M.SparQ(4)) == M.SparQ(4)
     assert M.parse("fathom_bits:55:observed:exact") == M.FathomBits(55, "exact", "observed")
     assert M.FathomBits(55, "exact", "observed").label == "Fathom 55 bits as read (exact, observed)"
@@ -195,7 +198,9 @@ def test_parse_specs_and_errors():
                        ("fathom:abc", "budget must be an integer"), ("fathom:8:greedy", "planner must be one of"),
                        ("thumbnail:5", "depth must be an int in \\[1, 4\\]"), ("loki:0", "r must be an int >= 1"),
                        ("fathom_bits:55:exact:exact", "planner one of"), ("fathom_bits", "expected fathom_bits:BITS"),
-                       ("fathom_tuned:48", "error model one of")]:
+                       ("fathom_tuned:48", "error model one of"), ("quest:12", "page must be an int dividing 64"),
+                       ("quest:128", "page must be an int dividing 64"), ("quest:x", "page must be an integer"),
+                       ("quest:16:8", r"expected quest\[:P\]")]:
         with pytest.raises(ValueError, match=match):
             M.parse(bad)
 
@@ -210,6 +215,11 @@ def test_help_is_derived_from_the_registry():
 def test_parts_and_calibration_needs():
     assert M.Fathom(8).parts == {P.RAW} and M.FathomKLT(8).parts == {P.KLT} and M.Loki(4).parts == {P.LOKI}
     assert M.Landmark().parts == {P.LANDMARKS} and M.Exact().parts == {P.KEYS}
+    # Quest's pages: one part per page size, equal parts for equal pages (two methods share a cache only then)
+    assert M.Quest().parts == {P.QUEST16} and M.Quest(8).parts == {P.QUEST8} and M.Quest(4).parts == {P.PageBounds(4)}
+    assert P.PageBounds(16) == P.QUEST16 and hash(P.PageBounds(16)) == hash(P.QUEST16) and P.QUEST16 != P.QUEST8
+    assert [p.name for p in (P.QUEST16, P.QUEST8)] == ["quest16", "quest8"]
+    assert M.parts_of([M.Quest(), M.Quest(16), M.Quest(8)]) == {P.QUEST16, P.QUEST8}
     needs = {cls.name for cls in M.REGISTRY.values() if cls.needs_calibration}
     assert needs == {"fathom", "fathom_klt", "fathom_bits", "fathom_tuned", "double_sparsity", "loki"}
     assert M.Fathom(100).max_active(64) == 64 and M.Fathom(12).max_active(64) == 12 and M.SparQ(8).max_active(64) == 8

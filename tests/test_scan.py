@@ -30,7 +30,7 @@ def test_scorers_match_plain_numpy(seed, n, d, g, r):
     keys, q, calib = random_setting(seed, n=n, d=d, g=g)
     k, qh = keys[0].astype(np.float64), q[0].astype(np.float64)
     methods = [M.SparQ(r), M.SparQUnion(r), M.DoubleSparsity(r), M.Loki(r), M.Thumbnail(2), M.Full4(),
-               M.Fathom(3 * d), M.FathomKLT(2 * d), M.Landmark(), M.Exact()]
+               M.Fathom(3 * d), M.FathomKLT(2 * d), M.Landmark(), M.Quest(), M.Quest(8), M.Exact()]
     index = build(keys, calib, methods)
     got = {m: scan(m, q, index, calib) for m in methods}
     mu, v = np.asarray(calib.mean[0], np.float64), np.asarray(calib.basis[0], np.float64)
@@ -68,6 +68,16 @@ def test_scorers_match_plain_numpy(seed, n, d, g, r):
     # Landmark: fp16 mean of each 8-token block (valid tokens only), repeated over the block.
     lm = np.stack([k[i:i + 8].mean(0) for i in range(0, n, 8)]).astype(np.float16).astype(np.float64)
     check(M.Landmark(), np.repeat(qh @ lm.T, 8, axis=1)[:, :n], tol=1e-3)
+    # Quest: per page of P tokens the fp16 min and max of every channel over its valid tokens; each token gets its
+    # page's bound sum_j max(q_j min_j, q_j max_j), as the paper writes it.
+    for page in (16, 8):
+        pages = [k[i:i + page] for i in range(0, n, page)]
+        lo, hi = (np.stack([f(p, axis=0) for p in pages]).astype(np.float16).astype(np.float64)
+                  for f in (np.min, np.max))
+        bound = np.maximum(qh[:, None, :] * lo[None], qh[:, None, :] * hi[None]).sum(-1)  # [G, pages]
+        check(M.Quest(page), np.repeat(bound, page, axis=1)[:, :n])
+        exact = qh @ k.T  # an upper bound on every key of the page, up to the fp16 rounding of the bounds
+        assert np.all(np.repeat(bound, page, axis=1)[:, :n] >= exact - 1e-2 * np.abs(qh).sum(-1, keepdims=True))
 
 
 def test_depth_ladder_converges_to_exact():
@@ -119,14 +129,15 @@ def test_klt_full_budget_ranks_like_exact_within_quantization_error():
 
 def test_landmark_constant_within_blocks_and_padding_is_neg_inf():
     keys, q, calib = random_setting(14, n=100, d=8)
-    methods = [M.Landmark(), M.Full4(), M.Fathom(16), M.Exact()]
+    methods = [M.Landmark(), M.Quest(), M.Full4(), M.Fathom(16), M.Exact()]
     index = build(keys, calib, methods, capacity=256)
-    r = scan(M.Landmark(), q, index, calib)
-    s = np.asarray(r.scores)[0]
-    assert s.shape[-1] == 256
-    blocks = s[:, :96].reshape(s.shape[0], -1, 8)
-    np.testing.assert_array_equal(blocks, np.broadcast_to(blocks[..., :1], blocks.shape))
-    np.testing.assert_array_equal(s[:, 96:100], np.broadcast_to(s[:, 96:97], (s.shape[0], 4)))
+    for m, size in ((M.Landmark(), 8), (M.Quest(), 16)):
+        s = np.asarray(scan(m, q, index, calib).scores)[0]
+        assert s.shape[-1] == 256
+        full = 100 // size * size
+        blocks = s[:, :full].reshape(s.shape[0], -1, size)
+        np.testing.assert_array_equal(blocks, np.broadcast_to(blocks[..., :1], blocks.shape))
+        np.testing.assert_array_equal(s[:, full:100], np.broadcast_to(s[:, full:full + 1], (s.shape[0], 100 - full)))
     for m in methods:
         sc = np.asarray(scan(m, q, index, calib).scores)[0]
         assert np.all(np.isneginf(sc[:, 100:])) and np.all(np.isfinite(sc[:, :100])), m.label
@@ -164,8 +175,8 @@ def test_bad_inputs_name_the_argument():
         SC.scan_scores(M.DoubleSparsity(9), q, index, calib)
     with pytest.raises(ValueError, match="r must be an int >= 1"):
         M.Loki(0)
-    with pytest.raises(ValueError, match="unknown scan method 'quest'"):
-        M.parse("quest")
+    with pytest.raises(ValueError, match="unknown scan method 'qeust'"):
+        M.parse("qeust")
     with pytest.raises(TypeError, match="method must be a ScanMethod"):
         SC.scan_scores("sparq:2", q, index, calib)
     with pytest.raises(ValueError, match="implementation must be one of"):
@@ -199,7 +210,7 @@ def test_jit_static_method_and_vmap_over_layers():
     queries = rng.standard_normal((layers, hkv * g, 32, d)).astype(np.float32)
     calib = C.calibrate(keys, queries)
     q = rng.standard_normal((layers, hkv, g, d)).astype(np.float32)
-    methods = (M.Fathom(12), M.FathomKLT(12), M.SparQUnion(2), M.Loki(4), M.Landmark())
+    methods = (M.Fathom(12), M.FathomKLT(12), M.SparQUnion(2), M.Loki(4), M.Landmark(), M.Quest(8))
     index = jax.jit(lambda k, c: I.build_index(k, c, M.parts_of(methods)))(keys, calib)
     eager_index = I.build_index(keys[1], calib[1], methods[0].parts)
     np.testing.assert_array_equal(index["raw"].planes[1], eager_index["raw"].planes)

@@ -12,8 +12,8 @@
   store in one tier). With every plane resident it scans the store in HBM in place.
 
 Each reads a :class:`~fathom_jax.methods.base.PlaneRead` of a stacked store ``[L, R, ...]`` at ``layer`` for groups
-``group_start ..`` (:meth:`scores`), and stages other bulk arrays (landmark means, the oracle's keys) to device
-memory (:meth:`stage`). A view without a layer (an unstacked index in device memory) reads like
+``group_start ..`` (:meth:`scores`), and stages other bulk arrays (landmark means, Quest's page bounds, the oracle's
+keys) to device memory (:meth:`stage`). A view without a layer (an unstacked index in device memory) reads like
 :func:`fathom_jax.scan.execute`.
 """
 
@@ -26,9 +26,8 @@ import jax.numpy as jnp
 
 from fathom_jax import scan as scan_lib
 from fathom_jax import store as store_lib
-from fathom_jax.format import LANDMARK_TOKENS
 from fathom_jax.decode.tiers import TieredPlaneStore
-from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead
+from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead
 from pallas_kernels import backend
 from pallas_kernels.plane_scan import active_channels, plane_scan
 from pallas_kernels.row_fetch import row_fetch
@@ -53,9 +52,8 @@ class IndexRead:
         if isinstance(read, PlaneRead):
             scores, staged = self._plane_scores(read, index[read.part], length, layer, group_start, after)
             return (scores if read.shift is None else scores + read.shift[..., None]), staged
-        if isinstance(read, LandmarkRead):
-            means = self.stage(index["landmarks"].means, layer, groups=groups)
-            return jnp.repeat(scan_lib.dot(read.queries, means.astype(jnp.float32)), LANDMARK_TOKENS, axis=-1), None
+        if isinstance(read, BlockRead):
+            return scan_lib.block_scores(read, self.stage(index[read.part].rows, layer, groups=groups)), None
         if isinstance(read, KeyRead):
             keys = self.stage(index["keys"], layer, groups=groups)
             return scan_lib.dot(read.queries, keys.astype(jnp.float32)), None

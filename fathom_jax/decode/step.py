@@ -43,9 +43,9 @@ from fathom_jax.calibrate import Calibration
 from fathom_jax.decode.config import ResolvedStep
 from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
 from fathom_jax.decode.rows import RowLayout
-from fathom_jax.format import BLOCK_TOKENS, LANDMARK_TOKENS
+from fathom_jax.format import BLOCK_TOKENS
 from fathom_jax.index import KeyIndex
-from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, ScanMethod
+from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, ScanMethod
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk
 
 
@@ -55,7 +55,8 @@ class NewToken:
     """The token a decode step adds, per group: what the stored cache lacks until the step writes it.
 
     ``position`` is its slot (the length before the step); ``blocks[part]`` the newest block of each index part
-    after appending it (:class:`~fathom_jax.index_parts.PlaneBlock`, :class:`~fathom_jax.index_parts.LandmarkBlock`).
+    after appending it (:class:`~fathom_jax.index_parts.PlaneBlock`, :class:`~fathom_jax.index_parts.LandmarkBlock`,
+    :class:`~fathom_jax.index_parts.PageBlock`).
     """
 
     position: Int[Array, "R"]
@@ -238,11 +239,9 @@ def patch_scores(scores, read, new: NewToken):
         if read.shift is not None:
             block_scores = block_scores + read.shift[..., None]
         return _put_block(scores, block_scores, p // BLOCK_TOKENS * BLOCK_TOKENS)
-    if isinstance(read, LandmarkRead):
-        mean = new.blocks["landmarks"].mean
-        block_scores = scan_lib.dot(read.queries, mean.astype(jnp.float32)[:, None, :])  # [R, G, 1]
-        return _put_block(scores, jnp.repeat(block_scores, LANDMARK_TOKENS, axis=-1),
-                          p // LANDMARK_TOKENS * LANDMARK_TOKENS)
+    if isinstance(read, BlockRead):  # the newest block's one row: [R, G, block]
+        block_scores = scan_lib.block_scores(read, new.blocks[read.part].row[:, None, :])
+        return _put_block(scores, block_scores, p // read.block * read.block)
     return _put_block(scores, scan_lib.dot(read.queries, new.key[:, None, :].astype(jnp.float32)), p)
 
 

@@ -3,17 +3,18 @@ for bit, for the work of about one (XLA:CPU).
 
 At position p the decode-time index is the window's index cut to length ``p + 1``
 (:func:`~fathom_jax.index.prefix_index`): its complete blocks are the window's, one block is requantized
-(re-averaged for landmarks), and its scores are ``dot(queries, k_hat) (+ shift)`` with keys at or past the
-length masked. The queries and per-channel depths differ per position; the keys read do not, except in
-that one block. On XLA:CPU a float32 dot computes every output as one chain of fused multiply-adds over
-the contracted axis, in order, starting from zero (pinned by ``tests/eval/test_fidelity.py``). A zero
-product leaves the running sum as it is (a sum that is exactly zero is +0, whatever zeros it met), so:
+(re-averaged for landmarks, its bounds recomputed for Quest), and its scores are ``dot(queries, k_hat)
+(+ shift)`` with keys at or past the length masked. The queries and per-channel depths differ per position;
+the keys read do not, except in that one block. On XLA:CPU a float32 dot computes every output as one chain
+of fused multiply-adds over the contracted axis, in order, starting from zero (pinned by
+``tests/eval/test_fidelity.py``). A zero product leaves the running sum as it is (a sum that is exactly zero
+is +0, whatever zeros it met), so:
 
 * plane reads: with ``V_t`` the window dequantized at uniform depth t and the contraction laid out as
   (channel, depth) pairs, ``W[n, (d, t)] = V_t[n, d]`` and ``Q[g, (d, t)] = q[g, d]`` where ``t`` is channel
   d's depth, else 0, give ``dot(Q, W)[g, n]`` = the chain of ``q[g, d] * V_{t_d}[n, d]`` over d in order = the
   position's own score. ``W`` is shared, so every position's scores are one matrix product;
-* landmark and key reads already share what they read;
+* block reads (landmark, Quest) and key reads already share what they read;
 
 and only the requantized block is scored per position, against its own keys.
 """
@@ -27,10 +28,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from fathom_jax import store as store_lib
-from fathom_jax.format import BLOCK_TOKENS, LANDMARK_TOKENS, N_PLANES
+from fathom_jax.format import BLOCK_TOKENS, N_PLANES
 from fathom_jax.index import KeyIndex, prefix_index
 from fathom_jax.index_parts import Planes
-from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, ScanMethod
+from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, ScanMethod
 from fathom_jax.scan import check_scan_inputs, dot, mask_invalid
 
 
@@ -60,8 +61,8 @@ def prefix_scores(
     if isinstance(read, PlaneRead):
         window = windows[read.part] if windows else _window(full[read.part])
         scores = _plane_scores(read, window, full, keys, lengths)
-    elif isinstance(read, LandmarkRead):
-        scores = _landmark_scores(read, full, keys, lengths)
+    elif isinstance(read, BlockRead):
+        scores = _block_scores(read, full, keys, lengths)
     elif isinstance(read, KeyRead):
         scores = _shared_dot(read.queries, full["keys"].astype(jnp.float32))
     else:
@@ -96,17 +97,18 @@ def _plane_scores(read: PlaneRead, window, full: KeyIndex, keys, lengths):
     return scores if read.shift is None else scores + read.shift[..., None]
 
 
-def _landmark_scores(read: LandmarkRead, full: KeyIndex, keys, lengths):
-    scores = _shared_dot(read.queries, full["landmarks"].means.astype(jnp.float32))  # [P, *B, G, n / 8]
+def _block_scores(read: BlockRead, full: KeyIndex, keys, lengths):
+    size = read.block
+    scores = _shared_dot(read.queries, full[read.part].rows.astype(jnp.float32))  # [P, *B, G, n / size]
 
     def block_scores(queries, length):
-        cut = prefix_index(full, keys, length)["landmarks"].means
-        block = jnp.minimum(length // LANDMARK_TOKENS, cut.shape[-2] - 1)  # = n / 8: no partial block, no row read
+        cut = prefix_index(full, keys, length)[read.part].rows
+        block = jnp.minimum(length // size, cut.shape[-2] - 1)  # = n / size: no partial block, no row read
         return dot(queries, jax.lax.dynamic_slice_in_dim(cut, block, 1, axis=-2).astype(jnp.float32))  # [*B, G, 1]
 
     blocks = jax.vmap(block_scores)(read.queries, lengths)
-    scores = _replace_block(scores, blocks, lengths // LANDMARK_TOKENS, 1)
-    return jnp.repeat(scores, LANDMARK_TOKENS, axis=-1)
+    scores = _replace_block(scores, blocks, lengths // size, 1)
+    return jnp.repeat(scores, size, axis=-1)
 
 
 def _shared_dot(queries: Float[Array, "P *B G K"], rows: Float[Array, "*B n K"]) -> Float[Array, "P *B G n"]:

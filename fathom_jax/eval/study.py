@@ -12,8 +12,9 @@ the bits per token it read. Rows:
   the calibration keys' observed quantization errors, budgets tuned per (layer, KV head) on the
   calibration capture with optax;
 * every baseline at the paper's settings as fractions of D (SparQ r = D/8, D/4 and the per-head
-  union, Double Sparsity c = D/4, Loki r = D/4, D/2, the 2-bit thumbnail, the 8-token landmark, the
-  full 4-bit scan) and the exact top-k oracle, whose own error is the floor every scan sits on.
+  union, Double Sparsity c = D/4, Loki r = D/4, D/2, the 2-bit thumbnail, the 8-token landmark, Quest's
+  page bounds at 16- and 8-token pages, the full 4-bit scan) and the exact top-k oracle, whose own error is
+  the floor every scan sits on.
 
 The results are plain JSON; :func:`render_markdown` and :func:`plot` rebuild the table and figure
 from it, so every number in a report can be traced to the file.
@@ -123,7 +124,8 @@ class Row:
 
 
 FAMILIES = {"sparq": "SparQ", "sparq_union": "SparQ union", "double_sparsity": "Double Sparsity", "loki": "Loki",
-            "thumbnail": "thumbnail", "landmark": "landmark", "full4": "full 4-bit", "exact": "oracle"}
+            "thumbnail": "thumbnail", "landmark": "landmark", "quest": "Quest", "full4": "full 4-bit",
+            "exact": "oracle"}
 
 
 def baseline_rows(head_dim: int) -> list[Row]:

@@ -2,7 +2,7 @@
 
     from fathom_jax import methods
     m = methods.parse("fathom:48")           # == methods.Fathom(48)
-    methods.parse("sparq:16"), methods.Loki(32), methods.Landmark()
+    methods.parse("sparq:16"), methods.Loki(32), methods.Landmark(), methods.parse("quest:16")
     methods.paper_methods(head_dim=64)       # the paper's method set at a model's head_dim
     print(methods.spec_help())               # what parse() accepts (the CLI's --method help)
 
@@ -18,19 +18,21 @@ from collections.abc import Iterable, Sequence
 
 from fathom_jax.index_parts import IndexPart
 
-from fathom_jax.methods.base import KeyRead, LandmarkRead, PlaneRead, Read, ScanMethod
+from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, Read, ScanMethod
 from fathom_jax.methods.double_sparsity import DoubleSparsity
 from fathom_jax.methods.exact import Dense, Exact
 from fathom_jax.methods.fathom import Fathom, FathomKLT
 from fathom_jax.methods.fathom_bits import FathomBits, FathomTuned
 from fathom_jax.methods.landmark import Landmark
 from fathom_jax.methods.loki import Loki
+from fathom_jax.methods.quest import Quest
 from fathom_jax.methods.sparq import SparQ, SparQUnion
 from fathom_jax.methods.uniform import Full4, Thumbnail
 
 REGISTRY: dict[str, type[ScanMethod]] = {
     cls.name: cls
-    for cls in (Fathom, FathomKLT, FathomBits, FathomTuned, SparQ, SparQUnion, DoubleSparsity, Loki, Thumbnail, Landmark, Full4, Exact, Dense)
+    for cls in (Fathom, FathomKLT, FathomBits, FathomTuned, SparQ, SparQUnion, DoubleSparsity, Loki, Thumbnail,
+                Landmark, Quest, Full4, Exact, Dense)
 }
 
 
@@ -56,7 +58,8 @@ def describe() -> list[tuple[str, str]]:
 def parse(spec: str) -> ScanMethod:
     """A method from ``name[:param][:planner]``: ``fathom:48``, ``fathom:48:exact``, ``fathom_bits:55``,
     ``fathom_bits:55:exact:observed``, ``fathom_tuned``, ``sparq:8``,
-    ``loki:16``, ``thumbnail:2``, ``landmark``, ``exact``, ``dense``. Fathom budgets are code bits per
+    ``loki:16``, ``thumbnail:2``, ``landmark``, ``quest:16`` (``quest``: the Quest paper's 16-token pages),
+    ``exact``, ``dense``. Fathom budgets are code bits per
     token at the model's own head_dim (not rescaled from D = 128)."""
     if isinstance(spec, ScanMethod):
         return spec
@@ -73,11 +76,12 @@ def fathom_budgets(head_dim: int, budgets: Sequence[int] = (40, 48, 64, 80)) -> 
     return tuple(max(1, round(b * head_dim / 128)) for b in budgets)
 
 
-# The paper's method set besides Fathom, as the paper sizes it (``D/n``: a size relative to the head dim D), in the
-# order the studies report it; Fathom's budgets are code bits at D = 128 (:func:`fathom_budgets`). The one definition:
-# :func:`paper_methods` and the error study's rows (``fathom_jax.eval.study``) derive from it.
+# The paper's method set besides Fathom, as the paper sizes it (``D/n``: a size relative to the head dim D), and Quest
+# (16-token pages as its paper, and 8 as the landmark's blocks), in the order the studies report it; Fathom's budgets
+# are code bits at D = 128 (:func:`fathom_budgets`). The one definition: :func:`paper_methods` and the error study's
+# rows (``fathom_jax.eval.study``) derive from it.
 PAPER_METHODS = ("sparq:D/8", "sparq:D/4", "double_sparsity:D/4", "loki:D/4", "loki:D/2", "thumbnail:2", "landmark",
-                 "full4", "exact", "dense")
+                 "quest:16", "quest:8", "full4", "exact", "dense")
 
 
 def at_head_dim(spec: str, head_dim: int) -> str:
@@ -89,7 +93,8 @@ def at_head_dim(spec: str, head_dim: int) -> str:
 def paper_methods(head_dim: int, *, budgets: Sequence[int] = (48, 64), klt: bool = True) -> tuple[ScanMethod, ...]:
     """The paper's method set scaled to ``head_dim``: Fathom (and KLT) at the given D=128 budgets, then
     :data:`PAPER_METHODS`: SparQ r = D/8 and D/4, Double Sparsity c = D/4, Loki r = D/4 and D/2, the 2-bit
-    thumbnail, the 8-token landmark, the full 4-bit scan, the exact top-k oracle and dense attention."""
+    thumbnail, the 8-token landmark, Quest with 16- and 8-token pages, the full 4-bit scan, the exact top-k oracle and
+    dense attention."""
     if head_dim < 8 or head_dim % 8:
         raise ValueError(f"head_dim must be a positive multiple of 8, got {head_dim}")
     scaled = fathom_budgets(head_dim, budgets)
@@ -100,8 +105,8 @@ def paper_methods(head_dim: int, *, budgets: Sequence[int] = (48, 64), klt: bool
 
 
 __all__ = [
-    "REGISTRY", "ScanMethod", "PlaneRead", "LandmarkRead", "KeyRead", "Read",
+    "REGISTRY", "ScanMethod", "PlaneRead", "BlockRead", "KeyRead", "Read",
     "Fathom", "FathomKLT", "FathomBits", "FathomTuned", "SparQ", "SparQUnion", "DoubleSparsity", "Loki", "Thumbnail",
-    "Full4", "Landmark", "Exact", "Dense", "parse", "parts_of", "spec_help", "describe", "fathom_budgets",
+    "Full4", "Landmark", "Quest", "Exact", "Dense", "parse", "parts_of", "spec_help", "describe", "fathom_budgets",
     "paper_methods",
 ]

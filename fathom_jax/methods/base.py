@@ -4,9 +4,10 @@ A scan method is a small frozen dataclass (hashable: a static ``jit`` argument) 
 :class:`ScanMethod`. It says which parts of the key index it reads (:attr:`ScanMethod.parts`), whether it
 needs calibration statistics, its label and spec string, its exact bits per token, and - given the
 queries of one KV group - *what to read* (:meth:`ScanMethod.read`): a :class:`PlaneRead` (planes of one
-store to per-channel depths), a :class:`LandmarkRead` or a :class:`KeyRead`. Executing a read (with the
-jnp reference or the Pallas kernels, from HBM or from host memory) is :mod:`fathom_jax.scan`'s job, so a
-method never touches the index arrays themselves: a new method is one class in one file.
+store to per-channel depths), a :class:`BlockRead` (one row per block of tokens: the landmark, Quest) or a
+:class:`KeyRead`. Executing a read (with the jnp reference or the Pallas kernels, from HBM or from host memory)
+is :mod:`fathom_jax.scan`'s job, so a method never touches the index arrays themselves: a new method is one
+class in one file.
 """
 
 from __future__ import annotations
@@ -46,11 +47,19 @@ class PlaneRead:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class LandmarkRead:
-    """Score every 8-token block by ``queries . landmark``; every token of the block gets its block's score."""
+class BlockRead:
+    """Score every ``block``-token block by ``queries . row``, its one row of ``index.<part>`` (the part's data
+    ``rows [*B, n / block, F]``); every token of the block gets its block's score.
 
-    queries: Float[Array, "*B G D"]
+    The block landmark reads its fp16 means (``F = D``, the queries as given); Quest reads its pages' fp16
+    ``[min | max]`` (``F = 2 D``) with the queries split by sign, ``[min(q, 0) | max(q, 0)]``, which gives
+    ``sum_j max(q_j min_j, q_j max_j)``, the page's upper bound on ``q . k``.
+    """
+
+    queries: Float[Array, "*B G F"]
     bits: Float[Array, "*B"]
+    part: str = dataclasses.field(default="landmarks", metadata=dict(static=True))
+    block: int = dataclasses.field(default=8, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -63,7 +72,7 @@ class KeyRead:
     dense: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
-Read = PlaneRead | LandmarkRead | KeyRead
+Read = PlaneRead | BlockRead | KeyRead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +83,7 @@ class ScanMethod(abc.ABC):
 
     * ``name``: the spec keyword (``parse("name:param")``) and the ``kind`` recorded in results;
     * ``parts``: the index parts read (:mod:`fathom_jax.index_parts`: ``RAW``, ``KLT``, ``LOKI``, ``LANDMARKS``,
-      ``KEYS``);
+      ``QUEST16``, ``KEYS``; a property where the parameters decide it);
     * ``needs_calibration``: whether :meth:`read` uses a :class:`~fathom_jax.calibrate.Calibration`;
     * ``spec_syntax``: how the spec reads in help texts, e.g. ``"fathom:BUDGET[:exact]"``;
     * ``data_fields``: integer fields that may hold a traced value inside ``jit`` (checked at run time),

@@ -8,8 +8,9 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from fathom_jax import format as fmt
+from fathom_jax.format import LANDMARK_TOKENS
 from fathom_jax.index_parts import LANDMARKS
-from fathom_jax.methods.base import LandmarkRead, ScanMethod
+from fathom_jax.methods.base import BlockRead, ScanMethod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,4 +32,5 @@ class Landmark(ScanMethod):
         return fmt.landmark_bits_per_token(head_dim)
 
     def read(self, q, index, calib, *, implementation=None):
-        return LandmarkRead(q, jnp.full(q.shape[:-2], self.fixed_bits_per_token(q.shape[-1]), jnp.float32))
+        bits = jnp.full(q.shape[:-2], self.fixed_bits_per_token(q.shape[-1]), jnp.float32)
+        return BlockRead(q, bits, part=LANDMARKS.name, block=LANDMARK_TOKENS)

@@ -110,16 +110,18 @@ ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", re
 
 @pytest.mark.parametrize("spec,writes,memory", [
     ("fathom_klt:16", "every_step", "device"), ("landmark", "every_step", "device"),
-    ("fathom:16", "full_blocks", "device"),
+    ("fathom:16", "full_blocks", "device"), ("quest:16", "every_step", "device"),
     # in pinned_host memory the kernels write in place, each layer's inside the layer scan (raw stores: on a GPU a
     # KLT store built from all keys rotates them with another GEMM shape than the step's one key, TF32 rounds the
     # two differently and codes at a quantizer boundary can differ: seen on the H200)
     pytest.param("fathom:16", "every_step", "pinned_host", marks=ON_GPU),
     pytest.param("fathom:16", "full_blocks", "pinned_host", marks=ON_GPU),
-    pytest.param("landmark", "every_step", "pinned_host", marks=ON_GPU)])
+    pytest.param("landmark", "every_step", "pinned_host", marks=ON_GPU),
+    pytest.param("quest:8", "every_step", "pinned_host", marks=ON_GPU)])
 def test_index_after_decode_equals_index_of_all_keys(model, spec, writes, memory, full_f32_matmuls):
     # A raw store written every step takes the KLT store's commit path (the same code per part).
-    # 60 / 45 prompt tokens + 5 decode steps cross a 64-token store block and 8-token landmark blocks.
+    # 60 / 45 prompt tokens + 5 decode steps cross a 64-token store block, 8-token landmark blocks and 16- and
+    # 8-token Quest pages.
     lengths = np.array([60, 45])
     attn = decode.from_spec(spec, k=40, placement=memory,  # fathom_klt: session calibration
                             step=StepConfig(index_writes=writes))
@@ -163,7 +165,8 @@ def test_index_after_decode_equals_index_of_all_keys(model, spec, writes, memory
 
 
 @pytest.mark.parametrize("spec,shared_kv,writes", [("fathom_klt:16", False, "every_step"), ("landmark", True, "every_step"),
-                                                   ("fathom:16", True, "full_blocks")])
+                                                   ("fathom:16", True, "full_blocks"),
+                                                   ("quest:8", False, "full_blocks")])
 def test_writes_layer_by_layer_equal_the_writes_after_the_scan(model, spec, shared_kv, writes):
     """What each layer writes inside the layer scan (in real host memory: in place, on a GPU) lands where the commit
     after the scan puts it: every layer's new K/V row and index blocks at its own layer, and in a row buffer shared by
@@ -218,7 +221,7 @@ def rebuild_attention(method, k, sink, local, calib):
     return attn
 
 
-@pytest.mark.parametrize("spec", ["fathom:16", "fathom_klt:12", "sparq:2", "landmark"])
+@pytest.mark.parametrize("spec", ["fathom:16", "fathom_klt:12", "sparq:2", "landmark", "quest:16", "quest:8"])
 def test_small_k_equals_rebuild_per_step_reference(model, calib, dense_run, spec):
     tokens, dense = dense_run
     small = dict(k=12, sink=2, local=4)
@@ -396,7 +399,7 @@ def test_generate_sizes_the_cache_to_at_least_k(model):
     assert out.shape == (2, 3)
 
 
-@pytest.mark.parametrize("spec", ["fathom:16", "fathom_klt:16", "sparq:4", "landmark", "exact"])
+@pytest.mark.parametrize("spec", ["fathom:16", "fathom_klt:16", "sparq:4", "landmark", "quest:16", "quest:8", "exact"])
 @pytest.mark.parametrize("shared_kv", [False, True])
 def test_cache_bytes_before_allocating_equals_the_cache(spec, shared_kv):
     """decode.cache_bytes (the host memory a cache will need, from shapes alone) = the allocated cache's bytes."""
@@ -406,3 +409,23 @@ def test_cache_bytes_before_allocating_equals_the_cache(spec, shared_kv):
     want = decode.cache_bytes(attn.index_parts, attn.row_layout(shape), n_layers=3, groups=6, capacity=200,
                               shared_kv=shared_kv)
     assert cache.nbytes() == want
+
+
+@pytest.mark.parametrize("page", [16, 8])
+def test_quest_pages_are_bulk_and_their_tail_stays_on_the_device(page):
+    """Quest's page bounds grow with the context: a placement puts them with the K/V rows and the other index arrays
+    (pinned_host where there is host memory); the raw keys of the newest page are small and stay in device memory.
+    Their bytes are 2 x 16 D / P bits per token, as the method reads."""
+    from fathom_jax.index_parts import Pages
+
+    attn = decode.from_spec(f"quest:{page}", k=40, placement="pinned_host")
+    shape = CacheShape(layers=3, batch=2, kv_heads=3, capacity=200, head_dim=16, dtype=jnp.bfloat16)
+    cache = attn.init_cache(shape)
+    assert cache.bulk().index[f"quest{page}"] == Pages(bounds=True, tail=False)
+    data = cache.index[f"quest{page}"]
+    assert data.bounds.shape == (3, 6, 256 // page, 32) and data.bounds.dtype == jnp.float16
+    assert data.tail.shape == (3, 6, page, 16) and data.tail.dtype == jnp.float32
+    assert data.bounds.sharding.memory_kind == cache.kv.sharding.memory_kind == attn.placement.memory_kind
+    assert data.tail.sharding.memory_kind == "device"
+    per_token = attn.method.fixed_bits_per_token(16) / 8
+    assert cache.nbytes()[f"quest{page}"] == 3 * 6 * 256 * per_token == data.bounds.nbytes

@@ -13,15 +13,16 @@ from fathom_jax import index as I
 from fathom_jax import index_parts as P
 from fathom_jax import landmarks
 from fathom_jax import methods as M
+from fathom_jax import page_bounds
 from fathom_jax import store as S
 from fathom_jax.decode import CacheView, NewToken, RowLayout, StepConfig, StepContext, sparse_attention_step
-from fathom_jax.index_parts import LandmarkBlock, PlaneBlock
+from fathom_jax.index_parts import LandmarkBlock, PageBlock, PlaneBlock
 from fathom_jax.placement import Placement
 from fathom_jax.scan import scan_scores
 from fathom_jax.select import select_topk, sparse_attention
 
 METHODS = [M.Fathom(20), M.FathomKLT(20), M.SparQ(4), M.SparQUnion(3), M.DoubleSparsity(4), M.Loki(6),
-           M.Thumbnail(2), M.Full4(), M.Landmark(), M.Exact(), M.Dense()]
+           M.Thumbnail(2), M.Full4(), M.Landmark(), M.Quest(), M.Exact(), M.Dense()]
 R, G, D, N, K = 3, 4, 16, 200, 48
 
 
@@ -98,12 +99,18 @@ def stacked_setting(setting, method):
                                                        jnp.asarray(key))
         blocks["landmarks"] = LandmarkBlock(mean, ltail)
         view["landmarks"] = P.Landmarks(means=stacked["landmarks"].means, tail=ltail)
+    for part in parts:
+        if isinstance(part, P.PageBounds):
+            bounds, ptail = jax.vmap(page_bounds.append_page)(stacked[part.name].tail[1], jnp.asarray(prev),
+                                                              jnp.asarray(key))
+            blocks[part.name] = PageBlock(bounds, ptail)
+            view[part.name] = P.Pages(bounds=stacked[part.name].bounds, tail=ptail)
     new = NewToken(position=jnp.asarray(prev), key=jnp.asarray(key), value=jnp.asarray(value), blocks=blocks)
     return stacked.replace(**view), kv_cache, new
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
-@pytest.mark.parametrize("method", [M.Fathom(20), M.Landmark(), M.Exact()], ids=lambda m: m.spec)
+@pytest.mark.parametrize("method", [M.Fathom(20), M.Landmark(), M.Quest(8), M.Exact()], ids=lambda m: m.spec)
 def test_stacked_layers_and_newest_token_patch(setting, method, implementation):
     """A stacked [L, R] cache read at a layer, with the newest token patched in from device memory,
     equals the step over that layer's index with the token appended."""
@@ -119,13 +126,13 @@ def test_stacked_layers_and_newest_token_patch(setting, method, implementation):
 PIPELINE = dict(pipeline=3, gather_programs=5)
 
 
-@pytest.mark.parametrize("method,implementation", [(M.Fathom(20), "pallas"), (M.Exact(), "xla"), (M.Landmark(), "xla")],
-                         ids=lambda x: getattr(x, "spec", x))
+@pytest.mark.parametrize("method,implementation", [(M.Fathom(20), "pallas"), (M.Exact(), "xla"), (M.Landmark(), "xla"),
+                                                   (M.Quest(), "xla")], ids=lambda x: getattr(x, "spec", x))
 def test_groups_split_into_chunks_equal_one_chunk(setting, method, implementation):
     """With ``pipeline=3`` each group is stepped in its own chunk (its plane transfer chained to the previous chunk's;
     one after the other here), reading the stacked cache at its group offset: every output equals the one-chunk
     step's. The kernels read group windows (plane scan via the run gather, persistent programs in the pipeline, row
-    fetch); landmarks and the oracle's keys are staged by the kernels' group windows too."""
+    fetch); landmarks, Quest's page bounds and the oracle's keys are staged by the kernels' group windows too."""
     q, lengths, calib = setting[2], jnp.asarray(setting[3]), setting[4]
     view, kv_cache, new = stacked_setting(setting, method)
     host = Placement("pinned_host")

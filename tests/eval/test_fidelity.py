@@ -139,7 +139,8 @@ def test_fast_path_equals_the_rebuild_per_position_definition(rng, random_keys):
     positions = np.array([63, 64, 127, 199])  # both sides of block boundaries; 199: the partial last block
     ks = (48, 40, 64)
     rows = [(M.Fathom(24), corpus), (M.Fathom(16), corpus), (M.FathomKLT(16), corpus), (M.FathomKLT(16), session),
-            (M.Loki(4), corpus), (M.SparQ(4), None), (M.Landmark(), None), (M.Exact(), None)]
+            (M.Loki(4), corpus), (M.SparQ(4), None), (M.Landmark(), None), (M.Quest(), None), (M.Quest(8), None),
+            (M.Exact(), None)]
     want = [_definition(m, cap, ks, positions, c) for m, c in rows]
     # Fathom 16 at layer 0 and Fathom 24 at layer 1: the same (method, layer) pairs as two rows above.
     per_layer = [fid.method_score_fn(M.Fathom(16)), fid.method_score_fn(M.Fathom(24))]

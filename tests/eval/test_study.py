@@ -25,7 +25,8 @@ def test_study_end_to_end_and_report_from_json(rng, tmp_path, random_keys):
     names = [r["name"] for r in res["rows"]]
     for want in ["Fathom 16", "Fathom KLT 16", "Fathom 16 (session calib)", "Fathom 16 (exact plan)",
                  "SparQ r=2", "SparQ r=4", "Double Sparsity c=4", "Loki r=4", "Loki r=8", "2-bit thumbnail",
-                 "block landmark", "full 4-bit scan", "exact top-k oracle", "Fathom per-layer 16",
+                 "block landmark", "Quest P=16", "Quest P=8", "full 4-bit scan", "exact top-k oracle",
+                 "Fathom per-layer 16",
                  "Fathom 18 bits as read", "Fathom 18 bits as read (observed)", "Fathom 18 bits as read (exact, observed)",
                  "Fathom tuned, mean 18 bits (per layer and KV head)", "Fathom tuned on the session, mean 18 bits"]:
         assert want in names, want
@@ -43,6 +44,9 @@ def test_study_end_to_end_and_report_from_json(rng, tmp_path, random_keys):
     assert all(abs(v) < 1e-12 for v in oracle["excess"].values())
     full = next(r for r in res["rows"] if r["kind"] == "full4")
     assert full["bits"] == 4 * 16 + 16 / 4
+    quest = {r["spec"]: r for r in res["rows"] if r["kind"] == "quest"}
+    assert quest["quest:16"]["bits"] == 32 and quest["quest:8"]["bits"] == 64  # 2 x 16 D / P at D = 16
+    assert quest["quest:16"]["family"] == "Quest" and quest["quest:16"]["calibration"] == "none"
     plan = res["layer_plans"]["16"]
     assert len(plan) == 2 and np.mean(plan) <= 16
     assert res["basis_rule"]["basis"] in ("raw", "klt")
@@ -64,5 +68,5 @@ def test_baseline_rows_are_the_papers_method_set_at_the_head_dim():
     assert M.at_head_dim("sparq:D/8", 64) == "sparq:8" and M.at_head_dim("thumbnail:2", 64) == "thumbnail:2"
     specs = [row.method.spec for row in study.baseline_rows(64)]
     assert specs == ["sparq:8", "sparq:16", "sparq_union:8", "double_sparsity:16", "loki:16", "loki:32", "thumbnail:2",
-                     "landmark", "full4", "exact"]
+                     "landmark", "quest:16", "quest:8", "full4", "exact"]
     assert [m.spec for m in M.paper_methods(64, budgets=())] == [M.at_head_dim(s, 64) for s in M.PAPER_METHODS]
