@@ -34,7 +34,7 @@ def test_two_setup_commands_and_ci_runs_the_test_one():
     main_job, tests = quick_start()
     assert main_job.startswith("bash scripts/setup_env.sh && .venv/bin/fathom sweep")
     assert "--with-oracle" not in main_job, "the main job must not build the torch oracle venv"
-    assert tests.startswith("bash scripts/setup_env.sh --with-oracle && ") and tests.endswith(" -n 2")
+    assert tests.startswith("bash scripts/setup_env.sh --with-oracle && ") and tests.endswith(" -n 2 --dist loadfile")
     ci = commands((REPO / ".ci" / "run").read_text().split("\n", 1)[1])
     assert ci[-1] == tests, "the CI script must run exactly the README's test command"
 

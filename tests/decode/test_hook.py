@@ -237,8 +237,9 @@ def test_small_k_equals_rebuild_per_step_reference(model, calib, dense_run, spec
 # Placements, read modes, implementations, ragged batches
 
 
-@pytest.mark.parametrize("spec,implementation,split", [("fathom:16", "xla", {}),
-                                                       ("fathom:16", "pallas", dict(pipeline=2))])
+@pytest.mark.parametrize("spec,implementation,split", [
+    ("fathom:16", "xla", {}), ("fathom:16", "xla", dict(pipeline=2)),
+    pytest.param("fathom:16", "pallas", dict(pipeline=2), marks=ON_GPU, id="gpu")])  # interpreted: ~40 s on CPU
 def test_offloaded_placement_equals_device_placement(model, calib, spec, implementation, split):
     """The offloaded layout (kernels staging and writing the cache; device memory on CPU) = device memory;
     with the groups in two pipelined chunks too (each read at its group offset, the second chunk's transfer
@@ -258,7 +259,7 @@ def test_offloaded_placement_equals_device_placement(model, calib, spec, impleme
 
 
 @pytest.mark.parametrize("implementation,split", [
-    ("xla", {}), ("pallas", dict(pipeline=2)),
+    ("xla", {}), ("xla", dict(pipeline=2)),  # the interpreted kernels: ~45 s on CPU, natively below
     pytest.param("pallas", dict(pipeline=2), marks=ON_GPU, id="gpu-pinned_host")])  # natively, rows in host memory
 def test_row_cache_decodes_the_same_bits(model, calib, implementation, split):
     """With a row cache (rows the slots hold come from device memory, the rest are fetched) every logit is the same bits

@@ -64,7 +64,7 @@ def _random_dense(seed, *, layers=2, batch=2, kv_heads=2, capacity=200, head_dim
 
 
 @pytest.mark.parametrize("spec,implementation,memory", [
-    ("k8v8", "xla", "device"), ("k8v4g8a", "xla", "device"), ("k8v8", "pallas", "pinned_host"),
+    ("k8v8", "xla", "device"), ("k8v4g8a", "xla", "device"), ("k8v8", "xla", "pinned_host"),
     pytest.param("k8v8", "pallas", "pinned_host", marks=ON_GPU, id="gpu-k8v8"),
     pytest.param("k8v4g8a", "pallas", "pinned_host", marks=ON_GPU, id="gpu-k8v4g8a")])
 def test_rows_after_appends_equal_rows_of_all_keys(spec, implementation, memory):

@@ -236,13 +236,14 @@ def test_pipelined_chunk_fetches_wait_for_the_next_chunks_scan(setting, implemen
         ctx = context(implementation, Placement("pinned_host"), pipeline=pipeline, gather_programs=2)
         return lambda q: step(method, q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]
 
-    ordered = np.asarray(jax.jit(run(3))(q))
     if implementation == "pallas":
         fetches = pallas_call_eqns(run(3), q, name="row_fetch")
         # operands: index, layer, K/V cache (+ the next chunk's scores)
         assert [len(e.invars) for e in fetches] == [3, 4, 3]
         assert fetches[1].invars[-1].aval.shape[:2] == (1, G) and fetches[1].invars[-1].aval.dtype == jnp.float32
-    np.testing.assert_array_equal(ordered, np.asarray(jax.jit(run(1))(q)))
+        if jax.default_backend() == "cpu":  # the results: xla here (interpreted, ~20 s), both on the GPU
+            return
+    np.testing.assert_array_equal(np.asarray(jax.jit(run(3))(q)), np.asarray(jax.jit(run(1))(q)))
 
 
 def test_dense_attention_has_its_own_path(setting):

@@ -7,7 +7,6 @@ import pytest
 
 from fathom_jax import cli
 from fathom_jax.eval import downstream as ds
-from tests.eval.test_downstream import tiny_smollm2  # noqa: F401  (fixture: a 2-layer model with SmolLM2's tokenizer)
 
 ARGV = ["agreement", "--context", "512", "--sessions", "2", "--batch", "1", "--steps", "4", "--k-fraction", "0.125",
         "--methods", "dense", "exact", "--baseline", "exact", "--calib-tokens", "256", "--quiet"]
