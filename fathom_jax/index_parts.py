@@ -283,73 +283,127 @@ def _write_plane_block(write, store: PlaneStore, words, scale, block, due, layer
             write(store.scales, scale[..., None], block, 3, layer))
 
 
-@dataclasses.dataclass(frozen=True)
-class LandmarkMeans(IndexPart):
-    """The fp16 mean key of every 8-token block (:class:`Landmarks`)."""
+class BlockRows(IndexPart):
+    """An index of one fp16 row per block of ``tokens`` tokens (what a :class:`~fathom_jax.methods.base.BlockRead`
+    scores) and the raw keys of the partially filled last block, from which an append recomputes that block's row.
+    Subclasses say what a row is: the hooks below, each one call into the module that builds the rows."""
 
-    name: str = "landmarks"
     writes_per_token: ClassVar[int] = 1
+
+    @property
+    @abc.abstractmethod
+    def tokens(self) -> int:
+        """Tokens per block (per row)."""
+
+    @abc.abstractmethod
+    def width(self, head_dim: int) -> int:
+        """fp16 values per row."""
+
+    @abc.abstractmethod
+    def _build_rows(self, padded, length): ...
+
+    @abc.abstractmethod
+    def _truncate(self, rows, tail, length): ...
+
+    @abc.abstractmethod
+    def _append_one(self, rows, tail, length, key): ...
+
+    @abc.abstractmethod
+    def _append_block(self, tail, length, key): ...
+
+    @abc.abstractmethod
+    def _data(self, rows, tail): ...
+
+    @abc.abstractmethod
+    def _block(self, row, tail): ...
 
     def build(self, keys, calib, *, capacity, length):
         padded = _padded(keys, capacity).astype(jnp.float32)
         if length is None:
             length = jnp.full(keys.shape[:-2], keys.shape[-2], jnp.int32)
-        return Landmarks(means=landmarks_lib.build(padded, length),
-                         tail=store_lib.block_tail(padded, length, LANDMARK_TOKENS))
+        return self._data(self._build_rows(padded, length), store_lib.block_tail(padded, length, self.tokens))
 
     def append(self, data, keys, length):
         batch = length.shape
         flat = lambda x: x.reshape(-1, *x.shape[len(batch):])  # noqa: E731
-        step = jax.vmap(landmarks_lib.append_one)
+        step = jax.vmap(self._append_one)
         start, new = flat(length), flat(keys.astype(jnp.float32))
-        means, tail = jax.lax.fori_loop(0, keys.shape[-2], lambda i, c: step(c[0], c[1], start + i, new[:, i]),
-                                        (flat(data.means), flat(data.tail)))
-        return Landmarks(means=means.reshape(data.means.shape), tail=tail.reshape(data.tail.shape))
+        rows, tail = jax.lax.fori_loop(0, keys.shape[-2], lambda i, c: step(c[0], c[1], start + i, new[:, i]),
+                                       (flat(data.rows), flat(data.tail)))
+        return self._data(rows.reshape(data.rows.shape), tail.reshape(data.tail.shape))
 
     def prefix(self, data, keys, length):
-        tail = store_lib.block_tail(keys.astype(jnp.float32), length, LANDMARK_TOKENS)
-        return Landmarks(means=landmarks_lib.truncate(data.means, tail, length), tail=tail)
+        tail = store_lib.block_tail(keys.astype(jnp.float32), length, self.tokens)
+        return self._data(self._truncate(data.rows, tail, length), tail)
 
     def bulk(self, data):
-        return Landmarks(means=True, tail=False)
+        return self._data(True, False)
 
     def capacity_of(self, data):
-        return data.means.shape[-2] * LANDMARK_TOKENS
+        return data.rows.shape[-2] * self.tokens
 
     def head_dim_of(self, data):
-        return data.means.shape[-1]
+        return data.tail.shape[-1]
 
     def nbytes(self, *, capacity, head_dim):
-        return capacity // LANDMARK_TOKENS * head_dim * 2
+        return capacity // self.tokens * self.width(head_dim) * 2
 
     def empty(self, alloc, length, *, layers, groups, capacity, head_dim):
-        return Landmarks(means=alloc((layers, groups, capacity // LANDMARK_TOKENS, head_dim), jnp.float16),
-                         tail=alloc((layers, groups, LANDMARK_TOKENS, head_dim), jnp.float32, bulk=False))
+        return self._data(alloc((layers, groups, capacity // self.tokens, self.width(head_dim)), jnp.float16),
+                          alloc((layers, groups, self.tokens, head_dim), jnp.float32, bulk=False))
 
     def write_layer(self, write, stacked, built, layer, length):
-        zero = jnp.zeros(built.means.shape[:1], jnp.int32)
-        return Landmarks(means=write(stacked.means, built.means[None], zero, 2, layer),
-                         tail=stacked.tail.at[layer].set(built.tail))
+        zero = jnp.zeros(built.rows.shape[:1], jnp.int32)
+        rows = write(stacked.rows, built.rows[None], zero, 2, layer)
+        return self._data(rows, stacked.tail.at[layer].set(built.tail))
 
     def add_token(self, stacked, layer, position, key):
-        mean, tail = jax.vmap(landmarks_lib.append_block)(stacked.tail[layer], position, key)
-        return Landmarks(means=stacked.means, tail=tail), LandmarkBlock(mean=mean, tail=tail)
+        row, tail = jax.vmap(self._append_block)(stacked.tail[layer], position, key)
+        return self._data(stacked.rows, tail), self._block(row, tail)
 
     def write_token(self, write, stacked, block, position, layer, due):
-        means = write(stacked.means, block.mean[:, :, None, :], position // LANDMARK_TOKENS, 2, layer)
-        return dataclasses.replace(stacked, means=means)
+        rows = write(stacked.rows, block.row[:, :, None, :], position // self.tokens, 2, layer)
+        return self._data(rows, stacked.tail)
 
     def commit(self, stacked, block, length):
-        return dataclasses.replace(stacked, tail=block.tail)
+        return self._data(stacked.rows, block.tail)
 
 
 @dataclasses.dataclass(frozen=True)
-class PageBounds(IndexPart):
+class LandmarkMeans(BlockRows):
+    """The fp16 mean key of every 8-token block (:class:`Landmarks`)."""
+
+    name: str = "landmarks"
+    tokens: ClassVar[int] = LANDMARK_TOKENS
+
+    def width(self, head_dim):
+        return head_dim
+
+    def _build_rows(self, padded, length):
+        return landmarks_lib.build(padded, length)
+
+    def _truncate(self, rows, tail, length):
+        return landmarks_lib.truncate(rows, tail, length)
+
+    def _append_one(self, rows, tail, length, key):
+        return landmarks_lib.append_one(rows, tail, length, key)
+
+    def _append_block(self, tail, length, key):
+        return landmarks_lib.append_block(tail, length, key)
+
+    def _data(self, rows, tail):
+        return Landmarks(means=rows, tail=tail)
+
+    def _block(self, row, tail):
+        return LandmarkBlock(mean=row, tail=tail)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageBounds(BlockRows):
     """Quest's fp16 per-channel min and max key of every ``page``-token page (:class:`Pages`), named
     ``quest<page>``: parts of different page sizes are different parts."""
 
     page: int = QUEST_PAGE_TOKENS
-    writes_per_token: ClassVar[int] = 1
 
     def __post_init__(self):
         bounds_lib.check_page(self.page, "PageBounds")
@@ -358,57 +412,30 @@ class PageBounds(IndexPart):
     def name(self) -> str:  # type: ignore[override]
         return f"quest{self.page}"
 
-    def build(self, keys, calib, *, capacity, length):
-        padded = _padded(keys, capacity).astype(jnp.float32)
-        if length is None:
-            length = jnp.full(keys.shape[:-2], keys.shape[-2], jnp.int32)
-        return Pages(bounds=bounds_lib.build(padded, length, self.page),
-                     tail=store_lib.block_tail(padded, length, self.page))
+    @property
+    def tokens(self) -> int:
+        return self.page
 
-    def append(self, data, keys, length):
-        batch = length.shape
-        flat = lambda x: x.reshape(-1, *x.shape[len(batch):])  # noqa: E731
-        step = jax.vmap(bounds_lib.append_one)
-        start, new = flat(length), flat(keys.astype(jnp.float32))
-        bounds, tail = jax.lax.fori_loop(0, keys.shape[-2], lambda i, c: step(c[0], c[1], start + i, new[:, i]),
-                                         (flat(data.bounds), flat(data.tail)))
-        return Pages(bounds=bounds.reshape(data.bounds.shape), tail=tail.reshape(data.tail.shape))
+    def width(self, head_dim):
+        return 2 * head_dim
 
-    def prefix(self, data, keys, length):
-        tail = store_lib.block_tail(keys.astype(jnp.float32), length, self.page)
-        return Pages(bounds=bounds_lib.truncate(data.bounds, tail, length), tail=tail)
+    def _build_rows(self, padded, length):
+        return bounds_lib.build(padded, length, self.page)
 
-    def bulk(self, data):
-        return Pages(bounds=True, tail=False)
+    def _truncate(self, rows, tail, length):
+        return bounds_lib.truncate(rows, tail, length)
 
-    def capacity_of(self, data):
-        return data.bounds.shape[-2] * self.page
+    def _append_one(self, rows, tail, length, key):
+        return bounds_lib.append_one(rows, tail, length, key)
 
-    def head_dim_of(self, data):
-        return data.tail.shape[-1]
+    def _append_block(self, tail, length, key):
+        return bounds_lib.append_page(tail, length, key)
 
-    def nbytes(self, *, capacity, head_dim):
-        return capacity // self.page * 2 * head_dim * 2
+    def _data(self, rows, tail):
+        return Pages(bounds=rows, tail=tail)
 
-    def empty(self, alloc, length, *, layers, groups, capacity, head_dim):
-        return Pages(bounds=alloc((layers, groups, capacity // self.page, 2 * head_dim), jnp.float16),
-                     tail=alloc((layers, groups, self.page, head_dim), jnp.float32, bulk=False))
-
-    def write_layer(self, write, stacked, built, layer, length):
-        zero = jnp.zeros(built.bounds.shape[:1], jnp.int32)
-        return Pages(bounds=write(stacked.bounds, built.bounds[None], zero, 2, layer),
-                     tail=stacked.tail.at[layer].set(built.tail))
-
-    def add_token(self, stacked, layer, position, key):
-        bounds, tail = jax.vmap(bounds_lib.append_page)(stacked.tail[layer], position, key)
-        return Pages(bounds=stacked.bounds, tail=tail), PageBlock(bounds=bounds, tail=tail)
-
-    def write_token(self, write, stacked, block, position, layer, due):
-        bounds = write(stacked.bounds, block.bounds[:, :, None, :], position // self.page, 2, layer)
-        return dataclasses.replace(stacked, bounds=bounds)
-
-    def commit(self, stacked, block, length):
-        return dataclasses.replace(stacked, tail=block.tail)
+    def _block(self, row, tail):
+        return PageBlock(bounds=row, tail=tail)
 
 
 @dataclasses.dataclass(frozen=True)
