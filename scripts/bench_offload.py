@@ -839,8 +839,8 @@ def main(argv=None):
                          "each; 0: none)")
     ap.add_argument("--resident-planes", default="0",
                     help="planes of every channel kept in HBM (Placement.resident_planes), a ','-separated list: one set "
-                         "of attention-only rows each, over a cache of its own (0: the whole index in host memory; 4: "
-                         "the whole index in HBM)")
+                         "of rows each (sections attn, attnbatch, batch), over a cache of its own (0: the whole index in "
+                         "host memory; 4: the whole index in HBM)")
     ap.add_argument("--rows", default="model",
                     help="K/V row formats, a ','-separated list: one set of rows each (sections attn, attnbatch, full, "
                          "batch), over a cache of its own. Each FORMAT or FORMAT@SHARE: model (the model dtype, bf16) or "
