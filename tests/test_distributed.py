@@ -240,8 +240,10 @@ def test_a_process_that_dies_makes_the_others_fail_not_hang(tmp_path):
     assert codes[0] != 0 and not job.results(0), job.report()  # failed, and decoded nothing
     err = job.stderr(0)
     assert "the JAX distributed service detected fatal errors" in err, job.report()
-    # Which message ends it is a race inside the service: the task list of the missed heartbeats, or process 0's
-    # own heartbeat refused once the service has shut down on that error.
-    assert "stopped sending heartbeats" in err or "StartSendingHeartbeats" in err, job.report()
+    # Which message ends it is a race: the service's list of the tasks that missed their heartbeats, process 0's own
+    # heartbeat refused once the service has shut down on that error, or the collective's transport seeing process
+    # 1's socket close before either.
+    causes = ("stopped sending heartbeats", "StartSendingHeartbeats", "Connection closed by peer")
+    assert any(cause in err for cause in causes), job.report()
     # ended by the coordination service, not by the test's deadline (slack for a loaded machine)
     assert job.ended[0] - job.ended[1] < 6 * HEARTBEAT_S, job.ended
