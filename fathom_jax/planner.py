@@ -237,7 +237,7 @@ def plan_bisection(
     """The paper's planner: depths at the water line found by ``steps`` bisection steps on log theta.
 
     ``implementation="pallas"`` runs the bisection as one kernel launch (:mod:`pallas_kernels.water_line`);
-    ``"xla"`` as straight-line XLA. Both give the same plan bit for bit (and equal :func:`bisection_trace`).
+    ``"xla"`` as an XLA loop. Both give the same plan bit for bit (and equal :func:`bisection_trace`).
     """
     g, budget, log_lo, log_hi = _prepare(g, budget, bracket)
     batch, d = g.shape[:-1], g.shape[-1]

@@ -74,17 +74,19 @@ def _used(reads, plane_cost) -> jax.Array:
 
 
 def water_line_reference(thresholds, budget, log_lo, log_hi, *, steps: int, plane_cost: tuple[float, ...] = UNIT_COST):
-    """Plain jnp: the bisection unrolled (straight-line code fuses better than a loop on the GPU)."""
+    """Plain jnp: the bisection as a loop."""
     _validate(thresholds, budget, log_lo, log_hi)
-    lo, hi = log_lo, log_hi
-    depths = jnp.zeros(thresholds.shape[1:], jnp.int32)
-    for _ in range(steps):
+
+    def step(_, carry):
+        lo, hi, depths = carry
         mid = 0.5 * (lo + hi)
         reads = [mid[:, None] <= thresholds[t] for t in range(N_PLANES)]
         trial = jnp.sum(jnp.stack(reads), axis=0, dtype=jnp.int32)
         over = _used(reads, plane_cost) > budget
-        lo, hi = jnp.where(over, mid, lo), jnp.where(over, hi, mid)
-        depths = jnp.where(over[:, None], depths, trial)
+        return jnp.where(over, mid, lo), jnp.where(over, hi, mid), jnp.where(over[:, None], depths, trial)
+
+    init = (log_lo, log_hi, jnp.zeros(thresholds.shape[1:], jnp.int32))
+    _, hi, depths = jax.lax.fori_loop(0, steps, step, init)
     return depths, hi
 
 
