@@ -219,7 +219,7 @@ class Placement:
         sharding = self.sharding(len(shape), bulk=bulk, split=len(shape) >= 2)
         if bulk is True and self.in_host_memory and not _fits_in_hbm(shape, dtype, sharding):
             return distributed.zeros(shape, dtype, sharding)
-        return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()
+        return _zeros_program(tuple(shape), jnp.dtype(dtype), sharding)()
 
     # -- running per-group work over the mesh ------------------------------------------------
     def group_spec(self, x, group_axis: int | None) -> P:
@@ -258,3 +258,10 @@ def _fits_in_hbm(shape, dtype, sharding, fraction: float = 0.9) -> bool:
         if shard > fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)):
             return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_program(shape: tuple[int, ...], dtype, sharding):
+    """The program that makes zeros of ``shape`` placed by ``sharding``: one per (shape, dtype, sharding), so every
+    cache of a layout allocates through programs compiled once (a fresh ``jit`` per call compiled each time)."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
