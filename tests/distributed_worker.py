@@ -1,7 +1,7 @@
 """One process of a multi-process sparse decode (tests/test_distributed.py starts two on this machine).
 
     JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 \\
-        python -m tests.distributed_worker --model smollm2 --methods fathom:16,sparq:4 --mesh 4
+        python -m tests.distributed_worker --model smollm2-layout --methods fathom:16,sparq:4 --mesh 4
 
 Every process loads the model once, builds the global mesh, and for each method prefills the same batch into a cache
 placed in the host layout (``pinned_host``), decodes greedily, and prints one line ``RESULT {json}``: the tokens (on
@@ -20,9 +20,10 @@ import time
 
 import numpy as np
 
-MODELS = ("tiny", "smollm2")
-# SmolLM2: 4 sequences x 3 KV heads = 12 groups, 3 per device of a 4-device mesh. Prompts of 11-14 tokens and k = 5
-# (1 sink + 2 local + the top 2 by approximate score) leave the scan and the selection something to choose.
+MODELS = ("tiny", "smollm2-layout", "smollm2")
+# SmolLM2 (the real weights, or random ones in its attention layout): 4 sequences x 3 KV heads = 12 groups, 3 per
+# device of a 4-device mesh. Prompts of 10-21 tokens and k = 5 (1 sink + 2 local + the top 2 by approximate score)
+# leave the scan and the selection something to choose.
 SMOL_PROMPTS = ("def add(a, b):\n    return a + b\n\ndef", "The capital of France is Paris. The capital of Italy is",
                 "import numpy as np\nx = np.zeros((3, 4))\nprint(x.", "Once upon a time there was a little fox who")
 K, SINK, LOCAL = 5, 1, 2
@@ -43,11 +44,17 @@ def load(name: str):
         from fathom_jax.models import LlamaForCausalLM
         from fathom_jax.models.config import LlamaConfig
 
-        cfg = LlamaConfig(vocab=97, hidden=32, intermediate=48, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=8,
-                          rope_theta=1e4, rms_norm_eps=1e-6, attention_bias=True, qk_norm=True)
-        model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
         rng = np.random.default_rng(5)
-        ids = [rng.integers(0, cfg.vocab, n).tolist() for n in (14, 11)]  # 2 sequences x 2 KV heads = 4 groups
+        if name == "smollm2-layout":  # random weights in SmolLM2's attention layout: 9 heads over 3 KV heads, D = 64
+            cfg = LlamaConfig(vocab=256, hidden=96, intermediate=128, n_layers=2, n_heads=9, n_kv_heads=3,
+                              head_dim=64, rope_theta=1e5, rms_norm_eps=1e-5)
+            lengths = (15, 12, 21, 10)  # SMOL_PROMPTS' token counts: 4 sequences x 3 KV heads = 12 groups
+        else:
+            cfg = LlamaConfig(vocab=97, hidden=32, intermediate=48, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=8,
+                              rope_theta=1e4, rms_norm_eps=1e-6, attention_bias=True, qk_norm=True)
+            lengths = (14, 11)  # 2 sequences x 2 KV heads = 4 groups
+        model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+        ids = [rng.integers(0, cfg.vocab, n).tolist() for n in lengths]
     prompt = np.zeros((len(ids), max(map(len, ids))), np.int32)
     for row, seq in zip(prompt, ids):
         row[: len(seq)] = seq
