@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_test_base import KernelTestBase, assert_ran
+from kernel_test_base import IMPLS, KernelTestBase, assert_ran
 from oracles import select as np_select
 from pallas_kernels import topk as TK
 from tests.support import lower_triton_text
@@ -14,18 +14,30 @@ CONFIGS = {"radix": TK.TopkConfig(path="radix"), "fused": TK.TopkConfig(), "fuse
            "split_4_4": TK.TopkConfig(bucket_splits=4, token_splits=4),
            "split_8_2": TK.TopkConfig(bucket_splits=8, token_splits=2),
            "split_wide": TK.TopkConfig(max_buckets=32, bucket_splits=2, token_splits=8)}
+# fused_wide: buckets of 64 / 128 tokens, the fused path's layout for rows past 1M tokens (n = 2^20 + 64);
+# split_*: a row's bucket and token selections over several programs, then merged
+SHAPES = {"3000-100": (3000, 100, [3000, 1000, 50, 37, 0, 136]), "777-64": (777, 64, [777, 700, 20, 64, 65, 100]),
+          "4096-512": (4096, 512, [4096, 4000, 511, 513, 36, 1])}
+# Every path at every shape natively; interpreted on the CPU (seconds of compiling each) every path and every shape
+# at least once, the radix and fused paths at every shape; the reference (which has no paths) at every shape.
+INTERPRETED = {("radix", "3000-100"), ("radix", "777-64"), ("radix", "4096-512"), ("fused", "3000-100"),
+               ("fused", "777-64"), ("fused", "4096-512"), ("fused_wide", "4096-512"), ("split_4_4", "3000-100"),
+               ("split_8_2", "777-64"), ("split_wide", "4096-512")}
+
+
+def _oracle_cases():
+    xla, interpret, gpu = (p.values[0] for p in IMPLS)
+    cases = [pytest.param(xla, "fused", shape, id=f"xla-{shape}") for shape in SHAPES]
+    cases += [pytest.param(interpret, path, shape, id=f"interpret-{shape}-{path}") for path in CONFIGS
+              for shape in SHAPES if (path, shape) in INTERPRETED]
+    return cases + [pytest.param(gpu, path, shape, id=f"gpu-{shape}-{path}", marks=IMPLS[2].marks)
+                    for path in CONFIGS for shape in SHAPES]
 
 
 class TestTopk(KernelTestBase):
-    # fused_wide: buckets of 64 / 128 tokens, the fused path's layout for rows past 1M tokens (n = 2^20 + 64);
-    # split_*: a row's bucket and token selections over several programs, then merged
-    @pytest.mark.parametrize("path", ["radix", "fused", "fused_wide", "split_4_4", "split_8_2", "split_wide"])
-    @pytest.mark.parametrize("n,k,lengths", [
-        (3000, 100, [3000, 1000, 50, 37, 0, 136]),
-        (777, 64, [777, 700, 20, 64, 65, 100]),
-        (4096, 512, [4096, 4000, 511, 513, 36, 1]),
-    ])
-    def test_same_set_as_numpy_oracle(self, impl, rng, path, n, k, lengths):
+    @pytest.mark.parametrize("impl,path,shape", _oracle_cases())
+    def test_same_set_as_numpy_oracle(self, impl, rng, path, shape):
+        n, k, lengths = SHAPES[shape]
         scores = jnp.asarray(rng.standard_normal((len(lengths), n)), jnp.float32)  # ties have probability ~0
         length = jnp.asarray(lengths, jnp.int32)
         config = CONFIGS[path]
