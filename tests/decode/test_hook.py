@@ -221,7 +221,7 @@ def rebuild_attention(method, k, sink, local, calib):
     return attn
 
 
-@pytest.mark.parametrize("spec", ["fathom:16", "fathom_klt:12", "sparq:2", "landmark", "quest:8"])  # quest:16: above
+@pytest.mark.parametrize("spec", ["fathom:16", "fathom_klt:12", "sparq:2", "landmark", "quest:8"])  # quest:16 differs only in its page
 def test_small_k_equals_rebuild_per_step_reference(model, calib, dense_run, spec):
     tokens, dense = dense_run
     small = dict(k=12, sink=2, local=4)
