@@ -101,8 +101,32 @@ def smollm2_cached():
         pytest.skip("SmolLM2 is not cached: run scripts/setup_env.sh (it fetches the model)")
 
 
-@pytest.mark.slow  # loads SmolLM2 and decodes 1024 tokens: about a minute on 2 CPU cores
-def test_python_examples_run_as_written(checkpoints, smollm2_cached, capsys):
+@pytest.fixture
+def smollm2_first_layers(monkeypatch, smollm2_cached):
+    """``load_smollm2`` hands out SmolLM2 cut to its first 4 of 30 layers (its own weights, tokenizer and config but
+    ``n_layers``): the examples' calls, shapes and cache layouts are the real model's at a seventh of the compute (the
+    whole model runs the README's shell example, below, and the parity tests)."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from fathom_jax import models
+    from fathom_jax.models import hub
+    from fathom_jax.models.llama import LlamaForCausalLM
+
+    model, tokenizer, config = hub.load_smollm2()
+    config = dataclasses.replace(config, n_layers=4)
+    first = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=model.dtype))
+    nnx.update(first, jax.tree_util.tree_map_with_path(lambda p, a: a[:4] if p[0].key == "layers" else a,
+                                                       nnx.state(model)))
+    load = lambda *, dtype="float32": (first, tokenizer, config)  # noqa: E731
+    monkeypatch.setattr(models, "load_smollm2", load)
+    monkeypatch.setattr(hub, "load_smollm2", load)
+
+
+@pytest.mark.slow  # decodes 1024 tokens of code: about half a minute on 2 CPU cores
+def test_python_examples_run_as_written(checkpoints, smollm2_first_layers, capsys):
     examples = blocks("python")
     assert len(examples) >= 3
     namespace: dict = {}
