@@ -30,6 +30,7 @@ Spec: ``bf16`` or ``k<K>v<V>``, each side one of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -193,6 +194,7 @@ class RowFormat:
         into any buffer, as a decode cache does."""
         return not self.block
 
+    @functools.partial(jax.jit, static_argnums=0)  # one program per format and shape, called eagerly or not
     def encode_rows(self, keys: Float[Array, "*B n Dh"], values: Float[Array, "*B n Dh"]) -> Array:
         """The rows of ``keys``/``values`` as :meth:`encode` lays them out (``bf16 [..., n, 2 Dh]``, else ``uint8
         [..., n, row_bytes]``), with no capacity, length or range check: for a format whose scales are per token
