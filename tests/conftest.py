@@ -19,6 +19,19 @@ jax.config.update("jax_enable_x64", False)
 jax.config.update("jax_num_cpu_devices", 2)  # two host devices: the sharded decode step runs over them
 
 
+def _share_compiled_programs() -> None:
+    """The run's two pytest-xdist workers share their compiled programs through one compilation cache, made for this
+    run and removed with it (``pytest_sessionfinish``): each compiles many of the same small programs."""
+    from tests.support import oracle_dir
+
+    jax.config.update("jax_compilation_cache_dir", os.path.join(oracle_dir(), "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_share_compiled_programs()
+
+
 def _max_mappings() -> int:
     """70% of the kernel's vm.max_map_count (65530 by default): a test adds at most a few thousand mappings."""
     try:
