@@ -42,6 +42,14 @@ def _provenance(meta: dict) -> list[str]:
 # RULER
 
 
+def _repeats(haystack: dict, prompt_tokens: int) -> str:
+    """Where the prompt is longer than one pass over the text, how often the haystack goes round it."""
+    tokens = haystack.get("tokens")
+    if not tokens or prompt_tokens <= tokens:
+        return ""
+    return f" ({tokens} tokens, repeated to fill the prompt as RULER repeats its essays: {prompt_tokens / tokens:.2f} passes)"
+
+
 def ruler_summary(results: dict) -> dict:
     """Per branch: pooled mean ± s.e., per-task means, paired difference against the oracle at its k."""
     tasks = [s["task"] for s in results["samples"]]
@@ -70,7 +78,8 @@ def render_ruler(results: dict) -> str:
         "",
         f"- {len(tasks)} tasks x {cfg['per_task']} samples = {n} prompts of {cfg['context'] - 64} tokens "
         f"(plain completions with RULER's templates, no chat template), needles at random depths in "
-        f"[0.05, 0.95] of a haystack of {meta['haystack']['kind']}; greedy generation of "
+        f"[0.05, 0.95] of a haystack of {meta['haystack']['kind']}{_repeats(meta['haystack'], cfg['context'] - 64)}; "
+        f"greedy generation of "
         f"12 / 40 / 24 tokens; score = fraction of gold strings in the generation",
         "- one dense prefill per sample, then greedy decoding branched per method from the same KV cache, "
         "sparse attention on every generated token",
@@ -96,11 +105,10 @@ def render_ruler(results: dict) -> str:
                                                        for t in tasks)]
     for k in ks:
         scans = [e for e in results["branches"] if e["k"] == k and e["kind"] not in ("exact", "landmark")]
-        lines = []
-        for t in tasks:
-            means = [summary[e["key"]]["tasks"][t][0] for e in scans]
-            lines.append(f"{t} {min(means):.3f}-{max(means):.3f}")
-        out.append(f"- k = {k}, range of the per-token scans' task means: " + ", ".join(lines))
+        if scans:  # a run of dense attention and the oracle alone has no scans to range over
+            ranges = (f"{t} {min(m):.3f}-{max(m):.3f}" for t in tasks
+                      for m in [[summary[e["key"]]["tasks"][t][0] for e in scans]])
+            out.append(f"- k = {k}, range of the per-token scans' task means: " + ", ".join(ranges))
         sep = [e for e in results["branches"] if e["k"] == k and e["kind"] != "exact"
                and abs(summary[e["key"]]["vs_oracle"][str(k)]["mean"]) > 2 * summary[e["key"]]["vs_oracle"][str(k)]["se"]
                and summary[e["key"]]["vs_oracle"][str(k)]["se"] > 0]

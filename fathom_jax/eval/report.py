@@ -76,14 +76,21 @@ def paired(results: dict, row: dict, flat: dict, k: str) -> dict:
     return out
 
 
+def equal_bits(meta: dict) -> float:
+    """How far apart two rows' bits may be and still count as equal: 1 bit per 64 channels of the head (1 bit at
+    SmolLM2's D = 64, 4 at Gemma 3's D = 256), the same share of a budget scaled with D."""
+    return max(1.0, meta.get("head_dim", 64) / 64)
+
+
 def allocation_lines(results: dict) -> list[str]:
-    """Every allocation row against the flat Fathom row nearest in bits (within 1 bit), at every k."""
+    """Every allocation row against the flat Fathom row nearest in bits (within :func:`equal_bits`), at every k."""
     flat = [r for r in results["rows"] if r["family"] == FLAT]
+    tolerance = equal_bits(results["meta"])
     has_oracle = any(r["kind"] == "exact" for r in results["rows"])
     lines = []
     for row in sorted((r for r in results["rows"] if r["family"] in ALLOCATION_FAMILIES), key=lambda r: r["bits"]):
         near = min(flat, key=lambda f: abs(f["bits"] - row["bits"]), default=None)
-        if near is None or abs(near["bits"] - row["bits"]) > 1.0 or not has_oracle:
+        if near is None or abs(near["bits"] - row["bits"]) > tolerance or not has_oracle:
             continue
         parts = []
         for k in (str(k) for k in results["meta"]["ks"]):
@@ -160,7 +167,8 @@ def render_markdown(results: dict) -> str:
             out.append(line)
     lines = allocation_lines(results)
     if lines:
-        out += ["", f"Allocations vs flat Fathom at equal bits (within 1 bit; excess ratio and error gap ± standard "
+        within = f"{equal_bits(meta):g} bit" + ("s" if equal_bits(meta) != 1 else "")
+        out += ["", f"Allocations vs flat Fathom at equal bits (within {within}; excess ratio and error gap ± standard "
                 f"error over blocks of {SE_BLOCK} decode positions):", ""] + [f"- {line}" for line in lines]
     lines = headline(results)
     if lines:

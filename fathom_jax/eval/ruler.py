@@ -106,10 +106,11 @@ class _Builder:
 
     def haystack(self, rng, budget: int, inserts: Sequence[tuple[float, list[int]]]) -> tuple[list[int], list[float]]:
         """``budget`` tokens of consecutive haystack sentences from a random start, with each insert (token
-        ids) placed between sentences at its depth; returns the tokens and the depths actually used."""
+        ids) placed between sentences at its depth; returns the tokens and the depths actually used. A haystack
+        longer than the text goes round it again, as RULER repeats its essays to fill long contexts."""
         need = budget - sum(len(ids) for _, ids in inserts)
-        if need <= 0 or need > self.hay_tokens:
-            raise ValueError(f"the prompt leaves {need} tokens of haystack; the text has {self.hay_tokens}")
+        if need <= 0:
+            raise ValueError(f"the prompt leaves {need} tokens of haystack: too short for the task's template")
         start = int(rng.integers(len(self.hay)))
         chunks, total, i = [], 0, start
         while total < need:
@@ -287,6 +288,11 @@ def make_samples(tokenizer, tasks: Sequence[str], per_task: int, prompt_tokens: 
             else:
                 out.append(_fwe(builder, rng))
     return out
+
+
+def haystack_tokens(tokenizer, sentences: Sequence[str]) -> int:
+    """Tokens of one pass over the haystack text (a longer haystack repeats it)."""
+    return _Builder(tokenizer, sentences, 0).hay_tokens
 
 
 def max_gen_tokens(tasks: Sequence[str]) -> int:

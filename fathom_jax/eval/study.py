@@ -55,9 +55,18 @@ LAYER_PLAN_GRID = (32, 48, 64, 80, 96, 128, 160, 192, 256)
 SESSION_BUDGETS = (64, 96)
 EXACT_PLANNER_BUDGETS = (64, 96)
 BASIS_BUDGETS = (96, 128)  # the basis rule's budgets (section 3.5)
+# The allocations beyond the paper's, in bits as read (code + scale) at D = 128: just under flat Fathom 64, 96 and
+# 128's as-read bits (at SmolLM2's D = 64: 37, 55, 73 against flat Fathom 32, 48 and 64's 37.1, 55.2, 73.1).
+BITS_BUDGETS = (74, 110)
+OBSERVED_BUDGETS = (74, 110, 146)
+EXACT_BITS_BUDGETS = (110,)
+TUNED_MEANS = (74, 110)
 _BUDGET_FIELDS = {"budgets": DEFAULT_BUDGETS, "klt_budgets": DEFAULT_KLT_BUDGETS, "layer_plan_means": LAYER_PLAN_MEANS,
                   "layer_plan_grid": LAYER_PLAN_GRID, "session_budgets": SESSION_BUDGETS,
-                  "exact_planner_budgets": EXACT_PLANNER_BUDGETS, "basis_budgets": BASIS_BUDGETS}
+                  "exact_planner_budgets": EXACT_PLANNER_BUDGETS, "basis_budgets": BASIS_BUDGETS,
+                  "bits_budgets": BITS_BUDGETS, "observed_budgets": OBSERVED_BUDGETS,
+                  "exact_bits_budgets": EXACT_BITS_BUDGETS, "tuned_means": TUNED_MEANS,
+                  "session_tuned_means": TUNED_MEANS, "tuning_grid": tuning.GRID_AT_128}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,15 +85,15 @@ class StudyConfig:
     session_budgets: tuple[int, ...] | None = None
     exact_planner_budgets: tuple[int, ...] | None = None
     basis_budgets: tuple[int, ...] | None = None
-    # Allocations in bits as read, just under flat Fathom 32, 48 and 64's (37.1, 55.2, 73.1 on SmolLM2).
-    bits_budgets: tuple[int, ...] = (37, 55)
-    observed_budgets: tuple[int, ...] = (37, 55, 73)
-    exact_bits_budgets: tuple[int, ...] = (55,)
-    tuned_means: tuple[int, ...] = (37, 55)  # budgets tuned on the calibration capture
+    # Allocations in bits as read (code + scale).
+    bits_budgets: tuple[int, ...] | None = None
+    observed_budgets: tuple[int, ...] | None = None
+    exact_bits_budgets: tuple[int, ...] | None = None
+    tuned_means: tuple[int, ...] | None = None  # budgets tuned on the calibration capture
     tuning_positions: int | None = None  # spread over the calibration window's second half; None: positions
-    session_tuned_means: tuple[int, ...] = (37, 55)  # tuned on the session: positions before the evaluated ones
+    session_tuned_means: tuple[int, ...] | None = None  # tuned on the session: positions before the evaluated ones
     session_tuning_positions: int = 64
-    tuning_grid: tuple[int, ...] = tuning.GRID
+    tuning_grid: tuple[int, ...] | None = None
 
     def selection_sizes(self) -> tuple[int, ...]:
         if self.ks:
@@ -218,6 +227,7 @@ def compile_ahead(config: StudyConfig, n_layers: int, n_heads: int, n_kv_heads: 
 
 def default_rows(head_dim: int, config: StudyConfig) -> list[Row]:
     """Every row of the study but the per-layer plans (which the calibration capture decides)."""
+    config = config.at_head_dim(head_dim)
     return (fathom_rows(head_dim, config) + alloc.fixed_rows(head_dim, config, Row) + alloc.tuned_rows(config, Row)
             + baseline_rows(head_dim))
 

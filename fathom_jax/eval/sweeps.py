@@ -283,6 +283,7 @@ def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, m
     t_start = time.time()
     methods, calib, calib_info, bits = _setup(config, model, tokenizer)
     sentences, hay_info = texts.prose_sentences()
+    hay_info = {**hay_info, "tokens": ruler_lib.haystack_tokens(tokenizer, sentences)}
     start = _bos(tokenizer)
     samples = ruler_lib.make_samples(tokenizer, config.tasks, config.per_task, config.prompt_tokens - len(start),
                                      config.seed, sentences=sentences)

@@ -29,9 +29,12 @@ from jaxtyping import Float
 
 from fathom_jax import calibrate as cal
 from fathom_jax.eval import fidelity as fid
-from fathom_jax.methods import FathomBits
+from fathom_jax.methods import FathomBits, fathom_budgets
 
-GRID = (8, 16, 26, 37, 55, 80, 120)  # budgets (bits as read) the error is measured at
+# Budgets (bits as read) the error is measured at, stated at D = 128 like the study's other budgets; GRID is
+# SmolLM2's (D = 64): 8, 16, 26, 37, 55, 80, 120.
+GRID_AT_128 = (16, 32, 52, 74, 110, 160, 240)
+GRID = fathom_budgets(64, GRID_AT_128)
 QUARTER = 0.25  # budgets are whole quarter bits (the planners' unit)
 
 

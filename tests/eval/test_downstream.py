@@ -115,6 +115,9 @@ def test_ruler_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_smollm2):
     # The report is rebuilt from the JSON alone, and printed.
     assert downstream_report.render_markdown(res) == prefix.with_suffix(".md").read_text()
     assert "| Fathom 24 |" in out and prefix.with_suffix(".png").stat().st_size > 1000
+    # Dense attention and the oracle alone (what a model solves, before ranking scans): a report without scans
+    res["branches"] = [b for b in res["branches"] if b["kind"] in ("dense", "exact")]
+    assert "range of the per-token scans" not in downstream_report.render_markdown(res)
 
 
 def test_agreement_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_smollm2):

@@ -82,3 +82,9 @@ def test_allocations_against_flat_fathom_at_equal_bits():
     assert p["gap_se"] == pytest.approx((flat_lo - alloc).reshape(4, 8).mean(axis=1).std(ddof=1) / 2)
     [line] = report.allocation_lines(results)
     assert line.startswith("tuned (36.5 bits) vs Fathom 32 (37.0 bits): k=128: excess") and "ratio 0.8" in line
+    # Equal bits: within 1 bit per 64 channels (3 bits apart is not equal at D = 64, is at D = 256)
+    results["rows"][3]["bits"] = 34.0
+    assert report.allocation_lines(results) == []
+    results["meta"]["head_dim"] = 256
+    [line] = report.allocation_lines(results)
+    assert line.startswith("tuned (34.0 bits) vs Fathom 32 (37.0 bits)")

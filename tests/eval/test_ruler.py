@@ -77,3 +77,18 @@ def test_depths_are_spread_over_the_window(tokenizer, sentences):
     samples = ruler.make_samples(tokenizer, ("niah_single",), per_task=12, prompt_tokens=600, sentences=sentences)
     depths = np.array([s.depths[0] for s in samples])
     assert depths.min() < 0.35 and depths.max() > 0.65
+
+
+def test_a_haystack_longer_than_the_text_goes_round_it_again(tokenizer, sentences):
+    """As RULER repeats its essays: a prompt longer than one pass over the sentences reuses them in order, the
+    needle still inside, and the report says so."""
+    from fathom_jax.eval import downstream_report
+
+    few = sentences[:12]
+    one_pass = ruler.haystack_tokens(tokenizer, few)
+    [sample] = ruler.make_samples(tokenizer, ("niah_single",), per_task=1, prompt_tokens=3 * one_pass, sentences=few)
+    assert len(sample.prompt) == 3 * one_pass
+    text = tokenizer.decode(list(sample.prompt))
+    assert text.count(few[5]) >= 2 and sample.gold[0] in text
+    assert "2.50 passes" in downstream_report._repeats({"tokens": 100}, 250)
+    assert downstream_report._repeats({"tokens": 100}, 100) == downstream_report._repeats({}, 250) == ""

@@ -70,3 +70,19 @@ def test_baseline_rows_are_the_papers_method_set_at_the_head_dim():
     assert specs == ["sparq:8", "sparq:16", "sparq_union:8", "double_sparsity:16", "loki:16", "loki:32", "thumbnail:2",
                      "landmark", "quest:16", "quest:8", "full4", "exact"]
     assert [m.spec for m in M.paper_methods(64, budgets=())] == [M.at_head_dim(s, 64) for s in M.PAPER_METHODS]
+
+
+def test_allocation_budgets_scale_with_the_head_dim():
+    """The allocation rows sit at the same fractions of D as the flat budgets: SmolLM2's (D = 64) are the budgets
+    its committed studies ran; Gemma 3's (D = 256) four times them, so they stay just under flat Fathom's bits."""
+    from fathom_jax.eval import tuning
+
+    small, gemma = study.StudyConfig().at_head_dim(64), study.StudyConfig().at_head_dim(256)
+    assert (small.bits_budgets, small.observed_budgets, small.exact_bits_budgets) == ((37, 55), (37, 55, 73), (55,))
+    assert small.tuned_means == small.session_tuned_means == (37, 55)
+    assert small.tuning_grid == tuning.GRID == (8, 16, 26, 37, 55, 80, 120)
+    assert (gemma.bits_budgets, gemma.observed_budgets, gemma.tuned_means) == ((148, 220), (148, 220, 292), (148, 220))
+    assert gemma.tuning_grid == (32, 64, 104, 148, 220, 320, 480)
+    labels = [row.name for row in study.default_rows(256, study.StudyConfig()) if row.family.startswith("Fathom tuned")]
+    assert labels == ["Fathom tuned, mean 148 bits (per layer and KV head)", "Fathom tuned, mean 220 bits (per layer and KV head)"]
+    assert study.StudyConfig(tuned_means=(18,)).at_head_dim(256).tuned_means == (18,)  # given budgets stay as given
