@@ -173,3 +173,29 @@ def lower_triton_text(fn, *args, **kwargs) -> str:
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
         )(*specs)
     return exported.mlir_module()
+
+
+def serve_first_layers(monkeypatch, n_layers: int) -> None:
+    """``hub.load_model`` (and so ``load_smollm2``) hands out SmolLM2 cut to its first ``n_layers`` layers: its own
+    weights, tokenizer and config but ``n_layers``, so examples and notebooks run the real model's calls, shapes and
+    cache layouts at a fraction of the compute. Other models load as they are."""
+    import dataclasses
+
+    from flax import nnx
+
+    from fathom_jax.models import hub
+    from fathom_jax.models.llama import LlamaForCausalLM
+
+    load = hub.load_model
+    model, tokenizer, config = load("smollm2")
+    config = dataclasses.replace(config, n_layers=n_layers)
+    first = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=model.dtype))
+    nnx.update(first, jax.tree_util.tree_map_with_path(
+        lambda p, a: a[:n_layers] if p[0].key == "layers" else a, nnx.state(model)))
+
+    def load_first(source=None, *, dtype="float32"):
+        if source in (None, "smollm2") and dtype == "float32":
+            return first, tokenizer, config
+        return load(source, dtype=dtype)
+
+    monkeypatch.setattr(hub, "load_model", load_first)

@@ -103,26 +103,11 @@ def smollm2_cached():
 
 @pytest.fixture
 def smollm2_first_layers(monkeypatch, smollm2_cached):
-    """``load_smollm2`` hands out SmolLM2 cut to its first 4 of 30 layers (its own weights, tokenizer and config but
-    ``n_layers``): the examples' calls, shapes and cache layouts are the real model's at a seventh of the compute (the
-    whole model runs the README's shell example, below, and the parity tests)."""
-    import dataclasses
+    """SmolLM2 cut to its first 4 of 30 layers (tests.support.serve_first_layers): the examples' calls, shapes and
+    cache layouts are the real model's at a seventh of the compute (the parity tests run the whole model)."""
+    from tests.support import serve_first_layers
 
-    import jax
-    from flax import nnx
-
-    from fathom_jax import models
-    from fathom_jax.models import hub
-    from fathom_jax.models.llama import LlamaForCausalLM
-
-    model, tokenizer, config = hub.load_smollm2()
-    config = dataclasses.replace(config, n_layers=4)
-    first = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=model.dtype))
-    nnx.update(first, jax.tree_util.tree_map_with_path(lambda p, a: a[:4] if p[0].key == "layers" else a,
-                                                       nnx.state(model)))
-    load = lambda *, dtype="float32": (first, tokenizer, config)  # noqa: E731
-    monkeypatch.setattr(models, "load_smollm2", load)
-    monkeypatch.setattr(hub, "load_smollm2", load)
+    serve_first_layers(monkeypatch, 4)
 
 
 @pytest.mark.slow  # decodes 1024 tokens of code: about half a minute on 2 CPU cores
@@ -139,7 +124,7 @@ def test_python_examples_run_as_written(checkpoints, smollm2_first_layers, capsy
 
 
 @pytest.mark.slow
-def test_shell_examples_run_as_written(smollm2_cached, capsys, monkeypatch):
+def test_shell_examples_run_as_written(smollm2_first_layers, capsys, monkeypatch):
     from fathom_jax import cli
 
     monkeypatch.chdir(REPO)

@@ -122,6 +122,10 @@ def _common(p) -> None:
                         "or each prompt's own keys (session)")
     p.add_argument("--calib-tokens", type=positive_int(128), default=4096,
                    help="tokens of the pydoc prose captured for the corpus statistics (and the bits per token)")
+    p.add_argument("--rows", nargs="+", default=[ds.MODEL_ROWS], action=Distinct,
+                   help="K/V row formats every scan decodes with, each a branch of its own: model (the model's dtype) "
+                        "or a format with per-token scales, e.g. k8v8; the exact top-k oracle always decodes with the "
+                        "model's rows too, the reference of every comparison")
     p.add_argument("--out", default="results", help="folder for the results files")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--resume", action="store_true",
@@ -156,7 +160,7 @@ def ruler_configs(args: argparse.Namespace) -> list[sweeps.RulerConfig]:
     model_config = _model_config(args)
     configs = [sweeps.RulerConfig(context=c, ks=tuple(args.k), tasks=tuple(args.tasks), per_task=args.per_task,
                                   methods=_methods(args, model_config.head_dim), batch=args.batch, seed=args.seed,
-                                  calibration=args.calibration, calib_tokens=args.calib_tokens)
+                                  calibration=args.calibration, calib_tokens=args.calib_tokens, rows=tuple(args.rows))
                for c in args.context]
     return _checked(configs, sweeps.check_ruler, args.out, model_config)
 
@@ -170,7 +174,7 @@ def agreement_configs(args: argparse.Namespace) -> list[sweeps.AgreementConfig]:
     configs = [sweeps.AgreementConfig(context=c, sessions=args.sessions, k_fractions=tuple(args.k_fraction),
                                       steps=args.steps, methods=_methods(args, d), baseline=baseline,
                                       batch=args.batch, calibration=args.calibration,
-                                      calib_tokens=args.calib_tokens)
+                                      calib_tokens=args.calib_tokens, rows=tuple(args.rows))
                for c in args.context]
     return _checked(configs, sweeps.check_agreement, args.out, model_config)
 

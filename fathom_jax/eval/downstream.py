@@ -63,21 +63,31 @@ def forced_tokens(k: int) -> tuple[int, int]:
     return min(SINK_TOKENS, max(1, k // 8)), max(1, k // 4)
 
 
+MODEL_ROWS = "model"  # the cache's K/V rows in the model's dtype (the default; every sweep's reference)
+
+
 @dataclasses.dataclass(frozen=True)
 class Branch:
-    """One decoding branch: a method at a selection size (``k = None`` for dense attention)."""
+    """One decoding branch: a method at a selection size (``k = None`` for dense attention), its cache's K/V rows
+    in ``rows`` (a row format spec such as ``k8v8``; None: the model's dtype)."""
 
     method: ScanMethod
     k: int | None
+    rows: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.method.label if self.rows is None else f"{self.method.label} ({self.rows} rows)"
 
     @property
     def name(self) -> str:
-        return self.method.label if self.k is None else f"{self.method.label}, k={self.k}"
+        return self.label if self.k is None else f"{self.label}, k={self.k}"
 
     @property
     def key(self) -> str:
-        """Stable id in results files, e.g. ``fathom:48@128``, ``dense``."""
-        return self.method.spec if self.k is None else f"{self.method.spec}@{self.k}"
+        """Stable id in results files, e.g. ``fathom:48@128``, ``fathom:48@128+k8v8``, ``dense``."""
+        key = self.method.spec if self.k is None else f"{self.method.spec}@{self.k}"
+        return key if self.rows is None else f"{key}+{self.rows}"
 
 
 def parse_methods(specs: Sequence[str]) -> tuple[ScanMethod, ...]:
@@ -90,14 +100,17 @@ def parse_methods(specs: Sequence[str]) -> tuple[ScanMethod, ...]:
     return tuple(out)
 
 
-def branches(methods: Sequence[ScanMethod], ks: Sequence[int]) -> list[Branch]:
-    """Dense once (it selects nothing), every other method at every k."""
+def branches(methods: Sequence[ScanMethod], ks: Sequence[int], rows: Sequence[str] = (MODEL_ROWS,)) -> list[Branch]:
+    """Dense once (it selects nothing), every other method at every k with every row format of ``rows``; the
+    exact top-k oracle always with rows in the model's dtype too (the step every branch is compared with)."""
+    formats = [None if r == MODEL_ROWS else r for r in rows]
     out = []
     for m in methods:
         if isinstance(m, methods_lib.Dense):
             out.append(Branch(m, None))
-        else:
-            out += [Branch(m, int(k)) for k in ks]
+            continue
+        mine = ([None] + [f for f in formats if f is not None]) if isinstance(m, methods_lib.Exact) else formats
+        out += [Branch(m, int(k), f) for k in ks for f in mine]
     return out
 
 
@@ -159,7 +172,7 @@ def attention_for(branch: Branch, capacity: int, calibration: Calibration | str 
     """The decode attention of ``branch`` (jnp reference scan: the same numbers on every machine)."""
     k = capacity if branch.k is None else branch.k
     sink, local = forced_tokens(k)
-    return decode.from_spec(branch.method, k=k, calibration=calibration, sink=sink, local=local,
+    return decode.from_spec(branch.method, k=k, calibration=calibration, sink=sink, local=local, rows=branch.rows,
                             implementation="xla")
 
 

@@ -15,6 +15,16 @@ def _sorted(entries):
     return sorted(entries, key=lambda e: (_ORDER.get(e["kind"], 2), e["bits"], e["label"]))
 
 
+def _key(spec: str, k, rows: str | None = None) -> str:
+    """A branch's key (``downstream.Branch.key``): ``spec@k``, ``+rows`` for rows in a compressed format."""
+    return f"{spec}@{k}" if not rows else f"{spec}@{k}+{rows}"
+
+
+def _is_oracle(e: dict) -> bool:
+    """The exact top-k oracle with the model's rows: the reference of every comparison."""
+    return e["kind"] == "exact" and not e.get("rows")
+
+
 def _pm(mean: float, se: float, digits: int = 3) -> str:
     return f"{mean:.{digits}f} ± {se:.{digits}f}"
 
@@ -96,7 +106,7 @@ def render_ruler(results: dict) -> str:
         for e in rows:
             s = summary[e["key"]]
             bits = "-" if e["kind"] in ("dense", "exact") else f"{e['bits']:.1f}"
-            delta = "-" if e["kind"] == "exact" else _signed(s["vs_oracle"][str(k)])
+            delta = "-" if _is_oracle(e) else _signed(s["vs_oracle"][str(k)])
             per_task = " | ".join(f"{s['tasks'][t][0]:.3f}" for t in tasks)
             out.append(f"| {e['label']} | {bits} | {_pm(*s['mean_se'])} | {delta} | {per_task} |")
         out.append("")
@@ -109,7 +119,7 @@ def render_ruler(results: dict) -> str:
             ranges = (f"{t} {min(m):.3f}-{max(m):.3f}" for t in tasks
                       for m in [[summary[e["key"]]["tasks"][t][0] for e in scans]])
             out.append(f"- k = {k}, range of the per-token scans' task means: " + ", ".join(ranges))
-        sep = [e for e in results["branches"] if e["k"] == k and e["kind"] != "exact"
+        sep = [e for e in results["branches"] if e["k"] == k and not _is_oracle(e)
                and abs(summary[e["key"]]["vs_oracle"][str(k)]["mean"]) > 2 * summary[e["key"]]["vs_oracle"][str(k)]["se"]
                and summary[e["key"]]["vs_oracle"][str(k)]["se"] > 0]
         out.append(f"- k = {k}, methods more than 2 s.e. from the oracle (paired): "
@@ -164,7 +174,7 @@ def agreement_summary(results: dict) -> dict:
         row = {"real": mean_se(e["real"]), "agreement": {}, "vs_baseline": {}}
         for k, values in e["agreement"].items():
             row["agreement"][k] = mean_se(values)
-            base = by_key.get(f"{cfg['baseline']}@{k}")
+            base = by_key.get(_key(cfg["baseline"], k, e.get("rows")))
             if base is not None:
                 row["vs_baseline"][k] = paired(values, base["agreement"][k])
         out[e["key"]] = row
@@ -176,6 +186,10 @@ def render_agreement(results: dict) -> str:
     summary = agreement_summary(results)
     ks = [str(k) for k in meta["ks"]]
     base = next(e for e in results["branches"] if e["spec"] == cfg["baseline"])
+    rows = sorted({e.get("rows") or "" for e in results["branches"] if e["kind"] != "dense"})
+    rows_note = ([f"- K/V rows: {', '.join(r or 'the model dtype' for r in rows)}; a branch in a compressed format is "
+                  "compared with the exact top-k step on the model's rows, its Δ with the baseline in the same format"]
+                 if rows != [""] else [])
     packages = meta["sessions"]["packages"]
     out = [
         f"# Step agreement on code sessions: {meta['model']}, {cfg['context']} tokens",
@@ -187,6 +201,7 @@ def render_agreement(results: dict) -> str:
         "- step agreement: word-level sequence-match ratio (difflib) between a method's step and the exact "
         "top-k step at the same k; mean ± s.e. over sessions; Δ: paired difference against "
         f"{base['label']} (mean ± s.e., sessions better / equal / worse); real: ratio against the real next span",
+        *rows_note,
         *_provenance(meta),
         "",
         "| method | bits | " + " | ".join(f"k={k} ({int(k) / cfg['context']:.1%}) | Δ {base['label']} k={k}"
@@ -212,11 +227,14 @@ def render_agreement(results: dict) -> str:
     out += ["", "Fathom against SparQ at fewer bits (paired over sessions):", ""]
     fathoms = [e for e in results["branches"] if e["kind"] == "fathom"]
     for k in ks:
-        for e in sorted((f for f in fathoms if str(f["k"]) == k), key=lambda f: f["bits"]):
-            v = summary[e["key"]]["vs_baseline"][k]
+        for e in sorted((f for f in fathoms if str(f["k"]) == k), key=lambda f: (f["bits"], f.get("rows") or "")):
+            v = summary[e["key"]]["vs_baseline"].get(k)
+            other = next((b for b in results["branches"] if b["key"] == _key(cfg["baseline"], k, e.get("rows"))), None)
+            if v is None or other is None:
+                continue
             out.append(f"- k={k}: {e['label']} ({e['bits']:.1f} bits) {_pm(*summary[e['key']]['agreement'][k], 2)} vs "
-                       f"{base['label']} ({base['bits']:.1f} bits) "
-                       f"{_pm(*summary[cfg['baseline'] + '@' + k]['agreement'][k], 2)}: paired {_signed(v, 2)} "
+                       f"{other['label']} ({other['bits']:.1f} bits) "
+                       f"{_pm(*summary[other['key']]['agreement'][k], 2)}: paired {_signed(v, 2)} "
                        f"({v['wins']} better, {v['ties']} equal, {v['losses']} worse)")
     return "\n".join(out) + "\n"
 

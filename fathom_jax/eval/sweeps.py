@@ -51,6 +51,7 @@ class RulerConfig:
     seed: int = 0
     calibration: str = "corpus"  # corpus: statistics of the pydoc prose; session: the prompt's own keys
     calib_tokens: int = 4096
+    rows: tuple[str, ...] = (ds.MODEL_ROWS,)  # the K/V row formats every scan decodes with
 
     @property
     def prompt_tokens(self) -> int:
@@ -75,6 +76,7 @@ class AgreementConfig:
     batch: int = 2
     calibration: str = "corpus"
     calib_tokens: int = 4096
+    rows: tuple[str, ...] = (ds.MODEL_ROWS,)
 
     @property
     def prompt_tokens(self) -> int:
@@ -105,6 +107,16 @@ def check_common(config, max_context: int, head_dim: int) -> None:
         m.validate(head_dim)
     if not any(m.name == "exact" for m in methods):
         raise ValueError("the methods must include exact (the top-k oracle every scan is compared with)")
+    from fathom_jax.decode.rows import row_format
+
+    if not config.rows or len(set(config.rows)) != len(config.rows):
+        raise ValueError(f"rows: give each K/V row format once, at least one, got {list(config.rows)}")
+    for rows in config.rows:
+        fmt = row_format(rows)  # a clear error for an unknown format or one without per-token scales
+        if fmt is not None:
+            fmt.validate(head_dim)
+            if rows != fmt.spec:
+                raise ValueError(f"rows: write {rows!r} as {fmt.spec!r}")
 
 
 def check_ruler(config: RulerConfig, max_context: int = 8192, head_dim: int = 64) -> None:
@@ -287,7 +299,7 @@ def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, m
     start = _bos(tokenizer)
     samples = ruler_lib.make_samples(tokenizer, config.tasks, config.per_task, config.prompt_tokens - len(start),
                                      config.seed, sentences=sentences)
-    branches = ds.branches(methods, config.ks)
+    branches = ds.branches(methods, config.ks, config.rows)
     scores = {b.key: [] for b in branches}
     generations = {b.key: [] for b in branches}
     with contextlib.closing(_start(config, len(samples), branches, progress, log, calib)) as units:
@@ -321,7 +333,7 @@ def run_agreement(config: AgreementConfig, model, tokenizer, *, progress: bool =
     start = _bos(tokenizer)
     sessions, session_info = agreement_lib.make_sessions(tokenizer, config.sessions, config.prompt_tokens - len(start),
                                                          config.steps)
-    branches = ds.branches(methods, config.ks)
+    branches = ds.branches(methods, config.ks, config.rows)
     texts_out = {b.key: [] for b in branches}
     with contextlib.closing(_start(config, len(sessions), branches, progress, log, calib)) as units:
         for i, batch in enumerate(_batches(sessions, config.batch)):
@@ -351,8 +363,8 @@ def run_agreement(config: AgreementConfig, model, tokenizer, *, progress: bool =
 
 def _branch_entry(branch: ds.Branch, bits: dict, scores, generations) -> dict:
     m = branch.method
-    entry = {"key": branch.key, "spec": m.spec, "label": m.label, "kind": m.name, "k": branch.k,
-             "bits": bits[m.spec], "generations": generations}
+    entry = {"key": branch.key, "spec": m.spec, "label": branch.label, "kind": m.name, "k": branch.k,
+             "rows": branch.rows, "bits": bits[m.spec], "generations": generations}
     if scores is not None:
         entry["scores"] = scores
     return entry

@@ -31,6 +31,14 @@ def test_branches_parse_and_statistics():
     methods = ds.parse_methods(["dense", "exact", "fathom:48", "sparq:16"])
     keys = [b.key for b in ds.branches(methods, (64, 128))]
     assert keys == ["dense", "exact@64", "exact@128", "fathom:48@64", "fathom:48@128", "sparq:16@64", "sparq:16@128"]
+    # Compressed rows: every scan in each format, the oracle on the model's rows too (the reference)
+    by_rows = ds.branches(methods, (64,), rows=("k8v8",))
+    assert [b.key for b in by_rows] == ["dense", "exact@64", "exact@64+k8v8", "fathom:48@64+k8v8", "sparq:16@64+k8v8"]
+    assert by_rows[3].name == "Fathom 48 (k8v8 rows), k=64"
+    assert [b.key for b in ds.branches(methods[2:], (64,), rows=("model", "k8v8"))] == [
+        "fathom:48@64", "fathom:48@64+k8v8", "sparq:16@64", "sparq:16@64+k8v8"]
+    attn = ds.attention_for(by_rows[3], 512, "session")
+    assert attn.rows.spec == "k8v8" and ds.attention_for(by_rows[1], 512, None).rows is None
     with pytest.raises(ValueError, match="listed twice"):
         ds.parse_methods(["sparq:16", "sparq:16"])
     with pytest.raises(ValueError):
@@ -83,6 +91,9 @@ def run(capsys, *argv):
     (["agreement", "--k-fraction", "1.5"], "k fractions must lie in (0, 1]"),
     (["agreement", "--sessions", "1"], "expected an integer >= 2"),
     (["agreement", "--steps", "4000", "--context", "4096"], "steps must lie in [1, context / 2]"),
+    (["agreement", "--rows", "k8c64v8"], "K scales per block of tokens"),
+    (["ruler", "--rows", "k9v9"], "k9v9"),
+    (["ruler", "--rows", "K8V8"], "write 'K8V8' as 'k8v8'"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2_before_the_model_loads(capsys, monkeypatch, argv, message):
     from fathom_jax.models import hub
@@ -121,18 +132,24 @@ def test_ruler_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_smollm2):
 
 
 def test_agreement_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_smollm2):
+    """The scans decode with k8v8 rows (--rows), compared with the exact step on the model's rows; the oracle
+    decodes in both, and Fathom is paired with SparQ in the same rows."""
     code, out, err = run(capsys, "agreement", "--context", "512", "--sessions", "2", "--steps", "8",
                          "--k-fraction", "0.125", "--methods", "dense", "exact", "fathom:24", "sparq:16",
-                         "--calib-tokens", "256", "--out", str(tmp_path), "--quiet")
+                         "--rows", "k8v8", "--calib-tokens", "256", "--out", str(tmp_path), "--quiet")
     assert code == 0, err
     res = json.loads((tmp_path / "agreement_smollm2_512.json").read_text())
     by_key = {b["key"]: b for b in res["branches"]}
-    assert set(by_key) == {"dense", "exact@64", "fathom:24@64", "sparq:16@64"} and res["meta"]["ks"] == [64]
+    assert set(by_key) == {"dense", "exact@64", "exact@64+k8v8", "fathom:24@64+k8v8", "sparq:16@64+k8v8"}
+    assert res["meta"]["ks"] == [64] and res["meta"]["config"]["rows"] == ["k8v8"]
     assert by_key["exact@64"]["agreement"]["64"] == [1.0, 1.0]  # the oracle agrees with itself
+    assert by_key["fathom:24@64+k8v8"]["rows"] == "k8v8" and by_key["exact@64"]["rows"] is None
     for b in res["branches"]:
         assert len(b["agreement"]["64"]) == 2 and len(b["real"]) == 2
-    assert downstream_report.render_markdown(res) == (tmp_path / "agreement_smollm2_512.md").read_text()
-    assert "Δ SparQ r=16" in out
+    report = downstream_report.render_markdown(res)
+    assert report == (tmp_path / "agreement_smollm2_512.md").read_text()
+    assert "| exact top-k oracle (k8v8 rows), k=64 |" in report and "- K/V rows: the model dtype, k8v8" in report
+    assert "Fathom 24 (k8v8 rows)" in out and "vs SparQ r=16 (k8v8 rows)" in out
 
 
 def test_gemma3_sweep_decodes_from_its_windows_and_global_cache(capsys, tmp_path, tiny_gemma3):
