@@ -184,9 +184,12 @@ def test_writes_layer_by_layer_equal_the_writes_after_the_scan(model, spec, shar
     hkv, layers = cfg.n_kv_heads, cfg.n_layers
     q = jnp.asarray(rng.standard_normal((layers, 2, hkv, cfg.group_size, cfg.head_dim)), jnp.float32)
     kv = jnp.asarray(rng.standard_normal((2, layers, 2, hkv, cfg.head_dim)), jnp.float32)
-    per_layer = [attn.attend(cache, layer, q[layer], kv[0, layer], kv[1, layer])[1] for layer in range(layers)]
+    # each piece as one program (eagerly, hundreds of small ops compiled one by one)
+    attend = jax.jit(lambda cache, layer, q, k, v: attn.attend(cache, layer, q, k, v)[1])
+    per_layer = [attend(cache, jnp.int32(layer), q[layer], kv[0, layer], kv[1, layer]) for layer in range(layers)]
     updates = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
-    want = attn.commit(cache, updates)
+    commit = jax.jit(attn.commit)
+    want = commit(cache, updates)
 
     got, p = cache, cache.group_length()
     for layer, update in enumerate(per_layer):
@@ -195,7 +198,7 @@ def test_writes_layer_by_layer_equal_the_writes_after_the_scan(model, spec, shar
         got = dataclasses.replace(got, kv=kv_rows, index=dataclasses.replace(got.index, data=data))
         assert len(write.tokens) == 0  # functional writes here; in place they return one token per write
     written = jnp.zeros((layers,) + cache.writes.shape, jnp.int32)
-    got = attn.commit(got, dataclasses.replace(updates, written=written))
+    got = commit(got, dataclasses.replace(updates, written=written))
     assert_trees_bitwise_equal(got, want)
     row = np.asarray(want.kv[0, :, 63])  # sequence 0's new row: the last layer's where the buffer is shared
     np.testing.assert_array_equal(row[: cfg.n_kv_heads, : cfg.head_dim],
