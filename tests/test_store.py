@@ -50,6 +50,10 @@ def test_appendix_approximate_scores(appendix):
     assert set(np.argsort(-scores[1])[:2]) == {5, 0}  # head B: {t5, t0}
 
 
+_build_store = jax.jit(S.build_store, static_argnames="capacity")
+_dequantize = jax.jit(S.dequantize)
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     # A few shapes (one token, a partial block, one exact block, two and a partial; one or six channels): each
@@ -59,10 +63,11 @@ def test_appendix_approximate_scores(appendix):
     t=st.integers(0, 4),
 )
 def test_prefix_read_is_the_t_bit_quantizer(keys, t):
-    """Bit for bit: t planes == direct t-bit quantization under the same stored scale."""
-    store = S.build_store(keys)
+    """Bit for bit: t planes == direct t-bit quantization under the same stored scale (each as one program per
+    shape: eagerly, every op compiles for every drawn shape)."""
+    store = _build_store(keys)
     n, d = keys.shape
-    got = np.asarray(S.dequantize(store, t))[:n]
+    got = np.asarray(_dequantize(store, jnp.int32(t)))[:n]
     scales = np.repeat(np.asarray(store.scales, np.float32).T, S.BLOCK_TOKENS, axis=0)[:n]
     want = direct_quantize(keys, scales, t) if t > 0 else np.zeros_like(keys)
     np.testing.assert_array_equal(got, want)
@@ -72,10 +77,11 @@ def test_prefix_read_is_the_t_bit_quantizer(keys, t):
 @given(codes=hnp.arrays(np.int32, st.tuples(st.integers(1, 3).map(lambda w: 32 * w), st.integers(1, 5)),
                         elements=st.integers(0, 15)))
 def test_pack_unpack_round_trip(codes):
-    planes = S.pack_planes(jnp.asarray(codes))
-    np.testing.assert_array_equal(np.asarray(S.unpack_planes(planes)), codes)
+    planes = jax.jit(S.pack_planes)(jnp.asarray(codes))
+    unpack = jax.jit(S.unpack_planes)
+    np.testing.assert_array_equal(np.asarray(unpack(planes)), codes)
     for t in range(5):
-        np.testing.assert_array_equal(np.asarray(S.unpack_planes(planes, t)), codes >> (4 - t))
+        np.testing.assert_array_equal(np.asarray(unpack(planes, jnp.int32(t))), codes >> (4 - t))
 
 
 def test_channel_major_runs_are_contiguous(rng, random_keys):
@@ -92,15 +98,15 @@ def test_channel_major_runs_are_contiguous(rng, random_keys):
 
 def test_tail_block_and_length(rng, random_keys):
     keys = random_keys(rng, (3, 100, 4))
-    store = S.build_store(keys, capacity=200)
+    store = _build_store(keys, capacity=200)
     assert store.capacity == 256 and store.num_blocks == 4
     # Rows past the length are zero and never reach a scale.
-    deq = np.asarray(S.dequantize(store))
+    deq = np.asarray(_dequantize(store))
     assert np.all(deq[:, 100:] == 0)
-    short = S.build_store(keys, length=np.array([100, 70, 0]))
-    np.testing.assert_array_equal(np.asarray(S.dequantize(short))[1, 70:], 0)
+    short = _build_store(keys, length=np.array([100, 70, 0]))
+    np.testing.assert_array_equal(np.asarray(_dequantize(short))[1, 70:], 0)
     np.testing.assert_array_equal(np.asarray(short.scales)[2], 0)
-    ref = S.build_store(keys[1, :70])
+    ref = _build_store(keys[1, :70])
     np.testing.assert_array_equal(np.asarray(short.scales)[1], np.asarray(ref.scales))
 
 
