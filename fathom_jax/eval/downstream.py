@@ -66,6 +66,12 @@ def forced_tokens(k: int) -> tuple[int, int]:
 MODEL_ROWS = "model"  # the cache's K/V rows in the model's dtype (the default; every sweep's reference)
 
 
+def branch_key(spec: str, k: int | str | None, rows: str | None = None) -> str:
+    """A branch's stable id in results files, e.g. ``fathom:48@128``, ``fathom:48@128+k8v8``, ``dense``."""
+    key = spec if k is None else f"{spec}@{k}"
+    return key if not rows else f"{key}+{rows}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Branch:
     """One decoding branch: a method at a selection size (``k = None`` for dense attention), its cache's K/V rows
@@ -85,9 +91,7 @@ class Branch:
 
     @property
     def key(self) -> str:
-        """Stable id in results files, e.g. ``fathom:48@128``, ``fathom:48@128+k8v8``, ``dense``."""
-        key = self.method.spec if self.k is None else f"{self.method.spec}@{self.k}"
-        return key if self.rows is None else f"{key}+{self.rows}"
+        return branch_key(self.method.spec, self.k, self.rows)
 
 
 def parse_methods(specs: Sequence[str]) -> tuple[ScanMethod, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fathom_jax.eval.downstream import mean_se, paired
+from fathom_jax.eval.downstream import branch_key, mean_se, paired
 from fathom_jax.eval.report import save_report
 
 _ORDER = {"dense": 0, "exact": 1}
@@ -13,11 +13,6 @@ _ORDER = {"dense": 0, "exact": 1}
 
 def _sorted(entries):
     return sorted(entries, key=lambda e: (_ORDER.get(e["kind"], 2), e["bits"], e["label"]))
-
-
-def _key(spec: str, k, rows: str | None = None) -> str:
-    """A branch's key (``downstream.Branch.key``): ``spec@k``, ``+rows`` for rows in a compressed format."""
-    return f"{spec}@{k}" if not rows else f"{spec}@{k}+{rows}"
 
 
 def _is_oracle(e: dict) -> bool:
@@ -174,7 +169,7 @@ def agreement_summary(results: dict) -> dict:
         row = {"real": mean_se(e["real"]), "agreement": {}, "vs_baseline": {}}
         for k, values in e["agreement"].items():
             row["agreement"][k] = mean_se(values)
-            base = by_key.get(_key(cfg["baseline"], k, e.get("rows")))
+            base = by_key.get(branch_key(cfg["baseline"], k, e.get("rows")))
             if base is not None:
                 row["vs_baseline"][k] = paired(values, base["agreement"][k])
         out[e["key"]] = row
@@ -226,12 +221,13 @@ def render_agreement(results: dict) -> str:
         out.append(f"| {label} | {bits} | " + " | ".join(cells) + f" | {_pm(*s['real'], 2)} |")
     out += ["", "Fathom against SparQ at fewer bits (paired over sessions):", ""]
     fathoms = [e for e in results["branches"] if e["kind"] == "fathom"]
+    by_key = {e["key"]: e for e in results["branches"]}
     for k in ks:
         for e in sorted((f for f in fathoms if str(f["k"]) == k), key=lambda f: (f["bits"], f.get("rows") or "")):
-            v = summary[e["key"]]["vs_baseline"].get(k)
-            other = next((b for b in results["branches"] if b["key"] == _key(cfg["baseline"], k, e.get("rows"))), None)
-            if v is None or other is None:
+            other = by_key.get(branch_key(cfg["baseline"], k, e.get("rows")))  # the baseline in the same rows
+            if other is None:
                 continue
+            v = summary[e["key"]]["vs_baseline"][k]
             out.append(f"- k={k}: {e['label']} ({e['bits']:.1f} bits) {_pm(*summary[e['key']]['agreement'][k], 2)} vs "
                        f"{other['label']} ({other['bits']:.1f} bits) "
                        f"{_pm(*summary[other['key']]['agreement'][k], 2)}: paired {_signed(v, 2)} "

@@ -167,7 +167,8 @@ def render_markdown(results: dict) -> str:
             out.append(line)
     lines = allocation_lines(results)
     if lines:
-        within = f"{equal_bits(meta):g} bit" + ("s" if equal_bits(meta) != 1 else "")
+        tolerance = equal_bits(meta)
+        within = f"{tolerance:g} bit" + ("s" if tolerance != 1 else "")
         out += ["", f"Allocations vs flat Fathom at equal bits (within {within}; excess ratio and error gap ± standard "
                 f"error over blocks of {SE_BLOCK} decode positions):", ""] + [f"- {line}" for line in lines]
     lines = headline(results)
