@@ -164,6 +164,8 @@ PRESETS = harness.presets({
                  "--resident-planes 2,4 --share-kv-from 1m --time-budget 210",
     "tiers-profile": f"--tag h200_tiers_profile --sections attn,attnprofile --contexts 1m {_F48} --resident-planes 1 "
                      "--share-kv-from 1m --time-budget 140",
+    "tiers-chunks": f"--tag h200_tiers_chunks --sections link,attn --contexts 1m {_F48} --resident-planes 1,2,4 "
+                    "--pipeline 8,2,1 --share-kv-from 1m --time-budget 420",
     # K/V row formats (issue 32): every layer's (every session's) own rows in 8-bit K and V, beside bf16 rows; the pinned
     # host cap must hold them (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, README). bf16 rows of every layer at 1M (167 GB) do
     # not fit the 128 GiB host: their row, shared by every layer, is the committed baseline (offload_h200). At 128k
@@ -173,6 +175,8 @@ PRESETS = harness.presets({
                f"{_F48} --rows k8v8 --share-kv-from none --time-budget 200",
     "rows-128k-batch": f"--tag h200_rows_128k_b8 --sections link,attnbatch,batch --contexts 128k --batches 8 {_F48} "
                        "--rows k8v8@none,model@512k --share-kv-from none --time-budget 280",
+    "rows-128k-batches": f"--tag h200_rows_128k_batches --sections link,batch --contexts 128k --batches 8,4,2,1 "
+                         f"{_F48} --rows k8v8 --resident-planes 0,1 --share-kv-from none --time-budget 540",
     # results/offload_h200x2.*, the two-H200 machine (every layer's own K/V: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, README)
     "x2-1m-1gpu": f"--tag h200x2_1m_1gpu --mesh 1 --read staged --sections link,attn --contexts 1m {_F48_32} "
                   "--index-writes every_step,full_blocks --share-kv-from none --time-budget 230",
@@ -1155,6 +1159,7 @@ def write_report(res: dict, prefix: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    batch_plot([r for r in rows if r["kind"] == "full"], prefix + "_batches.png", m["device"])
     if not att:
         return
     fig, ax = plt.subplots(figsize=(11, 5.2))
@@ -1246,6 +1251,34 @@ def tier_plot(att: list[dict], path: str, device: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title(f"{device}: resident planes (p = 0, 1, 2, 4)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def batch_plot(full: list[dict], path: str, device: str) -> None:
+    """Tokens per second of the full step against the batch size (sessions of their own), one line per method,
+    context, row format and resident planes; only where a line has two batch sizes or more."""
+    import matplotlib.pyplot as plt
+
+    lines: dict[tuple, dict[int, float]] = {}
+    for r in full:
+        key = (r["method"], r["context"], r.get("rows", "model"), r.get("resident_planes", 0), r.get("shared_kv"))
+        lines.setdefault(key, {})[r["batch"]] = max(r["tokens_per_s"], lines.get(key, {}).get(r["batch"], 0.0))
+    lines = {k: v for k, v in lines.items() if len(v) > 1}
+    if not lines:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for (method, context, rows, p, shared), pts in sorted(lines.items()):
+        xs = sorted(pts)
+        ax.plot(xs, [pts[x] for x in xs], "o-", label=f"{method}, {context // 1024}k, {rows} rows, p = {p}"
+                + (", shared K/V" if shared else ""))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (sessions decoded together)")
+    ax.set_ylabel("tokens per second (full step)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{device}: full decode step against the batch size", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -148,7 +148,7 @@ CATEGORIES = (  # (category, substrings of kernel / op names), first match wins
     ("planner (water line)", ("water_line",)),
     ("top-k", ("topk", "kth_largest")),
     ("row fetch", ("row_fetch",)),
-    ("cache write", ("cache_write",)),
+    ("cache write", ("cache_write", "tier_write")),
     ("GEMMs", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "matmul", "dot", "sm90_", "wgmma")),
     ("copies", ("memcpy", "copy", "memset")),
 )

@@ -77,11 +77,6 @@ class TieredPlanes(Planes):
     def all_resident(self) -> bool:
         return all(p == N_PLANES for p in self.resident)
 
-    @property
-    def writes_per_token(self) -> int:  # type: ignore[override]
-        """Each plane of the newest block goes to its tier (the write to the other one drops out), and the scales."""
-        return 2 if self.all_resident else 2 * N_PLANES + 1
-
     def bulk(self, data):
         if isinstance(data, TieredPlaneStore):
             mask = jax.tree.map(lambda _: False, data)
@@ -116,7 +111,7 @@ class TieredPlanes(Planes):
         if not isinstance(stacked, TieredPlaneStore):
             return super().write_layer(write, stacked, built, layer, length)
         start = jnp.zeros(built.length.shape, jnp.int32)
-        hot, cold = _write_planes(write, stacked, built.planes[None], start, layer, True)
+        hot, cold = write.tiers(stacked.hot, stacked.cold, stacked.table, built.planes[None], start, layer)
         set_small = lambda dst, src: dst.at[layer].set(src.astype(dst.dtype))  # noqa: E731
         rotation = None if stacked.rotation is None else jax.tree.map(set_small, stacked.rotation, built.rotation)
         return dataclasses.replace(stacked, hot=hot, cold=cold, scales=write(stacked.scales, built.scales[None],
@@ -151,28 +146,11 @@ def _as_planes(stacked: TieredPlaneStore) -> PlaneStore:
                       rotation=stacked.rotation)
 
 
-def _write_planes(write, stacked: TieredPlaneStore, planes, start, layer, due):
-    """``planes [Ls, R, D, 4, M]`` (layers ``layer ..``) written at word ``start [R]`` of their tiers: each plane
-    goes to its layer's hot or cold row; the write to the other tier starts past the end and drops out."""
-    table = stacked.table
-    w = stacked.hot.shape[-1]
-    hot, cold = stacked.hot, stacked.cold
-    for ls in range(planes.shape[0]):
-        p, hot_row, cold_row = (table[jnp.asarray(layer) + ls, i] for i in range(3))
-        for i in range(N_PLANES):
-            plane = planes[ls, :, :, i][None]  # [1, R, D, M]
-            in_hot = jnp.where(due & (i < p), start, w)
-            in_cold = jnp.where(due & (i >= p), start, w)
-            hot = write(hot, plane, in_hot, 3, jnp.clip(hot_row + i, 0, hot.shape[0] - 1))
-            cold = write(cold, plane, in_cold, 3, jnp.clip(cold_row + i - p, 0, cold.shape[0] - 1))
-    return hot, cold
-
-
 def _write_block(write, stacked: TieredPlaneStore, words, scale, block, due, layer):
     """Each group's 64-token block number ``block [R]`` written where ``due`` (words ``[Ls, R, D, 4, 2]``, scales
     ``[Ls, R, D]`` for layers ``layer ..``)."""
     block = jnp.where(due, block, stacked.scales.shape[-1])
-    hot, cold = _write_planes(write, stacked, words, block * WORDS_PER_BLOCK, layer, True)
+    hot, cold = write.tiers(stacked.hot, stacked.cold, stacked.table, words, block * WORDS_PER_BLOCK, layer)
     return dataclasses.replace(stacked, hot=hot, cold=cold, scales=write(stacked.scales, scale[..., None], block, 3,
                                                                          layer))
 

@@ -17,11 +17,12 @@ from fathom_jax.decode.row_cache import commit_rows
 from fathom_jax.format import BLOCK_TOKENS
 from fathom_jax.index import KeyIndex
 from pallas_kernels.cache_write import cache_write, cache_write_in_place
+from pallas_kernels.tier_write import tier_write, tier_write_in_place
 
 
 class Writer:
-    """``write(dst, src, start, axis, layer) -> dst``: in place (collecting completion tokens in ``tokens``) or
-    functionally by the kernel or its reference."""
+    """``write(dst, src, start, axis, layer) -> dst`` (and ``write.tiers`` for a tiered plane store): in place
+    (collecting completion tokens in ``tokens``) or functionally by the kernel or its reference."""
 
     def __init__(self, in_place: bool, implementation: str):
         self.in_place, self.implementation, self.tokens = in_place, implementation, []
@@ -31,6 +32,14 @@ class Writer:
             self.tokens.append(cache_write_in_place(dst, src, start, axis=axis, layer=layer))
             return dst
         return cache_write(dst, src, start, axis=axis, layer=layer, implementation=self.implementation)
+
+    def tiers(self, hot, cold, table, src, start, layer=0):
+        """``(hot, cold)`` with plane words ``src [Ls, R, D, 4, M]`` written into a tiered store's tiers
+        (:mod:`pallas_kernels.tier_write`): one launch for every plane."""
+        if self.in_place:
+            self.tokens.append(tier_write_in_place(hot, cold, table, src, start, layer=layer))
+            return hot, cold
+        return tier_write(hot, cold, table, src, start, layer=layer, implementation=self.implementation)
 
     def done(self, previous):
         """The completion tokens of this program's in-place writes (or the previous ones when it made none)."""

@@ -80,6 +80,26 @@ def cache_write(dst, src, start, axis, layer):
     return out
 
 
+def tier_write(hot, cold, resident, src, start, layer):
+    """Tiers after writing plane words ``src [Ls, R, D, 4, M]`` of layers ``layer ..``: plane i of layer l goes to the
+    hot rows if i < resident[l], else to the cold ones, each tier's rows in layer order (words past W dropped)."""
+    hot, cold, src = np.array(hot, copy=True), np.array(cold, copy=True), np.asarray(src)
+    hot_rows, cold_rows = {}, {}
+    for l, p in enumerate(resident):
+        for i in range(4):
+            (hot_rows if i < p else cold_rows)[l, i] = len(hot_rows) if i < p else len(cold_rows)
+    w = hot.shape[-1]
+    for l in range(src.shape[0]):
+        for i in range(4):
+            key = (layer + l, i)
+            dst, row = (hot, hot_rows[key]) if key in hot_rows else (cold, cold_rows[key])
+            for r in range(src.shape[1]):
+                for m in range(src.shape[4]):
+                    if int(start[r]) + m < w:
+                        dst[row, r, :, int(start[r]) + m] = src[l, r, :, i, m]
+    return hot, cold
+
+
 def select(scores, length, k, sink=4, local=32):
     """Selected positions (a set) per row: forced sink/local, then the best of the rest."""
     forced = [p for p in range(length) if p < sink or p >= length - local]
