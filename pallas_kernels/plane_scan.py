@@ -66,6 +66,38 @@ class PlaneScanConfig:
         return cls()
 
 
+@dataclasses.dataclass(frozen=True)
+class ResidentPlanes:
+    """Planes ``[0, p_l)`` of a staged scan read in place from a tiered store's hot tier.
+
+    With a staged buffer from :func:`pallas_kernels.tier_gather.tier_gather` (which stages only the planes past the
+    resident ones), slot ``c`` of group ``r`` reads plane ``i < p_l`` from ``hot[tiers[layer, 1] + i,
+    group_start + r, channels[r, c]]`` and planes ``i >= p_l`` from the staged buffer. ``channels [Rc, C]``: the
+    store channel of each slot (the run list the gather staged)."""
+
+    hot: jax.Array  # u32 [Nh, R, D, W]
+    tiers: jax.Array  # i32 [L, 3] (tier_table)
+    layer: jax.Array  # i32 scalar
+    channels: jax.Array  # i32 [Rc, C]
+    group_start: int = 0
+
+    def planes(self, staged):
+        """The staged buffer ``[Rc, C, 4, W]`` with its resident planes filled in from the hot tier (plain jnp)."""
+        p, hot_row = self.tiers[self.layer, 0], self.tiers[self.layer, 1]
+        groups = slice(self.group_start, self.group_start + self.channels.shape[0])
+        out = []
+        for i in range(N_PLANES):
+            row = jax.lax.dynamic_index_in_dim(self.hot, jnp.clip(hot_row + i, 0, self.hot.shape[0] - 1),
+                                               keepdims=False)[groups]  # [Rc, D, W]
+            from_hot = jnp.take_along_axis(row, self.channels[..., None], axis=-2)  # [Rc, C, W]
+            out.append(jnp.where(i < p, from_hot, staged[..., i, :]))
+        return jnp.stack(out, axis=-2)
+
+
+jax.tree_util.register_dataclass(ResidentPlanes, data_fields=["hot", "tiers", "layer", "channels"],
+                                 meta_fields=["group_start"])
+
+
 # ----------------------------------------------------------------------------------------------
 # Active-channel list
 
@@ -123,6 +155,21 @@ def _validate(q, planes, scales, length, channels, depths, layer, group_start=0)
         raise ValueError(f"channels/depths must both be [*batch, C] = [{batch}, C], got {channels.shape}, {depths.shape}")
 
 
+def _validate_resident(resident: ResidentPlanes, planes, channels, layer) -> None:
+    B.check_array("resident.hot", resident.hot, ndim=4, dtypes=(jnp.uint32,))
+    B.check_array("resident.tiers", resident.tiers, ndim=2, dtypes=(jnp.int32,))
+    B.check_array("resident.channels", resident.channels, ndim=2, dtypes=(jnp.int32,))
+    if layer is not None or planes.ndim != 4:
+        raise ValueError(f"resident planes go with a staged buffer [Rc, C, 4, W] and no layer, got planes {planes.shape}"
+                         f" and layer {layer}")
+    if resident.channels.shape != channels.shape:
+        raise ValueError(f"resident.channels must be [Rc, C] = {channels.shape}, got {resident.channels.shape}")
+    if resident.hot.shape[-1] != planes.shape[-1] or resident.tiers.shape[1:] != (3,):
+        raise ValueError(f"resident.hot must be [Nh, R, D, W = {planes.shape[-1]}] and tiers [L, 3], got "
+                         f"{resident.hot.shape}, {resident.tiers.shape}")
+    B.request_groups(resident.hot.shape[1:2], channels.shape[:1], 0, resident.group_start, "plane_scan (resident)")
+
+
 def check_values(channels, depths, head_dim: int) -> None:
     """Value checks (eager only: skipped for traced arrays)."""
     if B.is_traced(channels, depths):
@@ -138,9 +185,12 @@ def check_values(channels, depths, head_dim: int) -> None:
 # Reference (plain jnp, independent of the kernel)
 
 
-def plane_scan_reference(q, planes, scales, length, channels, depths, *, layer=None, group_start: int = 0):
+def plane_scan_reference(q, planes, scales, length, channels, depths, *, layer=None, group_start: int = 0,
+                         resident: ResidentPlanes | None = None):
     """Scores ``[*, G, n]`` by unpacking the selected channels' planes to codes and dequantizing."""
     _validate(q, planes, scales, length, channels, depths, layer, group_start)
+    if resident is not None:
+        planes = resident.planes(planes)
     if layer is not None:
         groups = slice(group_start, group_start + q.shape[0])
         planes, scales = planes[layer][groups], scales[layer][groups]
@@ -186,18 +236,22 @@ def _plane_scan_kernel(
     layer_ref,  # i32 [1]             layer of the stacked store
     planes_ref,  # u32 [L, R, D, 4, W]  (any memory space: HBM or pinned host); groups group_start.. are read
     scales_ref,  # f16 [L, R, D, NB]
-    # outputs
-    out_ref,  # f32 [Rc, G, W * S, lanes]
-    *,
+    *rest,  # with resident planes: hot u32 [Nh, R, D, W], (p_l, first hot row) i32 [2], store channels i32 [Rc, C];
+    # then the output f32 [Rc, G, W * S, lanes]
     groups: int,
     elems: int,
     lanes: int,
     num_words: int,
     group_start: int,
+    hot_group_start: int | None,
 ):
+    *resident, out_ref = rest
     split = WORD_BITS // lanes
     r = pl.program_id(0)
     layer, src = layer_ref[0], r + group_start
+    if resident:
+        hot_ref, tier_ref, rch_ref = resident
+        n_resident, hot_row = tier_ref[0], tier_ref[1]
     e0 = pl.program_id(1) * elems
     e = e0 + jnp.arange(elems, dtype=jnp.int32)
     word = e // split if split > 1 else e
@@ -221,12 +275,16 @@ def _plane_scan_kernel(
             bias = tuple(bias[h] + wts[h] * (0.5 - half) for h in range(groups))
             words = []
             for p in range(t):
-                if split > 1:
-                    w = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), word], mask=emask, other=0)
-                    w = w >> part_shift
+                cols = word if split > 1 else pl.ds(e0, elems)
+                if resident:  # plane p from the hot tier or the staged buffer; the other load is masked off
+                    staged = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), cols], mask=emask & (p >= n_resident),
+                                        other=0)
+                    row = jnp.clip(hot_row + p, 0, hot_ref.shape[0] - 1)
+                    w = staged | plgpu.load(hot_ref.at[row, r + hot_group_start, rch_ref[r, k], cols],
+                                            mask=emask & (p < n_resident), other=0)
                 else:
-                    w = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), pl.ds(e0, elems)], mask=emask, other=0)
-                words.append(w)
+                    w = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), cols], mask=emask, other=0)
+                words.append(w >> part_shift if split > 1 else w)
             new = [list(acc[h]) for h in range(groups)]
             for lane in range(lanes):
                 code = magic
@@ -254,30 +312,36 @@ def _plane_scan_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "assume_sorted", "group_start"))
-def _plane_scan_pallas(q, planes, scales, length, channels, depths, layer, *, config, interpret, assume_sorted,
-                       group_start):
+def _plane_scan_pallas(q, planes, scales, length, channels, depths, layer, resident, *, config, interpret,
+                       assume_sorted, group_start):
     """q [Rc, G, D], planes [L, R, D, 4, W], scales [L, R, D, NB], length/channels/depths over Rc, layer i32[1]."""
     w = planes.shape[-1]
     r, g = q.shape[:2]
+    extra = ()
+    if resident is not None:  # the kernel reads slot k's resident planes at its store channel
+        extra = (resident.hot, resident.tiers[resident.layer, :2], resident.channels)
     if not assume_sorted:
         order = jnp.argsort(-depths, axis=-1, stable=True)
         channels = jnp.take_along_axis(channels, order, axis=-1)
         depths = jnp.take_along_axis(depths, order, axis=-1)
+        if resident is not None:
+            extra = (*extra[:2], jnp.take_along_axis(resident.channels, order, axis=-1))
     bounds = _class_bounds(depths)
     qc = jnp.take_along_axis(q.astype(jnp.float32), channels[:, None, :], axis=-1)
     split = WORD_BITS // config.lanes
     elems = config.tile // config.lanes
     kernel = functools.partial(_plane_scan_kernel, groups=g, elems=elems, lanes=config.lanes, num_words=w,
-                               group_start=group_start)
+                               group_start=group_start,
+                               hot_group_start=None if resident is None else resident.group_start)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((r, g, w * split, config.lanes), jnp.float32),
         grid=(r, pl.cdiv(w * split, elems)),
-        in_specs=[B.any_spec()] * 7,
+        in_specs=[B.any_spec()] * (7 + len(extra)),
         interpret=interpret,
         name=KERNEL_NAME,
         compiler_params=B.compiler_params(config.num_warps, config.num_stages),
-    )(qc, channels, bounds, length, layer, planes, scales)
+    )(qc, channels, bounds, length, layer, planes, scales, *extra)
     return out.reshape(r, g, w * WORD_BITS)
 
 
@@ -295,19 +359,25 @@ def plane_scan(
     config: PlaneScanConfig | None = None,
     interpret: bool | None = None,
     assume_sorted: bool = False,
+    resident: ResidentPlanes | None = None,
 ):
     """Approximate scores ``f32 [*, G, n]`` (``n = 32 W``) of every token for the ``G`` query heads.
 
     ``layer`` (an int or traced scalar) reads layer ``layer`` of a stacked ``[L, R, ...]`` store in place
     (no copy or reshape of the store: it may be a ``pinned_host`` array); queries ``[Rc, G, D]`` then read
     groups ``group_start .. group_start + Rc - 1`` of it (static). ``assume_sorted=True`` skips the (tiny)
-    sort of the list by depth when it comes from :func:`active_channels`.
+    sort of the list by depth when it comes from :func:`active_channels`. ``resident``: a staged buffer's resident
+    planes are read in place from a tiered store's hot tier (:class:`ResidentPlanes`; ``planes [Rc, C, 4, W]``
+    without a layer).
     """
     implementation = B.resolve_implementation(implementation)
     _validate(q, planes, scales, length, channels, depths, layer, group_start)
     check_values(channels, depths, planes.shape[-3])
+    if resident is not None:
+        _validate_resident(resident, planes, channels, layer)
     if implementation == "xla":
-        return plane_scan_reference(q, planes, scales, length, channels, depths, layer=layer, group_start=group_start)
+        return plane_scan_reference(q, planes, scales, length, channels, depths, layer=layer, group_start=group_start,
+                                    resident=resident)
     config = config or PlaneScanConfig.heuristic(planes.shape[-1] * WORD_BITS)
     batch = q.shape[:-2]
     planes, layer_arr = B.layered(planes, layer, 3, "planes")
@@ -315,7 +385,7 @@ def plane_scan(
     r = B.prod(batch)
     out = _plane_scan_pallas(
         q.reshape(r, *q.shape[-2:]), planes, scales, jnp.asarray(length, jnp.int32).reshape(r),
-        channels.reshape(r, -1), depths.reshape(r, -1), layer_arr,
+        channels.reshape(r, -1), depths.reshape(r, -1), layer_arr, resident,
         config=config, interpret=B.resolve_interpret(interpret), assume_sorted=assume_sorted, group_start=group_start,
     )
     return out.reshape(*batch, *out.shape[1:])

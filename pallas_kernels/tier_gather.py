@@ -1,5 +1,5 @@
-"""Tiered run gather: each active channel's first ``t_j`` planes, the resident ones from HBM and the rest from host
-memory, with its scales, into one HBM staging buffer.
+"""Tiered run gather: the planned planes of each active channel that live in host memory, with its scales, into an
+HBM staging buffer; the plane scan reads the resident planes where they are.
 
 A plane store held in two tiers keeps, per layer ``l``, planes ``[0, p_l)`` of every channel in device memory and
 planes ``[p_l, 4)`` in ``pinned_host`` memory, each tier plane-major (one row of ``W`` words per (plane, group,
@@ -11,16 +11,15 @@ channel))::
     tiers  i32 [L, 3]          (p_l, first hot row, first cold row) per layer
 
 Given a fixed-size run list ``channels [Rc, C]`` / ``depths [Rc, C]`` for groups ``group_start ..`` at ``layer``, it
-writes exactly what :func:`pallas_kernels.run_gather.run_gather` writes for the same store in one tier::
+writes::
 
-    staged_planes  u32 [Rc, C, 4, W]   slot c, plane i < t_c: plane i of channel channels[c]; planes i >= t_c: 0
+    staged_planes  u32 [Rc, C, 4, W]   slot c, plane p_l <= i < t_c: plane i of channel channels[c] (from cold)
     staged_scales  f16 [Rc, C, NB]     slot c: scales[channels[c]] if t_c > 0 else 0
 
-so the plane scan of the staged buffer gives the same scores, bit for bit, as the scan of a one-tier store. Only the
-planes a read needs below ``p_l`` cross from HBM, only the deeper ones cross the link: each (slot, plane) is one
-contiguous run of ``W`` words in its tier, and both tiers' loads are issued for every plane, the one of the wrong
-tier masked off (it moves no bytes). The work items and the persistent-programs grid are the run gather's
-(:class:`~pallas_kernels.run_gather.RunGatherConfig`).
+and leaves the slot's other planes unwritten: the plane scan reads planes ``i < p_l`` from the hot tier in place
+(:class:`pallas_kernels.plane_scan.ResidentPlanes`) and no plane at or past ``t_c``, so nothing crosses HBM twice and
+only the deeper planes cross the link. Each (slot, plane) is one contiguous run of ``W`` words. The work items and
+the persistent-programs grid are the run gather's (:class:`~pallas_kernels.run_gather.RunGatherConfig`).
 """
 
 from __future__ import annotations
@@ -48,18 +47,15 @@ def tier_table(resident: tuple[int, ...]) -> np.ndarray:
     return np.stack([p, hot, cold], axis=1).astype(np.int32)
 
 
-def _validate(hot, cold, scales, tiers, channels, depths, group_start):
-    B.check_array("hot", hot, ndim=4, dtypes=(jnp.uint32,))
+def _validate(cold, scales, tiers, channels, depths, group_start):
     B.check_array("cold", cold, ndim=4, dtypes=(jnp.uint32,))
     B.check_array("scales", scales, ndim=4, dtypes=(jnp.float16, jnp.float32))
     B.check_array("tiers", tiers, ndim=2, dtypes=(jnp.int32,))
     B.check_array("channels", channels, ndim=2, dtypes=(jnp.int32,))
     B.check_array("depths", depths, ndim=2, dtypes=(jnp.int32,))
     layers, groups, d, nb = scales.shape
-    w = hot.shape[-1]
-    if hot.shape[1:] != (groups, d, w) or cold.shape[1:] != (groups, d, w) or nb != w // 2:
-        raise ValueError(f"hot and cold must be [N, R, D, W] with R, D = {groups, d} and W = 2 NB = {2 * nb}, got "
-                         f"{hot.shape}, {cold.shape}")
+    if cold.shape[1:] != (groups, d, 2 * nb):
+        raise ValueError(f"cold must be [N, R, D, W] with R, D = {groups, d} and W = 2 NB = {2 * nb}, got {cold.shape}")
     if tiers.shape != (layers, 3):
         raise ValueError(f"tiers must be [L, 3] = [{layers}, 3], got {tiers.shape}")
     if depths.shape != channels.shape:
@@ -79,13 +75,17 @@ def layer_planes(hot, cold, tiers, layer, groups: slice):
     return jnp.stack(rows, axis=-2)
 
 
-def tier_gather_reference(hot, cold, scales, tiers, channels, depths, *, layer, group_start: int = 0):
-    """Plain-jnp gather of the same staging buffers."""
-    _validate(hot, cold, scales, tiers, channels, depths, group_start)
+def tier_gather_reference(cold, scales, tiers, channels, depths, *, layer, group_start: int = 0):
+    """Plain-jnp gather of the same staging buffers (the planes the kernel leaves unwritten: 0)."""
+    _validate(cold, scales, tiers, channels, depths, group_start)
     groups = slice(group_start, group_start + channels.shape[0])
-    planes = layer_planes(hot, cold, tiers, layer, groups)
+    p, cold_row = tiers[layer, 0], tiers[layer, 2]
+    rows = [jax.lax.dynamic_index_in_dim(cold, jnp.clip(cold_row + i - p, 0, cold.shape[0] - 1), keepdims=False)[groups]
+            for i in range(N_PLANES)]
+    planes = jnp.stack(rows, axis=-2)  # [Rc, D, 4, W]: plane i as the cold tier would hold it
     sel = jnp.take_along_axis(planes, channels[:, :, None, None], axis=-3)  # [Rc, C, 4, W]
-    keep = jnp.arange(N_PLANES)[:, None] < depths[:, :, None, None]
+    plane = jnp.arange(N_PLANES)[:, None]
+    keep = (plane >= p) & (plane < depths[:, :, None, None])
     staged_planes = jnp.where(keep, sel, jnp.uint32(0))
     sc = jnp.take_along_axis(scales[layer][groups], channels[:, :, None], axis=-2)
     staged_scales = jnp.where(depths[:, :, None] > 0, sc, jnp.zeros((), scales.dtype))
@@ -93,35 +93,32 @@ def tier_gather_reference(hot, cold, scales, tiers, channels, depths, *, layer, 
 
 
 def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int):
-    """Copy work item (slot ``c`` of group ``r``, words ``i * chunk ..``) of all four planes, each from its tier, and
-    its scales; every load is issued before the first store."""
-    ch_ref, dep_ref, layer_ref, tier_ref, hot_ref, cold_ref, scales_ref, out_planes_ref, out_scales_ref = refs
+    """Copy work item (slot ``c`` of group ``r``, words ``i * chunk ..``) of the slot's planes in ``[p_l, t)``, from
+    the cold tier, and its scales; every load is issued before the first store."""
+    ch_ref, dep_ref, layer_ref, tier_ref, cold_ref, scales_ref, out_planes_ref, out_scales_ref = refs
     layer, src = layer_ref[0], r + group_start
-    p, hot_row, cold_row = tier_ref[layer, 0], tier_ref[layer, 1], tier_ref[layer, 2]
+    p, cold_row = tier_ref[layer, 0], tier_ref[layer, 2]
     j = ch_ref[r, c]
     t = dep_ref[r, c]
     w0 = i * chunk
     wmask = (w0 + jnp.arange(chunk, dtype=jnp.int32) < width) & valid
     data = []
     for plane in range(N_PLANES):
-        read = wmask & (plane < t)
-        h = jnp.clip(hot_row + plane, 0, hot_ref.shape[0] - 1)
         k = jnp.clip(cold_row + plane - p, 0, cold_ref.shape[0] - 1)
-        from_hot = plgpu.load(hot_ref.at[h, src, j, pl.ds(w0, chunk)], mask=read & (plane < p), other=0)
-        from_cold = plgpu.load(cold_ref.at[k, src, j, pl.ds(w0, chunk)], mask=read & (plane >= p), other=0)
-        data.append(from_hot | from_cold)  # one of the two is all zeros
+        moved = wmask & (plane >= p) & (plane < t)
+        data.append((plgpu.load(cold_ref.at[k, src, j, pl.ds(w0, chunk)], mask=moved, other=0), moved))
     half = chunk // 2
     s0 = i * half
     smask = (s0 + jnp.arange(half, dtype=jnp.int32) < width // 2) & valid
     sc = plgpu.load(scales_ref.at[layer, src, j, pl.ds(s0, half)], mask=smask & (t > 0), other=0)
-    for plane in range(N_PLANES):
-        plgpu.store(out_planes_ref.at[r, c, jnp.int32(plane), pl.ds(w0, chunk)], data[plane], mask=wmask)
+    for plane, (words, moved) in enumerate(data):
+        plgpu.store(out_planes_ref.at[r, c, jnp.int32(plane), pl.ds(w0, chunk)], words, mask=moved)
     plgpu.store(out_scales_ref.at[r, c, pl.ds(s0, half)], sc, mask=smask)
 
 
-def _tier_gather_kernel(ch_ref, dep_ref, layer_ref, tier_ref, hot_ref, cold_ref, scales_ref, *rest, chunk: int,
-                        width: int, group_start: int, programs: int):
-    refs = (ch_ref, dep_ref, layer_ref, tier_ref, hot_ref, cold_ref, scales_ref, *rest[-2:])
+def _tier_gather_kernel(ch_ref, dep_ref, layer_ref, tier_ref, cold_ref, scales_ref, *rest, chunk: int, width: int,
+                        group_start: int, programs: int):
+    refs = (ch_ref, dep_ref, layer_ref, tier_ref, cold_ref, scales_ref, *rest[-2:])
     copy = functools.partial(_copy_item, refs, chunk=chunk, width=width, group_start=group_start)
     if not programs:
         copy(pl.program_id(0), pl.program_id(1), pl.program_id(2), True)
@@ -142,8 +139,8 @@ def _tier_gather_kernel(ch_ref, dep_ref, layer_ref, tier_ref, hot_ref, cold_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "group_start"))
-def _tier_gather_pallas(hot, cold, scales, tiers, channels, depths, layer, after, *, config, interpret, group_start):
-    w = hot.shape[-1]
+def _tier_gather_pallas(cold, scales, tiers, channels, depths, layer, after, *, config, interpret, group_start):
+    w = cold.shape[-1]
     r, c = channels.shape
     chunk = min(config.chunk, pl.next_power_of_2(w))
     items = (r, c, pl.cdiv(w, chunk))
@@ -154,17 +151,16 @@ def _tier_gather_pallas(hot, cold, scales, tiers, channels, depths, layer, after
         out_shape=(jax.ShapeDtypeStruct((r, c, N_PLANES, w), jnp.uint32),
                    jax.ShapeDtypeStruct((r, c, w // 2), scales.dtype)),
         grid=(programs,) if programs else items,
-        in_specs=[B.any_spec()] * (7 + len(after)),
+        in_specs=[B.any_spec()] * (6 + len(after)),
         out_specs=(B.any_spec(), B.any_spec()),
         interpret=interpret,
         name=KERNEL_NAME,
         compiler_params=B.compiler_params(config.num_warps),
-    )(channels, depths, layer, tiers, hot, cold, scales, *after)
+    )(channels, depths, layer, tiers, cold, scales, *after)
 
 
 def tier_gather(
-    hot,  # u32 [Nh, R, D, W]   the resident planes (device memory)
-    cold,  # u32 [Nc, R, D, W]  the other planes (pinned_host on the GPU)
+    cold,  # u32 [Nc, R, D, W]  the planes past each layer's resident ones (pinned_host on the GPU)
     scales,  # f16 [L, R, D, NB]
     tiers,  # i32 [L, 3]        tier_table(resident)
     channels,  # i32 [Rc, C]
@@ -177,14 +173,15 @@ def tier_gather(
     config: RunGatherConfig | None = None,
     interpret: bool | None = None,
 ):
-    """Staged ``(planes u32 [Rc, C, 4, W], scales [Rc, C, NB])`` of the run list at ``layer`` for groups
-    ``group_start ..`` (see the module docstring). ``after``: arrays the kernel waits for and never reads."""
+    """Staged ``(planes u32 [Rc, C, 4, W], scales [Rc, C, NB])`` of the run list's planes past the resident ones at
+    ``layer`` for groups ``group_start ..`` (see the module docstring). ``after``: arrays the kernel waits for and
+    never reads."""
     implementation = B.resolve_implementation(implementation)
-    _validate(hot, cold, scales, tiers, channels, depths, group_start)
-    check_values(channels, depths, hot.shape[2])
+    _validate(cold, scales, tiers, channels, depths, group_start)
+    check_values(channels, depths, cold.shape[2])
     if implementation == "xla":
-        return tier_gather_reference(hot, cold, scales, tiers, channels, depths, layer=layer, group_start=group_start)
+        return tier_gather_reference(cold, scales, tiers, channels, depths, layer=layer, group_start=group_start)
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    return _tier_gather_pallas(hot, cold, scales, tiers, channels, depths, layer_arr, tuple(jax.tree.leaves(after)),
+    return _tier_gather_pallas(cold, scales, tiers, channels, depths, layer_arr, tuple(jax.tree.leaves(after)),
                                config=config or RunGatherConfig(), interpret=B.resolve_interpret(interpret),
                                group_start=group_start)

@@ -175,6 +175,8 @@ PRESETS = harness.presets({
                f"{_F48} --rows k8v8 --share-kv-from none --time-budget 200",
     "rows-128k-batch": f"--tag h200_rows_128k_b8 --sections link,attnbatch,batch --contexts 128k --batches 8 {_F48} "
                        "--rows k8v8@none,model@512k --share-kv-from none --time-budget 280",
+    "tiers-batch8": f"--tag h200_tiers_b8 --sections link,attnbatch,batch --contexts 128k --batches 8 {_F48} "
+                    "--rows k8v8 --resident-planes 1 --pipeline 2,1 --share-kv-from none --time-budget 300",
     "rows-128k-batches": f"--tag h200_rows_128k_batches --sections link,batch --contexts 128k --batches 8,4,2,1 "
                          f"{_F48} --rows k8v8 --resident-planes 0,1 --share-kv-from none --time-budget 540",
     # results/offload_h200x2.*, the two-H200 machine (every layer's own K/V: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, README)

@@ -7,8 +7,8 @@
   after another (``after``): the pipelined step orders each chunk's transfer after the previous chunk's.
 * :class:`DirectRead`: the index is in host memory and the plane scan reads it there as it computes.
 * :class:`TieredRead`: the top planes of every channel are resident in HBM and the rest in host memory
-  (:mod:`fathom_jax.decode.tiers`); the tiered gather stages each read's planes from both tiers, only the deeper
-  ones over the link, then the plane scan reads HBM (the same staged buffer, bit for bit, as the staged read of the
+  (:mod:`fathom_jax.decode.tiers`); the tiered gather stages only the deeper planned planes, over the link, and the
+  plane scan reads the resident ones in place beside them (the same codes, bit for bit, as the staged read of the
   store in one tier). With every plane resident it scans the store in HBM in place.
 
 Each reads a :class:`~fathom_jax.methods.base.PlaneRead` of a stacked store ``[L, R, ...]`` at ``layer`` for groups
@@ -29,7 +29,7 @@ from fathom_jax import store as store_lib
 from fathom_jax.decode.tiers import TieredPlaneStore
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead
 from pallas_kernels import backend
-from pallas_kernels.plane_scan import active_channels, plane_scan
+from pallas_kernels.plane_scan import ResidentPlanes, active_channels, plane_scan
 from pallas_kernels.row_fetch import row_fetch
 from pallas_kernels.run_gather import RunGatherConfig, run_gather
 from pallas_kernels.tier_gather import tier_gather
@@ -137,8 +137,8 @@ class DirectRead(_HostRead):
 
 @dataclasses.dataclass(frozen=True)
 class TieredRead(_HostRead):
-    """Resident planes read in HBM, the deeper planned runs gathered over the link (``programs`` persistent programs
-    of the tiered gather; 0: one per copied chunk of a run); every plane resident: the scan in place in HBM."""
+    """Resident planes read in place in HBM, the deeper planned runs gathered over the link (``programs`` persistent
+    programs of the tiered gather; 0: one per copied chunk of a run); every plane resident: the scan in place."""
 
     programs: int = 0
 
@@ -146,16 +146,18 @@ class TieredRead(_HostRead):
         if not isinstance(store, TieredPlaneStore):  # every plane resident: the plain store, in HBM
             return _scan_in_place(read, store, length, layer, group_start, self.implementation), None
         channels, depths = active_channels(read.depths, read.max_active or None)
-        planes, scales = tier_gather(store.hot, store.cold, store.scales, store.table, channels, depths, layer=layer,
+        planes, scales = tier_gather(store.cold, store.scales, store.table, channels, depths, layer=layer,
                                      group_start=group_start, after=after,
                                      config=RunGatherConfig(programs=self.programs), implementation=self.implementation)
-        return _scan_staged(read, planes, scales, channels, depths, length, self.implementation), planes
+        resident = ResidentPlanes(store.hot, store.table, jnp.asarray(layer, jnp.int32), channels, group_start)
+        return _scan_staged(read, planes, scales, channels, depths, length, self.implementation, resident), planes
 
 
-def _scan_staged(read, planes, scales, channels, depths, length, implementation):
+def _scan_staged(read, planes, scales, channels, depths, length, implementation, resident=None):
     queries = jnp.take_along_axis(read.queries, channels[..., None, :], axis=-1)
     slots = jnp.broadcast_to(jnp.arange(channels.shape[-1], dtype=jnp.int32), channels.shape)
-    return plane_scan(queries, planes, scales, length, slots, depths, assume_sorted=True, implementation=implementation)
+    return plane_scan(queries, planes, scales, length, slots, depths, assume_sorted=True, implementation=implementation,
+                      resident=resident)
 
 
 def _columns(x, columns):

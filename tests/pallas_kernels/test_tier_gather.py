@@ -1,5 +1,6 @@
-"""Tiered run gather: the staged buffers of a store split into resident (HBM) and host tiers equal the run gather's of
-the same store in one tier, exactly (numpy oracle); group windows, persistent programs; host tier on the GPU."""
+"""Tiered run gather: the planes it stages (those past each layer's resident ones, up to each slot's depth) equal the
+run gather's of the same store in one tier, exactly (numpy oracle); group windows, persistent programs; host tier on
+the GPU; the plane scan of its buffer, resident planes read in place, equals the scan of the one-tier store."""
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,15 @@ def run_list(rng, r, c=7):
     return ch, jnp.asarray(rng.integers(0, 5, (r, c)), jnp.int32)
 
 
+def assert_staged(got_planes, got_scales, want_planes, want_scales, depths, p):
+    """The planes the gather moves (``p <= i < t``) equal the one-tier gather's; its other planes are not read."""
+    moved = (np.arange(4)[None, None, :] >= p) & (np.arange(4)[None, None, :] < np.asarray(depths)[:, :, None])
+    got, want = np.asarray(got_planes), np.asarray(want_planes)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(got[moved], want[moved])
+    assert_equal(got_scales, want_scales)
+
+
 def test_tier_table_rows():
     np.testing.assert_array_equal(TG.tier_table((1, 2, 0, 4)), [[1, 0, 0], [2, 1, 3], [0, 3, 5], [4, 3, 9]])
 
@@ -39,63 +49,77 @@ class TestTierGather(KernelTestBase):
     @pytest.mark.parametrize("resident", [(1, 2, 0, 4), (1, 1, 1, 1), (3, 0, 2, 1)])
     def test_equals_the_one_tier_gather(self, impl, rng, resident):
         planes, scales, _ = random_store_arrays(rng, (4, 3), D, 320)
-        hot, cold = split_tiers(planes, resident)
+        _, cold = split_tiers(planes, resident)
         tiers = jnp.asarray(TG.tier_table(resident))
         ch, dep = run_list(rng, 3)
-        gather = jax.jit(lambda h, c, s, layer: TG.tier_gather(h, c, s, tiers, ch, dep, layer=layer,
-                                                                config=RG.RunGatherConfig(chunk=4), **impl.kw))
+        gather = jax.jit(lambda c, s, layer: TG.tier_gather(c, s, tiers, ch, dep, layer=layer,
+                                                             config=RG.RunGatherConfig(chunk=4), **impl.kw))
         for layer in range(4):
-            got_p, got_s = gather(hot, host(cold, impl), scales, jnp.int32(layer))
-            want_p, want_s = np_run_gather(planes[layer], scales[layer], ch, dep)
-            assert_equal(got_p, want_p)
-            assert_equal(got_s, want_s)
+            got_p, got_s = gather(host(cold, impl), scales, jnp.int32(layer))
+            assert_staged(got_p, got_s, *np_run_gather(planes[layer], scales[layer], ch, dep), dep, resident[layer])
 
     @pytest.mark.parametrize("group_start,groups,programs", [(0, 2, 0), (2, 3, 5), (5, 1, 1 << 20)])
     def test_group_windows_and_persistent_programs(self, impl, rng, group_start, groups, programs):
         planes, scales, _ = random_store_arrays(rng, (2, 6), D, 640)
         resident = (2, 1)
-        hot, cold = split_tiers(planes, resident)
+        _, cold = split_tiers(planes, resident)
         tiers = jnp.asarray(TG.tier_table(resident))
         ch, dep = run_list(rng, groups)
         config = RG.RunGatherConfig(chunk=8, programs=programs)
-        gather = jax.jit(lambda h, c, s, layer, after: TG.tier_gather(
-            h, c, s, tiers, ch, dep, layer=layer, group_start=group_start, after=after, config=config, **impl.kw))
-        got_p, got_s = gather(hot, host(cold, impl), scales, jnp.int32(1), (jnp.ones((2,)),))
+        gather = jax.jit(lambda c, s, layer, after: TG.tier_gather(
+            c, s, tiers, ch, dep, layer=layer, group_start=group_start, after=after, config=config, **impl.kw))
+        got_p, got_s = gather(host(cold, impl), scales, jnp.int32(1), (jnp.ones((2,)),))
         window = slice(group_start, group_start + groups)
-        want_p, want_s = np_run_gather(planes[1][window], scales[1][window], ch, dep)
-        assert_equal(got_p, want_p)
-        assert_equal(got_s, want_s)
+        assert_staged(got_p, got_s, *np_run_gather(planes[1][window], scales[1][window], ch, dep), dep, resident[1])
 
-    def test_gather_then_scan_equals_the_scan_of_one_tier(self, impl, rng):
-        """The staged buffer scanned with the identity list == the plane scan of the store in one tier."""
-        planes, scales, length = random_store_arrays(rng, (3, 4), D, 448)
+    @pytest.mark.parametrize("group_start", [0, 1])
+    def test_scan_with_resident_planes_in_place_equals_the_scan_of_one_tier(self, impl, rng, group_start):
+        """The staged buffer scanned with the identity list, planes below p_l read from the hot tier in place, ==
+        the plane scan of the store in one tier."""
+        planes, scales, length = random_store_arrays(rng, (3, 5), D, 448)
         resident = (0, 2, 1)
         hot, cold = split_tiers(planes, resident)
         tiers = jnp.asarray(TG.tier_table(resident))
+        groups = slice(group_start, group_start + 4)
         q = jnp.asarray(rng.standard_normal((4, 4, D)), jnp.float32)
         ch, dep = PS.active_channels(jnp.asarray(rng.integers(0, 5, (4, D)), jnp.int32), max_active=10)
-        sp, ss = TG.tier_gather(hot, cold, scales, tiers, ch, dep, layer=jnp.int32(1), **impl.kw)
-        q_staged = jnp.take_along_axis(q, ch[:, None, :], axis=-1)
-        iota = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (4, 10))
-        staged = PS.plane_scan(q_staged, sp, ss, length[1], iota, dep, assume_sorted=True, **impl.kw)
-        assert_scores_close(staged, np_plane_scan(q, planes[1], scales[1], length[1], ch, dep))
-        assert_ran(TG.tier_gather, hot, cold, scales, tiers, ch, dep, name=TG.KERNEL_NAME, impl=impl, layer=1)
+        for layer in (1, 2):
+            sp, ss = TG.tier_gather(host(cold, impl), scales, tiers, ch, dep, layer=jnp.int32(layer),
+                                    group_start=group_start, **impl.kw)
+            q_staged = jnp.take_along_axis(q, ch[:, None, :], axis=-1)
+            iota = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (4, 10))
+            on_hot = PS.ResidentPlanes(hot, tiers, jnp.int32(layer), ch, group_start)
+            scan = jax.jit(lambda q, p, s, n, c, d, r: PS.plane_scan(q, p, s, n, c, d, assume_sorted=True, resident=r,
+                                                                     **impl.kw))
+            got = scan(q_staged, sp, ss, length[layer][groups], iota, dep, on_hot)
+            want = np_plane_scan(q, planes[layer][groups], scales[layer][groups], length[layer][groups], ch, dep)
+            assert_scores_close(got, want)
+        assert_ran(TG.tier_gather, cold, scales, tiers, ch, dep, name=TG.KERNEL_NAME, impl=impl, layer=1)
+        assert_ran(PS.plane_scan, q_staged, sp, ss, length[1][:4], iota, dep, name=PS.KERNEL_NAME, impl=impl,
+                   assume_sorted=True, resident=PS.ResidentPlanes(hot, tiers, jnp.int32(1), ch, 0))
 
 
 def test_tier_gather_lowers_to_triton_and_validates():
     z = jnp.zeros
-    args = (z((3, 2, D, 20), jnp.uint32), z((5, 2, D, 20), jnp.uint32), z((2, 2, D, 10), jnp.float16),
-            jnp.asarray(TG.tier_table((1, 2))))
-    text = lower_triton_text(lambda h, c, s, t, layer: TG.tier_gather(h, c, s, t, z((2, 5), jnp.int32),
-                                                                       z((2, 5), jnp.int32), layer=layer,
-                                                                       implementation="pallas", interpret=False),
-                             *args, jnp.int32(0))
+    args = (z((5, 2, D, 20), jnp.uint32), z((2, 2, D, 10), jnp.float16), jnp.asarray(TG.tier_table((1, 2))))
+    text = lower_triton_text(lambda c, s, t, layer: TG.tier_gather(c, s, t, z((2, 5), jnp.int32), z((2, 5), jnp.int32),
+                                                                   layer=layer, implementation="pallas",
+                                                                   interpret=False), *args, jnp.int32(0))
     assert text.count(f'name = "{TG.KERNEL_NAME}"') == 1
+    hot, ch = z((3, 2, D, 20), jnp.uint32), z((2, 5), jnp.int32)
+    text = lower_triton_text(lambda q, p, s, h: PS.plane_scan(
+        q, p, s, z((2,), jnp.int32), ch, ch, resident=PS.ResidentPlanes(h, args[2], jnp.int32(1), ch),
+        implementation="pallas", interpret=False), z((2, 4, 5)), z((2, 5, 4, 20), jnp.uint32), z((2, 5, 10), jnp.float16),
+        hot)
+    assert text.count(f'name = "{PS.KERNEL_NAME}"') == 1
     with pytest.raises(ValueError, match="tiers must be"):
-        TG.tier_gather(*args[:3], z((3, 3), jnp.int32), z((2, 5), jnp.int32), z((2, 5), jnp.int32), layer=0)
-    with pytest.raises(ValueError, match="hot and cold must be"):
+        TG.tier_gather(*args[:2], z((3, 3), jnp.int32), z((2, 5), jnp.int32), z((2, 5), jnp.int32), layer=0)
+    with pytest.raises(ValueError, match="cold must be"):
         TG.tier_gather(args[0][..., :10], *args[1:], z((2, 5), jnp.int32), z((2, 5), jnp.int32), layer=0)
     with pytest.raises(ValueError, match="depths"):
         TG.tier_gather(*args, z((2, 5), jnp.int32), z((2, 5), jnp.int32) + 7, layer=0)
     with pytest.raises(ValueError, match=r"1 <= Rc <= 1"):
         TG.tier_gather(*args, z((2, 5), jnp.int32), z((2, 5), jnp.int32), layer=0, group_start=1)
+    with pytest.raises(ValueError, match="resident.channels must be"):
+        PS.plane_scan(z((2, 4, 5)), z((2, 5, 4, 20), jnp.uint32), z((2, 5, 10), jnp.float16), z((2,), jnp.int32), ch,
+                      ch, resident=PS.ResidentPlanes(hot, args[2], jnp.int32(1), ch[:, :3]))
