@@ -173,6 +173,8 @@ PRESETS = harness.presets({
     # larger cache first: the allocator's regions, once pinned, are kept).
     "rows-1m": f"--tag h200_rows_1m --sections link,attn,full --contexts 1m --attn-contexts 1m --full-contexts 1m "
                f"{_F48} --rows k8v8 --share-kv-from none --time-budget 200",
+    "rows-1m-tiers": f"--tag h200_rows_1m_tiers --sections link,attn,full --contexts 1m --attn-contexts 1m "
+                     f"--full-contexts 1m {_F48} --rows k8v8 --resident-planes 1 --share-kv-from none --time-budget 200",
     "rows-128k-batch": f"--tag h200_rows_128k_b8 --sections link,attnbatch,batch --contexts 128k --batches 8 {_F48} "
                        "--rows k8v8@none,model@512k --share-kv-from none --time-budget 280",
     "tiers-batch8": f"--tag h200_tiers_b8 --sections link,attnbatch,batch --contexts 128k --batches 8 {_F48} "
