@@ -17,6 +17,8 @@ Keys must be finite and within fp16 range, and appends must stay within capacity
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,6 +119,13 @@ def build_store(
         length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), batch)
         fail_if((length < 0) | (length > n), lambda got: f"build_store: length must lie in [0, {n}], got {got}", length)
 
+    return _build(keys, length, rotation, capacity=capacity)
+
+
+@functools.partial(jax.jit, static_argnames="capacity")
+def _build(keys, length, rotation, *, capacity: int) -> PlaneStore:
+    """The store of checked keys, one program per shape (eager callers would otherwise compile every op)."""
+    *batch, n, d = keys.shape
     keys = rotate_keys(keys.astype(jnp.float32), rotation)
     padded = jnp.zeros((*batch, capacity, d), jnp.float32).at[..., :n, :].set(keys)
     valid = jnp.arange(capacity) < length[..., None]

@@ -72,10 +72,10 @@ class TestTierGather(KernelTestBase):
         window = slice(group_start, group_start + groups)
         assert_staged(got_p, got_s, *np_run_gather(planes[1][window], scales[1][window], ch, dep), dep, resident[1])
 
-    @pytest.mark.parametrize("group_start", [0, 1])
-    def test_scan_with_resident_planes_in_place_equals_the_scan_of_one_tier(self, impl, rng, group_start):
+    def test_scan_with_resident_planes_in_place_equals_the_scan_of_one_tier(self, impl, rng):
         """The staged buffer scanned with the identity list, planes below p_l read from the hot tier in place, ==
-        the plane scan of the store in one tier."""
+        the plane scan of the store in one tier (a window of groups past the first)."""
+        group_start = 1
         planes, scales, length = random_store_arrays(rng, (3, 5), D, 448)
         resident = (0, 2, 1)
         hot, cold = split_tiers(planes, resident)
