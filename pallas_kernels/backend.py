@@ -19,6 +19,7 @@ from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -71,6 +72,12 @@ def check_array(name: str, x, *, ndim_min: int | None = None, ndim: int | None =
         raise ValueError(f"{name} must have at least {ndim_min} dims, got shape {x.shape}")
     if dtypes is not None and jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
         raise TypeError(f"{name} must have dtype in {[str(jnp.dtype(d)) for d in dtypes]}, got {x.dtype}")
+
+
+def check_starts(start) -> None:
+    """Write offsets ``start`` (a write kernel's, per group) must be >= 0 (eager only: skipped when traced)."""
+    if not is_traced(start) and np.any(np.asarray(start) < 0):
+        raise ValueError("start must be >= 0")
 
 
 def prod(shape) -> int:

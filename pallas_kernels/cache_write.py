@@ -20,7 +20,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -167,8 +166,7 @@ def cache_write(
     implementation = B.resolve_implementation(implementation)
     start = jnp.asarray(start, jnp.int32)
     _validate(dst, src, start, axis)
-    if not B.is_traced(start) and np.any(np.asarray(start) < 0):
-        raise ValueError("start must be >= 0")
+    B.check_starts(start)
     if implementation == "xla":
         return cache_write_reference(dst, src, start, axis=axis, layer=layer)
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))

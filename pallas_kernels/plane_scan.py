@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fathom_jax.format import BLOCK_TOKENS, N_PLANES, WORD_BITS
 from pallas_kernels import backend as B
+from pallas_kernels.tier_gather import tier_rows
 
 KERNEL_NAME = "fathom_plane_scan"
 
@@ -85,13 +86,8 @@ class ResidentPlanes:
         """The staged buffer ``[Rc, C, 4, W]`` with its resident planes filled in from the hot tier (plain jnp)."""
         p, hot_row = self.tiers[self.layer, 0], self.tiers[self.layer, 1]
         groups = slice(self.group_start, self.group_start + self.channels.shape[0])
-        out = []
-        for i in range(N_PLANES):
-            row = jax.lax.dynamic_index_in_dim(self.hot, jnp.clip(hot_row + i, 0, self.hot.shape[0] - 1),
-                                               keepdims=False)[groups]  # [Rc, D, W]
-            from_hot = jnp.take_along_axis(row, self.channels[..., None], axis=-2)  # [Rc, C, W]
-            out.append(jnp.where(i < p, from_hot, staged[..., i, :]))
-        return jnp.stack(out, axis=-2)
+        hot = jnp.take_along_axis(tier_rows(self.hot, hot_row, groups), self.channels[..., None, None], axis=-3)
+        return jnp.where(jnp.arange(N_PLANES)[:, None] < p, hot, staged)
 
 
 jax.tree_util.register_dataclass(ResidentPlanes, data_fields=["hot", "tiers", "layer", "channels"],

@@ -63,16 +63,19 @@ def _validate(cold, scales, tiers, channels, depths, group_start):
     B.request_groups((groups,), channels.shape[:-1], 0, group_start, "tier_gather")
 
 
+def tier_rows(tier, first, groups: slice):
+    """``[Rc, D, 4, W]``: rows ``first + i`` of a tier ``[N, R, D, W]`` as planes ``i = 0..3`` of ``groups`` (rows
+    past either end clipped: the caller keeps only the planes that tier holds; plain jnp)."""
+    rows = [jax.lax.dynamic_index_in_dim(tier, jnp.clip(first + i, 0, tier.shape[0] - 1), keepdims=False)[groups]
+            for i in range(N_PLANES)]
+    return jnp.stack(rows, axis=-2)
+
+
 def layer_planes(hot, cold, tiers, layer, groups: slice):
     """The planes ``[Rc, D, 4, W]`` of ``layer`` for ``groups`` as one tier holds them (plain jnp)."""
     p, hot_row, cold_row = tiers[layer, 0], tiers[layer, 1], tiers[layer, 2]
-    rows = []
-    for i in range(N_PLANES):
-        from_hot = jax.lax.dynamic_index_in_dim(hot, jnp.clip(hot_row + i, 0, hot.shape[0] - 1), keepdims=False)
-        from_cold = jax.lax.dynamic_index_in_dim(cold, jnp.clip(cold_row + i - p, 0, cold.shape[0] - 1),
-                                                 keepdims=False)
-        rows.append(jnp.where(i < p, from_hot, from_cold)[groups])
-    return jnp.stack(rows, axis=-2)
+    in_hot = jnp.arange(N_PLANES)[:, None] < p
+    return jnp.where(in_hot, tier_rows(hot, hot_row, groups), tier_rows(cold, cold_row - p, groups))
 
 
 def tier_gather_reference(cold, scales, tiers, channels, depths, *, layer, group_start: int = 0):
@@ -80,9 +83,7 @@ def tier_gather_reference(cold, scales, tiers, channels, depths, *, layer, group
     _validate(cold, scales, tiers, channels, depths, group_start)
     groups = slice(group_start, group_start + channels.shape[0])
     p, cold_row = tiers[layer, 0], tiers[layer, 2]
-    rows = [jax.lax.dynamic_index_in_dim(cold, jnp.clip(cold_row + i - p, 0, cold.shape[0] - 1), keepdims=False)[groups]
-            for i in range(N_PLANES)]
-    planes = jnp.stack(rows, axis=-2)  # [Rc, D, 4, W]: plane i as the cold tier would hold it
+    planes = tier_rows(cold, cold_row - p, groups)  # [Rc, D, 4, W]: plane i as the cold tier would hold it
     sel = jnp.take_along_axis(planes, channels[:, :, None, None], axis=-3)  # [Rc, C, 4, W]
     plane = jnp.arange(N_PLANES)[:, None]
     keep = (plane >= p) & (plane < depths[:, :, None, None])

@@ -22,7 +22,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -136,8 +135,7 @@ def _tier_write_pallas(hot, cold, tiers, src, start, layer, *, config, interpret
 def _checked(hot, cold, tiers, src, start):
     start = jnp.asarray(start, jnp.int32)
     _validate(hot, cold, tiers, src, start)
-    if not B.is_traced(start) and np.any(np.asarray(start) < 0):
-        raise ValueError("start must be >= 0")
+    B.check_starts(start)
     return start
 
 

@@ -50,7 +50,6 @@ def test_appendix_approximate_scores(appendix):
     assert set(np.argsort(-scores[1])[:2]) == {5, 0}  # head B: {t5, t0}
 
 
-_build_store = jax.jit(S.build_store, static_argnames="capacity")
 _dequantize = jax.jit(S.dequantize)
 
 
@@ -63,9 +62,9 @@ _dequantize = jax.jit(S.dequantize)
     t=st.integers(0, 4),
 )
 def test_prefix_read_is_the_t_bit_quantizer(keys, t):
-    """Bit for bit: t planes == direct t-bit quantization under the same stored scale (each as one program per
+    """Bit for bit: t planes == direct t-bit quantization under the same stored scale (the read as one program per
     shape: eagerly, every op compiles for every drawn shape)."""
-    store = _build_store(keys)
+    store = S.build_store(keys)
     n, d = keys.shape
     got = np.asarray(_dequantize(store, jnp.int32(t)))[:n]
     scales = np.repeat(np.asarray(store.scales, np.float32).T, S.BLOCK_TOKENS, axis=0)[:n]
@@ -98,15 +97,15 @@ def test_channel_major_runs_are_contiguous(rng, random_keys):
 
 def test_tail_block_and_length(rng, random_keys):
     keys = random_keys(rng, (3, 100, 4))
-    store = _build_store(keys, capacity=200)
+    store = S.build_store(keys, capacity=200)
     assert store.capacity == 256 and store.num_blocks == 4
     # Rows past the length are zero and never reach a scale.
     deq = np.asarray(_dequantize(store))
     assert np.all(deq[:, 100:] == 0)
-    short = _build_store(keys, length=np.array([100, 70, 0]))
+    short = S.build_store(keys, length=np.array([100, 70, 0]))
     np.testing.assert_array_equal(np.asarray(_dequantize(short))[1, 70:], 0)
     np.testing.assert_array_equal(np.asarray(short.scales)[2], 0)
-    ref = _build_store(keys[1, :70])
+    ref = S.build_store(keys[1, :70])
     np.testing.assert_array_equal(np.asarray(short.scales)[1], np.asarray(ref.scales))
 
 
