@@ -925,9 +925,12 @@ def main(argv=None):
             model = run.guard("model", random_model, cfg, args.placement)
         if section == "full" and model is not None:
             for ctx in args.full_contexts:
-                for rows in args.rows:
-                    run.guard(f"full {ctx}{rows_tag(rows)}", full_rows, run, model, cfg, calib, scale, ctx, labels,
-                              profile="profile" in args.sections and ctx == max(args.full_contexts), rows=rows)
+                for p in args.resident_planes:
+                    placement = dataclasses.replace(args.placement, resident_planes=p)
+                    for rows in args.rows:
+                        run.guard(f"full {ctx} p{p}{rows_tag(rows)}", full_rows, run, model, cfg, calib, scale, ctx,
+                                  labels, profile="profile" in args.sections and ctx == max(args.full_contexts),
+                                  placement=placement, rows=rows)
         elif section == "batch" and model is not None:
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             for b in (int(x) for x in args.batches.split(",")):
