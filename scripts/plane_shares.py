@@ -57,10 +57,11 @@ def row(keys: str, calibration: str, queries: str, budget: int, head_dim: int, r
 
 def synthetic_rows(draws: int, seed: int) -> list[dict]:
     import bench_offload as bench  # the benchmark's own definitions of its keys and queries
+    import offload_setup
 
     cfg = bench.QWEN3_8B
-    calib, _ = bench.synthetic_calibration(cfg)
-    step_q = np.asarray(bench.random_step_inputs(cfg, 1)[0])  # [L, Hkv, G, D]: the benchmark's step at batch 1
+    calib, _ = offload_setup.synthetic_calibration(cfg)
+    step_q = np.asarray(offload_setup.random_step_inputs(cfg, 1)[0])  # [L, Hkv, G, D]: the benchmark's step at batch 1
     drawn = np.random.default_rng(seed).standard_normal((cfg.n_layers, draws) + step_q.shape[1:], np.float32)
     rows = []
     for budget in PAPER_BUDGETS:

@@ -45,6 +45,7 @@ from flax import nnx  # noqa: E402
 
 import bench_offload as bench  # noqa: E402
 import harness  # noqa: E402
+import offload_setup  # noqa: E402
 from fathom_jax.hlo import hlo_instructions  # noqa: E402
 from fathom_jax.models import LlamaForCausalLM, generation  # noqa: E402
 from fathom_jax.placement import Placement, device_mesh  # noqa: E402
@@ -64,9 +65,10 @@ def abstract_step(cfg, placement: Placement, *, context: int, batch: int, method
     rep = placement.replicated()
     _, state = nnx.split(model)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
-    calib, _ = bench.synthetic_calibration(cfg)
-    attn = bench.hook(bench.METHODS[method], cfg, calib, k, placement, "xla", batch=batch, context=context)
-    shape = bench.cache_shape(cfg, batch, context)
+    calib, _ = offload_setup.synthetic_calibration(cfg)
+    attn = offload_setup.hook(offload_setup.METHODS[method], cfg, calib, k, placement, "xla", batch=batch,
+                              context=context)
+    shape = offload_setup.cache_shape(cfg, batch, context)
     cache = jax.eval_shape(lambda: attn.init_cache(shape))
     cache = _structs(cache, lambda c: placement.shardings(c, c.bulk()))
     run = generation.decode_step_program(model, cache, attn)
@@ -142,7 +144,7 @@ def main(argv=None):
     ap.add_argument("--devices", default="2", help="mesh sizes (a list)")
     ap.add_argument("--contexts", default="128k,1m")
     ap.add_argument("--batches", default="1")
-    ap.add_argument("--method", default="Fathom 48", choices=list(bench.METHODS))
+    ap.add_argument("--method", default="Fathom 48", choices=list(offload_setup.METHODS))
     ap.add_argument("--k", type=int, default=512)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a check of the script)")
     ap.add_argument("--tag", default="cpu")
@@ -153,7 +155,7 @@ def main(argv=None):
         sys.argv[1:] if argv is None else argv), "config": {**vars(args), "model": dataclasses.asdict(cfg)}, "rows": []}
     for devices in (int(d) for d in args.devices.split(",")):
         placement = Placement("pinned_host", mesh=device_mesh(devices))
-        for context in (bench.parse_ctx(c) for c in args.contexts.split(",")):
+        for context in (offload_setup.parse_ctx(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
                 text = abstract_step(cfg, placement, context=context, batch=batch, method=args.method, k=args.k)
                 row = {"devices": devices, "context": context, "batch": batch, "collectives": collectives(text)}

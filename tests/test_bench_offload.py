@@ -1,5 +1,6 @@
-"""scripts/bench_offload.py: --merge (the newest run of a measurement wins; errors name their run; notes once), the
-variants and their labels, drifting queries and the row-cache table."""
+"""scripts/bench_offload.py and its modules (offload_setup, offload_measure, offload_report): --merge (the newest run
+of a measurement wins; errors name their run; notes once), the variants and their labels, drifting queries and the
+row-cache table."""
 
 import copy
 import json
@@ -11,6 +12,9 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "scripts"))
 import bench_offload  # noqa: E402
+import offload_measure  # noqa: E402
+import offload_report  # noqa: E402
+import offload_setup  # noqa: E402
 from pallas_kernels.topk import TopkConfig  # noqa: E402
 
 
@@ -32,7 +36,7 @@ def test_merge_keeps_the_newest_row_and_dates_errors(tmp_path):
     for name, p in (("old", old), ("new", new)):
         paths.append(str(tmp_path / f"{name}.json"))
         json.dump(p, open(paths[-1], "w"))
-    bench_offload.merge(paths, str(tmp_path / "merged"))
+    offload_report.merge(paths, str(tmp_path / "merged"))
     res = json.load(open(tmp_path / "merged.json"))
     (row,) = res["rows"]
     assert row["median_ms"] == 20.6 and row["run_date"] == new["machine"]["date"]
@@ -45,12 +49,12 @@ def test_merge_keeps_the_newest_row_and_dates_errors(tmp_path):
     # Merging the merged file again keeps what each error recorded.
     again = copy.deepcopy(res)
     json.dump(again, open(tmp_path / "again.json", "w"))
-    bench_offload.merge([str(tmp_path / "again.json")], str(tmp_path / "merged2"))
+    offload_report.merge([str(tmp_path / "again.json")], str(tmp_path / "merged2"))
     merged2 = json.load(open(tmp_path / "merged2.json"))
     assert merged2["errors"][0]["run_date"] == old["machine"]["date"]
     # ... and one count of the rows superseded over all its merges, not one note per merge.
     json.dump(new | {"machine": {**new["machine"], "date": "2026-12-01T10:00:00+00:00"}}, open(tmp_path / "newer.json", "w"))
-    bench_offload.merge([str(tmp_path / "merged2.json"), str(tmp_path / "newer.json")], str(tmp_path / "merged3"))
+    offload_report.merge([str(tmp_path / "merged2.json"), str(tmp_path / "newer.json")], str(tmp_path / "merged3"))
     notes = [n for n in json.load(open(tmp_path / "merged3.json"))["notes"] if "superseded" in n]
     assert notes == ["2 rows of earlier runs superseded by later runs of the same measurement"]
 
@@ -58,7 +62,7 @@ def test_merge_keeps_the_newest_row_and_dates_errors(tmp_path):
 def test_variants_and_their_labels():
     """--index-writes x --pipeline (``--read`` for all): "auto" where a part is not given; every variant a valid step
     configuration."""
-    got = bench_offload.parse_variants("staged", "full_blocks", "auto,1/0,8/66,4")
+    got = offload_setup.parse_variants("staged", "full_blocks", "auto,1/0,8/66,4")
     rest = dict(fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0)
     assert got == [
         dict(read="staged", index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
@@ -66,38 +70,38 @@ def test_variants_and_their_labels():
         dict(read="staged", index_writes="full_blocks", pipeline=8, gather_programs=66, **rest),
         dict(read="staged", index_writes="full_blocks", pipeline=4, gather_programs="auto", **rest)]
     # the kernels' options: row-fetch programs x top-k x extra XLA option sets
-    got = bench_offload.parse_variants("staged", "every_step", "auto", "auto,0", "auto,single",
+    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto,0", "auto,single",
                                        "none;xla_gpu_enable_triton_gemm=false,xla_foo=3")
     assert len(got) == 8 and {v["fetch_programs"] for v in got} == {"auto", 0}
     assert {v["xla_options"] for v in got} == {(), (("xla_gpu_enable_triton_gemm", False), ("xla_foo", "3"))}
     # a value may hold commas (a list of enums); layers per loop iteration: one row each
-    got = bench_offload.parse_variants("staged", "every_step", "auto", "auto", "auto",
+    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto",
                                        "xla_gpu_enable_command_buffer=FUSION,WHILE,xla_foo=3", "1,2")
     assert [v["layer_unroll"] for v in got] == [1, 2]
     assert got[0]["xla_options"] == (("xla_gpu_enable_command_buffer", "FUSION,WHILE"), ("xla_foo", "3"))
     with pytest.raises(ValueError, match="--layer-unroll entries"):
-        bench_offload.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "0")
-    assert "2 layers per loop iteration" in bench_offload.split_text({"layer_unroll": 2}) and bench_offload.split_text({"layer_unroll": 1}) == ""
-    got = bench_offload.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "0,4096")
-    assert [v["row_cache"] for v in got] == [0, 4096] and bench_offload.split_text({"row_cache": 4096}) == \
+        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "0")
+    assert "2 layers per loop iteration" in offload_setup.split_text({"layer_unroll": 2}) and offload_setup.split_text({"layer_unroll": 1}) == ""
+    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "0,4096")
+    assert [v["row_cache"] for v in got] == [0, 4096] and offload_setup.split_text({"row_cache": 4096}) == \
         "row cache 4096 slots"
     with pytest.raises(ValueError, match="--row-cache entries"):
-        bench_offload.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "-1")
+        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "-1")
     with pytest.raises(ValueError, match="--topk entries"):
-        bench_offload.parse_variants("staged", "every_step", "auto", "auto", "sorted")
-    got = bench_offload.parse_variants("staged", "every_step", "auto", "auto", "b8t4,bautot8")
+        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "sorted")
+    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto", "b8t4,bautot8")
     assert [v["topk"] for v in got] == ["b8t4", "bautot8"]
-    assert bench_offload.topk_config("b8t4") == TopkConfig(bucket_splits=8, token_splits=4)
-    assert bench_offload.topk_config("bautot8") == TopkConfig(bucket_splits="auto", token_splits=8)
-    assert [bench_offload.topk_name(bench_offload.topk_config(n)) for n in ("auto", "single", "b8t4", "bautot8")] == \
+    assert offload_setup.topk_config("b8t4") == TopkConfig(bucket_splits=8, token_splits=4)
+    assert offload_setup.topk_config("bautot8") == TopkConfig(bucket_splits="auto", token_splits=8)
+    assert [offload_setup.topk_name(offload_setup.topk_config(n)) for n in ("auto", "single", "b8t4", "bautot8")] == \
         ["auto", "single", "b8t4", "bautot8"]
     with pytest.raises(ValueError, match="power of two"):
-        bench_offload.parse_variants("staged", "every_step", "auto", "auto", "b3t4")
+        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "b3t4")
     with pytest.raises(ValueError, match="index_writes must be one of"):  # StepConfig checks every variant
-        bench_offload.parse_variants("staged", "sometimes", "auto")
-    assert bench_offload.writes_text({"index_writes": "every_step", "scan_writes": True}) == "every_step in scan"
-    assert bench_offload.writes_text({}) == "every_step"
-    text = bench_offload.split_text  # (rows of the deleted GPU streams option still render)
+        offload_setup.parse_variants("staged", "sometimes", "auto")
+    assert offload_setup.writes_text({"index_writes": "every_step", "scan_writes": True}) == "every_step in scan"
+    assert offload_setup.writes_text({}) == "every_step"
+    text = offload_setup.split_text  # (rows of the deleted GPU streams option still render)
     assert text({"streams": 2}) == "streams 2" and text({"pipeline": 8, "gather_programs": 66}) == "pipeline 8 (gather 66)"
     assert text({"pipeline": 1, "gather_programs": 66}) == "gather 66" and text({}) == ""
     assert text({"pipeline": 2, "gather_programs": 66, "fetch_programs": 66, "topk": "auto", "xla_options": "a=1"}) == \
@@ -106,7 +110,7 @@ def test_variants_and_their_labels():
 
 def test_drifting_queries_are_an_ar1_sequence():
     q = np.random.default_rng(0).standard_normal((4, 8, 4, 128)).astype(np.float32)
-    seq = [np.asarray(x) for x in bench_offload.drifting_queries(q, 0.95, count=40)]
+    seq = [np.asarray(x) for x in offload_setup.drifting_queries(q, 0.95, count=40)]
     assert len(seq) == 40 and all(x.shape == q.shape for x in seq)
     lag1 = np.mean([np.corrcoef(a.ravel(), b.ravel())[0, 1] for a, b in zip(seq, seq[1:])])
     assert abs(lag1 - 0.95) < 0.01 and abs(np.std(seq[-1]) - 1) < 0.05  # stationary: the variance stays 1
@@ -119,11 +123,11 @@ def test_row_cache_report_puts_each_row_beside_the_step_without_a_cache():
             dict(base, median_ms=80.0, row_cache=16384, row_hit_fraction=0.6, row_bytes_fetched=8e7,
                  link_floor_fetched_ms=40.0),
             dict(base, kind="full", query_drift=None, median_ms=130.0)]  # no cache, no drift: not a row of its own
-    lines = bench_offload.row_cache_lines(rows)
+    lines = offload_report.row_cache_lines(rows)
     table = [line for line in lines if line.startswith("| attention")]
     assert len(table) == 2 and not any(line.startswith("| full") for line in lines)
     assert "| 16384 | 60% | 80 |" in table[1] and table[1].endswith("| 40.0 | 2.00 | 1.50x |")
-    assert bench_offload.row_cache_lines([rows[2]]) == []
+    assert offload_report.row_cache_lines([rows[2]]) == []
 
 
 def test_merge_keeps_an_older_profile_dated_when_the_newer_run_has_none(tmp_path):
@@ -135,7 +139,7 @@ def test_merge_keeps_an_older_profile_dated_when_the_newer_run_has_none(tmp_path
     paths = [str(tmp_path / "old.json"), str(tmp_path / "new.json")]
     for path, p in zip(paths, (old, new)):
         json.dump(p, open(path, "w"))
-    bench_offload.merge(paths, str(tmp_path / "merged"))
+    offload_report.merge(paths, str(tmp_path / "merged"))
     (row,) = json.load(open(tmp_path / "merged.json"))["rows"]
     assert row["median_ms"] == 20.6 and row["profile"]["ms_per_step"] == {"row fetch": 6.0}
     assert row["profile_run_date"] == old["machine"]["date"]
@@ -185,23 +189,23 @@ def test_rows_formats_run_side_by_side_on_cpu(tmp_path, monkeypatch):
     # One row buffer for every layer (shared_kv) is counted once as held; "own" is every layer's own rows.
     from fathom_jax.placement import Placement
 
-    calib, _ = bench_offload.synthetic_calibration(cfg)
-    attn = bench_offload.hook("fathom:48", cfg, calib, 64, Placement("pinned_host"), "xla", rows="k8v8")
-    shared = attn.init_cache(bench_offload.cache_shape(cfg, 1, 128), shared_kv=True)
-    fields = bench_offload.host_fields(shared, Placement("pinned_host"))
+    calib, _ = offload_setup.synthetic_calibration(cfg)
+    attn = offload_setup.hook("fathom:48", cfg, calib, 64, Placement("pinned_host"), "xla", rows="k8v8")
+    shared = attn.init_cache(offload_setup.cache_shape(cfg, 1, 128), shared_kv=True)
+    fields = offload_measure.host_fields(shared, Placement("pinned_host"))
     assert fields["host_bytes_per_token"] == pytest.approx(k8v8 / cfg.n_layers + index)
     assert fields["host_bytes_per_token_own"] == pytest.approx(k8v8 + index) == 328
-    assert bench_offload.host_fields(shared, Placement("device"))["host_bytes_per_token"] is None
+    assert offload_measure.host_fields(shared, Placement("device"))["host_bytes_per_token"] is None
 
 
 def test_rows_entries_and_their_errors(capsys):
-    rows = bench_offload.parse_rows("k8v8@none, model@512k", 1 << 20)
+    rows = offload_setup.parse_rows("k8v8@none, model@512k", 1 << 20)
     assert [(r["name"], r["share_kv_from"]) for r in rows] == [("k8v8", None), ("model", 524288)]
     assert rows[0]["format"].spec == "k8v8" and rows[1]["format"] is None
-    assert [r["share_kv_from"] for r in bench_offload.parse_rows("model,k8v4g32a", 1 << 20)] == [1 << 20, 1 << 20]
+    assert [r["share_kv_from"] for r in offload_setup.parse_rows("model,k8v4g32a", 1 << 20)] == [1 << 20, 1 << 20]
     for bad, match in (("k9v8", "unknown row format"), ("k4c64av8", "per block of tokens"), ("model,model", "twice")):
         with pytest.raises(ValueError, match=match):
-            bench_offload.parse_rows(bad, None)
+            offload_setup.parse_rows(bad, None)
         with pytest.raises(SystemExit):
             bench_offload.main(["--smoke", "--rows", bad, "--out", "/nonexistent"])
         assert "--rows:" in capsys.readouterr().err

@@ -1,0 +1,398 @@
+"""The offload benchmark's report (``scripts/bench_offload.py``): ``--merge`` (one results file from several runs,
+the newest run of each measurement winning), and the markdown and plots of a results file: the attention-only and
+full-step tables, one GPU against a mesh, K/V row formats, the row cache, resident planes, profiles, prefill and
+errors; the step time against context, against the index's HBM bytes (resident planes) and against the batch."""
+
+from __future__ import annotations
+
+import math
+
+import harness
+from offload_setup import AUTHORS_MS, SPLIT_DEFAULTS, split_text, writes_text
+
+
+def merge(paths, out_prefix):
+    """One results file from several runs of this script (device calls are limited to 10 minutes each)."""
+    import json
+
+    parts = [json.load(open(p)) for p in paths]
+    res = dict(parts[0])
+    res["runs"] = [run for p in parts for run in (p.get("runs") or [{"command": p["command"], "machine": p["machine"],
+                                                                   "wall_seconds": p.get("wall_seconds")}])]
+    for p in parts:  # each run's read mode and mesh travel with its rows
+        for row in p.get("rows", []):
+            prof = row.get("profile", {}).get("ms_per_step", {})
+            if "scan (reads host planes)" in prof:  # the category's first name; staged runs' scan reads HBM
+                prof["plane scan kernel"] = prof.pop("scan (reads host planes)")
+            row.setdefault("read", p["config"].get("read"))
+            row.setdefault("run_date", p["machine"]["date"])
+    for p in parts:  # an error names the run it came from (a later run may have measured that section)
+        for err in p.get("errors", []):
+            err.setdefault("run_date", p["machine"]["date"])
+    res["errors"] = [x for p in parts for x in p.get("errors", [])]
+    res["notes"] = list(dict.fromkeys(x for p in parts for x in p.get("notes", [])))  # in order, once each
+    # A later run of the same measurement (same kind, method, shapes, placement) supersedes an earlier one.
+    latest: dict[tuple, dict] = {}
+    for row in (x for p in parts for x in p.get("rows", [])):
+        for name, value in SPLIT_DEFAULTS.items():  # runs before an option existed ran its default
+            row.setdefault(name, value)
+        if row["kind"] == "full":  # full steps before 2026-12-01 copied each layer's weights out of the stacks
+            row.setdefault("weight_gemms", "copied")
+        key = tuple(str(row.get(f)) for f in ("kind", "method", "context", "batch", "memory", "read", "mesh",
+                                              *SPLIT_DEFAULTS, "shared_kv", "tag", "weight_gemms"))
+        if key not in latest or row["run_date"] >= latest[key]["run_date"]:
+            older = latest.get(key)
+            if older is not None and "profile" in older and "profile" not in row:  # the newest profile stays, dated
+                row = row | {"profile": older["profile"], "profile_run_date": older.get("profile_run_date",
+                                                                                         older["run_date"])}
+            latest[key] = row
+    superseded = sum(len(p.get("rows", [])) for p in parts) - len(latest)
+    res["rows"] = list(latest.values())
+    tail = " rows of earlier runs superseded by later runs of the same measurement"
+    earlier = [note for note in res["notes"] if note.endswith(tail) and note.split(" ", 1)[0].isdigit()]
+    superseded += sum(int(note.split(" ", 1)[0]) for note in earlier)  # a merged file merged again: one count
+    res["notes"] = [note for note in res["notes"] if note not in earlier]
+    if superseded:
+        res["notes"].append(f"{superseded}{tail}")
+    for key in ("link", "hbm_copy"):
+        res[key] = next((p[key] for p in parts if key in p), None) or {}
+    res["links"] = [link for p in parts for link in (p.get("links") or ([{"command": p["command"], "link": p["link"]}]
+                                                                       if p.get("link") else []))]
+    res["command"] = "; ".join(p["command"] for p in parts)
+    latest_link = max((p for p in parts if p.get("link")), key=lambda p: p["machine"]["date"], default=None)
+    if latest_link is not None:  # floors of the newest rows use the newest link measurement
+        res["link"] = latest_link["link"]
+    res["machine"] = max((p["machine"] for p in parts), key=lambda m: m["date"])  # the header names the newest run
+    link = res["link"].get("all", next(iter(res["link"].values()), {})).get("GBps")
+    for row in res["rows"]:  # the link floor of rows measured in a run without the link section
+        floor = row.get("link_floor_ms", float("nan"))
+        if row["kind"] == "attention" and row["memory"] == "pinned_host" and link and math.isnan(floor):
+            row["link_floor_ms"] = (row.get("link_scan_bytes", row["scan_bytes"]) + row["row_bytes_max"]) / (link * 1e9) * 1e3
+            row["fraction_of_link"] = row["link_floor_ms"] / row["median_ms"]
+    harness.write_json(out_prefix + ".json", res)
+    write_report(res, out_prefix)
+
+
+def mesh_ratio_lines(att: list[dict], default_read) -> list[str]:
+    """Each step measured on one GPU and on a mesh of several with the same method, shapes and reads, side by side."""
+    def key(r):  # chunk counts differ with the groups per device: pipelined pairs with pipelined
+        return (r["method"], r["context"], r["batch"], r["memory"], r.get("read", default_read), r["shared_kv"],
+                r.get("index_writes", "every_step"), r.get("streams", 1), int(r.get("pipeline", 1)) > 1,
+                bool(r.get("scan_writes")), r.get("rows", "model"))
+
+    single = {key(r): r for r in att if r["mesh"] == 1}
+    pairs = [(single[key(r)], r) for r in att if r["mesh"] > 1 and key(r) in single]
+    if not pairs:
+        return []
+    lines = ["## Several GPUs against one (same method, context, reads, K/V sharing, index writes and pipelining)", "",
+             "| method | context | read | shared K/V | index writes | chunks (1 GPU / mesh) | 1 GPU ms | mesh | mesh ms | ratio | "
+             "mesh floor ms | x floor | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for one, many in sorted(pairs, key=lambda p: (p[1]["context"], p[1]["method"], str(p[1]["shared_kv"]), key(p[1])[6:])):
+        lines.append(f"| {many['method']} | {many['context']} | {key(many)[4]} | {many['shared_kv']} | {writes_text(many)} | "
+                     f"{one.get('pipeline', 1)} / {many.get('pipeline', 1)} | {one['median_ms']:.1f} | "
+                     f"{many['mesh']} | {many['median_ms']:.1f} | {many['median_ms'] / one['median_ms']:.2f} | "
+                     f"{many['link_floor_ms']:.1f} | {many['median_ms'] / many['link_floor_ms']:.2f} | "
+                     f"{str(one.get('run_date', ''))[:16]} / {str(many.get('run_date', ''))[:16]} |")
+    return lines + [""]
+
+
+def row_format_lines(rows: list[dict]) -> list[str]:
+    """The row-format table: every row of a compressed format beside the rows of the model dtype (bf16) with the same
+    step, method, context and batch, with their bytes per token on the host, row bytes per step, ms and tokens/s."""
+    def key(r):
+        return (r["kind"], r["method"], r["context"], r["batch"])
+
+    compressed = [r for r in rows if r.get("rows", "model") != "model"]
+    if not compressed:
+        return []
+    keys = {key(r) for r in compressed}
+    picked = [r for r in rows if key(r) in keys]
+    lines = ["## K/V row formats", "",
+             "`rows`: how the cache stores each token's K and V (`model`: bf16 K and V side by side; `k8v8`: 8-bit K and V, "
+             "one fp16 absmax scale per token each; `fathom_jax.decode.rows`). Host B/token: bytes per token, layer and KV "
+             "head in host memory as held (`shared K/V`: one row buffer for every layer, counted once) and with every "
+             "layer's own rows (the row plus the index's planes and scales); row B: what the row fetch moves per selected "
+             "token; rows MB: the selected rows of a step (max, the union's upper bound).", "",
+             "| step | method | context | batch | rows | shared K/V | host B/token (held) | host B/token (own rows) | "
+             "row B | rows MB (max) | ms | tokens/s | vs model rows | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, spec=".0f": "" if x is None or x != x else format(x, spec)  # noqa: E731  (None and NaN: blank)
+    base = {}
+    for r in rows:  # the fastest model-dtype row of each step: the comparison
+        if r.get("rows", "model") == "model" and (key(r) not in base or r["median_ms"] < base[key(r)]["median_ms"]):
+            base[key(r)] = r
+    for r in sorted(picked, key=lambda r: key(r) + (r.get("rows", "model") != "model", r.get("rows", "model"),
+                                                     str(r.get("run_date", "")))):
+        b = base.get(key(r))
+        ratio = f"{b['median_ms'] / r['median_ms']:.2f}x" if b is not None and b is not r else ""
+        lines.append(f"| {r['kind']} | {r['method']} | {r['context']} | {r['batch']} | {r.get('rows', 'model')} | "
+                     f"{r['shared_kv']} | {fmt(r.get('host_bytes_per_token'))} | {fmt(r.get('host_bytes_per_token_own'))} | "
+                     f"{fmt(r.get('row_bytes_per_token'))} | {fmt(r.get('row_bytes_max', float('nan')) / 1e6)} | "
+                     f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | "
+                     f"{fmt(r.get('tokens_per_s', r['batch'] / r['median_ms'] * 1e3), '.1f')} | {ratio} | "
+                     f"{str(r.get('run_date', ''))[:16]} |")
+    return lines + [""]
+
+
+def row_cache_lines(rows: list[dict]) -> list[str]:
+    """Rows with drifting queries or a row cache, each beside the row of the same step without a cache."""
+    picked = [r for r in rows if r.get("row_cache") or r.get("query_drift") is not None]
+    if not picked:
+        return []
+
+    def key(r):
+        return (r["kind"], r["method"], r["context"], r["batch"], r.get("query_drift"), r.get("pipeline", 1),
+                r.get("index_writes"), r.get("rows", "model"), str(r.get("run_date", "")))
+
+    plain = {key(r): r for r in rows if not r.get("row_cache")}
+    lines = ["## Row cache (device-memory copies of the rows recent steps fetched)", "",
+             "`drift`: each step's queries are the last step's times the coefficient plus fresh noise (AR(1); none: one "
+             "query set repeated, which a row cache would hit every time; full steps: the random model's own queries). "
+             "`from slots`: of the last step's selected rows, the share taken from the slots. Floors: every planned byte "
+             "and every selected row over the link, and with only the rows fetched.", "",
+             "| step | method | context | batch | drift | slots | from slots | rows MB fetched | ms | floor ms (all rows) | "
+             "floor ms (rows fetched) | ms / floor (fetched) | vs no cache |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, spec=".1f": "" if x is None or x != x else format(x, spec)  # noqa: E731  (None and NaN: blank)
+    for r in sorted(picked, key=lambda r: key(r) + (r.get("row_cache", 0),)):
+        base = plain.get(key(r))
+        slots = r.get("row_cache") or 0
+        share = f"{100 * r['row_hit_fraction']:.0f}%" if slots else ""
+        fetched_mb = r["row_bytes_fetched"] / 1e6 if slots else r.get("row_bytes_max", float("nan")) / 1e6
+        floor = r.get("link_floor_fetched_ms") if slots else None
+        speedup = f"{base['median_ms'] / r['median_ms']:.2f}x" if slots and base else ""
+        lines.append(f"| {r['kind']} | {r['method']} | {r['context']} | {r['batch']} | {r.get('query_drift') or 'none'} | "
+                     f"{slots} | {share} | {fetched_mb:.0f}{'' if slots else ' (max)'} | {r['median_ms']:.2f} "
+                     f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {fmt(r.get('link_floor_ms'))} | {fmt(floor)} | "
+                     f"{fmt(None if floor is None else r['median_ms'] / floor, '.2f')} | {speedup} |")
+    return lines + [""]
+
+
+def write_report(res: dict, prefix: str) -> None:
+    m = res["machine"]
+    link = res.get("link", {})
+    lines = [f"# Offloaded sparse decoding ({m['device']} x{m.get('devices', res['config'].get('mesh', 1))})", "",
+             f"{m['date']}, JAX {m['jax']}, commit {m['commit']}, host {m['host']}. Command: `{res['command']}`.",
+             "Model: Qwen3-8B shapes (36 layers, 32 query / 8 KV heads, D = 128, hidden 4096, MLP 12288), random bf16 "
+             "weights; k = 512; caches synthetic (keys with log-normal channel scales, index built from them); "
+             "`shared_kv`: all layers read one K/V row buffer (each layer keeps its own planes).",
+             f"Link (device_put of {res['config'].get('link_bytes', 0) / 2**30:.0f} GiB from pinned_host): " +
+             ", ".join(f"{k} {v['GBps']:.1f} GB/s" for k, v in link.items()) +
+             (f"; HBM copy {res['hbm_copy']['GBps']:.0f} GB/s" if res.get("hbm_copy") else ""), ""]
+    if res.get("runs"):
+        lines += ["Runs merged: " + "; ".join(f"`{r['command']}` ({r['machine']['date']})" for r in res["runs"]), ""]
+    for entry in res.get("links", [])[1:]:
+        lines += [f"Link in `{entry['command'][:60]}...`: " + ", ".join(f"{k} {v['GBps']:.1f} GB/s" for k, v in entry["link"].items()), ""]
+    rows = res["rows"]
+    att = [r for r in rows if r["kind"] == "attention"]
+    if att:
+        lines += ["## Attention-only step (36 layers; ms per step, median [min, max])", "",
+                  "read: `direct` = the plane scan reads host memory as it computes; `staged` = the run gather copies the "
+                  "planned runs to HBM first. Link floor: every byte of the planned planes + scales and of the selected "
+                  "rows over the link once at the rate measured in the run.", "",
+                  "`index writes`: `every_step` writes the newest plane block of every layer each step; `full_blocks` only "
+                  "when it fills (once in 64 steps: its cost, the cache write's plane words in the profile, is then "
+                  "spread over 64 steps and the median leaves it out); `in scan`: each layer writes its new K/V row and "
+                  "blocks inside the layer scan, beside its own transfers (the default since 2026-12-01), instead of every "
+                  "layer's after the scan (an option since deleted: measured slower).", "",
+                  "`split`: a layer's groups on several GPU streams (an option since deleted: measured slower), or in "
+                  "pipelined chunks whose plane transfers are "
+                  "chained (the next chunk's transfer beside this chunk's scan, selection and row fetch), with the run "
+                  "gather as that many persistent programs.", "",
+                  "| method | context | batch | mesh | split | index writes | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
+                  "link floor ms | fraction of link | authors' ms | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("rows", "model"), r.get("read") or "",
+                                            r.get("streams", 1),
+                                            r.get("pipeline", 1), r.get("gather_programs", 0),
+                                            r.get("index_writes", "every_step"), bool(r.get("scan_writes")))):
+            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | {writes_text(r)} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
+                         f"{r['bits_per_token']:.1f} | {r['scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
+                         f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | "
+                         f"{r['fraction_of_link']:.2f} | {r.get('authors_ms') or ''} | {str(r.get('run_date', ''))[:16]} |")
+        lines.append("")
+        lines += mesh_ratio_lines(att, res["config"].get("read"))
+    full = [r for r in rows if r["kind"] == "full"]
+    if full:
+        lines += ["## Full decode step (QKV, sparse attention, o_proj, MLP, lm_head)", "",
+                  "`weight GEMMs`: `copied` = Triton GEMMs on copies of each layer's weights sliced out of the stacked "
+                  "arrays (before 2026-12-01); `in place` = cuBLAS GEMMs reading the slices in place (XLA's dynamic-slice "
+                  "fusion, `models.generation.WEIGHT_GEMM_OPTIONS`).", "",
+                  "| method | context | batch | mesh | split | index writes | weight GEMMs | ms | tokens/s | wall / device |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"], r.get("rows", "model"),
+                                             r.get("streams", 1),
+                                             r.get("pipeline", 1), r.get("index_writes", "every_step"),
+                                             r.get("weight_gemms", "copied"), str(r.get("run_date")))):
+            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | "
+                         f"{writes_text(r)} | {r.get('weight_gemms', 'copied')} | {r['median_ms']:.2f} "
+                         f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['tokens_per_s']:.1f} | "
+                         f"{r.get('wall_over_device', float('nan')):.2f} |")
+        lines.append("")
+    lines += row_format_lines(att + full)
+    lines += row_cache_lines(att + full)
+    lines += tier_lines(att)
+    for r in full + att:
+        if "profile" in r:
+            p = r["profile"]
+            what = "full step" if r["kind"] == "full" else f"attention-only step ({r['memory']})"
+            what += f", {split_text(r)}" if split_text(r) else ""
+            what += ", plane blocks written when full" if r.get("index_writes") == "full_blocks" else ""
+            what += ", each layer's writes in the layer scan" if r.get("scan_writes") else ""
+            if r.get("profile_run_date"):  # profiled in an earlier run of this measurement than the row's median
+                what += f" (profiled in the run of {r['profile_run_date'][:16]}; median above from {r['run_date'][:16]})"
+            lines += [f"Profile of the {what}, {r['method']} at {r['context']} (batch {r['batch']}): wall "
+                      f"{p['wall_ms_per_step']:.1f} ms, device span {p['device_span_ms_per_step']:.1f} ms, busy "
+                      f"{p['device_busy_ms_per_step']:.1f} ms per step; "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in p["ms_per_step"].items()) + " ms"
+                      + (f"; {p['launches_per_step']:.0f} kernel launches per step." if "launches_per_step" in p else "."), ""]
+            if p.get("exposed_ms_per_step"):
+                x = p["exposed_ms_per_step"]
+                lines += [f"Of its span, a plane transfer ran for {x['transfer_running']:.1f} ms per step; with none running: "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in x["outside_transfers"].items()) + " ms.", ""]
+            if p.get("top_kernels"):
+                lines += ["| kernel | category | ms per step | launches per step |", "|---|---|---|---|"]
+                lines += [f"| `{t['name'][:90]}` | {t['category']} | {t['ms_per_step']:.2f} | {t['launches_per_step']:.0f} |"
+                          for t in p["top_kernels"][:15]]
+                lines.append("")
+    pre = [r for r in rows if r["kind"] == "prefill"]
+    for r in pre:
+        lines += [f"Prefill of a {r['context']}-token prompt into host memory: {r['prefill_s']:.1f} s "
+                  f"(first call, with compilation: {r['first_s']:.1f} s); index build {r['index_build_s']:.2f} s "
+                  f"({100 * r['index_share']:.1f}%).", ""]
+    if res.get("errors"):
+        when = lambda e: f"run of {e['run_date'][:16]}" if e.get("run_date") else "run not recorded"  # noqa: E731
+        lines += ["## Errors", ""] + [f"- {e['section']} ({when(e)}): {e['error'][:300]}" for e in res["errors"]] + [""]
+    with open(prefix + ".md", "w") as f:
+        f.write("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    batch_plot([r for r in rows if r["kind"] == "full"], prefix + "_batches.png", m["device"])
+    if not att:
+        return
+    fig, ax = plt.subplots(figsize=(11, 5.2))
+    colors = dict(zip(sorted({r["method"] for r in att}), plt.get_cmap("tab10").colors))
+    default_read = res["config"].get("read")
+    for label in sorted(colors):
+        # (read, index writes, pipelined, style); GPU-stream rows stay in the table (measured slower)
+        for read, writes, pipelined, style in (
+                ("staged", "every_step", False, "o-"), ("staged", "every_step", True, "*-"),
+                ("staged", "full_blocks", False, "D:"), ("staged", "full_blocks", True, "*:"),
+                ("direct", "every_step", False, "o--")):
+            pts = sorted((r["context"], r["median_ms"]) for r in att if r["method"] == label and r["batch"] == 1
+                         and r["memory"] == "pinned_host" and r.get("mesh", 1) == 1
+                         and r.get("read", default_read) == read and r.get("streams", 1) == 1
+                         and r.get("index_writes", "every_step") == writes and (r.get("pipeline", 1) > 1) == pipelined
+                         and r.get("rows", "model") == "model")  # compressed rows: their own table
+            best = {}
+            for c, ms in pts:  # of several settings, the fastest at each context
+                best[c] = min(ms, best.get(c, ms))
+            pts = sorted(best.items())
+            if pts:
+                extra = (", blocks written when full" if writes == "full_blocks" else "") + (", pipelined" if pipelined else "")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colors[label],
+                        label=f"{label} ({read}{extra})")
+        authors = sorted((c, v[label]) for c, v in AUTHORS_MS.items() if label in v)
+        if authors and any(r["method"] == label for r in att):
+            ax.plot([a[0] for a in authors], [a[1] for a in authors], "x", color=colors[label], ms=9,
+                    label=f"{label}, authors' implementation")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("attention-only step (ms, 36 layers)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _save_plot(fig, ax, f"{m['device']}: index + K/V in pinned host memory, one GPU", prefix + ".png")
+    tier_plot(att, prefix + "_tiers.png", m["device"])
+
+
+def _save_plot(fig, ax, title: str, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _tier_rows(att: list[dict]) -> list[dict]:
+    """The rows of runs that recorded where the index lived (since resident planes exist)."""
+    return [r for r in att if "index_hbm_bytes" in r and r["memory"] == "pinned_host"]
+
+
+def tier_lines(att: list[dict]) -> list[str]:
+    """The resident-planes table: each row beside the same method, context and batch with the index on the host."""
+    rows = _tier_rows(att)
+    if not any(r["resident_planes"] for r in rows):
+        return []
+    base = {(r["method"], r["context"], r["batch"], r.get("rows", "model")): r for r in rows if not r["resident_planes"]}
+    lines = ["## Resident planes", "",
+             "`p`: planes [0, p) of every channel, and every block scale, in HBM; planes [p, 4) in pinned host memory "
+             "(p = 4: the whole index in HBM). Link MB: the planned planes (and, at p = 0, scales) that cross the link "
+             "per step; the floor adds the selected rows (max) at the link rate measured in the run.", "",
+             "| method | context | batch | p | index host GB | index HBM GB | link MB (planes) | rows MB (max) | ms | "
+             "tokens/s | link floor ms | vs p = 0 | link bytes vs p = 0 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["method"], r["context"], r["batch"], r.get("rows", "model"),
+                                         str(r["resident_planes"]))):
+        b = base.get((r["method"], r["context"], r["batch"], r.get("rows", "model")))
+        speed = f"{b['median_ms'] / r['median_ms']:.2f}x" if b else ""
+        share = f"{r['link_scan_bytes'] / b['link_scan_bytes']:.2f}" if b and b["link_scan_bytes"] else ""
+        lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['resident_planes']} | "
+                     f"{r['index_host_bytes'] / 1e9:.2f} | {r['index_hbm_bytes'] / 1e9:.2f} | "
+                     f"{r['link_scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
+                     f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['batch'] / r['median_ms'] * 1e3:.1f} | "
+                     f"{r['link_floor_ms']:.1f} | {speed} | {share} |")
+    return lines + [""]
+
+
+def tier_plot(att: list[dict], path: str, device: str) -> None:
+    """Step time against the HBM bytes of the index per session, one line per method and context."""
+    import matplotlib.pyplot as plt
+
+    rows = _tier_rows(att)
+    if not any(r["resident_planes"] for r in rows):
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for (method, context), style in zip(sorted({(r["method"], r["context"]) for r in rows}),
+                                        ("o-", "s-", "D-", "^-", "o--", "s--", "D--", "^--")):
+        pts = sorted((r["index_hbm_bytes"] / r["batch"] / 1e9, r["median_ms"]) for r in rows
+                     if (r["method"], r["context"]) == (method, context) and isinstance(r["resident_planes"], int))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{method}, {context // 1024}k")
+    ax.set_xlabel("HBM bytes of the index per session (GB)")
+    ax.set_ylabel("attention-only step (ms, 36 layers)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    _save_plot(fig, ax, f"{device}: resident planes (p = 0, 1, 2, 4)", path)
+
+
+def batch_plot(full: list[dict], path: str, device: str) -> None:
+    """Tokens per second of the full step against the batch size (sessions of their own), one line per method,
+    context, row format and resident planes; only where a line has two batch sizes or more."""
+    import matplotlib.pyplot as plt
+
+    lines: dict[tuple, dict[int, float]] = {}
+    for r in full:  # of several settings, the fastest at each batch
+        pts = lines.setdefault((r["method"], r["context"], r.get("rows", "model"), r.get("resident_planes", 0),
+                                r.get("shared_kv")), {})
+        pts[r["batch"]] = max(r["tokens_per_s"], pts.get(r["batch"], 0.0))
+    lines = {k: v for k, v in lines.items() if len(v) > 1}
+    if not lines:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for (method, context, rows, p, shared), pts in sorted(lines.items()):
+        xs = sorted(pts)
+        ax.plot(xs, [pts[x] for x in xs], "o-", label=f"{method}, {context // 1024}k, {rows} rows, p = {p}"
+                + (", shared K/V" if shared else ""))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (sessions decoded together)")
+    ax.set_ylabel("tokens per second (full step)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    _save_plot(fig, ax, f"{device}: full decode step against the batch size", path)

@@ -1,0 +1,295 @@
+"""What the offload benchmark (``scripts/bench_offload.py``) sets up before it times anything: the methods it
+measures (labels to specs, the authors' times beside them), the synthetic calibration and caches (keys with log-normal
+channel scales, written layer by layer through the prefill path), the hook of a method spec with a step's options, the
+step inputs (random queries, and queries drifting step to step for the row cache), the random-weight model, and the
+options a row varies: ``--rows`` entries, the ``--index-writes`` / ``--pipeline`` / ``--topk`` / ... lists as
+:class:`fathom_jax.decode.StepConfig` fields, and each row's option fields, tags and labels (the defaults of rows
+measured before an option existed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fathom_jax import calibrate, decode, methods
+from fathom_jax.decode import StepConfig
+from fathom_jax.decode.rows import row_format
+from fathom_jax.models import LlamaForCausalLM
+from fathom_jax.models.attention import CacheShape
+from pallas_kernels.topk import TopkConfig
+
+LOGVAR_STD = 1.25
+METHODS = {  # label -> spec
+    "Fathom 48": "fathom:48", "Fathom 64": "fathom:64", "SparQ r=16": "sparq:16",
+    "32-channel (SparQ r=32)": "sparq:32", "full 4-bit": "full4",
+}
+AUTHORS_MS = {  # DESIGN.md: the authors' implementation on the same H200 (attention only, 36 layers, batch 1)
+    131072: {"Fathom 48": 19.3, "Fathom 64": 21.5, "SparQ r=16": 19.9, "32-channel (SparQ r=32)": 27.3},
+    1 << 20: {"Fathom 48": 104.8, "Fathom 64": 120.6, "SparQ r=16": 106.4, "32-channel (SparQ r=32)": 161.1},
+}
+
+
+def parse_ctx(text: str) -> int:
+    text = text.lower()
+    mult = {"k": 1024, "m": 1 << 20}.get(text[-1], 1)
+    return int(float(text[:-1] if text[-1] in "km" else text) * mult)
+
+
+def synthetic_calibration(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (cfg.n_layers, cfg.n_kv_heads)
+    scale = np.exp(0.5 * LOGVAR_STD * rng.standard_normal(shape + (cfg.head_dim,))).astype(np.float32)
+    eye = np.broadcast_to(np.eye(cfg.head_dim, dtype=np.float32), shape + (cfg.head_dim, cfg.head_dim))
+    calib = calibrate.from_arrays(variance=scale**2, mean=np.zeros_like(scale), basis=eye, eigenvalues=scale**2,
+                                  ds_order=np.argsort(-scale, axis=-1), loki_basis=eye)
+    return calib, scale
+
+
+SINGLE_TOPK = TopkConfig(bucket_splits=1, token_splits=1)  # one program per row per selection (before 2026-12-01)
+
+
+def topk_config(name: str) -> TopkConfig | None:
+    """A ``--topk`` entry's configuration: ``auto`` (None: the kernels' defaults), ``single`` or ``bBtT``
+    (``TopkConfig(bucket_splits=B, token_splits=T)``, B = auto or a power of two)."""
+    if name == "auto":
+        return None
+    if name == "single":
+        return SINGLE_TOPK
+    split = re.fullmatch(r"b(auto|\d+)t(\d+)", name)
+    if not split:
+        raise ValueError(f"--topk entries are auto, single or bBtT (TopkConfig(bucket_splits=B, token_splits=T), "
+                         f"B = auto or a power of two), got {name!r}")
+    buckets = split.group(1)
+    return TopkConfig(bucket_splits=buckets if buckets == "auto" else int(buckets), token_splits=int(split.group(2)))
+
+
+def topk_name(config: TopkConfig | None) -> str:
+    """The ``--topk`` entry of a configuration (:func:`topk_config` inverted)."""
+    if config is None:
+        return "auto"
+    return "single" if config == SINGLE_TOPK else f"b{config.bucket_splits}t{config.token_splits}"
+
+
+def hook(spec, cfg, calib, k, placement, implementation, variant=None, *, batch=1, context=None, rows=None):
+    """The hook of a method spec, bound to a cache of ``batch`` sequences of ``context`` (+ 64) tokens; ``variant``:
+    StepConfig fields (``topk`` a ``--topk`` entry), on top of ``--read``'s; ``rows``: the K/V row format (None: the
+    model dtype; a ``--rows`` entry's ``format``)."""
+    method = methods.parse(spec)
+    variant = dict(variant or {})
+    variant["topk"] = topk_config(variant.pop("topk", "auto"))
+    variant["xla_options"] = dict(variant.get("xla_options", ()))
+    attn = decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
+                                  placement=placement, implementation=implementation, step=StepConfig(**variant),
+                                  rows=rows)
+    return attn if context is None else attn.bind(cache_shape(cfg, batch, context))
+
+
+def cache_shape(cfg, batch: int, context: int) -> CacheShape:
+    return CacheShape(layers=cfg.n_layers, batch=batch, kv_heads=cfg.n_kv_heads, capacity=context + 64,
+                      head_dim=cfg.head_dim, dtype=jnp.bfloat16)
+
+
+def _fill_fn(cfg, context, attn, layer, key, scale, cache):
+    """One layer's synthetic keys (``scale`` the channels' scales per group) and values, written as a prefill would."""
+    b, hkv, d = cache.batch, cfg.n_kv_heads, cfg.head_dim
+    k1, k2 = jax.random.split(key)
+    keys = jax.random.normal(k1, (b, hkv, context, d), jnp.float32) * scale.reshape(b, hkv, 1, d)
+    values = jax.random.normal(k2, (b, hkv, context, d), jnp.bfloat16)
+    return None, attn.write_prompt(cache, layer, keys.astype(jnp.bfloat16), values, jnp.full((b,), context, jnp.int32))
+
+
+def build_cache(attn, cfg, scale, *, context, batch, shared_kv, seed=0):
+    """A cache holding ``context`` tokens per sequence, room for 64 more, filled layer by layer (``attn`` bound to
+    its shape)."""
+    cache = attn.init_cache(cache_shape(cfg, batch, context), shared_kv=shared_kv)
+    r, d = batch * cfg.n_kv_heads, cfg.head_dim
+    scale_r = jnp.asarray(np.tile(scale, (1, batch, 1)).reshape(cfg.n_layers, r, d))
+    fill = attn.program(_fill_fn, cache, static=(cfg, context))  # donated; in host memory written in place
+    key = jax.random.key(seed)
+    for layer in range(cfg.n_layers):
+        _, cache = fill(jnp.int32(layer), jax.random.fold_in(key, layer), scale_r[layer], cache=cache)
+    cache = attn.start_decode(cache, jnp.full((batch,), context, jnp.int32))
+    return jax.block_until_ready(cache)
+
+
+def random_step_inputs(cfg, batch, seed=1):
+    rng = np.random.default_rng(seed)
+    r = batch * cfg.n_kv_heads
+    q = jnp.asarray(rng.standard_normal((cfg.n_layers, r, cfg.group_size, cfg.head_dim)), jnp.float32)
+    key = jnp.asarray(rng.standard_normal((cfg.n_layers, r, cfg.head_dim)), jnp.bfloat16)
+    value = jnp.asarray(rng.standard_normal((cfg.n_layers, r, cfg.head_dim)), jnp.bfloat16)
+    return q, key, value
+
+
+def drifting_queries(q, rho: float, count: int = 64, seed: int = 2) -> list:
+    """``count`` query sets, each ``rho`` times the one before plus ``sqrt(1 - rho^2)`` fresh noise (an AR(1) drift,
+    stationary: every set has ``q``'s distribution). Real decode steps reselect most rows of the step before; one
+    repeated set would let a row cache hit every row. rho = 0.95 leaves ~37% of a group's rows new to each step
+    (numpy, 128k tokens, k = 512: results/logs/query_drift_numpy_2026-12-01.txt), as SmolLM2 measured on real text
+    (results/row_reuse_smollm2_4k.md)."""
+    rng = np.random.default_rng(seed)
+    out, cur = [], np.asarray(q, np.float32)
+    for _ in range(count):
+        cur = rho * cur + np.sqrt(1 - rho * rho) * rng.standard_normal(cur.shape).astype(np.float32)
+        out.append(jnp.asarray(cur))
+    return out
+
+
+def without_row_cache(cache):
+    return dataclasses.replace(cache, row_cache=None)
+
+
+def with_row_cache(cache, attn):
+    """``cache`` with an empty row cache of ``attn``'s slots, or none (every row starts from the same shared cache,
+    built for the first hook's layout)."""
+    slots = attn.step.row_cache
+    row_cache = None
+    if slots:
+        row_cache = decode.empty_row_cache(jnp.zeros, n_layers=cache.n_layers,
+                                           groups=cache.groups, slots=slots, width=cache.layout.width,
+                                           dtype=cache.layout.storage_dtype)
+    return dataclasses.replace(cache, row_cache=row_cache)
+
+def parse_rows(text: str, share_kv_from: int | None) -> list[dict]:
+    """``--rows`` entries, one set of rows each: ``FORMAT`` or ``FORMAT@SHARE`` (FORMAT: ``model`` for rows in the
+    model dtype, or a row format with per-token scales such as ``k8v8``, :func:`fathom_jax.decode.rows.row_format`;
+    SHARE: this format's ``--share-kv-from``, a context or ``none``). Each: ``name`` (``model`` or the format's spec),
+    ``format`` (None or the RowFormat), ``share_kv_from`` (None: every layer its own rows)."""
+    out = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        spec, at, share = entry.partition("@")
+        fmt = row_format(spec)  # ValueError on an unknown spec or a format with per-block scales
+        share_from = share_kv_from
+        if at:
+            share_from = None if share.strip().lower() in ("", "none") else parse_ctx(share.strip())
+        out.append({"name": "model" if fmt is None else fmt.spec, "format": fmt, "share_kv_from": share_from})
+    if not out:
+        raise ValueError("no row format given")
+    names = [r["name"] for r in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a row format is given twice: {names}")
+    return out
+
+
+def default_rows(args) -> dict:
+    """The ``--rows`` entry of the model dtype with the run's ``--share-kv-from`` (sections that take no ``--rows``)."""
+    return {"name": "model", "format": None, "share_kv_from": args.share_kv_from}
+
+
+def rows_tag(rows: dict) -> str:
+    """A section name's suffix naming a row format (none for the model dtype)."""
+    return "" if rows["name"] == "model" else f" rows {rows['name']}"
+
+
+# (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan; the
+# GPU streams and writes after the scan are measured options since deleted, kept for their rows)
+SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
+                  "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
+                  "resident_planes": 0, "rows": "model"}
+
+
+def options_text(options) -> str:
+    return ",".join(f"{k}={v}" for k, v in dict(options).items())
+
+
+def split_fields(attn) -> dict:
+    """The options a row varies (the columns of the report), as the bound hook's resolved step runs them."""
+    run = attn.run
+    return {"streams": 1, "index_writes": run.index_writes, "pipeline": run.chunks,
+            "gather_programs": getattr(run.reader, "programs", 0), "fetch_programs": run.fetcher.programs,
+            "layer_unroll": run.layer_unroll, "row_cache": run.row_cache, "scan_writes": run.in_place,
+            "topk": topk_name(run.topk), "xla_options": options_text(attn.step.xla_options),
+            "read": attn.step.read, "rows": "model" if attn.rows is None else attn.rows.spec}
+
+
+def variant_tag(split: dict) -> str:
+    return (f"s{split['streams']}_{split['index_writes']}_p{split['pipeline']}_g{split['gather_programs']}"
+            f"_f{split.get('fetch_programs', 0)}_{split.get('topk', 'single')}" + ("_w" if split.get("scan_writes") else "")
+            + ("_x" if split.get("xla_options") else "") + (f"_u{split['layer_unroll']}" if split.get("layer_unroll", 1) > 1 else "")
+            + (f"_c{split['row_cache']}" if split.get("row_cache") else "")
+            + (f"_r{split['rows']}" if split.get("rows", "model") != "model" else ""))
+
+
+def writes_text(r: dict) -> str:
+    """A row's index writes, and ``in scan`` where each layer wrote inside the layer scan."""
+    return r.get("index_writes", "every_step") + (" in scan" if r.get("scan_writes") else "")
+
+
+def split_text(r: dict) -> str:
+    """How a row's layer was split: ``""`` (one chunk), ``streams 2``, ``pipeline 8 (gather 132)``, and the kernels'
+    options that differ from the earlier runs' (``fetch 66``: persistent row-fetch programs; ``top-k split``: each
+    row's selections over several programs; ``xla: ...``: extra XLA options)."""
+    if r.get("streams", 1) > 1:
+        text = f"streams {r['streams']}"
+    elif r.get("pipeline", 1) > 1:
+        programs = r.get("gather_programs", 0)
+        text = f"pipeline {r['pipeline']}" + (f" (gather {programs})" if programs else "")
+    else:
+        text = f"gather {r['gather_programs']}" if r.get("gather_programs") else ""
+    extra = ([f"rows {r['rows']}"] if r.get("rows", "model") != "model" else []) + \
+            ([f"resident planes {r['resident_planes']}"] if r.get("resident_planes") else []) + \
+            ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
+            (["top-k split"] if r.get("topk", "single") != "single" else []) + \
+            ([f"{r['layer_unroll']} layers per loop iteration"] if r.get("layer_unroll", 1) > 1 else []) + \
+            ([f"row cache {r['row_cache']} slots"] if r.get("row_cache") else []) + \
+            ([f"xla: {r['xla_options']}"] if r.get("xla_options") else [])
+    return "; ".join([text] * bool(text) + extra)
+
+
+def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "auto", topk: str = "auto",
+                   xla: str = "none", unroll: str = "1", row_cache: str = "0") -> list[dict]:
+    """Every combination of the step configurations the lists give (one row each): ``--index-writes``,
+    ``--pipeline`` (entries ``auto``, ``N`` or ``N/P``: N chunks, P persistent gather programs, "auto" where not
+    given), ``--fetch-programs``, ``--topk``, ``--xla-options``, ``--layer-unroll``, ``--row-cache``; ``--read`` for
+    all. Each is a set of :class:`fathom_jax.decode.StepConfig` fields, checked here."""
+    pipes = []
+    for item in pipeline.split(","):
+        n, _, programs = item.partition("/")
+        pipes.append((n if n == "auto" else int(n), "auto" if programs in ("", "auto") else int(programs)))
+    out = [dict(read=read, index_writes=w, pipeline=n, gather_programs=g) for w in index_writes.split(",")
+           for n, g in pipes]
+    fetches = [x if x == "auto" else int(x) for x in fetch.split(",")]
+    for name in topk.split(","):
+        topk_config(name)  # a bad entry fails here, before anything runs
+    option_sets = []
+    for item in xla.split(";"):  # "none" or name=value,name=value (a value may hold commas: a list of enums)
+        pairs = {} if item in ("", "none") else dict(kv.split("=", 1) for kv in re.split(r",(?=xla_)", item))
+        option_sets.append(tuple((k, {"true": True, "false": False}.get(v.lower(), v)) for k, v in pairs.items()))
+    unrolls = [int(u) for u in unroll.split(",")]
+    if any(u < 1 for u in unrolls):
+        raise ValueError(f"--layer-unroll entries are ints >= 1, got {unroll!r}")
+    slots = [int(c) for c in row_cache.split(",")]
+    if any(c < 0 for c in slots):
+        raise ValueError(f"--row-cache entries are ints >= 0 (0: no row cache), got {row_cache!r}")
+    out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u, "row_cache": c} for f in fetches
+           for t in topk.split(",") for x in option_sets for u in unrolls for c in slots for v in out]
+    for v in out:  # a bad entry fails here, before anything runs
+        StepConfig(**(v | {"topk": topk_config(v["topk"]), "xla_options": dict(v["xla_options"])}))
+    return list({tuple(v.items()): v for v in out}.values())
+
+
+def random_model(cfg, placement):
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+
+    @jax.jit
+    def init(key):
+        leaves, tree = jax.tree_util.tree_flatten_with_path(state)
+        out = []
+        for i, (path, leaf) in enumerate(leaves):
+            name = jax.tree_util.keystr(path)
+            if "norm" in name:
+                out.append(jnp.ones(leaf.shape, leaf.dtype))
+            else:
+                out.append((0.02 * jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32)).astype(leaf.dtype))
+        return jax.tree_util.tree_unflatten(tree, out)
+
+    params = placement.replicate(init(jax.random.key(0)))
+    return nnx.merge(graphdef, params)
