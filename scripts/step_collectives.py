@@ -73,7 +73,7 @@ def abstract_step(cfg, placement: Placement, *, context: int, batch: int, method
     cache = _structs(cache, lambda c: placement.shardings(c, c.bulk()))
     run = generation.decode_step_program(model, cache, attn)
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep)
-    return run.lower(state, tokens, cache=cache).compile().as_text()
+    return run.lower(state, tokens, None, cache=cache).compile().as_text()  # None: a Llama keeps no state of its own
 
 
 def trip_counts(text: str) -> dict[str, int]:
