@@ -13,9 +13,36 @@ import argparse
 import os
 import sys
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
+
+
+def layer_phases(events: list[dict]) -> dict:
+    """Median microseconds of a pipelined layer's three phases, layer by layer: ``transfers`` (its first chunk's plane
+    transfer starts -> its last one ends), ``tail`` (-> its last row fetch ends: the last chunks' scan, selection and
+    fetch) and ``boundary`` (-> the next layer's first transfer starts: attention, writes, the next plan). A layer
+    starts at its first chunk's transfer kernel, the one whose name has no ``__N`` suffix."""
+    def is_(category):
+        return lambda e: harness.categorize(e.get("name", "")) == category
+
+    transfers = sorted(filter(is_(harness.TRANSFER), events), key=lambda e: e["ts"])
+    fetches = sorted(filter(is_("row fetch"), events), key=lambda e: e["ts"] + e["dur"])
+    starts = [e["ts"] for e in transfers if "__" not in e.get("name", "")]
+    phases: dict[str, list[float]] = {"transfers": [], "tail": [], "boundary": []}
+    for a, b in zip(starts, starts[1:]):
+        moved = [e["ts"] + e["dur"] for e in transfers if a <= e["ts"] < b]
+        fetched = [e["ts"] + e["dur"] for e in fetches if a <= e["ts"] < b]
+        if not moved or not fetched:
+            continue
+        last_transfer, last_fetch = max(moved), max(fetched)
+        phases["transfers"].append(last_transfer - a)
+        phases["tail"].append(last_fetch - last_transfer)
+        phases["boundary"].append(b - last_fetch)
+    out = {k: round(float(np.median(v)), 1) for k, v in phases.items() if v}
+    return out | {"layers": len(phases["transfers"])} if out else {}
 
 
 def analyse(events: list[dict], steps: int, top: int = 20) -> dict:
@@ -24,6 +51,7 @@ def analyse(events: list[dict], steps: int, top: int = 20) -> dict:
     return {"span_ms_per_step": span / steps,
             "transfer_running_ms_per_step": idle["exposed_ms_per_step"]["transfer_running"],
             "outside_transfers_ms_per_step": idle["exposed_ms_per_step"]["outside_transfers"],
+            "layer_phases_us": layer_phases(events),
             "exposed_kernels_ms_per_step": idle["exposed_kernels_ms_per_step"], "median_gap": idle["median_gap"]}
 
 
@@ -35,6 +63,7 @@ def report(res: dict) -> str:
                   f"Span {r['span_ms_per_step']:.1f} ms per step; a plane transfer running "
                   f"{r['transfer_running_ms_per_step']:.1f} ms; none running: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in r["outside_transfers_ms_per_step"].items()) + " ms.", "",
+                  *_phase_lines(r.get("layer_phases_us")),
                   "| kernel (none of the plane transfers running) | ms per step |", "|---|---|"]
         lines += [f"| `{k}` | {v:.3f} |" for k, v in r["exposed_kernels_ms_per_step"].items()]
         if gap:
@@ -46,6 +75,15 @@ def report(res: dict) -> str:
                       for k in gap["kernels"]]
         lines.append("")
     return "\n".join(lines)
+
+
+def _phase_lines(phases: dict | None) -> list[str]:
+    if not phases:
+        return []
+    total = phases["transfers"] + phases["tail"] + phases["boundary"]
+    return [f"A layer (median of {phases['layers']}): its plane transfers {phases['transfers']:.0f} us, then its "
+            f"last chunks' scan, selection and row fetch {phases['tail']:.0f} us, then attention, writes and the next "
+            f"plan {phases['boundary']:.0f} us ({total:.0f} us in all).", ""]
 
 
 def main(argv=None):

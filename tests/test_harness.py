@@ -60,6 +60,15 @@ def test_trace_gaps_reports_a_saved_trace(tmp_path):
     assert res["traces"]["layer"]["span_ms_per_step"] == pytest.approx(0.46)
     text = (tmp_path / "gaps.md").read_text()
     assert "## layer" in text and "| `row_fetch` | 0.025 |" in text and "| 50.0 | 80.0 | `row_fetch` |" in text
+    assert "its plane transfers 200 us" in text
+
+
+def test_a_layer_splits_into_its_transfers_its_tail_and_the_boundary():
+    # Layer 1: transfers [0, 200), its last row fetch ends at 280, layer 2's first transfer starts at 300. Layer 2 has
+    # no next layer to end it and is left out.
+    assert trace_gaps.layer_phases(EVENTS) == {"transfers": 200.0, "tail": 80.0, "boundary": 20.0, "layers": 1}
+    no_fetch = [e for e in EVENTS if e["name"] != "row_fetch"]
+    assert trace_gaps.layer_phases(no_fetch) == {}
 
 
 PRESETS = harness.presets({"a": '--tag a --methods "Fathom 48,SparQ r=16" --steps 3', "b": "--sections link"})
