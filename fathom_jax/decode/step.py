@@ -163,7 +163,8 @@ def dense_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Cac
 @dataclasses.dataclass(frozen=True)
 class _Selection:
     """A chunk's selection before its rows are fetched: the union ``slots [Rc, S]`` (-1 where masked), which head
-    attends which slot (``member``), and the chunk's raw ``scores`` (what a later fetch may wait for)."""
+    attends which slot (``member``), and the chunk's scores with the newest block patched in (what a later fetch may
+    wait for)."""
 
     q: jax.Array
     bits: jax.Array
@@ -188,7 +189,6 @@ def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=
     else:
         scores, staged = reader.scores(read, view.index, view.length, layer=view.layer, group_start=group_start,
                                        after=after)
-    raw_scores = scores
     if view.new is not None:
         scores = patch_scores(scores, read, view.new)
     # No masking pass over the scores: both selections take positions >= length as invalid.
@@ -198,7 +198,7 @@ def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=
     # alone, made the pipelined step slower (results/union_h200.md).
     union, union_mask, member = group_union(idx, mask)
     slots = jnp.where(union_mask, union, -1)
-    return _Selection(q=q, bits=read.bits, slots=slots, member=member, scores=raw_scores, group_start=group_start,
+    return _Selection(q=q, bits=read.bits, slots=slots, member=member, scores=scores, group_start=group_start,
                       new=view.new), staged
 
 
