@@ -156,17 +156,24 @@ def link_rate(run) -> float:
     return float(np.mean(rates)) if rates else float("nan")
 
 
-def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, placement=None, tag="", rows=None):
-    """Attention-only steps of several methods over one synthetic cache (all plane methods share it); ``rows``: a
-    ``--rows`` entry (the K/V row format and its ``--share-kv-from``; default the model dtype)."""
+def _first_cache(run: Run, cfg, calib, scale, context, labels, batch, placement, rows):
+    """``(placement, rows, shared, cache)``: the defaults filled in and the synthetic cache of the first method (the
+    others' rows read it too), its K/V row buffer shared by every layer where ``rows`` says so."""
     args = run.args
     placement = placement or args.placement
     rows = rows or default_rows(args)
     shared = rows["share_kv_from"] is not None and batch * context >= rows["share_kv_from"]
     first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation, batch=batch, context=context,
                  rows=rows["format"])
+    return placement, rows, shared, build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
+
+
+def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, placement=None, tag="", rows=None):
+    """Attention-only steps of several methods over one synthetic cache (all plane methods share it); ``rows``: a
+    ``--rows`` entry (the K/V row format and its ``--share-kv-from``; default the model dtype)."""
+    args = run.args
     t = time.time()
-    cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
+    placement, rows, shared, cache = _first_cache(run, cfg, calib, scale, context, labels, batch, placement, rows)
     fill_s = time.time() - t
     q, key, value = random_step_inputs(cfg, batch)
     # Every row starts from the same `context` tokens: the small leaves (lengths, raw tails) are put back before
@@ -234,12 +241,7 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
               rows=None):
     """Full decode steps of several methods over one synthetic cache; ``rows`` as :func:`attention_rows`."""
     args = run.args
-    placement = placement or args.placement
-    rows = rows or default_rows(args)
-    shared = rows["share_kv_from"] is not None and batch * context >= rows["share_kv_from"]
-    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation, batch=batch, context=context,
-                 rows=rows["format"])
-    cache = build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
+    placement, rows, shared, cache = _first_cache(run, cfg, calib, scale, context, labels, batch, placement, rows)
     bulk = cache.bulk()
     start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])  # every row from `context` tokens (see attention_rows)
     tokens = jnp.zeros((batch,), jnp.int32)
