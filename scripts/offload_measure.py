@@ -106,7 +106,6 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
     return {"bits_per_token": float(bits.mean()), "scan_bytes": scan, "link_scan_bytes": link, "row_bytes_max": rows}
 
 
-
 def link_section(run: Run):
     mesh = run.args.placement.mesh  # this process's devices of the mesh (each host measures its own links)
     devices = jax.local_devices()[:1] if mesh is None else [d for d in mesh.devices.flat
@@ -138,7 +137,7 @@ def host_fields(cache, placement) -> dict:
     (the HBM control) nothing is on the host: the host figures are None."""
     held = cache.nbytes()
     tokens = cache.n_layers * cache.groups * cache.capacity
-    index_host = sum(v for name, v in held.items() if name != "kv" and not name.endswith("_hbm"))
+    index_host = index_host_bytes(held)
     index_all = sum(v for name, v in held.items() if name != "kv")
     out = {"row_bytes_per_token": cache.layout.row_bytes, "index_bytes_per_token": index_all / tokens,
            "host_bytes_per_token": None, "host_bytes_per_token_own": None}
@@ -146,6 +145,11 @@ def host_fields(cache, placement) -> dict:
         out["host_bytes_per_token"] = (held["kv"] + index_host) / tokens
         out["host_bytes_per_token_own"] = cache.layout.row_bytes + index_host / tokens
     return out
+
+
+def index_host_bytes(held: dict) -> int:
+    """The index's bytes in host memory of a cache's ``nbytes()``: every array but the K/V rows and those in HBM."""
+    return sum(v for name, v in held.items() if name != "kv" and not name.endswith("_hbm"))
 
 
 def link_rate(run) -> float:
@@ -219,8 +223,7 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         floor_ms = (nbytes["link_scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
         held = cache.nbytes()
         tiers = {"resident_planes": placement.resident_planes,
-                 "index_host_bytes": float(sum(n for kind, n in held.items()
-                                               if kind != "kv" and not kind.endswith("_hbm"))),
+                 "index_host_bytes": float(index_host_bytes(held)),
                  "index_hbm_bytes": float(held.get("planes_hbm", 0))}
         if not placement.offloaded:  # the HBM control: no link traffic
             floor_ms = float("nan")
