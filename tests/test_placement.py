@@ -83,17 +83,19 @@ def test_pipeline_is_checked_and_asks_xla_for_concurrent_kernels():
     jax.jit(lambda x: x + 1, compiler_options=resolve(config, host).options)(jnp.ones(2))  # XLA knows the option
 
 
-def test_auto_pipeline_chunks_by_context_in_real_host_memory():
+def test_auto_pipeline_chunks_by_positions_of_the_groups_in_real_host_memory():
     from unittest import mock
 
     auto, host = StepConfig(), Placement("pinned_host")
     assert resolve(auto, host, capacity=1 << 20).chunks == 1  # device memory here: no chunks
     assert resolve(StepConfig(pipeline=4), host).chunks == 4
     with mock.patch.object(Placement, "memory_kind", new_callable=mock.PropertyMock, return_value="pinned_host"):
-        assert [resolve(auto, host, capacity=c).chunks for c in (1 << 17, (1 << 19) - 1, 1 << 19, 1 << 20)] == \
-            [2, 2, 8, 8]
+        # 8 groups (batch 1): 2 from 32k to 128k, 4 at 256k, 8 from 512k on
+        assert [resolve(auto, host, capacity=c).chunks for c in (1 << 15, 1 << 17, 1 << 18, (1 << 19) - 1, 1 << 19,
+                                                                  1 << 20)] == [2, 2, 4, 4, 8, 8]
+        assert [resolve(auto, host, g, 1 << 17).chunks for g in (16, 32, 64)] == [4, 8, 8]  # batch 2, 4, 8 at 128k
         assert resolve(auto, host, 3, 1 << 20).chunks == 3 and resolve(auto, host, 6, 1 << 20).chunks == 6
-        assert resolve(auto, host, 3, 4096).chunks == 1
+        assert resolve(auto, host, 3, 4096).chunks == 1  # the largest divisor of 3 up to 2
         assert resolve(auto, host, 12, 1 << 20).chunks == 6  # the largest divisor up to 8
         assert resolve(StepConfig(read="direct"), host, 8, 1 << 20).chunks == 1
 

@@ -16,7 +16,8 @@ Fields:
   link rate on the H200, NOTES.md).
 * ``pipeline``: chunks of each layer's groups whose plane transfers are chained, so that chunk ``i + 1``'s transfer
   runs beside chunk ``i``'s scan, selection and row fetch; ``"auto"``: with staged reads from real host memory, the
-  largest divisor of the groups up to 8 from 512k tokens on and up to 2 below (``results/pipeline_h200.md``), else 1.
+  largest divisor of the groups up to ``groups x capacity / 2^19``, at least 2 and at most 8 (``results/
+  pipeline_h200.md``, ``results/chunks_h200/``), else 1.
 * ``gather_programs`` / ``fetch_programs``: persistent programs of the run gather / row fetch (0: one program per
   work item); ``"auto"``: half the GPU's SMs from real host memory (programs that wait on the link leave the other
   half to the kernels beside them), else 0.
@@ -151,7 +152,10 @@ class StepConfig:
             return self.pipeline
         if not staged_from_host:  # elsewhere chunks run one after the other: the same results, more launches
             return 1
-        most = 8 if capacity >= 1 << 19 else 2  # each chunk adds its own top-k and glue: at 128k more than it gains
+        # Each chunk adds its own launches, top-k and glue: more chunks pay while each still holds about 2^19
+        # positions of the layer's groups, from 2 up to 8 (results/chunks_h200/: 2 at 32k and 128k, 4 at 256k, 8 at
+        # 1M and at 128k with batch 4 or 8; 16 at batch 8 was slower).
+        most = min(8, max(2, groups * capacity >> 19))
         return max(d for d in range(1, min(most, groups) + 1) if groups % d == 0)
 
 
