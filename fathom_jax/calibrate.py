@@ -37,6 +37,7 @@ that bases are reproducible across backends; a sign flip changes no score.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -265,6 +266,13 @@ def calibrate_session(
         # Traced lengths are a prefill's (checked where they enter): checked here in checkify mode only.
         fail_if((got < 1) | (got > n), lambda bad: f"length must lie in [1, {n}], got {bad}", got, hot=True)
         length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), batch)
+    return _session_statistics(keys, length, skip_tokens=skip_tokens)
+
+
+@functools.partial(jax.jit, static_argnames="skip_tokens")
+def _session_statistics(keys, length, *, skip_tokens: int) -> Calibration:
+    # One program per shape: op by op, a first call at a new shape compiled each of its ~30 ops on its own (5x slower).
+    n = keys.shape[-2]
     keys = keys.astype(jnp.float32)
     skip = jnp.where(length - skip_tokens >= 2, skip_tokens, 0)
     pos = jnp.arange(n)

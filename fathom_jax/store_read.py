@@ -73,7 +73,12 @@ def dequantize(store: PlaneStore | UnpackedStore, depth: Int[Array, "*B D"] | in
     read at an out-of-range depth comes out NaN rather than as a plausible wrong value, and
     :func:`fathom_jax.checks.checked` raises the CheckError instead.
     """
-    depth = _depths("dequantize", store, depth)
+    return _dequantize(store, _depths("dequantize", store, depth))
+
+
+@jax.jit
+def _dequantize(store: PlaneStore | UnpackedStore, depth):
+    # One program per store shape: eager callers (tests, notebooks) compiled each op on its own.
     if isinstance(store, UnpackedStore):  # block by block: the block scales broadcast over their 64 rows
         scales = jnp.swapaxes(store.scales, -1, -2).astype(jnp.float32)[..., None, :]  # [*B, NB, 1, D]
         values = dequantize_codes(_read_blocks(store, depth), scales, depth[..., None, None, :])
