@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.support import oracle_dir
+from tests.support import TINY_TOKENS, oracle_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ORACLE_SCRIPT = os.path.join(REPO, "tests", "oracle", "hf_reference.py")
@@ -197,3 +197,25 @@ def gemma3_ref() -> dict:
     ``tokenize_<i>`` (no BOS) for each of GEMMA_TEXTS."""
     return dict(np.load(_result("gemma3_ref")), prompt=GEMMA_PROMPT, extra_prompts=GEMMA_EXTRA_PROMPTS,
                 texts=GEMMA_TEXTS)
+
+
+# The tiny random model of tests/conftest.py under the names its decoder tests use, and its prefill of TINY_TOKENS.
+@pytest.fixture(scope="module")
+def CFG(tiny_config):
+    return tiny_config
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model
+
+
+@pytest.fixture(scope="module")
+def full_logits(model, CFG):
+    import jax.numpy as jnp
+
+    from fathom_jax.models import KVCache
+
+    logits, cache = model.prefill(jnp.asarray(TINY_TOKENS), KVCache.init(CFG, 2, 16))
+    assert int(cache.length) == TINY_TOKENS.shape[1]
+    return np.asarray(logits), cache

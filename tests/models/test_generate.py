@@ -5,30 +5,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from fathom_jax.models import KVCache, capture_qkv, dense_attention, generate
 from fathom_jax.models import generation
 
-TOKENS = np.random.default_rng(0).integers(0, 97, (2, 12)).astype(np.int32)
-
-
-@pytest.fixture(scope="module")
-def CFG(tiny_config):
-    return tiny_config
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model
-
-
-@pytest.fixture(scope="module")
-def full_logits(model, CFG):
-    logits, cache = model.prefill(jnp.asarray(TOKENS), KVCache.init(CFG, 2, 16))
-    assert int(cache.length) == TOKENS.shape[1]
-    return np.asarray(logits), cache
+from tests.support import TINY_TOKENS as TOKENS
 
 
 def test_generate_is_greedy_and_compiles_once(model, CFG):

@@ -10,24 +10,7 @@ from flax import nnx
 
 from fathom_jax.models import KVCache, LlamaForCausalLM, dense_attention, generate
 
-TOKENS = np.random.default_rng(0).integers(0, 97, (2, 12)).astype(np.int32)
-
-
-@pytest.fixture(scope="module")
-def CFG(tiny_config):
-    return tiny_config
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model
-
-
-@pytest.fixture(scope="module")
-def full_logits(model, CFG):
-    logits, cache = model.prefill(jnp.asarray(TOKENS), KVCache.init(CFG, 2, 16))
-    assert int(cache.length) == TOKENS.shape[1]
-    return np.asarray(logits), cache
+from tests.support import TINY_TOKENS as TOKENS
 
 
 def test_jitted_decode_matches_prefill_at_every_position(model, full_logits, CFG):
