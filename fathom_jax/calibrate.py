@@ -271,7 +271,7 @@ def calibrate_session(
 
 @functools.partial(jax.jit, static_argnames="skip_tokens")
 def _session_statistics(keys, length, *, skip_tokens: int) -> Calibration:
-    # One program per shape: op by op, a first call at a new shape compiled each of its ~30 ops on its own (5x slower).
+    # One program per shape: op by op, a first call at a new shape compiled each of its ~30 ops on its own.
     n = keys.shape[-2]
     keys = keys.astype(jnp.float32)
     skip = jnp.where(length - skip_tokens >= 2, skip_tokens, 0)
