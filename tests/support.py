@@ -16,6 +16,7 @@ from fathom_jax import methods as M
 # The tiny model's prompts (tests/models: `full_logits` is its prefill, `tests/models/conftest.py`)
 TINY_TOKENS = np.random.default_rng(0).integers(0, 97, (2, 12)).astype(np.int32)
 
+
 def oracle_dir(owner: int | None = None) -> str:
     """The run's directory for the HF oracle's outputs (tests/models/conftest.py), keyed by the pid and
     start time of the process that owns the run: the pytest-xdist controller (the workers' parent) or a
