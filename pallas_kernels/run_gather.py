@@ -5,14 +5,16 @@ From a store (on the GPU a ``pinned_host`` array, read directly by the kernel th
 list ``channels [R, C]`` / ``depths [R, C]`` (one slot per channel; slot ``c`` reads channel
 ``channels[c]`` to depth ``depths[c]``, 0 = nothing), write::
 
-    staged_planes  u32 [R, C, 4, W]   slot c, plane p < t_c: planes[channels[c], p]; planes p >= t_c: 0
-    staged_scales  f16 [R, C, NB]     slot c: scales[channels[c]] if t_c > 0 else 0
+    staged_planes  u32 [R, C, 4, W]   slot c, plane p < t_c: planes[channels[c], p]
+    staged_scales  f16 [R, C, NB]     slot c with t_c > 0: scales[channels[c]]
 
-inside ``jit`` with no host sync. Each (slot, plane) is one contiguous run of ``W`` words in the
-channel-major store; one work item copies ``chunk`` words of all four planes of a slot (loads of planes
-past ``t`` are masked off, so they move no bytes). The staged buffer is the input of the plane scan
-with the identity channel list: ``plane_scan(q_staged, staged_planes, staged_scales, length,
-iota(C), depths)`` with ``q_staged = q[..., channels]``.
+inside ``jit`` with no host sync, and leaves the rest unwritten (the scan reads no plane at or past a slot's depth
+and no slot of depth 0; the reference writes zeros there). Each (slot, plane) is one contiguous run of ``W`` words
+in the channel-major store; one work item copies ``chunk`` words of a slot's planes ``p < t``. Only the slots of
+depth > 0 have work items (:func:`walk_items`): a Fathom plan reads a third of the channels or fewer, and
+persistent programs that stepped through every slot's items spent most of their time on empty ones. The staged
+buffer is the input of the plane scan with the identity channel list: ``plane_scan(q_staged, staged_planes,
+staged_scales, length, iota(C), depths)`` with ``q_staged = q[..., channels]``.
 
 Two grids (``RunGatherConfig.programs``): one program per work item (0, the default: ~16k programs per
 layer at 1M tokens, which fill every SM while they wait on the link), or a fixed number of persistent
@@ -117,8 +119,45 @@ def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int
     smask = (s0 + jnp.arange(half, dtype=jnp.int32) < width // 2) & valid
     sc = plgpu.load(scales_ref.at[layer, src, j, pl.ds(s0, half)], mask=smask & (t > 0), other=0)
     for p in range(N_PLANES):
-        plgpu.store(out_planes_ref.at[r, c, jnp.int32(p), pl.ds(w0, chunk)], data[p], mask=wmask)
+        plgpu.store(out_planes_ref.at[r, c, jnp.int32(p), pl.ds(w0, chunk)], data[p], mask=wmask & (p < t))
     plgpu.store(out_scales_ref.at[r, c, pl.ds(s0, half)], sc, mask=smask)
+
+
+def walk_items(copy, dep_ref, order_ref, *, per_slot: int, programs: int) -> None:
+    """Call ``copy(r, c, i, valid)`` for every work item (slot ``c`` of group ``r``, its ``i``-th chunk) of the slots
+    of depth > 0. ``order_ref [Rc, C]`` lists each group's slots with those of depth > 0 first (None: the list is
+    sorted so already, as :func:`pallas_kernels.plane_scan.active_channels` makes it). One program per item of the
+    grid ``(Rc, C, per_slot)`` (``programs=0``; the programs past a group's active slots copy nothing), else
+    ``programs`` persistent programs walking each group's active items in turn, neighbouring programs on
+    neighbouring chunks of a run."""
+    slots = dep_ref.shape[1]
+    cols = jnp.arange(pl.next_power_of_2(slots), dtype=jnp.int32)
+
+    def active(r):
+        dep = plgpu.load(dep_ref.at[r, pl.ds(0, cols.shape[0])], mask=cols < slots, other=0)
+        return jnp.sum((dep > 0).astype(jnp.int32))
+
+    def slot(r, k):
+        return k if order_ref is None else order_ref[r, k]
+
+    if not programs:
+        r, k = pl.program_id(0), pl.program_id(1)
+        valid = k < active(r)
+        copy(r, slot(r, jnp.minimum(k, slots - 1)), pl.program_id(2), valid)
+        return
+    pid = pl.program_id(0)
+
+    def group(r, carry):
+        items = active(r) * per_slot
+
+        def body(step, carry):
+            item = pid + step * programs
+            copy(r, slot(r, item // per_slot), item % per_slot, True)
+            return carry
+
+        return jax.lax.fori_loop(0, jnp.maximum(items - pid + programs - 1, 0) // programs, body, carry)
+
+    jax.lax.fori_loop(0, dep_ref.shape[0], group, 0)
 
 
 def _run_gather_kernel(
@@ -128,42 +167,40 @@ def _run_gather_kernel(
     layer_ref,  # i32 [1]
     planes_ref,  # u32 [L, R, D, 4, W]   (any memory space: HBM or pinned host); groups group_start.. are read
     scales_ref,  # f16 [L, R, D, NB]
-    *rest,  # the `after` operands (never read), then the outputs:
+    *rest,  # the slot order i32 [Rc, C] (unless the list is sorted), the `after` operands (never read), the outputs:
     # out_planes_ref  u32 [Rc, C, 4, W]
     # out_scales_ref  f16 [Rc, C, NB]
     chunk: int,
     width: int,
     group_start: int,
     programs: int,
+    ordered: bool,
 ):
     refs = (ch_ref, dep_ref, layer_ref, planes_ref, scales_ref, *rest[-2:])
     copy = functools.partial(_copy_item, refs, chunk=chunk, width=width, group_start=group_start)
-    if not programs:
-        copy(pl.program_id(0), pl.program_id(1), pl.program_id(2), True)
-        return
-    groups, slots = ch_ref.shape
-    per_slot = pl.cdiv(width, chunk)
-    items = groups * slots * per_slot
-    pid = pl.program_id(0)
-
-    def body(step, carry):
-        item = pid + step * programs  # neighbouring programs copy neighbouring chunks of a run
-        valid = item < items
-        item = jnp.minimum(item, items - 1)
-        copy(item // (slots * per_slot), item // per_slot % slots, item % per_slot, valid)
-        return carry
-
-    jax.lax.fori_loop(0, pl.cdiv(items, programs), body, 0)
+    walk_items(copy, dep_ref, None if ordered else rest[0], per_slot=pl.cdiv(width, chunk), programs=programs)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "group_start"))
-def _run_gather_pallas(planes, scales, channels, depths, layer, after, *, config, interpret, group_start):
+def slot_order(depths, assume_sorted: bool):
+    """The slot order :func:`walk_items` takes: None where the list is sorted by decreasing depth, else each group's
+    slots of depth > 0 first (one small sort)."""
+    if assume_sorted:
+        return None
+    return jnp.argsort(depths <= 0, axis=-1, stable=True).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "group_start", "assume_sorted"))
+def _run_gather_pallas(planes, scales, channels, depths, layer, after, *, config, interpret, group_start,
+                       assume_sorted):
     w = planes.shape[-1]
     r, c = channels.shape
     chunk = min(config.chunk, pl.next_power_of_2(w))
     items = (r, c, pl.cdiv(w, chunk))
     programs = min(config.programs, B.prod(items))
-    kernel = functools.partial(_run_gather_kernel, chunk=chunk, width=w, group_start=group_start, programs=programs)
+    order = slot_order(depths, assume_sorted)
+    kernel = functools.partial(_run_gather_kernel, chunk=chunk, width=w, group_start=group_start, programs=programs,
+                               ordered=order is None)
+    after = (*([] if order is None else [order]), *after)
     out_planes, out_scales = pl.pallas_call(
         kernel,
         out_shape=(
@@ -192,12 +229,15 @@ def run_gather(
     implementation: B.Implementation | None = None,
     config: RunGatherConfig | None = None,
     interpret: bool | None = None,
+    assume_sorted: bool = False,
 ):
     """Staged ``(planes u32 [*, C, 4, W], scales [*, C, NB])`` of the run list (see the module docstring).
 
     With ``layer``, run lists ``[Rc, C]`` read groups ``group_start .. group_start + Rc - 1`` of the stacked
     store (static; see :func:`pallas_kernels.backend.request_groups`). ``after``: a pytree of arrays the
     kernel waits for and never reads (ignored by the reference, which has no kernels to order).
+    ``assume_sorted=True`` skips the (small) sort that puts each group's slots of depth > 0 first, for a list sorted
+    by decreasing depth (:func:`pallas_kernels.plane_scan.active_channels`'s).
     """
     implementation = B.resolve_implementation(implementation)
     _validate(planes, scales, channels, depths, layer, group_start)
@@ -211,5 +251,5 @@ def run_gather(
     after = tuple(jax.tree.leaves(after))
     sp, ss = _run_gather_pallas(planes, scales, channels.reshape(r, c), depths.reshape(r, c), layer_arr, after,
                                 config=config or RunGatherConfig(), interpret=B.resolve_interpret(interpret),
-                                group_start=group_start)
+                                group_start=group_start, assume_sorted=assume_sorted)
     return sp.reshape(*batch, *sp.shape[1:]), ss.reshape(*batch, *ss.shape[1:])

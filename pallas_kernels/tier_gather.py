@@ -14,12 +14,13 @@ Given a fixed-size run list ``channels [Rc, C]`` / ``depths [Rc, C]`` for groups
 writes::
 
     staged_planes  u32 [Rc, C, 4, W]   slot c, plane p_l <= i < t_c: plane i of channel channels[c] (from cold)
-    staged_scales  f16 [Rc, C, NB]     slot c: scales[channels[c]] if t_c > 0 else 0
+    staged_scales  f16 [Rc, C, NB]     slot c with t_c > 0: scales[channels[c]]
 
-and leaves the slot's other planes unwritten: the plane scan reads planes ``i < p_l`` from the hot tier in place
-(:class:`pallas_kernels.plane_scan.ResidentPlanes`) and no plane at or past ``t_c``, so nothing crosses HBM twice and
-only the deeper planes cross the link. Each (slot, plane) is one contiguous run of ``W`` words. The work items and
-the persistent-programs grid are the run gather's (:class:`~pallas_kernels.run_gather.RunGatherConfig`).
+and leaves the slot's other planes and the slots of depth 0 unwritten: the plane scan reads planes ``i < p_l`` from
+the hot tier in place (:class:`pallas_kernels.plane_scan.ResidentPlanes`), no plane at or past ``t_c`` and no slot of
+depth 0, so nothing crosses HBM twice and only the deeper planes cross the link. Each (slot, plane) is one contiguous
+run of ``W`` words. The work items (the slots of depth > 0 only) and the persistent-programs grid are the run gather's
+(:func:`~pallas_kernels.run_gather.walk_items`, :class:`~pallas_kernels.run_gather.RunGatherConfig`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fathom_jax.format import N_PLANES
 from pallas_kernels import backend as B
-from pallas_kernels.run_gather import RunGatherConfig, check_values
+from pallas_kernels.run_gather import RunGatherConfig, check_values, slot_order, walk_items
 
 KERNEL_NAME = "tier_gather"
 
@@ -118,35 +119,24 @@ def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int
 
 
 def _tier_gather_kernel(ch_ref, dep_ref, layer_ref, tier_ref, cold_ref, scales_ref, *rest, chunk: int, width: int,
-                        group_start: int, programs: int):
+                        group_start: int, programs: int, ordered: bool):
     refs = (ch_ref, dep_ref, layer_ref, tier_ref, cold_ref, scales_ref, *rest[-2:])
     copy = functools.partial(_copy_item, refs, chunk=chunk, width=width, group_start=group_start)
-    if not programs:
-        copy(pl.program_id(0), pl.program_id(1), pl.program_id(2), True)
-        return
-    groups, slots = ch_ref.shape
-    per_slot = pl.cdiv(width, chunk)
-    items = groups * slots * per_slot
-    pid = pl.program_id(0)
-
-    def body(step, carry):
-        item = pid + step * programs
-        valid = item < items
-        item = jnp.minimum(item, items - 1)
-        copy(item // (slots * per_slot), item // per_slot % slots, item % per_slot, valid)
-        return carry
-
-    jax.lax.fori_loop(0, pl.cdiv(items, programs), body, 0)
+    walk_items(copy, dep_ref, None if ordered else rest[0], per_slot=pl.cdiv(width, chunk), programs=programs)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "group_start"))
-def _tier_gather_pallas(cold, scales, tiers, channels, depths, layer, after, *, config, interpret, group_start):
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "group_start", "assume_sorted"))
+def _tier_gather_pallas(cold, scales, tiers, channels, depths, layer, after, *, config, interpret, group_start,
+                        assume_sorted):
     w = cold.shape[-1]
     r, c = channels.shape
     chunk = min(config.chunk, pl.next_power_of_2(w))
     items = (r, c, pl.cdiv(w, chunk))
     programs = min(config.programs, B.prod(items))
-    kernel = functools.partial(_tier_gather_kernel, chunk=chunk, width=w, group_start=group_start, programs=programs)
+    order = slot_order(depths, assume_sorted)
+    kernel = functools.partial(_tier_gather_kernel, chunk=chunk, width=w, group_start=group_start, programs=programs,
+                               ordered=order is None)
+    after = (*([] if order is None else [order]), *after)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((r, c, N_PLANES, w), jnp.uint32),
@@ -173,10 +163,12 @@ def tier_gather(
     implementation: B.Implementation | None = None,
     config: RunGatherConfig | None = None,
     interpret: bool | None = None,
+    assume_sorted: bool = False,
 ):
     """Staged ``(planes u32 [Rc, C, 4, W], scales [Rc, C, NB])`` of the run list's planes past the resident ones at
     ``layer`` for groups ``group_start ..`` (see the module docstring). ``after``: arrays the kernel waits for and
-    never reads."""
+    never reads. ``assume_sorted``: the list is sorted by decreasing depth (as :func:`pallas_kernels.run_gather.
+    run_gather` takes it)."""
     implementation = B.resolve_implementation(implementation)
     _validate(cold, scales, tiers, channels, depths, group_start)
     check_values(channels, depths, cold.shape[2])
@@ -185,4 +177,4 @@ def tier_gather(
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     return _tier_gather_pallas(cold, scales, tiers, channels, depths, layer_arr, tuple(jax.tree.leaves(after)),
                                config=config or RunGatherConfig(), interpret=B.resolve_interpret(interpret),
-                               group_start=group_start)
+                               group_start=group_start, assume_sorted=assume_sorted)

@@ -135,7 +135,12 @@ def count_pallas_calls(fn, *args, name: str, **kwargs) -> int:
 def pallas_call_eqns(fn, *args, name: str, **kwargs) -> list:
     """The ``pallas_call`` equations named ``name`` (or a name starting with it) in the jaxpr of ``fn(*args)``, nested
     jaxprs included (their ``params`` hold e.g. the grid: ``params["grid_mapping"].grid``)."""
-    jaxpr = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+    return jaxpr_pallas_calls(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args), name)
+
+
+def jaxpr_pallas_calls(jaxpr, name: str) -> list:
+    """The ``pallas_call`` equations named ``name`` (or a name starting with it) in a closed jaxpr (e.g. a traced
+    program's: a decode program compiled with XLA options cannot be traced inside another)."""
     return list(_named_calls(jaxpr.jaxpr, name))
 
 

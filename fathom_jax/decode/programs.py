@@ -50,6 +50,7 @@ def cache_program(attn: SparseAttention, fn, cache: SparseCache, *, static: tupl
         return outs, (attach_bulk(small, cache, bulk) if in_place else small)
 
     run.lower = lambda *args, cache: jitted.lower(attn_leaves, args, *split_bulk(cache, bulk))  # nothing runs
+    run.trace = lambda *args, cache: jitted.trace(attn_leaves, args, *split_bulk(cache, bulk))  # its jaxpr
     run.jit = jitted  # the program itself (its arguments: the hook's leaves, the args, small and bulk leaves)
     return run
 

@@ -123,7 +123,7 @@ class StagedRead(_HostRead):
         channels, depths = active_channels(read.depths, read.max_active or None)
         planes, scales = run_gather(store.planes, store.scales, channels, depths, layer=layer, group_start=group_start,
                                     after=after, config=RunGatherConfig(programs=self.programs),
-                                    implementation=self.implementation)
+                                    implementation=self.implementation, assume_sorted=True)
         return _scan_staged(read, planes, scales, channels, depths, length, self.implementation), planes
 
 
@@ -148,7 +148,8 @@ class TieredRead(_HostRead):
         channels, depths = active_channels(read.depths, read.max_active or None)
         planes, scales = tier_gather(store.cold, store.scales, store.table, channels, depths, layer=layer,
                                      group_start=group_start, after=after,
-                                     config=RunGatherConfig(programs=self.programs), implementation=self.implementation)
+                                     config=RunGatherConfig(programs=self.programs), implementation=self.implementation,
+                                     assume_sorted=True)
         resident = ResidentPlanes(store.hot, store.table, jnp.asarray(layer, jnp.int32), channels, group_start)
         return _scan_staged(read, planes, scales, channels, depths, length, self.implementation, resident), planes
 

@@ -95,6 +95,19 @@ def assert_equal(got, want):
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
+def assert_staged(got_planes, got_scales, want_planes, want_scales, depths, first_plane=0):
+    """A gather's staging buffers equal the oracle's where the scan reads them: each slot's planes ``first_plane <=
+    i < t`` and the scales of the slots of depth > 0 (the rest is left unwritten)."""
+    depths = np.asarray(depths)
+    plane = np.arange(4)[None, None, :]
+    got_p, want_p, got_s, want_s = (np.asarray(x) for x in (got_planes, want_planes, got_scales, want_scales))
+    assert got_p.shape == want_p.shape and got_p.dtype == want_p.dtype
+    assert got_s.shape == want_s.shape and got_s.dtype == want_s.dtype
+    np.testing.assert_array_equal(got_p[(plane >= first_plane) & (plane < depths[..., None])], want_p[
+        (plane >= first_plane) & (plane < depths[..., None])])
+    assert_equal(got_s[depths > 0], want_s[depths > 0])
+
+
 def assert_ran(fn, *args, name: str, impl: Impl, **kwargs):
     """With the kernel implementation, the named pallas_call is in the jaxpr (and the compiled HLO on GPU)."""
     from tests.support import count_pallas_calls

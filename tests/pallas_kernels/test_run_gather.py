@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_test_base import KernelTestBase, assert_equal, assert_ran, assert_scores_close, host, random_store_arrays
+from kernel_test_base import KernelTestBase, assert_ran, assert_scores_close, assert_staged, host, random_store_arrays
 from oracles import plane_scan as np_plane_scan
 from oracles import run_gather as np_run_gather
 from pallas_kernels import plane_scan as PS
@@ -33,11 +33,9 @@ class TestRunGather(KernelTestBase):
         gather = jax.jit(lambda p, s, layer: RG.run_gather(p, s, ch, dep, layer=layer, config=config, **impl.kw))
         got_p, got_s = gather(host(planes, impl), host(scales, impl), jnp.int32(1))
         want_p, want_s = np_run_gather(planes[1], scales[1], ch, dep)
-        assert_equal(got_p, want_p)
-        assert_equal(got_s, want_s)
+        assert_staged(got_p, got_s, want_p, want_s, dep)
         flat_p, flat_s = RG.run_gather(planes[1], scales[1], ch, dep, config=config, **impl.kw)
-        assert_equal(flat_p, want_p)
-        assert_equal(flat_s, want_s)
+        assert_staged(flat_p, flat_s, want_p, want_s, dep)
 
     @pytest.mark.parametrize("group_start,groups", [(0, 2), (2, 3), (5, 1)])
     def test_group_window_of_stacked_store(self, impl, rng, group_start, groups):
@@ -49,8 +47,7 @@ class TestRunGather(KernelTestBase):
         got_p, got_s = gather(host(planes, impl), host(scales, impl), jnp.int32(1))
         window = slice(group_start, group_start + groups)
         want_p, want_s = np_run_gather(planes[1][window], scales[1][window], ch, dep)
-        assert_equal(got_p, want_p)
-        assert_equal(got_s, want_s)
+        assert_staged(got_p, got_s, want_p, want_s, dep)
 
     @pytest.mark.parametrize("programs", [1, 7, 1 << 20])
     def test_persistent_programs_copy_every_item(self, impl, rng, programs):
@@ -63,15 +60,26 @@ class TestRunGather(KernelTestBase):
                                                                   after=after, config=config, **impl.kw))
         got_p, got_s = gather(host(planes, impl), host(scales, impl), jnp.int32(1), (jnp.ones((4, 3)), jnp.int32(0)))
         want_p, want_s = np_run_gather(planes[1][2:5], scales[1][2:5], ch, dep)
-        assert_equal(got_p, want_p)
-        assert_equal(got_s, want_s)
+        assert_staged(got_p, got_s, want_p, want_s, dep)
+
+    @pytest.mark.parametrize("programs", [0, 3])
+    def test_a_sorted_list_walks_its_active_slots_in_place(self, impl, rng, programs):
+        """``assume_sorted``: a list sorted by decreasing depth (the decode step's) is walked without the sort, slots
+        of depth 0 last and uncopied; the same buffers where the scan reads them."""
+        planes, scales, _ = random_store_arrays(rng, (2, 6), D, 640)
+        ch, dep = PS.active_channels(jnp.asarray(rng.integers(0, 5, (3, D)) * (rng.random((3, D)) < 0.4), jnp.int32))
+        assert int(jnp.sum(dep == 0)) > 0
+        config = RG.RunGatherConfig(chunk=8, programs=programs)
+        got_p, got_s = RG.run_gather(host(planes, impl), host(scales, impl), ch, dep, layer=1, group_start=1,
+                                     config=config, assume_sorted=True, **impl.kw)
+        assert_staged(got_p, got_s, *np_run_gather(planes[1][1:4], scales[1][1:4], ch, dep), dep)
 
     def test_gather_then_scan_equals_direct_scan(self, impl, rng):
         """Staged planes scanned with the identity list == the plane scan of the store itself."""
         planes, scales, length = random_store_arrays(rng, (4,), D, 448)
         q = jnp.asarray(rng.standard_normal((4, 4, D)), jnp.float32)
         ch, dep = PS.active_channels(jnp.asarray(rng.integers(0, 5, (4, D)), jnp.int32), max_active=10)
-        sp, ss = RG.run_gather(planes, scales, ch, dep, **impl.kw)
+        sp, ss = RG.run_gather(planes, scales, ch, dep, assume_sorted=True, **impl.kw)
         q_staged = jnp.take_along_axis(q, ch[:, None, :], axis=-1)
         iota = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (4, 10))
         staged = PS.plane_scan(q_staged, sp, ss, length, iota, dep, assume_sorted=True, **impl.kw)
@@ -88,10 +96,10 @@ def test_run_gather_lowers_to_triton_and_validates():
     persistent = lower_triton_text(
         lambda p, s, layer, a: RG.run_gather(p, s, z((2, 5), jnp.int32), z((2, 5), jnp.int32), layer=layer, after=a,
                                              config=RG.RunGatherConfig(chunk=4, programs=3), implementation="pallas",
-                                             interpret=False),
+                                             interpret=False, assume_sorted=True),
         z((3, 2, D, 4, 20), jnp.uint32), z((3, 2, D, 10), jnp.float16), jnp.int32(0), z((7,), jnp.float32))
     assert persistent.count(f'name = "{RG.KERNEL_NAME}"') == 1
-    assert "grid_x = 3 : i32, grid_y = 1 : i32, grid_z = 1" in persistent  # three programs looping over the 2 x 5 x 8 items
+    assert "grid_x = 3 : i32, grid_y = 1 : i32, grid_z = 1" in persistent  # three programs walking the items
     assert "gpu.triton(%arg2, %arg3, %arg4, %arg0, %arg1, %arg5)" in persistent  # the `after` operand rides along
     with pytest.raises(ValueError, match="depths"):
         RG.run_gather(z((2, D, 4, 20), jnp.uint32), z((2, D, 10), jnp.float16), z((2, 5), jnp.int32),

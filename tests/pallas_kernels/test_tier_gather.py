@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_test_base import KernelTestBase, assert_equal, assert_ran, assert_scores_close, host, random_store_arrays
+from kernel_test_base import KernelTestBase, assert_ran, assert_scores_close, assert_staged, host, random_store_arrays
 from oracles import plane_scan as np_plane_scan
 from oracles import run_gather as np_run_gather
 from pallas_kernels import plane_scan as PS
@@ -30,15 +30,6 @@ def split_tiers(planes, resident):
 def run_list(rng, r, c=7):
     ch = jnp.asarray(rng.integers(0, D, (r, c)), jnp.int32)
     return ch, jnp.asarray(rng.integers(0, 5, (r, c)), jnp.int32)
-
-
-def assert_staged(got_planes, got_scales, want_planes, want_scales, depths, p):
-    """The planes the gather moves (``p <= i < t``) equal the one-tier gather's; its other planes are not read."""
-    moved = (np.arange(4)[None, None, :] >= p) & (np.arange(4)[None, None, :] < np.asarray(depths)[:, :, None])
-    got, want = np.asarray(got_planes), np.asarray(want_planes)
-    assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_array_equal(got[moved], want[moved])
-    assert_equal(got_scales, want_scales)
 
 
 def test_tier_table_rows():
@@ -85,7 +76,7 @@ class TestTierGather(KernelTestBase):
         ch, dep = PS.active_channels(jnp.asarray(rng.integers(0, 5, (4, D)), jnp.int32), max_active=10)
         for layer in (1, 2):
             sp, ss = TG.tier_gather(host(cold, impl), scales, tiers, ch, dep, layer=jnp.int32(layer),
-                                    group_start=group_start, **impl.kw)
+                                    group_start=group_start, assume_sorted=True, **impl.kw)
             q_staged = jnp.take_along_axis(q, ch[:, None, :], axis=-1)
             iota = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (4, 10))
             on_hot = PS.ResidentPlanes(hot, tiers, jnp.int32(layer), ch, group_start)
