@@ -63,9 +63,9 @@ class TestRunGather(KernelTestBase):
         assert_staged(got_p, got_s, want_p, want_s, dep)
 
     @pytest.mark.parametrize("programs", [0, 3])
-    def test_a_sorted_list_walks_its_active_slots_in_place(self, impl, rng, programs):
-        """``assume_sorted``: a list sorted by decreasing depth (the decode step's) is walked without the sort, slots
-        of depth 0 last and uncopied; the same buffers where the scan reads them."""
+    def test_a_sorted_list_is_walked_without_its_sort(self, impl, rng, programs):
+        """``assume_sorted``: a list sorted by decreasing depth (the decode step's, slots of depth 0 last) is walked as
+        it is; the same buffers where the scan reads them."""
         planes, scales, _ = random_store_arrays(rng, (2, 6), D, 640)
         ch, dep = PS.active_channels(jnp.asarray(rng.integers(0, 5, (3, D)) * (rng.random((3, D)) < 0.4), jnp.int32))
         assert int(jnp.sum(dep == 0)) > 0
