@@ -117,7 +117,7 @@ def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int
     half = chunk // 2
     s0 = i * half
     smask = (s0 + jnp.arange(half, dtype=jnp.int32) < width // 2) & valid
-    sc = plgpu.load(scales_ref.at[layer, src, j, pl.ds(s0, half)], mask=smask & (t > 0), other=0)
+    sc = plgpu.load(scales_ref.at[layer, src, j, pl.ds(s0, half)], mask=smask, other=0)
     for p in range(N_PLANES):
         plgpu.store(out_planes_ref.at[r, c, jnp.int32(p), pl.ds(w0, chunk)], data[p], mask=wmask & (p < t))
     plgpu.store(out_scales_ref.at[r, c, pl.ds(s0, half)], sc, mask=smask)
@@ -160,27 +160,6 @@ def walk_items(copy, dep_ref, order_ref, *, per_slot: int, programs: int) -> Non
     jax.lax.fori_loop(0, dep_ref.shape[0], group, 0)
 
 
-def _run_gather_kernel(
-    # inputs
-    ch_ref,  # i32 [Rc, C]
-    dep_ref,  # i32 [Rc, C]
-    layer_ref,  # i32 [1]
-    planes_ref,  # u32 [L, R, D, 4, W]   (any memory space: HBM or pinned host); groups group_start.. are read
-    scales_ref,  # f16 [L, R, D, NB]
-    *rest,  # the slot order i32 [Rc, C] (unless the list is sorted), the `after` operands (never read), the outputs:
-    # out_planes_ref  u32 [Rc, C, 4, W]
-    # out_scales_ref  f16 [Rc, C, NB]
-    chunk: int,
-    width: int,
-    group_start: int,
-    programs: int,
-    ordered: bool,
-):
-    refs = (ch_ref, dep_ref, layer_ref, planes_ref, scales_ref, *rest[-2:])
-    copy = functools.partial(_copy_item, refs, chunk=chunk, width=width, group_start=group_start)
-    walk_items(copy, dep_ref, None if ordered else rest[0], per_slot=pl.cdiv(width, chunk), programs=programs)
-
-
 def slot_order(depths, assume_sorted: bool):
     """The slot order :func:`walk_items` takes: None where the list is sorted by decreasing depth, else each group's
     slots of depth > 0 first (one small sort)."""
@@ -189,32 +168,45 @@ def slot_order(depths, assume_sorted: bool):
     return jnp.argsort(depths <= 0, axis=-1, stable=True).astype(jnp.int32)
 
 
+def gather_call(copy_item, store, channels, depths, layer, after, *, width: int, scales_dtype, config: RunGatherConfig,
+                interpret: bool, group_start: int, assume_sorted: bool, name: str):
+    """The ``pallas_call`` of a gather into ``(planes u32 [Rc, C, 4, W], scales [Rc, C, NB])``: its work items walked
+    by :func:`walk_items`, each copied by ``copy_item(refs, r, c, i, valid, chunk=, width=, group_start=)`` with
+    ``refs = (channels, depths, layer, *store, out_planes, out_scales)``; the slot order and ``after`` are operands
+    the kernel waits for (``after`` is never read)."""
+    r, c = channels.shape
+    chunk = min(config.chunk, pl.next_power_of_2(width))
+    items = (r, c, pl.cdiv(width, chunk))
+    programs = min(config.programs, B.prod(items))
+    order = slot_order(depths, assume_sorted)
+    inputs = (channels, depths, layer, *store)
+    waits = (*([] if order is None else [order]), *after)
+
+    def kernel(*refs):
+        ins, rest = refs[:len(inputs)], refs[len(inputs):]
+        copy = functools.partial(copy_item, (*ins, *rest[-2:]), chunk=chunk, width=width, group_start=group_start)
+        walk_items(copy, ins[1], None if order is None else rest[0], per_slot=items[2], programs=programs)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((r, c, N_PLANES, width), jnp.uint32),
+                   jax.ShapeDtypeStruct((r, c, width // 2), scales_dtype)),
+        grid=(programs,) if programs else items,
+        in_specs=[B.any_spec()] * (len(inputs) + len(waits)),
+        out_specs=(B.any_spec(), B.any_spec()),
+        interpret=interpret,
+        name=name,
+        compiler_params=B.compiler_params(config.num_warps),
+    )(*inputs, *waits)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "group_start", "assume_sorted"))
 def _run_gather_pallas(planes, scales, channels, depths, layer, after, *, config, interpret, group_start,
                        assume_sorted):
-    w = planes.shape[-1]
-    r, c = channels.shape
-    chunk = min(config.chunk, pl.next_power_of_2(w))
-    items = (r, c, pl.cdiv(w, chunk))
-    programs = min(config.programs, B.prod(items))
-    order = slot_order(depths, assume_sorted)
-    kernel = functools.partial(_run_gather_kernel, chunk=chunk, width=w, group_start=group_start, programs=programs,
-                               ordered=order is None)
-    after = (*([] if order is None else [order]), *after)
-    out_planes, out_scales = pl.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((r, c, N_PLANES, w), jnp.uint32),
-            jax.ShapeDtypeStruct((r, c, w // 2), scales.dtype),
-        ),
-        grid=(programs,) if programs else items,
-        in_specs=[B.any_spec()] * (5 + len(after)),
-        out_specs=(B.any_spec(), B.any_spec()),
-        interpret=interpret,
-        name=KERNEL_NAME,
-        compiler_params=B.compiler_params(config.num_warps),
-    )(channels, depths, layer, planes, scales, *after)
-    return out_planes, out_scales
+    """planes ``[L, R, D, 4, W]`` (any memory space; groups group_start.. are read), scales ``[L, R, D, NB]``."""
+    return gather_call(_copy_item, (planes, scales), channels, depths, layer, after, width=planes.shape[-1],
+                       scales_dtype=scales.dtype, config=config, interpret=interpret, group_start=group_start,
+                       assume_sorted=assume_sorted, name=KERNEL_NAME)
 
 
 def run_gather(

@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fathom_jax.format import N_PLANES
 from pallas_kernels import backend as B
-from pallas_kernels.run_gather import RunGatherConfig, check_values, slot_order, walk_items
+from pallas_kernels.run_gather import RunGatherConfig, check_values, gather_call
 
 KERNEL_NAME = "tier_gather"
 
@@ -112,42 +112,18 @@ def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int
     half = chunk // 2
     s0 = i * half
     smask = (s0 + jnp.arange(half, dtype=jnp.int32) < width // 2) & valid
-    sc = plgpu.load(scales_ref.at[layer, src, j, pl.ds(s0, half)], mask=smask & (t > 0), other=0)
+    sc = plgpu.load(scales_ref.at[layer, src, j, pl.ds(s0, half)], mask=smask, other=0)
     for plane, (words, moved) in enumerate(data):
         plgpu.store(out_planes_ref.at[r, c, jnp.int32(plane), pl.ds(w0, chunk)], words, mask=moved)
     plgpu.store(out_scales_ref.at[r, c, pl.ds(s0, half)], sc, mask=smask)
 
 
-def _tier_gather_kernel(ch_ref, dep_ref, layer_ref, tier_ref, cold_ref, scales_ref, *rest, chunk: int, width: int,
-                        group_start: int, programs: int, ordered: bool):
-    refs = (ch_ref, dep_ref, layer_ref, tier_ref, cold_ref, scales_ref, *rest[-2:])
-    copy = functools.partial(_copy_item, refs, chunk=chunk, width=width, group_start=group_start)
-    walk_items(copy, dep_ref, None if ordered else rest[0], per_slot=pl.cdiv(width, chunk), programs=programs)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "group_start", "assume_sorted"))
 def _tier_gather_pallas(cold, scales, tiers, channels, depths, layer, after, *, config, interpret, group_start,
                         assume_sorted):
-    w = cold.shape[-1]
-    r, c = channels.shape
-    chunk = min(config.chunk, pl.next_power_of_2(w))
-    items = (r, c, pl.cdiv(w, chunk))
-    programs = min(config.programs, B.prod(items))
-    order = slot_order(depths, assume_sorted)
-    kernel = functools.partial(_tier_gather_kernel, chunk=chunk, width=w, group_start=group_start, programs=programs,
-                               ordered=order is None)
-    after = (*([] if order is None else [order]), *after)
-    return pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((r, c, N_PLANES, w), jnp.uint32),
-                   jax.ShapeDtypeStruct((r, c, w // 2), scales.dtype)),
-        grid=(programs,) if programs else items,
-        in_specs=[B.any_spec()] * (6 + len(after)),
-        out_specs=(B.any_spec(), B.any_spec()),
-        interpret=interpret,
-        name=KERNEL_NAME,
-        compiler_params=B.compiler_params(config.num_warps),
-    )(channels, depths, layer, tiers, cold, scales, *after)
+    return gather_call(_copy_item, (tiers, cold, scales), channels, depths, layer, after, width=cold.shape[-1],
+                       scales_dtype=scales.dtype, config=config, interpret=interpret, group_start=group_start,
+                       assume_sorted=assume_sorted, name=KERNEL_NAME)
 
 
 def tier_gather(
