@@ -98,6 +98,12 @@ def test_auto_pipeline_chunks_by_positions_of_the_groups_in_real_host_memory():
         assert resolve(auto, host, 3, 4096).chunks == 1  # the largest divisor of 3 up to 2
         assert resolve(auto, host, 12, 1 << 20).chunks == 6  # the largest divisor up to 8
         assert resolve(StepConfig(read="direct"), host, 8, 1 << 20).chunks == 1
+        # every plane resident: only the row fetches overlap, 2 chunks at most; any plane on the host: by positions
+        for resident, chunks in ((4, 2), ((4, 4, 4), 2), ((4, 3, 4), 8), (2, 8)):
+            tiers = Placement("pinned_host", resident_planes=resident)
+            assert auto.resolve(tiers, groups=8, capacity=1 << 20, implementation="pallas", layers=3).chunks == chunks
+        assert resolve(auto, Placement("pinned_host", resident_planes=4), 8, 1 << 15).chunks == 2
+        assert resolve(StepConfig(pipeline=8), Placement("pinned_host", resident_planes=4), 8, 1 << 20).chunks == 8
 
 
 def test_reads_and_fetches_are_chosen_once():

@@ -17,7 +17,8 @@ Fields:
 * ``pipeline``: chunks of each layer's groups whose plane transfers are chained, so that chunk ``i + 1``'s transfer
   runs beside chunk ``i``'s scan, selection and row fetch; ``"auto"``: with staged reads from real host memory, the
   largest divisor of the groups up to ``groups x capacity / 2^19``, at least 2 and at most 8 (``results/
-  pipeline_h200.md``, ``results/chunks_h200/``), else 1.
+  pipeline_h200.md``, ``results/chunks_h200/``), or 2 where every plane is resident (only rows cross the link),
+  else 1.
 * ``gather_programs`` / ``fetch_programs``: persistent programs of the run gather / row fetch (0: one program per
   work item); ``"auto"``: half the GPU's SMs from real host memory (programs that wait on the link leave the other
   half to the kernels beside them), else 0.
@@ -39,6 +40,7 @@ import jax
 
 from fathom_jax.decode.fetches import CachedRowFetch, RowFetch
 from fathom_jax.decode.reads import DeviceRead, DirectRead, IndexRead, StagedRead, TieredRead
+from fathom_jax.format import N_PLANES
 from fathom_jax.placement import Placement
 from pallas_kernels.topk import TopkConfig
 
@@ -141,21 +143,23 @@ class StepConfig:
         fetch_programs = _programs(self.fetch_programs, host)
         fetcher = (CachedRowFetch if self.row_cache else RowFetch)(implementation, fetch_programs)
         options = (CONCURRENT_KERNELS if staged and self.pipeline != 1 else {}) | dict(self.xla_options)
-        return ResolvedStep(reader=reader, fetcher=fetcher, chunks=self._chunks(groups // placement.num_shards,
-                                                                                  capacity, host and staged),
+        planes_cross = not (tiered and min(resident) == N_PLANES)  # else the index is all in HBM, the rows are not
+        return ResolvedStep(reader=reader, fetcher=fetcher,
+                            chunks=self._chunks(groups // placement.num_shards, capacity, host and staged, planes_cross),
                             implementation=implementation, index_writes=self.index_writes, in_place=host,
                             layer_unroll=self.layer_unroll, compiler_options=tuple(sorted(options.items())),
                             topk=self.topk, row_cache=self.row_cache)
 
-    def _chunks(self, groups: int, capacity: int, staged_from_host: bool) -> int:
+    def _chunks(self, groups: int, capacity: int, staged_from_host: bool, planes_cross: bool) -> int:
         if self.pipeline != "auto":
             return self.pipeline
         if not staged_from_host:  # elsewhere chunks run one after the other: the same results, more launches
             return 1
         # Each chunk adds its own launches, top-k and glue: more chunks pay while each still holds about 2^19
         # positions of the layer's groups, from 2 up to 8 (results/chunks_h200/: 2 at 32k and 128k, 4 at 256k, 8 at
-        # 1M and at 128k with batch 4 or 8; 16 at batch 8 was slower).
-        most = min(8, max(2, groups * capacity >> 19))
+        # 1M and at 128k with batch 4 or 8; 16 at batch 8 was slower). With every plane resident only the row fetches
+        # cross the link: 2 (1M, results/offload_h200_tiers_chunks.md: 26.97 ms with 2, 28.87 with 1, 31.40 with 8).
+        most = min(8 if planes_cross else 2, max(2, groups * capacity >> 19))
         return max(d for d in range(1, min(most, groups) + 1) if groups % d == 0)
 
 
