@@ -40,7 +40,7 @@ import jax
 
 from fathom_jax.decode.fetches import CachedRowFetch, RowFetch
 from fathom_jax.decode.reads import DeviceRead, DirectRead, IndexRead, StagedRead, TieredRead
-from fathom_jax.format import N_PLANES
+from fathom_jax.decode.tiers import all_resident
 from fathom_jax.placement import Placement
 from pallas_kernels.topk import TopkConfig
 
@@ -143,9 +143,9 @@ class StepConfig:
         fetch_programs = _programs(self.fetch_programs, host)
         fetcher = (CachedRowFetch if self.row_cache else RowFetch)(implementation, fetch_programs)
         options = (CONCURRENT_KERNELS if staged and self.pipeline != 1 else {}) | dict(self.xla_options)
-        planes_cross = not (tiered and min(resident) == N_PLANES)  # else the index is all in HBM, the rows are not
-        return ResolvedStep(reader=reader, fetcher=fetcher,
-                            chunks=self._chunks(groups // placement.num_shards, capacity, host and staged, planes_cross),
+        planes_cross = not (tiered and all_resident(resident))  # else the index is all in HBM, the rows are not
+        chunks = self._chunks(groups // placement.num_shards, capacity, host and staged, planes_cross)
+        return ResolvedStep(reader=reader, fetcher=fetcher, chunks=chunks,
                             implementation=implementation, index_writes=self.index_writes, in_place=host,
                             layer_unroll=self.layer_unroll, compiler_options=tuple(sorted(options.items())),
                             topk=self.topk, row_cache=self.row_cache)

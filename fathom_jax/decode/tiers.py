@@ -63,6 +63,11 @@ jax.tree_util.register_dataclass(TieredPlaneStore, data_fields=["hot", "cold", "
                                  meta_fields=["resident"])
 
 
+def all_resident(resident: tuple[int, ...]) -> bool:
+    """Every plane of every layer in device memory: no plane of the index crosses the link."""
+    return all(p == N_PLANES for p in resident)
+
+
 @dataclasses.dataclass(frozen=True)
 class TieredPlanes(Planes):
     """A :class:`Planes` part whose decode cache keeps ``resident[l]`` top planes of layer ``l`` in device memory."""
@@ -75,7 +80,7 @@ class TieredPlanes(Planes):
 
     @property
     def all_resident(self) -> bool:
-        return all(p == N_PLANES for p in self.resident)
+        return all_resident(self.resident)
 
     def bulk(self, data):
         if isinstance(data, TieredPlaneStore):
