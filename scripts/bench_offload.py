@@ -53,7 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import harness  # noqa: E402
 from fathom_jax import distributed  # noqa: E402
-from fathom_jax.decode.rows import RowLayout  # noqa: E402
+from fathom_jax.rows.layout import RowLayout  # noqa: E402
 from fathom_jax.models import LlamaConfig  # noqa: E402
 from fathom_jax.placement import Placement, device_mesh  # noqa: E402
 from offload_measure import Run, attention_rows, full_rows, link_section, prefill_section  # noqa: E402
@@ -229,7 +229,7 @@ def main(argv=None):
     ap.add_argument("--rows", default="model",
                     help="K/V row formats, a ','-separated list: one set of rows each (sections attn, attnbatch, full, "
                          "batch), over a cache of its own. Each FORMAT or FORMAT@SHARE: model (the model dtype, bf16) or "
-                         "a format with per-token scales (k8v8, k8v4g32a, ...: fathom_jax.decode.rows); SHARE overrides "
+                         "a format with per-token scales (k8v8, k8v4g32a, ...: fathom_jax.rows.layout); SHARE overrides "
                          "--share-kv-from for that format (a context or none)")
     ap.add_argument("--query-drift", type=float, default=None,
                     help="attention-only rows: each step's queries drift from the last by AR(1) with this coefficient "

@@ -20,7 +20,7 @@ import numpy as np
 
 import harness
 from fathom_jax import decode, distributed
-from fathom_jax.decode.rows import RowLayout
+from fathom_jax.rows.layout import RowLayout
 from fathom_jax.models import generation
 from fathom_jax.placement import attach_bulk, split_bulk
 from offload_report import write_report

@@ -110,7 +110,7 @@ def row_format_lines(rows: list[dict]) -> list[str]:
     picked = [r for r in rows if key(r) in keys]
     lines = ["## K/V row formats", "",
              "`rows`: how the cache stores each token's K and V (`model`: bf16 K and V side by side; `k8v8`: 8-bit K and V, "
-             "one fp16 absmax scale per token each; `fathom_jax.decode.rows`). Host B/token: bytes per token, layer and KV "
+             "one fp16 absmax scale per token each; `fathom_jax.rows.layout`). Host B/token: bytes per token, layer and KV "
              "head in host memory as held (`shared K/V`: one row buffer for every layer, counted once) and with every "
              "layer's own rows (the row plus the index's planes and scales); row B: what the row fetch moves per selected "
              "token; rows MB: the selected rows of a step (max, the union's upper bound).", "",

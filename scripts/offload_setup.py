@@ -18,7 +18,7 @@ from flax import nnx
 
 from fathom_jax import calibrate, decode, methods
 from fathom_jax.decode import StepConfig
-from fathom_jax.decode.rows import row_format
+from fathom_jax.rows.layout import row_format
 from fathom_jax.models import LlamaForCausalLM
 from fathom_jax.models.attention import CacheShape
 from pallas_kernels.topk import TopkConfig
@@ -157,7 +157,7 @@ def with_row_cache(cache, attn):
 
 def parse_rows(text: str, share_kv_from: int | None) -> list[dict]:
     """``--rows`` entries, one set of rows each: ``FORMAT`` or ``FORMAT@SHARE`` (FORMAT: ``model`` for rows in the
-    model dtype, or a row format with per-token scales such as ``k8v8``, :func:`fathom_jax.decode.rows.row_format`;
+    model dtype, or a row format with per-token scales such as ``k8v8``, :func:`fathom_jax.rows.layout.row_format`;
     SHARE: this format's ``--share-kv-from``, a context or ``none``). Each: ``name`` (``model`` or the format's spec),
     ``format`` (None or the RowFormat), ``share_kv_from`` (None: every layer its own rows)."""
     out = []

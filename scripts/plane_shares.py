@@ -1,7 +1,7 @@
 """Where Fathom's read bits come from, plane by plane: SmolLM2's real keys and the offload benchmark's synthetic ones.
 
 A read of depth t reads planes 0..t-1 of a channel (and its block scales when t >= 1); a store keeping planes [0, p)
-in HBM moves only the deeper planes over the link. This measures, with :func:`fathom_jax.eval.plane_reads.plane_reads`,
+in HBM moves only the deeper planes over the link. This measures, with :func:`fathom_jax.placement.plane_reads.plane_reads`,
 the share of every plane in the bits read and how often each (layer, plane) is read:
 
 * SmolLM2-135M (D = 64), the study's capture (``fathom sweep``): a window of ``--contexts`` tokens of standard-library
@@ -40,7 +40,7 @@ import harness  # noqa: E402
 from fathom_jax import calibrate as cal  # noqa: E402
 from fathom_jax.eval import fidelity as fid  # noqa: E402
 from fathom_jax.eval import texts  # noqa: E402
-from fathom_jax.eval.plane_reads import plane_reads  # noqa: E402
+from fathom_jax.placement.plane_reads import plane_reads  # noqa: E402
 from fathom_jax.methods import Fathom  # noqa: E402
 
 PAPER_BUDGETS = (32, 48, 64)  # Fathom budgets named at D = 128

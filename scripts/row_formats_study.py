@@ -13,8 +13,8 @@ import argparse
 import shlex
 import sys
 
-from fathom_jax.cli_args import UsageError
-from fathom_jax.eval import row_study
+from fathom_jax.cli.args import UsageError
+from fathom_jax.cli import row_formats_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--merge"]:
         return merge(argv[1:])
     parser = argparse.ArgumentParser(prog="row_formats_study")
-    row_study.register(parser.add_subparsers(dest="command", required=True))
+    row_formats_command.register(parser.add_subparsers(dest="command", required=True))
     try:
         args = parser.parse_args(["row-formats", *argv])
         args.argv = ["row-formats", *argv]

@@ -6,7 +6,7 @@
 
 A prompt that crosses many 64-token blocks is prefilled, then ``--steps`` greedy decode steps run one compiled step
 each (the cache donated, host memory written in place). ``--rows``: how the cache stores K/V rows (``model``: the
-model dtype; a compressed format such as ``k8v8``, :mod:`fathom_jax.decode.rows`). Every ``--check-every`` steps it
+model dtype; a compressed format such as ``k8v8``, :mod:`fathom_jax.rows.layout`). Every ``--check-every`` steps it
 checks:
 
 * the key index equals a rebuild from every key the model produced, bit for bit (``index_writes="every_step"``: the
@@ -46,11 +46,11 @@ import numpy as np  # noqa: E402
 
 import harness  # noqa: E402
 from fathom_jax import decode  # noqa: E402
-from fathom_jax.decode.rows import row_format  # noqa: E402
+from fathom_jax.rows.layout import row_format  # noqa: E402
 from fathom_jax.eval import texts  # noqa: E402
 from fathom_jax.format import BLOCK_TOKENS, WORD_BITS  # noqa: E402
 from fathom_jax.index import build_index  # noqa: E402
-from fathom_jax.index_parts import Planes  # noqa: E402
+from fathom_jax.index.parts import Planes  # noqa: E402
 from fathom_jax.models import generation, load_smollm2  # noqa: E402
 
 

@@ -151,12 +151,12 @@ def test_rows_formats_run_side_by_side_on_cpu(tmp_path, monkeypatch):
     """``--rows model,k8v8``: one set of attention-only rows per format over a cache of its own (tiny shapes with the
     benchmark's head_dim 128, XLA kernels), each recording its format, its row bytes (bf16 K and V: 512 B per token;
     k8v8: the layout's words), its host bytes per token and tokens per second; the report puts them side by side.
-    (The full step's rows go through the same row bookkeeping; tests/decode/test_rows.py decodes every format.)"""
+    (The full step's rows go through the same row bookkeeping; tests/rows/test_layout.py decodes every format.)"""
     import dataclasses
 
     import jax.numpy as jnp
 
-    from fathom_jax.decode.rows import RowLayout
+    from fathom_jax.rows.layout import RowLayout
 
     cfg = dataclasses.replace(bench_offload.SMOKE, head_dim=128, n_heads=4, n_layers=2)
     monkeypatch.setattr(bench_offload, "SMOKE", cfg)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fathom_jax import calibrate as C
-from fathom_jax import index_parts as P
+from fathom_jax.index import parts as P
 from fathom_jax import methods as M
 from fathom_jax import scan as SC
 from tests.support import build_index_jit as build

@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 import plane_shares  # noqa: E402
 
-from fathom_jax.eval.plane_reads import PlaneReads  # noqa: E402
+from fathom_jax.placement.plane_reads import PlaneReads  # noqa: E402
 
 
 def fake_result() -> dict:

@@ -133,7 +133,7 @@ def test_shell_examples_run_as_written(smollm2_first_layers, capsys, monkeypatch
     for line in lines:
         argv = shlex.split(line)[1:]
         if argv[0] in ("ruler", "agreement"):  # hours on a CPU: check that the arguments parse and pass the checks
-            from fathom_jax.eval import commands as eval_commands
+            from fathom_jax.cli import study_commands as eval_commands
 
             args = cli.build_parser().parse_args(argv)
             configs = (eval_commands.ruler_configs if argv[0] == "ruler" else eval_commands.agreement_configs)(args)

@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int
 
 from fathom_jax.calibrate import Calibration
 from fathom_jax.decode.row_cache import RowCache, RowFill, empty_row_cache
-from fathom_jax.decode.rows import RowLayout
+from fathom_jax.rows.layout import RowLayout
 from fathom_jax.format import round_capacity
 from fathom_jax.index import KeyIndex, check_parts
 from fathom_jax.models.attention import CacheShape
@@ -29,7 +29,7 @@ from fathom_jax.models.attention import CacheShape
 class SparseCache:
     """K/V rows and key index of every layer, stacked ``[L, R, ...]`` (``R = batch x KV heads``).
 
-    ``kv``: ``[L, R, C, W]``, one row per token as ``layout`` stores it (:mod:`fathom_jax.decode.rows`: by
+    ``kv``: ``[L, R, C, W]``, one row per token as ``layout`` stores it (:mod:`fathom_jax.rows.layout`: by
     default ``W = 2 Dh`` in the model dtype, each token's key in the first ``Dh`` features and its value in the last;
     or a compressed row format's words), so that fetching a selected token reads one contiguous run (from host
     memory the pages touched cost more than the bytes: see :mod:`pallas_kernels.row_fetch`); ``[1, R, C, W]``: one
@@ -110,7 +110,7 @@ class SparseCache:
 @dataclasses.dataclass(frozen=True)
 class LayerUpdate:
     """What one decode step changes in one layer (stacked on [L] by the layer scan): the new token's key and value,
-    each index part's newest block (:mod:`fathom_jax.index_parts`), the completion tokens of the bulk writes the
+    each index part's newest block (:mod:`fathom_jax.index.parts`), the completion tokens of the bulk writes the
     layer already made in place inside the layer scan (None: the commit after the scan makes them), and the rows
     the layer stores in its row-cache slots (None: no row cache)."""
 
@@ -137,7 +137,7 @@ def allocate(alloc: Callable[..., Any], parts, shape: CacheShape, *, rows: str |
              row_cache: int = 0, session_calibration=None) -> SparseCache:
     """An empty cache of ``shape`` from ``alloc(shape, dtype, bulk=True)`` (zeros where they belong), largest array
     first: XLA's pinned host allocator grows in regions of doubling size, and K/V rows allocated after the planes
-    found no region left at 1M tokens. ``rows``: the row format (:class:`~fathom_jax.decode.rows.RowLayout`; None:
+    found no region left at 1M tokens. ``rows``: the row format (:class:`~fathom_jax.rows.layout.RowLayout`; None:
     the model dtype). ``session_calibration``: a Calibration of one group's shapes, stacked ``[L, R]``
     here for the session's statistics (None for corpus statistics)."""
     small = lambda dims, dtype: alloc(dims, dtype, bulk=False)  # noqa: E731

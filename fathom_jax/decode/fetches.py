@@ -2,7 +2,7 @@
 
 * :class:`RowFetch`: every selected row is fetched from the K/V cache (in device or host memory) by the row-fetch
   kernel (one run per token: each token's key and value sit side by side, as the cache's
-  :class:`~fathom_jax.decode.rows.RowLayout` stores them).
+  :class:`~fathom_jax.rows.layout.RowLayout` stores them).
 * :class:`CachedRowFetch`: rows that the device-memory row cache's slots hold (:mod:`fathom_jax.decode.row_cache`)
   are taken from there, only the misses are fetched; the step returns what to store in the slots. The rows
   attended are the same bits either way.

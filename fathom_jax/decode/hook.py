@@ -23,24 +23,25 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from fathom_jax import host_memory
+from fathom_jax.placement import host_memory
 from fathom_jax import methods as methods_lib
 from fathom_jax import store as store_lib
 from fathom_jax.calibrate import SKIP_TOKENS, Calibration, calibrate_session
 from fathom_jax.checks import is_traced
 from fathom_jax.decode import writes as writes_lib
 from fathom_jax.decode.cache import LayerUpdate, SparseCache, allocate, bulk_allocations
+from fathom_jax.decode.cache_program import cache_program
 from fathom_jax.decode.config import ResolvedStep, StepConfig
-from fathom_jax.decode.rows import RowLayout, row_format
+from fathom_jax.rows.layout import RowLayout, row_format
 from fathom_jax.decode.step import CacheView, NewToken, StepContext, sparse_attention_step
 from fathom_jax.decode.tiers import TieredPlanes
 from fathom_jax.format import round_capacity
 from fathom_jax.index import KeyIndex, build_index
-from fathom_jax.index_parts import KEYS, Planes
+from fathom_jax.index.parts import KEYS, Planes
 from fathom_jax.methods.base import ScanMethod
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.placement import Placement
-from fathom_jax.row_formats import RowFormat
+from fathom_jax.rows.formats import RowFormat
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
 from pallas_kernels import backend
 
@@ -55,7 +56,7 @@ class SparseAttention:
     Static: ``method``, ``k`` (tokens per query head, sinks and local window included), ``calibration_source``,
     ``sink``, ``local``, ``skip_tokens``, ``implementation`` (None: pallas on a GPU, xla elsewhere), ``placement``
     (where the cache lives), ``rows`` (how the cache stores K/V rows: None for the model dtype, or a row format with
-    per-token scales such as ``"k8v8"``, :mod:`fathom_jax.decode.rows`), ``step`` (how a step runs) and ``run`` (the step resolved for a cache's shape: set by
+    per-token scales such as ``"k8v8"``, :mod:`fathom_jax.rows.layout`), ``step`` (how a step runs) and ``run`` (the step resolved for a cache's shape: set by
     :meth:`bind`). Traced: ``calibration``, corpus statistics with leading axes ``[n_layers, Hkv]``; new arrays of
     the same shapes reuse the compiled program.
 
@@ -204,7 +205,7 @@ class SparseAttention:
         """An empty cache (zeros) of ``shape.capacity`` tokens per sequence, placed by :attr:`placement`.
 
         In host memory on a GPU, the pinned memory it will take in XLA's allocator is checked first (see
-        :mod:`fathom_jax.host_memory`): a cap too low or regions larger than the machine fail here, before
+        :mod:`fathom_jax.placement.host_memory`): a cap too low or regions larger than the machine fail here, before
         anything is allocated. ``shared_kv``: one K/V row buffer for every layer (a benchmark mode).
         """
         options = dict(rows=self.rows, shared_kv=shared_kv, row_cache=self.step.row_cache,
@@ -318,8 +319,6 @@ class SparseAttention:
     def program(self, fn, cache: SparseCache, *, static: tuple = (), options: dict | None = None):
         """``fn(*static, attention, *args, cache) -> (outs, cache)`` as one compiled program, called as
         ``run(*args, cache=cache) -> (outs, cache)`` (see :mod:`fathom_jax.decode.programs`)."""
-        from fathom_jax.decode.programs import cache_program
-
         return cache_program(self, fn, cache, static=static, options=options)
 
     # -- statistics ------------------------------------------------------------------------------

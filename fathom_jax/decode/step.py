@@ -42,7 +42,7 @@ from fathom_jax import store as store_lib
 from fathom_jax.calibrate import Calibration
 from fathom_jax.decode.config import ResolvedStep
 from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
-from fathom_jax.decode.rows import RowLayout
+from fathom_jax.rows.layout import RowLayout
 from fathom_jax.format import BLOCK_TOKENS
 from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, ScanMethod
@@ -55,8 +55,8 @@ class NewToken:
     """The token a decode step adds, per group: what the stored cache lacks until the step writes it.
 
     ``position`` is its slot (the length before the step); ``blocks[part]`` the newest block of each index part
-    after appending it (:class:`~fathom_jax.index_parts.PlaneBlock`, :class:`~fathom_jax.index_parts.LandmarkBlock`,
-    :class:`~fathom_jax.index_parts.PageBlock`).
+    after appending it (:class:`~fathom_jax.index.parts.PlaneBlock`, :class:`~fathom_jax.index.parts.LandmarkBlock`,
+    :class:`~fathom_jax.index.parts.PageBlock`).
     """
 
     position: Int[Array, "R"]

@@ -2,7 +2,7 @@
 
 In device memory every write is functional (XLA updates the donated buffers in place); in real host memory the
 ``cache_write`` kernel writes in place as a side effect and returns a completion token, which the program's outputs
-depend on (:class:`Writer`). Every index part writes its own data (:mod:`fathom_jax.index_parts`).
+depend on (:class:`Writer`). Every index part writes its own data (:mod:`fathom_jax.index.parts`).
 """
 
 from __future__ import annotations

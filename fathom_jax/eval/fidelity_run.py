@@ -21,7 +21,7 @@ import numpy as np
 from fathom_jax.eval import prefix_scan, ranking
 from fathom_jax.eval.scoring import Evaluation, MethodScore, ScoreFn
 from fathom_jax.index import build_index, prefix_index, unpack_index
-from fathom_jax.index_parts import IndexPart
+from fathom_jax.index.parts import IndexPart
 from fathom_jax.select import attend_rows, gather_rows, select_topk
 from pallas_kernels import backend
 

@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, Int
 from fathom_jax import store as store_lib
 from fathom_jax.format import BLOCK_TOKENS, N_PLANES
 from fathom_jax.index import KeyIndex, prefix_index
-from fathom_jax.index_parts import Planes
+from fathom_jax.index.parts import Planes
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, ScanMethod
 from fathom_jax.scan import check_scan_inputs, dot, mask_invalid
 

@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any
 
-from fathom_jax import row_formats
+from fathom_jax.rows import formats as row_formats
 
 TARGET_METHOD = "Fathom 48"
 ORACLE = "exact top-k oracle"

@@ -107,7 +107,7 @@ def check_common(config, max_context: int, head_dim: int) -> None:
         m.validate(head_dim)
     if not any(m.name == "exact" for m in methods):
         raise ValueError("the methods must include exact (the top-k oracle every scan is compared with)")
-    from fathom_jax.decode.rows import row_format
+    from fathom_jax.rows.layout import row_format
 
     if not config.rows or len(set(config.rows)) != len(config.rows):
         raise ValueError(f"rows: give each K/V row format once, at least one, got {list(config.rows)}")

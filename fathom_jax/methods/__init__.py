@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from fathom_jax.index_parts import IndexPart
+from fathom_jax.index.parts import IndexPart
 
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, Read, ScanMethod
 from fathom_jax.methods.double_sparsity import DoubleSparsity

@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 if TYPE_CHECKING:  # pragma: no cover
     from fathom_jax.calibrate import Calibration
     from fathom_jax.index import KeyIndex
-    from fathom_jax.index_parts import IndexPart
+    from fathom_jax.index.parts import IndexPart
     from pallas_kernels.backend import Implementation
 
 
@@ -82,7 +82,7 @@ class ScanMethod(abc.ABC):
     Subclasses are frozen dataclasses whose fields are the method's static parameters, and set:
 
     * ``name``: the spec keyword (``parse("name:param")``) and the ``kind`` recorded in results;
-    * ``parts``: the index parts read (:mod:`fathom_jax.index_parts`: ``RAW``, ``KLT``, ``LOKI``, ``LANDMARKS``,
+    * ``parts``: the index parts read (:mod:`fathom_jax.index.parts`: ``RAW``, ``KLT``, ``LOKI``, ``LANDMARKS``,
       ``QUEST16``, ``KEYS``; a property where the parameters decide it);
     * ``needs_calibration``: whether :meth:`read` uses a :class:`~fathom_jax.calibrate.Calibration`;
     * ``spec_syntax``: how the spec reads in help texts, e.g. ``"fathom:BUDGET[:exact]"``;

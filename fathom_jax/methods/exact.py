@@ -8,7 +8,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from fathom_jax import format as fmt
-from fathom_jax.index_parts import KEYS
+from fathom_jax.index.parts import KEYS
 from fathom_jax.methods.base import KeyRead, ScanMethod
 
 

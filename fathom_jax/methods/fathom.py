@@ -11,7 +11,7 @@ from fathom_jax import planner as planner_lib
 from fathom_jax import store as store_lib
 from fathom_jax.checks import is_traced
 from fathom_jax.format import N_PLANES
-from fathom_jax.index_parts import KLT, RAW
+from fathom_jax.index.parts import KLT, RAW
 from fathom_jax.methods.base import PlaneRead, ScanMethod, int_param, parse_int
 
 Planner = Literal["bisection", "exact"]

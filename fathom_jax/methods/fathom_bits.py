@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from fathom_jax import allocation
 from fathom_jax.checks import is_traced
-from fathom_jax.index_parts import RAW, IndexPart
+from fathom_jax.index.parts import RAW, IndexPart
 from fathom_jax.methods.base import PlaneRead, ScanMethod, int_param, parse_int
 
 IMPORTANCES = ("variance", "observed")

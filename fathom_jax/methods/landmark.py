@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from fathom_jax import format as fmt
 from fathom_jax.format import LANDMARK_TOKENS
-from fathom_jax.index_parts import LANDMARKS
+from fathom_jax.index.parts import LANDMARKS
 from fathom_jax.methods.base import BlockRead, ScanMethod
 
 

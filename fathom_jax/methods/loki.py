@@ -8,7 +8,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from fathom_jax import store as store_lib
-from fathom_jax.index_parts import LOKI
+from fathom_jax.index.parts import LOKI
 from fathom_jax.methods.sparq import _ChannelMethod
 
 

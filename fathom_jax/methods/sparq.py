@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from fathom_jax import format as fmt
 from fathom_jax.format import N_PLANES
-from fathom_jax.index_parts import RAW
+from fathom_jax.index.parts import RAW
 from fathom_jax.methods.base import PlaneRead, ScanMethod, int_param, parse_int, top_r_mask
 
 

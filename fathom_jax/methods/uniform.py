@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from fathom_jax import format as fmt
 from fathom_jax.format import N_PLANES
-from fathom_jax.index_parts import RAW
+from fathom_jax.index.parts import RAW
 from fathom_jax.methods.base import PlaneRead, ScanMethod, parse_int, uniform_depths
 
 

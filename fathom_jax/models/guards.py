@@ -4,7 +4,7 @@ One entry, :func:`check_generate`: the prompt is a non-empty ``[T]`` or ``[B, T]
 inside the model's vocabulary; ``lengths`` (right-padded prompts) are integers in ``[1, T]``; prompt and new
 tokens fit the cache and the model's ``max_position_embeddings`` (``allow_long_context=True`` runs past it, as
 the CLI's ``--allow-long-context`` does); and the run's memory fits the machine's (the CLI's sizing,
-:func:`fathom_jax.host_memory.peak_bytes`, shared). A bad argument is a :class:`~fathom_jax.checks.CheckError`
+:func:`fathom_jax.placement.host_memory.peak_bytes`, shared). A bad argument is a :class:`~fathom_jax.checks.CheckError`
 naming it.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fathom_jax import host_memory
+from fathom_jax.placement import host_memory
 from fathom_jax.checks import CheckError
 
 

@@ -421,7 +421,7 @@ def test_quest_pages_are_bulk_and_their_tail_stays_on_the_device(page):
     """Quest's page bounds grow with the context: a placement puts them with the K/V rows and the other index arrays
     (pinned_host where there is host memory); the raw keys of the newest page are small and stay in device memory.
     Their bytes are 2 x 16 D / P bits per token, as the method reads."""
-    from fathom_jax.index_parts import Pages
+    from fathom_jax.index.parts import Pages
 
     attn = decode.from_spec(f"quest:{page}", k=40, placement="pinned_host")
     shape = CacheShape(layers=3, batch=2, kv_heads=3, capacity=200, head_dim=16, dtype=jnp.bfloat16)

@@ -8,7 +8,8 @@ import pytest
 
 from fathom_jax import decode
 from fathom_jax.decode import StepConfig
-from fathom_jax.decode.tiers import TieredPlanes, TieredPlaneStore, link_bytes, plane_bytes, resident_for_budget
+from fathom_jax.decode.tiers import TieredPlanes, TieredPlaneStore
+from fathom_jax.placement.residency import link_bytes, plane_bytes, resident_for_budget
 from fathom_jax.models import generation
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.placement import Placement

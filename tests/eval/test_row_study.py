@@ -3,7 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fathom_jax import methods, row_formats
+from fathom_jax import methods
+from fathom_jax.rows import formats as row_formats
 from fathom_jax.eval import fidelity as fid
 from fathom_jax.eval import fidelity_run
 from fathom_jax.eval import row_report, row_study

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fathom_jax import cli_args, decode, host_memory
+from fathom_jax import decode
+from fathom_jax.cli import args as cli_args
+from fathom_jax.placement import host_memory
 from fathom_jax.checks import CheckError
 from fathom_jax.models import generate, generation, guards
 from fathom_jax.models.llama import LlamaForCausalLM

@@ -1,0 +1,36 @@
+"""The CLI's shared checks (fathom_jax/cli/args.py) not covered through the commands in test_cli.py."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+
+@pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="needs a machine without a GPU")
+def test_a_platform_the_machine_lacks_is_one_line(tmp_path):
+    """``JAX_PLATFORMS=cuda`` without a GPU printed a 28-line traceback from inside the model's loading."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cuda", "PYTHONPATH": root}
+    run = subprocess.run([sys.executable, "-m", "fathom_jax.cli", "agreement", "--context", "512", "--sessions", "2",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 2 and run.stdout == "" and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("fathom agreement: error: JAX cannot start the platform(s) JAX_PLATFORMS='cuda' asks "
+                                 "for on this machine") and "unset JAX_PLATFORMS" in run.stderr
+
+
+def test_a_run_time_check_in_a_command_reads_as_its_check_error():
+    """Inside a command (cli.main runs each in ``running``), a check that fires in a compiled program is the
+    CheckError with its message, which main prints as one line, not JAX's INTERNAL runtime error."""
+    import jax.numpy as jnp
+
+    from fathom_jax import checks
+    from fathom_jax.cli.args import running
+
+    def f(x):
+        checks.fail_if(x < 0, lambda v: f"x must be >= 0, got {v}", x)
+        return x
+
+    with pytest.raises(checks.CheckError, match=r"^x must be >= 0, got -1.0$"), running("sweep"):
+        jax.block_until_ready(jax.jit(f)(jnp.float32(-1)))
