@@ -117,7 +117,7 @@ PRESETS = harness.presets({
     "weight-gemms": f"--tag h200_weights --read staged --sections link,full,batch --contexts 128k --full-contexts 128k "
                     f"--batches 8 {_F48} --share-kv-from 512k --time-budget 160 "  # the Triton control, then the default
                     '--xla-options "xla_gpu_enable_triton_gemm=true,xla_gpu_enable_dynamic_slice_fusion=false;none"',
-    # results/step_options_h200.md, results/tail_h200.* (traces of layer-unroll-profile)
+    # results/step_options_h200.md (with the traces of layer-unroll-profile)
     "layer-unroll": f"--tag h200_unroll --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                     "--layer-unroll 1,2,4,6 --time-budget 280",
     "layer-unroll-profile": f"--tag h200_unroll_profile --read staged --sections attn,attnprofile --contexts 1m,128k "
