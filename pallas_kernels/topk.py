@@ -299,7 +299,7 @@ class TopkConfig:
     # Programs per row of the fused path's two selections, each then merged by one program per row: the bucket
     # selection ("auto": slices of at most AUTO_SLICE_BUCKETS buckets) and the token selection among the candidates.
     # Both splits measured faster on the H200 for a decode chunk's rows, except the bucket selection of rows under
-    # 512k tokens, whose split costs more than it saves (results/decode_step_h200/kernels_u2_h200.md).
+    # 512k tokens, whose split costs more than it saves (results/decode_step_h200.md).
     bucket_splits: int | str = "auto"
     token_splits: int = 4
 

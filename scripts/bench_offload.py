@@ -117,7 +117,7 @@ PRESETS = harness.presets({
     "weight-gemms": f"--tag h200_weights --read staged --sections link,full,batch --contexts 128k --full-contexts 128k "
                     f"--batches 8 {_F48} --share-kv-from 512k --time-budget 160 "  # the Triton control, then the default
                     '--xla-options "xla_gpu_enable_triton_gemm=true,xla_gpu_enable_dynamic_slice_fusion=false;none"',
-    # results/step_options_h200.md, results/tail_h200.* (traces of layer-unroll-profile)
+    # results/step_options_h200.md (with the traces of layer-unroll-profile)
     "layer-unroll": f"--tag h200_unroll --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                     "--layer-unroll 1,2,4,6 --time-budget 280",
     "layer-unroll-profile": f"--tag h200_unroll_profile --read staged --sections attn,attnprofile --contexts 1m,128k "
@@ -131,13 +131,13 @@ PRESETS = harness.presets({
                              "--time-budget 400",
     "topk-programs": f"--tag h200_topk --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                      "--topk auto,b8t4,b16t4,b8t8,bautot8 --time-budget 160",
-    # results/row_cache_h200/
+    # results/row_cache_h200.md
     "row-cache-1m": f"--tag h200_row_cache_1m --read staged --sections link,attn --contexts 1m,128k {_F48} "
                     "--share-kv-from 1m --query-drift 0.95 --row-cache 0,16384 --time-budget 190",
     "row-cache-batch8": f"--tag h200_row_cache_b8 --read staged --sections link,attnbatch,attn,batch,attnprofile "
                         f"--contexts 128k --attn-contexts 128k --batches 8 {_F48} --share-kv-from 512k "
                         "--query-drift 0.95 --row-cache 0,16384 --time-budget 390",
-    # results/fetch_order_h200/ (the default fetch order) and results/scan_unroll_h200/ (the default scan)
+    # results/fetch_order_h200.md (the default fetch order) and results/scan_unroll_h200.md (the default scan)
     "fathom48": f"--tag h200_f48 --read staged --sections link,attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                 "--time-budget 160",
     "attn-profile-1m": f"--tag h200_profile_1m --read staged --sections attn,attnprofile --contexts 1m {_F48} "

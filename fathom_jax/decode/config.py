@@ -17,7 +17,7 @@ Fields:
 * ``pipeline``: chunks of each layer's groups whose plane transfers are chained, so that chunk ``i + 1``'s transfer
   runs beside chunk ``i``'s scan, selection and row fetch; ``"auto"``: with staged reads from real host memory, the
   largest divisor of the groups up to ``groups x capacity / 2^19``, at least 2 and at most 8 (``results/
-  pipeline_h200.md``, ``results/chunks_h200/``), or 2 where every plane is resident (only rows cross the link),
+  pipeline_h200.md``, ``results/chunks_h200.md``), or 2 where every plane is resident (only rows cross the link),
   else 1.
 * ``gather_programs`` / ``fetch_programs``: persistent programs of the run gather / row fetch (0: one program per
   work item); ``"auto"``: half the GPU's SMs from real host memory (programs that wait on the link leave the other
@@ -156,7 +156,7 @@ class StepConfig:
         if not staged_from_host:  # elsewhere chunks run one after the other: the same results, more launches
             return 1
         # Each chunk adds its own launches, top-k and glue: more chunks pay while each still holds about 2^19
-        # positions of the layer's groups, from 2 up to 8 (results/chunks_h200/: 2 at 32k and 128k, 4 at 256k, 8 at
+        # positions of the layer's groups, from 2 up to 8 (results/chunks_h200.md: 2 at 32k and 128k, 4 at 256k, 8 at
         # 1M and at 128k with batch 4 or 8; 16 at batch 8 was slower). With every plane resident only the row fetches
         # cross the link: 2 (1M, results/offload_h200_tiers_chunks.md: 26.97 ms with 2, 28.87 with 1, 31.40 with 8).
         most = min(8 if planes_cross else 2, max(2, groups * capacity >> 19))
