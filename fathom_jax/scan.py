@@ -82,23 +82,33 @@ def execute(read: Read, index: KeyIndex, length: Int[Array, "*B"], *,
     """Raw scores ``read.queries . k_hat`` (plus the read's shift) of every stored position of an index in device
     memory; positions past ``length`` are not masked here (:func:`mask_invalid`). The decode step's reads of a
     stacked cache, in device or host memory, are :mod:`fathom_jax.decode.reads`."""
-    if isinstance(read, PlaneRead):
-        store = dataclasses.replace(index[read.part], length=length)
-        if implementation == "xla":
-            scores = dot(read.queries, store_lib.dequantize(store, read.depths))
-        else:
-            if isinstance(store, store_lib.UnpackedStore):
-                raise ValueError("an unpacked store (fathom_jax.store.UnpackedStore) is read by the 'xla' scan only; "
-                                 "the Pallas kernels read packed planes")
-            channels, depths = active_channels(read.depths, read.max_active or None)
-            scores = plane_scan(read.queries, store.planes, store.scales, length, channels, depths,
-                                assume_sorted=True, implementation=implementation)
-        return scores if read.shift is None else scores + read.shift[..., None]
-    if isinstance(read, BlockRead):
-        return block_scores(read, index[read.part].rows)
-    if isinstance(read, KeyRead):
-        return dot(read.queries, index["keys"].astype(jnp.float32))
-    raise TypeError(f"unknown read {type(read).__name__}")
+    return read.scores(IndexSource(index, length, implementation))
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexSource:
+    """The :class:`~fathom_jax.methods.base.ReadSource` of an index in device memory."""
+
+    index: KeyIndex
+    length: Int[Array, "*B"]
+    implementation: backend.Implementation = "xla"
+
+    def plane_scores(self, read: PlaneRead) -> Float[Array, "*B G n"]:
+        store = dataclasses.replace(self.index[read.part], length=self.length)
+        if self.implementation == "xla":
+            return dot(read.queries, store_lib.dequantize(store, read.depths))
+        if isinstance(store, store_lib.UnpackedStore):
+            raise ValueError("an unpacked store (fathom_jax.store.UnpackedStore) is read by the 'xla' scan only; "
+                             "the Pallas kernels read packed planes")
+        channels, depths = active_channels(read.depths, read.max_active or None)
+        return plane_scan(read.queries, store.planes, store.scales, self.length, channels, depths,
+                          assume_sorted=True, implementation=self.implementation)
+
+    def block_scores(self, read: BlockRead) -> Float[Array, "*B G n"]:
+        return block_scores(read, self.index[read.part].rows)
+
+    def key_scores(self, read: KeyRead) -> Float[Array, "*B G n"]:
+        return dot(read.queries, self.index["keys"].astype(jnp.float32))
 
 
 def block_scores(read: BlockRead, rows: Float[Array, "*B NB F"]) -> Float[Array, "*B G n"]:
@@ -130,6 +140,5 @@ def scan_scores(
     q = check_scan_inputs(method, q, index, calib)
     read = method.read(q, index, calib, implementation=implementation)
     scores = execute(read, index, index.length, implementation=implementation)
-    depths = read.depths if isinstance(read, PlaneRead) else None
     return ScanResult(scores=mask_invalid(scores, index.length), bits_per_token=read.bits.astype(jnp.float32),
-                      depths=depths)
+                      depths=read.depths)

@@ -20,10 +20,10 @@ from fathom_jax.decode.cache import SparseCache
 from fathom_jax.placement import attach_bulk, join_bulk, split_bulk
 
 
-def cache_program(attn: SparseAttention, fn, cache: SparseCache, *, static: tuple = (), options: dict | None = None):
-    """``run(*args, cache=cache) -> (outs, cache)`` running ``fn(*static, attn, *args, cache)`` as one program:
-    the cache donated (see the module docstring), ``outs`` replicated over the mesh, compiled with the step's XLA
-    options and ``options`` on top. Programs are made once per (fn, static, hook, cache layout, options)."""
+def cache_program(attn, fn, cache: SparseCache, *, static: tuple = (), options: dict | None = None):
+    """``run(*args, cache=cache) -> (outs, cache)`` running ``fn(*static, attn, *args, cache)`` as one program
+    (``attn``: the bound :class:`~fathom_jax.decode.SparseAttention`): the cache donated (see the module docstring),
+    ``outs`` replicated over the mesh, compiled with the step's XLA options and ``options`` on top. Programs are made once per (fn, static, hook, cache layout, options)."""
     placement = attn.placement
     bulk = cache.bulk()
     in_place = placement.in_host_memory

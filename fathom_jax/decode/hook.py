@@ -358,19 +358,19 @@ def _session_template(head_dim: int) -> Calibration:
 
 
 def from_spec(spec: str | ScanMethod, *, k: int, calibration: Calibration | str | None = "session",
-              sink: int = SINK_TOKENS, local: int = LOCAL_TOKENS, implementation: backend.Implementation | None = None,
-              placement: Placement | str | None = None, step: StepConfig | None = None,
-              rows: str | RowFormat | None = None) -> SparseAttention:
+              placement: Placement | str | None = None, **fields) -> SparseAttention:
     """The decode attention for a method spec (see :func:`fathom_jax.methods.parse`).
 
     ``calibration``: ``"session"`` (default: statistics of the prompt's own keys), a :class:`Calibration`
     ``[n_layers, Hkv]`` (corpus), or None; ignored by methods that read no statistics. ``placement``: ``"device"``
-    (default) or ``"pinned_host"`` (or a :class:`Placement`); ``step``: how a step runs (default
-    :class:`StepConfig`); ``rows``: the K/V row format (None / ``"model"``: the model dtype; e.g. ``"k8v8"``).
+    (default) or ``"pinned_host"`` (or a :class:`Placement`). ``fields``: the other fields of
+    :class:`SparseAttention` (``sink``, ``local``, ``implementation``, ``step``: how a step runs, ``rows``: the K/V
+    row format, None / ``"model"`` for the model dtype, e.g. ``"k8v8"``).
     """
     method = methods_lib.parse(spec)
-    common = dict(sink=sink, local=local, implementation=implementation, placement=Placement.parse(placement),
-                  step=step or StepConfig(), rows=rows)
+    if fields.get("step", ...) is None:  # None: the default StepConfig
+        del fields["step"]
+    common = dict(placement=Placement.parse(placement), **fields)
     if not method.needs_calibration:
         return SparseAttention(method, k, **common)
     if isinstance(calibration, str):

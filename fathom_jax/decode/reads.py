@@ -12,9 +12,8 @@
   store in one tier). With every plane resident it scans the store in HBM in place.
 
 Each reads a :class:`~fathom_jax.methods.base.PlaneRead` of a stacked store ``[L, R, ...]`` at ``layer`` for groups
-``group_start ..`` (:meth:`scores`), and stages other bulk arrays (landmark means, Quest's page bounds, the oracle's
-keys) to device memory (:meth:`stage`). A view without a layer (an unstacked index in device memory) reads like
-:func:`fathom_jax.scan.execute`.
+``group_start ..``, and stages other bulk arrays (landmark means, Quest's page bounds, the oracle's keys) to device
+memory (:meth:`IndexRead.stage`); :class:`StepSource` is what a method's read scores in a step.
 """
 
 from __future__ import annotations
@@ -41,23 +40,10 @@ class IndexRead:
 
     implementation: backend.Implementation = "xla"
 
-    def scores(self, read, index, length, *, layer=None, group_start: int = 0, after=None):
-        """``(scores [Rc, G, n], staged)``: raw scores of every stored position of groups ``group_start ..`` (the
-        read's shift added; positions past ``length`` not masked) and what a chained transfer waits for (None
-        where nothing was staged). ``index`` holds the layer's small leaves for those groups and the stacked bulk
-        arrays; ``after``: arrays a staged transfer waits for and never reads."""
-        if layer is None:
-            return scan_lib.execute(read, index, length, implementation=self.implementation), None
-        groups = (group_start, length.shape[0])
-        if isinstance(read, PlaneRead):
-            scores, staged = self._plane_scores(read, index[read.part], length, layer, group_start, after)
-            return (scores if read.shift is None else scores + read.shift[..., None]), staged
-        if isinstance(read, BlockRead):
-            return scan_lib.block_scores(read, self.stage(index[read.part].rows, layer, groups=groups)), None
-        if isinstance(read, KeyRead):
-            keys = self.stage(index["keys"], layer, groups=groups)
-            return scan_lib.dot(read.queries, keys.astype(jnp.float32)), None
-        raise TypeError(f"unknown read {type(read).__name__}")
+    def source(self, view, *, group_start: int = 0, after=None) -> "StepSource":
+        """The source a read of ``view``'s groups (from ``group_start`` of the stacked cache) scores; ``after``:
+        arrays a staged transfer waits for and never reads."""
+        return StepSource(self, view, group_start, after)
 
     def stage(self, x, layer, *, groups: tuple[int, int], columns: tuple[int, int] | None = None):
         """``x[layer]`` for groups ``(start, size)`` (``[Rc, N, F]`` of a stacked ``[L, R, N, F]`` bulk array) in
@@ -152,6 +138,42 @@ class TieredRead(_HostRead):
                                      assume_sorted=True)
         resident = ResidentPlanes(store.hot, store.table, jnp.asarray(layer, jnp.int32), channels, group_start)
         return _scan_staged(read, planes, scales, channels, depths, length, self.implementation, resident), planes
+
+
+class StepSource:
+    """The :class:`~fathom_jax.methods.base.ReadSource` of a decode step's view (``index``, ``length``, ``layer``, the
+    K/V rows ``kv`` at ``kv_layer`` as ``rows`` lays them out): raw scores of every stored position of its groups
+    (positions past ``length`` not masked). ``staged`` is what a chained transfer waits for (None where nothing was
+    staged). A view without a layer (an unstacked index in device memory) reads like :func:`fathom_jax.scan.execute`.
+    """
+
+    def __init__(self, reader: IndexRead, view, group_start: int, after):
+        self.reader, self.view, self.group_start, self.after = reader, view, group_start, after
+        self.staged = None
+
+    @property
+    def _groups(self) -> tuple[int, int]:
+        return self.group_start, self.view.length.shape[0]
+
+    def plane_scores(self, read: PlaneRead):
+        view = self.view
+        if view.layer is None:
+            return scan_lib.IndexSource(view.index, view.length, self.reader.implementation).plane_scores(read)
+        scores, self.staged = self.reader._plane_scores(read, view.index[read.part], view.length, view.layer,
+                                                        self.group_start, self.after)
+        return scores
+
+    def block_scores(self, read: BlockRead):
+        rows = self.reader.stage(self.view.index[read.part].rows, self.view.layer, groups=self._groups)
+        return scan_lib.block_scores(read, rows)
+
+    def key_scores(self, read: KeyRead):
+        # The oracle scores the cache's keys, staged from its K/V rows (only their key features where they can be).
+        view = self.view
+        keys = self.reader.stage(view.kv, view.kv_layer, groups=self._groups, columns=view.rows.key_columns())
+        if view.rows.key_columns() is None:
+            keys = view.rows.split(keys)[0]
+        return scan_lib.dot(read.queries, keys.astype(jnp.float32))
 
 
 def _scan_staged(read, planes, scales, channels, depths, length, implementation, resident=None):

@@ -43,7 +43,6 @@ from fathom_jax.calibrate import Calibration
 from fathom_jax.decode.config import ResolvedStep
 from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
 from fathom_jax.rows.layout import RowLayout
-from fathom_jax.format import BLOCK_TOKENS
 from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, ScanMethod
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk
@@ -179,16 +178,8 @@ def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=
     """Execute ``read`` for the view's groups (from ``group_start`` of the stacked cache) and select; returns the
     :class:`_Selection` and the staged planes a chained transfer waits for (None where nothing was staged); the
     plane transfer itself waits for ``after``."""
-    reader = ctx.run.reader
-    staged = None
-    if isinstance(read, KeyRead):  # the oracle scores the cache's keys, staged (only their features where they can be)
-        keys = reader.stage(view.kv, view.kv_layer, groups=(group_start, q.shape[0]), columns=view.rows.key_columns())
-        if view.rows.key_columns() is None:
-            keys = view.rows.split(keys)[0]
-        scores = scan_lib.dot(read.queries, keys.astype(jnp.float32))
-    else:
-        scores, staged = reader.scores(read, view.index, view.length, layer=view.layer, group_start=group_start,
-                                       after=after)
+    source = ctx.run.reader.source(view, group_start=group_start, after=after)
+    scores = read.scores(source)
     if view.new is not None:
         scores = patch_scores(scores, read, view.new)
     # No masking pass over the scores: both selections take positions >= length as invalid.
@@ -199,7 +190,7 @@ def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=
     union, union_mask, member = group_union(idx, mask)
     slots = jnp.where(union_mask, union, -1)
     return _Selection(q=q, bits=read.bits, slots=slots, member=member, scores=scores, group_start=group_start,
-                      new=view.new), staged
+                      new=view.new), source.staged
 
 
 def _fetch_attend(sel: _Selection, view: CacheView, ctx: StepContext, after=None) -> StepResult:
@@ -228,21 +219,32 @@ def _put_block(scores, block_scores, start):
 
 
 def patch_scores(scores, read, new: NewToken):
-    """Scores of the newest block from the fresh block data (the stored block is stale until written)."""
-    p = new.position
-    if isinstance(read, PlaneRead):
-        block = new.blocks[read.part]
+    """Scores of the newest block from the fresh block data (the stored block is stale until written): the read
+    scores the newest block (:class:`NewestBlock`), whose width ``m`` places it at ``position // m * m``."""
+    block_scores = read.scores(NewestBlock(new))
+    size = block_scores.shape[-1]
+    return _put_block(scores, block_scores, new.position // size * size)
+
+
+@dataclasses.dataclass(frozen=True)
+class NewestBlock:
+    """The :class:`~fathom_jax.methods.base.ReadSource` of a step's newest block, from the fresh block data of each
+    index part (its 64-token plane block, its newest row) and the new key: scores ``[R, G, m]`` of the block's ``m``
+    tokens (64, the read's block, 1)."""
+
+    new: NewToken
+
+    def plane_scores(self, read: PlaneRead):
+        block = self.new.blocks[read.part]
         codes = store_lib.unpack_planes(block.words, read.depths)  # [R, 64, D]
-        values = store_lib.dequantize_codes(codes, block.scale.astype(jnp.float32)[:, None, :],
-                                            read.depths[:, None, :])
-        block_scores = scan_lib.dot(read.queries, values)
-        if read.shift is not None:
-            block_scores = block_scores + read.shift[..., None]
-        return _put_block(scores, block_scores, p // BLOCK_TOKENS * BLOCK_TOKENS)
-    if isinstance(read, BlockRead):  # the newest block's one row: [R, G, block]
-        block_scores = scan_lib.block_scores(read, new.blocks[read.part].row[:, None, :])
-        return _put_block(scores, block_scores, p // read.block * read.block)
-    return _put_block(scores, scan_lib.dot(read.queries, new.key[:, None, :].astype(jnp.float32)), p)
+        values = store_lib.dequantize_codes(codes, block.scale.astype(jnp.float32)[:, None, :], read.depths[:, None, :])
+        return scan_lib.dot(read.queries, values)
+
+    def block_scores(self, read: BlockRead):
+        return scan_lib.block_scores(read, self.new.blocks[read.part].row[:, None, :])
+
+    def key_scores(self, read: KeyRead):
+        return scan_lib.dot(read.queries, self.new.key[:, None, :].astype(jnp.float32))
 
 
 def _put_row(x, row, at):

@@ -49,29 +49,20 @@ def _dense_layer(q, keys, values, positions):
     return jax.lax.map(lambda a: _reference(a[0], keys, values, a[1]), (q, positions))
 
 
-def attention_errors(
-    score_fn: ScoreFn | Sequence[ScoreFn],
-    capture: Capture,
-    k_sel: int | Sequence[int],
-    *,
-    positions: Int[Array, "P"] | None = None,
-    layer_states: Any = None,
-    progress: bool | Any = False,
-    desc: str = "",
-    reuse_blocks: bool = True,
-    references: Any = None,
-) -> tuple[Float[np.ndarray, "*K L P Hkv G"], Float[np.ndarray, "L P Hkv"]]:
+def attention_errors(score_fn: ScoreFn | Sequence[ScoreFn], capture: Capture, k_sel: int | Sequence[int], *,
+                     layer_states: Any = None, desc: str = "", **options
+                     ) -> tuple[Float[np.ndarray, "*K L P Hkv G"], Float[np.ndarray, "L P Hkv"]]:
     """Relative L2 error of every (layer, position, head), and the bits per token read at each.
 
     ``score_fn`` is one function for every layer or a sequence of per-layer functions (per-layer
     budgets). ``k_sel`` is one selection size or several (a leading K axis on the errors: one scan
     serves every k). ``layer_states`` is a pytree with a leading layer axis (sliced per layer) or None.
-    The other arguments are :func:`attention_errors_many`'s (``desc`` names the progress bar).
+    ``options`` are :func:`attention_errors_many`'s (``positions``, ``progress``, ``reuse_blocks``, ``references``);
+    ``desc`` names the progress bar.
     """
     several = not isinstance(k_sel, (int, np.integer))
     [(errors, bits)] = attention_errors_many([Evaluation(score_fn, layer_states, desc)], capture,
-                                             k_sel if several else (k_sel,), positions=positions,
-                                             progress=progress, reuse_blocks=reuse_blocks, references=references)
+                                             k_sel if several else (k_sel,), **options)
     return (errors if several else errors[0]), bits
 
 

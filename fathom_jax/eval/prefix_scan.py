@@ -58,18 +58,30 @@ def prefix_scores(
         # A matrix-vector product (the KLT and Loki shift q . mu), which XLA:CPU rounds by its number of rows:
         # position by position, as the scan computes it (XLA drops the rest of this read).
         read = dataclasses.replace(read, shift=jax.lax.map(lambda q: read_one(q).shift, queries))
-    if isinstance(read, PlaneRead):
-        window = windows[read.part] if windows else _window(full[read.part])
-        scores = _plane_scores(read, window, full, keys, lengths)
-    elif isinstance(read, BlockRead):
-        scores = _block_scores(read, full, keys, lengths)
-    elif isinstance(read, KeyRead):
-        scores = _shared_dot(read.queries, full["keys"].astype(jnp.float32))
-    else:
-        raise TypeError(f"unknown read {type(read).__name__}")
+    scores = read.scores(_PrefixSource(full, keys, lengths, windows))
     batch = lengths.shape + full.batch_shape
     scores = jax.vmap(mask_invalid)(scores, jnp.broadcast_to(lengths.reshape(-1, *[1] * len(full.batch_shape)), batch))
     return scores, read.bits.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PrefixSource:
+    """The :class:`~fathom_jax.methods.base.ReadSource` of every prefix ``lengths [P]`` of ``full`` at once."""
+
+    full: KeyIndex
+    keys: Float[Array, "*B n D"]
+    lengths: Int[Array, "P"]
+    windows: dict[str, Float[Array, "*B n K"]] | None
+
+    def plane_scores(self, read: PlaneRead):
+        window = self.windows[read.part] if self.windows else _window(self.full[read.part])
+        return _plane_scores(read, window, self.full, self.keys, self.lengths)
+
+    def block_scores(self, read: BlockRead):
+        return _block_scores(read, self.full, self.keys, self.lengths)
+
+    def key_scores(self, read: KeyRead):
+        return _shared_dot(read.queries, self.full["keys"].astype(jnp.float32))
 
 
 def plane_windows(full: KeyIndex) -> dict[str, Float[Array, "*B n K"]]:
@@ -93,8 +105,7 @@ def _plane_scores(read: PlaneRead, window, full: KeyIndex, keys, lengths):
         return dot(queries, store_lib.dequantize_block(cut, depths))  # [*B, G, 64]
 
     blocks = jax.vmap(block_scores)(read.queries, read.depths, lengths)
-    scores = _replace_block(scores, blocks, lengths // BLOCK_TOKENS, BLOCK_TOKENS)
-    return scores if read.shift is None else scores + read.shift[..., None]
+    return _replace_block(scores, blocks, lengths // BLOCK_TOKENS, BLOCK_TOKENS)
 
 
 def _block_scores(read: BlockRead, full: KeyIndex, keys, lengths):

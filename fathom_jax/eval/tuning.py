@@ -77,13 +77,13 @@ def tables_from(measured, grid: Sequence[int], k: int, k_index: int = 0) -> Tabl
 
 
 def error_tables(capture: fid.Capture, calib: cal.TunedCalibration, grid: Sequence[int] = GRID, *, k: int = 128,
-                 positions: int | np.ndarray = 64, planner: str = "bisection", importance: str = "observed",
-                 references: fid.References | None = None, progress: bool | Any = False) -> Tables:
-    """Each (layer, KV head)'s attention error at every budget of ``grid`` on ``capture`` at ``positions`` (a
-    count: the last ones; or the positions), selection size ``k``."""
+                 positions: int | np.ndarray = 64, references: fid.References | None = None,
+                 progress: bool | Any = False) -> Tables:
+    """Each (layer, KV head)'s attention error at every budget of ``grid`` (:func:`grid_evaluations`' plans) on
+    ``capture`` at ``positions`` (a count: the last ones; or the positions), selection size ``k``."""
     pos = (fid.default_positions(capture.q.shape[2], positions) if np.ndim(positions) == 0
            else np.asarray(positions, np.int32))
-    measured = fid.attention_errors_many(grid_evaluations(calib, grid, planner, importance), capture, (k,),
+    measured = fid.attention_errors_many(grid_evaluations(calib, grid), capture, (k,),
                                          positions=pos, references=references, progress=progress)
     return tables_from(measured, grid, k)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,10 @@ class PlaneRead:
     part: str = dataclasses.field(default="raw", metadata=dict(static=True))
     max_active: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0: D
 
+    def scores(self, source: "ReadSource") -> Float[Array, "*B G n"]:
+        scores = source.plane_scores(self)
+        return scores if self.shift is None else scores + self.shift[..., None]
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,10 @@ class BlockRead:
     bits: Float[Array, "*B"]
     part: str = dataclasses.field(default="landmarks", metadata=dict(static=True))
     block: int = dataclasses.field(default=8, metadata=dict(static=True))
+    depths: ClassVar[None] = None  # no planes read
+
+    def scores(self, source: "ReadSource") -> Float[Array, "*B G n"]:
+        return source.block_scores(self)
 
 
 @jax.tree_util.register_dataclass
@@ -70,9 +78,29 @@ class KeyRead:
     queries: Float[Array, "*B G D"]
     bits: Float[Array, "*B"]
     dense: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    depths: ClassVar[None] = None  # no planes read
+
+    def scores(self, source: "ReadSource") -> Float[Array, "*B G n"]:
+        return source.key_scores(self)
 
 
 Read = PlaneRead | BlockRead | KeyRead
+
+
+class ReadSource(Protocol):
+    """Where the data a read scores comes from: an index in device memory (:mod:`fathom_jax.scan`), a decode step's
+    stacked cache (:mod:`fathom_jax.decode.reads`), the newest block of a decode step, every prefix of an index
+    (:mod:`fathom_jax.eval.prefix_scan`). ``read.scores(source)`` calls the one method for its kind of read, so a
+    new kind of read is one method here, implemented by each source."""
+
+    def plane_scores(self, read: PlaneRead) -> Float[Array, "*B G n"]:
+        """``read.queries . k_hat(read.depths)`` of every position of the plane store ``read.part`` (no shift)."""
+
+    def block_scores(self, read: BlockRead) -> Float[Array, "*B G n"]:
+        """``read.queries . row`` of every block's row of ``read.part``, spread over the block's tokens."""
+
+    def key_scores(self, read: KeyRead) -> Float[Array, "*B G n"]:
+        """``read.queries . k`` of every stored key."""
 
 
 @dataclasses.dataclass(frozen=True)
