@@ -11,13 +11,13 @@ variance is the drawn one. Where the host cannot hold every layer's K/V rows (1M
 all layers share one row buffer while each keeps its own planes (``shared_kv`` in the results): the bytes
 a step moves are the same.
 
-    python3 scripts/bench_offload.py --out $OUT                      # the default sections (one H200)
-    python3 scripts/bench_offload.py --mesh 2 --tag h200x2 --out $OUT   # over two GPUs
-    JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python3 scripts/bench_offload.py --mesh 2 \
+    python3 -m scripts.bench_offload --out $OUT                      # the default sections (one H200)
+    python3 -m scripts.bench_offload --mesh 2 --tag h200x2 --out $OUT   # over two GPUs
+    JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python3 -m scripts.bench_offload --mesh 2 \
         --out $OUT                                                   # one process per host (fathom_jax.distributed)
-    python3 scripts/bench_offload.py --smoke --out /tmp/smoke          # tiny shapes, any backend (CI-size)
-    python3 scripts/bench_offload.py --merge results/offload_h200 a.json b.json   # one file from several runs
-    python3 scripts/bench_offload.py --preset attn --out $OUT        # the run behind a committed table (PRESETS)
+    python3 -m scripts.bench_offload --smoke --out /tmp/smoke          # tiny shapes, any backend (CI-size)
+    python3 -m scripts.bench_offload --merge results/offload_h200 a.json b.json   # one file from several runs
+    python3 -m scripts.bench_offload --preset attn --out $OUT        # the run behind a committed table (PRESETS)
 
 Sections (``--sections``): link, attn, full, profile, batch, control, dense, prefill; ``attnprofile`` adds a
 profiler breakdown (categories and the costliest kernels) to every attention-only row; ``attnbatch``: attention-only
@@ -46,20 +46,17 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax.numpy as jnp
 
-import jax.numpy as jnp  # noqa: E402
-
-import harness  # noqa: E402
-from fathom_jax import distributed  # noqa: E402
-from fathom_jax.decode.rows import RowLayout  # noqa: E402
-from fathom_jax.models import LlamaConfig  # noqa: E402
-from fathom_jax.placement import Placement, device_mesh  # noqa: E402
-from offload_measure import Run, attention_rows, full_rows, link_section, prefill_section  # noqa: E402
-from offload_report import merge  # noqa: E402
-from offload_setup import (METHODS, parse_ctx, parse_rows, parse_variants, random_model, rows_tag,  # noqa: E402
-                           synthetic_calibration)
+from fathom_jax import distributed
+from fathom_jax.decode.rows import RowLayout
+from fathom_jax.models import LlamaConfig
+from fathom_jax.placement import Placement, device_mesh
+from scripts import harness
+from scripts.offload_measure import Run, attention_rows, full_rows, link_section, prefill_section
+from scripts.offload_report import merge
+from scripts.offload_setup import (METHODS, parse_ctx, parse_rows, parse_variants, random_model, rows_tag,
+                                   synthetic_calibration)
 
 QWEN3_8B = LlamaConfig(vocab=151936, hidden=4096, intermediate=12288, n_layers=36, n_heads=32, n_kv_heads=8,
                        head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True, max_position_embeddings=1 << 20,
