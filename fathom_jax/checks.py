@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from pallas_kernels.backend import is_traced  # noqa: F401 (one test of a traced value, the kernels' and the library's)
+
 _MARK = "_fathom_runtime_check"
 # Which traced checks run: "callback" (the default) or "checkify". A jit-cache-sensitive context: a program
 # traced in one mode is traced again in the other.
@@ -46,11 +48,6 @@ _FIRED: collections.deque[str] = collections.deque(maxlen=32)
 class CheckError(ValueError):
     """A value outside what a function accepts, found by one of the library's checks (the message names the
     argument and what it must be)."""
-
-
-def is_traced(*values) -> bool:
-    """Whether any of ``values`` is a tracer (its value unknown until run time), the one test of it in the library."""
-    return any(isinstance(v, jax.core.Tracer) for v in values)
 
 
 def _fire(error: Callable[..., str], bad, *operands) -> None:

@@ -1,7 +1,8 @@
 """The key-index format in one place: block size, planes, word and scale bits, landmark size, byte counts.
 
-Every module that lays out, reads or counts the index (the store, the planner, the scan methods and
-``pallas_kernels``) takes these numbers from here.
+Every module of the library that lays out, reads or counts the index (the store, the planner, the scan methods)
+takes these numbers from here; the three the kernels are built for (block, planes, word) are defined beside them
+(``pallas_kernels.plane_layout``) and re-exported here.
 
 * Tokens are grouped in blocks of :data:`BLOCK_TOKENS`; every (block, channel) has one fp16 absmax
   scale (:data:`SCALE_BITS` bits) and 4-bit codes (:data:`N_PLANES` bit planes, MSB first).
@@ -23,9 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-BLOCK_TOKENS = 64  # tokens per fp16 block scale
-N_PLANES = 4  # bit planes per code (4-bit codes)
-WORD_BITS = 32  # tokens per packed plane word (uint32)
+from pallas_kernels.plane_layout import BLOCK_TOKENS, N_PLANES, WORD_BITS  # noqa: F401 (re-exported)
+
 WORDS_PER_BLOCK = BLOCK_TOKENS // WORD_BITS
 SCALE_BITS = 16  # fp16 block scale
 LANDMARK_TOKENS = 8  # tokens per landmark (block-mean) key

@@ -1,9 +1,16 @@
 """Pallas GPU kernels of fathom-jax, one file per kernel, each beside a plain-jnp ``*_reference``.
 
-``plane_scan`` (Fathom's bit-plane scan), ``nibble_scan`` (fixed-channel 4-bit scan of the baselines),
-``run_gather`` (contiguous plane runs from ``pinned_host`` to HBM), ``row_fetch`` (winner K/V rows),
-``topk`` (sink + local + top-k selection; its radix path in ``topk_radix``), ``water_line`` (Fathom's bisection
-planner in one launch).
+Kernels: ``plane_scan`` (Fathom's bit-plane scan), ``nibble_scan`` (fixed-channel 4-bit scan of the baselines),
+``run_gather`` and ``tier_gather`` (plane runs from ``pinned_host`` to HBM, from one store or the cold tier of two),
+``row_fetch`` (winner K/V rows), ``topk`` (sink + local + top-k selection), ``water_line`` (Fathom's bisection
+planner in one launch), ``cache_write`` and ``tier_write`` (new entries into a stacked cache, in place).
 Every kernel takes ``implementation="pallas" | "xla"`` and ``interpret=None`` (interpret mode when no GPU
 is present).
+
+What they share, and no kernel imports another: ``backend`` (the implementation switch, operand checks and
+helpers), ``plane_layout`` (the format constants the kernels are built for, run-list checks, the tiered store's
+rows), ``gather`` (the two gathers' work items and ``pallas_call``), ``topk_radix`` (the top-k's radix path and the
+keys and windows of both its paths).
+
+The package stands alone: it imports nothing from the library, which imports it.
 """

@@ -1,4 +1,4 @@
-"""The one implementation switch of fathom-jax, and what every kernel module shares.
+"""The one implementation switch of the kernels and the library, and what every kernel module shares.
 
 ``implementation`` takes one of two values, with one meaning everywhere (kernels, scans, selection,
 the decoder):
@@ -9,7 +9,7 @@ the decoder):
 
 ``None`` (the default everywhere) resolves once, here: ``"pallas"`` on a GPU backend, ``"xla"``
 elsewhere. Host-resident (``pinned_host``) arrays can only be read by the kernels, so the offloaded
-placement on a GPU needs ``"pallas"`` (checked by :class:`fathom_jax.placement.Placement`).
+placement on a GPU needs ``"pallas"`` (the library's placement checks it).
 """
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fathom_jax.checks import is_traced  # noqa: F401 (the kernels check traced values with it too)
-
 Implementation = Literal["xla", "pallas"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
+
+
+def is_traced(*values) -> bool:
+    """Whether any of ``values`` is a tracer (its value unknown until run time): eager-only checks skip it."""
+    return any(isinstance(v, jax.core.Tracer) for v in values)
 
 
 def on_gpu() -> bool:

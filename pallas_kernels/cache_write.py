@@ -160,7 +160,7 @@ def cache_write(
     """``dst`` with ``src`` written at ``[layer:, :, ..., start:, ...]`` (see the module docstring).
 
     In place only inside a ``jit`` that donates ``dst`` (and, for a ``pinned_host`` cache, gives it a
-    host ``out_shardings``: :meth:`fathom_jax.placement.Placement.jit` does both); elsewhere the result
+    host ``out_shardings``: the library's placement does both); elsewhere the result
     is a new array.
     """
     implementation = B.resolve_implementation(implementation)

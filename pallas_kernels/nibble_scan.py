@@ -7,8 +7,7 @@ uint32 [*, D, n/8]``. Every channel is one contiguous run of ``n/2`` bytes, the 
 bit planes, but a token's code is one shift-and-mask away instead of four. A token-major layout
 (``[n, D/8]`` words) would force reading all ``D`` channels' words to get ``r`` of them, so it is not
 what these methods read. :func:`pack_nibbles` builds the layout from a plane store (the same codes and
-the same fp16 block scales); :func:`nibble_scan_planes` scans the plane store itself at depth 4 through
-the plane-scan kernel, for comparison.
+the same fp16 block scales).
 
 Scores ``[*, G, n]``: ``sum_j q[h, j] * (c + 1/2 - 8) * a / 8`` over the listed channels, 0 at
 positions ``>= length`` (equal to the plane scan at depth 4 over the same channels).
@@ -25,9 +24,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fathom_jax.format import BLOCK_TOKENS
 from pallas_kernels import backend as C
-from pallas_kernels.plane_scan import plane_scan
+from pallas_kernels.plane_layout import BLOCK_TOKENS
 
 KERNEL_NAME = "nibble_scan"
 WORDS_PER_BLOCK = BLOCK_TOKENS // 8  # 8 nibbles per uint32 word
@@ -179,7 +177,3 @@ def nibble_scan(
         config=config or NibbleScanConfig(), interpret=C.resolve_interpret(interpret),
     )
 
-
-def nibble_scan_planes(q, planes, scales, length, channels, **kwargs):
-    """The same channel scan read from the bit-plane store at depth 4 (four plane loads per channel)."""
-    return plane_scan(q, planes, scales, length, channels, jnp.full(channels.shape, 4, jnp.int32), assume_sorted=True, **kwargs)

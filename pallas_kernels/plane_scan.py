@@ -30,13 +30,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fathom_jax.format import BLOCK_TOKENS, N_PLANES, WORD_BITS
 from pallas_kernels import backend as B
-from pallas_kernels.tier_gather import tier_rows
+from pallas_kernels.plane_layout import BLOCK_TOKENS, N_PLANES, WORD_BITS, check_run_list, tier_rows
 
 KERNEL_NAME = "fathom_plane_scan"
 
@@ -164,17 +162,6 @@ def _validate_resident(resident: ResidentPlanes, planes, channels, layer) -> Non
         raise ValueError(f"resident.hot must be [Nh, R, D, W = {planes.shape[-1]}] and tiers [L, 3], got "
                          f"{resident.hot.shape}, {resident.tiers.shape}")
     B.request_groups(resident.hot.shape[1:2], channels.shape[:1], 0, resident.group_start, "plane_scan (resident)")
-
-
-def check_values(channels, depths, head_dim: int) -> None:
-    """Value checks (eager only: skipped for traced arrays)."""
-    if B.is_traced(channels, depths):
-        return
-    ch, dp = np.asarray(channels), np.asarray(depths)
-    if np.any((ch < 0) | (ch >= head_dim)):
-        raise ValueError(f"channels must lie in [0, {head_dim})")
-    if np.any((dp < 0) | (dp > N_PLANES)):
-        raise ValueError("depths must lie in [0, 4]")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,7 +355,7 @@ def plane_scan(
     """
     implementation = B.resolve_implementation(implementation)
     _validate(q, planes, scales, length, channels, depths, layer, group_start)
-    check_values(channels, depths, planes.shape[-3])
+    check_run_list(channels, depths, planes.shape[-3])
     if resident is not None:
         _validate_resident(resident, planes, channels, layer)
     if implementation == "xla":
@@ -388,6 +375,7 @@ def plane_scan(
 
 
 def plane_scan_store(q, store, depths, *, max_active: int | None = None, **kwargs):
-    """Scan a ``fathom_jax.store.PlaneStore`` at per-channel ``depths [*, D]`` (e.g. a ReadPlan's)."""
+    """Scan a plane store (``planes``, ``scales`` and ``length`` fields) at per-channel ``depths [*, D]`` (e.g. a read
+    plan's)."""
     channels, dep = active_channels(depths, max_active)
     return plane_scan(q, store.planes, store.scales, store.length, channels, dep, assume_sorted=True, **kwargs)

@@ -15,7 +15,7 @@ so one 512-byte run per token moves faster than two 256-byte runs (measured on t
 
 ``after`` (optional arrays, never read) orders the fetch after the kernels that produced them, as the run gather's
 does: the pipelined step starts a chunk's fetch once the next chunk's scan is done, so the scan has the SMs to
-itself (:func:`fathom_jax.decode.sparse_attention_step`).
+itself (the library's sparse attention step).
 """
 
 from __future__ import annotations

@@ -10,16 +10,10 @@ list ``channels [R, C]`` / ``depths [R, C]`` (one slot per channel; slot ``c`` r
 
 inside ``jit`` with no host sync, and leaves the rest unwritten (the scan reads no plane at or past a slot's depth
 and no slot of depth 0; the reference writes zeros there). Each (slot, plane) is one contiguous run of ``W`` words
-in the channel-major store; one work item copies ``chunk`` words of a slot's planes ``p < t``. Only the slots of
-depth > 0 have work items (:func:`walk_items`): a Fathom plan reads a third of the channels or fewer, and
-persistent programs that stepped through every slot's items spent most of their time on empty ones. The staged
-buffer is the input of the plane scan with the identity channel list: ``plane_scan(q_staged, staged_planes,
-staged_scales, length, iota(C), depths)`` with ``q_staged = q[..., channels]``.
-
-Two grids (``RunGatherConfig.programs``): one program per work item (0, the default: ~16k programs per
-layer at 1M tokens, which fill every SM while they wait on the link), or a fixed number of persistent
-programs that loop over the items with all four planes' loads in flight at once, which leaves the other
-SMs to kernels running concurrently (the pipelined step, ``StepConfig(pipeline=N)``).
+in the channel-major store; one work item copies ``chunk`` words of a slot's planes ``p < t``; the work items and
+the two grids are :mod:`pallas_kernels.gather`'s. The staged buffer is the input of the plane scan with the identity
+channel list: ``plane_scan(q_staged, staged_planes, staged_scales, length, iota(C), depths)`` with
+``q_staged = q[..., channels]``.
 
 ``after`` (optional arrays, never read) orders the gather after the kernels that produced them: the
 pipelined step chains each chunk's gather to the previous chunk's staged buffer, so the transfers run one
@@ -28,39 +22,18 @@ after another while the scans, selections and row fetches of earlier chunks run 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fathom_jax.format import N_PLANES
 from pallas_kernels import backend as B
+from pallas_kernels.gather import RunGatherConfig, gather_call
+from pallas_kernels.plane_layout import N_PLANES, check_run_list
 
 KERNEL_NAME = "run_gather"
-
-
-@dataclasses.dataclass(frozen=True)
-class RunGatherConfig:
-    """``chunk``: words of each plane run copied per work item (a power of two); ``num_warps``: Triton warps;
-    ``programs``: 0 for one program per work item, else that many persistent programs looping over them.
-
-    The defaults move runs of 8 KiB and more from pinned_host at the link rate on the H200, and no other chunk or
-    warp count moves them faster (``results/kernels_h200.md``, ``results/gather_tune_h200.md``)."""
-
-    chunk: int = 2048
-    num_warps: int = 4
-    programs: int = 0
-
-    def __post_init__(self):
-        B.check_pow2("chunk", self.chunk)
-        if self.chunk < 2:
-            raise ValueError("chunk must be >= 2 words")
-        if not isinstance(self.programs, int) or self.programs < 0:
-            raise ValueError(f"programs must be an int >= 0 (0: one program per work item), got {self.programs!r}")
 
 
 def _validate(planes, scales, channels, depths, layer, group_start=0):
@@ -79,14 +52,6 @@ def _validate(planes, scales, channels, depths, layer, group_start=0):
     batch = B.request_groups(tuple(store_batch), channels.shape[:-1], layer, group_start, "run_gather")
     if channels.shape[:-1] != batch:
         raise ValueError(f"channels/depths must be [*batch, C] with batch {batch}, got {channels.shape}")
-
-
-def check_values(channels, depths, head_dim: int) -> None:
-    if B.is_traced(channels, depths):
-        return
-    ch, dp = np.asarray(channels), np.asarray(depths)
-    if np.any((ch < 0) | (ch >= head_dim)) or np.any((dp < 0) | (dp > N_PLANES)):
-        raise ValueError(f"channels must lie in [0, {head_dim}) and depths in [0, 4]")
 
 
 def run_gather_reference(planes, scales, channels, depths, *, layer=None, group_start: int = 0):
@@ -123,83 +88,6 @@ def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int
     plgpu.store(out_scales_ref.at[r, c, pl.ds(s0, half)], sc, mask=smask)
 
 
-def walk_items(copy, dep_ref, order_ref, *, per_slot: int, programs: int) -> None:
-    """Call ``copy(r, c, i, valid)`` for every work item (slot ``c`` of group ``r``, its ``i``-th chunk) of the slots
-    of depth > 0. ``order_ref [Rc, C]`` lists each group's slots with those of depth > 0 first (None: the list is
-    sorted so already, as :func:`pallas_kernels.plane_scan.active_channels` makes it). One program per item of the
-    grid ``(Rc, C, per_slot)`` (``programs=0``; the programs past a group's active slots copy nothing), else
-    ``programs`` persistent programs walking each group's active items in turn, neighbouring programs on
-    neighbouring chunks of a run."""
-    slots = dep_ref.shape[1]
-    cols = jnp.arange(pl.next_power_of_2(slots), dtype=jnp.int32)
-
-    def active(r):
-        dep = plgpu.load(dep_ref.at[r, pl.ds(0, cols.shape[0])], mask=cols < slots, other=0)
-        return jnp.sum((dep > 0).astype(jnp.int32))
-
-    def slot(r, k):
-        return k if order_ref is None else order_ref[r, k]
-
-    if not programs:
-        r, k = pl.program_id(0), pl.program_id(1)
-        valid = k < active(r)
-        copy(r, slot(r, jnp.minimum(k, slots - 1)), pl.program_id(2), valid)
-        return
-    pid = pl.program_id(0)
-
-    def group(r, carry):
-        items = active(r) * per_slot
-
-        def body(step, carry):
-            item = pid + step * programs
-            copy(r, slot(r, item // per_slot), item % per_slot, True)
-            return carry
-
-        return jax.lax.fori_loop(0, jnp.maximum(items - pid + programs - 1, 0) // programs, body, carry)
-
-    jax.lax.fori_loop(0, dep_ref.shape[0], group, 0)
-
-
-def slot_order(depths, assume_sorted: bool):
-    """The slot order :func:`walk_items` takes: None where the list is sorted by decreasing depth, else each group's
-    slots of depth > 0 first (one small sort)."""
-    if assume_sorted:
-        return None
-    return jnp.argsort(depths <= 0, axis=-1, stable=True).astype(jnp.int32)
-
-
-def gather_call(copy_item, store, channels, depths, layer, after, *, width: int, scales_dtype, config: RunGatherConfig,
-                interpret: bool, group_start: int, assume_sorted: bool, name: str):
-    """The ``pallas_call`` of a gather into ``(planes u32 [Rc, C, 4, W], scales [Rc, C, NB])``: its work items walked
-    by :func:`walk_items`, each copied by ``copy_item(refs, r, c, i, valid, chunk=, width=, group_start=)`` with
-    ``refs = (channels, depths, layer, *store, out_planes, out_scales)``; the slot order and ``after`` are operands
-    the kernel waits for (``after`` is never read)."""
-    r, c = channels.shape
-    chunk = min(config.chunk, pl.next_power_of_2(width))
-    items = (r, c, pl.cdiv(width, chunk))
-    programs = min(config.programs, B.prod(items))
-    order = slot_order(depths, assume_sorted)
-    inputs = (channels, depths, layer, *store)
-    waits = (*([] if order is None else [order]), *after)
-
-    def kernel(*refs):
-        ins, rest = refs[:len(inputs)], refs[len(inputs):]
-        copy = functools.partial(copy_item, (*ins, *rest[-2:]), chunk=chunk, width=width, group_start=group_start)
-        walk_items(copy, ins[1], None if order is None else rest[0], per_slot=items[2], programs=programs)
-
-    return pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((r, c, N_PLANES, width), jnp.uint32),
-                   jax.ShapeDtypeStruct((r, c, width // 2), scales_dtype)),
-        grid=(programs,) if programs else items,
-        in_specs=[B.any_spec()] * (len(inputs) + len(waits)),
-        out_specs=(B.any_spec(), B.any_spec()),
-        interpret=interpret,
-        name=name,
-        compiler_params=B.compiler_params(config.num_warps),
-    )(*inputs, *waits)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "group_start", "assume_sorted"))
 def _run_gather_pallas(planes, scales, channels, depths, layer, after, *, config, interpret, group_start,
                        assume_sorted):
@@ -233,7 +121,7 @@ def run_gather(
     """
     implementation = B.resolve_implementation(implementation)
     _validate(planes, scales, channels, depths, layer, group_start)
-    check_values(channels, depths, planes.shape[-3])
+    check_run_list(channels, depths, planes.shape[-3])
     if implementation == "xla":
         return run_gather_reference(planes, scales, channels, depths, layer=layer, group_start=group_start)
     batch = channels.shape[:-1]

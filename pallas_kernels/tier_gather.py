@@ -1,9 +1,9 @@
 """Tiered run gather: the planned planes of each active channel that live in host memory, with its scales, into an
 HBM staging buffer; the plane scan reads the resident planes where they are.
 
-A plane store held in two tiers keeps, per layer ``l``, planes ``[0, p_l)`` of every channel in device memory and
-planes ``[p_l, 4)`` in ``pinned_host`` memory, each tier plane-major (one row of ``W`` words per (plane, group,
-channel))::
+A plane store held in two tiers (:mod:`pallas_kernels.plane_layout`) keeps, per layer ``l``, planes ``[0, p_l)`` of
+every channel in device memory and planes ``[p_l, 4)`` in ``pinned_host`` memory, each tier plane-major (one row of
+``W`` words per (plane, group, channel))::
 
     hot    u32 [Nh, R, D, W]   plane i < p_l of layer l at row tiers[l, 1] + i
     cold   u32 [Nc, R, D, W]   plane i >= p_l of layer l at row tiers[l, 2] + i - p_l
@@ -20,7 +20,7 @@ and leaves the slot's other planes and the slots of depth 0 unwritten: the plane
 the hot tier in place (:class:`pallas_kernels.plane_scan.ResidentPlanes`), no plane at or past ``t_c`` and no slot of
 depth 0, so nothing crosses HBM twice and only the deeper planes cross the link. Each (slot, plane) is one contiguous
 run of ``W`` words. The work items (the slots of depth > 0 only) and the persistent-programs grid are the run gather's
-(:func:`~pallas_kernels.run_gather.walk_items`, :class:`~pallas_kernels.run_gather.RunGatherConfig`).
+(:func:`~pallas_kernels.gather.walk_items`, :class:`~pallas_kernels.gather.RunGatherConfig`).
 """
 
 from __future__ import annotations
@@ -29,23 +29,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fathom_jax.format import N_PLANES
 from pallas_kernels import backend as B
-from pallas_kernels.run_gather import RunGatherConfig, check_values, gather_call
+from pallas_kernels.gather import RunGatherConfig, gather_call
+from pallas_kernels.plane_layout import N_PLANES, check_run_list, tier_rows
 
 KERNEL_NAME = "tier_gather"
-
-
-def tier_table(resident: tuple[int, ...]) -> np.ndarray:
-    """``tiers [L, 3]``: (p_l, first hot row, first cold row) of each layer for resident planes ``p_l``."""
-    p = np.asarray(resident, np.int64)
-    hot = np.concatenate([[0], np.cumsum(p)[:-1]])
-    cold = np.concatenate([[0], np.cumsum(N_PLANES - p)[:-1]])
-    return np.stack([p, hot, cold], axis=1).astype(np.int32)
 
 
 def _validate(cold, scales, tiers, channels, depths, group_start):
@@ -62,21 +53,6 @@ def _validate(cold, scales, tiers, channels, depths, group_start):
     if depths.shape != channels.shape:
         raise ValueError(f"channels/depths must be [Rc, C], got {channels.shape}, {depths.shape}")
     B.request_groups((groups,), channels.shape[:-1], 0, group_start, "tier_gather")
-
-
-def tier_rows(tier, first, groups: slice):
-    """``[Rc, D, 4, W]``: rows ``first + i`` of a tier ``[N, R, D, W]`` as planes ``i = 0..3`` of ``groups`` (rows
-    past either end clipped: the caller keeps only the planes that tier holds; plain jnp)."""
-    rows = [jax.lax.dynamic_index_in_dim(tier, jnp.clip(first + i, 0, tier.shape[0] - 1), keepdims=False)[groups]
-            for i in range(N_PLANES)]
-    return jnp.stack(rows, axis=-2)
-
-
-def layer_planes(hot, cold, tiers, layer, groups: slice):
-    """The planes ``[Rc, D, 4, W]`` of ``layer`` for ``groups`` as one tier holds them (plain jnp)."""
-    p, hot_row, cold_row = tiers[layer, 0], tiers[layer, 1], tiers[layer, 2]
-    in_hot = jnp.arange(N_PLANES)[:, None] < p
-    return jnp.where(in_hot, tier_rows(hot, hot_row, groups), tier_rows(cold, cold_row - p, groups))
 
 
 def tier_gather_reference(cold, scales, tiers, channels, depths, *, layer, group_start: int = 0):
@@ -147,7 +123,7 @@ def tier_gather(
     run_gather` takes it)."""
     implementation = B.resolve_implementation(implementation)
     _validate(cold, scales, tiers, channels, depths, group_start)
-    check_values(channels, depths, cold.shape[2])
+    check_run_list(channels, depths, cold.shape[2])
     if implementation == "xla":
         return tier_gather_reference(cold, scales, tiers, channels, depths, layer=layer, group_start=group_start)
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))

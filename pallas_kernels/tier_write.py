@@ -1,6 +1,6 @@
 """Tiered write: new plane words of a stacked store held in two tiers, each plane into its own tier, in one launch.
 
-The tiers are :mod:`pallas_kernels.tier_gather`'s (plane-major rows, ``tiers [L, 3]`` = (p_l, first hot row, first
+The tiers are :mod:`pallas_kernels.plane_layout`'s (plane-major rows, ``tiers [L, 3]`` = (p_l, first hot row, first
 cold row)). Given ``src u32 [Ls, R, D, 4, M]`` (the plane words of layers ``layer ..``: a decode step's newest block,
 ``M = 2``, or a prefilled layer, ``M = W``) and ``start i32 [R]`` (a word offset per group)::
 
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fathom_jax.format import N_PLANES
 from pallas_kernels import backend as B
+from pallas_kernels.plane_layout import N_PLANES
 
 KERNEL_NAME = "tier_write"
 

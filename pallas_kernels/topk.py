@@ -30,7 +30,7 @@ from pallas_kernels.topk_radix import (  # noqa: F401 (KERNEL_NAME, kth_largest:
     BUCKET, INT_MIN, KERNEL_NAME, finish, kth_largest, masks, sink_local, sortable_key, topk_radix, validate)
 
 # The paper's forced tokens per query head, for every method: the first SINK_TOKENS positions and the last
-# LOCAL_TOKENS. The library's one definition: fathom_jax.select, which imports this module, re-exports them.
+# LOCAL_TOKENS. Their one definition: the library's selection re-exports them.
 SINK_TOKENS = 4
 LOCAL_TOKENS = 32
 

@@ -1,5 +1,6 @@
-"""Top-k's radix path and the pieces every path shares: order-preserving keys, the sink and local windows, the final
-merge (the selection itself is described in :mod:`pallas_kernels.topk`).
+"""Top-k's radix path and the pieces both its paths share: order-preserving keys, the sink and local windows, the
+final merge. A part of :mod:`pallas_kernels.topk` (which holds the selection's entry, its reference and the
+implementation switch, and describes the selection), kept apart to keep each file short.
 
 The radix path (``TopkConfig(path="radix")``, and rows too long for the fused path) maps scores to order-preserving
 int32 keys, then:

@@ -7,13 +7,13 @@ Each of ``N`` groups has, per channel ``j`` and plane ``t = 0..3``, a threshold 
 try ``x = (lo + hi) / 2``; if the depths overflow the budget, ``x`` becomes the new ``lo``, else the new
 ``hi`` and its depths the plan. ``plane_cost`` (static) prices plane t of a channel: all ones count code
 bits; ``(1.25, 1, 1, 1)`` counts bits as read, the first plane of a channel paying its fp16 block scale
-(:mod:`fathom_jax.allocation`). Returns the plan ``depths i32 [N, D]`` and the final ``log_hi f32 [N]``.
+(the library's allocation). Returns the plan ``depths i32 [N, D]`` and the final ``log_hi f32 [N]``.
 
 Why a kernel: in XLA the 30 steps are ~40 small kernels per layer (each step ends in a reduction), whose
 launches the decode step paid at every context (``results/offload_h200.md``, NOTES.md "Planner"); here they
 are one launch. Why thresholds: the loop is comparisons, one IEEE add and a multiply by 1/2 only, so
 the kernel and the XLA reference give the same plan bit for bit on every backend; the logarithms (which
-Triton and XLA round differently) are taken once, outside, by XLA (:func:`fathom_jax.planner.water_line_thresholds`).
+Triton and XLA round differently) are taken once, outside, by XLA (the library's planner).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from fathom_jax.format import N_PLANES
 from pallas_kernels import backend as B
+from pallas_kernels.plane_layout import N_PLANES
 
 KERNEL_NAME = "water_line"
 

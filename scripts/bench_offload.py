@@ -11,13 +11,13 @@ variance is the drawn one. Where the host cannot hold every layer's K/V rows (1M
 all layers share one row buffer while each keeps its own planes (``shared_kv`` in the results): the bytes
 a step moves are the same.
 
-    python3 scripts/bench_offload.py --out $OUT                      # the default sections (one H200)
-    python3 scripts/bench_offload.py --mesh 2 --tag h200x2 --out $OUT   # over two GPUs
-    JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python3 scripts/bench_offload.py --mesh 2 \
+    python3 -m scripts.bench_offload --out $OUT                      # the default sections (one H200)
+    python3 -m scripts.bench_offload --mesh 2 --tag h200x2 --out $OUT   # over two GPUs
+    JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python3 -m scripts.bench_offload --mesh 2 \
         --out $OUT                                                   # one process per host (fathom_jax.distributed)
-    python3 scripts/bench_offload.py --smoke --out /tmp/smoke          # tiny shapes, any backend (CI-size)
-    python3 scripts/bench_offload.py --merge results/offload_h200 a.json b.json   # one file from several runs
-    python3 scripts/bench_offload.py --preset attn --out $OUT        # the run behind a committed table (PRESETS)
+    python3 -m scripts.bench_offload --smoke --out /tmp/smoke          # tiny shapes, any backend (CI-size)
+    python3 -m scripts.bench_offload --merge results/offload_h200 a.json b.json   # one file from several runs
+    python3 -m scripts.bench_offload --preset attn --out $OUT        # the run behind a committed table (PRESETS)
 
 Sections (``--sections``): link, attn, full, profile, batch, control, dense, prefill; ``attnprofile`` adds a
 profiler breakdown (categories and the costliest kernels) to every attention-only row; ``attnbatch``: attention-only
@@ -46,20 +46,17 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax.numpy as jnp
 
-import jax.numpy as jnp  # noqa: E402
-
-import harness  # noqa: E402
-from fathom_jax import distributed  # noqa: E402
-from fathom_jax.rows.layout import RowLayout  # noqa: E402
-from fathom_jax.models import LlamaConfig  # noqa: E402
-from fathom_jax.placement import Placement, device_mesh  # noqa: E402
-from offload_measure import Run, attention_rows, full_rows, link_section, prefill_section  # noqa: E402
-from offload_report import merge  # noqa: E402
-from offload_setup import (METHODS, parse_ctx, parse_rows, parse_variants, random_model, rows_tag,  # noqa: E402
-                           synthetic_calibration)
+from fathom_jax import distributed
+from fathom_jax.rows.layout import RowLayout
+from fathom_jax.models import LlamaConfig
+from fathom_jax.placement import Placement, device_mesh
+from scripts import harness
+from scripts.offload_measure import Run, attention_rows, full_rows, link_section, prefill_section
+from scripts.offload_report import merge
+from scripts.offload_setup import (METHODS, parse_ctx, parse_rows, parse_variants, random_model, rows_tag,
+                                   synthetic_calibration)
 
 QWEN3_8B = LlamaConfig(vocab=151936, hidden=4096, intermediate=12288, n_layers=36, n_heads=32, n_kv_heads=8,
                        head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True, max_position_embeddings=1 << 20,
@@ -117,7 +114,7 @@ PRESETS = harness.presets({
     "weight-gemms": f"--tag h200_weights --read staged --sections link,full,batch --contexts 128k --full-contexts 128k "
                     f"--batches 8 {_F48} --share-kv-from 512k --time-budget 160 "  # the Triton control, then the default
                     '--xla-options "xla_gpu_enable_triton_gemm=true,xla_gpu_enable_dynamic_slice_fusion=false;none"',
-    # results/step_options_h200.md (with the traces of layer-unroll-profile)
+    # results/step_options_h200.md, results/tail_h200.* (traces of layer-unroll-profile)
     "layer-unroll": f"--tag h200_unroll --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                     "--layer-unroll 1,2,4,6 --time-budget 280",
     "layer-unroll-profile": f"--tag h200_unroll_profile --read staged --sections attn,attnprofile --contexts 1m,128k "
@@ -131,13 +128,13 @@ PRESETS = harness.presets({
                              "--time-budget 400",
     "topk-programs": f"--tag h200_topk --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                      "--topk auto,b8t4,b16t4,b8t8,bautot8 --time-budget 160",
-    # results/row_cache_h200.md
+    # results/row_cache_h200/
     "row-cache-1m": f"--tag h200_row_cache_1m --read staged --sections link,attn --contexts 1m,128k {_F48} "
                     "--share-kv-from 1m --query-drift 0.95 --row-cache 0,16384 --time-budget 190",
     "row-cache-batch8": f"--tag h200_row_cache_b8 --read staged --sections link,attnbatch,attn,batch,attnprofile "
                         f"--contexts 128k --attn-contexts 128k --batches 8 {_F48} --share-kv-from 512k "
                         "--query-drift 0.95 --row-cache 0,16384 --time-budget 390",
-    # results/fetch_order_h200.md (the default fetch order) and results/scan_unroll_h200.md (the default scan)
+    # results/fetch_order_h200/ (the default fetch order) and results/scan_unroll_h200/ (the default scan)
     "fathom48": f"--tag h200_f48 --read staged --sections link,attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                 "--time-budget 160",
     "attn-profile-1m": f"--tag h200_profile_1m --read staged --sections attn,attnprofile --contexts 1m {_F48} "

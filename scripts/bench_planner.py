@@ -4,7 +4,7 @@ Times the paper's 30-step bisection and the exact integer allocation on the CPU 
 JAX picks), and counts how often the exact allocation reads a different plan, and whether it ever has
 lower ``sum g 4^-t`` at equal bits. Writes results/planner_<backend>.json and .md.
 
-    .venv/bin/python scripts/bench_planner.py [--repeats 20]
+    .venv/bin/python -m scripts.bench_planner [--repeats 20]
 """
 
 from __future__ import annotations

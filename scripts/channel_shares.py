@@ -7,7 +7,7 @@ two channel sets hold: on a window of ``--context`` tokens of standard-library c
 every query head of every captured layer (Gemma 3: its global layers), every ``--every``-th of the last
 ``--positions`` positions, key variances over the window past its first 64 tokens.
 
-    python scripts/channel_shares.py            # writes results/channel_shares.{json,md}
+    python -m scripts.channel_shares            # writes results/channel_shares.{json,md}
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax.numpy as jnp
+import numpy as np
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import harness  # noqa: E402
-from fathom_jax.eval import texts  # noqa: E402
-from fathom_jax.models import capture_qkv, hub  # noqa: E402
+from fathom_jax.eval import texts
+from fathom_jax.models import capture_qkv, hub
+from scripts import harness
 
 
 def shares(q: np.ndarray, k: np.ndarray, positions: np.ndarray, skip: int = 64) -> dict:
@@ -60,7 +57,7 @@ def main(argv=None) -> int:
         rows.append({"model": name, **shares(np.asarray(cap["q"]), np.asarray(cap["k"]), positions)})
         print(f"{name}: D = {rows[-1]['head_dim']}: SparQ's top-|q| {rows[-1]['r']} channels hold "
               f"{rows[-1]['sparq_share']:.3f} of sum q^2 Var(k), the best {rows[-1]['r']} {rows[-1]['best_share']:.3f}")
-    result = {"machine": harness.machine(), "command": "python scripts/channel_shares.py " + " ".join(argv or sys.argv[1:]),
+    result = {"machine": harness.machine(), "command": harness.command("scripts.channel_shares", argv),
               "config": vars(args), "rows": rows, "wall_seconds": round(time.time() - t0, 1)}
     harness.write_json(os.path.join(args.out, "channel_shares.json"), result)
     md = ["# Score variance in the channels a scan reads", "",

@@ -1,10 +1,11 @@
-"""The shared timing harness of the benchmarks (``scripts/bench_*.py``).
+"""The shared timing harness of the benchmarks and studies (the modules of ``scripts``).
 
 * :func:`timeit`: ms per iteration of a step run ``iters`` times inside one jitted ``fori_loop`` (a single
   jitted call costs ~0.1 ms to dispatch, more than a kernel at 32k); median and spread over repeats.
 * :func:`timeit_calls`: ms per call of an already-jitted function called back to back (a decode step that
   donates its cache), wall clock around ``n`` asynchronous calls.
-* :func:`machine`: device, host, JAX version, date - recorded in every results file.
+* :func:`machine`, :func:`command`: device, host, JAX version, date, and the command line - recorded in every
+  results file.
 * :func:`host_to_device_rate`, :func:`hbm_copy_rate`: the link and HBM ceilings, measured in the same run.
 * :func:`profile_breakdown`: device time per kernel category from a JAX profiler (perfetto) trace.
 * :func:`expand_preset`: ``--preset NAME`` on a benchmark's command line, the argument list behind a committed table.
@@ -20,6 +21,7 @@ import os
 import platform
 import shlex
 import subprocess
+import sys
 import time
 
 import jax
@@ -101,6 +103,12 @@ def machine() -> dict:
         "cpus": os.cpu_count(), "jax": jax.__version__, "commit": git_commit(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def command(module: str, argv: list[str] | None = None) -> str:
+    """The command line that reruns this run from the repository root: ``python3 -m MODULE ARGS`` (``argv``: the
+    arguments, by default this process's), shell-quoted as typed."""
+    return shlex.join(["python3", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def hbm_copy_rate(nbytes=1 << 30) -> dict:

@@ -10,7 +10,6 @@ import gc
 import itertools
 import os
 import resource
-import sys
 import time
 import traceback
 
@@ -18,14 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
 from fathom_jax import decode, distributed
 from fathom_jax.rows.layout import RowLayout
 from fathom_jax.models import generation
 from fathom_jax.placement import attach_bulk, split_bulk
-from offload_report import write_report
-from offload_setup import (AUTHORS_MS, METHODS, build_cache, default_rows, drifting_queries, hook,
-                           random_step_inputs, rows_tag, split_fields, variant_tag, with_row_cache, without_row_cache)
+from scripts import harness
+from scripts.offload_report import write_report
+from scripts.offload_setup import (AUTHORS_MS, METHODS, build_cache, default_rows, drifting_queries, hook,
+                                   random_step_inputs, rows_tag, split_fields, variant_tag, with_row_cache,
+                                   without_row_cache)
 
 
 class Run:
@@ -36,8 +36,8 @@ class Run:
         self.args = args
         self.t0 = time.time()
         self.path = os.path.join(args.out, f"offload_{args.tag}.json")
-        self.res = {"machine": harness.machine(), "command": " ".join(sys.argv), "config": vars(args).copy(),
-                    "rows": [], "errors": [], "notes": []}
+        self.res = {"machine": harness.machine(), "command": harness.command("scripts.bench_offload"),
+                    "config": vars(args).copy(), "rows": [], "errors": [], "notes": []}
         self.res["config"]["model"] = dataclasses.asdict(args.config)
         if isinstance(getattr(args, "rows", None), list):  # --rows entries by name (their RowFormat is the name's)
             self.res["config"]["rows"] = [{"name": r["name"], "share_kv_from": r["share_kv_from"]} for r in args.rows]

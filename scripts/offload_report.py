@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-import harness
-from offload_setup import AUTHORS_MS, SPLIT_DEFAULTS, split_text, writes_text
+from scripts import harness
+from scripts.offload_setup import AUTHORS_MS, SPLIT_DEFAULTS, split_text, writes_text
 
 
 def merge(paths, out_prefix):
@@ -97,6 +97,11 @@ def mesh_ratio_lines(att: list[dict], default_read) -> list[str]:
     return lines + [""]
 
 
+def _cell(x, spec: str) -> str:
+    """A table cell: ``x`` formatted, blank where it is None or NaN (not measured)."""
+    return "" if x is None or x != x else format(x, spec)
+
+
 def row_format_lines(rows: list[dict]) -> list[str]:
     """The row-format table: every row of a compressed format beside the rows of the model dtype (bf16) with the same
     step, method, context and batch, with their bytes per token on the host, row bytes per step, ms and tokens/s."""
@@ -117,7 +122,6 @@ def row_format_lines(rows: list[dict]) -> list[str]:
              "| step | method | context | batch | rows | shared K/V | host B/token (held) | host B/token (own rows) | "
              "row B | rows MB (max) | ms | tokens/s | vs model rows | run |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    fmt = lambda x, spec=".0f": "" if x is None or x != x else format(x, spec)  # noqa: E731  (None and NaN: blank)
     base = {}
     for r in rows:  # the fastest model-dtype row of each step: the comparison
         if r.get("rows", "model") == "model" and (key(r) not in base or r["median_ms"] < base[key(r)]["median_ms"]):
@@ -127,10 +131,12 @@ def row_format_lines(rows: list[dict]) -> list[str]:
         b = base.get(key(r))
         ratio = f"{b['median_ms'] / r['median_ms']:.2f}x" if b is not None and b is not r else ""
         lines.append(f"| {r['kind']} | {r['method']} | {r['context']} | {r['batch']} | {r.get('rows', 'model')} | "
-                     f"{r['shared_kv']} | {fmt(r.get('host_bytes_per_token'))} | {fmt(r.get('host_bytes_per_token_own'))} | "
-                     f"{fmt(r.get('row_bytes_per_token'))} | {fmt(r.get('row_bytes_max', float('nan')) / 1e6)} | "
+                     f"{r['shared_kv']} | {_cell(r.get('host_bytes_per_token'), '.0f')} | "
+                     f"{_cell(r.get('host_bytes_per_token_own'), '.0f')} | "
+                     f"{_cell(r.get('row_bytes_per_token'), '.0f')} | "
+                     f"{_cell(r.get('row_bytes_max', float('nan')) / 1e6, '.0f')} | "
                      f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | "
-                     f"{fmt(r.get('tokens_per_s', r['batch'] / r['median_ms'] * 1e3), '.1f')} | {ratio} | "
+                     f"{_cell(r.get('tokens_per_s', r['batch'] / r['median_ms'] * 1e3), '.1f')} | {ratio} | "
                      f"{str(r.get('run_date', ''))[:16]} |")
     return lines + [""]
 
@@ -154,7 +160,6 @@ def row_cache_lines(rows: list[dict]) -> list[str]:
              "| step | method | context | batch | drift | slots | from slots | rows MB fetched | ms | floor ms (all rows) | "
              "floor ms (rows fetched) | ms / floor (fetched) | vs no cache |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    fmt = lambda x, spec=".1f": "" if x is None or x != x else format(x, spec)  # noqa: E731  (None and NaN: blank)
     for r in sorted(picked, key=lambda r: key(r) + (r.get("row_cache", 0),)):
         base = plain.get(key(r))
         slots = r.get("row_cache") or 0
@@ -164,8 +169,9 @@ def row_cache_lines(rows: list[dict]) -> list[str]:
         speedup = f"{base['median_ms'] / r['median_ms']:.2f}x" if slots and base else ""
         lines.append(f"| {r['kind']} | {r['method']} | {r['context']} | {r['batch']} | {r.get('query_drift') or 'none'} | "
                      f"{slots} | {share} | {fetched_mb:.0f}{'' if slots else ' (max)'} | {r['median_ms']:.2f} "
-                     f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {fmt(r.get('link_floor_ms'))} | {fmt(floor)} | "
-                     f"{fmt(None if floor is None else r['median_ms'] / floor, '.2f')} | {speedup} |")
+                     f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {_cell(r.get('link_floor_ms'), '.1f')} | "
+                     f"{_cell(floor, '.1f')} | "
+                     f"{_cell(None if floor is None else r['median_ms'] / floor, '.2f')} | {speedup} |")
     return lines + [""]
 
 

@@ -5,7 +5,7 @@ the JAX decoder on the same GGUF, and writes results/parity_gemma3_<backend>.{js
 logit difference, the logit scale (max |transformers' logit|), their ratio (the tests' max_rel_err, bound 1e-4),
 and whether the greedy tokens agree.
 
-    .venv/bin/python scripts/parity_gemma3.py [--out results]
+    .venv/bin/python -m scripts.parity_gemma3 [--out results]
 """
 
 from __future__ import annotations
@@ -16,21 +16,20 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fathom_jax.models import hub
+from fathom_jax.models.gemma3_cache import Gemma3Cache
+from fathom_jax.models.generation import generate
+from scripts import harness
+from tests.models import conftest as prompts  # the parity test's prompts, one source
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from fathom_jax.models import hub  # noqa: E402
-from fathom_jax.models.gemma3_cache import Gemma3Cache  # noqa: E402
-from fathom_jax.models.generation import generate  # noqa: E402
-from tests.models import conftest as prompts  # noqa: E402  (the parity test's prompts, one source)
 
 
 def oracle(out: str) -> dict:
@@ -77,7 +76,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
                            text=True).stdout.strip()
-    res = {"meta": {"command": " ".join(["python scripts/parity_gemma3.py", *sys.argv[1:]]),
+    res = {"meta": {"command": harness.command("scripts.parity_gemma3"),
                     "commit": commit.stdout.strip() + ("-dirty" if dirty else ""),
                     "date": datetime.date.today().isoformat(), "jax": jax.__version__, "backend": jax.default_backend(),
                     "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

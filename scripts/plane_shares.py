@@ -12,9 +12,9 @@ the share of every plane in the bits read and how often each (layer, plane) is r
 * the offload benchmark's synthetic keys (``scripts/bench_offload.py``: Qwen3-8B shapes, D = 128, log-normal channel
   variances, Gaussian queries): its step's queries, and ``--draws`` independent query draws; budgets 32 / 48 / 64.
 
-    python scripts/plane_shares.py                      # writes results/plane_shares.{json,md,png}
-    python scripts/plane_shares.py --contexts 4096      # or in parts: the synthetic keys and 4k, then 8k added
-    python scripts/plane_shares.py --contexts 8192 --no-synthetic --append
+    python -m scripts.plane_shares                      # writes results/plane_shares.{json,md,png}
+    python -m scripts.plane_shares --contexts 4096      # or in parts: the synthetic keys and 4k, then 8k added
+    python -m scripts.plane_shares --contexts 8192 --no-synthetic --append
 
 The contexts run one after the other, the JSON rewritten after each. From ``--chunked-from`` tokens on, the capture runs
 its attention over chunks of queries: the same numbers bit for bit, without the ``[heads, T, T]`` scores (7 GB at 8k).
@@ -26,22 +26,18 @@ import argparse
 import functools
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import harness  # noqa: E402
-from fathom_jax import calibrate as cal  # noqa: E402
-from fathom_jax.eval import fidelity as fid  # noqa: E402
-from fathom_jax.eval import texts  # noqa: E402
-from fathom_jax.placement.plane_reads import plane_reads  # noqa: E402
-from fathom_jax.methods import Fathom  # noqa: E402
+from fathom_jax import calibrate as cal
+from fathom_jax.eval import fidelity as fid
+from fathom_jax.eval import texts
+from fathom_jax.placement.plane_reads import plane_reads
+from fathom_jax.methods import Fathom
+from scripts import harness
 
 PAPER_BUDGETS = (32, 48, 64)  # Fathom budgets named at D = 128
 # What the issue quoted (issue 33), to set beside what this run measures: (keys, calibration, budget) -> plane 0 / 0-1
@@ -163,7 +159,7 @@ def main(argv=None):
         ap.error(f"--append: no {prefix}.json to add to")
     t0 = time.time()
     parts = ([] if args.no_synthetic else ["synthetic"]) + [_context_keys(c) for c in contexts]
-    run = {"machine": harness.machine(), "command": " ".join(["scripts/plane_shares.py"] + sys.argv[1:]),
+    run = {"machine": harness.machine(), "command": harness.command("scripts.plane_shares", argv),
            "config": vars(args), "parts": parts}
     res = {"runs": [], "smollm2": {}, "rows": []}
     if args.append:

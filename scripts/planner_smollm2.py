@@ -7,27 +7,23 @@ calibration capture's variances, 4096 tokens, the last 128 positions - and repor
 differ, by how many bits, and how close the marginal gains at the water line are where they do.
 Writes results/planner_smollm2_<backend>.{json,md}.
 
-    .venv/bin/python scripts/planner_smollm2.py
+    .venv/bin/python -m scripts.planner_smollm2
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import harness  # noqa: E402
-from fathom_jax import calibrate  # noqa: E402
-from fathom_jax import planner as P  # noqa: E402
-from fathom_jax.eval import texts  # noqa: E402
-from fathom_jax.models import capture_qkv, load_smollm2  # noqa: E402
+from fathom_jax import calibrate
+from fathom_jax import planner as P
+from fathom_jax.eval import texts
+from fathom_jax.models import capture_qkv, load_smollm2
+from scripts import harness
 
 BUDGETS = (16, 24, 28, 32, 40, 48, 64, 80, 128)
 
@@ -75,8 +71,8 @@ def main(argv=None):
             "mean_bits_bisection": float(b_bits.mean()), "mean_bits_exact": float(e_bits.mean()),
         })
         print(rows[-1], flush=True)
-    res = {"machine": harness.machine(), "command": " ".join(sys.argv), "context": args.context,
-           "positions": args.positions, "rows": rows}
+    res = {"machine": harness.machine(), "command": harness.command("scripts.planner_smollm2", argv),
+           "context": args.context, "positions": args.positions, "rows": rows}
     harness.write_json(os.path.join(args.out, f"planner_smollm2_{jax.default_backend()}{args.tag}.json"), res)
     lines = [f"# Exact allocation vs bisection on SmolLM2's importances ({res['machine']['date']}, JAX {res['machine']['jax']})",
              "", f"Command: `{res['command']}`. {args.context} tokens of standard-library code, last {args.positions} "

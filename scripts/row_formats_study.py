@@ -1,8 +1,8 @@
 """The K/V row-format study on SmolLM2: host bytes per token against the attention error each format adds.
 
-    python scripts/row_formats_study.py                       # 4k and 8k: results/row_formats_smollm2.{json,md,png}
-    python scripts/row_formats_study.py --context 4096 --positions 32 --methods exact --prefix check
-    python scripts/row_formats_study.py --merge a.json b.json --prefix row_formats_smollm2   # runs written apart
+    python -m scripts.row_formats_study                       # 4k and 8k: results/row_formats_smollm2.{json,md,png}
+    python -m scripts.row_formats_study --context 4096 --positions 32 --methods exact --prefix check
+    python -m scripts.row_formats_study --merge a.json b.json --prefix row_formats_smollm2   # runs written apart
 
 The same command as ``fathom row-formats`` once the CLI registers :mod:`fathom_jax.eval.row_study`.
 """
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(["row-formats", *argv])
         args.argv = ["row-formats", *argv]
-        args.command_line = shlex.join(["python", "scripts/row_formats_study.py", *argv])
+        args.command_line = shlex.join(["python", "-m", "scripts.row_formats_study", *argv])
         return args.func(args)
     except UsageError as err:
         print(f"row_formats_study: {err}", file=sys.stderr)

@@ -7,7 +7,7 @@ this measures that fraction. Protocol (the fidelity study's): a window of the ev
 index a decode loop holds there (``prefix_index`` of the window's index at length p + 1), selects its top-k per head
 (sink and local included, as the decode step does) and takes each KV group's union: the rows one step fetches.
 
-    python scripts/row_reuse.py --context 4096 --positions 64 --k 128 --methods exact,fathom:32
+    python -m scripts.row_reuse --context 4096 --positions 64 --k 128 --methods exact,fathom:32
 
 writes ``results/row_reuse_smollm2_<context>.{json,md}``. Runs on CPU (SmolLM2-135M, the GGUF the README's
 set-up fetches).
@@ -17,24 +17,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import harness  # noqa: E402
-from fathom_jax import calibrate as cal  # noqa: E402
-from fathom_jax import methods  # noqa: E402
-from fathom_jax.eval import fidelity as fid  # noqa: E402
-from fathom_jax.eval import texts  # noqa: E402
-from fathom_jax.index import build_index, prefix_index  # noqa: E402
-from fathom_jax.scan import scan_scores  # noqa: E402
-from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, group_union, select_topk  # noqa: E402
+from fathom_jax import calibrate as cal
+from fathom_jax import methods
+from fathom_jax.eval import fidelity as fid
+from fathom_jax.eval import texts
+from fathom_jax.index import build_index, prefix_index
+from fathom_jax.scan import scan_scores
+from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, group_union, select_topk
+from scripts import harness
 
 WINDOWS = (1, 2, 4, 8)  # steps a row cache remembers
 
@@ -105,8 +101,9 @@ def main(argv=None):
     n_layers = cfg.n_layers
     positions = np.arange(args.context - args.positions, args.context, dtype=np.int32)
     local_start = positions + 1 - LOCAL_TOKENS
-    res = {"machine": harness.machine(), "command": " ".join(sys.argv), "config": vars(args).copy(),
-           "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)", "text": eval_info, "methods": {}}
+    res = {"machine": harness.machine(), "command": harness.command("scripts.row_reuse", argv),
+           "config": vars(args).copy(), "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)",
+           "text": eval_info, "methods": {}}
     for spec in args.methods.split(","):
         method = methods.parse(spec)
         run = layer_unions(method, args.k)

@@ -1,8 +1,8 @@
 """Soak: one long decode of a SmolLM2 session with its cache and index in host memory: results/soak_<tag>.{json,md}.
 
-    python3 scripts/soak.py --steps 10000 --check-every 1000 --out $OUT        # on a GPU (pinned_host memory)
-    python3 scripts/soak.py --steps 10000 --check-every 1000 --rows k8v8 --tag smollm2_gpu_k8v8 --out $OUT
-    python3 scripts/soak.py --steps 200 --check-every 100 --prompt-tokens 300 --out /tmp/soak   # a CPU check
+    python3 -m scripts.soak --steps 10000 --check-every 1000 --out $OUT        # on a GPU (pinned_host memory)
+    python3 -m scripts.soak --steps 10000 --check-every 1000 --rows k8v8 --tag smollm2_gpu_k8v8 --out $OUT
+    python3 -m scripts.soak --steps 200 --check-every 100 --prompt-tokens 300 --out /tmp/soak   # a CPU check
 
 A prompt that crosses many 64-token blocks is prefilled, then ``--steps`` greedy decode steps run one compiled step
 each (the cache donated, host memory written in place). ``--rows``: how the cache stores K/V rows (``model``: the
@@ -37,21 +37,18 @@ import resource
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import harness  # noqa: E402
-from fathom_jax import decode  # noqa: E402
-from fathom_jax.rows.layout import row_format  # noqa: E402
-from fathom_jax.eval import texts  # noqa: E402
-from fathom_jax.format import BLOCK_TOKENS, WORD_BITS  # noqa: E402
-from fathom_jax.index import build_index  # noqa: E402
-from fathom_jax.index.parts import Planes  # noqa: E402
-from fathom_jax.models import generation, load_smollm2  # noqa: E402
+from fathom_jax import decode
+from fathom_jax.rows.layout import row_format
+from fathom_jax.eval import texts
+from fathom_jax.format import BLOCK_TOKENS, WORD_BITS
+from fathom_jax.index import build_index
+from fathom_jax.index.parts import Planes
+from fathom_jax.models import generation, load_smollm2
+from scripts import harness
 
 
 def rss_bytes() -> int:
@@ -292,7 +289,8 @@ def main(argv=None) -> int:
         args.tag = f"smollm2_{jax.default_backend()}" + ("" if fmt is None else f"_{fmt.spec}")
     model, tokenizer, _ = load_smollm2()
     t = time.time()
-    res = {"machine": harness.machine(), "command": " ".join(sys.argv), "soak": soak(model, tokenizer, args)}
+    res = {"machine": harness.machine(), "command": harness.command("scripts.soak", argv),
+           "soak": soak(model, tokenizer, args)}
     res["wall_seconds"] = time.time() - t
     os.makedirs(args.out, exist_ok=True)
     prefix = os.path.join(args.out, f"soak_{args.tag}")

@@ -1,6 +1,6 @@
 """The collectives a sharded decode step issues, read from its compiled HLO: results/step_collectives_<tag>.{json,md}.
 
-    python3 scripts/step_collectives.py --devices 2,4,8 --contexts 128k,1m --batches 1,8 --out results
+    python3 -m scripts.step_collectives --devices 2,4,8 --contexts 128k,1m --batches 1,8 --out results
 
 For every mesh size, context and batch: the full decode step (QKV, sparse attention, o_proj, MLP, lm_head) of the
 Qwen3-8B-shaped benchmark model (``scripts/bench_offload.py``) with the cache in the host layout split over a mesh of
@@ -18,8 +18,6 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all",
                "collective-broadcast", "ragged-all-to-all")
@@ -43,12 +41,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import bench_offload as bench  # noqa: E402
-import harness  # noqa: E402
-import offload_setup  # noqa: E402
 from fathom_jax.hlo import hlo_instructions  # noqa: E402
 from fathom_jax.models import LlamaForCausalLM, generation  # noqa: E402
 from fathom_jax.placement import Placement, device_mesh  # noqa: E402
+from scripts import bench_offload as bench  # noqa: E402
+from scripts import harness  # noqa: E402
+from scripts import offload_setup  # noqa: E402
 
 _REF = re.compile(r"\b(?:calls|body|condition|to_apply)=%?([\w.\-]+)")
 _REFS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
@@ -151,8 +149,8 @@ def main(argv=None):
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     cfg = bench.SMOKE if args.smoke else bench.QWEN3_8B
-    res = {"machine": harness.machine(), "command": "python3 scripts/step_collectives.py " + " ".join(
-        sys.argv[1:] if argv is None else argv), "config": {**vars(args), "model": dataclasses.asdict(cfg)}, "rows": []}
+    res = {"machine": harness.machine(), "command": harness.command("scripts.step_collectives", argv),
+           "config": {**vars(args), "model": dataclasses.asdict(cfg)}, "rows": []}
     for devices in (int(d) for d in args.devices.split(",")):
         placement = Placement("pinned_host", mesh=device_mesh(devices))
         for context in (offload_setup.parse_ctx(c) for c in args.contexts.split(",")):

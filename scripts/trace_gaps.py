@@ -2,7 +2,7 @@
 attnprofile`` writes them under ``OUT/traces``): per trace, the time with no plane transfer running split by
 category and by kernel, and the median long gap between transfers (a layer boundary) kernel by kernel.
 
-    python scripts/trace_gaps.py --out results/tail_h200 --steps 3 LABEL=TRACE.json.gz ...
+    python -m scripts.trace_gaps --out results/tail_h200 --steps 3 LABEL=TRACE.json.gz ...
 
 writes ``OUT.json`` and ``OUT.md``. Reads traces only: no GPU needed.
 """
@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import harness  # noqa: E402
+from scripts import harness
 
 
 def layer_phases(events: list[dict]) -> dict:

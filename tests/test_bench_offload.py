@@ -4,18 +4,12 @@ row-cache table."""
 
 import copy
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "scripts"))
-import bench_offload  # noqa: E402
-import offload_measure  # noqa: E402
-import offload_report  # noqa: E402
-import offload_setup  # noqa: E402
-from pallas_kernels.topk import TopkConfig  # noqa: E402
+from pallas_kernels.topk import TopkConfig
+from scripts import bench_offload, offload_measure, offload_report, offload_setup
 
 
 def part(date: str, median: float, notes: list[str], errors: list[dict]) -> dict:

@@ -3,14 +3,12 @@ argument checks, write distinct files, and are each documented in results/README
 
 import pathlib
 import re
-import sys
 
 import pytest
 
+from scripts import bench_kernels, bench_offload
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import bench_kernels  # noqa: E402
-import bench_offload  # noqa: E402
 
 RESULTS_README = (REPO / "results" / "README.md").read_text()
 

@@ -1,13 +1,10 @@
 """scripts/channel_shares.py: the share of a query's score variance in SparQ's channels and in the best ones."""
 
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
-import channel_shares  # noqa: E402
+from scripts import channel_shares
 
 
 def test_sparq_picks_large_queries_blind_to_key_variance():

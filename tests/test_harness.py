@@ -3,14 +3,10 @@ transfer does, and the gaps between transfers; and ``--preset NAME`` on a benchm
 
 import gzip
 import json
-import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
-import harness  # noqa: E402
-import trace_gaps  # noqa: E402
+from scripts import harness, trace_gaps
 
 
 def kernel(name, ts, dur):

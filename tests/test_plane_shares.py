@@ -1,15 +1,11 @@
 """scripts/plane_shares.py's rows and report: budgets named at D = 128, the quoted numbers set beside the measured."""
 
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
-import plane_shares  # noqa: E402
-
-from fathom_jax.placement.plane_reads import PlaneReads  # noqa: E402
+from fathom_jax.placement.plane_reads import PlaneReads
+from scripts import plane_shares
 
 
 def fake_result() -> dict:

@@ -1,13 +1,10 @@
 """scripts/row_reuse.py's arithmetic: the fraction of a step's rows that the last W steps did not select."""
 
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
-import row_reuse  # noqa: E402
+from scripts import row_reuse
 
 
 def test_new_fraction_counts_rows_unseen_in_the_window():

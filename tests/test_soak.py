@@ -4,16 +4,13 @@ model dtype and compressed (k8v8), passes, and finds a changed block."""
 import argparse
 import dataclasses
 import json
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "scripts"))
-import soak  # noqa: E402
+from scripts import soak
 
 
 class Tokens:

@@ -22,13 +22,13 @@ from fathom_jax import format as fmt
 from fathom_jax.format import BLOCK_TOKENS, N_PLANES, WORDS_PER_BLOCK
 from fathom_jax.index.parts import PlaneBlock, Planes
 from fathom_jax.store import KeyRotation, PlaneStore
-from pallas_kernels.tier_gather import layer_planes, tier_table
+from pallas_kernels.plane_layout import layer_planes, tier_table
 
 
 @dataclasses.dataclass(frozen=True)
 class TieredPlaneStore:
     """A stacked plane store in two tiers: ``hot`` (planes ``i < p_l`` of layer ``l``, device memory) and ``cold``
-    (the rest, host memory), plane-major rows as :func:`pallas_kernels.tier_gather.tier_table` places them; block
+    (the rest, host memory), plane-major rows as :func:`pallas_kernels.plane_layout.tier_table` places them; block
     ``scales`` (device memory), raw ``tail``, ``length`` and ``rotation`` as a :class:`PlaneStore`'s. ``resident``
     (static) is ``p_l`` per layer."""
 

@@ -13,6 +13,7 @@ from oracles import run_gather as np_run_gather
 from pallas_kernels import plane_scan as PS
 from pallas_kernels import run_gather as RG
 from pallas_kernels import tier_gather as TG
+from pallas_kernels.plane_layout import tier_table
 from tests.support import lower_triton_text
 
 D = 16
@@ -33,7 +34,7 @@ def run_list(rng, r, c=7):
 
 
 def test_tier_table_rows():
-    np.testing.assert_array_equal(TG.tier_table((1, 2, 0, 4)), [[1, 0, 0], [2, 1, 3], [0, 3, 5], [4, 3, 9]])
+    np.testing.assert_array_equal(tier_table((1, 2, 0, 4)), [[1, 0, 0], [2, 1, 3], [0, 3, 5], [4, 3, 9]])
 
 
 class TestTierGather(KernelTestBase):
@@ -41,7 +42,7 @@ class TestTierGather(KernelTestBase):
     def test_equals_the_one_tier_gather(self, impl, rng, resident):
         planes, scales, _ = random_store_arrays(rng, (4, 3), D, 320)
         _, cold = split_tiers(planes, resident)
-        tiers = jnp.asarray(TG.tier_table(resident))
+        tiers = jnp.asarray(tier_table(resident))
         ch, dep = run_list(rng, 3)
         gather = jax.jit(lambda c, s, layer: TG.tier_gather(c, s, tiers, ch, dep, layer=layer,
                                                              config=RG.RunGatherConfig(chunk=4), **impl.kw))
@@ -54,7 +55,7 @@ class TestTierGather(KernelTestBase):
         planes, scales, _ = random_store_arrays(rng, (2, 6), D, 640)
         resident = (2, 1)
         _, cold = split_tiers(planes, resident)
-        tiers = jnp.asarray(TG.tier_table(resident))
+        tiers = jnp.asarray(tier_table(resident))
         ch, dep = run_list(rng, groups)
         config = RG.RunGatherConfig(chunk=8, programs=programs)
         gather = jax.jit(lambda c, s, layer, after: TG.tier_gather(
@@ -70,7 +71,7 @@ class TestTierGather(KernelTestBase):
         planes, scales, length = random_store_arrays(rng, (3, 5), D, 448)
         resident = (0, 2, 1)
         hot, cold = split_tiers(planes, resident)
-        tiers = jnp.asarray(TG.tier_table(resident))
+        tiers = jnp.asarray(tier_table(resident))
         groups = slice(group_start, group_start + 4)
         q = jnp.asarray(rng.standard_normal((4, 4, D)), jnp.float32)
         ch, dep = PS.active_channels(jnp.asarray(rng.integers(0, 5, (4, D)), jnp.int32), max_active=10)
@@ -92,7 +93,7 @@ class TestTierGather(KernelTestBase):
 
 def test_tier_gather_lowers_to_triton_and_validates():
     z = jnp.zeros
-    args = (z((5, 2, D, 20), jnp.uint32), z((2, 2, D, 10), jnp.float16), jnp.asarray(TG.tier_table((1, 2))))
+    args = (z((5, 2, D, 20), jnp.uint32), z((2, 2, D, 10), jnp.float16), jnp.asarray(tier_table((1, 2))))
     text = lower_triton_text(lambda c, s, t, layer: TG.tier_gather(c, s, t, z((2, 5), jnp.int32), z((2, 5), jnp.int32),
                                                                    layer=layer, implementation="pallas",
                                                                    interpret=False), *args, jnp.int32(0))

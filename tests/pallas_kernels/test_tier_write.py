@@ -8,7 +8,7 @@ import pytest
 
 from kernel_test_base import HAS_GPU, Impl, KernelTestBase, assert_equal, assert_ran, host
 from oracles import tier_write as np_tier_write
-from pallas_kernels import tier_gather as TG
+from pallas_kernels.plane_layout import tier_table
 from pallas_kernels import tier_write as TW
 from tests.support import lower_triton_text
 
@@ -18,7 +18,7 @@ D, W = 12, 20
 def tiers_of(rng, resident):
     n_hot, n_cold = sum(resident), 4 * len(resident) - sum(resident)
     return (rng.integers(0, 2**32, (n_hot, 3, D, W), dtype=np.uint32),
-            rng.integers(0, 2**32, (n_cold, 3, D, W), dtype=np.uint32), jnp.asarray(TG.tier_table(resident)))
+            rng.integers(0, 2**32, (n_cold, 3, D, W), dtype=np.uint32), jnp.asarray(tier_table(resident)))
 
 
 class TestTierWrite(KernelTestBase):
@@ -61,7 +61,7 @@ def test_writes_the_host_tier_in_place():
 
 def test_tier_write_lowers_to_triton_and_validates():
     z = jnp.zeros
-    hot, cold, tiers = z((3, 2, D, W), jnp.uint32), z((5, 2, D, W), jnp.uint32), jnp.asarray(TG.tier_table((1, 2)))
+    hot, cold, tiers = z((3, 2, D, W), jnp.uint32), z((5, 2, D, W), jnp.uint32), jnp.asarray(tier_table((1, 2)))
     text = lower_triton_text(lambda h, c, s, st: TW.tier_write(h, c, tiers, s, st, layer=1, implementation="pallas",
                                                                interpret=False),
                              hot, cold, z((1, 2, D, 4, 2), jnp.uint32), z((2,), jnp.int32))
