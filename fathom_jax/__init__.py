@@ -30,7 +30,7 @@ _MODULES = ("allocation", "calibrate", "checks", "cli", "decode", "distributed",
             "planner", "rows", "scan", "select", "store", "models", "eval")
 
 
-def __getattr__(name):  # lazy submodules: `pallas_kernels` imports `fathom_jax.format` without a cycle
+def __getattr__(name):  # lazy submodules: importing the package loads none of them
     if name in _MODULES:
         return importlib.import_module(f"fathom_jax.{name}")
     raise AttributeError(f"module 'fathom_jax' has no attribute {name!r}")
