@@ -40,8 +40,8 @@ import jax
 
 from fathom_jax.decode.fetches import CachedRowFetch, RowFetch
 from fathom_jax.decode.reads import DeviceRead, DirectRead, IndexRead, StagedRead, TieredRead
-from fathom_jax.decode.tiers import all_resident
 from fathom_jax.placement import Placement
+from fathom_jax.placement.residency import all_resident
 from pallas_kernels.topk import TopkConfig
 
 ReadMode = Literal["direct", "staged"]
@@ -134,6 +134,8 @@ class StepConfig:
             reader = DeviceRead("xla")
         elif not placement.offloaded:
             reader = DeviceRead(implementation)
+        elif all_resident(resident):  # every plane in HBM, scanned in place; other bulk arrays staged from the host
+            reader = DirectRead(implementation)
         elif tiered:  # resident planes: the tiered gather (the read mode is about host-only planes)
             reader = TieredRead(implementation, _programs(self.gather_programs, host))
         elif staged:

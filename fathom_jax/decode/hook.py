@@ -34,10 +34,9 @@ from fathom_jax.decode.cache_program import cache_program
 from fathom_jax.decode.config import ResolvedStep, StepConfig
 from fathom_jax.rows.layout import RowLayout, row_format
 from fathom_jax.decode.step import CacheView, NewToken, StepContext, sparse_attention_step
-from fathom_jax.decode.tiers import TieredPlanes
 from fathom_jax.format import round_capacity
 from fathom_jax.index import KeyIndex, build_index
-from fathom_jax.index.parts import KEYS, Planes
+from fathom_jax.index.parts import KEYS
 from fathom_jax.methods.base import ScanMethod
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.placement import Placement
@@ -135,12 +134,12 @@ class SparseAttention:
         return self.method.parts - {KEYS}  # the oracle and dense attention read the cache's K/V rows
 
     def cache_parts(self, layers: int) -> frozenset:
-        """The index parts of a cache of ``layers`` layers: plane stores in two tiers where the placement keeps
-        resident planes in device memory (:mod:`fathom_jax.decode.tiers`)."""
+        """The index parts of a cache of ``layers`` layers, placed: plane stores keep the placement's resident
+        planes in device memory (:mod:`fathom_jax.index.plane_stacking`)."""
         resident = self.placement.resident(layers)
         if not any(resident):
             return self.index_parts
-        return frozenset(TieredPlanes.of(p, resident) if isinstance(p, Planes) else p for p in self.index_parts)
+        return frozenset(p.placed(resident) for p in self.index_parts)
 
     # -- the CacheAttention protocol: how the decoder drives it ---------------------------------
     @property

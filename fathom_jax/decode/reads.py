@@ -5,11 +5,12 @@
 * :class:`StagedRead`: the index is in host memory; the run gather copies the planned runs (the first ``t_j`` planes
   of every active channel) to HBM at the link rate, then the plane scan reads HBM. A staged transfer can be chained
   after another (``after``): the pipelined step orders each chunk's transfer after the previous chunk's.
-* :class:`DirectRead`: the index is in host memory and the plane scan reads it there as it computes.
+* :class:`DirectRead`: the plane scan reads the planes in place as it computes: in host memory, or in HBM where
+  every plane is resident (other bulk arrays are staged from host memory).
 * :class:`TieredRead`: the top planes of every channel are resident in HBM and the rest in host memory
-  (:mod:`fathom_jax.decode.tiers`); the tiered gather stages only the deeper planned planes, over the link, and the
+  (:mod:`fathom_jax.store.tiered`); the tiered gather stages only the deeper planned planes, over the link, and the
   plane scan reads the resident ones in place beside them (the same codes, bit for bit, as the staged read of the
-  store in one tier). With every plane resident it scans the store in HBM in place.
+  store in one tier).
 
 Each reads a :class:`~fathom_jax.methods.base.PlaneRead` of a stacked store ``[L, R, ...]`` at ``layer`` for groups
 ``group_start ..``, and stages other bulk arrays (landmark means, Quest's page bounds, the oracle's keys) to device
@@ -25,7 +26,6 @@ import jax.numpy as jnp
 
 from fathom_jax import scan as scan_lib
 from fathom_jax import store as store_lib
-from fathom_jax.decode.tiers import TieredPlaneStore
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead
 from pallas_kernels import backend
 from pallas_kernels.plane_scan import ResidentPlanes, active_channels, plane_scan
@@ -74,12 +74,7 @@ class DeviceRead(IndexRead):
             # The layer's planes channel-major, contracted over channels there: transposing every token's codes per
             # layer and step cost more than the whole read on CPU; the scores equal the token-major read's up to
             # the dot's summation order.
-            groups = slice(group_start, group_start + length.shape[0])
-            if isinstance(store, TieredPlaneStore):
-                store = store.layer_store(layer, groups, length)
-            else:
-                store = dataclasses.replace(store, planes=store.planes[layer, groups],
-                                            scales=store.scales[layer, groups], length=length)
+            store = store.layer_store(layer, slice(group_start, group_start + length.shape[0]), length)
             return jnp.einsum("...gd,...dn->...gn", read.queries, store_lib.dequantize_channels(store, read.depths),
                               precision=jax.lax.Precision.HIGHEST), None
         return _scan_in_place(read, store, length, layer, group_start, self.implementation), None
@@ -115,7 +110,7 @@ class StagedRead(_HostRead):
 
 @dataclasses.dataclass(frozen=True)
 class DirectRead(_HostRead):
-    """The plane scan reads the planes from host memory as it computes."""
+    """The plane scan reads the planes in place as it computes (host memory, or HBM with every plane resident)."""
 
     def _plane_scores(self, read, store, length, layer, group_start, after):
         return _scan_in_place(read, store, length, layer, group_start, self.implementation), None
@@ -124,13 +119,11 @@ class DirectRead(_HostRead):
 @dataclasses.dataclass(frozen=True)
 class TieredRead(_HostRead):
     """Resident planes read in place in HBM, the deeper planned runs gathered over the link (``programs`` persistent
-    programs of the tiered gather; 0: one per copied chunk of a run); every plane resident: the scan in place."""
+    programs of the tiered gather; 0: one per copied chunk of a run)."""
 
     programs: int = 0
 
     def _plane_scores(self, read, store, length, layer, group_start, after):
-        if not isinstance(store, TieredPlaneStore):  # every plane resident: the plain store, in HBM
-            return _scan_in_place(read, store, length, layer, group_start, self.implementation), None
         channels, depths = active_channels(read.depths, read.max_active or None)
         planes, scales = tier_gather(store.cold, store.scales, store.table, channels, depths, layer=layer,
                                      group_start=group_start, after=after,

@@ -72,6 +72,11 @@ class IndexPart(abc.ABC):
         return data.head_dim
 
     # -- a stacked decode cache ``[L, R, ...]`` -------------------------------------------------------------
+    def placed(self, resident: tuple[int, ...]) -> "IndexPart":
+        """This part in a decode cache whose placement keeps ``resident[l]`` top planes of layer ``l`` in device
+        memory (only plane stores have planes to keep)."""
+        return self
+
     def empty(self, alloc: Alloc, length, *, layers: int, groups: int, capacity: int, head_dim: int) -> Any:
         """Zeros for ``layers x groups`` sequences; ``length [L, R]`` is the index's own (shared) length array."""
         raise NotImplementedError(f"index part {self.name!r} has no place in a decode cache")

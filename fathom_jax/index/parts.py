@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from fathom_jax.calibrate import Calibration, key_rotation, loki_rotation
 from fathom_jax.index.part import Alloc, IndexPart, Write
-from fathom_jax.index.plane_part import PlaneBlock, Planes
+from fathom_jax.index.plane_part import Planes
+from fathom_jax.index.plane_stacking import PlaneBlock
 from fathom_jax.index.row_parts import (BlockRows, LandmarkBlock, LandmarkMeans, Landmarks, PageBlock, PageBounds,
                                         Pages, StoredKeys)
 

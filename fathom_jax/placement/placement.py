@@ -9,7 +9,8 @@ A cache is a pytree whose *bulk* leaves grow with the context (bit planes, block
 each cache type says which of its leaves are bulk, as a tree like it: True for a bulk leaf, ``"device"`` for a bulk
 leaf kept in device memory whatever the placement, False for a small one); everything else (raw tails, lengths,
 rotations) is small and always stays in device memory. ``resident_planes`` keeps the top planes of every plane
-store's channels in device memory (per layer, or one count for all; :mod:`fathom_jax.decode.tiers`). :meth:`Placement.put` and :meth:`Placement.zeros`
+store's channels in device memory (per layer, or one count for all;
+:mod:`fathom_jax.index.plane_stacking`). :meth:`Placement.put` and :meth:`Placement.zeros`
 put each leaf where it belongs. How a decode step reads and writes a placed cache is
 :class:`fathom_jax.decode.StepConfig`'s business, not the placement's.
 

@@ -2,7 +2,7 @@
 
 The planner reads the most significant plane most (a read of depth t reads planes 0..t-1), so keeping planes
 ``[0, p_l)`` of every channel of layer ``l`` in device memory keeps most of the scan off the link
-(``Placement("pinned_host", resident_planes=p)``; the tiered store is :mod:`fathom_jax.decode.tiers`).
+(``Placement("pinned_host", resident_planes=p)``; the tiered store is :mod:`fathom_jax.store.tiered`).
 :func:`resident_for_budget` picks ``p_l`` from how often the planner reads each plane
 (:mod:`fathom_jax.placement.plane_reads` measures that on a calibration capture).
 """
@@ -14,6 +14,11 @@ from jaxtyping import Array, Float
 
 from fathom_jax import format as fmt
 from fathom_jax.format import BLOCK_TOKENS, N_PLANES
+
+
+def all_resident(resident: tuple[int, ...]) -> bool:
+    """Every plane of every layer in device memory: no plane of the index crosses the link."""
+    return all(p == N_PLANES for p in resident)
 
 
 def plane_bytes(*, groups: int, capacity: int, head_dim: int) -> int:

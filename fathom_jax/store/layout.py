@@ -101,6 +101,11 @@ class PlaneStore:
         """Bytes of one plane of one channel: the unit of a contiguous read."""
         return fmt.plane_run_bytes(self.capacity)
 
+    def layer_store(self, layer, groups: slice, length) -> "PlaneStore":
+        """Layer ``layer``'s ``groups`` of a stacked ``[L, R, ...]`` store, ``length`` long (as a two-tier store's)."""
+        return dataclasses.replace(self, planes=self.planes[layer, groups], scales=self.scales[layer, groups],
+                                   length=length)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,8 @@ import pytest
 
 from fathom_jax import decode
 from fathom_jax.decode import StepConfig
-from fathom_jax.decode.tiers import TieredPlanes, TieredPlaneStore
+from fathom_jax.index.parts import Planes
+from fathom_jax.store.tiered import TieredPlaneStore
 from fathom_jax.placement.residency import link_bytes, plane_bytes, resident_for_budget
 from fathom_jax.models import generation
 from fathom_jax.models.attention import CacheShape
@@ -34,8 +35,6 @@ def decode_run(model, resident, implementation, **step):
 def planes_of(cache) -> np.ndarray:
     """The one-tier planes [L, R, D, 4, W] of a cache's raw store, whichever tiers hold them."""
     store = cache.index["raw"]
-    if not isinstance(store, TieredPlaneStore):
-        return np.asarray(store.planes)
     layers, groups = store.scales.shape[:2]
     return np.stack([np.asarray(store.layer_store(layer, slice(0, groups), None).planes) for layer in range(layers)])
 
@@ -60,7 +59,7 @@ def test_resident_planes_decode_the_same_bits(tiny_model, implementation, reside
     np.testing.assert_array_equal(planes_of(cache), planes_of(want_cache))
     store = cache.index["raw"]
     if resident == 4:  # every plane resident: the one-tier store, in device memory, scanned in place
-        assert not isinstance(store, TieredPlaneStore) and type(attn.run.reader).__name__ == "TieredRead"
+        assert not isinstance(store, TieredPlaneStore) and type(attn.run.reader).__name__ == "DirectRead"
         return
     per_layer = attn.placement.resident(3)
     assert isinstance(store, TieredPlaneStore) and store.hot.shape[0] == sum(per_layer)
@@ -102,8 +101,8 @@ def test_placement_checks_resident_planes():
     with pytest.raises(ValueError, match="has 2 entries, the cache has 3 layers"):
         Placement("pinned_host", resident_planes=(1, 2)).resident(3)
     assert Placement("pinned_host", resident_planes=2).resident(3) == (2, 2, 2)
-    assert isinstance(next(iter(decode.from_spec("fathom:8", k=40, placement=Placement(
-        "pinned_host", resident_planes=1)).cache_parts(2))), TieredPlanes)
+    [part] = decode.from_spec("fathom:8", k=40, placement=Placement("pinned_host", resident_planes=1)).cache_parts(2)
+    assert isinstance(part, Planes) and part.resident == (1, 1) and type(part.stacking).__name__ == "TwoTiers"
 
 
 def test_resident_planes_for_a_budget():

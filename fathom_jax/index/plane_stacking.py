@@ -1,0 +1,163 @@
+"""How a decode cache stacks a plane store ``[L, R, ...]``: one tier or two, chosen once from the resident planes.
+
+* :class:`OneTier`: channel-major planes ``[L, R, D, 4, W]`` (a :class:`~fathom_jax.store.PlaneStore`) wherever the
+  placement puts bulk leaves; with every plane of every layer resident (``in_hbm``), in device memory whatever the
+  placement (the index-in-HBM control).
+* :class:`TwoTiers`: planes ``[0, p_l)`` of layer ``l`` and the block scales in device memory, the rest in host
+  memory (a :class:`~fathom_jax.store.tiered.TieredPlaneStore`).
+
+Both hold the same codes, built, appended and cut by :class:`~fathom_jax.index.plane_part.Planes` alike; the
+stacking only says where a cache's planes sit and how a layer's blocks are written there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Float16, UInt32
+
+from fathom_jax import format as fmt
+from fathom_jax import store as store_lib
+from fathom_jax.format import BLOCK_TOKENS, N_PLANES, WORDS_PER_BLOCK
+from fathom_jax.index.part import _small_like
+from fathom_jax.store import KeyRotation, PlaneStore
+from fathom_jax.store.tiered import TieredPlaneStore
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PlaneBlock:
+    """A plane store's newest 64-token block after a decode step adds its token: plane ``words [R, D, 4, 2]``, fp16
+    ``scale [R, D]`` and the block's raw keys ``tail [R, 64, D]`` (in the store's basis)."""
+
+    words: UInt32[Array, "R D 4 2"]
+    scale: Float16[Array, "R D"]
+    tail: Float[Array, "R 64 D"]
+
+
+def stacking(resident: tuple[int, ...]) -> "OneTier | TwoTiers":
+    """The stacking for ``resident[l]`` planes of layer ``l`` in device memory (none: one tier)."""
+    if not any(resident):
+        return OneTier()
+    if all(p == N_PLANES for p in resident):
+        return OneTier(in_hbm=True)
+    return TwoTiers(tuple(resident))
+
+
+def _rotation(alloc, rotated: bool, *, layers: int, groups: int, head_dim: int) -> KeyRotation | None:
+    if not rotated:
+        return None
+    small = lambda shape: alloc(shape, jnp.float32, bulk=False)  # noqa: E731
+    return KeyRotation(mean=small((layers, groups, head_dim)), basis=small((layers, groups, head_dim, head_dim)))
+
+
+def _set_small(stacked, built, layer):
+    """The small leaves of ``stacked`` (tail, rotation) with layer ``layer`` set to ``built``'s."""
+    set_small = lambda dst, src: dst.at[layer].set(src.astype(dst.dtype))  # noqa: E731
+    rotation = None if stacked.rotation is None else jax.tree.map(set_small, stacked.rotation, built.rotation)
+    return set_small(stacked.tail, built.tail), rotation
+
+
+def add_token(stacked, layer, position, key):
+    """The new token of every group at ``layer``: ``(tail, rotation, block)``; reads no planes (either stacking)."""
+    rotation = None if stacked.rotation is None else jax.tree.map(lambda a: a[layer], stacked.rotation)
+    rotated = store_lib.rotate_keys(key[:, None, :], rotation)[:, 0]
+    words, scale, tail = jax.vmap(store_lib.append_block)(stacked.tail[layer], position, rotated)
+    return tail, rotation, PlaneBlock(words=words, scale=scale, tail=tail)
+
+
+def packed_tails(stacked, length):
+    """Every layer's partial newest block packed from its raw tail: ``(words, scales, block, due)``."""
+    count = length % BLOCK_TOKENS
+    words, scale = jax.vmap(jax.vmap(store_lib.pack_block), in_axes=(0, None))(stacked.tail, count)
+    return words, scale, length // BLOCK_TOKENS, count > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OneTier:
+    """Channel-major planes ``[L, R, D, 4, W]``, where the placement puts bulk leaves or (``in_hbm``) in HBM."""
+
+    in_hbm: bool = False
+
+    def bulk(self, data):
+        where = "device" if self.in_hbm else True
+        return dataclasses.replace(_small_like(data, False), planes=where, scales=where)
+
+    def bulk_bytes(self, part, *, layers, capacity, head_dim) -> dict[str, int]:
+        total = layers * part.nbytes(capacity=capacity, head_dim=head_dim)
+        return {"planes": 0, "planes_hbm": total} if self.in_hbm else {part.kind: total}
+
+    def empty(self, alloc, length, *, rotated, layers, groups, capacity, head_dim):
+        bulk = "device" if self.in_hbm else True
+        d = head_dim
+        return PlaneStore(
+            planes=alloc((layers, groups, d, N_PLANES, fmt.plane_words(capacity)), jnp.uint32, bulk=bulk),
+            scales=alloc((layers, groups, d, capacity // BLOCK_TOKENS), jnp.float16, bulk=bulk),
+            tail=alloc((layers, groups, BLOCK_TOKENS, d), jnp.float32, bulk=False), length=length,
+            rotation=_rotation(alloc, rotated, layers=layers, groups=groups, head_dim=d))
+
+    def write_layer(self, write, stacked, built, layer, length):
+        zero = jnp.zeros(built.length.shape, jnp.int32)
+        put = lambda dst, src, axis: write(dst, src[None], zero, axis, layer)  # noqa: E731
+        tail, rotation = _set_small(stacked, built, layer)
+        return PlaneStore(planes=put(stacked.planes, built.planes, 4), scales=put(stacked.scales, built.scales, 3),
+                          tail=tail, length=length, rotation=rotation)
+
+    def add_token(self, stacked, layer, position, key):
+        tail, rotation, block = add_token(stacked, layer, position, key)
+        return PlaneStore(planes=stacked.planes, scales=stacked.scales, tail=tail, length=position + 1,
+                          rotation=rotation), block
+
+    def write_blocks(self, write, stacked, words, scale, block, due, layer):
+        """``stacked`` with each group's 64-token block number ``block [R]`` written where ``due`` (words ``[Ls, R, D,
+        4, 2]``, scales ``[Ls, R, D]`` for layers ``layer ..``); elsewhere the block index is past the end and the
+        writes drop out."""
+        block = jnp.where(due, block, stacked.scales.shape[-1])
+        return dataclasses.replace(stacked, planes=write(stacked.planes, words, block * WORDS_PER_BLOCK, 4, layer),
+                                   scales=write(stacked.scales, scale[..., None], block, 3, layer))
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoTiers:
+    """Planes ``[0, p_l)`` of layer ``l`` and the block scales in HBM, planes ``[p_l, 4)`` in host memory, each tier
+    plane-major (:class:`~fathom_jax.store.tiered.TieredPlaneStore`); written with one ``tier_write`` per layer."""
+
+    resident: tuple[int, ...]
+
+    def bulk(self, data):
+        return dataclasses.replace(_small_like(data, False), hot="device", cold=True, scales="device")
+
+    def bulk_bytes(self, part, *, layers, capacity, head_dim) -> dict[str, int]:
+        plane = head_dim * fmt.plane_words(capacity) * 4
+        scales = layers * head_dim * (capacity // BLOCK_TOKENS) * 2
+        hot = sum(self.resident) * plane
+        return {"planes": layers * N_PLANES * plane - hot, "planes_hbm": hot + scales}
+
+    def empty(self, alloc, length, *, rotated, layers, groups, capacity, head_dim):
+        d, w, hot = head_dim, fmt.plane_words(capacity), sum(self.resident)
+        return TieredPlaneStore(
+            cold=alloc((layers * N_PLANES - hot, groups, d, w), jnp.uint32),  # largest first (host memory)
+            hot=alloc((hot, groups, d, w), jnp.uint32, bulk="device"),
+            scales=alloc((layers, groups, d, capacity // BLOCK_TOKENS), jnp.float16, bulk="device"),
+            tail=alloc((layers, groups, BLOCK_TOKENS, d), jnp.float32, bulk=False), length=length,
+            rotation=_rotation(alloc, rotated, layers=layers, groups=groups, head_dim=d), resident=self.resident)
+
+    def write_layer(self, write, stacked, built, layer, length):
+        start = jnp.zeros(built.length.shape, jnp.int32)
+        hot, cold = write.tiers(stacked.hot, stacked.cold, stacked.table, built.planes[None], start, layer)
+        tail, rotation = _set_small(stacked, built, layer)
+        return dataclasses.replace(stacked, hot=hot, cold=cold, tail=tail, length=length, rotation=rotation,
+                                   scales=write(stacked.scales, built.scales[None], start, 3, layer))
+
+    def add_token(self, stacked, layer, position, key):
+        tail, rotation, block = add_token(stacked, layer, position, key)
+        return dataclasses.replace(stacked, tail=tail, length=position + 1, rotation=rotation), block
+
+    def write_blocks(self, write, stacked, words, scale, block, due, layer):
+        """As :meth:`OneTier.write_blocks`, each plane to its tier."""
+        block = jnp.where(due, block, stacked.scales.shape[-1])
+        hot, cold = write.tiers(stacked.hot, stacked.cold, stacked.table, words, block * WORDS_PER_BLOCK, layer)
+        return dataclasses.replace(stacked, hot=hot, cold=cold,
+                                   scales=write(stacked.scales, scale[..., None], block, 3, layer))
