@@ -24,13 +24,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fathom_jax.models import hub  # noqa: E402
-from fathom_jax.models.gemma3_cache import Gemma3Cache  # noqa: E402
+from fathom_jax.models import DenseCache, generation, hub  # noqa: E402
 from fathom_jax.models.generation import generate  # noqa: E402
 from tests.models import conftest as prompts  # noqa: E402  (the parity test's prompts, one source)
+from tests.support import forced_logits  # noqa: E402
 
 
 def oracle(out: str) -> dict:
@@ -69,7 +68,10 @@ def main() -> None:
         ids = [tok.bos_id, *tok.encode(text)]
         assert ids == ref[tokens_key].tolist(), f"{name}: tokens differ from transformers'"
         last = logits_key != "logits"
-        logits, _ = model.prefill(jnp.asarray(ids)[None], Gemma3Cache.init(cfg, 1, len(ids)), last_only=last)
+        if last:  # the prompt's logits at its last token
+            logits, _, _ = generation.prefill(model, np.asarray(ids)[None], [len(ids)], DenseCache(), len(ids))
+        else:  # every position's, teacher-forced through decode steps
+            logits, _ = forced_logits(model, np.asarray(ids)[None])
         gen = np.asarray(generate(model, np.asarray(ids), len(ref[greedy_key])))
         rows.append({"prompt": name, "tokens": len(ids), "positions_compared": 1 if last else len(ids),
                      **compare(logits[0], ref[logits_key]), "greedy_equal": bool((gen == ref[greedy_key]).all()),

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from fathom_jax.models.prefill import chunked_causal_attention
+from fathom_jax.models.prompt_attention import chunked_causal_attention
 
 
 def test_chunked_causal_attention_equals_dense_causal():
