@@ -20,14 +20,13 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from fathom_jax.models import hub
-from fathom_jax.models.gemma3_cache import Gemma3Cache
+from fathom_jax.models import DenseCache, generation, hub
 from fathom_jax.models.generation import generate
 from scripts import harness
 from tests.models import conftest as prompts  # the parity test's prompts, one source
+from tests.support import forced_logits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,7 +67,10 @@ def main() -> None:
         ids = [tok.bos_id, *tok.encode(text)]
         assert ids == ref[tokens_key].tolist(), f"{name}: tokens differ from transformers'"
         last = logits_key != "logits"
-        logits, _ = model.prefill(jnp.asarray(ids)[None], Gemma3Cache.init(cfg, 1, len(ids)), last_only=last)
+        if last:  # the prompt's logits at its last token
+            logits, _, _ = generation.prefill(model, np.asarray(ids)[None], [len(ids)], DenseCache(), len(ids))
+        else:  # every position's, teacher-forced through decode steps
+            logits, _ = forced_logits(model, np.asarray(ids)[None])
         gen = np.asarray(generate(model, np.asarray(ids), len(ref[greedy_key])))
         rows.append({"prompt": name, "tokens": len(ids), "positions_compared": 1 if last else len(ids),
                      **compare(logits[0], ref[logits_key]), "greedy_equal": bool((gen == ref[greedy_key]).all()),

@@ -23,7 +23,6 @@ its attention over chunks of queries: the same numbers bit for bit, without the 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import time
@@ -68,24 +67,25 @@ def synthetic_rows(draws: int, seed: int) -> list[dict]:
     return rows
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"))
-def _chunked_capture(graphdef, state, tokens, chunk):
-    from flax import nnx
+def _chunked_capture(group_size: int, chunk: int):
+    """q/k/v capture whose attention is the prefill's XLA path, by chunks of ``chunk`` queries."""
+    import dataclasses
 
-    from fathom_jax.models.cache import KVCache
-    from fathom_jax.models.prefill import chunked_causal_attention
+    from fathom_jax.models.capture import CaptureAttention
+    from fathom_jax.models.prompt_attention import chunked_causal_attention
 
-    def attend(q, k, v, start, layer):  # q [B, Hkv, G, T, D] at positions 0..T-1 over k, v [B, Hkv, T, D]
-        b, hkv, g, t, d = q.shape
-        query = q.reshape(b, hkv * g, t, d).transpose(0, 2, 1, 3)
-        o = chunked_causal_attention(query, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), chunk)
-        return o.transpose(0, 2, 1, 3).reshape(b, hkv, g, t, d)
+    @dataclasses.dataclass(frozen=True)
+    class Chunked(CaptureAttention):
+        chunk: int = 1024
 
-    model = nnx.merge(graphdef, state)
-    cache = KVCache.init(model.config, 1, tokens.shape[1], model.dtype)
-    _, _, (q, k, v) = model._forward(tokens, cache, attend, capture=True)
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    return {"q": f32(q[:, 0].reshape(q.shape[0], -1, q.shape[-2], q.shape[-1])), "k": f32(k[:, 0]), "v": f32(v[:, 0])}
+        def attend_prompt(self, cache, layer, q, keys, values, lengths):  # q [B, Hkv, G, T, D], keys [B, Hkv, T, D]
+            b, hkv, g, t, d = q.shape
+            query = q.reshape(b, hkv * g, t, d).transpose(0, 2, 1, 3)
+            o = chunked_causal_attention(query, keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3), self.chunk)
+            _, cache = super().attend_prompt(cache, layer, q, keys, values, lengths)  # the records (its attention: unused)
+            return o.transpose(0, 2, 1, 3).reshape(b, hkv, g, t, d), cache
+
+    return Chunked(group_size, chunk=chunk)
 
 
 def capture(model, ids, chunk: int | None = None) -> fid.Capture:
@@ -99,10 +99,7 @@ def capture(model, ids, chunk: int | None = None) -> fid.Capture:
     tokens = jnp.asarray(ids, jnp.int32)
     if chunk is None:
         return fid.Capture(**capture_qkv(model, tokens))
-    from flax import nnx
-
-    graphdef, state = nnx.split(model)
-    return fid.Capture(**_chunked_capture(graphdef, state, tokens[None], chunk))
+    return fid.Capture(**capture_qkv(model, tokens, attention=_chunked_capture(model.config.group_size, chunk)))
 
 
 def smollm2_rows(model, tokenizer, context: int, positions: int, budgets, chunk=None) -> tuple[list[dict], dict]:

@@ -13,7 +13,24 @@ from fathom_jax import index as I
 from fathom_jax import methods as M
 
 
-# The tiny model's prompts (tests/models: `full_logits` is its prefill, `tests/models/conftest.py`)
+def forced_logits(model, tokens, capacity: int | None = None, attention=None):
+    """f32 logits ``[B, T, V]`` at every position of ``tokens [B, T]`` through the decoder protocol (the first
+    token's prefill, then a decode step fed each next token: teacher forcing), and the decode state after them.
+    ``attention``: the dense cache by default."""
+    from fathom_jax.models import DenseCache, generation
+
+    tokens = np.asarray(tokens, np.int32)
+    b, t = tokens.shape
+    attention = DenseCache() if attention is None else attention
+    logits, state, attention = generation.prefill(model, tokens[:, :1], np.ones(b, np.int32), attention, capacity or t)
+    out = [np.asarray(logits)]
+    for i in range(1, t):
+        _, logits, state = generation.decode_step(model, tokens[:, i], state, attention)
+        out.append(np.asarray(logits))
+    return np.stack(out, 1), state
+
+
+# The tiny model's prompts (tests/models: `full_logits` is its teacher-forced logits, `tests/models/conftest.py`)
 TINY_TOKENS = np.random.default_rng(0).integers(0, 97, (2, 12)).astype(np.int32)
 
 

@@ -17,7 +17,7 @@ import shlex
 import tempfile
 from collections.abc import Callable
 
-from fathom_jax.placement.host_memory import available_bytes, cache_layers, param_count, peak_bytes, shortfall  # noqa: F401  (the CLI's API)
+from fathom_jax.models.sizing import available_bytes, cache_layers, param_count, peak_bytes, shortfall  # noqa: F401  (the CLI's API)
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -209,7 +209,7 @@ def readable_bytes(n: int) -> str:
 
 
 def check_memory(need: int, what: str, skip: bool) -> None:
-    """The run's sizing (:func:`fathom_jax.placement.host_memory.peak_bytes`) against the memory available now."""
+    """The run's sizing (:func:`fathom_jax.models.sizing.peak_bytes`) against the memory available now."""
     message = None if skip else shortfall(need, what, available_bytes(), "--no-memory-check")
     if message:
         raise UsageError(message)

@@ -6,7 +6,8 @@
     ids = fathom_jax.models.generate(model, prompt, 64, attention_fn=attn)
 
 :class:`SparseAttention` implements the models' :class:`~fathom_jax.models.attention.CacheAttention` protocol: the
-decoder writes each layer's prompt keys and values (:meth:`~SparseAttention.write_prompt`), and in a decode step calls
+decoder hands it each layer's prompt (:meth:`~SparseAttention.attend_prompt`: dense causal attention, and the keys
+and values written by :meth:`~SparseAttention.write_prompt`), and in a decode step calls
 :meth:`~SparseAttention.attend` per layer inside its layer scan and :meth:`~SparseAttention.commit` after it. The
 cache (:class:`~fathom_jax.decode.cache.SparseCache`) holds every layer's K/V rows and key index stacked ``[L, R,
 ...]``, bulk arrays where the placement puts them, and one length per sequence: a batch of different lengths decodes
@@ -39,6 +40,7 @@ from fathom_jax.index import KeyIndex, build_index
 from fathom_jax.index.parts import KEYS
 from fathom_jax.methods.base import ScanMethod
 from fathom_jax.models.attention import CacheShape
+from fathom_jax.models.prompt_attention import PREFILL_MLP_CHUNK, prefill_attention
 from fathom_jax.placement import Placement
 from fathom_jax.rows.formats import RowFormat
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
@@ -148,6 +150,11 @@ class SparseAttention:
         return not self.placement.offloaded and self.placement.mesh is None
 
     ragged = True  # one length per sequence
+    mlp_chunk = PREFILL_MLP_CHUNK
+
+    @property
+    def offloaded(self) -> bool:
+        return self.placement.offloaded
 
     @property
     def min_capacity(self) -> int:
@@ -216,6 +223,11 @@ class SparseAttention:
             host_memory.check(sizes, devices=self.placement.local_shards,  # this host's share of the mesh
                               what=f"a cache of {round_capacity(shape.capacity)} tokens")
         return allocate(self.placement.zeros, parts, shape, **options)
+
+    def attend_prompt(self, cache: SparseCache, layer, q, keys, values, lengths):
+        """The prompt's dense causal attention at ``layer``, and the cache with its rows written
+        (:meth:`write_prompt`)."""
+        return prefill_attention(q, keys, values), self.write_prompt(cache, layer, keys, values, lengths)
 
     def write_prompt(self, cache: SparseCache, layer, keys, values, lengths) -> SparseCache:
         """Prefill: layer ``layer``'s post-RoPE ``keys, values [B, Hkv, T, Dh]`` of sequences of ``lengths [B]``

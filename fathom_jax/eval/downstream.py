@@ -18,7 +18,6 @@ token is decoded with the method's attention. The dense row is the sparse path's
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +25,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from fathom_jax import decode
 from fathom_jax import format as fmt
@@ -37,7 +35,6 @@ from fathom_jax.methods import ScanMethod
 from fathom_jax.models import generation
 from fathom_jax.models.attention import DenseCache
 from fathom_jax.models.cache import KVCache
-from fathom_jax.models.llama import dense_attend
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
 
 
@@ -133,14 +130,6 @@ class Prefill:
         return self.kv.capacity
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _prefill_last(graphdef, state, tokens, lengths, cache):
-    model = nnx.merge(graphdef, state)
-    h, cache, _ = model._forward(tokens, cache, dense_attend, capture=False)  # h is already normed
-    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return model.logits(last), cache
-
-
 def dense_prefill(model, prompts: Sequence[Sequence[int]], capacity: int) -> Prefill:
     """Dense causal prefill of right-padded ``prompts`` into a :class:`KVCache` of ``capacity`` tokens.
 
@@ -155,18 +144,12 @@ def dense_prefill(model, prompts: Sequence[Sequence[int]], capacity: int) -> Pre
     tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    if not model.ragged:  # Gemma 3: equal-length prompts, through the decoder interface (its windows beside the cache)
-        if lengths.min() != lengths.max():
-            raise ValueError(f"dense_prefill: {type(model).__name__} prefills equal-length prompts, got lengths "
-                             f"{lengths.tolist()}")
-        logits, state, _ = generation.prefill(model, tokens, lengths, DenseCache(), capacity)
-        own, kv = model.split_state(state)
-        return Prefill(kv=kv, lengths=jnp.asarray(lengths), first=generation.first_token(logits), own=own)
-    cfg = model.config
-    graphdef, state = nnx.split(model)
-    logits, kv = _prefill_last(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths),
-                               KVCache.init(cfg, len(prompts), capacity, model.dtype))
-    return Prefill(kv=kv, lengths=jnp.asarray(lengths), first=jnp.argmax(logits, -1).astype(jnp.int32))
+    if not model.ragged and lengths.min() != lengths.max():
+        raise ValueError(f"dense_prefill: {type(model).__name__} prefills equal-length prompts, got lengths "
+                         f"{lengths.tolist()}")
+    logits, state, _ = generation.prefill(model, tokens, lengths, DenseCache(), capacity)
+    own, kv = model.split_state(state)
+    return Prefill(kv=kv, lengths=jnp.asarray(lengths), first=generation.first_token(logits), own=own)
 
 
 _cache_from_dense = jax.jit(decode.cache_from_dense)

@@ -1,15 +1,17 @@
-"""The attention protocol the decoder drives: attention with a cache of its own.
+"""The attention protocol the decoders drive: attention with a cache of its own.
 
-The decoder (``generation.py``) knows nothing of how a cache is laid out or where it lives. It asks an attention
-object (a :class:`CacheAttention`) for an empty cache, hands it each layer's prompt keys and values during prefill,
-and in a decode step calls :meth:`~CacheAttention.attend` per layer inside its layer scan (the new token's
-post-RoPE query, key and value; the cache does not hold the token yet) and :meth:`~CacheAttention.commit` once after
-the scan with every layer's update. Programs that take and return the cache are made by the attention object
-(:meth:`~CacheAttention.program`), which knows how its cache must be donated and placed.
+A decoder (:mod:`fathom_jax.models.decoder`) knows nothing of how a cache is laid out or where it lives. It asks an
+attention object for an empty cache, runs each layer of a prompt through :meth:`~PromptAttention.attend_prompt` (the
+prompt's attention at that layer, and the cache with the layer's keys and values written), and in a decode step calls
+:meth:`~CacheAttention.attend` per layer inside its layer scan (the new token's post-RoPE query, key and value; the
+cache does not hold the token yet) and :meth:`~CacheAttention.commit` once after the scan with every layer's update.
+Programs that take and return the cache are made by the attention object (:meth:`~CacheAttention.program`), which
+knows how its cache must be donated and placed.
 
-:class:`DenseCache` is the protocol over the dense :class:`~fathom_jax.models.cache.KVCache` with any
-:class:`~fathom_jax.models.cache.AttentionFn`; sparse attention (``fathom_jax.decode.SparseAttention``) implements
-the same protocol outside this package.
+:class:`DenseCache` is the protocol over the dense :class:`~fathom_jax.models.cache.KVCache`, with any
+:class:`~fathom_jax.models.cache.AttentionFn` over it; sparse attention (``fathom_jax.decode.SparseAttention``)
+implements the same protocol outside this package, and q/k/v capture (:mod:`fathom_jax.models.capture`) implements
+its prompt half.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
-from fathom_jax.models.cache import AttentionFn, KVCache, dense_attention
+from fathom_jax.models.cache import AttentionFn, KVCache, softmax_attention
+from fathom_jax.models.prompt_attention import PREFILL_MLP_CHUNK, prefill_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,37 +46,56 @@ class CacheShape:
 
 
 @runtime_checkable
-class CacheAttention(Protocol):
-    """Attention with a cache of its own, as the decoder drives it.
+class PromptAttention(Protocol):
+    """The attention of a prompt, layer by layer, with a cache of its own (what ``forward_prompt`` drives).
+
+    ``mlp_chunk``: tokens per chunk of the prompt's MLP (None: all at once); chunks bound the ``[T, intermediate]``
+    activations of a long prompt.
+    """
+
+    mlp_chunk: int | None
+
+    def init_cache(self, shape: CacheShape) -> Any:
+        """An empty cache of ``shape``."""
+
+    def attend_prompt(self, cache, layer, q: Float[Array, "B Hkv G T D"], keys: Float[Array, "B Hkv T D"],
+                      values: Float[Array, "B Hkv T D"], lengths: Int[Array, "B"]) -> tuple[Array, Any]:
+        """Causal attention of the prompt at ``layer`` (post-RoPE; ``lengths [B]`` valid tokens per right-padded
+        sequence): ``(o [B, Hkv, G, T, D], the cache with the layer's keys and values written)``."""
+
+
+@runtime_checkable
+class CacheAttention(PromptAttention, Protocol):
+    """Attention with a cache of its own, as the decoder drives it through a prompt and then decode steps.
 
     ``fused``: a whole generation may be one program (the cache can ride in loop carries); ``ragged``: sequences of
     different lengths decode together; ``min_capacity``: the fewest cache slots it works with; ``layer_unroll``:
-    layers per iteration of the decode step's layer scan.
-    Shapes: ``q [B, Hkv, G, D]``, ``key``/``value [B, Hkv, D]`` in a decode step; ``keys``/``values [B, Hkv, T, D]``
-    (post-RoPE) with ``lengths [B]`` valid tokens per sequence in prefill.
+    layers per iteration of the decode step's layer scan; ``compiler_options``: XLA options for the programs that run
+    its steps; ``offloaded``: the cache lives in host memory (it sizes itself; no device-memory check applies).
+    Shapes in a decode step: ``q [B, Hkv, G, D]``, ``key``/``value [B, Hkv, D]``.
     """
 
     fused: bool
     ragged: bool
     min_capacity: int
     layer_unroll: int
+    compiler_options: dict
+    offloaded: bool
 
     def bind(self, shape: CacheShape) -> "CacheAttention":
         """This attention for caches of ``shape`` (checked; any configuration resolved once, before tracing)."""
 
-    def init_cache(self, shape: CacheShape) -> Any: ...
-
-    def write_prompt(self, cache, layer, keys, values, lengths) -> Any: ...
-
     def start_decode(self, cache, lengths) -> Any:
-        """The cache after the last prefill layer, its sequences ``lengths [B]`` long."""
+        """The cache after the last prompt layer, its sequences ``lengths [B]`` long."""
 
     def positions(self, cache) -> Int[Array, "B"]:
         """Where each sequence's next token goes."""
 
-    def attend(self, cache, layer, q, key, value) -> tuple[Array, Any]: ...
+    def attend(self, cache, layer, q, key, value) -> tuple[Array, Any]:
+        """One layer of a decode step: ``(o [B, Hkv, G, D], this layer's update for commit)``."""
 
-    def commit(self, cache, updates) -> Any: ...
+    def commit(self, cache, updates) -> Any:
+        """The cache with every layer's update (stacked on a leading layer axis) written."""
 
     def program(self, fn: Callable, cache, *, static: tuple = (), options: dict | None = None) -> Callable:
         """``fn(*static, attention, *args, cache) -> (outs, cache)`` as one compiled program, called as
@@ -82,14 +104,21 @@ class CacheAttention(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class DenseCache:
-    """The dense KV cache (:class:`KVCache`, one shared length: equal-length prompts) with attention ``fn`` over
-    the whole cache (:func:`dense_attention` by default, or any :class:`AttentionFn`)."""
+    """The dense KV cache (:class:`KVCache`, one shared length: equal-length prompts) with decode attention ``fn``
+    over the whole cache (:func:`softmax_attention` by default, or any :class:`AttentionFn`: a plain function is
+    hashed into the program, a callable pytree passes its arrays as traced arguments)."""
 
-    fn: AttentionFn = dense_attention
+    fn: AttentionFn = softmax_attention
     fused = True
     ragged = False
     min_capacity = 1
     layer_unroll = 1
+    offloaded = False
+    mlp_chunk = PREFILL_MLP_CHUNK
+
+    @property
+    def compiler_options(self) -> dict:
+        return {}
 
     def bind(self, shape: CacheShape) -> "DenseCache":
         return self
@@ -98,7 +127,11 @@ class DenseCache:
         dims = (shape.layers, shape.batch, shape.kv_heads, shape.capacity, shape.head_dim)
         return KVCache(jnp.zeros(dims, shape.dtype), jnp.zeros(dims, shape.dtype), jnp.zeros((), jnp.int32))
 
-    def write_prompt(self, cache: KVCache, layer, keys, values, lengths) -> KVCache:
+    def attend_prompt(self, cache: KVCache, layer, q, keys, values, lengths):
+        return prefill_attention(q, keys, values), self.write_prompt(cache, layer, keys, values)
+
+    @staticmethod
+    def write_prompt(cache: KVCache, layer, keys, values) -> KVCache:
         at = (layer, 0, 0, 0, 0)
         return dataclasses.replace(cache, k=jax.lax.dynamic_update_slice(cache.k, keys[None].astype(cache.k.dtype), at),
                                    v=jax.lax.dynamic_update_slice(cache.v, values[None].astype(cache.v.dtype), at))
@@ -150,10 +183,3 @@ def _dense_program(fn, static, options):
         return fn(*static, jax.tree.unflatten(treedef, leaves), *args, cache)
 
     return jax.jit(body, static_argnums=(0,), donate_argnums=(3,), compiler_options=dict(options) or None)
-
-
-def as_cache_attention(attention: "CacheAttention | AttentionFn") -> CacheAttention:
-    """``attention`` if it has a cache of its own, else the dense cache with it as its attention function."""
-    return attention if isinstance(attention, CacheAttention) else DenseCache(attention)
-
-

@@ -1,8 +1,8 @@
-"""The dense KV cache and the decode-time attention hook protocol.
+"""The dense KV cache and the decode attention over it (:class:`AttentionFn`, what a
+:class:`~fathom_jax.models.attention.DenseCache` calls).
 
 The cache holds *post-RoPE* keys, because Fathom's scans rank keys exactly as attention sees them. It is
-an explicit pytree that the layers take and return (threaded through the layer scan, so XLA updates it
-in place). Attention with a cache of its own (sparse decoding) implements :mod:`fathom_jax.models.attention`.
+an explicit pytree that the decode step takes and returns, so XLA updates it in place.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
-
-from fathom_jax.models.config import LlamaConfig
 
 
 @jax.tree_util.register_dataclass
@@ -30,11 +28,6 @@ class KVCache:
     k: Float[Array, "layers batch kv_heads capacity head_dim"]
     v: Float[Array, "layers batch kv_heads capacity head_dim"]
     length: Int[Array, ""]
-
-    @classmethod
-    def init(cls, config: LlamaConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
-        shape = (config.n_layers, batch, config.n_kv_heads, capacity, config.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
 
     @property
     def capacity(self) -> int:
@@ -58,8 +51,7 @@ class AttentionFn(Protocol):
     arrays it closes over are baked in as constants), or a callable pytree, e.g. a frozen
     dataclass registered with `jax.tree_util.register_dataclass` whose array fields are traced: new
     values of the same shapes do not recompile. Runs inside `lax.scan` over layers, so index
-    per-layer tables with `layer`. Attention with a cache of its own implements
-    :class:`fathom_jax.models.attention.CacheAttention` instead.
+    per-layer tables with `layer`. Decoding with it is decoding with `DenseCache(fn)`.
     """
 
     def __call__(
@@ -72,7 +64,7 @@ class AttentionFn(Protocol):
     ) -> Float[Array, "B Hkv G D"]: ...
 
 
-def dense_attention(q, k, v, length, layer):
+def softmax_attention(q, k, v, length, layer):
     """Exact softmax attention over cache slots [0, length); the reference `AttentionFn`."""
     del layer
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -81,12 +73,3 @@ def dense_attention(q, k, v, length, layer):
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("bhgc,bhcd->bhgd", p, v.astype(jnp.float32))
 
-
-def causal_attention(q, k, v, start):
-    """Prefill attention: q [B,Hkv,G,T,D] at positions start..start+T-1 over cache k/v [B,Hkv,C,D]."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s = jnp.einsum("bhgtd,bhcd->bhgtc", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
-    q_pos = start + jnp.arange(q.shape[3])
-    s = jnp.where(jnp.arange(k.shape[2])[None, :] <= q_pos[:, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bhgtc,bhcd->bhgtd", p, v.astype(jnp.float32))

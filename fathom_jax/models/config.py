@@ -35,7 +35,10 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class DecoderConfig:
+    """The sizes every decoder family has, under one set of names, so that code that sizes a run from a config
+    reads any family's."""
+
     vocab: int
     hidden: int
     intermediate: int
@@ -43,15 +46,6 @@ class LlamaConfig:
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: always; Llama/Qwen3: flag)
-    o_proj_bias: bool = False  # bias on the output projection (Llama/Qwen3 tie it to attention_bias)
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
-    max_position_embeddings: int = 8192
-    family: str = "llama"
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -64,6 +58,19 @@ class LlamaConfig:
         """Query heads per KV head (GQA group G)."""
         return self.n_heads // self.n_kv_heads
 
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig(DecoderConfig):
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: always; Llama/Qwen3: flag)
+    o_proj_bias: bool = False  # bias on the output projection (Llama/Qwen3 tie it to attention_bias)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    max_position_embeddings: int = 8192
+    family: str = "llama"
+
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike) -> "LlamaConfig":
         """Build from a HF `config.json` dict, the file, or the checkpoint directory holding it."""
@@ -74,6 +81,12 @@ class LlamaConfig:
             with open(path) as f:
                 config = json.load(f)
         return _from_hf_dict(dict(config))
+
+
+def gguf_field(reader, key: str, default=None):
+    """The value of GGUF metadata ``key`` (llama.cpp's names), or ``default`` if the file lacks it."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
 
 
 def _family(d: dict) -> str:

@@ -1,7 +1,7 @@
 """Gemma 3 (text) configuration: interleaved sliding-window ("local") and global attention layers.
 
-Field names follow :class:`~fathom_jax.models.LlamaConfig` wherever the meaning is the same (``n_layers``,
-``head_dim``, ``max_position_embeddings``, ...), so code that sizes a run from a config reads either.
+The sizes are :class:`~fathom_jax.models.config.DecoderConfig`'s, as :class:`~fathom_jax.models.LlamaConfig`'s are,
+and other field names follow it wherever the meaning is the same (``max_position_embeddings``, ...).
 Values come from a GGUF's metadata (:func:`config_from_gguf`) or a HF ``config.json`` (:func:`from_hf_dict`);
 what neither file states takes transformers' ``Gemma3TextConfig`` default, which llama.cpp hard-codes too
 (the local layers' RoPE base 10000, one global layer in every six).
@@ -13,21 +13,14 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from fathom_jax.models.config import RopeScaling
+from fathom_jax.models.config import DecoderConfig, RopeScaling, gguf_field
 
 
 @dataclasses.dataclass(frozen=True)
-class Gemma3Config:
+class Gemma3Config(DecoderConfig):
     """Layer ``i`` is global iff ``(i + 1) % sliding_window_pattern == 0`` (transformers' ``layer_types``);
     every other layer attends to the last ``sliding_window`` positions, itself included."""
 
-    vocab: int
-    hidden: int
-    intermediate: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
     sliding_window: int = 512
     sliding_window_pattern: int = 6
     rope_theta: float = 1_000_000.0  # global layers
@@ -41,10 +34,7 @@ class Gemma3Config:
     family: str = "gemma3"
 
     def __post_init__(self):
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        super().__post_init__()
         if self.sliding_window < 1 or self.sliding_window_pattern < 1:
             raise ValueError(f"sliding_window={self.sliding_window} and sliding_window_pattern="
                              f"{self.sliding_window_pattern} must be >= 1")
@@ -55,11 +45,6 @@ class Gemma3Config:
             raise ValueError("Gemma 3 ties its output projection to the embedding; untied weights are not supported")
         if self.rope_scaling is not None and self.rope_scaling.rope_type != "linear":
             raise ValueError(f"unsupported rope scaling {self.rope_scaling.rope_type!r} for Gemma 3 (only 'linear')")
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (GQA group G)."""
-        return self.n_heads // self.n_kv_heads
 
     @property
     def n_blocks(self) -> int:
@@ -91,21 +76,16 @@ class Gemma3Config:
     @property
     def query_scale(self) -> float:
         """Factor on the post-RoPE query so that ``(q . k) / sqrt(head_dim)`` is the attention logit (what
-        :class:`~fathom_jax.models.AttentionFn` hooks compute); exactly 1.0 when query_pre_attn_scalar == head_dim."""
+        the attention objects compute); exactly 1.0 when query_pre_attn_scalar == head_dim."""
         return math.sqrt(self.head_dim) / math.sqrt(self.query_pre_attn_scalar)
-
-
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
 
 
 def config_from_gguf(reader) -> Gemma3Config:
     """From a ``gguf.GGUFReader`` whose ``general.architecture`` is "gemma3" (llama.cpp's key names)."""
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch != "gemma3":
         raise ValueError(f"expected a 'gemma3' GGUF, got architecture {arch!r}")
-    g = lambda k, d=None: _field(reader, f"gemma3.{k}", d)  # noqa: E731
+    g = lambda k, d=None: gguf_field(reader, f"gemma3.{k}", d)  # noqa: E731
     hidden, n_heads, n_layers = int(g("embedding_length")), int(g("attention.head_count")), int(g("block_count"))
     head_dim = int(g("attention.key_length", 256))
     if int(g("attention.value_length", head_dim)) != head_dim:

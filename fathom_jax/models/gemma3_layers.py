@@ -1,9 +1,12 @@
 """Gemma 3's layers, as transformers' ``modeling_gemma3`` defines them: zero-centred RMSNorm (scale 1 + w),
 attention with q/k RMSNorm before RoPE, a gated MLP with tanh-approximated GELU, and a block with norms
-before and after both attention and MLP. RoPE and token chunking are the Llama family's (``layers.py``).
+before and after both attention and MLP. RMSNorm, RoPE, the MLP and token chunking are the Llama family's
+(``layers.py``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +15,9 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from fathom_jax.models.config import RopeScaling
+from fathom_jax.models import layers
 from fathom_jax.models.gemma3_config import Gemma3Config
-from fathom_jax.models.layers import _linear, apply_rope, chunked
+from fathom_jax.models.layers import MLP, RMSNorm, apply_rope, chunked, linear
 
 
 def rope_inv_freq(theta: float, head_dim: int, scaling: RopeScaling | None = None) -> np.ndarray:
@@ -32,29 +36,15 @@ def global_inv_freq(cfg: Gemma3Config) -> np.ndarray:
     return rope_inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling)
 
 
-class RMSNorm(nnx.Module):
-    """Gemma's RMSNorm: the weight is stored zero-centred and scales by ``1 + w``, in f32, before the cast back
-    (Llama's casts first, then scales)."""
-
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
-
-
-class Attention(nnx.Module):
+class Attention(layers.Attention):
     def __init__(self, cfg: Gemma3Config, *, dtype, rngs: nnx.Rngs):
         h, d = cfg.hidden, cfg.head_dim
-        self.q_proj = _linear(h, cfg.n_heads * d, False, dtype, rngs)
-        self.k_proj = _linear(h, cfg.n_kv_heads * d, False, dtype, rngs)
-        self.v_proj = _linear(h, cfg.n_kv_heads * d, False, dtype, rngs)
-        self.o_proj = _linear(cfg.n_heads * d, h, False, dtype, rngs)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.q_proj = linear(h, cfg.n_heads * d, False, dtype, rngs)
+        self.k_proj = linear(h, cfg.n_kv_heads * d, False, dtype, rngs)
+        self.v_proj = linear(h, cfg.n_kv_heads * d, False, dtype, rngs)
+        self.o_proj = linear(cfg.n_heads * d, h, False, dtype, rngs)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, zero_centred=True)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, zero_centred=True)
 
     def qkv(self, cfg: Gemma3Config, x: Float[Array, "B T E"], positions: Int[Array, "*B T"], inv_freq):
         """Post-RoPE q [B,Hkv,G,T,D] (times ``cfg.query_scale``), k and v [B,Hkv,T,D]."""
@@ -69,33 +59,23 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, hkv, cfg.group_size, d).transpose(0, 2, 3, 1, 4)
         return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-    def project_out(self, cfg: Gemma3Config, o: Float[Array, "B Hkv G T D"], dtype) -> Float[Array, "B T E"]:
-        b, _, _, t, _ = o.shape
-        return self.o_proj(o.astype(dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.n_heads * cfg.head_dim))
 
-
-class MLP(nnx.Module):
-    def __init__(self, cfg: Gemma3Config, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = _linear(cfg.hidden, cfg.intermediate, False, dtype, rngs)
-        self.up_proj = _linear(cfg.hidden, cfg.intermediate, False, dtype, rngs)
-        self.down_proj = _linear(cfg.intermediate, cfg.hidden, False, dtype, rngs)
-
-    def __call__(self, x):
-        # transformers' "gelu_pytorch_tanh" is the tanh approximation.
-        return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))
+def gelu_tanh(x):
+    """transformers' "gelu_pytorch_tanh": GELU's tanh approximation."""
+    return jax.nn.gelu(x, approximate=True)
 
 
 class DecoderLayer(nnx.Module):
     """One Gemma 3 block; local and global layers have the same weights, and differ in RoPE base and attention."""
 
     def __init__(self, cfg: Gemma3Config, *, dtype, rngs: nnx.Rngs):
-        eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(cfg.hidden, eps, dtype=dtype)
+        norm = functools.partial(RMSNorm, cfg.hidden, cfg.rms_norm_eps, dtype=dtype, zero_centred=True)
+        self.input_layernorm = norm()
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden, eps, dtype=dtype)
-        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden, eps, dtype=dtype)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden, eps, dtype=dtype)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, activation=gelu_tanh)
+        self.post_feedforward_layernorm = norm()
 
     def __call__(self, cfg: Gemma3Config, x, positions, inv_freq, attend, *, mlp_chunk: int | None = None):
         """``attend(q, k, v) -> (o [B,Hkv,G,T,D], aux)``; returns (x, aux). ``mlp_chunk``: as in ``layers.py``."""

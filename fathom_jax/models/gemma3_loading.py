@@ -9,26 +9,18 @@ module reads its own layers (``local_layers``: the local layers before the last 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 import numpy as np
-from flax import nnx
 
+from fathom_jax.models import loading
+from fathom_jax.models.config import gguf_field
 from fathom_jax.models.gemma3 import Gemma3ForCausalLM
 from fathom_jax.models.gemma3_config import Gemma3Config, config_from_gguf, from_hf_dict
-from fathom_jax.models.loading import (
-    MissingTensorError,
-    Path,
-    SafetensorsDir,
-    TensorSpec,
-    _gguf_path,
-    _identity,
-    _resolve_dtype,
-    _transpose,
-    gguf_tensors,
-    open_gguf,
-)
+from fathom_jax.models.loading import (Path, SafetensorsDir, TensorSpec, _gguf_path, _identity, _transpose,
+                                      gguf_tensors, open_gguf)
 
 # module path inside a layer -> (HF name inside model.layers.{i}, llama.cpp name inside blk.{i})
 _LAYER = {
@@ -84,42 +76,13 @@ def stack_layers(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
 
 def build_model(config: Gemma3Config, get, names: dict[Path, TensorSpec], *, dtype="float32",
                 source: str = "checkpoint") -> Gemma3ForCausalLM:
-    """A model with every parameter filled from ``get(name)`` (None if absent)."""
-    import jax.numpy as jnp
-
-    dtype = _resolve_dtype(dtype)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Gemma3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))))
-    rows = stack_layers(config)
-
-    def fetch(name: str) -> np.ndarray:
-        a = get(name)
-        if a is None:
-            raise MissingTensorError(f"tensor {name!r} is missing from {source}")
-        return a
-
-    pure: dict = {}
-    for path, var in nnx.to_flat_state(state):
-        path = tuple(str(p) for p in path)
-        spec = names[path]
-        if path[0] in rows:
-            arr = np.stack([spec.transform(fetch(spec.name.format(i=i))) for i in rows[path[0]]])
-        else:
-            arr = spec.transform(fetch(spec.name))
-        want = var.get_value().shape
-        if arr.shape != want:
-            raise ValueError(f"tensor {spec.name!r} from {source} has shape {arr.shape} after transform, model "
-                             f"parameter {'.'.join(path)} expects {want}")
-        node = pure
-        for p in path[:-1]:
-            node = node.setdefault(p, {})
-        node[path[-1]] = jnp.asarray(arr, dtype=dtype)
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    """A model with every parameter filled from ``get(name)`` (None if absent): :func:`loading.build_model`."""
+    return loading.build_model(functools.partial(Gemma3ForCausalLM, config), get, names, stack_layers(config),
+                               dtype=dtype, source=source)
 
 
 def gguf_architecture(reader) -> str | None:
-    f = reader.fields.get("general.architecture")
-    return None if f is None else f.contents()
+    return gguf_field(reader, "general.architecture")
 
 
 def load_gguf(path, *, dtype="float32") -> tuple[Gemma3ForCausalLM, Gemma3Config]:

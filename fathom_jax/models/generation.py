@@ -1,4 +1,5 @@
-"""Greedy generation with any cache attention (dense, sparse, in HBM or offloaded), and q/k/v capture.
+"""Greedy generation of any :class:`~fathom_jax.models.decoder.Decoder` with any cache attention (dense, sparse, in
+HBM or offloaded).
 
     ids = generate(model, prompt, 64)                                         # dense
     ids = generate(model, prompt, 64, attention_fn=decode.from_spec("fathom:48", k=128))
@@ -21,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
 from fathom_jax import checks
 from fathom_jax.models import guards
-from fathom_jax.models.attention import CacheAttention, as_cache_attention
-from fathom_jax.models.cache import AttentionFn, dense_attention
+from fathom_jax.models.attention import CacheAttention, DenseCache
+from fathom_jax.models.decoder import Decoder, LayerwiseDecoder
 
 # On a GPU the layer scan slices each layer's weights out of the stacked [L, ...] arrays; feeding a Triton GEMM, XLA
 # copies every slice first. cuBLAS GEMMs under XLA's dynamic-slice fusion read the slice in place
@@ -42,16 +43,15 @@ def decode_compiler_options(extra=None) -> dict | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The step function. A decoder (LlamaForCausalLM, Gemma3ForCausalLM) runs a prompt and a token through its layers
-# (``forward_prompt`` / ``forward_token``) on a decode state: the attention's cache, with whatever the model keeps
-# of its own between steps (Gemma 3: its sliding windows); ``split_state`` / ``join_state`` take the two apart.
+# The step function. A decoder runs a prompt and a token through its layers (``forward_prompt`` / ``forward_token``)
+# on a decode state: the attention's cache, with whatever the model keeps of its own between steps.
 
 
 def first_token(logits):
     return jnp.argmax(logits, -1).astype(jnp.int32)
 
 
-def greedy_step(model, attention: CacheAttention, tokens: Int[Array, "B"], state):
+def greedy_step(model: Decoder, attention: CacheAttention, tokens: Int[Array, "B"], state):
     """One decode step of every sequence at its own position: ``((next tokens [B], logits [B, V]), state)``."""
     logits, state = model.forward_token(attention, tokens, state)
     return (first_token(logits), logits), state
@@ -106,12 +106,6 @@ def _program(fn, static_argnames, donate_argnames, options):
                    compiler_options=decode_compiler_options(dict(options)))
 
 
-def _options(attention) -> dict:
-    """The XLA options an attention asks of the programs that run its steps (a bound sparse attention's step
-    options; none for the dense cache)."""
-    return dict(getattr(attention, "compiler_options", None) or {})
-
-
 # ----------------------------------------------------------------------------------------------
 # Streaming drivers: programs the attention makes over its cache (donated, host memory written in place); what the
 # model keeps of its own travels beside it.
@@ -137,7 +131,7 @@ def _step_fn(graphdef, attention, params, tokens, own, cache):
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _embed(graphdef, params, prompt):
-    return nnx.merge(graphdef, params).embed_tokens(prompt)
+    return nnx.merge(graphdef, params).embed(prompt)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -145,19 +139,19 @@ def _last_logits(graphdef, params, h, lengths):
     return nnx.merge(graphdef, params).last_logits(h, lengths)
 
 
-def prefill(model, prompt, lengths, attention: CacheAttention, capacity: int):
+def prefill(model: Decoder, prompt, lengths, attention: CacheAttention, capacity: int):
     """Prefill ``prompt [B, T]`` (right-padded; ``lengths [B]``) into a new decode state: one program per layer where
-    the model can (Llama), else one for the prompt.
+    the model can (a :class:`~fathom_jax.models.decoder.LayerwiseDecoder`), else one for the prompt.
 
     Returns ``(logits at each last prompt token [B, V], state, attention)``, the attention bound to its cache's shape
-    (pass both to :func:`decode_step` / :func:`decode_loop`). For a Llama decoder the state is the attention's cache.
+    (pass both to :func:`decode_step` / :func:`decode_loop`). Dense decoding: ``attention=DenseCache()``.
     """
     prompt = jnp.asarray(prompt, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
-    attention = as_cache_attention(attention).bind(model.cache_shape(prompt.shape[0], capacity))
+    attention = _cache_attention(attention, "prefill").bind(model.cache_shape(prompt.shape[0], capacity))
     own, cache = model.split_state(model.init_state(attention, prompt.shape[0], capacity))
     graphdef, params = nnx.split(model)
-    if model.layerwise_prompt:
+    if isinstance(model, LayerwiseDecoder):
         run = attention.program(_prompt_layer_fn, cache, static=(graphdef,))
         h = _embed(graphdef, params, prompt)
         for layer in range(model.config.n_layers):
@@ -169,14 +163,14 @@ def prefill(model, prompt, lengths, attention: CacheAttention, capacity: int):
     return logits, model.join_state(own, attention.start_decode(cache, lengths)), attention
 
 
-def decode_step_program(model, cache, attention: CacheAttention):
+def decode_step_program(model: Decoder, cache, attention: CacheAttention):
     """The compiled decode step for this model and cache layout: ``run(params, tokens, own, cache=cache) -> ((next
     tokens, logits, own), cache)`` (``run.lower(...)`` lowers it without running anything)."""
     graphdef, _ = nnx.split(model)
     return attention.program(_step_fn, cache, static=(graphdef,), options=decode_compiler_options())
 
 
-def decode_step(model, tokens, state, attention: CacheAttention):
+def decode_step(model: Decoder, tokens, state, attention: CacheAttention):
     """One compiled decode step: ``(next tokens [B], logits [B, V], state)``; the state is donated. ``attention``
     is the one :func:`prefill` returned with the state."""
     _, params = nnx.split(model)
@@ -186,7 +180,7 @@ def decode_step(model, tokens, state, attention: CacheAttention):
     return nxt, logits, model.join_state(own, cache)
 
 
-def decode_loop(model, tokens: Int[Array, "B"], state, attention: CacheAttention, steps: int):
+def decode_loop(model: Decoder, tokens: Int[Array, "B"], state, attention: CacheAttention, steps: int):
     """Greedy decoding from a prefilled state: ``steps`` tokens per sequence, the first being ``tokens``.
 
     A fused attention: one compiled program (a ``fori_loop`` of :func:`greedy_step`); otherwise one compiled step per
@@ -197,7 +191,7 @@ def decode_loop(model, tokens: Int[Array, "B"], state, attention: CacheAttention
     tokens = jnp.asarray(tokens, jnp.int32)
     if attention.fused:
         graphdef, params = nnx.split(model)
-        return decode_loop_program(_options(attention))(graphdef, params, attention, tokens, state, steps)
+        return decode_loop_program(attention.compiler_options)(graphdef, params, attention, tokens, state, steps)
     out = [tokens]
     for _ in range(steps - 1):
         tokens, _, state = decode_step(model, tokens, state, attention)
@@ -207,24 +201,24 @@ def decode_loop(model, tokens: Int[Array, "B"], state, attention: CacheAttention
 
 @checks.reraise()  # a run-time check that fired reads as the CheckError it is
 def generate(
-    model,
+    model: Decoder,
     prompt_ids: Int[Array, "B T"] | Int[Array, "T"],
     max_new_tokens: int,
     *,
     capacity: int | None = None,
-    attention_fn: CacheAttention | AttentionFn = dense_attention,
+    attention_fn: CacheAttention = DenseCache(),
     lengths: Int[Array, "B"] | None = None,
     allow_long_context: bool = False,
     memory_check: bool = True,
 ) -> Int[Array, "B N"]:
     """Greedy decoding of `max_new_tokens` tokens (no EOS stop: fixed length, static shapes), Llama-family or Gemma 3.
 
-    ``attention_fn``: attention with a cache of its own (a :class:`~fathom_jax.models.attention.CacheAttention`,
-    e.g. :class:`fathom_jax.decode.SparseAttention`, which decodes with its own stacked cache in HBM or in host
-    memory and takes ``lengths``: right-padded prompts of different lengths), or a dense-cache hook (an
-    :class:`AttentionFn`, default :func:`dense_attention`: a plain function is a static jit argument, a callable
-    pytree passes its arrays as traced arguments). On Gemma 3 it is the global layers' attention (the local layers
-    keep their window rings in device memory). ``capacity`` defaults to the longest prompt + ``max_new_tokens`` (and
+    ``attention_fn``: attention with a cache of its own (a :class:`~fathom_jax.models.attention.CacheAttention`):
+    the dense cache (:class:`~fathom_jax.models.attention.DenseCache`, the default, with any dense-cache
+    :class:`~fathom_jax.models.cache.AttentionFn`), or e.g. :class:`fathom_jax.decode.SparseAttention`, which decodes
+    with its own stacked cache in HBM or in host memory and takes ``lengths``: right-padded prompts of different
+    lengths. On Gemma 3 it is the global layers' attention (the local layers keep their window rings in device
+    memory). ``capacity`` defaults to the longest prompt + ``max_new_tokens`` (and
     at least what the attention needs, e.g. a sparse hook's k). Returns [B, N] (or [N] for a 1-D prompt) new token
     ids.
 
@@ -232,9 +226,10 @@ def generate(
     ``allow_long_context=True`` runs past the model's ``max_position_embeddings``, ``memory_check=False`` skips the
     memory sizing. A failed check, then or at run time, is a :class:`~fathom_jax.checks.CheckError`.
     """
+    attention = _cache_attention(attention_fn, "generate")
     guards.check_generate(model, prompt_ids, max_new_tokens, lengths=lengths, capacity=capacity,
                           allow_long_context=allow_long_context, memory_check=memory_check,
-                          offloaded=getattr(getattr(attention_fn, "placement", None), "memory", None) == "pinned_host")
+                          offloaded=attention.offloaded)
     prompt = jnp.asarray(prompt_ids, jnp.int32)
     squeeze = prompt.ndim == 1
     prompt = prompt[None] if squeeze else prompt
@@ -242,7 +237,6 @@ def generate(
         raise ValueError(f"prompt must be a non-empty [T] or [B, T] array of token ids, got shape {prompt.shape}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    attention = as_cache_attention(attention_fn)
     b, t = prompt.shape
     lengths = np.full((b,), t) if lengths is None else np.asarray(lengths)
     if lengths.shape != (b,):
@@ -264,7 +258,7 @@ def generate(
     attention = attention.bind(model.cache_shape(b, capacity))
     if attention.fused:
         graphdef, params = nnx.split(model)
-        out = generate_program(_options(attention))(graphdef, params, attention, prompt, lengths, max_new_tokens,
+        out = generate_program(attention.compiler_options)(graphdef, params, attention, prompt, lengths, max_new_tokens,
                                                     capacity)
     else:
         logits, state, attention = prefill(model, prompt, lengths, attention, capacity)
@@ -272,10 +266,10 @@ def generate(
     return jax.block_until_ready(out[0] if squeeze else out)  # inside reraise: a run-time check's error
 
 
-def capture_qkv(model, tokens: Int[Array, "T"]) -> dict[str, Float[Array, "..."]]:
-    """Post-RoPE q [L,H,T,D], k [L,Hkv,T,D], v [L,Hkv,T,D] (f32) of one sequence's dense prefill (the model's own
-    ``capture_qkv``: Gemma 3's global layers).
 
-    Query head h belongs to KV head h // G, so q.reshape(L, Hkv, G, T, D) lines up with k.
-    """
-    return model.capture_qkv(tokens)
+def _cache_attention(attention, where: str) -> CacheAttention:
+    if not isinstance(attention, CacheAttention):
+        raise TypeError(f"{where} takes attention with a cache of its own (a CacheAttention, e.g. DenseCache() or a "
+                        f"SparseAttention); got {type(attention).__name__}: wrap a dense-cache attention function "
+                        f"as DenseCache(fn)")
+    return attention

@@ -4,7 +4,7 @@ One entry, :func:`check_generate`: the prompt is a non-empty ``[T]`` or ``[B, T]
 inside the model's vocabulary; ``lengths`` (right-padded prompts) are integers in ``[1, T]``; prompt and new
 tokens fit the cache and the model's ``max_position_embeddings`` (``allow_long_context=True`` runs past it, as
 the CLI's ``--allow-long-context`` does); and the run's memory fits the machine's (the CLI's sizing,
-:func:`fathom_jax.placement.host_memory.peak_bytes`, shared). A bad argument is a :class:`~fathom_jax.checks.CheckError`
+:func:`fathom_jax.models.sizing.peak_bytes`, shared). A bad argument is a :class:`~fathom_jax.checks.CheckError`
 naming it.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fathom_jax.placement import host_memory
 from fathom_jax.checks import CheckError
+from fathom_jax.models import sizing
 
 
 def _integers(name: str, values, want: str) -> np.ndarray:
@@ -66,14 +66,14 @@ def _memory_message(config, batch: int, tokens: int, *, itemsize: int, offloaded
     device = jax.devices()[0]
     what = f"generate over {tokens} tokens x {batch} prompt(s)"
     if device.platform == "cpu":
-        need = host_memory.peak_bytes(config, tokens, batch=batch, weights=False)
-        return host_memory.shortfall(need, what, host_memory.available_bytes(), "memory_check=False")
+        need = sizing.peak_bytes(config, tokens, batch=batch, weights=False)
+        return sizing.shortfall(need, what, sizing.available_bytes(), "memory_check=False")
     stats = device.memory_stats() or {}
     if offloaded or "bytes_limit" not in stats:
         return None
     need = 2 * itemsize * batch * config.n_layers * config.n_kv_heads * tokens * config.head_dim
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return host_memory.shortfall(need, f"the KV cache of {what}", free, "memory_check=False")
+    return sizing.shortfall(need, f"the KV cache of {what}", free, "memory_check=False")
 
 
 def check_generate(model, prompt_ids, max_new_tokens: int, *, lengths=None, capacity: int | None = None,

@@ -51,28 +51,36 @@ def apply_rope(x: Float[Array, "B T H D"], positions: Int[Array, "*B T"], inv_fr
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    """RMSNorm over the last axis, normalised in f32 whatever the model dtype (as HF does).
+
+    Llama's scales the normalised input, cast back first, by ``w``; ``zero_centred`` (Gemma's) stores ``w`` centred
+    on zero and scales by ``1 + w`` in f32, before the cast back.
+    """
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, zero_centred: bool = False):
+        self.weight = nnx.Param((jnp.zeros if zero_centred else jnp.ones)((dim,), dtype))
         self.eps = eps
+        self.zero_centred = zero_centred
 
     def __call__(self, x):
-        # Normalise in f32 whatever the model dtype (as HF does), then scale in the input dtype.
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.zero_centred:
+            return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * y.astype(x.dtype)
 
 
-def _linear(i, o, bias, dtype, rngs):
+def linear(i, o, bias, dtype, rngs):
     return nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
         h, d = cfg.hidden, cfg.head_dim
-        self.q_proj = _linear(h, cfg.n_heads * d, cfg.attention_bias, dtype, rngs)
-        self.k_proj = _linear(h, cfg.n_kv_heads * d, cfg.attention_bias, dtype, rngs)
-        self.v_proj = _linear(h, cfg.n_kv_heads * d, cfg.attention_bias, dtype, rngs)
-        self.o_proj = _linear(cfg.n_heads * d, h, cfg.o_proj_bias, dtype, rngs)
+        self.q_proj = linear(h, cfg.n_heads * d, cfg.attention_bias, dtype, rngs)
+        self.k_proj = linear(h, cfg.n_kv_heads * d, cfg.attention_bias, dtype, rngs)
+        self.v_proj = linear(h, cfg.n_kv_heads * d, cfg.attention_bias, dtype, rngs)
+        self.o_proj = linear(cfg.n_heads * d, h, cfg.o_proj_bias, dtype, rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
@@ -98,13 +106,16 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = _linear(cfg.hidden, cfg.intermediate, False, dtype, rngs)
-        self.up_proj = _linear(cfg.hidden, cfg.intermediate, False, dtype, rngs)
-        self.down_proj = _linear(cfg.intermediate, cfg.hidden, False, dtype, rngs)
+    """The gated MLP: ``down(activation(gate(x)) * up(x))``; SwiGLU with the default activation."""
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, activation=jax.nn.silu):
+        self.gate_proj = linear(cfg.hidden, cfg.intermediate, False, dtype, rngs)
+        self.up_proj = linear(cfg.hidden, cfg.intermediate, False, dtype, rngs)
+        self.down_proj = linear(cfg.intermediate, cfg.hidden, False, dtype, rngs)
+        self.activation = activation
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):

@@ -1,9 +1,9 @@
 """Weight loading: HF safetensors checkpoints and llama.cpp GGUF files -> `LlamaForCausalLM`.
 
-Both paths share `build_model`: the model is created abstractly (`nnx.eval_shape`, no random
-init), then every parameter is filled from a name map `module path -> TensorSpec(source name,
-transform)`. Per-layer source names contain `{i}`; their tensors are stacked on the leading
-layer axis the decoder scans over. A tensor the map needs but the source lacks raises a
+Both paths, and Gemma 3's (`gemma3_loading.py`), share `build_model`: the model is created abstractly
+(`nnx.eval_shape`, no random init), then every parameter is filled from a name map `module path ->
+TensorSpec(source name, transform)`. Per-layer source names contain `{i}`; their tensors are stacked on the
+leading layer axis the decoder scans over. A tensor the map needs but the source lacks raises a
 `MissingTensorError` naming it; a shape mismatch raises naming both shapes.
 """
 
@@ -13,13 +13,13 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fathom_jax.models.config import LlamaConfig, RopeScaling
+from fathom_jax.models.config import LlamaConfig, RopeScaling, gguf_field
 from fathom_jax.models.llama import LlamaForCausalLM
 
 Path = tuple[str, ...]
@@ -53,17 +53,21 @@ def _resolve_dtype(dtype):
 
 
 def build_model(
-    config: LlamaConfig,
+    make: Callable[..., nnx.Module],
     get_tensor: Callable[[str], np.ndarray | None],
     name_map: dict[Path, TensorSpec],
+    stacks: Mapping[str, Sequence[int]],
     *,
     dtype="float32",
     source: str = "checkpoint",
-) -> LlamaForCausalLM:
-    """Create a model and fill every parameter from `get_tensor(name)` (None if absent)."""
+) -> nnx.Module:
+    """The model ``make(dtype=, rngs=)`` with every parameter filled from `get_tensor(name)` (None if absent).
+
+    ``stacks``: each stacked module (parameters on a leading layer axis) -> the model layer index of each of its
+    entries, in order; a per-layer source name's ``{i}`` is that index.
+    """
     dtype = _resolve_dtype(dtype)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: make(dtype=dtype, rngs=nnx.Rngs(0))))
 
     def fetch(name: str) -> np.ndarray:
         a = get_tensor(name)
@@ -77,8 +81,8 @@ def build_model(
         if path not in name_map:
             raise ValueError(f"no name-map entry for model parameter {'.'.join(path)}")
         spec = name_map[path]
-        if path[0] == "layers":
-            arr = np.stack([spec.transform(fetch(spec.name.format(i=i))) for i in range(config.n_layers)])
+        if path[0] in stacks:
+            arr = np.stack([spec.transform(fetch(spec.name.format(i=i))) for i in stacks[path[0]]])
         else:
             arr = spec.transform(fetch(spec.name))
         want = var.get_value().shape
@@ -93,6 +97,13 @@ def build_model(
         node[path[-1]] = jnp.asarray(arr, dtype=dtype)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
+
+
+def build_llama(config: LlamaConfig, get_tensor, name_map: dict[Path, TensorSpec], *, dtype="float32",
+                source: str = "checkpoint") -> LlamaForCausalLM:
+    """A Llama-family model filled by :func:`build_model` (its one stack: ``layers``)."""
+    return build_model(functools.partial(LlamaForCausalLM, config), get_tensor, name_map,
+                       {"layers": range(config.n_layers)}, dtype=dtype, source=source)
 
 
 def _module_paths(config: LlamaConfig) -> list[Path]:
@@ -196,7 +207,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype="float32") -> tuple[Lla
     """Load a HF Llama/Qwen2/Qwen3 checkpoint directory (config.json + safetensors)."""
     config = hf_config(path)
     reader = SafetensorsDir(path)
-    model = build_model(config, reader, hf_name_map(config), dtype=dtype, source=os.fspath(path))
+    model = build_llama(config, reader, hf_name_map(config), dtype=dtype, source=os.fspath(path))
     return model, config
 
 
@@ -240,11 +251,6 @@ def gguf_name_map(config: LlamaConfig) -> dict[Path, TensorSpec]:
     return out
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 def open_gguf(path: str | os.PathLike):
     """A ``gguf.GGUFReader`` over ``path``; a missing, truncated or foreign file raises naming the file.
 
@@ -279,13 +285,13 @@ def config_from_gguf(reader) -> LlamaConfig:
 
     if not isinstance(reader, gguf.GGUFReader):
         reader = open_gguf(reader)
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r}; only 'llama' is supported")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError("GGUF carries rope_freqs (Llama-3 rope scaling): not supported by the GGUF loader")
-    g = lambda k, d=None: _field(reader, f"llama.{k}", d)  # noqa: E731
+    g = lambda k, d=None: gguf_field(reader, f"llama.{k}", d)  # noqa: E731
     hidden, n_heads = int(g("embedding_length")), int(g("attention.head_count"))
     scaling = None
     if g("rope.scaling.type") not in (None, "none"):
@@ -317,7 +323,7 @@ def load_gguf(path: str | os.PathLike, *, dtype="float32") -> tuple[LlamaForCaus
 
     reader = path if isinstance(path, gguf.GGUFReader) else open_gguf(path)
     config = config_from_gguf(reader)
-    model = build_model(config, gguf_tensors(reader), gguf_name_map(config), dtype=dtype, source=_gguf_path(reader))
+    model = build_llama(config, gguf_tensors(reader), gguf_name_map(config), dtype=dtype, source=_gguf_path(reader))
     return model, config
 
 

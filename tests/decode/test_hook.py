@@ -14,7 +14,7 @@ from fathom_jax import methods as M
 from fathom_jax import store
 from fathom_jax.index import build_index
 from fathom_jax.decode import StepConfig
-from fathom_jax.models import KVCache, capture_qkv, dense_attention, generate
+from fathom_jax.models import DenseCache, capture_qkv, generate, softmax_attention
 from fathom_jax.models import generation
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.scan import scan_scores
@@ -52,14 +52,10 @@ def calib(model):
     return _corpus_calib(model, 1)
 
 
-def dense_forced(model, prompt, tokens, attention_fn=dense_attention, capacity=CAPACITY):
-    """Logits [steps + 1, B, V]: the dense prefill's last position, then decode steps fed `tokens`."""
-    logits, cache = model.prefill(jnp.asarray(prompt), KVCache.init(model.config, prompt.shape[0], capacity))
-    out = [np.asarray(logits[:, -1])]
-    for t in range(tokens.shape[1]):
-        logits, cache = model.decode_step(jnp.asarray(tokens[:, t]), cache, attention_fn=attention_fn)
-        out.append(np.asarray(logits))
-    return np.stack(out)
+def dense_forced(model, prompt, tokens, attention_fn=softmax_attention, capacity=CAPACITY):
+    """Logits [steps + 1, B, V]: the dense prefill's last position, then decode steps fed `tokens`; decode attention
+    ``attention_fn`` over the dense cache."""
+    return sparse_forced(model, prompt, tokens, DenseCache(attention_fn), capacity)[0]
 
 
 def sparse_forced(model, prompt, tokens, attn, capacity=CAPACITY, lengths=None):
@@ -382,9 +378,8 @@ def test_bad_inputs_give_clear_errors(model, calib):
                  attention_fn=decode.SparseAttention(M.SparQ(2), k=40))
     with pytest.raises(ValueError, match="equal-length prompts"):
         generate(model, prompt, 2, capacity=48, lengths=np.array([24, 20]))
-    with pytest.raises(TypeError, match="own cache"):
-        _, cache = model.prefill(jnp.asarray(prompt), KVCache.init(model.config, 2, 48))
-        model.decode_step(jnp.asarray(prompt[:, 0]), cache, attention_fn=decode.SparseAttention(M.SparQ(2), k=40))
+    with pytest.raises(TypeError, match=r"DenseCache\(fn\)"):
+        generate(model, prompt, 2, capacity=48, attention_fn=softmax_attention)
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
         generate(model, prompt, 0, capacity=48, attention_fn=decode.SparseAttention(M.SparQ(2), k=40))
 

@@ -62,12 +62,11 @@ def test_layers_per_loop_iteration_change_no_number(tiny_model):
 
 def test_cache_from_dense_prefill_branches_methods_from_one_prefill(tiny_model):
     """A sparse cache built from one dense prefill decodes like the sparse path's own prefill."""
-    from fathom_jax.models import KVCache
+    from fathom_jax.models import DenseCache
 
-    cfg = tiny_model.config
     prompt = np.random.default_rng(3).integers(0, 97, (2, 30)).astype(np.int32)
     lengths = np.array([30, 30])
-    logits, kv = tiny_model.prefill(jnp.asarray(prompt), KVCache.init(cfg, 2, 48), last_only=True)
+    logits, kv, _ = generation.prefill(tiny_model, prompt, lengths, DenseCache(), 48)
     first = jnp.argmax(logits, -1).astype(jnp.int32)
     # jitted, as the downstream sweeps run it (fathom_jax/eval/downstream.py); eagerly it is op by op (~4x slower)
     from_dense = jax.jit(decode.cache_from_dense)

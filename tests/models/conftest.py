@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.support import TINY_TOKENS, oracle_dir
+from tests.support import TINY_TOKENS, forced_logits, oracle_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ORACLE_SCRIPT = os.path.join(REPO, "tests", "oracle", "hf_reference.py")
@@ -212,10 +212,7 @@ def model(tiny_model):
 
 @pytest.fixture(scope="module")
 def full_logits(model, CFG):
-    import jax.numpy as jnp
-
-    from fathom_jax.models import KVCache
-
-    logits, cache = model.prefill(jnp.asarray(TINY_TOKENS), KVCache.init(CFG, 2, 16))
+    """Teacher-forced logits [B, T, V] at every position of TINY_TOKENS, and the dense cache after them."""
+    logits, cache = forced_logits(model, TINY_TOKENS, 16)
     assert int(cache.length) == TINY_TOKENS.shape[1]
-    return np.asarray(logits), cache
+    return logits, cache

@@ -1,5 +1,5 @@
-"""The Gemma 3 decoder on tiny models: window attention against a numpy reference, self-consistency of prefill,
-chunked prefill and decode across the window's wrap, the global layers' hook, generate and capture; and logit
+"""The Gemma 3 decoder on tiny models: window attention against a numpy reference, self-consistency of the prompt
+and decode steps across the window's wrap, the global layers' attention hook, generate and capture; and logit
 and greedy parity with transformers' Gemma3ForCausalLM on a tiny random checkpoint (tests/oracle)."""
 
 import dataclasses
@@ -12,12 +12,14 @@ import pytest
 from flax import nnx
 
 from fathom_jax import models
-from fathom_jax.models import dense_attention
+from fathom_jax.models import DenseCache, generation, softmax_attention
 from fathom_jax.models import gemma3 as G
-from fathom_jax.models import generation
+from fathom_jax.models.capture import causal_attention
 from fathom_jax.models.config import RopeScaling
-from fathom_jax.models.gemma3_cache import Gemma3Cache, chunked_causal_attention, window_attention
 from fathom_jax.models.gemma3_config import Gemma3Config
+from fathom_jax.models.gemma3_windows import window_attention
+
+from tests.support import forced_logits
 
 # Two blocks of (2 local, 1 global) layers; window 4 < the 13 tokens; 4 query heads over 2 KV heads;
 # query_pre_attn_scalar != head_dim, softcapped logits, linear RoPE scaling on the global layers. (The tail of
@@ -46,8 +48,14 @@ def model():
 
 @pytest.fixture(scope="module")
 def full_logits(model):
-    logits, cache = model.prefill(jnp.asarray(TOKENS), Gemma3Cache.init(CFG, 2, 16))
-    return np.asarray(logits), cache
+    """Teacher-forced logits [B, T, V] at every position (decode steps across the window's wrap), and the state."""
+    return forced_logits(model, TOKENS, 16)
+
+
+def prompt_logits(model, tokens, attention=None):
+    lengths = np.full(tokens.shape[0], tokens.shape[1])
+    logits, state, attention = generation.prefill(model, tokens, lengths, attention or DenseCache(), 16)
+    return np.asarray(logits), state, attention
 
 
 def test_config_layout():
@@ -94,74 +102,68 @@ def test_window_attention_matches_reference(start, t, chunk):
         np.testing.assert_array_equal(rv[:, :, p % w], values[:, :, p])
 
 
-def test_chunked_causal_attention_matches_whole():
+def test_capture_attention_by_chunks_matches_whole():
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.standard_normal((1, 2, 2, 10, 8)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((1, 2, 16, 8)), jnp.float32) for _ in range(2))
-    run = jax.jit(chunked_causal_attention, static_argnums=4)
-    np.testing.assert_allclose(run(q, k, v, jnp.int32(3), 4), run(q, k, v, jnp.int32(3), 1024), atol=1e-6)
+    k, v = (jnp.asarray(rng.standard_normal((1, 2, 10, 8)), jnp.float32) for _ in range(2))
+    run = jax.jit(causal_attention, static_argnums=3)
+    np.testing.assert_allclose(run(q, k, v, 4), run(q, k, v, None), atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def chunked(model):
-    """The 13 tokens prefilled as 6 + 7."""
-    first, cache6 = model.prefill(jnp.asarray(TOKENS[:, :6]), Gemma3Cache.init(CFG, 2, 16))
-    second, cache13 = model.prefill(jnp.asarray(TOKENS[:, 6:]), cache6)
-    return np.concatenate([first, second], 1), cache6, cache13
-
-
-def test_chunked_prefill_matches_full(model, full_logits, chunked):
-    logits, full_cache = full_logits
-    both, _, cache = chunked
-    np.testing.assert_allclose(both, logits, atol=1e-5 * np.abs(logits).max())
-    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(full_cache)):
+def test_prompt_matches_decode_steps_across_the_window(model, full_logits):
+    """Prompts shorter and longer than the window against the decode steps' logits, and the state they leave."""
+    logits, state13 = full_logits
+    for t in (1, 6, 13):
+        last, state, _ = prompt_logits(model, TOKENS[:, :t])
+        np.testing.assert_allclose(last, logits[:, t - 1], rtol=0, atol=1e-5 * np.abs(logits).max())
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(state13)):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_decode_across_the_window_and_the_global_hook(model, full_logits, chunked):
-    """Decode steps from position 6 (the ring wrapped) match the prefill; at the last one, a spying hook sees the
-    documented shapes, is called once per global layer with its ordinal, and gets the queries capture_qkv reports."""
+def test_the_global_layers_attention_hook(model, full_logits):
+    """A spying dense-cache hook sees the documented shapes, is called once per global layer with its ordinal, and
+    gets the queries capture_qkv reports."""
     logits, _ = full_logits
-    _, cache, _ = chunked
-    for t in range(6, 12):
-        out, cache = model.decode_step(jnp.asarray(TOKENS[:, t]), cache)
-        np.testing.assert_allclose(out, logits[:, t], rtol=0, atol=1e-5 * np.abs(logits).max())
     seen, queries = [], {}
 
     def spy(q, k, v, length, layer):
         seen.append((q.shape, k.shape, v.shape, jnp.shape(length), jnp.shape(layer)))
         jax.debug.callback(lambda g, q: queries.__setitem__(int(g), np.asarray(q)), layer, q)
-        return dense_attention(q, k, v, length, layer)
+        return softmax_attention(q, k, v, length, layer)
 
-    out, after = model.decode_step(jnp.asarray(TOKENS[:, 12]), cache, attention_fn=spy)
+    _, state, attn = prompt_logits(model, TOKENS[:, :12], DenseCache(spy))
+    _, out, after = generation.decode_step(model, TOKENS[:, 12], state, attn)
     jax.effects_barrier()
-    assert int(after.length) == 13
+    assert int(after.windows.length) == int(after.cache.length) == 13
     assert seen == [((2, 2, 2, 8), (2, 2, 16, 8), (2, 2, 16, 8), (), ())]  # traced once, global layers only
     assert sorted(queries) == [0, 1]
     np.testing.assert_allclose(out, logits[:, 12], atol=1e-5 * np.abs(logits).max())
-    got = G.capture_qkv(model, TOKENS[0])
+    got = models.capture_qkv(model, TOKENS[0])
     for g in range(2):
         np.testing.assert_allclose(got["q"][g, :, -1], queries[g][0].reshape(CFG.n_heads, 8), atol=1e-5)
 
     def drop_last(q, k, v, length, layer):  # the hook is really used
-        return dense_attention(q, k, v, length - 1, layer)
+        return softmax_attention(q, k, v, length - 1, layer)
 
-    out2, _ = model.decode_step(jnp.asarray(TOKENS[:, 12]), cache, attention_fn=drop_last)
+    _, state, attn = prompt_logits(model, TOKENS[:, :12], DenseCache(drop_last))
+    _, out2, _ = generation.decode_step(model, TOKENS[:, 12], state, attn)
     assert np.abs(np.asarray(out2) - logits[:, 12]).max() > 1e-3
 
 
 def test_generate_is_greedy_and_compiles_once(model, full_logits):
     """Generation (window rings, the dense CacheAttention on the global layers) against teacher-forced prefill."""
     out = np.asarray(models.generate(model, TOKENS[:, :5], 9, capacity=16))
-    seq = np.concatenate([TOKENS[:, :5], out[:, :-1]], 1)  # 13 tokens: the prefill's compiled shape
-    lg, _ = model.prefill(jnp.asarray(seq), Gemma3Cache.init(CFG, 2, 16))
-    assert out.tolist() == np.argmax(np.asarray(lg[:, 4:]), -1).tolist()
+    seq = np.concatenate([TOKENS[:, :5], out[:, :-1]], 1)
+    lg, _ = forced_logits(model, seq, 16)
+    assert out.tolist() == np.argmax(lg[:, 4:], -1).tolist()
     program = generation.generate_program()
     size = program._cache_size()
     again = models.generate(model, TOKENS[:, 1:6], 9, capacity=16)  # the same program
     assert program._cache_size() == size and again.shape == (2, 9)
     with pytest.raises(ValueError, match="equal-length"):
         models.generate(model, TOKENS[:, :5], 9, lengths=np.array([5, 4]))
+    with pytest.raises(ValueError, match="exceeds cache capacity 10"):
+        models.generate(model, TOKENS[0], 4, capacity=10)
 
 
 def test_sparse_attention_plugs_into_the_global_layers(model):
@@ -175,18 +177,15 @@ def test_sparse_attention_plugs_into_the_global_layers(model):
     np.testing.assert_array_equal(models.generate(model, TOKENS[:, :5], 9, capacity=16, attention_fn=sparse), dense)
 
 
-def test_capture_qkv_global_and_local(model, full_logits):
-    _, cache = full_logits
-    t, w = TOKENS.shape[1], CFG.sliding_window
-    got = G.capture_qkv(model, TOKENS[0])
+def test_capture_qkv_of_the_global_layers(model, full_logits):
+    _, state = full_logits
+    t = TOKENS.shape[1]
+    got = models.capture_qkv(model, TOKENS[0])
     assert got["q"].shape == (2, CFG.n_heads, t, CFG.head_dim) and got["k"].shape == (2, CFG.n_kv_heads, t, 8)
-    np.testing.assert_allclose(got["k"], cache.k[:, 0, :, :t], atol=1e-5)
-    np.testing.assert_allclose(got["v"], cache.v[:, 0, :, :t], atol=1e-5)
-    np.testing.assert_array_equal(models.capture_qkv(model, TOKENS[0])["k"], got["k"])  # dispatches here
-    local = G.capture_qkv(model, TOKENS[0], layers="local")
-    assert local["k"].shape == (len(CFG.local_layers), CFG.n_kv_heads, t, 8)
-    for p in range(t - w, t):  # the ring holds the last window's keys
-        np.testing.assert_allclose(local["k"][:, :, p], cache.local_k[:, 0, :, p % w], atol=1e-5)
+    np.testing.assert_allclose(got["k"], state.cache.k[:, 0, :, :t], atol=1e-5)
+    np.testing.assert_allclose(got["v"], state.cache.v[:, 0, :, :t], atol=1e-5)
+    with pytest.raises(ValueError, match="one non-empty sequence"):
+        models.capture_qkv(model, TOKENS)
 
 
 def test_embedding_scale_is_rounded_to_the_model_dtype(model):
@@ -199,23 +198,6 @@ def test_embedding_scale_is_rounded_to_the_model_dtype(model):
     np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(want, np.float32))
 
 
-def test_bad_inputs_are_named(model):
-    from fathom_jax.models import KVCache
-
-    with pytest.raises(TypeError, match="Gemma3Cache"):
-        model.prefill(jnp.asarray(TOKENS), KVCache.init(CFG, 2, 16))
-    with pytest.raises(ValueError, match="capacity 8"):
-        model.prefill(jnp.asarray(TOKENS), Gemma3Cache.init(CFG, 2, 8))
-    with pytest.raises(ValueError, match="batch of 1"):
-        model.prefill(jnp.asarray(TOKENS[:1]), Gemma3Cache.init(CFG, 2, 16))
-    with pytest.raises(ValueError, match="exceeds cache capacity 10"):
-        models.generate(model, TOKENS[0], 4, capacity=10)
-    with pytest.raises(ValueError, match=r"\[batch\]"):
-        model.decode_step(jnp.asarray(TOKENS[:, :2]), Gemma3Cache.init(CFG, 2, 16))
-    with pytest.raises(ValueError, match="'global' or 'local'"):
-        G.capture_qkv(model, TOKENS[0], layers="all")
-
-
 def test_hf_tiny_logit_and_greedy_parity(tiny_checkpoints):
     from fathom_jax.models import gemma3_loading, hub
 
@@ -226,7 +208,7 @@ def test_hf_tiny_logit_and_greedy_parity(tiny_checkpoints):
     assert (cfg.n_layers, cfg.sliding_window, cfg.global_layers, cfg.n_tail) == (5, 4, (1, 3), 1)
     assert (cfg.query_pre_attn_scalar, cfg.final_logit_softcapping, cfg.rope_scaling.factor) == (12.0, 10.0, 2.0)
     tokens = ref["tokens"]  # 24 tokens: six windows
-    logits, _ = model.prefill(jnp.asarray(tokens)[None], Gemma3Cache.init(cfg, 1, 64))
+    logits, _ = forced_logits(model, tokens[None], 64)
     err = max_rel_err(logits[0], ref["logits"])
     assert err < 1e-4, f"gemma3: max relative logit error {err:.2e}"
     gen = np.asarray(models.generate(model, tokens[:8], len(ref["greedy"]), capacity=64))

@@ -13,10 +13,12 @@ from flax import nnx
 
 from fathom_jax.models import MissingTensorError, hub
 from fathom_jax.models.gemma3 import Gemma3ForCausalLM
+from fathom_jax.models import DenseCache, generation
 from fathom_jax.models.generation import generate
-from fathom_jax.models.gemma3_cache import Gemma3Cache
 from fathom_jax.models.gemma3_config import Gemma3Config
 from fathom_jax.models.gemma3_loading import load_gguf, name_map, stack_layers
+
+from tests.support import forced_logits
 
 TINY = Gemma3Config(vocab=50, hidden=16, intermediate=24, n_layers=6, n_heads=2, n_kv_heads=1, head_dim=8,
                     sliding_window=3, query_pre_attn_scalar=8.0, rms_norm_eps=float(np.float32(1e-6)),
@@ -62,8 +64,8 @@ def test_gguf_round_trip(tmp_path):
     loaded, cfg = load_gguf(tmp_path / "m.gguf")
     assert cfg == TINY
     tokens = jnp.arange(12)[None]  # four windows
-    a, _ = model.prefill(tokens, Gemma3Cache.init(cfg, 1, 12))
-    b, _ = loaded.prefill(tokens, Gemma3Cache.init(cfg, 1, 12))
+    a, _ = forced_logits(model, tokens)
+    b, _ = forced_logits(loaded, tokens)
     np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(np.asarray(a)).max())
 
 
@@ -121,7 +123,7 @@ def test_gemma3_gguf_parity_with_transformers(gemma3, gemma3_ref):
     ref = gemma3_ref
     tokens = [tok.bos_id, *tok.encode(str(ref["prompt"]))]
     assert tokens == ref["tokens"].tolist(), "GGUF tokenizer disagrees with transformers' GGUF tokenizer"
-    logits, _ = model.prefill(jnp.asarray(tokens)[None], Gemma3Cache.init(cfg, 1, len(tokens)))
+    logits, _ = forced_logits(model, np.asarray(tokens)[None])
     err = max_rel_err(logits[0], ref["logits"])
     assert err < 1e-4, f"Gemma 3: max relative logit error {err:.2e}"
     gen = np.asarray(generate(model, np.asarray(tokens), len(ref["greedy"])))
@@ -129,7 +131,7 @@ def test_gemma3_gguf_parity_with_transformers(gemma3, gemma3_ref):
     for i, text in enumerate(ref["extra_prompts"]):
         tokens = [tok.bos_id, *tok.encode(text)]
         assert tokens == ref[f"extra_tokens_{i}"].tolist()
-        last, _ = model.prefill(jnp.asarray(tokens)[None], Gemma3Cache.init(cfg, 1, len(tokens)), last_only=True)
+        last, _, _ = generation.prefill(model, np.asarray(tokens)[None], [len(tokens)], DenseCache(), len(tokens))
         err = max_rel_err(last[0], ref[f"extra_last_logits_{i}"])
         assert err < 1e-4, f"Gemma 3, prompt {i} ({len(tokens)} tokens): max relative logit error {err:.2e}"
         gen = np.asarray(generate(model, np.asarray(tokens), len(ref["greedy"])))

@@ -13,6 +13,7 @@ from fathom_jax import models
 from fathom_jax.models import gemma3 as G
 from fathom_jax.models import generation
 from tests.models.test_gemma3 import CFG
+from tests.support import forced_logits
 
 PROMPT = np.random.default_rng(5).integers(0, CFG.vocab, (2, 40)).astype(np.int32)
 LENGTHS = np.array([40, 40])
@@ -58,8 +59,8 @@ def test_sparse_global_layers_in_device_memory_and_offloaded(model, spec):
     assert int(windows.length) == PROMPT.shape[1] + STEPS
     # really sparse: 12 of 40+ tokens per head change the logits (dense prefill teacher-forced with the same tokens)
     forced = np.concatenate([PROMPT, tokens[:, :-1]], 1)
-    full, _ = model.prefill(forced, G.Gemma3Cache.init(CFG, 2, CAPACITY))
-    dense = np.moveaxis(np.asarray(full[:, PROMPT.shape[1] - 1:]), 1, 0)
+    full, _ = forced_logits(model, forced, CAPACITY)
+    dense = np.moveaxis(full[:, PROMPT.shape[1] - 1:], 1, 0)
     np.testing.assert_allclose(logits[0], dense[0], rtol=0, atol=1e-5 * np.abs(dense).max())  # the prefill's
     assert np.abs(logits[1:] - dense[1:]).max() > 1e-3 * np.abs(dense).max()
 

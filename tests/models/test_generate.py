@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fathom_jax.models import KVCache, capture_qkv, dense_attention, generate
-from fathom_jax.models import generation
+from fathom_jax.models import DenseCache, capture_qkv, generate, generation, softmax_attention
 
 from tests.support import TINY_TOKENS as TOKENS
+from tests.support import forced_logits
 
 
 def test_generate_is_greedy_and_compiles_once(model, CFG):
@@ -18,8 +18,8 @@ def test_generate_is_greedy_and_compiles_once(model, CFG):
     out = np.asarray(generate(model, prompt, 6, capacity=16))
     # Greedy <=> each new token is the argmax of a teacher-forced prefill at the previous position.
     seq = np.concatenate([prompt, out[:-1]])[None]
-    lg, _ = model.prefill(jnp.asarray(seq), KVCache.init(CFG, 1, 16))
-    assert out.tolist() == np.argmax(np.asarray(lg[0, 4:]), -1).tolist()
+    lg, _ = forced_logits(model, seq, 16)
+    assert out.tolist() == np.argmax(lg[0, 4:], -1).tolist()
     size = generation.generate_program()._cache_size()
     generate(model, TOKENS[1, :5], 6, capacity=16)
     assert generation.generate_program()._cache_size() == size  # same shapes: no recompilation
@@ -37,17 +37,16 @@ def test_capture_qkv(model, full_logits, CFG):
     np.testing.assert_allclose(got["k"], cache.k[:, 0, :, :t], atol=1e-5)
     np.testing.assert_allclose(got["v"], cache.v[:, 0, :, :t], atol=1e-5)
     # q: the layer-0 query of the last position equals the one a decode step computes.
-    _, pre = model.prefill(jnp.asarray(TOKENS[:1, : t - 1]), KVCache.init(CFG, 1, 16))
     q_last_l0 = got["q"][0, :, -1].reshape(CFG.n_kv_heads, -1, CFG.head_dim)
-    lq = _layer0_query(model, TOKENS[0, t - 1], pre, CFG)
+    lq = _layer0_query(model, TOKENS[0, t - 1], t - 1, CFG)
     np.testing.assert_allclose(q_last_l0, lq, atol=1e-5)
 
 
-def _layer0_query(model, token, cache, CFG):
+def _layer0_query(model, token, position, CFG):
     """Layer-0 post-RoPE query of one decode step, computed directly from the module."""
     layer0 = nnx.merge(*_split_layer0(model))
-    x = model.embed_tokens(jnp.asarray([[token]]))
-    q, _, _ = layer0.self_attn.qkv(CFG, layer0.input_layernorm(x), cache.length + jnp.arange(1))
+    x = model.embed(jnp.asarray([[token]]))
+    q, _, _ = layer0.self_attn.qkv(CFG, layer0.input_layernorm(x), position + jnp.arange(1))
     return q[0, :, :, 0]
 
 
@@ -64,21 +63,20 @@ class ScaledAttention:
     scale: jax.Array  # [n_layers]
 
     def __call__(self, q, k, v, length, layer):
-        return dense_attention(q * self.scale[layer], k, v, length, layer)
+        return softmax_attention(q * self.scale[layer], k, v, length, layer)
 
 
 def test_pytree_attention_fn_is_traced_not_recompiled(model, full_logits, CFG):
     logits, _ = full_logits
     prompt = TOKENS[:, :5]
-    ones = ScaledAttention(jnp.ones(CFG.n_layers))
+    ones = DenseCache(ScaledAttention(jnp.ones(CFG.n_layers)))
     out = np.asarray(generate(model, prompt, 4, capacity=16, attention_fn=ones))
     assert out.tolist() == np.asarray(generate(model, prompt, 4, capacity=16)).tolist()
     size = generation.generate_program()._cache_size()
-    hot = ScaledAttention(jnp.full(CFG.n_layers, 30.0, jnp.float32))  # same dtype, not weak-typed
+    hot = DenseCache(ScaledAttention(jnp.full(CFG.n_layers, 30.0, jnp.float32)))  # same dtype, not weak-typed
     generate(model, prompt, 4, capacity=16, attention_fn=hot)
     assert generation.generate_program()._cache_size() == size  # new arrays, same program
-    _, cache = model.prefill(jnp.asarray(TOKENS[:, :11]), KVCache.init(CFG, 2, 16))
-    a, _ = model.decode_step(jnp.asarray(TOKENS[:, 11]), cache, attention_fn=ones)
-    b, _ = model.decode_step(jnp.asarray(TOKENS[:, 11]), cache, attention_fn=hot)
-    np.testing.assert_allclose(a, logits[:, 11], atol=1e-5 * np.abs(logits).max())
-    assert np.abs(np.asarray(b) - np.asarray(a)).max() > 1e-3
+    a, _ = forced_logits(model, TOKENS, 16, ones)
+    b, _ = forced_logits(model, TOKENS, 16, hot)
+    np.testing.assert_allclose(a, logits, atol=1e-5 * np.abs(logits).max())
+    assert np.abs(b[:, 11] - a[:, 11]).max() > 1e-3

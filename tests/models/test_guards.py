@@ -10,7 +10,7 @@ from flax import nnx
 
 from fathom_jax import decode
 from fathom_jax.cli import args as cli_args
-from fathom_jax.placement import host_memory
+from fathom_jax.models import sizing
 from fathom_jax.checks import CheckError
 from fathom_jax.models import generate, generation, guards
 from fathom_jax.models.llama import LlamaForCausalLM
@@ -70,10 +70,10 @@ def test_positions_past_the_model_need_the_same_opt_in_as_the_cli(tiny_config, n
 
 
 def test_memory_uses_the_cli_sizing(tiny_model, monkeypatch, no_work):
-    """The check the CLI makes (host_memory.peak_bytes against the available memory), shared: with 1 MiB free the
+    """The check the CLI makes (sizing.peak_bytes against the available memory), shared: with 1 MiB free the
     tiny run does not fit; memory_check=False (the CLI's --no-memory-check) tries anyway."""
-    monkeypatch.setattr(host_memory, "available_bytes", lambda: 1 << 20)
-    need = host_memory.peak_bytes(tiny_model.config, 1000 + 8, weights=False)
+    monkeypatch.setattr(sizing, "available_bytes", lambda: 1 << 20)
+    need = sizing.peak_bytes(tiny_model.config, 1000 + 8, weights=False)
     with pytest.raises(CheckError, match=r"generate over 1008 tokens x 1 prompt\(s\) needs about .* GiB of memory and "
                                          r"0.0 GiB is available; .*memory_check=False"):
         generate(tiny_model, np.ones(1000, np.int32), 8, allow_long_context=True)

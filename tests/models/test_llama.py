@@ -1,6 +1,5 @@
-"""The decoder (prefill, decode step, attention hook) on a tiny random model: self-consistency."""
-
-import dataclasses
+"""The Llama decoder on a tiny random model, through the decoder protocol: self-consistency of the prompt and the
+decode step, the dense cache's attention function hook, bf16."""
 
 import jax
 import jax.numpy as jnp
@@ -8,37 +7,29 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fathom_jax.models import KVCache, LlamaForCausalLM, dense_attention, generate
+from fathom_jax.models import DenseCache, LayerwiseDecoder, LlamaForCausalLM, generate, generation, softmax_attention
 
 from tests.support import TINY_TOKENS as TOKENS
 
 
-def test_jitted_decode_matches_prefill_at_every_position(model, full_logits, CFG):
+def prompt_logits(model, tokens, capacity=16, attention=None):
+    """The prompt's last-token logits and decode state (dense cache)."""
+    lengths = np.full(tokens.shape[0], tokens.shape[1])
+    logits, state, attention = generation.prefill(model, tokens, lengths, attention or DenseCache(), capacity)
+    return np.asarray(logits), state, attention
+
+
+def test_prompt_matches_decode_steps_at_every_length(model, full_logits):
+    """The prompt path (a whole prompt, layer by layer) against the decode steps' teacher-forced logits."""
     logits, _ = full_logits
-    step = nnx.jit(lambda m, tok, cache: m.decode_step(tok, cache))
-    _, cache = model.prefill(jnp.asarray(TOKENS[:, :1]), KVCache.init(CFG, 2, 16))
-    for t in range(1, TOKENS.shape[1]):
-        out, cache = step(model, jnp.asarray(TOKENS[:, t]), cache)
-        np.testing.assert_allclose(out, logits[:, t], rtol=0, atol=1e-5 * np.abs(logits).max())
-    assert int(cache.length) == TOKENS.shape[1]
-
-
-def test_chunked_prefill_matches_full(model, full_logits, CFG):
-    logits, full_cache = full_logits
-    first, cache = model.prefill(jnp.asarray(TOKENS[:, :5]), KVCache.init(CFG, 2, 16))
-    second, cache = model.prefill(jnp.asarray(TOKENS[:, 5:]), cache)
-    np.testing.assert_allclose(np.concatenate([first, second], 1), logits, atol=1e-5 * np.abs(logits).max())
-    np.testing.assert_allclose(cache.k[:, :, :, :12], full_cache.k[:, :, :, :12], atol=1e-5)
-    last, _ = model.prefill(jnp.asarray(TOKENS), KVCache.init(CFG, 2, 16), last_only=True)
-    np.testing.assert_allclose(last, logits[:, -1], atol=1e-5 * np.abs(logits).max())
-
-
-def test_decode_at_explicit_position_overwrites_slot(model, full_logits):
-    logits, cache = full_logits
-    # Re-decoding token 7 at position 7 over a cache filled to 12 must ignore slots 8..11.
-    out, new = model.decode_step(jnp.asarray(TOKENS[:, 7]), cache, 7)
-    assert int(new.length) == 8
-    np.testing.assert_allclose(out, logits[:, 7], atol=1e-5 * np.abs(logits).max())
+    assert isinstance(model, LayerwiseDecoder)
+    for t in (1, 5, 12):
+        last, state, _ = prompt_logits(model, TOKENS[:, :t])
+        np.testing.assert_allclose(last, logits[:, t - 1], rtol=0, atol=1e-5 * np.abs(logits).max())
+        assert int(state.length) == t
+    fused, _ = model.forward_prompt(DenseCache(), jnp.asarray(TOKENS), jnp.full((2,), 12), model.init_state(
+        DenseCache(), 2, 16))  # the one-program prompt (a layer scan) is the layer-by-layer one's
+    np.testing.assert_array_equal(np.asarray(fused), prompt_logits(model, TOKENS)[0])
 
 
 def test_attention_fn_hook_gets_documented_shapes(model, full_logits, CFG):
@@ -47,43 +38,36 @@ def test_attention_fn_hook_gets_documented_shapes(model, full_logits, CFG):
 
     def spy(q, k, v, length, layer):
         seen.append((q.shape, k.shape, v.shape, jnp.shape(length), jnp.shape(layer)))
-        return dense_attention(q, k, v, length, layer)
+        return softmax_attention(q, k, v, length, layer)
 
-    _, cache = model.prefill(jnp.asarray(TOKENS[:, :11]), KVCache.init(CFG, 2, 16))
-    out, _ = model.decode_step(jnp.asarray(TOKENS[:, 11]), cache, attention_fn=spy)
+    _, state, attn = prompt_logits(model, TOKENS[:, :11], attention=DenseCache(spy))
+    _, out, _ = generation.decode_step(model, TOKENS[:, 11], state, attn)
     g = CFG.n_heads // CFG.n_kv_heads
     assert seen == [((2, 2, g, 8), (2, 2, 16, 8), (2, 2, 16, 8), (), ())]  # traced once under scan
     np.testing.assert_allclose(out, logits[:, 11], atol=1e-5 * np.abs(logits).max())
 
     # A hook that ignores the newest key must change the output: the hook is really used.
     def drop_last(q, k, v, length, layer):
-        return dense_attention(q, k, v, length - 1, layer)
+        return softmax_attention(q, k, v, length - 1, layer)
 
-    out2, _ = model.decode_step(jnp.asarray(TOKENS[:, 11]), cache, attention_fn=drop_last)
+    _, state, attn = prompt_logits(model, TOKENS[:, :11], attention=DenseCache(drop_last))
+    _, out2, _ = generation.decode_step(model, TOKENS[:, 11], state, attn)
     assert np.abs(np.asarray(out2) - logits[:, 11]).max() > 1e-3
 
 
-def test_prompt_longer_than_cache_raises(model, CFG):
-    with pytest.raises(ValueError, match="capacity 8"):
-        model.prefill(jnp.asarray(TOKENS), KVCache.init(CFG, 2, 8))
+def test_bad_attention_and_capacity_are_named(model):
     with pytest.raises(ValueError, match="exceeds cache capacity 10"):
         generate(model, TOKENS[0], 4, capacity=10)
-    _, cache = model.prefill(jnp.asarray(TOKENS[:, :6]), KVCache.init(CFG, 2, 8))
-    with pytest.raises(ValueError, match="exceeds capacity 8"):
-        model.prefill(jnp.asarray(TOKENS[:, :3]), cache)
-    with pytest.raises(ValueError, match=r"tokens \[batch, T\]"):
-        model.prefill(jnp.asarray(TOKENS[0]), KVCache.init(CFG, 1, 16))
-    full = dataclasses.replace(cache, length=jnp.int32(8))
-    with pytest.raises(ValueError, match="exceeds capacity 8"):
-        model.decode_step(jnp.asarray(TOKENS[:, 0]), full)
+    with pytest.raises(TypeError, match=r"DenseCache\(fn\)"):
+        generate(model, TOKENS[0], 4, attention_fn=softmax_attention)
+    with pytest.raises(TypeError, match=r"DenseCache\(fn\)"):
+        generation.prefill(model, TOKENS, [12, 12], softmax_attention, 16)
 
 
 def test_bf16_model_runs_close_to_f32(model, full_logits, CFG):
     logits, _ = full_logits
     m16 = nnx.eval_shape(lambda: LlamaForCausalLM(CFG, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     nnx.update(m16, jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.state(model)))
-    out, cache = m16.prefill(jnp.asarray(TOKENS), KVCache.init(CFG, 2, 16, jnp.bfloat16))
-    assert out.dtype == jnp.float32 and cache.k.dtype == jnp.bfloat16
-    assert np.abs(np.asarray(out) - logits).max() < 0.05 * np.abs(logits).max()
-
-
+    out, cache, _ = prompt_logits(m16, TOKENS)
+    assert out.dtype == np.float32 and cache.k.dtype == jnp.bfloat16
+    assert np.abs(out - logits[:, -1]).max() < 0.05 * np.abs(logits).max()

@@ -10,7 +10,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from fathom_jax.models.config import LlamaConfig
-from fathom_jax.models import KVCache, LlamaForCausalLM, generate
+from fathom_jax.models import LlamaForCausalLM, generate
 from fathom_jax.models.loading import (
     MissingTensorError,
     config_from_gguf,
@@ -21,6 +21,8 @@ from fathom_jax.models.loading import (
     permute_rope_rows,
     unpermute_rope_rows,
 )
+
+from tests.support import forced_logits
 
 TINY_CASES = ("llama", "llama3", "qwen2", "qwen3")  # the cases tests/oracle/hf_reference.py writes
 
@@ -37,7 +39,7 @@ def test_hf_tiny_logit_and_greedy_parity(tiny_checkpoints, case):
     ref = np.load(os.path.join(path, "ref.npz"))
     model, cfg = load_hf_checkpoint(path, dtype="float32")
     tokens = ref["tokens"]
-    logits, _ = model.prefill(jnp.asarray(tokens)[None], KVCache.init(cfg, 1, 64))
+    logits, _ = forced_logits(model, np.asarray(tokens)[None], 64)
     err = max_rel_err(logits[0], ref["logits"])
     assert err < 1e-4, f"{case}: max relative logit error {err:.2e}"
     prompt_len, n = 8, len(ref["greedy"])
@@ -50,7 +52,7 @@ def test_hf_bf16_load_is_close(tiny_checkpoints):
     ref = np.load(os.path.join(path, "ref.npz"))
     model, cfg = load_hf_checkpoint(path, dtype="bfloat16")
     assert model.embed_tokens.embedding[...].dtype == jnp.bfloat16
-    logits, _ = model.prefill(jnp.asarray(ref["tokens"])[None], KVCache.init(cfg, 1, 64, jnp.bfloat16))
+    logits, _ = forced_logits(model, ref["tokens"][None], 64)
     assert max_rel_err(logits[0], ref["logits"]) < 5e-2
 
 
@@ -78,8 +80,8 @@ def test_hf_layout_roundtrip_without_oracle(tmp_path):
     loaded, cfg2 = load_hf_checkpoint(tmp_path)
     assert cfg2 == cfg
     tokens = jnp.arange(10)[None]
-    a, _ = model.prefill(tokens, KVCache.init(cfg, 1, 10))
-    b, _ = loaded.prefill(tokens, KVCache.init(cfg, 1, 10))
+    a, _ = forced_logits(model, tokens)
+    b, _ = forced_logits(loaded, tokens)
     np.testing.assert_array_equal(a, b)
 
 
@@ -125,7 +127,7 @@ def test_smollm2_gguf_parity_with_transformers(smollm2, smollm2_ref):
     ref = smollm2_ref
     tokens = tok.encode(str(ref["prompt"]))
     assert tokens == ref["tokens"].tolist(), "GGUF tokenizer disagrees with transformers' GGUF tokenizer"
-    logits, _ = model.prefill(jnp.asarray(tokens)[None], KVCache.init(cfg, 1, 64))
+    logits, _ = forced_logits(model, np.asarray(tokens)[None], 64)
     err = max_rel_err(logits[0], ref["logits"])
     assert err < 1e-4, f"SmolLM2: max relative logit error {err:.2e}"
     gen = np.asarray(generate(model, np.asarray(tokens), len(ref["greedy"]), capacity=64))
@@ -172,8 +174,8 @@ def test_gguf_roundtrip_undoes_qk_permutation(tmp_path):
     loaded, cfg2 = load_gguf(tmp_path / "m.gguf")
     assert cfg2 == cfg
     tokens = jnp.arange(12)[None]
-    a, _ = model.prefill(tokens, KVCache.init(cfg, 1, 12))
-    b, _ = loaded.prefill(tokens, KVCache.init(cfg, 1, 12))
+    a, _ = forced_logits(model, tokens)
+    b, _ = forced_logits(loaded, tokens)
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 

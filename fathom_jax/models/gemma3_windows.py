@@ -1,5 +1,5 @@
-"""Gemma 3's dense cache and its two attentions: a ring buffer of one window for each sliding-window layer, a
-full-length cache for each global layer (both hold post-RoPE keys).
+"""Gemma 3's sliding windows: a ring buffer of one window (post-RoPE keys) for each sliding-window layer, the part of
+the decode state the model keeps of its own (the global layers' rows are their attention's cache).
 
 The sliding-window layers keep only their last ``sliding_window`` positions (position p in slot p mod W): at
 32k tokens a full-length cache per local layer would hold 64x more rows, none of them ever attended, and only
@@ -16,47 +16,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from fathom_jax.models.cache import KVCache, causal_attention
 from fathom_jax.models.gemma3_config import Gemma3Config
-
-PREFILL_QUERY_CHUNK = 1024  # queries per chunk of prefill attention: memory ~ chunk x keys, not T x keys
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Gemma3Cache:
-    """``k``/``v``: the global layers' rows, slots [0, length) valid (a :class:`KVCache` over the global layers:
-    :attr:`global_cache`); ``local_k``/``local_v``: each local layer's last ``window`` positions, position p at
-    slot p mod window. One ``length`` for the batch, as in :class:`KVCache`."""
-
-    local_k: Float[Array, "local_layers batch kv_heads window head_dim"]
-    local_v: Float[Array, "local_layers batch kv_heads window head_dim"]
-    k: Float[Array, "global_layers batch kv_heads capacity head_dim"]
-    v: Float[Array, "global_layers batch kv_heads capacity head_dim"]
-    length: Int[Array, ""]
-
-    @classmethod
-    def init(cls, config: Gemma3Config, batch: int, capacity: int, dtype=jnp.float32) -> "Gemma3Cache":
-        if batch < 1 or capacity < 1:
-            raise ValueError(f"batch and capacity must be >= 1, got batch={batch}, capacity={capacity}")
-        rows = (batch, config.n_kv_heads)
-        local = (len(config.local_layers), *rows, config.sliding_window, config.head_dim)
-        full = (len(config.global_layers), *rows, capacity, config.head_dim)
-        zeros = lambda shape: jnp.zeros(shape, dtype)  # noqa: E731
-        return cls(zeros(local), zeros(local), zeros(full), zeros(full), jnp.zeros((), jnp.int32))
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[3]
-
-    @property
-    def window(self) -> int:
-        return self.local_k.shape[3]
-
-    @property
-    def global_cache(self) -> KVCache:
-        """The global layers' rows as a :class:`KVCache` (stacked over the global layers only)."""
-        return KVCache(self.k, self.v, self.length)
+from fathom_jax.models.prompt_attention import PREFILL_QUERY_CHUNK
 
 
 def window_attention(q: Float[Array, "B Hkv G T D"], k: Float[Array, "B Hkv T D"], v: Float[Array, "B Hkv T D"],
@@ -82,7 +43,7 @@ def _banded_attention(q, keys, values, start, w: int, chunk: int):
     """Query t (position start + t) over keys index j (position start - W + j), j in (t, t + W], position >= 0;
     by chunks of queries, each over the W + chunk keys its band can reach."""
     t = q.shape[3]
-    scale = 1.0 / math.sqrt(q.shape[-1])  # as dense_attention: query_scale folded Gemma's scalar into q
+    scale = 1.0 / math.sqrt(q.shape[-1])  # as the attention objects: query_scale folded Gemma's scalar into q
 
     def band(qc, kc, vc, t0, j0):  # queries t0 + [0, Tc) over keys j0 + [0, Kc)
         s = jnp.einsum("bhgtd,bhjd->bhgtj", qc.astype(jnp.float32), kc.astype(jnp.float32)) * scale
@@ -104,23 +65,6 @@ def _banded_attention(q, keys, values, start, w: int, chunk: int):
 
     out = jax.lax.map(one, jnp.arange(0, t + pad, chunk, dtype=jnp.int32))  # [chunks, B, Hkv, G, chunk, D]
     out = jnp.moveaxis(out, 0, 3)
-    return out.reshape(*out.shape[:3], t + pad, out.shape[-1])[:, :, :, :t]
-
-
-def chunked_causal_attention(q: Float[Array, "B Hkv G T D"], k: Float[Array, "B Hkv C D"],
-                             v: Float[Array, "B Hkv C D"], start: Int[Array, ""], chunk: int = PREFILL_QUERY_CHUNK):
-    """:func:`~fathom_jax.models.cache.causal_attention` (queries at start + [0, T) over cache slots <= their
-    position) by chunks of queries."""
-    t = q.shape[3]
-    if t <= chunk:
-        return causal_attention(q, k, v, start)
-    pad = -t % chunk
-    qp = jnp.pad(q, ((0, 0),) * 3 + ((0, pad), (0, 0)))
-
-    def one(t0):
-        return causal_attention(jax.lax.dynamic_slice_in_dim(qp, t0, chunk, axis=3), k, v, start + t0)
-
-    out = jnp.moveaxis(jax.lax.map(one, jnp.arange(0, t + pad, chunk, dtype=jnp.int32)), 0, 3)
     return out.reshape(*out.shape[:3], t + pad, out.shape[-1])[:, :, :, :t]
 
 
