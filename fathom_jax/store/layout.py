@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Float16, Int, UInt32
 
 from fathom_jax import format as fmt
-from fathom_jax.format import WORD_BITS
+from fathom_jax.format import BLOCK_TOKENS
 
 
 @jax.tree_util.register_dataclass
@@ -70,24 +70,18 @@ def rotate_queries(q: Float[Array, "*B G D"], rotation: KeyRotation | None) -> F
     return jnp.einsum("...gd,...de->...ge", q, rotation.basis)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PlaneStore:
-    """Bit-plane key store for a batch of sequences (see the module docstring for the layout)."""
+class BlockScaled:
+    """What every store type knows from its fp16 block scales ``[*B, D, NB]``: one per channel and 64-token block."""
 
-    planes: UInt32[Array, "*B D 4 W"]
-    scales: Float16[Array, "*B D NB"]
-    tail: Float[Array, "*B 64 D"]
-    length: Int[Array, "*B"]
-    rotation: KeyRotation | None = None
+    scales: jax.Array
 
     @property
     def capacity(self) -> int:
-        return self.planes.shape[-1] * WORD_BITS
+        return self.scales.shape[-1] * BLOCK_TOKENS
 
     @property
     def head_dim(self) -> int:
-        return self.planes.shape[-3]
+        return self.scales.shape[-2]
 
     @property
     def num_blocks(self) -> int:
@@ -95,7 +89,19 @@ class PlaneStore:
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
-        return self.planes.shape[:-3]
+        return self.scales.shape[:-2]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PlaneStore(BlockScaled):
+    """Bit-plane key store for a batch of sequences (see the module docstring for the layout)."""
+
+    planes: UInt32[Array, "*B D 4 W"]
+    scales: Float16[Array, "*B D NB"]
+    tail: Float[Array, "*B 64 D"]
+    length: Int[Array, "*B"]
+    rotation: KeyRotation | None = None
 
     def plane_run_bytes(self) -> int:
         """Bytes of one plane of one channel: the unit of a contiguous read."""
@@ -109,7 +115,7 @@ class PlaneStore:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class UnpackedStore:
+class UnpackedStore(BlockScaled):
     """A plane store with its 4-bit codes unpacked token-major (``uint8 [*B, capacity, D]``; rows at or
     past ``length`` are ignored), the block holding token ``length`` kept apart (``block_codes``).
 
@@ -129,20 +135,4 @@ class UnpackedStore:
     tail: Float[Array, "*B 64 D"]
     length: Int[Array, "*B"]
     rotation: KeyRotation | None = None
-
-    @property
-    def capacity(self) -> int:
-        return self.codes.shape[-2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.codes.shape[-1]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.scales.shape[-1]
-
-    @property
-    def batch_shape(self) -> tuple[int, ...]:
-        return self.codes.shape[:-2]
 

@@ -14,13 +14,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Float16, Int, UInt32
 
-from fathom_jax import format as fmt
-from fathom_jax.store.layout import KeyRotation, PlaneStore
+from fathom_jax.store.layout import BlockScaled, KeyRotation, PlaneStore
 from pallas_kernels.plane_layout import layer_planes, tier_table
 
 
 @dataclasses.dataclass(frozen=True)
-class TieredPlaneStore:
+class TieredPlaneStore(BlockScaled):
     """A stacked plane store in two tiers: ``hot`` (planes ``i < p_l`` of layer ``l``, device memory) and ``cold``
     (the rest, host memory), plane-major rows as :func:`pallas_kernels.plane_layout.tier_table` places them; block
     ``scales`` (device memory), raw ``tail``, ``length`` and ``rotation`` as a :class:`PlaneStore`'s. ``resident``
@@ -37,14 +36,6 @@ class TieredPlaneStore:
     @property
     def table(self) -> jax.Array:
         return jnp.asarray(tier_table(self.resident))
-
-    @property
-    def capacity(self) -> int:
-        return self.hot.shape[-1] * fmt.WORD_BITS
-
-    @property
-    def head_dim(self) -> int:
-        return self.hot.shape[2]
 
     def layer_store(self, layer, groups: slice, length) -> PlaneStore:
         """The one-tier store of ``layer``'s ``groups`` (a copy, for the plain-jnp reference scan)."""
