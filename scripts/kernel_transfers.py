@@ -11,6 +11,7 @@ import numpy as np
 
 from pallas_kernels import row_fetch as RF
 from pallas_kernels import run_gather as RG
+from pallas_kernels.operands import RunList, StorePlanes
 from scripts.harness import stats, timeit_args
 
 GATHER_CONFIGS = ((2048, 4), (1024, 4), (4096, 4), (8192, 4), (2048, 8), (4096, 8), (8192, 8), (16384, 8))  # chunk, warps
@@ -47,7 +48,8 @@ def gather_cases(tune=False):
                 config = RG.RunGatherConfig(chunk=chunk, num_warps=warps)
 
                 def step(c, planes, scales, config=config):
-                    p, sc = RG.run_gather(planes, scales, ch + (c > 1e30).astype(jnp.int32), dep, config=config)
+                    runs = RunList(ch + (c > 1e30).astype(jnp.int32), dep)
+                    p = RG.run_gather(StorePlanes(planes, scales), runs, config=config).planes
                     return c + p[0, 0, 0, 0].astype(jnp.float32) * 1e-30
                 r = timeit_args(step, jnp.zeros((), jnp.float32), (planes, scales), reps=min(20, iters), repeats=3)
                 r.update(kernel="run_gather", source=where, run_bytes=run_kb * 1024, bytes=nbytes, chunk=chunk,

@@ -16,6 +16,7 @@ from jaxtyping import Array, Float, Float16, Int, UInt32
 
 from fathom_jax import format as fmt
 from fathom_jax.store.layout import KeyRotation, PlaneStore
+from pallas_kernels.operands import LayerTiers
 from pallas_kernels.plane_layout import layer_planes, tier_table
 
 
@@ -45,6 +46,10 @@ class TieredPlaneStore:
     @property
     def head_dim(self) -> int:
         return self.hot.shape[2]
+
+    def tiers(self, layer, group_start: int = 0) -> LayerTiers:
+        """The tiers at ``layer`` for groups ``group_start ..`` as the kernels take them (read in place)."""
+        return LayerTiers(self.hot, self.cold, self.scales, self.table, layer, group_start)
 
     def layer_store(self, layer, groups: slice, length) -> PlaneStore:
         """The one-tier store of ``layer``'s ``groups`` (a copy, for the plain-jnp reference scan)."""
