@@ -114,5 +114,6 @@ def tier_gather(
     _validate(tiers, runs)
     if implementation == "xla":
         return tier_gather_reference(tiers, runs)
-    return _tier_gather_pallas(dataclasses.replace(tiers, layer=tiers.layer_index()), runs, tuple(jax.tree.leaves(after)),
+    tiers = dataclasses.replace(tiers, layer=tiers.layer_index())
+    return _tier_gather_pallas(tiers, runs, tuple(jax.tree.leaves(after)),
                                config=config or RunGatherConfig(), interpret=B.resolve_interpret(interpret))

@@ -30,7 +30,7 @@ from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead
 from pallas_kernels import backend
 from pallas_kernels.operands import StorePlanes
 from pallas_kernels.plane_scan import ResidentPlanes, active_channels, plane_scan
-from pallas_kernels.row_fetch import row_fetch
+from pallas_kernels.row_fetch import StoredRows, row_fetch
 from pallas_kernels.run_gather import RunGatherConfig, run_gather
 from pallas_kernels.tier_gather import tier_gather
 
@@ -89,7 +89,7 @@ class _HostRead(IndexRead):
         start, size = groups
         n = x.shape[-2]
         index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (size, n))
-        rows, _, _ = row_fetch(x, None, index, layer=layer, columns=columns, group_start=start,
+        rows, _, _ = row_fetch(StoredRows(x, layer=layer, group_start=start, columns=columns), index,
                                implementation=self.implementation)
         return rows
 

@@ -105,8 +105,8 @@ def test_tier_gather_lowers_to_triton_and_validates():
     text = lower_triton_text(lambda q, p, s, h: PS.plane_scan(
         q, StorePlanes(p, s), z((2,), jnp.int32), runs,
         resident=PS.ResidentPlanes(LayerTiers(h, cold, scales, table, jnp.int32(1)), ch),
-        implementation="pallas", interpret=False), z((2, 4, 5)), z((2, 5, 4, 20), jnp.uint32), z((2, 5, 10), jnp.float16),
-        hot)
+        implementation="pallas", interpret=False), z((2, 4, 5)), z((2, 5, 4, 20), jnp.uint32),
+        z((2, 5, 10), jnp.float16), hot)
     assert text.count(f'name = "{PS.KERNEL_NAME}"') == 1
     with pytest.raises(ValueError, match="table must be"):
         TG.tier_gather(LayerTiers(hot, cold, scales, z((3, 3), jnp.int32), 0), runs)
