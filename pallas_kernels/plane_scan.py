@@ -9,10 +9,10 @@ with ``a`` the token's fp16 block scale (64-token blocks). Tokens at positions `
 so the result equals ``q @ store.dequantize(store, depth).T`` (in the store's basis: pass KLT-rotated
 queries for a KLT store).
 
-The active channels come as a fixed-size list ``channels [R, C]`` / ``depths [R, C]``; slots of depth 0
-cost nothing. :func:`active_channels` builds the list from per-channel depths (e.g. ``ReadPlan.depths``),
-sorted by decreasing depth, so the kernel runs one loop per *depth class* (t = 4, 3, 2, 1) with the
-depth a compile-time constant.
+The active channels come as a fixed-size run list (:class:`~pallas_kernels.operands.RunList`: ``channels [R, C]``
+/ ``depths [R, C]``); slots of depth 0 cost nothing. :func:`active_channels` builds the list from per-channel depths
+(e.g. ``ReadPlan.depths``), sorted by decreasing depth, so the kernel runs one loop per *depth class* (t = 4, 3, 2,
+1) with the depth a compile-time constant. The store is a :class:`~pallas_kernels.operands.StorePlanes`.
 
 The kernel: one program per (group, tile of tokens); a thread owns ``lanes`` consecutive tokens (a
 whole plane word or a part of one), unrolled at compile time, so each token's bit is one constant shift
@@ -20,7 +20,7 @@ and one mask-or; codes become floats by the 2^23 magic-number trick (OR into the
 FADD); the block scale and 1/2^(t-1) are folded into per-(channel, element) weights
 ``w_h = q_h * a / 2^(t-1)``: ``score = sum_j w_h c_t + sum_j w_h (1/2 - 2^(t-1))``, the second sum once
 per element, not per token. Planes and scales are read in place through ``memory_space=ANY`` refs, so
-they may live in ``pinned_host`` memory (a stacked ``[L, R, ...]`` cache indexed by ``layer``).
+they may live in ``pinned_host`` memory (a stacked ``[L, R, ...]`` cache indexed by the store's ``layer``).
 """
 
 from __future__ import annotations
