@@ -157,8 +157,8 @@ def plan_bits_bisection(
     log_lo, log_hi = _bracket(thresholds)
     n = math.prod(batch)
     depths, log_hi = water_line_lib.water_line(
-        jnp.moveaxis(thresholds.reshape(n, N_PLANES, d), 1, 0), budget.reshape(n), log_lo.reshape(n),
-        log_hi.reshape(n), steps=steps, plane_cost=PLANE_COST, implementation=implementation)
+        jnp.moveaxis(thresholds.reshape(n, N_PLANES, d), 1, 0), budget.reshape(n), (log_lo.reshape(n), log_hi.reshape(n)),
+        spec=water_line_lib.WaterLineSpec(steps, PLANE_COST), implementation=implementation)
     return planner_lib.make_plan(depths.reshape(*batch, d), jnp.exp(log_hi).reshape(batch))
 
 

@@ -243,9 +243,9 @@ def plan_bisection(
     batch, d = g.shape[:-1], g.shape[-1]
     n = math.prod(batch)
     thresholds = jnp.moveaxis(water_line_thresholds(g).reshape(n, N_PLANES, d), 1, 0)
-    depths, log_hi = water_line_lib.water_line(
-        thresholds, budget.reshape(n), log_lo.reshape(n), log_hi.reshape(n), steps=steps,
-        implementation=implementation)
+    bracket = (log_lo.reshape(n), log_hi.reshape(n))
+    depths, log_hi = water_line_lib.water_line(thresholds, budget.reshape(n), bracket,
+                                               spec=water_line_lib.WaterLineSpec(steps), implementation=implementation)
     return make_plan(depths.reshape(g.shape), jnp.exp(log_hi).reshape(batch))
 
 

@@ -9,7 +9,8 @@ is present).
 
 What they share, and no kernel imports another: ``backend`` (the implementation switch, operand checks and
 helpers), ``plane_layout`` (the format constants the kernels are built for, run-list checks, the tiered store's
-rows), ``gather`` (the two gathers' work items and ``pallas_call``), ``topk_radix`` (the top-k's radix path and the
+rows), ``operands`` (what the plane kernels take for a layer's planes and a run list: ``StorePlanes``,
+``LayerTiers``, ``RunList``), ``gather`` (the two gathers' work items and ``pallas_call``), ``topk_radix`` (the top-k's radix path and the
 keys and windows of both its paths).
 
 The package stands alone: it imports nothing from the library, which imports it.

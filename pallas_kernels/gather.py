@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import backend as B
+from pallas_kernels.operands import RunList, StorePlanes
 from pallas_kernels.plane_layout import N_PLANES
 
 
@@ -50,10 +51,10 @@ class RunGatherConfig:
 def walk_items(copy, dep_ref, order_ref, *, per_slot: int, programs: int) -> None:
     """Call ``copy(r, c, i, valid)`` for every work item (slot ``c`` of group ``r``, its ``i``-th chunk) of the slots
     of depth > 0. ``order_ref [Rc, C]`` lists each group's slots with those of depth > 0 first (None: the list is
-    sorted so already, as :func:`pallas_kernels.plane_scan.active_channels` makes it). One program per item of the
-    grid ``(Rc, C, per_slot)`` (``programs=0``; the programs past a group's active slots copy nothing), else
-    ``programs`` persistent programs walking each group's active items in turn, neighbouring programs on
-    neighbouring chunks of a run."""
+    sorted so already, ``RunList.sorted``, as :func:`pallas_kernels.plane_scan.active_channels` makes it). One
+    program per item of the grid ``(Rc, C, per_slot)`` (``programs=0``; the programs past a group's active slots copy
+    nothing), else ``programs`` persistent programs walking each group's active items in turn, neighbouring programs
+    on neighbouring chunks of a run."""
     slots = dep_ref.shape[1]
     cols = jnp.arange(pl.next_power_of_2(slots), dtype=jnp.int32)
 
@@ -84,37 +85,45 @@ def walk_items(copy, dep_ref, order_ref, *, per_slot: int, programs: int) -> Non
     jax.lax.fori_loop(0, dep_ref.shape[0], group, 0)
 
 
-def slot_order(depths, assume_sorted: bool):
+def slot_order(runs: RunList):
     """The slot order :func:`walk_items` takes: None where the list is sorted by decreasing depth, else each group's
     slots of depth > 0 first (one small sort)."""
-    if assume_sorted:
+    if runs.sorted:
         return None
-    return jnp.argsort(depths <= 0, axis=-1, stable=True).astype(jnp.int32)
+    return jnp.argsort(runs.depths <= 0, axis=-1, stable=True).astype(jnp.int32)
 
 
-def gather_call(copy_item, store, channels, depths, layer, after, *, width: int, scales_dtype, config: RunGatherConfig,
-                interpret: bool, group_start: int, assume_sorted: bool, name: str):
-    """The ``pallas_call`` of a gather into ``(planes u32 [Rc, C, 4, W], scales [Rc, C, NB])``: its work items walked
-    by :func:`walk_items`, each copied by ``copy_item(refs, r, c, i, valid, chunk=, width=, group_start=)`` with
-    ``refs = (channels, depths, layer, *store, out_planes, out_scales)``; the slot order and ``after`` are operands
-    the kernel waits for (``after`` is never read)."""
-    r, c = channels.shape
+def staged_shape(runs: RunList, width: int, scales_dtype) -> StorePlanes:
+    """The shapes of the staged buffer a gather of ``runs [Rc, C]`` writes: ``planes u32 [Rc, C, 4, W]``, ``scales
+    [Rc, C, NB]``."""
+    r, c = runs.channels.shape
+    return StorePlanes(jax.ShapeDtypeStruct((r, c, N_PLANES, width), jnp.uint32),
+                       jax.ShapeDtypeStruct((r, c, width // 2), scales_dtype))
+
+
+def gather_call(copy_item, inputs: tuple, runs: RunList, after: tuple, out: StorePlanes, *, config: RunGatherConfig,
+                interpret: bool, name: str) -> StorePlanes:
+    """The ``pallas_call`` of a gather into the staged buffer ``out`` (:func:`staged_shape`): its work items walked by
+    :func:`walk_items`, each copied by ``copy_item(refs, r, c, i, valid, chunk=)`` with ``refs = (channels, depths,
+    *inputs, out_planes, out_scales)`` (the gather binds its width and group window into ``copy_item``); the slot
+    order and ``after`` are operands the kernel waits for (``after`` is never read)."""
+    r, c = runs.channels.shape
+    width = out.planes.shape[-1]
     chunk = min(config.chunk, pl.next_power_of_2(width))
     items = (r, c, pl.cdiv(width, chunk))
     programs = min(config.programs, B.prod(items))
-    order = slot_order(depths, assume_sorted)
-    inputs = (channels, depths, layer, *store)
+    order = slot_order(runs)
+    inputs = (runs.channels, runs.depths, *inputs)
     waits = (*([] if order is None else [order]), *after)
 
     def kernel(*refs):
         ins, rest = refs[:len(inputs)], refs[len(inputs):]
-        copy = functools.partial(copy_item, (*ins, *rest[-2:]), chunk=chunk, width=width, group_start=group_start)
+        copy = functools.partial(copy_item, (*ins, *rest[-2:]), chunk=chunk)
         walk_items(copy, ins[1], None if order is None else rest[0], per_slot=items[2], programs=programs)
 
-    return pl.pallas_call(
+    planes, scales = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((r, c, N_PLANES, width), jnp.uint32),
-                   jax.ShapeDtypeStruct((r, c, width // 2), scales_dtype)),
+        out_shape=(out.planes, out.scales),
         grid=(programs,) if programs else items,
         in_specs=[B.any_spec()] * (len(inputs) + len(waits)),
         out_specs=(B.any_spec(), B.any_spec()),
@@ -122,3 +131,4 @@ def gather_call(copy_item, store, channels, depths, layer, after, *, width: int,
         name=name,
         compiler_params=B.compiler_params(config.num_warps),
     )(*inputs, *waits)
+    return StorePlanes(planes, scales)

@@ -9,10 +9,10 @@ with ``a`` the token's fp16 block scale (64-token blocks). Tokens at positions `
 so the result equals ``q @ store.dequantize(store, depth).T`` (in the store's basis: pass KLT-rotated
 queries for a KLT store).
 
-The active channels come as a fixed-size list ``channels [R, C]`` / ``depths [R, C]``; slots of depth 0
-cost nothing. :func:`active_channels` builds the list from per-channel depths (e.g. ``ReadPlan.depths``),
-sorted by decreasing depth, so the kernel runs one loop per *depth class* (t = 4, 3, 2, 1) with the
-depth a compile-time constant.
+The active channels come as a fixed-size run list (:class:`~pallas_kernels.operands.RunList`: ``channels [R, C]``
+/ ``depths [R, C]``); slots of depth 0 cost nothing. :func:`active_channels` builds the list from per-channel depths
+(e.g. ``ReadPlan.depths``), sorted by decreasing depth, so the kernel runs one loop per *depth class* (t = 4, 3, 2,
+1) with the depth a compile-time constant. The store is a :class:`~pallas_kernels.operands.StorePlanes`.
 
 The kernel: one program per (group, tile of tokens); a thread owns ``lanes`` consecutive tokens (a
 whole plane word or a part of one), unrolled at compile time, so each token's bit is one constant shift
@@ -20,7 +20,7 @@ and one mask-or; codes become floats by the 2^23 magic-number trick (OR into the
 FADD); the block scale and 1/2^(t-1) are folded into per-(channel, element) weights
 ``w_h = q_h * a / 2^(t-1)``: ``score = sum_j w_h c_t + sum_j w_h (1/2 - 2^(t-1))``, the second sum once
 per element, not per token. Planes and scales are read in place through ``memory_space=ANY`` refs, so
-they may live in ``pinned_host`` memory (a stacked ``[L, R, ...]`` cache indexed by ``layer``).
+they may live in ``pinned_host`` memory (a stacked ``[L, R, ...]`` cache indexed by the store's ``layer``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import backend as B
-from pallas_kernels.plane_layout import BLOCK_TOKENS, N_PLANES, WORD_BITS, check_run_list, tier_rows
+from pallas_kernels.operands import LayerTiers, RunList, StorePlanes
+from pallas_kernels.plane_layout import BLOCK_TOKENS, N_PLANES, WORD_BITS, tier_rows
 
 KERNEL_NAME = "fathom_plane_scan"
 
@@ -70,38 +71,39 @@ class ResidentPlanes:
     """Planes ``[0, p_l)`` of a staged scan read in place from a tiered store's hot tier.
 
     With a staged buffer from :func:`pallas_kernels.tier_gather.tier_gather` (which stages only the planes past the
-    resident ones), slot ``c`` of group ``r`` reads plane ``i < p_l`` from ``hot[tiers[layer, 1] + i,
-    group_start + r, channels[r, c]]`` and planes ``i >= p_l`` from the staged buffer. ``channels [Rc, C]``: the
-    store channel of each slot (the run list the gather staged)."""
+    resident ones), slot ``c`` of group ``r`` reads plane ``i < p_l`` from ``hot[table[layer, 1] + i, group_start + r,
+    channels[r, c]]`` of ``tiers`` and planes ``i >= p_l`` from the staged buffer. ``channels [Rc, C]``: the store
+    channel of each slot (the run list the gather staged)."""
 
-    hot: jax.Array  # u32 [Nh, R, D, W]
-    tiers: jax.Array  # i32 [L, 3] (tier_table)
-    layer: jax.Array  # i32 scalar
+    tiers: LayerTiers
     channels: jax.Array  # i32 [Rc, C]
-    group_start: int = 0
 
     def planes(self, staged):
         """The staged buffer ``[Rc, C, 4, W]`` with its resident planes filled in from the hot tier (plain jnp)."""
-        p, hot_row = self.tiers[self.layer, 0], self.tiers[self.layer, 1]
-        groups = slice(self.group_start, self.group_start + self.channels.shape[0])
-        hot = jnp.take_along_axis(tier_rows(self.hot, hot_row, groups), self.channels[..., None, None], axis=-3)
+        tiers = self.tiers
+        p, hot_row = tiers.table[tiers.layer, 0], tiers.table[tiers.layer, 1]
+        groups = slice(tiers.group_start, tiers.group_start + self.channels.shape[0])
+        hot = jnp.take_along_axis(tier_rows(tiers.hot, hot_row, groups), self.channels[..., None, None], axis=-3)
         return jnp.where(jnp.arange(N_PLANES)[:, None] < p, hot, staged)
 
+    def kernel_operands(self) -> tuple:
+        """What the kernel reads: ``(hot u32 [Nh, R, D, W], (p_l, first hot row) i32 [2], channels i32 [Rc, C])``."""
+        return self.tiers.hot, self.tiers.table[self.tiers.layer, :2], self.channels
 
-jax.tree_util.register_dataclass(ResidentPlanes, data_fields=["hot", "tiers", "layer", "channels"],
-                                 meta_fields=["group_start"])
+
+jax.tree_util.register_dataclass(ResidentPlanes, data_fields=["tiers", "channels"], meta_fields=[])
 
 
 # ----------------------------------------------------------------------------------------------
 # Active-channel list
 
 
-def active_channels(depths, max_active: int | None = None):
+def active_channels(depths, max_active: int | None = None) -> RunList:
     """Fixed-size active-channel list from per-channel depths ``[*, D]`` (e.g. ``ReadPlan.depths``).
 
-    Returns ``(channels [*, C], depths [*, C])`` int32 with ``C = max_active`` (default ``D``), sorted by
-    decreasing depth (stable in channel index); slots past the active channels have depth 0. If more than
-    ``C`` channels are active the shallowest ones are dropped (use ``C = D`` to keep all).
+    Returns the run list ``(channels [*, C], depths [*, C])`` int32 with ``C = max_active`` (default ``D``), sorted by
+    decreasing depth (stable in channel index; ``sorted=True``); slots past the active channels have depth 0. If more
+    than ``C`` channels are active the shallowest ones are dropped (use ``C = D`` to keep all).
     """
     depths = jnp.asarray(depths, jnp.int32)
     d = depths.shape[-1]
@@ -109,7 +111,7 @@ def active_channels(depths, max_active: int | None = None):
     if not 1 <= c <= d:
         raise ValueError(f"max_active must lie in [1, {d}], got {c}")
     order = jnp.argsort(-depths, axis=-1, stable=True)[..., :c].astype(jnp.int32)
-    return order, jnp.take_along_axis(depths, order, axis=-1)
+    return RunList(order, jnp.take_along_axis(depths, order, axis=-1), sorted=True)
 
 
 def _class_bounds(depths):
@@ -122,61 +124,46 @@ def _class_bounds(depths):
 # Validation
 
 
-def _validate(q, planes, scales, length, channels, depths, layer, group_start=0):
+def _validate(q, store: StorePlanes, length, runs: RunList):
     B.check_array("q", q, ndim_min=2, dtypes=(jnp.float32, jnp.bfloat16, jnp.float16))
-    B.check_array("planes", planes, ndim_min=3, dtypes=(jnp.uint32,))
-    B.check_array("scales", scales, ndim_min=2, dtypes=(jnp.float16, jnp.float32))
-    B.check_array("channels", channels, ndim_min=1, dtypes=(jnp.int32,))
-    B.check_array("depths", depths, ndim_min=1, dtypes=(jnp.int32,))
-    lead = 1 if layer is not None else 0
-    if layer is not None and (planes.ndim != 5 or scales.ndim != 4):
-        raise ValueError(f"planes/scales: with a layer index they must be [L, R, D, 4, W] / [L, R, D, NB], "
-                         f"got {planes.shape} / {scales.shape}")
-    *store_batch, d, four, w = planes.shape[lead:]
-    store_batch = tuple(store_batch)
-    if four != N_PLANES:
-        raise ValueError(f"planes must be [*, D, 4, W], got {planes.shape}")
-    if w % 2:
-        raise ValueError(f"plane width W={w} must be even (capacity a multiple of 64)")
-    if scales.shape[lead:] != (*store_batch, d, w // 2) or scales.shape[:lead] != planes.shape[:lead]:
-        raise ValueError(f"scales must be {planes.shape[:lead] + (*store_batch, d, w // 2)}, got {scales.shape}")
-    batch = B.request_groups(store_batch, q.shape[:-2], layer, group_start, "plane_scan")
+    batch = store.check(q.shape[:-2], "plane_scan")
+    d = store.head_dim
+    runs.check(d)
     if q.shape[:-2] != batch or q.shape[-1] != d:
         raise ValueError(f"q must be [*batch, G, D] = [{batch}, G, {d}], got {q.shape}")
     if jnp.shape(length) != batch:
         raise ValueError(f"length must have the batch shape {batch}, got {jnp.shape(length)}")
-    if channels.shape[:-1] != batch or depths.shape != channels.shape:
-        raise ValueError(f"channels/depths must both be [*batch, C] = [{batch}, C], got {channels.shape}, {depths.shape}")
+    if runs.batch != batch:
+        raise ValueError(f"runs: channels/depths must both be [*batch, C] = [{batch}, C], got {runs.channels.shape}")
 
 
-def _validate_resident(resident: ResidentPlanes, planes, channels, layer) -> None:
-    B.check_array("resident.hot", resident.hot, ndim=4, dtypes=(jnp.uint32,))
-    B.check_array("resident.tiers", resident.tiers, ndim=2, dtypes=(jnp.int32,))
+def _validate_resident(resident: ResidentPlanes, store: StorePlanes, runs: RunList) -> None:
+    tiers = resident.tiers
+    B.check_array("resident.tiers.hot", tiers.hot, ndim=4, dtypes=(jnp.uint32,))
+    B.check_array("resident.tiers.table", tiers.table, ndim=2, dtypes=(jnp.int32,))
     B.check_array("resident.channels", resident.channels, ndim=2, dtypes=(jnp.int32,))
-    if layer is not None or planes.ndim != 4:
-        raise ValueError(f"resident planes go with a staged buffer [Rc, C, 4, W] and no layer, got planes {planes.shape}"
-                         f" and layer {layer}")
-    if resident.channels.shape != channels.shape:
-        raise ValueError(f"resident.channels must be [Rc, C] = {channels.shape}, got {resident.channels.shape}")
-    if resident.hot.shape[-1] != planes.shape[-1] or resident.tiers.shape[1:] != (3,):
-        raise ValueError(f"resident.hot must be [Nh, R, D, W = {planes.shape[-1]}] and tiers [L, 3], got "
-                         f"{resident.hot.shape}, {resident.tiers.shape}")
-    B.request_groups(resident.hot.shape[1:2], channels.shape[:1], 0, resident.group_start, "plane_scan (resident)")
+    if store.layer is not None or store.planes.ndim != 4:
+        raise ValueError(f"resident planes go with a staged buffer [Rc, C, 4, W] and no layer, got planes "
+                         f"{store.planes.shape} and layer {store.layer}")
+    if resident.channels.shape != runs.channels.shape:
+        raise ValueError(f"resident.channels must be [Rc, C] = {runs.channels.shape}, got {resident.channels.shape}")
+    if tiers.hot.shape[-1] != store.width or tiers.table.shape[1:] != (3,):
+        raise ValueError(f"resident.tiers.hot must be [Nh, R, D, W = {store.width}] and table [L, 3], got "
+                         f"{tiers.hot.shape}, {tiers.table.shape}")
+    B.request_groups(tiers.hot.shape[1:2], runs.channels.shape[:1], 0, tiers.group_start, "plane_scan (resident)")
 
 
 # ----------------------------------------------------------------------------------------------
 # Reference (plain jnp, independent of the kernel)
 
 
-def plane_scan_reference(q, planes, scales, length, channels, depths, *, layer=None, group_start: int = 0,
-                         resident: ResidentPlanes | None = None):
+def plane_scan_reference(q, store: StorePlanes, length, runs: RunList, *, resident: ResidentPlanes | None = None):
     """Scores ``[*, G, n]`` by unpacking the selected channels' planes to codes and dequantizing."""
-    _validate(q, planes, scales, length, channels, depths, layer, group_start)
+    _validate(q, store, length, runs)
     if resident is not None:
-        planes = resident.planes(planes)
-    if layer is not None:
-        groups = slice(group_start, group_start + q.shape[0])
-        planes, scales = planes[layer][groups], scales[layer][groups]
+        store = dataclasses.replace(store, planes=resident.planes(store.planes))
+    planes, scales = store.read(q.shape[0])
+    channels, depths = runs.channels, runs.depths
     *batch, d, _, w = planes.shape
     n = WORD_BITS * w
     sel = jnp.take_along_axis(planes, channels[..., :, None, None], axis=-3)  # [*, C, 4, W]
@@ -294,28 +281,26 @@ def _plane_scan_kernel(
                     jnp.where(valid, _stack_lanes([x + bias[h] for x in acc[h]]), 0.0), mask=emask[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "assume_sorted", "group_start"))
-def _plane_scan_pallas(q, planes, scales, length, channels, depths, layer, resident, *, config, interpret,
-                       assume_sorted, group_start):
-    """q [Rc, G, D], planes [L, R, D, 4, W], scales [L, R, D, NB], length/channels/depths over Rc, layer i32[1]."""
-    w = planes.shape[-1]
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "hot_group_start"))
+def _plane_scan_pallas(q, store: StorePlanes, length, runs: RunList, extra: tuple, *, config, interpret,
+                       hot_group_start):
+    """q [Rc, G, D], store [L, R, D, 4, W] / [L, R, D, NB] at layer i32[1], length and runs over Rc; ``extra``: the
+    resident planes' operands (:meth:`ResidentPlanes.kernel_operands`, hot tier groups ``hot_group_start ..``)."""
+    w = store.width
     r, g = q.shape[:2]
-    extra = ()
-    if resident is not None:  # the kernel reads slot k's resident planes at its store channel
-        extra = (resident.hot, resident.tiers[resident.layer, :2], resident.channels)
-    if not assume_sorted:
+    channels, depths = runs.channels, runs.depths
+    if not runs.sorted:
         order = jnp.argsort(-depths, axis=-1, stable=True)
         channels = jnp.take_along_axis(channels, order, axis=-1)
         depths = jnp.take_along_axis(depths, order, axis=-1)
-        if resident is not None:
-            extra = (*extra[:2], jnp.take_along_axis(resident.channels, order, axis=-1))
+        if extra:  # the kernel reads slot k's resident planes at its store channel
+            extra = (*extra[:2], jnp.take_along_axis(extra[2], order, axis=-1))
     bounds = _class_bounds(depths)
     qc = jnp.take_along_axis(q.astype(jnp.float32), channels[:, None, :], axis=-1)
     split = WORD_BITS // config.lanes
     elems = config.tile // config.lanes
     kernel = functools.partial(_plane_scan_kernel, groups=g, elems=elems, lanes=config.lanes, num_words=w,
-                               group_start=group_start,
-                               hot_group_start=None if resident is None else resident.group_start)
+                               group_start=store.group_start, hot_group_start=hot_group_start)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((r, g, w * split, config.lanes), jnp.float32),
@@ -324,58 +309,48 @@ def _plane_scan_pallas(q, planes, scales, length, channels, depths, layer, resid
         interpret=interpret,
         name=KERNEL_NAME,
         compiler_params=B.compiler_params(config.num_warps, config.num_stages),
-    )(qc, channels, bounds, length, layer, planes, scales, *extra)
+    )(qc, channels, bounds, length, store.layer, store.planes, store.scales, *extra)
     return out.reshape(r, g, w * WORD_BITS)
 
 
 def plane_scan(
     q,  # [*, G, D] queries (store basis)
-    planes,  # u32 [*, D, 4, W]  (or [L, R, D, 4, W] with layer)
-    scales,  # f16 [*, D, NB]    (or [L, R, D, NB] with layer)
+    store: StorePlanes,  # planes u32 [*, D, 4, W], scales f16 [*, D, NB] (or a layer of a stacked store)
     length,  # i32 [*]
-    channels,  # i32 [*, C]
-    depths,  # i32 [*, C]
+    runs: RunList,  # i32 [*, C] channels and depths
     *,
-    layer=None,
-    group_start: int = 0,
+    resident: ResidentPlanes | None = None,
     implementation: B.Implementation | None = None,
     config: PlaneScanConfig | None = None,
     interpret: bool | None = None,
-    assume_sorted: bool = False,
-    resident: ResidentPlanes | None = None,
 ):
     """Approximate scores ``f32 [*, G, n]`` (``n = 32 W``) of every token for the ``G`` query heads.
 
-    ``layer`` (an int or traced scalar) reads layer ``layer`` of a stacked ``[L, R, ...]`` store in place
-    (no copy or reshape of the store: it may be a ``pinned_host`` array); queries ``[Rc, G, D]`` then read
-    groups ``group_start .. group_start + Rc - 1`` of it (static). ``assume_sorted=True`` skips the (tiny)
-    sort of the list by depth when it comes from :func:`active_channels`. ``resident``: a staged buffer's resident
-    planes are read in place from a tiered store's hot tier (:class:`ResidentPlanes`; ``planes [Rc, C, 4, W]``
-    without a layer).
+    A ``store`` at a layer (an int or traced scalar) is read in place (no copy or reshape of the store: it may be a
+    ``pinned_host`` array); queries ``[Rc, G, D]`` then read its groups ``store.group_start .. + Rc - 1``. A run list
+    sorted by decreasing depth (``runs.sorted``, :func:`active_channels`'s) skips the (tiny) sort by depth.
+    ``resident``: a staged buffer's resident planes are read in place from a tiered store's hot tier
+    (:class:`ResidentPlanes`; the store a staged buffer ``[Rc, C, 4, W]`` without a layer).
     """
     implementation = B.resolve_implementation(implementation)
-    _validate(q, planes, scales, length, channels, depths, layer, group_start)
-    check_run_list(channels, depths, planes.shape[-3])
+    _validate(q, store, length, runs)
     if resident is not None:
-        _validate_resident(resident, planes, channels, layer)
+        _validate_resident(resident, store, runs)
     if implementation == "xla":
-        return plane_scan_reference(q, planes, scales, length, channels, depths, layer=layer, group_start=group_start,
-                                    resident=resident)
-    config = config or PlaneScanConfig.heuristic(planes.shape[-1] * WORD_BITS)
+        return plane_scan_reference(q, store, length, runs, resident=resident)
+    config = config or PlaneScanConfig.heuristic(store.width * WORD_BITS)
     batch = q.shape[:-2]
-    planes, layer_arr = B.layered(planes, layer, 3, "planes")
-    scales, _ = B.layered(scales, layer, 2, "scales")
     r = B.prod(batch)
-    out = _plane_scan_pallas(
-        q.reshape(r, *q.shape[-2:]), planes, scales, jnp.asarray(length, jnp.int32).reshape(r),
-        channels.reshape(r, -1), depths.reshape(r, -1), layer_arr, resident,
-        config=config, interpret=B.resolve_interpret(interpret), assume_sorted=assume_sorted, group_start=group_start,
-    )
+    extra, hot_group_start = ((), None) if resident is None else (resident.kernel_operands(),
+                                                                  resident.tiers.group_start)
+    out = _plane_scan_pallas(q.reshape(r, *q.shape[-2:]), store.stacked(), jnp.asarray(length, jnp.int32).reshape(r),
+                             runs.flat(), extra, config=config, interpret=B.resolve_interpret(interpret),
+                             hot_group_start=hot_group_start)
     return out.reshape(*batch, *out.shape[1:])
 
 
 def plane_scan_store(q, store, depths, *, max_active: int | None = None, **kwargs):
     """Scan a plane store (``planes``, ``scales`` and ``length`` fields) at per-channel ``depths [*, D]`` (e.g. a read
     plan's)."""
-    channels, dep = active_channels(depths, max_active)
-    return plane_scan(q, store.planes, store.scales, store.length, channels, dep, assume_sorted=True, **kwargs)
+    runs = active_channels(depths, max_active)
+    return plane_scan(q, StorePlanes(store.planes, store.scales), store.length, runs, **kwargs)

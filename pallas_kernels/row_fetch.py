@@ -1,12 +1,12 @@
 """Row fetch: gather the selected K/V rows of every group from (pinned host) memory into HBM.
 
-``keys, values [*, n, F]`` (bf16; on the GPU ``pinned_host`` arrays read by the kernel through
-``memory_space=ANY``, on CPU device memory; with ``layer``, stacked ``[L, R, n, F]`` caches read at that
-layer in place) and a fixed-size index list ``index i32 [*, S]`` (padding entries are negative or
-``>= n``) give ``k_rows, v_rows [*, S, F]`` with zero rows at padding, and ``mask bool [*, S]`` (which
-slots hold a real row). One program copies ``rows`` rows (a 2-D gather: ``rows`` x ``F`` elements,
-each row one contiguous run; ``F`` any width, e.g. a compressed row format's 33 words). ``columns=(start, width)`` reads only those features of every row (the
-keys of a cache that keeps each token's K and V side by side, ``[n, 2 Dh]``).
+``keys, values [*, n, F]`` (bf16; on the GPU ``pinned_host`` arrays read by the kernel through ``memory_space=ANY``,
+on CPU device memory; with a layer, stacked ``[L, R, n, F]`` caches read at that layer in place: a
+:class:`StoredRows`) and a fixed-size index list ``index i32 [*, S]`` (padding entries are negative or ``>= n``) give
+``k_rows, v_rows [*, S, F]`` with zero rows at padding, and ``mask bool [*, S]`` (which slots hold a real row). One
+program copies ``rows`` rows (a 2-D gather: ``rows`` x ``F`` elements, each row one contiguous run; ``F`` any width,
+e.g. a compressed row format's 33 words). ``columns=(start, width)`` reads only those features of every row (the keys
+of a cache that keeps each token's K and V side by side, ``[n, 2 Dh]``).
 
 The decoder's cache keeps K and V of a token in one ``2 Dh`` row and fetches it with ``values=None``:
 from host memory the cost of fresh rows scattered over gigabytes is the translation of their pages,
@@ -50,41 +50,64 @@ class RowFetchConfig:
             raise ValueError(f"programs must be an int >= 0 (0: one program per work item), got {self.programs!r}")
 
 
-def _validate(keys, values, index, layer, columns=None, group_start=0):
-    B.check_array("keys", keys, ndim_min=2)
+@dataclasses.dataclass(frozen=True)
+class StoredRows:
+    """The K/V rows a fetch reads, in place: ``keys`` (and ``values``, or None to fetch rows of ``keys`` alone)
+    ``[*, n, F]``; with ``layer`` (an int or traced scalar) layer ``layer`` of stacked ``[L, R, n, F]`` caches, whose
+    groups ``group_start ..`` (static) are read. ``columns=(start, width)`` (static): features ``start:start +
+    width`` of every row (default all), e.g. the keys of a cache that keeps K and V side by side."""
+
+    keys: jax.Array  # [*, n, F]  or [L, R, n, F] with a layer
+    values: jax.Array | None = None  # as keys
+    layer: jax.Array | int | None = None
+    group_start: int = 0
+    columns: tuple[int, int] | None = None
+
+    def window(self) -> tuple[int, int]:
+        """``(start, width)`` of the features read."""
+        return (0, self.keys.shape[-1]) if self.columns is None else (int(self.columns[0]), int(self.columns[1]))
+
+
+jax.tree_util.register_dataclass(StoredRows, data_fields=["keys", "values", "layer"],
+                                 meta_fields=["group_start", "columns"])
+
+
+def _validate(rows: StoredRows, index):
+    keys, values, layer = rows.keys, rows.values, rows.layer
+    B.check_array("rows.keys", keys, ndim_min=2)
     B.check_array("index", index, ndim_min=1, dtypes=(jnp.int32,))
     if values is not None and (values.shape != keys.shape or values.dtype != keys.dtype):
-        raise ValueError(f"values must match keys: {keys.shape} {keys.dtype} vs {values.shape} {values.dtype}")
+        raise ValueError(f"rows.values must match rows.keys: {keys.shape} {keys.dtype} vs {values.shape} "
+                         f"{values.dtype}")
     lead = 1 if layer is not None else 0
     if layer is not None and keys.ndim != 4:
-        raise ValueError(f"keys: with a layer index it must be [L, R, n, F], got {keys.shape}")
-    batch = B.request_groups(keys.shape[lead:-2], index.shape[:-1], layer, group_start, "row_fetch")
+        raise ValueError(f"rows.keys: with a layer index it must be [L, R, n, F], got {keys.shape}")
+    batch = B.request_groups(keys.shape[lead:-2], index.shape[:-1], layer, rows.group_start, "row_fetch")
     if index.shape[:-1] != batch:
         raise ValueError(f"index must be [*batch, S] with batch {batch}, got {index.shape}")
-    start, width = _window(keys, columns)
+    start, width = rows.window()
     if width < 1:
         raise ValueError(f"columns must read at least one feature, got width {width}")
     if start < 0 or start + width > keys.shape[-1]:
-        raise ValueError(f"columns must be (start, width) within the row's {keys.shape[-1]} features, got {columns}")
+        raise ValueError(f"columns must be (start, width) within the row's {keys.shape[-1]} features, got "
+                         f"{rows.columns}")
 
 
-def _window(keys, columns):
-    return (0, keys.shape[-1]) if columns is None else (int(columns[0]), int(columns[1]))
-
-
-def row_fetch_reference(keys, values, index, *, layer=None, columns=None, group_start: int = 0):
-    _validate(keys, values, index, layer, columns, group_start)
-    start, width = _window(keys, columns)
-    n = keys.shape[-2]
+def row_fetch_reference(rows: StoredRows, index):
+    _validate(rows, index)
+    start, width = rows.window()
+    n = rows.keys.shape[-2]
     mask = (index >= 0) & (index < n)
     safe = jnp.where(mask, index, 0)
-    if layer is None:
+    if rows.layer is None:
         take = lambda x: jnp.take_along_axis(x, safe[..., None], axis=-2)  # noqa: E731
     else:  # gather from the stacked cache directly: slicing the layer first copies all its rows
-        groups = group_start + jnp.arange(index.shape[0], dtype=jnp.int32)[:, None]
-        take = lambda x: x[layer, groups, safe]  # noqa: E731
-    rows = lambda x: None if x is None else jnp.where(mask[..., None], take(x)[..., start:start + width], 0)  # noqa: E731
-    return rows(keys), rows(values), mask
+        groups = rows.group_start + jnp.arange(index.shape[0], dtype=jnp.int32)[:, None]
+        take = lambda x: x[rows.layer, groups, safe]  # noqa: E731
+    def fetched(x):
+        return None if x is None else jnp.where(mask[..., None], take(x)[..., start:start + width], 0)
+
+    return fetched(rows.keys), fetched(rows.values), mask
 
 
 def _row_fetch_kernel(
@@ -143,17 +166,19 @@ def _copy_rows(idx_ref, layer_ref, refs, r, i, active, *, rows, slots, n, start,
             plgpu.store(dst.at[r, out_rows[:, None], col[None, :]], data, mask=out_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("columns", "config", "interpret", "group_start"))
-def _row_fetch_pallas(keys, values, index, layer, after, *, columns, config, interpret, group_start):
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _row_fetch_pallas(stored: StoredRows, index, after, *, config, interpret):
+    """``stored`` ``[L, R, n, F]`` at layer i32[1], index ``[Rc, S]``."""
+    keys, values = stored.keys, stored.values
     n = keys.shape[-2]
     r, s = index.shape
-    start, width = _window(keys, columns)
+    start, width = stored.window()
     rows = min(config.rows, pl.next_power_of_2(s))
     srcs = (keys,) if values is None else (keys, values)
     programs = min(config.programs, r * pl.cdiv(s, rows))
     out = pl.pallas_call(
         functools.partial(_row_fetch_kernel, sources=len(srcs), rows=rows, slots=s, n=n, start=start, width=width,
-                          group_start=group_start, programs=programs),
+                          group_start=stored.group_start, programs=programs),
         out_shape=tuple(jax.ShapeDtypeStruct((r, s, width), keys.dtype) for _ in srcs),
         grid=(programs,) if programs else (r, pl.cdiv(s, rows)),
         in_specs=[B.any_spec()] * (2 + len(srcs) + len(after)),
@@ -161,18 +186,14 @@ def _row_fetch_pallas(keys, values, index, layer, after, *, columns, config, int
         interpret=interpret,
         name=KERNEL_NAME,
         compiler_params=B.compiler_params(config.num_warps),
-    )(index, layer, *srcs, *after)
+    )(index, stored.layer, *srcs, *after)
     return out[0], (None if values is None else out[1])
 
 
 def row_fetch(
-    keys,  # [*, n, F]   (or [L, R, n, F] with layer)
-    values,  # [*, n, F], or None to fetch rows of ``keys`` alone
+    rows: StoredRows,  # keys (and values) [*, n, F], or [L, R, n, F] at a layer
     index,  # i32 [*, S]
     *,
-    layer=None,
-    columns: tuple[int, int] | None = None,
-    group_start: int = 0,
     after=None,
     implementation: B.Implementation | None = None,
     config: RowFetchConfig | None = None,
@@ -180,25 +201,24 @@ def row_fetch(
 ):
     """``(k_rows [*, S, W], v_rows [*, S, W] or None, mask bool [*, S])``; padding slots are zero rows.
 
-    ``columns=(start, width)``: read features ``start:start + width`` of every row (static; default all).
-    With ``layer``, an index ``[Rc, S]`` reads groups ``group_start .. group_start + Rc - 1`` of the stacked
-    cache (static; see :func:`pallas_kernels.backend.request_groups`). ``after``: a pytree of arrays the kernel
-    waits for and never reads (ignored by the reference, which has no kernels to order).
+    ``rows.columns=(start, width)``: read features ``start:start + width`` of every row (default all). Rows at a
+    layer are read for an index ``[Rc, S]`` at groups ``rows.group_start .. + Rc - 1`` of the stacked cache (see
+    :func:`pallas_kernels.backend.request_groups`). ``after``: a pytree of arrays the kernel waits for and never
+    reads (ignored by the reference, which has no kernels to order).
     """
     implementation = B.resolve_implementation(implementation)
-    if columns is not None:
-        columns = (int(columns[0]), int(columns[1]))
-    _validate(keys, values, index, layer, columns, group_start)
+    if rows.columns is not None:
+        rows = dataclasses.replace(rows, columns=(int(rows.columns[0]), int(rows.columns[1])))
+    _validate(rows, index)
     if implementation == "xla":
-        return row_fetch_reference(keys, values, index, layer=layer, columns=columns, group_start=group_start)
+        return row_fetch_reference(rows, index)
     batch, s = index.shape[:-1], index.shape[-1]
-    n = keys.shape[-2]
-    keys, layer_arr = B.layered(keys, layer, 2, "keys")
-    if values is not None:
-        values, _ = B.layered(values, layer, 2, "values")
-    k, v = _row_fetch_pallas(keys, values, index.reshape(-1, s), layer_arr, tuple(jax.tree.leaves(after)),
-                             columns=columns, config=config or RowFetchConfig(), interpret=B.resolve_interpret(interpret),
-                             group_start=group_start)
+    n = rows.keys.shape[-2]
+    keys, layer_arr = B.layered(rows.keys, rows.layer, 2, "rows.keys")
+    values = None if rows.values is None else B.layered(rows.values, rows.layer, 2, "rows.values")[0]
+    k, v = _row_fetch_pallas(dataclasses.replace(rows, keys=keys, values=values, layer=layer_arr), index.reshape(-1, s),
+                             tuple(jax.tree.leaves(after)), config=config or RowFetchConfig(),
+                             interpret=B.resolve_interpret(interpret))
     mask = (index >= 0) & (index < n)
     unflat = lambda x: None if x is None else x.reshape(*batch, s, -1)  # noqa: E731
     return unflat(k), unflat(v), mask

@@ -2,7 +2,7 @@
 
 From a store (on the GPU a ``pinned_host`` array, read directly by the kernel through
 ``memory_space=ANY``; on CPU / interpret mode the same code on device memory) and a fixed-size run
-list ``channels [R, C]`` / ``depths [R, C]`` (one slot per channel; slot ``c`` reads channel
+list ``runs`` = ``channels [R, C]`` / ``depths [R, C]`` (one slot per channel; slot ``c`` reads channel
 ``channels[c]`` to depth ``depths[c]``, 0 = nothing), write::
 
     staged_planes  u32 [R, C, 4, W]   slot c, plane p < t_c: planes[channels[c], p]
@@ -12,8 +12,7 @@ inside ``jit`` with no host sync, and leaves the rest unwritten (the scan reads 
 and no slot of depth 0; the reference writes zeros there). Each (slot, plane) is one contiguous run of ``W`` words
 in the channel-major store; one work item copies ``chunk`` words of a slot's planes ``p < t``; the work items and
 the two grids are :mod:`pallas_kernels.gather`'s. The staged buffer is the input of the plane scan with the identity
-channel list: ``plane_scan(q_staged, staged_planes, staged_scales, length, iota(C), depths)`` with
-``q_staged = q[..., channels]``.
+channel list: ``plane_scan(q_staged, staged, length, runs.slots())`` with ``q_staged = q[..., channels]``.
 
 ``after`` (optional arrays, never read) orders the gather after the kernels that produced them: the
 pipelined step chains each chunk's gather to the previous chunk's staged buffer, so the transfers run one
@@ -30,42 +29,31 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import backend as B
-from pallas_kernels.gather import RunGatherConfig, gather_call
-from pallas_kernels.plane_layout import N_PLANES, check_run_list
+from pallas_kernels.gather import RunGatherConfig, gather_call, staged_shape
+from pallas_kernels.operands import RunList, StorePlanes
+from pallas_kernels.plane_layout import N_PLANES
 
 KERNEL_NAME = "run_gather"
 
 
-def _validate(planes, scales, channels, depths, layer, group_start=0):
-    B.check_array("planes", planes, ndim_min=3, dtypes=(jnp.uint32,))
-    B.check_array("scales", scales, ndim_min=2, dtypes=(jnp.float16, jnp.float32))
-    B.check_array("channels", channels, ndim_min=1, dtypes=(jnp.int32,))
-    B.check_array("depths", depths, ndim_min=1, dtypes=(jnp.int32,))
-    lead = 1 if layer is not None else 0
-    *store_batch, d, four, w = planes.shape[lead:]
-    if four != N_PLANES or w % 2:
-        raise ValueError(f"planes must be [*, D, 4, W] with W even, got {planes.shape}")
-    if scales.shape[lead:] != (*store_batch, d, w // 2):
-        raise ValueError(f"scales must be {(*store_batch, d, w // 2)} after the layer axis, got {scales.shape}")
-    if depths.shape != channels.shape:
-        raise ValueError(f"channels/depths must be [*batch, C], got {channels.shape}, {depths.shape}")
-    batch = B.request_groups(tuple(store_batch), channels.shape[:-1], layer, group_start, "run_gather")
-    if channels.shape[:-1] != batch:
-        raise ValueError(f"channels/depths must be [*batch, C] with batch {batch}, got {channels.shape}")
+def _validate(store: StorePlanes, runs: RunList):
+    runs.check(store.head_dim)
+    batch = store.check(runs.batch, "run_gather")
+    if runs.batch != batch:
+        raise ValueError(f"runs: channels/depths must be [*batch, C] with batch {batch}, got {runs.channels.shape}")
 
 
-def run_gather_reference(planes, scales, channels, depths, *, layer=None, group_start: int = 0):
+def run_gather_reference(store: StorePlanes, runs: RunList) -> StorePlanes:
     """Plain-jnp gather of the same staging buffers."""
-    _validate(planes, scales, channels, depths, layer, group_start)
-    if layer is not None:
-        groups = slice(group_start, group_start + channels.shape[0])
-        planes, scales = planes[layer][groups], scales[layer][groups]
+    _validate(store, runs)
+    planes, scales = store.read(runs.channels.shape[0])
+    channels, depths = runs.channels, runs.depths
     sel = jnp.take_along_axis(planes, channels[..., :, None, None], axis=-3)  # [*, C, 4, W]
     keep = jnp.arange(N_PLANES)[:, None] < depths[..., :, None, None]
     staged_planes = jnp.where(keep, sel, jnp.uint32(0))
     sc = jnp.take_along_axis(scales, channels[..., :, None], axis=-2)
     staged_scales = jnp.where(depths[..., :, None] > 0, sc, jnp.zeros((), scales.dtype))
-    return staged_planes, staged_scales
+    return StorePlanes(staged_planes, staged_scales)
 
 
 def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int):
@@ -88,48 +76,40 @@ def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int
     plgpu.store(out_scales_ref.at[r, c, pl.ds(s0, half)], sc, mask=smask)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "group_start", "assume_sorted"))
-def _run_gather_pallas(planes, scales, channels, depths, layer, after, *, config, interpret, group_start,
-                       assume_sorted):
-    """planes ``[L, R, D, 4, W]`` (any memory space; groups group_start.. are read), scales ``[L, R, D, NB]``."""
-    return gather_call(_copy_item, (planes, scales), channels, depths, layer, after, width=planes.shape[-1],
-                       scales_dtype=scales.dtype, config=config, interpret=interpret, group_start=group_start,
-                       assume_sorted=assume_sorted, name=KERNEL_NAME)
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _run_gather_pallas(store: StorePlanes, runs: RunList, after, *, config, interpret) -> StorePlanes:
+    """store ``[L, R, D, 4, W]`` / ``[L, R, D, NB]`` at layer i32[1] (any memory space; groups group_start.. are
+    read), runs ``[Rc, C]``."""
+    copy = functools.partial(_copy_item, width=store.width, group_start=store.group_start)
+    return gather_call(copy, (store.layer, store.planes, store.scales), runs, after,
+                       staged_shape(runs, store.width, store.scales.dtype), config=config, interpret=interpret,
+                       name=KERNEL_NAME)
 
 
 def run_gather(
-    planes,  # u32 [*, D, 4, W]   store planes (pinned_host on the GPU, or HBM); [L, R, ...] with layer
-    scales,  # f16 [*, D, NB]
-    channels,  # i32 [*, C]
-    depths,  # i32 [*, C]
+    store: StorePlanes,  # planes u32 [*, D, 4, W], scales f16 [*, D, NB] (pinned_host on the GPU, or HBM)
+    runs: RunList,  # i32 [*, C] channels and depths
     *,
-    layer=None,
-    group_start: int = 0,
     after=None,
     implementation: B.Implementation | None = None,
     config: RunGatherConfig | None = None,
     interpret: bool | None = None,
-    assume_sorted: bool = False,
-):
-    """Staged ``(planes u32 [*, C, 4, W], scales [*, C, NB])`` of the run list (see the module docstring).
+) -> StorePlanes:
+    """The staged buffer ``StorePlanes(planes u32 [*, C, 4, W], scales [*, C, NB])`` of the run list (see the module
+    docstring).
 
-    With ``layer``, run lists ``[Rc, C]`` read groups ``group_start .. group_start + Rc - 1`` of the stacked
-    store (static; see :func:`pallas_kernels.backend.request_groups`). ``after``: a pytree of arrays the
-    kernel waits for and never reads (ignored by the reference, which has no kernels to order).
-    ``assume_sorted=True`` skips the (small) sort that puts each group's slots of depth > 0 first, for a list sorted
-    by decreasing depth (:func:`pallas_kernels.plane_scan.active_channels`'s).
+    A ``store`` at a layer is read for run lists ``[Rc, C]`` at its groups ``store.group_start .. + Rc - 1`` (see
+    :func:`pallas_kernels.backend.request_groups`). ``after``: a pytree of arrays the kernel waits for and never reads
+    (ignored by the reference, which has no kernels to order). A list sorted by decreasing depth (``runs.sorted``,
+    :func:`pallas_kernels.plane_scan.active_channels`'s) skips the (small) sort that puts each group's slots of
+    depth > 0 first.
     """
     implementation = B.resolve_implementation(implementation)
-    _validate(planes, scales, channels, depths, layer, group_start)
-    check_run_list(channels, depths, planes.shape[-3])
+    _validate(store, runs)
     if implementation == "xla":
-        return run_gather_reference(planes, scales, channels, depths, layer=layer, group_start=group_start)
-    batch = channels.shape[:-1]
-    planes, layer_arr = B.layered(planes, layer, 3, "planes")
-    scales, _ = B.layered(scales, layer, 2, "scales")
-    r, c = B.prod(batch), channels.shape[-1]
-    after = tuple(jax.tree.leaves(after))
-    sp, ss = _run_gather_pallas(planes, scales, channels.reshape(r, c), depths.reshape(r, c), layer_arr, after,
-                                config=config or RunGatherConfig(), interpret=B.resolve_interpret(interpret),
-                                group_start=group_start, assume_sorted=assume_sorted)
-    return sp.reshape(*batch, *sp.shape[1:]), ss.reshape(*batch, *ss.shape[1:])
+        return run_gather_reference(store, runs)
+    batch = runs.batch
+    staged = _run_gather_pallas(store.stacked(), runs.flat(), tuple(jax.tree.leaves(after)),
+                                config=config or RunGatherConfig(), interpret=B.resolve_interpret(interpret))
+    return StorePlanes(staged.planes.reshape(*batch, *staged.planes.shape[1:]),
+                       staged.scales.reshape(*batch, *staged.scales.shape[1:]))

@@ -5,13 +5,13 @@ A plane store held in two tiers (:mod:`pallas_kernels.plane_layout`) keeps, per 
 every channel in device memory and planes ``[p_l, 4)`` in ``pinned_host`` memory, each tier plane-major (one row of
 ``W`` words per (plane, group, channel))::
 
-    hot    u32 [Nh, R, D, W]   plane i < p_l of layer l at row tiers[l, 1] + i
-    cold   u32 [Nc, R, D, W]   plane i >= p_l of layer l at row tiers[l, 2] + i - p_l
+    hot    u32 [Nh, R, D, W]   plane i < p_l of layer l at row table[l, 1] + i
+    cold   u32 [Nc, R, D, W]   plane i >= p_l of layer l at row table[l, 2] + i - p_l
     scales f16 [L, R, D, NB]   (device memory)
-    tiers  i32 [L, 3]          (p_l, first hot row, first cold row) per layer
+    table  i32 [L, 3]          (p_l, first hot row, first cold row) per layer
 
-Given a fixed-size run list ``channels [Rc, C]`` / ``depths [Rc, C]`` for groups ``group_start ..`` at ``layer``, it
-writes::
+Given these at ``layer`` for groups ``group_start ..`` (a :class:`~pallas_kernels.operands.LayerTiers`) and a
+fixed-size run list ``runs`` = ``channels [Rc, C]`` / ``depths [Rc, C]``, it writes::
 
     staged_planes  u32 [Rc, C, 4, W]   slot c, plane p_l <= i < t_c: plane i of channel channels[c] (from cold)
     staged_scales  f16 [Rc, C, NB]     slot c with t_c > 0: scales[channels[c]]
@@ -25,6 +25,7 @@ run of ``W`` words. The work items (the slots of depth > 0 only) and the persist
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -33,41 +34,32 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import backend as B
-from pallas_kernels.gather import RunGatherConfig, gather_call
-from pallas_kernels.plane_layout import N_PLANES, check_run_list, tier_rows
+from pallas_kernels.gather import RunGatherConfig, gather_call, staged_shape
+from pallas_kernels.operands import LayerTiers, RunList, StorePlanes
+from pallas_kernels.plane_layout import N_PLANES, tier_rows
 
 KERNEL_NAME = "tier_gather"
 
 
-def _validate(cold, scales, tiers, channels, depths, group_start):
-    B.check_array("cold", cold, ndim=4, dtypes=(jnp.uint32,))
-    B.check_array("scales", scales, ndim=4, dtypes=(jnp.float16, jnp.float32))
-    B.check_array("tiers", tiers, ndim=2, dtypes=(jnp.int32,))
-    B.check_array("channels", channels, ndim=2, dtypes=(jnp.int32,))
-    B.check_array("depths", depths, ndim=2, dtypes=(jnp.int32,))
-    layers, groups, d, nb = scales.shape
-    if cold.shape[1:] != (groups, d, 2 * nb):
-        raise ValueError(f"cold must be [N, R, D, W] with R, D = {groups, d} and W = 2 NB = {2 * nb}, got {cold.shape}")
-    if tiers.shape != (layers, 3):
-        raise ValueError(f"tiers must be [L, 3] = [{layers}, 3], got {tiers.shape}")
-    if depths.shape != channels.shape:
-        raise ValueError(f"channels/depths must be [Rc, C], got {channels.shape}, {depths.shape}")
-    B.request_groups((groups,), channels.shape[:-1], 0, group_start, "tier_gather")
+def _validate(tiers: LayerTiers, runs: RunList):
+    tiers.check(runs.channels.shape[0], "tier_gather")
+    runs.check(tiers.cold.shape[2], ndim=2)
 
 
-def tier_gather_reference(cold, scales, tiers, channels, depths, *, layer, group_start: int = 0):
+def tier_gather_reference(tiers: LayerTiers, runs: RunList) -> StorePlanes:
     """Plain-jnp gather of the same staging buffers (the planes the kernel leaves unwritten: 0)."""
-    _validate(cold, scales, tiers, channels, depths, group_start)
-    groups = slice(group_start, group_start + channels.shape[0])
-    p, cold_row = tiers[layer, 0], tiers[layer, 2]
-    planes = tier_rows(cold, cold_row - p, groups)  # [Rc, D, 4, W]: plane i as the cold tier would hold it
+    _validate(tiers, runs)
+    channels, depths = runs.channels, runs.depths
+    groups = slice(tiers.group_start, tiers.group_start + channels.shape[0])
+    p, cold_row = tiers.table[tiers.layer, 0], tiers.table[tiers.layer, 2]
+    planes = tier_rows(tiers.cold, cold_row - p, groups)  # [Rc, D, 4, W]: plane i as the cold tier would hold it
     sel = jnp.take_along_axis(planes, channels[:, :, None, None], axis=-3)  # [Rc, C, 4, W]
     plane = jnp.arange(N_PLANES)[:, None]
     keep = (plane >= p) & (plane < depths[:, :, None, None])
     staged_planes = jnp.where(keep, sel, jnp.uint32(0))
-    sc = jnp.take_along_axis(scales[layer][groups], channels[:, :, None], axis=-2)
-    staged_scales = jnp.where(depths[:, :, None] > 0, sc, jnp.zeros((), scales.dtype))
-    return staged_planes, staged_scales
+    sc = jnp.take_along_axis(tiers.scales[tiers.layer][groups], channels[:, :, None], axis=-2)
+    staged_scales = jnp.where(depths[:, :, None] > 0, sc, jnp.zeros((), tiers.scales.dtype))
+    return StorePlanes(staged_planes, staged_scales)
 
 
 def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int):
@@ -94,39 +86,34 @@ def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int
     plgpu.store(out_scales_ref.at[r, c, pl.ds(s0, half)], sc, mask=smask)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "group_start", "assume_sorted"))
-def _tier_gather_pallas(cold, scales, tiers, channels, depths, layer, after, *, config, interpret, group_start,
-                        assume_sorted):
-    return gather_call(_copy_item, (tiers, cold, scales), channels, depths, layer, after, width=cold.shape[-1],
-                       scales_dtype=scales.dtype, config=config, interpret=interpret, group_start=group_start,
-                       assume_sorted=assume_sorted, name=KERNEL_NAME)
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _tier_gather_pallas(tiers: LayerTiers, runs: RunList, after, *, config, interpret) -> StorePlanes:
+    """``tiers.layer i32 [1]``; the kernel reads the cold tier, the table and the scales (the hot tier rides along
+    unread)."""
+    width = tiers.cold.shape[-1]
+    copy = functools.partial(_copy_item, width=width, group_start=tiers.group_start)
+    return gather_call(copy, (tiers.layer, tiers.table, tiers.cold, tiers.scales), runs, after,
+                       staged_shape(runs, width, tiers.scales.dtype), config=config, interpret=interpret,
+                       name=KERNEL_NAME)
 
 
 def tier_gather(
-    cold,  # u32 [Nc, R, D, W]  the planes past each layer's resident ones (pinned_host on the GPU)
-    scales,  # f16 [L, R, D, NB]
-    tiers,  # i32 [L, 3]        tier_table(resident)
-    channels,  # i32 [Rc, C]
-    depths,  # i32 [Rc, C]
+    tiers: LayerTiers,  # the cold tier pinned_host on the GPU; layer and groups group_start .. read
+    runs: RunList,  # i32 [Rc, C] channels and depths
     *,
-    layer,
-    group_start: int = 0,
     after=None,
     implementation: B.Implementation | None = None,
     config: RunGatherConfig | None = None,
     interpret: bool | None = None,
-    assume_sorted: bool = False,
-):
-    """Staged ``(planes u32 [Rc, C, 4, W], scales [Rc, C, NB])`` of the run list's planes past the resident ones at
-    ``layer`` for groups ``group_start ..`` (see the module docstring). ``after``: arrays the kernel waits for and
-    never reads. ``assume_sorted``: the list is sorted by decreasing depth (as :func:`pallas_kernels.run_gather.
-    run_gather` takes it)."""
+) -> StorePlanes:
+    """The staged buffer ``StorePlanes(planes u32 [Rc, C, 4, W], scales [Rc, C, NB])`` of the run list's planes past
+    the resident ones at ``tiers.layer`` for groups ``tiers.group_start ..`` (see the module docstring). ``after``:
+    arrays the kernel waits for and never reads. A list sorted by decreasing depth (``runs.sorted``) is walked as it
+    is, as by :func:`pallas_kernels.run_gather.run_gather`."""
     implementation = B.resolve_implementation(implementation)
-    _validate(cold, scales, tiers, channels, depths, group_start)
-    check_run_list(channels, depths, cold.shape[2])
+    _validate(tiers, runs)
     if implementation == "xla":
-        return tier_gather_reference(cold, scales, tiers, channels, depths, layer=layer, group_start=group_start)
-    layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    return _tier_gather_pallas(cold, scales, tiers, channels, depths, layer_arr, tuple(jax.tree.leaves(after)),
-                               config=config or RunGatherConfig(), interpret=B.resolve_interpret(interpret),
-                               group_start=group_start, assume_sorted=assume_sorted)
+        return tier_gather_reference(tiers, runs)
+    tiers = dataclasses.replace(tiers, layer=tiers.layer_index())
+    return _tier_gather_pallas(tiers, runs, tuple(jax.tree.leaves(after)),
+                               config=config or RunGatherConfig(), interpret=B.resolve_interpret(interpret))

@@ -1,11 +1,12 @@
 """Tiered write: new plane words of a stacked store held in two tiers, each plane into its own tier, in one launch.
 
-The tiers are :mod:`pallas_kernels.plane_layout`'s (plane-major rows, ``tiers [L, 3]`` = (p_l, first hot row, first
+The tiers are :mod:`pallas_kernels.plane_layout`'s (plane-major rows, ``table [L, 3]`` = (p_l, first hot row, first
 cold row)). Given ``src u32 [Ls, R, D, 4, M]`` (the plane words of layers ``layer ..``: a decode step's newest block,
-``M = 2``, or a prefilled layer, ``M = W``) and ``start i32 [R]`` (a word offset per group)::
+``M = 2``, or a prefilled layer, ``M = W``; the tiers a :class:`~pallas_kernels.operands.LayerTiers` at ``layer``) and
+``start i32 [R]`` (a word offset per group)::
 
-    hot [tiers[l, 1] + i,       r, j, start[r] + m] = src[l - layer, r, j, i, m]   for planes i <  p_l
-    cold[tiers[l, 2] + i - p_l, r, j, start[r] + m] = src[l - layer, r, j, i, m]   for planes i >= p_l
+    hot [table[l, 1] + i,       r, j, start[r] + m] = src[l - layer, r, j, i, m]   for planes i <  p_l
+    cold[table[l, 2] + i - p_l, r, j, start[r] + m] = src[l - layer, r, j, i, m]   for planes i >= p_l
 
 for ``m < M`` with ``start[r] + m < W`` (words past the end are dropped); nothing else is touched. Writing the
 planes one :func:`~pallas_kernels.cache_write.cache_write` at a time took eight launches per layer (each plane to
@@ -26,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import backend as B
+from pallas_kernels.operands import LayerTiers
 from pallas_kernels.plane_layout import N_PLANES
 
 KERNEL_NAME = "tier_write"
@@ -43,34 +45,39 @@ class TierWriteConfig:
         B.check_pow2("block", self.block)
 
 
-def _validate(hot, cold, tiers, src, start):
-    B.check_array("hot", hot, ndim=4, dtypes=(jnp.uint32,))
-    B.check_array("cold", cold, ndim=4, dtypes=(jnp.uint32,))
-    B.check_array("tiers", tiers, ndim=2, dtypes=(jnp.int32,))
+def _validate(tiers: LayerTiers, src, start):
+    hot, cold, table = tiers.hot, tiers.cold, tiers.table
+    B.check_array("tiers.hot", hot, ndim=4, dtypes=(jnp.uint32,))
+    B.check_array("tiers.cold", cold, ndim=4, dtypes=(jnp.uint32,))
+    B.check_array("tiers.table", table, ndim=2, dtypes=(jnp.int32,))
     B.check_array("src", src, ndim=5, dtypes=(jnp.uint32,))
     B.check_array("start", start, ndim=1, dtypes=(jnp.int32,))
     if hot.shape[1:] != cold.shape[1:]:
-        raise ValueError(f"hot and cold must be [N, R, D, W] of one R, D, W, got {hot.shape} and {cold.shape}")
-    if hot.shape[0] == 0 or cold.shape[0] == 0:
-        raise ValueError(f"hot and cold must each hold a plane row (a store of two tiers), got {hot.shape}, "
+        raise ValueError(f"tiers.hot and tiers.cold must be [N, R, D, W] of one R, D, W, got {hot.shape} and "
                          f"{cold.shape}")
+    if hot.shape[0] == 0 or cold.shape[0] == 0:
+        raise ValueError(f"tiers.hot and tiers.cold must each hold a plane row (a store of two tiers), got "
+                         f"{hot.shape}, {cold.shape}")
+    if tiers.group_start:
+        raise ValueError(f"tier_write writes every group: tiers.group_start must be 0, got {tiers.group_start}")
     _, groups, d, w = hot.shape
-    if tiers.shape[1:] != (3,):
-        raise ValueError(f"tiers must be [L, 3] (tier_table), got {tiers.shape}")
+    if table.shape[1:] != (3,):
+        raise ValueError(f"tiers.table must be [L, 3] (tier_table), got {table.shape}")
     ls, r, sd, planes, m = src.shape
-    if (r, sd, planes) != (groups, d, N_PLANES) or m > w or ls > tiers.shape[0]:
-        raise ValueError(f"src must be [Ls <= {tiers.shape[0]}, {groups}, {d}, {N_PLANES}, M <= {w}], got {src.shape}")
+    if (r, sd, planes) != (groups, d, N_PLANES) or m > w or ls > table.shape[0]:
+        raise ValueError(f"src must be [Ls <= {table.shape[0]}, {groups}, {d}, {N_PLANES}, M <= {w}], got {src.shape}")
     if start.shape != (groups,):
         raise ValueError(f"start must be [R] = [{groups}], got {start.shape}")
 
 
-def tier_write_reference(hot, cold, tiers, src, start, *, layer=0):
+def tier_write_reference(tiers: LayerTiers, src, start):
     """Plain-jnp write: one scatter into each tier, each plane's row index pointing past the tier's end (dropped)
     where the plane lives in the other tier."""
-    _validate(hot, cold, tiers, src, start)
+    _validate(tiers, src, start)
+    hot, cold = tiers.hot, tiers.cold
     ls, groups, d, _, m = src.shape
-    lay = jnp.asarray(layer, jnp.int32) + jnp.arange(ls, dtype=jnp.int32)
-    p, hot_row, cold_row = (tiers[lay, i][:, None] for i in range(3))  # [Ls, 1]
+    lay = jnp.asarray(tiers.layer, jnp.int32) + jnp.arange(ls, dtype=jnp.int32)
+    p, hot_row, cold_row = (tiers.table[lay, i][:, None] for i in range(3))  # [Ls, 1]
     plane = jnp.arange(N_PLANES, dtype=jnp.int32)[None, :]
     hot_rows = jnp.where(plane < p, hot_row + plane, hot.shape[0])  # [Ls, 4]
     cold_rows = jnp.where(plane >= p, cold_row + plane - p, cold.shape[0])
@@ -107,7 +114,8 @@ def _tier_write_kernel(start_ref, layer_ref, tier_ref, src_ref, hot_ref, cold_re
         plgpu.store(cold_out.at[k, r, j[:, None], at[None, :]], data[i], mask=ok & (i >= p))
 
 
-def _tier_write_pallas(hot, cold, tiers, src, start, layer, *, config, interpret, in_place=False):
+def _tier_write_pallas(tiers: LayerTiers, src, start, *, config, interpret, in_place=False):
+    hot, cold = tiers.hot, tiers.cold
     ls, groups, d, _, words = src.shape
     m_block = min(config.block, pl.next_power_of_2(words))
     d_block = min(pl.next_power_of_2(d), max(1, config.block // m_block))
@@ -129,47 +137,42 @@ def _tier_write_pallas(hot, cold, tiers, src, start, layer, *, config, interpret
         interpret=interpret,
         name=KERNEL_NAME,
         compiler_params=B.compiler_params(config.num_warps),
-    )(start, layer, tiers, flat, hot, cold)
+    )(start, tiers.layer_index(), tiers.table, flat, hot, cold)
 
 
-def _checked(hot, cold, tiers, src, start):
+def _checked(tiers: LayerTiers, src, start):
     start = jnp.asarray(start, jnp.int32)
-    _validate(hot, cold, tiers, src, start)
+    _validate(tiers, src, start)
     B.check_starts(start)
     return start
 
 
 def tier_write(
-    hot,  # u32 [Nh, R, D, W]   the resident planes (donate both tiers: they are updated in place)
-    cold,  # u32 [Nc, R, D, W]  the other planes
-    tiers,  # i32 [L, 3]        tier_table(resident)
-    src,  # u32 [Ls, R, D, 4, M]  plane words of layers ``layer ..``, in HBM
+    tiers: LayerTiers,  # hot/cold (donate both: they are updated in place), table; src holds layers tiers.layer ..
+    src,  # u32 [Ls, R, D, 4, M]  plane words of layers ``tiers.layer ..``, in HBM
     start,  # i32 [R]            word offset per group
     *,
-    layer=0,
     implementation: B.Implementation | None = None,
     config: TierWriteConfig | None = None,
     interpret: bool | None = None,
 ):
     """``(hot, cold)`` with ``src`` written into its tiers (see the module docstring); in place under a ``jit`` that
-    donates them, elsewhere new arrays."""
+    donates them, elsewhere new arrays. ``tiers.scales`` is not read (None is fine); every group is written
+    (``tiers.group_start`` 0)."""
     implementation = B.resolve_implementation(implementation)
-    start = _checked(hot, cold, tiers, src, start)
+    start = _checked(tiers, src, start)
     if implementation == "xla":
-        return tier_write_reference(hot, cold, tiers, src, start, layer=layer)
-    layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    return _tier_write_pallas(hot, cold, tiers, src, start, layer_arr, config=config or TierWriteConfig(),
+        return tier_write_reference(tiers, src, start)
+    return _tier_write_pallas(tiers, src, start, config=config or TierWriteConfig(),
                               interpret=B.resolve_interpret(interpret))
 
 
-def tier_write_in_place(hot, cold, tiers, src, start, *, layer=0, config: TierWriteConfig | None = None):
+def tier_write_in_place(tiers: LayerTiers, src, start, *, config: TierWriteConfig | None = None):
     """Write ``src`` into the tiers in place, as a side effect of the kernel; returns a completion token i32[1].
 
     As :func:`~pallas_kernels.cache_write.cache_write_in_place` (why: XLA copies a ``pinned_host`` buffer aliased to a
     custom call's output): the caller keeps the token and does not return the tiers from that program. GPU only."""
-    start = _checked(hot, cold, tiers, src, start)
+    start = _checked(tiers, src, start)
     if not B.on_gpu():
         raise ValueError("tier_write_in_place writes host memory through a GPU kernel; use tier_write elsewhere")
-    layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    return _tier_write_pallas(hot, cold, tiers, src, start, layer_arr, config=config or TierWriteConfig(),
-                              interpret=False, in_place=True)
+    return _tier_write_pallas(tiers, src, start, config=config or TierWriteConfig(), interpret=False, in_place=True)

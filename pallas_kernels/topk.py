@@ -218,10 +218,10 @@ def fused_bucket(n: int, max_buckets: int = MAX_FUSED_BUCKETS) -> int:
     return bucket
 
 
-@functools.partial(jax.jit, static_argnames=("k", "sink", "local", "interpret", "num_warps", "bucket",
-                                             "bucket_splits", "token_splits"))
-def _topk_fused(scores, length, *, k, sink, local, interpret, num_warps, bucket, bucket_splits="auto",
-                token_splits=4):
+@functools.partial(jax.jit, static_argnames=("k", "sink", "local", "interpret", "bucket", "config"))
+def _topk_fused(scores, length, *, k, sink, local, interpret, bucket, config):
+    """``config``: resolved (``num_warps`` set, ``token_splits`` at most the candidate buckets' power of two)."""
+    num_warps, bucket_splits, token_splits = config.num_warps, config.bucket_splits, config.token_splits
     r, n = scores.shape
     kp = k - sink - local
     kpp = pl.next_power_of_2(kp)
@@ -334,9 +334,9 @@ def topk_select(
     interpret = C.resolve_interpret(interpret)
     bucket = fused_bucket(scores.shape[1], config.max_buckets)
     if config.path == "fused" and bucket <= MAX_FUSED_BUCKET:
-        return _topk_fused(scores, length, k=k, sink=sink, local=local, interpret=interpret,
-                           num_warps=16 if config.num_warps is None else config.num_warps, bucket=bucket,
-                           bucket_splits=config.bucket_splits,
-                           token_splits=min(config.token_splits, pl.next_power_of_2(k - sink - local)))
+        fused = dataclasses.replace(config, num_warps=16 if config.num_warps is None else config.num_warps,
+                                    token_splits=min(config.token_splits, pl.next_power_of_2(k - sink - local)))
+        return _topk_fused(scores, length, k=k, sink=sink, local=local, interpret=interpret, bucket=bucket,
+                           config=fused)
     return topk_radix(scores, length, k=k, sink=sink, local=local, interpret=interpret, tile=config.tile,
                         num_warps=4 if config.num_warps is None else config.num_warps)

@@ -2,12 +2,12 @@
 
 Each of ``N`` groups has, per channel ``j`` and plane ``t = 0..3``, a threshold on the log water line,
 ``thresholds[t, n, j] = log g_j - (t + 1/2) log 4`` (NaN where ``g_j = 0``: never read), a code-bit
-``budget[n]`` and a bracket ``[log_lo[n], log_hi[n]]`` that holds the water line. Channel ``j`` reads
+``budget[n]`` and a bracket ``(log_lo[n], log_hi[n])`` that holds the water line. Channel ``j`` reads
 ``depth_j(x) = #{t : x <= thresholds[t, j]}`` planes at log water line ``x``. Bisection: ``steps`` times,
 try ``x = (lo + hi) / 2``; if the depths overflow the budget, ``x`` becomes the new ``lo``, else the new
-``hi`` and its depths the plan. ``plane_cost`` (static) prices plane t of a channel: all ones count code
-bits; ``(1.25, 1, 1, 1)`` counts bits as read, the first plane of a channel paying its fp16 block scale
-(the library's allocation). Returns the plan ``depths i32 [N, D]`` and the final ``log_hi f32 [N]``.
+``hi`` and its depths the plan. ``steps`` and ``plane_cost`` are static (a :class:`WaterLineSpec`); ``plane_cost``
+prices plane t of a channel: all ones count code bits; ``(1.25, 1, 1, 1)`` counts bits as read, the first plane of
+a channel paying its fp16 block scale (the library's allocation). Returns the plan ``depths i32 [N, D]`` and the final ``log_hi f32 [N]``.
 
 Why a kernel: in XLA the 30 steps are ~40 small kernels per layer (each step ends in a reduction), whose
 launches the decode step paid at every context (``results/offload_h200.md``, NOTES.md "Planner"); here they
@@ -42,18 +42,38 @@ class WaterLineConfig:
         B.check_pow2("rows", self.rows)
 
 
-def _validate(thresholds, budget, log_lo, log_hi):
+def _validate(thresholds, budget, bracket):
     B.check_array("thresholds", thresholds, ndim=3, dtypes=(jnp.float32,))
     if thresholds.shape[0] != N_PLANES:
         raise ValueError(f"thresholds must be [{N_PLANES}, N, D] (one row per plane), got {thresholds.shape}")
+    if not isinstance(bracket, (tuple, list)) or len(bracket) != 2:
+        raise ValueError(f"bracket must be (log_lo [N], log_hi [N]), got {type(bracket).__name__}")
     n = thresholds.shape[1]
-    for name, x in (("budget", budget), ("log_lo", log_lo), ("log_hi", log_hi)):
+    for name, x in (("budget", budget), ("log_lo", bracket[0]), ("log_hi", bracket[1])):
         B.check_array(name, x, ndim=1, dtypes=(jnp.float32,))
         if x.shape != (n,):
             raise ValueError(f"{name} must be [N] = [{n}], got {x.shape}")
 
 
 UNIT_COST = (1.0,) * N_PLANES  # every plane one code bit: the paper's budget
+
+
+@dataclasses.dataclass(frozen=True)
+class WaterLineSpec:
+    """What fixes the bisection (static): ``steps`` bisection steps, ``plane_cost`` the bits of plane t of a channel
+    (positive multiples of 1/4; all ones count code bits)."""
+
+    steps: int
+    plane_cost: tuple[float, ...] = UNIT_COST
+
+    def __post_init__(self):
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
+            raise ValueError(f"steps must be an int >= 0, got {self.steps!r}")
+        cost = tuple(float(c) for c in self.plane_cost)
+        if len(cost) != N_PLANES or not all(c > 0 and (4 * c).is_integer() for c in cost):
+            raise ValueError(f"plane_cost must be {N_PLANES} positive multiples of 1/4 (bits per plane), got "
+                             f"{self.plane_cost}")
+        object.__setattr__(self, "plane_cost", cost)  # one hashable form: a static argument of the kernel's jit
 
 
 def _used(reads, plane_cost) -> jax.Array:
@@ -73,9 +93,10 @@ def _used(reads, plane_cost) -> jax.Array:
     return 0.25 * jnp.sum(total, axis=-1).astype(jnp.float32)
 
 
-def water_line_reference(thresholds, budget, log_lo, log_hi, *, steps: int, plane_cost: tuple[float, ...] = UNIT_COST):
+def water_line_reference(thresholds, budget, bracket, *, spec: WaterLineSpec):
     """Plain jnp: the bisection as a loop."""
-    _validate(thresholds, budget, log_lo, log_hi)
+    _validate(thresholds, budget, bracket)
+    plane_cost = spec.plane_cost
 
     def step(_, carry):
         lo, hi, depths = carry
@@ -85,8 +106,8 @@ def water_line_reference(thresholds, budget, log_lo, log_hi, *, steps: int, plan
         over = _used(reads, plane_cost) > budget
         return jnp.where(over, mid, lo), jnp.where(over, hi, mid), jnp.where(over[:, None], depths, trial)
 
-    init = (log_lo, log_hi, jnp.zeros(thresholds.shape[1:], jnp.int32))
-    _, hi, depths = jax.lax.fori_loop(0, steps, step, init)
+    init = (*bracket, jnp.zeros(thresholds.shape[1:], jnp.int32))
+    _, hi, depths = jax.lax.fori_loop(0, spec.steps, step, init)
     return depths, hi
 
 
@@ -122,17 +143,17 @@ def _water_line_kernel(
     hi_out_ref[...] = hi
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "config", "interpret", "plane_cost"))
-def _water_line_pallas(thresholds, budget, log_lo, log_hi, *, steps, config, interpret, plane_cost):
+@functools.partial(jax.jit, static_argnames=("spec", "config", "interpret"))
+def _water_line_pallas(thresholds, budget, bracket, *, spec, config, interpret):
     _, n, d = thresholds.shape
     rows = config.rows
     n_pad, d_pad = pl.cdiv(n, rows) * rows, pl.next_power_of_2(d)
     # Padded channels and groups never read (NaN thresholds); padded groups are cut off below.
     thresholds = jnp.pad(thresholds, ((0, 0), (0, n_pad - n), (0, d_pad - d)), constant_values=jnp.nan)
-    budget, log_lo, log_hi = (jnp.pad(x, (0, n_pad - n)) for x in (budget, log_lo, log_hi))
+    budget, log_lo, log_hi = (jnp.pad(x, (0, n_pad - n)) for x in (budget, *bracket))
     row_spec = pl.BlockSpec((rows,), lambda i: (i,))
     depths, hi = pl.pallas_call(
-        functools.partial(_water_line_kernel, steps=steps, plane_cost=plane_cost),
+        functools.partial(_water_line_kernel, steps=spec.steps, plane_cost=spec.plane_cost),
         out_shape=(jax.ShapeDtypeStruct((n_pad, d_pad), jnp.int32), jax.ShapeDtypeStruct((n_pad,), jnp.float32)),
         grid=(n_pad // rows,),
         in_specs=[pl.BlockSpec((N_PLANES, rows, d_pad), lambda i: (0, i, 0)), row_spec, row_spec, row_spec],
@@ -147,24 +168,18 @@ def _water_line_pallas(thresholds, budget, log_lo, log_hi, *, steps, config, int
 def water_line(
     thresholds,  # f32 [4, N, D]   log g_j - (t + 1/2) log 4; NaN: never read
     budget,  # f32 [N]   bits: code bits (unit plane costs) or sum of plane_cost over the planes read
-    log_lo,  # f32 [N]   bracket of the log water line
-    log_hi,  # f32 [N]
+    bracket,  # (log_lo f32 [N], log_hi f32 [N])  a bracket of the log water line
     *,
-    steps: int,
-    plane_cost: tuple[float, ...] = UNIT_COST,
+    spec: WaterLineSpec,
     implementation: B.Implementation | None = None,
     config: WaterLineConfig | None = None,
     interpret: bool | None = None,
 ):
     """``(depths i32 [N, D], log_hi f32 [N])``: the last trial that fit the budget and the final upper end."""
     implementation = B.resolve_implementation(implementation)
-    _validate(thresholds, budget, log_lo, log_hi)
-    if not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-    plane_cost = tuple(float(c) for c in plane_cost)
-    if len(plane_cost) != N_PLANES or not all(c > 0 and (4 * c).is_integer() for c in plane_cost):
-        raise ValueError(f"plane_cost must be {N_PLANES} positive multiples of 1/4 (bits per plane), got {plane_cost}")
+    bracket = tuple(bracket) if isinstance(bracket, list) else bracket
+    _validate(thresholds, budget, bracket)
     if implementation == "xla":
-        return water_line_reference(thresholds, budget, log_lo, log_hi, steps=steps, plane_cost=plane_cost)
-    return _water_line_pallas(thresholds, budget, log_lo, log_hi, steps=steps, config=config or WaterLineConfig(),
-                              interpret=B.resolve_interpret(interpret), plane_cost=plane_cost)
+        return water_line_reference(thresholds, budget, bracket, spec=spec)
+    return _water_line_pallas(thresholds, budget, bracket, spec=spec, config=config or WaterLineConfig(),
+                              interpret=B.resolve_interpret(interpret))

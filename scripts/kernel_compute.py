@@ -11,6 +11,7 @@ from fathom_jax import planner
 from pallas_kernels import nibble_scan as NS
 from pallas_kernels import plane_scan as PS
 from pallas_kernels import topk as TK
+from pallas_kernels.operands import RunList, StorePlanes
 from scripts.harness import timeit
 
 AUTHORS = {  # DESIGN.md: the authors' Triton kernels on this H200 (ms), batch 4 x 8 KV heads, G=4, D=128
@@ -39,7 +40,7 @@ def scan_cases(n, tune=False):
     plan_stats = {}
     for budget in (48, 64):
         plan = planner.plan_bisection(g, budget)
-        ch, dep = PS.active_channels(plan.depths)
+        runs = PS.active_channels(plan.depths)
         active = float(jnp.mean(jnp.sum(plan.depths > 0, -1)))
         plan_stats[budget] = active
         bits = float(jnp.mean(plan.bits_per_token))
@@ -51,8 +52,8 @@ def scan_cases(n, tune=False):
         if tune and n >= 131072:
             cfgs += [PS.PlaneScanConfig(tile=2048, lanes=32, num_warps=2), PS.PlaneScanConfig(tile=256, lanes=8)]
         for cfg in cfgs:
-            step = lambda c, ch=ch, dep=dep, cfg=cfg: c + 1e-30 * PS.plane_scan(
-                q + c, planes, scales, length, ch, dep, config=cfg, assume_sorted=True
+            step = lambda c, runs=runs, cfg=cfg: c + 1e-30 * PS.plane_scan(
+                q + c, StorePlanes(planes, scales), length, runs, config=cfg
             )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
             r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
             r.update(kernel=f"fathom_{budget}", n=n, **_scan_config_fields(cfg), active_channels=active,
@@ -75,7 +76,7 @@ def scan_cases(n, tune=False):
             cfg = PS.PlaneScanConfig(tile=2048, num_warps=2)
             full = jnp.full(ch.shape, 4, jnp.int32)
             step = lambda c, ch=ch, cfg=cfg: c + 1e-30 * PS.plane_scan(
-                q + c, planes, scales, length, ch, full, config=cfg, assume_sorted=True
+                q + c, StorePlanes(planes, scales), length, RunList(ch, full, sorted=True), config=cfg
             )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
             r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
             r.update(kernel="nibble_32_from_planes", n=n, **_scan_config_fields(cfg), bits_per_token=bits, bytes=nbytes)
@@ -112,19 +113,20 @@ def scan_chunk_cases(chunks=SCAN_CHUNKS, configs=SCAN_CHUNK_CONFIGS, budget=48):
         q, planes, scales, length, var = scan_inputs(n, batch=1, heads=groups)
         q, planes, scales, length, var = (x[0] for x in (q, planes, scales, length, var))
         plan = planner.plan_bisection(planner.importance(q, var), budget)
-        ch, dep = PS.active_channels(plan.depths)
-        planes, scales = jnp.take_along_axis(planes, ch[..., None, None], 1), jnp.take_along_axis(scales, ch[..., None], 1)
+        runs = PS.active_channels(plan.depths)
+        ch = runs.channels
+        staged = StorePlanes(jnp.take_along_axis(planes, ch[..., None, None], 1),
+                             jnp.take_along_axis(scales, ch[..., None], 1))
         qs = jnp.take_along_axis(q, ch[:, None, :], axis=-1)
-        slots = jnp.broadcast_to(jnp.arange(ch.shape[-1], dtype=jnp.int32), ch.shape)
-        active = float(jnp.mean(jnp.sum(dep > 0, -1)))
+        slots = runs.slots()
+        active = float(jnp.mean(jnp.sum(runs.depths > 0, -1)))
         first = None
         for cfg in configs:
-            scan = jax.jit(lambda qq, cfg=cfg: PS.plane_scan(qq, planes, scales, length, slots, dep, config=cfg,
-                                                            assume_sorted=True))
+            scan = jax.jit(lambda qq, cfg=cfg: PS.plane_scan(qq, staged, length, slots, config=cfg))
             got = np.asarray(scan(qs))
             first = got if first is None else first
             step = lambda c, cfg=cfg: c + 1e-30 * PS.plane_scan(
-                qs + c, planes, scales, length, slots, dep, config=cfg, assume_sorted=True)[:, :1, :1].sum()
+                qs + c, staged, length, slots, config=cfg)[:, :1, :1].sum()
             r = timeit(step, jnp.zeros((), jnp.float32), iters=100)
             r.update(kernel=f"fathom_{budget}_chunk", groups=groups, n=n, **_scan_config_fields(cfg),
                      active_channels=active, same_bits=bool(np.array_equal(got, first)))
@@ -140,11 +142,11 @@ def check_scans():
     q, planes, scales, length, var = scan_inputs(1984, batch=2, heads=3, seed=7)
     length = jnp.asarray([[1984, 1000, 65], [7, 1984, 1500]], jnp.int32)
     plan = planner.plan_bisection(planner.importance(q, var), 48)
-    ch, dep = PS.active_channels(plan.depths)
-    b = PS.plane_scan_reference(q, planes, scales, length, ch, dep)
+    store, runs = StorePlanes(planes, scales), PS.active_channels(plan.depths)
+    b = PS.plane_scan_reference(q, store, length, runs)
     rel = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
     e = {f"plane_scan_lanes{lanes}_rel_err": rel(PS.plane_scan(
-        q, planes, scales, length, ch, dep, config=PS.PlaneScanConfig(lanes=lanes, tile=32 * lanes, num_warps=2)), b)
+        q, store, length, runs, config=PS.PlaneScanConfig(lanes=lanes, tile=32 * lanes, num_warps=2)), b)
         for lanes in (8, 16, 32)}
     nib = NS.pack_nibbles(planes)
     ch16 = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 3, 16))

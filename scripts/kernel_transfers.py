@@ -11,6 +11,7 @@ import numpy as np
 
 from pallas_kernels import row_fetch as RF
 from pallas_kernels import run_gather as RG
+from pallas_kernels.operands import RunList, StorePlanes
 from scripts.harness import stats, timeit_args
 
 GATHER_CONFIGS = ((2048, 4), (1024, 4), (4096, 4), (8192, 4), (2048, 8), (4096, 8), (8192, 8), (16384, 8))  # chunk, warps
@@ -47,7 +48,8 @@ def gather_cases(tune=False):
                 config = RG.RunGatherConfig(chunk=chunk, num_warps=warps)
 
                 def step(c, planes, scales, config=config):
-                    p, sc = RG.run_gather(planes, scales, ch + (c > 1e30).astype(jnp.int32), dep, config=config)
+                    runs = RunList(ch + (c > 1e30).astype(jnp.int32), dep)
+                    p = RG.run_gather(StorePlanes(planes, scales), runs, config=config).planes
                     return c + p[0, 0, 0, 0].astype(jnp.float32) * 1e-30
                 r = timeit_args(step, jnp.zeros((), jnp.float32), (planes, scales), reps=min(20, iters), repeats=3)
                 r.update(kernel="run_gather", source=where, run_bytes=run_kb * 1024, bytes=nbytes, chunk=chunk,
@@ -94,13 +96,13 @@ def rowfetch_cases(sizes=(131072,), configs=ROWFETCH_CONFIGS[:1]):
         for where, k_, v_ in sources:
             for pattern, idx_np in patterns.items():
                 idx = jnp.asarray(idx_np, jnp.int32)
-                ref = RF.row_fetch_reference(k_hbm, v_hbm, idx)[0]
+                ref = RF.row_fetch_reference(RF.StoredRows(k_hbm, v_hbm), idx)[0]
                 for rows, warps in (configs if where == "pinned_host" else configs[:1]):
                     cfg = RF.RowFetchConfig(rows=rows, num_warps=warps)
-                    ok = bool(jnp.array_equal(RF.row_fetch(k_, v_, idx, config=cfg)[0], ref))
+                    ok = bool(jnp.array_equal(RF.row_fetch(RF.StoredRows(k_, v_), idx, config=cfg)[0], ref))
 
                     def step(c, k_, v_, cfg=cfg, idx=idx):
-                        got = RF.row_fetch(k_, v_, idx + (c > 1e30).astype(jnp.int32), config=cfg)[0]
+                        got = RF.row_fetch(RF.StoredRows(k_, v_), idx + (c > 1e30).astype(jnp.int32), config=cfg)[0]
                         return c + got[0, 0, 0].astype(jnp.float32) * 1e-30
 
                     timed = {"repeated": timeit_args(step, jnp.zeros((), jnp.float32), (k_, v_), reps=20, repeats=3)}
@@ -131,9 +133,9 @@ def rowlayout_cases(sizes=(131072, 1048576), reps=20):
         layouts = {"split": (_host(k_hbm), _host(v_hbm)), "interleaved": (_host(kv_hbm), None)}
         del k_hbm, v_hbm
         idx = jnp.asarray(np.sort(np.random.default_rng(5).choice(n, (bh, s)), axis=-1), jnp.int32)
-        want = RF.row_fetch_reference(kv_hbm, None, idx)[0]
+        want = RF.row_fetch_reference(RF.StoredRows(kv_hbm), idx)[0]
         for layout, (a, b) in layouts.items():
-            got = RF.row_fetch(a, b, idx)
+            got = RF.row_fetch(RF.StoredRows(a, b), idx)
             got = got[0] if b is None else jnp.concatenate([got[0], got[1]], axis=-1)
             ok = bool(jnp.array_equal(got, want))
             r = _time_fresh_rows(a, b, n, bh, s, RF.RowFetchConfig(), reps=reps)
@@ -157,11 +159,11 @@ def roworder_cases(cases=ROWORDER_CASES, programs=ROWORDER_PROGRAMS):
         kv_hbm = jax.random.normal(jax.random.key(n + bh), (bh, n, 2 * dh), jnp.bfloat16)
         kv = _host(kv_hbm)
         idx = jnp.asarray(np.sort(np.random.default_rng(5).choice(n, (bh, s)), axis=-1), jnp.int32)
-        want = RF.row_fetch_reference(kv_hbm, None, idx)[0]
+        want = RF.row_fetch_reference(RF.StoredRows(kv_hbm), idx)[0]
         del kv_hbm
         for p in programs:
             cfg = RF.RowFetchConfig(programs=p)
-            ok = bool(jnp.array_equal(RF.row_fetch(kv, None, idx, config=cfg)[0], want))
+            ok = bool(jnp.array_equal(RF.row_fetch(RF.StoredRows(kv), idx, config=cfg)[0], want))
             r = _time_fresh_rows(kv, None, n, bh, s, cfg)
             nbytes = bh * s * dh * 2 * 2
             r.update(kernel="row_fetch_order", source="pinned_host", groups=bh, n=n, programs=p, rowset="fresh",
@@ -181,7 +183,7 @@ def _time_fresh_rows(k_, v_, n, bh, s, cfg, reps=20, repeats=3):
     @jax.jit
     def run(c, k_, v_, sets):
         for i in range(reps):
-            got = RF.row_fetch(k_, v_, sets[i] + (c > 1e30).astype(jnp.int32), config=cfg)[0]
+            got = RF.row_fetch(RF.StoredRows(k_, v_), sets[i] + (c > 1e30).astype(jnp.int32), config=cfg)[0]
             c = c + got[0, 0, 0].astype(jnp.float32) * 1e-30
         return c
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from fathom_jax.decode.row_cache import RowFill, row_lookup
 from pallas_kernels import backend
-from pallas_kernels.row_fetch import RowFetchConfig, row_fetch
+from pallas_kernels.row_fetch import RowFetchConfig, StoredRows, row_fetch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ class RowFetch:
         return _with_new_row(self._rows(slots, view, group_start, after), slots, view.new, view.rows), None
 
     def _rows(self, wanted, view, group_start, after):
-        rows, _, _ = row_fetch(view.kv, None, wanted, layer=view.kv_layer, group_start=group_start, after=after,
+        rows, _, _ = row_fetch(StoredRows(view.kv, layer=view.kv_layer, group_start=group_start), wanted, after=after,
                                implementation=self.implementation, config=RowFetchConfig(programs=self.programs))
         return rows
 

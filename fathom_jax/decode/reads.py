@@ -28,8 +28,9 @@ from fathom_jax import scan as scan_lib
 from fathom_jax import store as store_lib
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead
 from pallas_kernels import backend
+from pallas_kernels.operands import StorePlanes
 from pallas_kernels.plane_scan import ResidentPlanes, active_channels, plane_scan
-from pallas_kernels.row_fetch import row_fetch
+from pallas_kernels.row_fetch import StoredRows, row_fetch
 from pallas_kernels.run_gather import RunGatherConfig, run_gather
 from pallas_kernels.tier_gather import tier_gather
 
@@ -88,7 +89,7 @@ class _HostRead(IndexRead):
         start, size = groups
         n = x.shape[-2]
         index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (size, n))
-        rows, _, _ = row_fetch(x, None, index, layer=layer, columns=columns, group_start=start,
+        rows, _, _ = row_fetch(StoredRows(x, layer=layer, group_start=start, columns=columns), index,
                                implementation=self.implementation)
         return rows
 
@@ -101,11 +102,10 @@ class StagedRead(_HostRead):
     programs: int = 0
 
     def _plane_scores(self, read, store, length, layer, group_start, after):
-        channels, depths = active_channels(read.depths, read.max_active or None)
-        planes, scales = run_gather(store.planes, store.scales, channels, depths, layer=layer, group_start=group_start,
-                                    after=after, config=RunGatherConfig(programs=self.programs),
-                                    implementation=self.implementation, assume_sorted=True)
-        return _scan_staged(read, planes, scales, channels, depths, length, self.implementation), planes
+        runs = active_channels(read.depths, read.max_active or None)
+        staged = run_gather(StorePlanes(store.planes, store.scales, layer, group_start), runs, after=after,
+                            config=RunGatherConfig(programs=self.programs), implementation=self.implementation)
+        return _scan_staged(read, staged, runs, length, self.implementation), staged.planes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,13 +124,12 @@ class TieredRead(_HostRead):
     programs: int = 0
 
     def _plane_scores(self, read, store, length, layer, group_start, after):
-        channels, depths = active_channels(read.depths, read.max_active or None)
-        planes, scales = tier_gather(store.cold, store.scales, store.table, channels, depths, layer=layer,
-                                     group_start=group_start, after=after,
-                                     config=RunGatherConfig(programs=self.programs), implementation=self.implementation,
-                                     assume_sorted=True)
-        resident = ResidentPlanes(store.hot, store.table, jnp.asarray(layer, jnp.int32), channels, group_start)
-        return _scan_staged(read, planes, scales, channels, depths, length, self.implementation, resident), planes
+        runs = active_channels(read.depths, read.max_active or None)
+        tiers = store.tiers(jnp.asarray(layer, jnp.int32), group_start)
+        staged = tier_gather(tiers, runs, after=after, config=RunGatherConfig(programs=self.programs),
+                             implementation=self.implementation)
+        resident = ResidentPlanes(tiers, runs.channels)
+        return _scan_staged(read, staged, runs, length, self.implementation, resident), staged.planes
 
 
 class StepSource:
@@ -169,11 +168,10 @@ class StepSource:
         return scan_lib.dot(read.queries, keys.astype(jnp.float32))
 
 
-def _scan_staged(read, planes, scales, channels, depths, length, implementation, resident=None):
-    queries = jnp.take_along_axis(read.queries, channels[..., None, :], axis=-1)
-    slots = jnp.broadcast_to(jnp.arange(channels.shape[-1], dtype=jnp.int32), channels.shape)
-    return plane_scan(queries, planes, scales, length, slots, depths, assume_sorted=True, implementation=implementation,
-                      resident=resident)
+def _scan_staged(read, staged: StorePlanes, runs, length, implementation, resident=None):
+    """The scan of a staged buffer: slot ``c`` holds channel ``runs.channels[c]``, scored by that query feature."""
+    queries = jnp.take_along_axis(read.queries, runs.channels[..., None, :], axis=-1)
+    return plane_scan(queries, staged, length, runs.slots(), resident=resident, implementation=implementation)
 
 
 def _columns(x, columns):
@@ -181,6 +179,5 @@ def _columns(x, columns):
 
 
 def _scan_in_place(read, store, length, layer, group_start, implementation):
-    channels, depths = active_channels(read.depths, read.max_active or None)
-    return plane_scan(read.queries, store.planes, store.scales, length, channels, depths, layer=layer,
-                      group_start=group_start, assume_sorted=True, implementation=implementation)
+    return plane_scan(read.queries, StorePlanes(store.planes, store.scales, layer, group_start), length,
+                      active_channels(read.depths, read.max_active or None), implementation=implementation)

@@ -17,6 +17,7 @@ from fathom_jax.decode.row_cache import commit_rows
 from fathom_jax.format import BLOCK_TOKENS
 from fathom_jax.index import KeyIndex
 from pallas_kernels.cache_write import cache_write, cache_write_in_place
+from pallas_kernels.operands import LayerTiers
 from pallas_kernels.tier_write import tier_write, tier_write_in_place
 
 
@@ -33,13 +34,13 @@ class Writer:
             return dst
         return cache_write(dst, src, start, axis=axis, layer=layer, implementation=self.implementation)
 
-    def tiers(self, hot, cold, table, src, start, layer=0):
-        """``(hot, cold)`` with plane words ``src [Ls, R, D, 4, M]`` written into a tiered store's tiers
-        (:mod:`pallas_kernels.tier_write`): one launch for every plane."""
+    def tiers(self, tiers: LayerTiers, src, start):
+        """``(hot, cold)`` with plane words ``src [Ls, R, D, 4, M]`` of layers ``tiers.layer ..`` written into a tiered
+        store's tiers (:mod:`pallas_kernels.tier_write`): one launch for every plane."""
         if self.in_place:
-            self.tokens.append(tier_write_in_place(hot, cold, table, src, start, layer=layer))
-            return hot, cold
-        return tier_write(hot, cold, table, src, start, layer=layer, implementation=self.implementation)
+            self.tokens.append(tier_write_in_place(tiers, src, start))
+            return tiers.hot, tiers.cold
+        return tier_write(tiers, src, start, implementation=self.implementation)
 
     def done(self, previous):
         """The completion tokens of this program's in-place writes (or the previous ones when it made none)."""

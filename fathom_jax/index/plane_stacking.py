@@ -146,7 +146,7 @@ class TwoTiers:
 
     def write_layer(self, write, stacked, built, layer, length):
         start = jnp.zeros(built.length.shape, jnp.int32)
-        hot, cold = write.tiers(stacked.hot, stacked.cold, stacked.table, built.planes[None], start, layer)
+        hot, cold = write.tiers(stacked.tiers(layer), built.planes[None], start)
         tail, rotation = _set_small(stacked, built, layer)
         return dataclasses.replace(stacked, hot=hot, cold=cold, tail=tail, length=length, rotation=rotation,
                                    scales=write(stacked.scales, built.scales[None], start, 3, layer))
@@ -158,6 +158,6 @@ class TwoTiers:
     def write_blocks(self, write, stacked, words, scale, block, due, layer):
         """As :meth:`OneTier.write_blocks`, each plane to its tier."""
         block = jnp.where(due, block, stacked.scales.shape[-1])
-        hot, cold = write.tiers(stacked.hot, stacked.cold, stacked.table, words, block * WORDS_PER_BLOCK, layer)
+        hot, cold = write.tiers(stacked.tiers(layer), words, block * WORDS_PER_BLOCK)
         return dataclasses.replace(stacked, hot=hot, cold=cold,
                                    scales=write(stacked.scales, scale[..., None], block, 3, layer))

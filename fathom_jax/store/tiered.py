@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Float16, Int, UInt32
 
 from fathom_jax.store.layout import BlockScaled, KeyRotation, PlaneStore
+from pallas_kernels.operands import LayerTiers
 from pallas_kernels.plane_layout import layer_planes, tier_table
 
 
@@ -36,6 +37,10 @@ class TieredPlaneStore(BlockScaled):
     @property
     def table(self) -> jax.Array:
         return jnp.asarray(tier_table(self.resident))
+
+    def tiers(self, layer, group_start: int = 0) -> LayerTiers:
+        """The tiers at ``layer`` for groups ``group_start ..`` as the kernels take them (read in place)."""
+        return LayerTiers(self.hot, self.cold, self.scales, self.table, layer, group_start)
 
     def layer_store(self, layer, groups: slice, length) -> PlaneStore:
         """The one-tier store of ``layer``'s ``groups`` (a copy, for the plain-jnp reference scan)."""

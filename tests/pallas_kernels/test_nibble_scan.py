@@ -7,6 +7,7 @@ from kernel_test_base import KernelTestBase, assert_ran, assert_scores_close, ra
 from oracles import nibble_scan as np_nibble_scan
 from pallas_kernels import nibble_scan as NS
 from pallas_kernels import plane_scan as PS
+from pallas_kernels.operands import RunList, StorePlanes
 from tests.support import lower_triton_text
 
 D, G = 16, 4
@@ -22,7 +23,8 @@ class TestNibbleScan(KernelTestBase):
         got = NS.nibble_scan(q, nib, scales, length, ch, config=NS.NibbleScanConfig(tile=128), **impl.kw)
         assert_scores_close(got, np_nibble_scan(q, nib, scales, length, ch))
         at_depth_4 = jnp.full(ch.shape, 4, jnp.int32)
-        assert_scores_close(got, PS.plane_scan(q, planes, scales, length, ch, at_depth_4, implementation="xla"))
+        assert_scores_close(got, PS.plane_scan(q, StorePlanes(planes, scales), length, RunList(ch, at_depth_4),
+                                               implementation="xla"))
         assert_ran(NS.nibble_scan, q, nib, scales, length, ch, name=NS.KERNEL_NAME, impl=impl)
 
 

@@ -9,6 +9,7 @@ from fathom_jax import store as S
 from kernel_test_base import KernelTestBase, assert_ran, assert_scores_close, host, random_store_arrays
 from oracles import plane_scan as np_plane_scan
 from pallas_kernels import plane_scan as PS
+from pallas_kernels.operands import RunList, StorePlanes
 from tests.support import lower_triton_text
 
 D, G = 16, 4
@@ -36,10 +37,10 @@ class TestPlaneScan(KernelTestBase):
     def test_matches_numpy_oracle(self, impl, rng, kind, n_cap, config):
         planes, scales, length = random_store_arrays(rng, (6,), D, n_cap)
         q = jnp.asarray(rng.standard_normal((6, G, D)), jnp.float32)
-        ch, dep = PS.active_channels(depth_plan(rng, kind, (6,)), max_active=D)
-        got = PS.plane_scan(q, planes, scales, length, ch, dep, config=config, **impl.kw)
+        runs = PS.active_channels(depth_plan(rng, kind, (6,)), max_active=D)
+        got = PS.plane_scan(q, StorePlanes(planes, scales), length, runs, config=config, **impl.kw)
         assert got.shape == (6, G, n_cap)
-        assert_scores_close(got, np_plane_scan(q, planes, scales, length, ch, dep))
+        assert_scores_close(got, np_plane_scan(q, planes, scales, length, runs.channels, runs.depths))
 
     @pytest.mark.parametrize("rotate", [False, True])
     def test_equals_dequantized_store(self, impl, rng, rotate):
@@ -61,34 +62,36 @@ class TestPlaneScan(KernelTestBase):
         """A stacked [L, R, ...] store read at a (traced) layer == the scan of that layer's arrays."""
         planes, scales, length = random_store_arrays(rng, (3, 4), D, 448)
         q = jnp.asarray(rng.standard_normal((4, G, D)), jnp.float32)
-        ch, dep = PS.active_channels(depth_plan(rng, "random", (4,)), max_active=10)
-        scan = jax.jit(lambda p, s, layer: PS.plane_scan(q, p, s, length[1], ch, dep, layer=layer,
-                                                          assume_sorted=True, **impl.kw))
+        runs = PS.active_channels(depth_plan(rng, "random", (4,)), max_active=10)
+        scan = jax.jit(lambda store: PS.plane_scan(q, store, length[1], runs, **impl.kw))
         for layer in (0, 2):
-            got = scan(host(planes, impl), host(scales, impl), jnp.int32(layer))
-            assert_scores_close(got, np_plane_scan(q, planes[layer], scales[layer], length[1], ch, dep))
+            got = scan(StorePlanes(host(planes, impl), host(scales, impl), jnp.int32(layer)))
+            assert_scores_close(got, np_plane_scan(q, planes[layer], scales[layer], length[1], runs.channels,
+                                                   runs.depths))
 
     @pytest.mark.parametrize("group_start,groups", [(1, 3), (3, 1)])
     def test_group_window_of_stacked_store(self, impl, rng, group_start, groups):
         """Queries over Rc groups scan groups group_start.. of a stacked store (one GPU stream's share)."""
         planes, scales, length = random_store_arrays(rng, (3, 4), D, 448)
         q = jnp.asarray(rng.standard_normal((groups, G, D)), jnp.float32)
-        ch, dep = PS.active_channels(depth_plan(rng, "random", (groups,)), max_active=10)
+        runs = PS.active_channels(depth_plan(rng, "random", (groups,)), max_active=10)
         window = slice(group_start, group_start + groups)
-        scan = jax.jit(lambda p, s: PS.plane_scan(q, p, s, length[1][window], ch, dep, layer=jnp.int32(2),
-                                                  group_start=group_start, assume_sorted=True, **impl.kw))
+        scan = jax.jit(lambda p, s: PS.plane_scan(q, StorePlanes(p, s, jnp.int32(2), group_start), length[1][window],
+                                                  runs, **impl.kw))
         got = scan(host(planes, impl), host(scales, impl))
-        assert_scores_close(got, np_plane_scan(q, planes[2][window], scales[2][window], length[1][window], ch, dep))
+        assert_scores_close(got, np_plane_scan(q, planes[2][window], scales[2][window], length[1][window],
+                                               runs.channels, runs.depths))
 
     def test_unsorted_list_and_determinism(self, impl, rng):
         planes, scales, length = random_store_arrays(rng, (3,), D, 640)
         q = jnp.asarray(rng.standard_normal((3, G, D)), jnp.float32)
         ch = jnp.asarray(rng.permutation(D)[:9][None].repeat(3, 0), jnp.int32)  # unsorted depths
         dep = jnp.asarray(rng.integers(0, 5, (3, 9)), jnp.int32)
-        a = PS.plane_scan(q, planes, scales, length, ch, dep, **impl.kw)
-        assert np.array_equal(np.asarray(a), np.asarray(PS.plane_scan(q, planes, scales, length, ch, dep, **impl.kw)))
+        store, runs = StorePlanes(planes, scales), RunList(ch, dep)
+        a = PS.plane_scan(q, store, length, runs, **impl.kw)
+        assert np.array_equal(np.asarray(a), np.asarray(PS.plane_scan(q, store, length, runs, **impl.kw)))
         assert_scores_close(a, np_plane_scan(q, planes, scales, length, ch, dep))
-        assert_ran(PS.plane_scan, q, planes, scales, length, ch, dep, name=PS.KERNEL_NAME, impl=impl)
+        assert_ran(PS.plane_scan, q, store, length, runs, name=PS.KERNEL_NAME, impl=impl)
 
 
 def test_plane_scan_lowers_to_triton():
@@ -98,11 +101,11 @@ def test_plane_scan_lowers_to_triton():
     ln, ch = z((2,), jnp.int32), z((2, 8), jnp.int32)
     for lanes in (8, 16, 32):
         config = PS.PlaneScanConfig(lanes=lanes, tile=32 * lanes)
-        text = lower_triton_text(PS.plane_scan, q, planes, scales, ln, ch, ch, implementation="pallas",
-                                 interpret=False, config=config)
+        text = lower_triton_text(PS.plane_scan, q, StorePlanes(planes, scales), ln, RunList(ch, ch),
+                                 implementation="pallas", interpret=False, config=config)
         assert text.count(f'name = "{PS.KERNEL_NAME}"') == 1
-    text = lower_triton_text(lambda p, s, layer: PS.plane_scan(q, p, s, ln, ch, ch, layer=layer, implementation="pallas",
-                                                                 interpret=False),
+    text = lower_triton_text(lambda p, s, layer: PS.plane_scan(q, StorePlanes(p, s, layer), ln, RunList(ch, ch),
+                                                                 implementation="pallas", interpret=False),
                              z((3, 2, D, 4, 20), jnp.uint32), z((3, 2, D, 10), jnp.float16), jnp.int32(1))
     assert text.count(f'name = "{PS.KERNEL_NAME}"') == 1
 
@@ -111,19 +114,20 @@ def test_plane_scan_validation():
     z = jnp.zeros
     q, planes, scales = z((2, G, D)), z((2, D, 4, 20), jnp.uint32), z((2, D, 10), jnp.float16)
     ln, ch = z((2,), jnp.int32), z((2, 8), jnp.int32)
+    store, runs = StorePlanes(planes, scales), RunList(ch, ch)
     with pytest.raises(ValueError, match="implementation must be one of"):
-        PS.plane_scan(q, planes, scales, ln, ch, ch, implementation="cuda")
-    with pytest.raises(ValueError, match="scales"):
-        PS.plane_scan(q, planes, scales[..., :3], ln, ch, ch)
-    with pytest.raises(TypeError, match="planes"):
-        PS.plane_scan(q, planes.astype(jnp.int32), scales, ln, ch, ch)
+        PS.plane_scan(q, store, ln, runs, implementation="cuda")
+    with pytest.raises(ValueError, match="store.scales"):
+        PS.plane_scan(q, StorePlanes(planes, scales[..., :3]), ln, runs)
+    with pytest.raises(TypeError, match="store.planes"):
+        PS.plane_scan(q, StorePlanes(planes.astype(jnp.int32), scales), ln, runs)
     with pytest.raises(ValueError, match="depths"):
-        PS.plane_scan(q, planes, scales, ln, ch, ch + 5)
+        PS.plane_scan(q, store, ln, RunList(ch, ch + 5))
     with pytest.raises(ValueError, match="power of two"):
         PS.PlaneScanConfig(tile=96)
     with pytest.raises(ValueError, match="lanes"):
         PS.PlaneScanConfig(tile=256, lanes=16)
     with pytest.raises(ValueError, match=r"with a layer index they must be \[L, R, D, 4, W\]"):
-        PS.plane_scan(q, planes, scales, ln, ch, ch, layer=0, implementation="pallas")
+        PS.plane_scan(q, StorePlanes(planes, scales, 0), ln, runs, implementation="pallas")
     # value checks are skipped (not failed) under jit: the caller owns them there
-    jax.jit(lambda c: PS.plane_scan(q, planes, scales, ln, c, c, implementation="xla"))(ch)
+    jax.jit(lambda c: PS.plane_scan(q, store, ln, RunList(c, c), implementation="xla"))(ch)

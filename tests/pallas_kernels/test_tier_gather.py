@@ -13,6 +13,7 @@ from oracles import run_gather as np_run_gather
 from pallas_kernels import plane_scan as PS
 from pallas_kernels import run_gather as RG
 from pallas_kernels import tier_gather as TG
+from pallas_kernels.operands import LayerTiers, RunList, StorePlanes
 from pallas_kernels.plane_layout import tier_table
 from tests.support import lower_triton_text
 
@@ -30,7 +31,7 @@ def split_tiers(planes, resident):
 
 def run_list(rng, r, c=7):
     ch = jnp.asarray(rng.integers(0, D, (r, c)), jnp.int32)
-    return ch, jnp.asarray(rng.integers(0, 5, (r, c)), jnp.int32)
+    return RunList(ch, jnp.asarray(rng.integers(0, 5, (r, c)), jnp.int32))
 
 
 def test_tier_table_rows():
@@ -41,28 +42,30 @@ class TestTierGather(KernelTestBase):
     @pytest.mark.parametrize("resident", [(1, 2, 0, 4), (1, 1, 1, 1), (3, 0, 2, 1)])
     def test_equals_the_one_tier_gather(self, impl, rng, resident):
         planes, scales, _ = random_store_arrays(rng, (4, 3), D, 320)
-        _, cold = split_tiers(planes, resident)
-        tiers = jnp.asarray(tier_table(resident))
-        ch, dep = run_list(rng, 3)
-        gather = jax.jit(lambda c, s, layer: TG.tier_gather(c, s, tiers, ch, dep, layer=layer,
+        hot, cold = split_tiers(planes, resident)
+        table = jnp.asarray(tier_table(resident))
+        runs = run_list(rng, 3)
+        gather = jax.jit(lambda c, s, layer: TG.tier_gather(LayerTiers(hot, c, s, table, layer), runs,
                                                              config=RG.RunGatherConfig(chunk=4), **impl.kw))
         for layer in range(4):
-            got_p, got_s = gather(host(cold, impl), scales, jnp.int32(layer))
-            assert_staged(got_p, got_s, *np_run_gather(planes[layer], scales[layer], ch, dep), dep, resident[layer])
+            got = gather(host(cold, impl), scales, jnp.int32(layer))
+            assert_staged(got.planes, got.scales, *np_run_gather(planes[layer], scales[layer], runs.channels,
+                                                                 runs.depths), runs.depths, resident[layer])
 
     @pytest.mark.parametrize("group_start,groups,programs", [(0, 2, 0), (2, 3, 5), (5, 1, 1 << 20)])
     def test_group_windows_and_persistent_programs(self, impl, rng, group_start, groups, programs):
         planes, scales, _ = random_store_arrays(rng, (2, 6), D, 640)
         resident = (2, 1)
-        _, cold = split_tiers(planes, resident)
-        tiers = jnp.asarray(tier_table(resident))
-        ch, dep = run_list(rng, groups)
+        hot, cold = split_tiers(planes, resident)
+        table = jnp.asarray(tier_table(resident))
+        runs = run_list(rng, groups)
         config = RG.RunGatherConfig(chunk=8, programs=programs)
         gather = jax.jit(lambda c, s, layer, after: TG.tier_gather(
-            c, s, tiers, ch, dep, layer=layer, group_start=group_start, after=after, config=config, **impl.kw))
-        got_p, got_s = gather(host(cold, impl), scales, jnp.int32(1), (jnp.ones((2,)),))
+            LayerTiers(hot, c, s, table, layer, group_start), runs, after=after, config=config, **impl.kw))
+        got = gather(host(cold, impl), scales, jnp.int32(1), (jnp.ones((2,)),))
         window = slice(group_start, group_start + groups)
-        assert_staged(got_p, got_s, *np_run_gather(planes[1][window], scales[1][window], ch, dep), dep, resident[1])
+        assert_staged(got.planes, got.scales, *np_run_gather(planes[1][window], scales[1][window], runs.channels,
+                                                             runs.depths), runs.depths, resident[1])
 
     def test_scan_with_resident_planes_in_place_equals_the_scan_of_one_tier(self, impl, rng):
         """The staged buffer scanned with the identity list, planes below p_l read from the hot tier in place, ==
@@ -71,47 +74,49 @@ class TestTierGather(KernelTestBase):
         planes, scales, length = random_store_arrays(rng, (3, 5), D, 448)
         resident = (0, 2, 1)
         hot, cold = split_tiers(planes, resident)
-        tiers = jnp.asarray(tier_table(resident))
+        table = jnp.asarray(tier_table(resident))
         groups = slice(group_start, group_start + 4)
         q = jnp.asarray(rng.standard_normal((4, 4, D)), jnp.float32)
-        ch, dep = PS.active_channels(jnp.asarray(rng.integers(0, 5, (4, D)), jnp.int32), max_active=10)
+        runs = PS.active_channels(jnp.asarray(rng.integers(0, 5, (4, D)), jnp.int32), max_active=10)
+        ch, dep = runs.channels, runs.depths
+        q_staged = jnp.take_along_axis(q, ch[:, None, :], axis=-1)
         for layer in (1, 2):
-            sp, ss = TG.tier_gather(host(cold, impl), scales, tiers, ch, dep, layer=jnp.int32(layer),
-                                    group_start=group_start, assume_sorted=True, **impl.kw)
-            q_staged = jnp.take_along_axis(q, ch[:, None, :], axis=-1)
-            iota = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (4, 10))
-            on_hot = PS.ResidentPlanes(hot, tiers, jnp.int32(layer), ch, group_start)
-            scan = jax.jit(lambda q, p, s, n, c, d, r: PS.plane_scan(q, p, s, n, c, d, assume_sorted=True, resident=r,
-                                                                     **impl.kw))
-            got = scan(q_staged, sp, ss, length[layer][groups], iota, dep, on_hot)
+            tiers = LayerTiers(hot, host(cold, impl), scales, table, jnp.int32(layer), group_start)
+            staged = TG.tier_gather(tiers, runs, **impl.kw)
+            scan = jax.jit(lambda q, st, n, rl, r: PS.plane_scan(q, st, n, rl, resident=r, **impl.kw))
+            got = scan(q_staged, staged, length[layer][groups], runs.slots(), PS.ResidentPlanes(tiers, ch))
             want = np_plane_scan(q, planes[layer][groups], scales[layer][groups], length[layer][groups], ch, dep)
             assert_scores_close(got, want)
-        assert_ran(TG.tier_gather, cold, scales, tiers, ch, dep, name=TG.KERNEL_NAME, impl=impl, layer=1)
-        assert_ran(PS.plane_scan, q_staged, sp, ss, length[1][:4], iota, dep, name=PS.KERNEL_NAME, impl=impl,
-                   assume_sorted=True, resident=PS.ResidentPlanes(hot, tiers, jnp.int32(1), ch, 0))
+        assert_ran(TG.tier_gather, LayerTiers(hot, cold, scales, table, 1), runs, name=TG.KERNEL_NAME, impl=impl)
+        assert_ran(PS.plane_scan, q_staged, staged, length[1][:4], runs.slots(), name=PS.KERNEL_NAME, impl=impl,
+                   resident=PS.ResidentPlanes(LayerTiers(hot, cold, scales, table, jnp.int32(1)), ch))
 
 
 def test_tier_gather_lowers_to_triton_and_validates():
     z = jnp.zeros
-    args = (z((5, 2, D, 20), jnp.uint32), z((2, 2, D, 10), jnp.float16), jnp.asarray(tier_table((1, 2))))
-    text = lower_triton_text(lambda c, s, t, layer: TG.tier_gather(c, s, t, z((2, 5), jnp.int32), z((2, 5), jnp.int32),
-                                                                   layer=layer, implementation="pallas",
-                                                                   interpret=False), *args, jnp.int32(0))
+    hot, cold, scales = z((3, 2, D, 20), jnp.uint32), z((5, 2, D, 20), jnp.uint32), z((2, 2, D, 10), jnp.float16)
+    table = jnp.asarray(tier_table((1, 2)))
+    runs = RunList(z((2, 5), jnp.int32), z((2, 5), jnp.int32))
+    text = lower_triton_text(lambda c, s, t, layer: TG.tier_gather(LayerTiers(hot, c, s, t, layer), runs,
+                                                                   implementation="pallas", interpret=False),
+                             cold, scales, table, jnp.int32(0))
     assert text.count(f'name = "{TG.KERNEL_NAME}"') == 1
-    hot, ch = z((3, 2, D, 20), jnp.uint32), z((2, 5), jnp.int32)
+    ch = runs.channels
     text = lower_triton_text(lambda q, p, s, h: PS.plane_scan(
-        q, p, s, z((2,), jnp.int32), ch, ch, resident=PS.ResidentPlanes(h, args[2], jnp.int32(1), ch),
-        implementation="pallas", interpret=False), z((2, 4, 5)), z((2, 5, 4, 20), jnp.uint32), z((2, 5, 10), jnp.float16),
-        hot)
+        q, StorePlanes(p, s), z((2,), jnp.int32), runs,
+        resident=PS.ResidentPlanes(LayerTiers(h, cold, scales, table, jnp.int32(1)), ch),
+        implementation="pallas", interpret=False), z((2, 4, 5)), z((2, 5, 4, 20), jnp.uint32),
+        z((2, 5, 10), jnp.float16), hot)
     assert text.count(f'name = "{PS.KERNEL_NAME}"') == 1
-    with pytest.raises(ValueError, match="tiers must be"):
-        TG.tier_gather(*args[:2], z((3, 3), jnp.int32), z((2, 5), jnp.int32), z((2, 5), jnp.int32), layer=0)
+    with pytest.raises(ValueError, match="table must be"):
+        TG.tier_gather(LayerTiers(hot, cold, scales, z((3, 3), jnp.int32), 0), runs)
     with pytest.raises(ValueError, match="cold must be"):
-        TG.tier_gather(args[0][..., :10], *args[1:], z((2, 5), jnp.int32), z((2, 5), jnp.int32), layer=0)
+        TG.tier_gather(LayerTiers(hot, cold[..., :10], scales, table, 0), runs)
     with pytest.raises(ValueError, match="depths"):
-        TG.tier_gather(*args, z((2, 5), jnp.int32), z((2, 5), jnp.int32) + 7, layer=0)
+        TG.tier_gather(LayerTiers(hot, cold, scales, table, 0), RunList(ch, ch + 7))
     with pytest.raises(ValueError, match=r"1 <= Rc <= 1"):
-        TG.tier_gather(*args, z((2, 5), jnp.int32), z((2, 5), jnp.int32), layer=0, group_start=1)
+        TG.tier_gather(LayerTiers(hot, cold, scales, table, 0, 1), runs)
     with pytest.raises(ValueError, match="resident.channels must be"):
-        PS.plane_scan(z((2, 4, 5)), z((2, 5, 4, 20), jnp.uint32), z((2, 5, 10), jnp.float16), z((2,), jnp.int32), ch,
-                      ch, resident=PS.ResidentPlanes(hot, args[2], jnp.int32(1), ch[:, :3]))
+        PS.plane_scan(z((2, 4, 5)), StorePlanes(z((2, 5, 4, 20), jnp.uint32), z((2, 5, 10), jnp.float16)),
+                      z((2,), jnp.int32), runs,
+                      resident=PS.ResidentPlanes(LayerTiers(hot, cold, scales, table, jnp.int32(1)), ch[:, :3]))

@@ -8,6 +8,7 @@ import pytest
 
 from kernel_test_base import HAS_GPU, Impl, KernelTestBase, assert_equal, assert_ran, host
 from oracles import tier_write as np_tier_write
+from pallas_kernels.operands import LayerTiers
 from pallas_kernels.plane_layout import tier_table
 from pallas_kernels import tier_write as TW
 from tests.support import lower_triton_text
@@ -31,14 +32,14 @@ class TestTierWrite(KernelTestBase):
         start[-1] = W - 1  # past the end: words beyond W are dropped, nothing else is touched
         want_hot, want_cold = np_tier_write(hot, cold, resident, src, start, layer)
         config = TW.TierWriteConfig(block=16)  # several programs per layer and group
-        write = jax.jit(lambda h, c, s, st, lay: TW.tier_write(h, c, tiers, s, st, layer=lay, config=config,
+        write = jax.jit(lambda h, c, s, st, lay: TW.tier_write(LayerTiers(h, c, None, tiers, lay), s, st, config=config,
                                                                **impl.kw), donate_argnums=(0, 1))
         got_hot, got_cold = write(jnp.asarray(hot), jnp.asarray(cold), jnp.asarray(src), jnp.asarray(start),
                                   jnp.int32(layer))
         assert_equal(got_hot, want_hot)
         assert_equal(got_cold, want_cold)
-        assert_ran(TW.tier_write, jnp.asarray(hot), jnp.asarray(cold), tiers, jnp.asarray(src), jnp.asarray(start),
-                   name=TW.KERNEL_NAME, impl=impl, layer=layer)
+        assert_ran(TW.tier_write, LayerTiers(jnp.asarray(hot), jnp.asarray(cold), None, tiers, layer), jnp.asarray(src),
+                   jnp.asarray(start), name=TW.KERNEL_NAME, impl=impl)
 
 
 @pytest.mark.gpu
@@ -51,7 +52,7 @@ def test_writes_the_host_tier_in_place():
     start = np.array([0, 6, 18], np.int32)
     want_hot, want_cold = np_tier_write(hot, cold, resident, src, start, 1)
     hot_d, cold_h = jnp.asarray(hot), host(jnp.asarray(cold), impl)
-    token = jax.jit(lambda h, c, s, st: TW.tier_write_in_place(h, c, tiers, s, st, layer=1))(
+    token = jax.jit(lambda h, c, s, st: TW.tier_write_in_place(LayerTiers(h, c, None, tiers, 1), s, st))(
         hot_d, cold_h, jnp.asarray(src), jnp.asarray(start))
     token.block_until_ready()
     assert_equal(cold_h, want_cold)
@@ -62,16 +63,19 @@ def test_writes_the_host_tier_in_place():
 def test_tier_write_lowers_to_triton_and_validates():
     z = jnp.zeros
     hot, cold, tiers = z((3, 2, D, W), jnp.uint32), z((5, 2, D, W), jnp.uint32), jnp.asarray(tier_table((1, 2)))
-    text = lower_triton_text(lambda h, c, s, st: TW.tier_write(h, c, tiers, s, st, layer=1, implementation="pallas",
-                                                               interpret=False),
+    text = lower_triton_text(lambda h, c, s, st: TW.tier_write(LayerTiers(h, c, None, tiers, 1), s, st,
+                                                               implementation="pallas", interpret=False),
                              hot, cold, z((1, 2, D, 4, 2), jnp.uint32), z((2,), jnp.int32))
     assert text.count(f'name = "{TW.KERNEL_NAME}"') == 1
+    two = LayerTiers(hot, cold, None, tiers)
     with pytest.raises(ValueError, match="src must be"):
-        TW.tier_write(hot, cold, tiers, z((1, 2, D, 3, 2), jnp.uint32), z((2,), jnp.int32))
+        TW.tier_write(two, z((1, 2, D, 3, 2), jnp.uint32), z((2,), jnp.int32))
     with pytest.raises(ValueError, match="start must be >= 0"):
-        TW.tier_write(hot, cold, tiers, z((1, 2, D, 4, 2), jnp.uint32), jnp.array([0, -1], jnp.int32))
-    with pytest.raises(ValueError, match="hot and cold"):
-        TW.tier_write(hot[..., :10], cold, tiers, z((1, 2, D, 4, 2), jnp.uint32), z((2,), jnp.int32))
+        TW.tier_write(two, z((1, 2, D, 4, 2), jnp.uint32), jnp.array([0, -1], jnp.int32))
+    with pytest.raises(ValueError, match="hot and tiers.cold"):
+        TW.tier_write(LayerTiers(hot[..., :10], cold, None, tiers), z((1, 2, D, 4, 2), jnp.uint32), z((2,), jnp.int32))
+    with pytest.raises(ValueError, match="writes every group"):
+        TW.tier_write(LayerTiers(hot, cold, None, tiers, 0, 1), z((1, 2, D, 4, 2), jnp.uint32), z((2,), jnp.int32))
     if not HAS_GPU:
         with pytest.raises(ValueError, match="writes host memory"):
-            TW.tier_write_in_place(hot, cold, tiers, z((1, 2, D, 4, 2), jnp.uint32), z((2,), jnp.int32))
+            TW.tier_write_in_place(two, z((1, 2, D, 4, 2), jnp.uint32), z((2,), jnp.int32))

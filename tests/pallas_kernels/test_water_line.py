@@ -25,7 +25,7 @@ def random_importance(rng, n, d):
 def kernel_inputs(g, budget):
     g, budget, lo, hi = P._prepare(g, budget, None)
     thresholds = jnp.moveaxis(P.water_line_thresholds(g), -2, 0)
-    return thresholds, budget, lo, hi
+    return thresholds, budget, (lo, hi)
 
 
 class TestWaterLine(KernelTestBase):
@@ -33,7 +33,7 @@ class TestWaterLine(KernelTestBase):
     def test_equals_the_bisection_trace(self, impl, rng, n, d, rows):
         g = random_importance(rng, n, d)
         budget = rng.integers(0, 4 * d + 1, n)
-        depths, log_hi = WL.water_line(*kernel_inputs(g, budget), steps=P.BISECTION_STEPS,
+        depths, log_hi = WL.water_line(*kernel_inputs(g, budget), spec=WL.WaterLineSpec(P.BISECTION_STEPS),
                                        config=WL.WaterLineConfig(rows=rows), **impl.kw)
         plan, _, _ = P.bisection_trace(g, budget)
         assert_equal(depths, plan.depths)
@@ -63,11 +63,11 @@ class TestWaterLine(KernelTestBase):
     def test_plane_costs_count_bits_as_read(self, impl, rng):
         """Priced planes (the first 1.25 bits: its channel's scale) against the reference and the bit count."""
         g = random_importance(rng, 13, 40)
-        thresholds, _, lo, hi = kernel_inputs(g, 0)
+        thresholds, _, bracket = kernel_inputs(g, 0)
         budget = jnp.asarray(rng.uniform(0, 4.25 * 40, 13), jnp.float32)
-        cost = (1.25, 1.0, 1.0, 1.0)
-        depths, log_hi = WL.water_line(thresholds, budget, lo, hi, steps=30, plane_cost=cost, **impl.kw)
-        want = WL.water_line_reference(thresholds, budget, lo, hi, steps=30, plane_cost=cost)
+        spec = WL.WaterLineSpec(steps=30, plane_cost=(1.25, 1.0, 1.0, 1.0))
+        depths, log_hi = WL.water_line(thresholds, budget, bracket, spec=spec, **impl.kw)
+        want = WL.water_line_reference(thresholds, budget, bracket, spec=spec)
         assert_equal(depths, want[0])
         assert_equal(log_hi, want[1])
         d = np.asarray(depths)
@@ -75,8 +75,8 @@ class TestWaterLine(KernelTestBase):
 
     def test_deterministic(self, impl, rng):
         inputs = kernel_inputs(random_importance(rng, 16, 128), rng.integers(0, 513, 16))
-        first = WL.water_line(*inputs, steps=30, **impl.kw)
-        assert_equal(WL.water_line(*inputs, steps=30, **impl.kw)[0], first[0])
+        first = WL.water_line(*inputs, spec=WL.WaterLineSpec(30), **impl.kw)
+        assert_equal(WL.water_line(*inputs, spec=WL.WaterLineSpec(30), **impl.kw)[0], first[0])
 
 
 def test_zero_importance_is_never_read():
@@ -91,22 +91,28 @@ def test_zero_importance_is_never_read():
 
 def test_bad_arguments():
     z = jnp.zeros
+    spec = WL.WaterLineSpec(30)
     with pytest.raises(ValueError, match=r"thresholds must be \[4, N, D\]"):
-        WL.water_line(z((3, 2, 8)), z(2), z(2), z(2), steps=30)
+        WL.water_line(z((3, 2, 8)), z(2), (z(2), z(2)), spec=spec)
     with pytest.raises(TypeError, match="thresholds must have dtype"):
-        WL.water_line(z((4, 2, 8), jnp.float16), z(2), z(2), z(2), steps=30)
+        WL.water_line(z((4, 2, 8), jnp.float16), z(2), (z(2), z(2)), spec=spec)
     with pytest.raises(ValueError, match=r"budget must be \[N\] = \[2\]"):
-        WL.water_line(z((4, 2, 8)), z(3), z(2), z(2), steps=30)
+        WL.water_line(z((4, 2, 8)), z(3), (z(2), z(2)), spec=spec)
+    with pytest.raises(ValueError, match=r"log_hi must be \[N\] = \[2\]"):
+        WL.water_line(z((4, 2, 8)), z(2), (z(2), z(3)), spec=spec)
+    with pytest.raises(ValueError, match="bracket must be"):
+        WL.water_line(z((4, 2, 8)), z(2), z(2), spec=spec)
     with pytest.raises(ValueError, match="steps"):
-        WL.water_line(z((4, 2, 8)), z(2), z(2), z(2), steps=-1)
+        WL.WaterLineSpec(steps=-1)
     with pytest.raises(ValueError, match="plane_cost must be 4 positive multiples of 1/4"):
-        WL.water_line(z((4, 2, 8)), z(2), z(2), z(2), steps=30, plane_cost=(1.1, 1, 1, 1))
+        WL.WaterLineSpec(steps=30, plane_cost=(1.1, 1, 1, 1))
     with pytest.raises(ValueError, match="rows must be a power of two"):
         WL.WaterLineConfig(rows=6)
 
 
 def test_water_line_lowers_to_triton():
     z = jnp.zeros
-    text = lower_triton_text(lambda t, b: WL.water_line(t, b, b, b, steps=30, implementation="pallas", interpret=False),
+    text = lower_triton_text(lambda t, b: WL.water_line(t, b, (b, b), spec=WL.WaterLineSpec(30),
+                                                        implementation="pallas", interpret=False),
                              z((4, 8, 128), jnp.float32), z((8,), jnp.float32))
     assert text.count(f'name = "{WL.KERNEL_NAME}"') == 1

@@ -1,0 +1,160 @@
+"""What the plane kernels take for "this layer's planes" and "these runs", in place of placement parameters.
+
+* :class:`RunList`: a fixed-size run list (slot ``c`` reads channel ``channels[c]`` to depth ``depths[c]``);
+* :class:`StorePlanes`: a channel-major plane store as a kernel reads it in place (a plain store, one layer of a
+  stacked one for a window of its groups, or the staged buffer a gather returns);
+* :class:`LayerTiers`: a stacked store held in two memory tiers (:mod:`pallas_kernels.plane_layout`) at one layer.
+
+Each is a frozen pytree: arrays (and a traced layer) are its leaves, what fixes a kernel's shape (``group_start``,
+``sorted``) is static, so a ``jit`` over an operand compiles once per window and list kind, as the keyword arguments
+it replaces did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import backend as B
+from pallas_kernels.plane_layout import N_PLANES, check_run_list
+
+
+@dataclasses.dataclass(frozen=True)
+class RunList:
+    """A fixed-size run list: slot ``c`` of group ``r`` reads channel ``channels[r, c]`` to depth ``depths[r, c]`` (0:
+    nothing). ``sorted``: the slots are in decreasing depth (as :func:`pallas_kernels.plane_scan.active_channels`
+    makes them), so the kernels skip the small sorts that would otherwise bring each class of depth together."""
+
+    channels: jax.Array  # i32 [*, C]
+    depths: jax.Array  # i32 [*, C]
+    sorted: bool = False
+
+    @property
+    def batch(self) -> tuple[int, ...]:
+        return self.channels.shape[:-1]
+
+    def check(self, head_dim: int, *, ndim: int | None = None) -> None:
+        """Dtypes and shapes (``[*, C]``, ``ndim`` dims where given), and the values where they are known."""
+        B.check_array("runs.channels", self.channels, ndim_min=1, ndim=ndim, dtypes=(jnp.int32,))
+        B.check_array("runs.depths", self.depths, ndim_min=1, ndim=ndim, dtypes=(jnp.int32,))
+        if self.depths.shape != self.channels.shape:
+            raise ValueError(f"runs: channels/depths must both be [*batch, C], got {self.channels.shape}, "
+                             f"{self.depths.shape}")
+        check_run_list(self.channels, self.depths, head_dim)
+
+    def flat(self) -> RunList:
+        """The list over one group axis ``[R, C]`` (a free reshape)."""
+        r, c = B.prod(self.batch), self.channels.shape[-1]
+        return dataclasses.replace(self, channels=self.channels.reshape(r, c), depths=self.depths.reshape(r, c))
+
+    def slots(self) -> RunList:
+        """The run list of the staged buffer a gather wrote from this one: slot ``c`` reads slot ``c`` (the identity
+        channel list), at the same depths."""
+        iota = jnp.broadcast_to(jnp.arange(self.channels.shape[-1], dtype=jnp.int32), self.channels.shape)
+        return dataclasses.replace(self, channels=iota)
+
+
+jax.tree_util.register_dataclass(RunList, data_fields=["channels", "depths"], meta_fields=["sorted"])
+
+
+@dataclasses.dataclass(frozen=True)
+class StorePlanes:
+    """A channel-major plane store as a kernel reads it in place: ``planes u32 [*, D, 4, W]``, ``scales [*, D, NB]``
+    (the kernels take any batch shape); with ``layer`` (an int or traced scalar) layer ``layer`` of a stacked
+    ``[L, R, D, 4, W]`` / ``[L, R, D, NB]`` store, whose groups ``group_start ..`` (static) are read: work split over
+    groups never slices the store, which may be a ``pinned_host`` array no XLA op may touch. The staged buffer a
+    gather returns is one too: ``StorePlanes(planes [Rc, C, 4, W], scales [Rc, C, NB])``, read with
+    :meth:`RunList.slots`."""
+
+    planes: jax.Array  # u32 [*, D, 4, W]  or [L, R, D, 4, W] with a layer
+    scales: jax.Array  # f16 [*, D, NB]    or [L, R, D, NB]
+    layer: jax.Array | int | None = None
+    group_start: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.planes.shape[-3]
+
+    @property
+    def width(self) -> int:
+        return self.planes.shape[-1]
+
+    def check(self, request_batch: tuple, name: str) -> tuple:
+        """Dtypes and shapes of the store; returns the batch shape of the per-group operands that read it (those of
+        ``request_batch``: the whole store's batch, or a window of a stacked store's groups)."""
+        planes, scales, layer = self.planes, self.scales, self.layer
+        B.check_array("store.planes", planes, ndim_min=3, dtypes=(jnp.uint32,))
+        B.check_array("store.scales", scales, ndim_min=2, dtypes=(jnp.float16, jnp.float32))
+        lead = 1 if layer is not None else 0
+        if layer is not None and (planes.ndim != 5 or scales.ndim != 4):
+            raise ValueError(f"store planes/scales: with a layer index they must be [L, R, D, 4, W] / [L, R, D, NB], "
+                             f"got {planes.shape} / {scales.shape}")
+        *store_batch, d, four, w = planes.shape[lead:]
+        if four != N_PLANES:
+            raise ValueError(f"store.planes must be [*, D, 4, W], got {planes.shape}")
+        if w % 2:
+            raise ValueError(f"plane width W={w} must be even (capacity a multiple of 64)")
+        if scales.shape[lead:] != (*store_batch, d, w // 2) or scales.shape[:lead] != planes.shape[:lead]:
+            raise ValueError(f"store.scales must be {planes.shape[:lead] + (*store_batch, d, w // 2)}, got "
+                             f"{scales.shape}")
+        return B.request_groups(tuple(store_batch), request_batch, layer, self.group_start, name)
+
+    def stacked(self) -> StorePlanes:
+        """The store as the kernels index it: ``[L, R, ...]`` at ``layer i32 [1]`` (a plain store viewed as layer 0
+        of ``[1, prod(batch), ...]``, a free reshape; a stacked one untouched)."""
+        planes, layer = B.layered(self.planes, self.layer, 3, "store.planes")
+        scales, _ = B.layered(self.scales, self.layer, 2, "store.scales")
+        return StorePlanes(planes, scales, layer, self.group_start)
+
+    def read(self, groups: int) -> tuple[jax.Array, jax.Array]:
+        """``(planes, scales)`` of the groups a request over ``groups`` groups reads (plain jnp, for the references;
+        a plain store whole)."""
+        if self.layer is None:
+            return self.planes, self.scales
+        window = slice(self.group_start, self.group_start + groups)
+        return self.planes[self.layer][window], self.scales[self.layer][window]
+
+
+jax.tree_util.register_dataclass(StorePlanes, data_fields=["planes", "scales", "layer"], meta_fields=["group_start"])
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTiers:
+    """A stacked store in two tiers (:mod:`pallas_kernels.plane_layout`) at ``layer`` (an int or traced scalar), for
+    groups ``group_start ..`` (static). ``tier_write`` writes layers ``layer ..`` of every group and reads no
+    ``scales`` (None there is fine)."""
+
+    hot: jax.Array  # u32 [Nh, R, D, W]  planes i < p_l (device memory)
+    cold: jax.Array  # u32 [Nc, R, D, W]  planes i >= p_l (pinned_host on the GPU)
+    scales: jax.Array | None  # f16 [L, R, D, NB]
+    table: jax.Array  # i32 [L, 3]  tier_table(resident)
+    layer: jax.Array | int = 0
+    group_start: int = 0
+
+    def check(self, request_groups: int, name: str) -> None:
+        """Dtypes and shapes of the tiers and ``scales``; ``request_groups`` groups from ``group_start`` must lie in
+        the store."""
+        B.check_array("tiers.hot", self.hot, ndim=4, dtypes=(jnp.uint32,))
+        B.check_array("tiers.cold", self.cold, ndim=4, dtypes=(jnp.uint32,))
+        B.check_array("tiers.scales", self.scales, ndim=4, dtypes=(jnp.float16, jnp.float32))
+        B.check_array("tiers.table", self.table, ndim=2, dtypes=(jnp.int32,))
+        layers, groups, d, nb = self.scales.shape
+        if self.cold.shape[1:] != (groups, d, 2 * nb):
+            raise ValueError(f"tiers.cold must be [N, R, D, W] with R, D = {groups, d} and W = 2 NB = {2 * nb}, got "
+                             f"{self.cold.shape}")
+        if self.hot.shape[1:] != self.cold.shape[1:]:
+            raise ValueError(f"tiers.hot and tiers.cold must be [N, R, D, W] of one R, D, W, got {self.hot.shape} and "
+                             f"{self.cold.shape}")
+        if self.table.shape != (layers, 3):
+            raise ValueError(f"tiers.table must be [L, 3] = [{layers}, 3], got {self.table.shape}")
+        B.request_groups((groups,), (request_groups,), 0, self.group_start, name)
+
+    def layer_index(self) -> jax.Array:
+        """``layer`` as the kernels take it: ``i32 [1]``."""
+        return jnp.reshape(jnp.asarray(self.layer, jnp.int32), (1,))
+
+
+jax.tree_util.register_dataclass(LayerTiers, data_fields=["hot", "cold", "scales", "table", "layer"],
+                                 meta_fields=["group_start"])
