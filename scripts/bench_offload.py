@@ -49,14 +49,13 @@ import time
 import jax.numpy as jnp
 
 from fathom_jax import distributed
-from fathom_jax.rows.layout import RowLayout
 from fathom_jax.models import LlamaConfig
 from fathom_jax.placement import Placement, device_mesh
+from fathom_jax.rows.layout import RowLayout
 from scripts import harness
 from scripts.offload_measure import Run, attention_rows, full_rows, link_section, prefill_section
 from scripts.offload_report import merge
-from scripts.offload_setup import (METHODS, parse_ctx, parse_rows, parse_variants, random_model, rows_tag,
-                                   synthetic_calibration)
+from scripts.offload_setup import (METHODS, parse_ctx, parse_rows, parse_variants, random_model, rows_tag)
 
 QWEN3_8B = LlamaConfig(vocab=151936, hidden=4096, intermediate=12288, n_layers=36, n_heads=32, n_kv_heads=8,
                        head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True, max_position_embeddings=1 << 20,
@@ -281,10 +280,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     run = Run(args)
     run.res["notes"].append(args.placement.note or f"bulk cache arrays in {args.placement.memory_kind} memory")
-    cfg = args.config
-    calib, scale = synthetic_calibration(cfg)
     # Sections run in the order given, so a run cut short by its time budget keeps the ones that matter most.
-    model = None
     for section in args.sections:
         if section == "link":
             run.guard("link", link_section, run)
@@ -293,25 +289,25 @@ def main(argv=None):
                 for p in args.resident_planes:
                     placement = dataclasses.replace(args.placement, resident_planes=p)
                     for rows in args.rows:
-                        run.guard(f"attn {ctx} p{p}{rows_tag(rows)}", attention_rows, run, cfg, calib, scale, ctx,
+                        run.guard(f"attn {ctx} p{p}{rows_tag(rows)}", attention_rows, run, ctx,
                                   labels, placement=placement, rows=rows)
-        elif section in ("full", "batch", "prefill") and model is None:
-            model = run.guard("model", random_model, cfg, args.placement)
-        if section == "full" and model is not None:
+        elif section in ("full", "batch", "prefill") and run.model is None:
+            run.model = run.guard("model", random_model, args.config, args.placement)
+        if section == "full" and run.model is not None:
             for ctx in args.full_contexts:
                 for p in args.resident_planes:
                     placement = dataclasses.replace(args.placement, resident_planes=p)
                     for rows in args.rows:
-                        run.guard(f"full {ctx} p{p}{rows_tag(rows)}", full_rows, run, model, cfg, calib, scale, ctx,
+                        run.guard(f"full {ctx} p{p}{rows_tag(rows)}", full_rows, run, ctx,
                                   labels, profile="profile" in args.sections and ctx == max(args.full_contexts),
                                   placement=placement, rows=rows)
-        elif section == "batch" and model is not None:
+        elif section == "batch" and run.model is not None:
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             for b in (int(x) for x in args.batches.split(",")):
                 for p in args.resident_planes:
                     placement = dataclasses.replace(args.placement, resident_planes=p)
                     for rows in args.rows:
-                        run.guard(f"batch {b} p{p}{rows_tag(rows)}", full_rows, run, model, cfg, calib, scale, ctx,
+                        run.guard(f"batch {b} p{p}{rows_tag(rows)}", full_rows, run, ctx,
                                   labels[:1], batch=b, profile="profile" in args.sections and b == 8,
                                   placement=placement, rows=rows)
         elif section == "attnbatch":  # attention-only rows of larger batches (the row cache's and tiers' comparison)
@@ -320,19 +316,19 @@ def main(argv=None):
                 for p in args.resident_planes:
                     placement = dataclasses.replace(args.placement, resident_planes=p)
                     for rows in args.rows:
-                        run.guard(f"attn batch {b} p{p}{rows_tag(rows)}", attention_rows, run, cfg, calib, scale, ctx,
+                        run.guard(f"attn batch {b} p{p}{rows_tag(rows)}", attention_rows, run, ctx,
                                   labels[:1], batch=b, placement=placement, rows=rows)
         elif section == "control":
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
-            run.guard("control", attention_rows, run, cfg, calib, scale, ctx, labels[:1],
+            run.guard("control", attention_rows, run, ctx, labels[:1],
                       placement=Placement("device", mesh=mesh), tag="index and K/V in HBM")
         elif section == "dense":
             METHODS.setdefault("dense", "dense")
             for ctx in [c for c in sorted(args.contexts) if c <= 131072]:
-                run.guard(f"dense {ctx}", attention_rows, run, cfg, calib, scale, ctx, ["dense"], tag="dense offload")
-        elif section == "prefill" and model is not None:
+                run.guard(f"dense {ctx}", attention_rows, run, ctx, ["dense"], tag="dense offload")
+        elif section == "prefill" and run.model is not None:
             ctx = 131072 if 131072 in args.contexts else max(args.contexts)
-            run.guard("prefill", prefill_section, run, model, cfg, calib, ctx)
+            run.guard("prefill", prefill_section, run, ctx)
     run.save()
     print(f"done in {time.time() - run.t0:.0f} s; {len(run.res['errors'])} errors", flush=True)
 

@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from fathom_jax import decode, distributed
-from fathom_jax.rows.layout import RowLayout
 from fathom_jax.models import generation
 from fathom_jax.placement import attach_bulk, split_bulk
+from fathom_jax.rows.layout import RowLayout
 from scripts import harness
 from scripts.offload_report import write_report
-from scripts.offload_setup import (AUTHORS_MS, METHODS, build_cache, default_rows, drifting_queries, hook,
-                                   random_step_inputs, rows_tag, split_fields, variant_tag, with_row_cache,
-                                   without_row_cache)
+from scripts.offload_setup import (AUTHORS_MS, METHODS, build_cache, cache_shape, default_rows, drifting_queries,
+                                   hook, random_step_inputs, rows_tag, split_fields, synthetic_calibration,
+                                   variant_tag, with_row_cache, without_row_cache)
 
 
 class Run:
@@ -34,6 +34,9 @@ class Run:
 
     def __init__(self, args):
         self.args = args
+        self.cfg = args.config
+        self.calib, self.scale = synthetic_calibration(args.config)  # every row's synthetic statistics and keys
+        self.model = None  # the random-weight model, made by the first section that needs it
         self.t0 = time.time()
         self.path = os.path.join(args.out, f"offload_{args.tag}.json")
         self.res = {"machine": harness.machine(), "command": harness.command("scripts.bench_offload"),
@@ -160,24 +163,26 @@ def link_rate(run) -> float:
     return float(np.mean(rates)) if rates else float("nan")
 
 
-def _first_cache(run: Run, cfg, calib, scale, context, labels, batch, placement, rows):
+def _first_cache(run: Run, context, labels, batch, placement, rows):
     """``(placement, rows, shared, cache)``: the defaults filled in and the synthetic cache of the first method (the
     others' rows read it too), its K/V row buffer shared by every layer where ``rows`` says so."""
     args = run.args
     placement = placement or args.placement
     rows = rows or default_rows(args)
     shared = rows["share_kv_from"] is not None and batch * context >= rows["share_kv_from"]
-    first = hook(METHODS[labels[0]], cfg, calib, args.k, placement, args.implementation, batch=batch, context=context,
-                 rows=rows["format"])
-    return placement, rows, shared, build_cache(first, cfg, scale, context=context, batch=batch, shared_kv=shared)
+    first = hook(METHODS[labels[0]], run.calib, args.k, placement, args.implementation,
+                 shape=cache_shape(run.cfg, batch, context), rows=rows["format"])
+    return placement, rows, shared, build_cache(first, run.cfg, run.scale, context=context, batch=batch,
+                                                shared_kv=shared)
 
 
-def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, placement=None, tag="", rows=None):
+def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag="", rows=None):
     """Attention-only steps of several methods over one synthetic cache (all plane methods share it); ``rows``: a
     ``--rows`` entry (the K/V row format and its ``--share-kv-from``; default the model dtype)."""
     args = run.args
     t = time.time()
-    placement, rows, shared, cache = _first_cache(run, cfg, calib, scale, context, labels, batch, placement, rows)
+    cfg, calib = run.cfg, run.calib
+    placement, rows, shared, cache = _first_cache(run, context, labels, batch, placement, rows)
     fill_s = time.time() - t
     q, key, value = random_step_inputs(cfg, batch)
     # Every row starts from the same `context` tokens: the small leaves (lengths, raw tails) are put back before
@@ -191,8 +196,8 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
         if run.left() < 30:
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
             break
-        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant, batch=batch,
-                    context=context, rows=rows["format"])
+        attn = hook(METHODS[label], calib, args.k, placement, args.implementation, variant,
+                    shape=cache_shape(cfg, batch, context), rows=rows["format"])
         split = split_fields(attn)
         cache = with_row_cache(attach_bulk(jax.tree.map(jnp.copy, start), without_row_cache(cache), bulk), attn)
         steps = itertools.count()
@@ -240,17 +245,17 @@ def attention_rows(run: Run, cfg, calib, scale, context, labels, *, batch=1, pla
     return cache
 
 
-def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, profile=False, placement=None,
-              rows=None):
+def full_rows(run: Run, context, labels, *, batch=1, profile=False, placement=None, rows=None):
     """Full decode steps of several methods over one synthetic cache; ``rows`` as :func:`attention_rows`."""
     args = run.args
-    placement, rows, shared, cache = _first_cache(run, cfg, calib, scale, context, labels, batch, placement, rows)
+    model, cfg, calib = run.model, run.cfg, run.calib
+    placement, rows, shared, cache = _first_cache(run, context, labels, batch, placement, rows)
     bulk = cache.bulk()
     start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])  # every row from `context` tokens (see attention_rows)
     tokens = jnp.zeros((batch,), jnp.int32)
     for label, variant in ((m, v) for m in labels for v in args.variants):
-        attn = hook(METHODS[label], cfg, calib, args.k, placement, args.implementation, variant, batch=batch,
-                    context=context, rows=rows["format"])
+        attn = hook(METHODS[label], calib, args.k, placement, args.implementation, variant,
+                    shape=cache_shape(cfg, batch, context), rows=rows["format"])
         split = split_fields(attn)
         cache = with_row_cache(attach_bulk(jax.tree.map(jnp.copy, start), without_row_cache(cache), bulk), attn)
 
@@ -285,9 +290,10 @@ def full_rows(run: Run, model, cfg, calib, scale, context, labels, *, batch=1, p
     return cache
 
 
-def prefill_section(run: Run, model, cfg, calib, context):
+def prefill_section(run: Run, context):
     args = run.args
-    attn = hook("fathom:48", cfg, calib, args.k, args.placement, args.implementation, {"read": args.read})
+    model, cfg = run.model, run.cfg
+    attn = hook("fathom:48", run.calib, args.k, args.placement, args.implementation, {"read": args.read})
     prompt = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab, (1, context)), jnp.int32)
     lengths = jnp.full((1,), context, jnp.int32)
     times = []

@@ -18,9 +18,9 @@ from flax import nnx
 
 from fathom_jax import calibrate, decode, methods
 from fathom_jax.decode import StepConfig
-from fathom_jax.rows.layout import row_format
 from fathom_jax.models import LlamaForCausalLM
 from fathom_jax.models.attention import CacheShape
+from fathom_jax.rows.layout import row_format
 from pallas_kernels.topk import TopkConfig
 
 LOGVAR_STD = 1.25
@@ -75,8 +75,8 @@ def topk_name(config: TopkConfig | None) -> str:
     return "single" if config == SINGLE_TOPK else f"b{config.bucket_splits}t{config.token_splits}"
 
 
-def hook(spec, cfg, calib, k, placement, implementation, variant=None, *, batch=1, context=None, rows=None):
-    """The hook of a method spec, bound to a cache of ``batch`` sequences of ``context`` (+ 64) tokens; ``variant``:
+def hook(spec, calib, k, placement, implementation, variant=None, *, shape: CacheShape | None = None, rows=None):
+    """The hook of a method spec, bound to a cache of ``shape`` (:func:`cache_shape`; None: unbound); ``variant``:
     StepConfig fields (``topk`` a ``--topk`` entry), on top of ``--read``'s; ``rows``: the K/V row format (None: the
     model dtype; a ``--rows`` entry's ``format``)."""
     method = methods.parse(spec)
@@ -86,7 +86,7 @@ def hook(spec, cfg, calib, k, placement, implementation, variant=None, *, batch=
     attn = decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
                                   placement=placement, implementation=implementation, step=StepConfig(**variant),
                                   rows=rows)
-    return attn if context is None else attn.bind(cache_shape(cfg, batch, context))
+    return attn if shape is None else attn.bind(shape)
 
 
 def cache_shape(cfg, batch: int, context: int) -> CacheShape:

@@ -27,15 +27,14 @@ import json
 import os
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fathom_jax import calibrate as cal
 from fathom_jax.eval import fidelity as fid
 from fathom_jax.eval import texts
-from fathom_jax.placement.plane_reads import plane_reads
 from fathom_jax.methods import Fathom
+from fathom_jax.placement.plane_reads import plane_reads
 from scripts import harness
 
 PAPER_BUDGETS = (32, 48, 64)  # Fathom budgets named at D = 128

@@ -13,8 +13,8 @@ import argparse
 import shlex
 import sys
 
-from fathom_jax.cli.args import UsageError
 from fathom_jax.cli import row_formats_command
+from fathom_jax.cli.args import UsageError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,12 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fathom_jax import decode
-from fathom_jax.rows.layout import row_format
 from fathom_jax.eval import texts
 from fathom_jax.format import BLOCK_TOKENS, WORD_BITS
 from fathom_jax.index import build_index
 from fathom_jax.index.parts import Planes
 from fathom_jax.models import generation, load_smollm2
+from fathom_jax.rows.layout import row_format
 from scripts import harness
 
 

@@ -64,9 +64,8 @@ def abstract_step(cfg, placement: Placement, *, context: int, batch: int, method
     _, state = nnx.split(model)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
     calib, _ = offload_setup.synthetic_calibration(cfg)
-    attn = offload_setup.hook(offload_setup.METHODS[method], cfg, calib, k, placement, "xla", batch=batch,
-                              context=context)
     shape = offload_setup.cache_shape(cfg, batch, context)
+    attn = offload_setup.hook(offload_setup.METHODS[method], calib, k, placement, "xla", shape=shape)
     cache = jax.eval_shape(lambda: attn.init_cache(shape))
     cache = _structs(cache, lambda c: placement.shardings(c, c.bulk()))
     run = generation.decode_step_program(model, cache, attn)

@@ -184,7 +184,7 @@ def test_rows_formats_run_side_by_side_on_cpu(tmp_path, monkeypatch):
     from fathom_jax.placement import Placement
 
     calib, _ = offload_setup.synthetic_calibration(cfg)
-    attn = offload_setup.hook("fathom:48", cfg, calib, 64, Placement("pinned_host"), "xla", rows="k8v8")
+    attn = offload_setup.hook("fathom:48", calib, 64, Placement("pinned_host"), "xla", rows="k8v8")
     shared = attn.init_cache(offload_setup.cache_shape(cfg, 1, 128), shared_kv=True)
     fields = offload_measure.host_fields(shared, Placement("pinned_host"))
     assert fields["host_bytes_per_token"] == pytest.approx(k8v8 / cfg.n_layers + index)

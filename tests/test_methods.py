@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fathom_jax import calibrate as C
-from fathom_jax.index import parts as P
 from fathom_jax import methods as M
 from fathom_jax import scan as SC
+from fathom_jax.index import parts as P
 from tests.support import build_index_jit as build
 from tests.support import random_setting, top_set
 

@@ -7,8 +7,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from fathom_jax import decode
-from fathom_jax.models import LlamaForCausalLM, generate
 from fathom_jax.decode import StepConfig
+from fathom_jax.models import LlamaForCausalLM, generate
 from fathom_jax.models import generation
 from fathom_jax.placement import Placement, device_mesh
 

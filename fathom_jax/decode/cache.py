@@ -18,10 +18,10 @@ from jaxtyping import Array, Float, Int
 
 from fathom_jax.calibrate import Calibration
 from fathom_jax.decode.row_cache import RowCache, RowFill, empty_row_cache
-from fathom_jax.rows.layout import RowLayout
 from fathom_jax.format import round_capacity
 from fathom_jax.index import KeyIndex, check_parts
 from fathom_jax.models.attention import CacheShape
+from fathom_jax.rows.layout import RowLayout
 
 
 @jax.tree_util.register_dataclass

@@ -24,7 +24,6 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from fathom_jax.placement import host_memory
 from fathom_jax import methods as methods_lib
 from fathom_jax import store as store_lib
 from fathom_jax.calibrate import SKIP_TOKENS, Calibration, calibrate_session
@@ -33,7 +32,6 @@ from fathom_jax.decode import writes as writes_lib
 from fathom_jax.decode.cache import LayerUpdate, SparseCache, allocate, bulk_allocations
 from fathom_jax.decode.cache_program import cache_program
 from fathom_jax.decode.config import ResolvedStep, StepConfig
-from fathom_jax.rows.layout import RowLayout, row_format
 from fathom_jax.decode.step import CacheView, NewToken, StepContext, sparse_attention_step
 from fathom_jax.format import round_capacity
 from fathom_jax.index import KeyIndex, build_index
@@ -42,7 +40,9 @@ from fathom_jax.methods.base import ScanMethod
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.models.prompt_attention import PREFILL_MLP_CHUNK, prefill_attention
 from fathom_jax.placement import Placement
+from fathom_jax.placement import host_memory
 from fathom_jax.rows.formats import RowFormat
+from fathom_jax.rows.layout import RowLayout, row_format
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
 from pallas_kernels import backend
 

@@ -42,9 +42,9 @@ from fathom_jax import store as store_lib
 from fathom_jax.calibrate import Calibration
 from fathom_jax.decode.config import ResolvedStep
 from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
-from fathom_jax.rows.layout import RowLayout
 from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, ScanMethod
+from fathom_jax.rows.layout import RowLayout
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk
 
 

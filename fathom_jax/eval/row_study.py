@@ -31,10 +31,10 @@ import numpy as np
 from fathom_jax import calibrate as cal
 from fathom_jax import format as fmt
 from fathom_jax import methods as methods_lib
-from fathom_jax.rows import formats as row_formats
 from fathom_jax.eval import fidelity as fid
 from fathom_jax.eval import fidelity_run as fid_run
 from fathom_jax.eval import study
+from fathom_jax.rows import formats as row_formats
 
 F32 = "f32"  # the captured rows themselves (the study's numbers)
 OPEN = fmt.BLOCK_TOKENS  # every format's blocks divide it: the rows that differ at a position lie in its 64-block

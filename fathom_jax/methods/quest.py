@@ -9,9 +9,9 @@ import jax.numpy as jnp
 
 from fathom_jax import format as fmt
 from fathom_jax.format import QUEST_PAGE_TOKENS
+from fathom_jax.index.page_bounds import check_page
 from fathom_jax.index.parts import PageBounds
 from fathom_jax.methods.base import BlockRead, ScanMethod, parse_int
-from fathom_jax.index.page_bounds import check_page
 
 
 @dataclasses.dataclass(frozen=True)

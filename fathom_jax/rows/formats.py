@@ -39,9 +39,9 @@ import numpy as np
 from jaxtyping import Array, Float, Float16, Int
 
 from fathom_jax import format as fmt
-from fathom_jax.rows import quant as rq
 from fathom_jax import store as plane_store
 from fathom_jax.checks import fail_if, is_traced
+from fathom_jax.rows import quant as rq
 from fathom_jax.rows.quant import BF16, SCALE_BYTES, Codec
 
 # Inputs of quantized sides must be finite fp16 numbers: min, absmax and (max - min) / qmax then fit an fp16 scale.

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from fathom_jax.format import BLOCK_TOKENS, N_PLANES
-from fathom_jax.store.quantizer import check_depth, check_depth_shape, dequantize_codes, unpack_planes, unpack_planes_channels
 from fathom_jax.store.layout import PlaneStore, UnpackedStore
+from fathom_jax.store.quantizer import check_depth, check_depth_shape, dequantize_codes, unpack_planes, unpack_planes_channels
 
 
 def _depths(name: str, store: PlaneStore | UnpackedStore, depth) -> Int[Array, "*B D"]:

@@ -12,8 +12,8 @@ from fathom_jax import calibrate as C
 from fathom_jax import decode
 from fathom_jax import methods as M
 from fathom_jax import store
-from fathom_jax.index import build_index
 from fathom_jax.decode import StepConfig
+from fathom_jax.index import build_index
 from fathom_jax.models import DenseCache, capture_qkv, generate, softmax_attention
 from fathom_jax.models import generation
 from fathom_jax.models.attention import CacheShape

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from fathom_jax import decode, methods
-from fathom_jax.models.attention import CacheShape
 from fathom_jax.decode import StepConfig
 from fathom_jax.decode.row_cache import RowCache, RowFill, commit_rows, empty_row_cache, row_lookup, row_writes
+from fathom_jax.models.attention import CacheShape
 
 GROUPS, SLOTS, WIDTH, SELECTED = 3, 16, 4, 12
 

@@ -10,12 +10,12 @@ import pytest
 
 from fathom_jax import calibrate as C
 from fathom_jax import index as I
-from fathom_jax.index import parts as P
-from fathom_jax.index import landmarks
 from fathom_jax import methods as M
-from fathom_jax.index import page_bounds
 from fathom_jax import store as S
 from fathom_jax.decode import CacheView, NewToken, RowLayout, StepConfig, StepContext, sparse_attention_step
+from fathom_jax.index import landmarks
+from fathom_jax.index import page_bounds
+from fathom_jax.index import parts as P
 from fathom_jax.index.parts import LandmarkBlock, PageBlock, PlaneBlock
 from fathom_jax.placement import Placement
 from fathom_jax.scan import scan_scores

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from fathom_jax import calibrate as cal
-from fathom_jax.eval import fidelity as fid
 from fathom_jax import methods as M
+from fathom_jax.eval import fidelity as fid
 
 
 def make_capture(random_keys, rng, layers=2, heads=4, kv=2, tokens=160, d=16):

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from fathom_jax import methods
-from fathom_jax.rows import formats as row_formats
 from fathom_jax.eval import fidelity as fid
 from fathom_jax.eval import fidelity_run
 from fathom_jax.eval import row_report, row_study
+from fathom_jax.rows import formats as row_formats
 from fathom_jax.select import attend_rows, dense_attention, gather_rows
 
 T, D = 128, 16

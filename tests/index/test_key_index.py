@@ -7,8 +7,8 @@ import pytest
 
 from fathom_jax import calibrate as C
 from fathom_jax import index as I
-from fathom_jax.index import parts as P
 from fathom_jax import methods as M
+from fathom_jax.index import parts as P
 from tests.support import assert_trees_bitwise_equal
 from tests.support import build_index_jit as build
 

@@ -9,10 +9,10 @@ import pytest
 from flax import nnx
 
 from fathom_jax import decode
-from fathom_jax.cli import args as cli_args
-from fathom_jax.models import sizing
 from fathom_jax.checks import CheckError
+from fathom_jax.cli import args as cli_args
 from fathom_jax.models import generate, generation, guards
+from fathom_jax.models import sizing
 from fathom_jax.models.llama import LlamaForCausalLM
 
 PROMPT = np.arange(1, 13, dtype=np.int32)  # 12 tokens of the tiny model's 97

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from fathom_jax.models.config import LlamaConfig
 from fathom_jax.models import LlamaForCausalLM, generate
+from fathom_jax.models.config import LlamaConfig
 from fathom_jax.models.loading import (
     MissingTensorError,
     config_from_gguf,

@@ -8,9 +8,9 @@ import pytest
 
 from kernel_test_base import HAS_GPU, Impl, KernelTestBase, assert_equal, assert_ran, host
 from oracles import tier_write as np_tier_write
+from pallas_kernels import tier_write as TW
 from pallas_kernels.operands import LayerTiers
 from pallas_kernels.plane_layout import tier_table
-from pallas_kernels import tier_write as TW
 from tests.support import lower_triton_text
 
 D, W = 12, 20

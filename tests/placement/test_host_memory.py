@@ -3,10 +3,10 @@
 import pytest
 
 from fathom_jax import decode
-from fathom_jax.placement import host_memory
-from fathom_jax.placement.host_memory import GiB, regions, smallest_limit_gib
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.placement import Placement
+from fathom_jax.placement import host_memory
+from fathom_jax.placement.host_memory import GiB, regions, smallest_limit_gib
 
 # A 1M-token cache with Qwen3-8B shapes (36 layers, 8 KV heads, D = 128), every layer's own K/V, one GPU.
 K = V = 72 * GiB

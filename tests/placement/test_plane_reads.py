@@ -5,8 +5,8 @@ import pytest
 
 from fathom_jax import calibrate
 from fathom_jax import planner as planner_lib
-from fathom_jax.placement.plane_reads import PlaneReads, plane_read_counts, plane_reads
 from fathom_jax.methods import Fathom, FathomKLT, SparQ
+from fathom_jax.placement.plane_reads import PlaneReads, plane_read_counts, plane_reads
 
 
 def stats(variance) -> calibrate.Calibration:

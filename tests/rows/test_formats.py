@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fathom_jax.rows import formats as rf
 from fathom_jax import store as S
+from fathom_jax.rows import formats as rf
 
 # One of each kind: bf16 rows, mixed bf16/int sides, per-token absmax and min/max (whole row and groups),
 # per-(channel, block) K at 64 and 16 tokens, 4-bit both sides, the store's codes.

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from fathom_jax import decode
-from fathom_jax.rows import formats as row_formats
 from fathom_jax.decode import RowLayout, StepConfig
 from fathom_jax.index import build_index
 from fathom_jax.index.parts import KEYS
 from fathom_jax.models import KVCache
 from fathom_jax.models.attention import CacheShape
+from fathom_jax.rows import formats as row_formats
 from fathom_jax.scan import scan_scores
 from fathom_jax.select import attend, select_topk, sparse_attention
 from tests.decode.test_hook import LONG, ON_GPU, STEPS, _corpus_calib, full_f32_matmuls, sparse_forced  # noqa: F401
