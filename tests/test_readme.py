@@ -34,9 +34,22 @@ def test_two_setup_commands_and_ci_runs_the_test_one():
     main_job, tests = quick_start()
     assert main_job.startswith("bash scripts/setup_env.sh && .venv/bin/fathom sweep")
     assert "--with-oracle" not in main_job, "the main job must not build the torch oracle venv"
-    assert tests.startswith("bash scripts/setup_env.sh --with-oracle && ") and tests.endswith(" -n 2 --dist loadfile")
+    assert tests.startswith("bash scripts/setup_env.sh --with-oracle && ")
+    assert tests.endswith(" -n 2 --dist loadfile --durations=15"), "the slowest tests show in every run"
     ci = commands((REPO / ".ci" / "run").read_text().split("\n", 1)[1])
     assert ci[-1] == tests, "the CI script must run exactly the README's test command"
+
+
+def test_readme_speaks_to_a_stranger():
+    """No paths of the machine that wrote it, no commit ids in the quick start's timings, and the design notes speak
+    of this repository only."""
+    import re
+
+    assert "/root/" not in README and ".pyenv" not in README
+    quick = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert not re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7}\b", quick), "a commit id in the quick start"
+    design = (REPO / "DESIGN.md").read_text()
+    assert "steering" not in design and "shared/" not in design
 
 
 def test_repository_is_self_contained():
