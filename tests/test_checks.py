@@ -72,3 +72,43 @@ def test_checkify_mode_under_vmap_reports_the_failing_element():
 def test_checked_without_jit_raises_eagerly():
     with pytest.raises(checks.CheckError, match="x must be positive"):
         checks.checked(_positive)(np.array([0.0]))
+
+
+def test_hot_checks_fall_back_to_the_readmes_defaults_under_a_plain_jit():
+    """The README's table, row by row: under a plain jit each hot check is off and its documented default applies;
+    checks.checked turns the check on with the eager message."""
+    from fathom_jax import calibrate, planner, select, store
+
+    rng = np.random.default_rng(0)
+    keys = jnp.asarray(rng.standard_normal((70, 4)), jnp.float32)
+    st = store.build_store(keys)
+    depth = jnp.array([4, 7, 2, 0], jnp.int32)
+    values = np.asarray(jax.jit(store.dequantize)(st, depth))[:70]
+    assert np.isnan(values[:, 1]).all() and np.isfinite(np.delete(values, 1, axis=1)).all()
+    with pytest.raises(checks.CheckError, match="depth"):
+        checks.checked(jax.jit(store.dequantize))(st, depth)
+
+    g = jnp.array([[3.0, jnp.nan, 2.0, -1.0]])
+    plan = jax.jit(lambda g: planner.plan(g, 8, implementation="xla"))(g)
+    assert int(plan.depths[0, 1]) == 0 and int(plan.depths[0, 3]) == 0
+    with pytest.raises(checks.CheckError, match="importance must be finite and non-negative"):
+        checks.checked(jax.jit(lambda g: planner.plan(g, 8, implementation="xla")))(g)
+
+    scores = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    topk = jax.jit(lambda length: select.select_topk(scores, length, 40, sink=2, local=4, implementation="xla"))
+    for got, want in zip(topk(jnp.int32(99)), topk(jnp.int32(64))):
+        np.testing.assert_array_equal(got, want)  # a length past n is clipped to n
+    with pytest.raises(checks.CheckError, match="length must lie in"):
+        checks.checked(topk)(jnp.int32(99))
+
+    q = jnp.ones((1, 4), jnp.float32)
+    indices, mask = jnp.array([[0, 99]], jnp.int32), jnp.array([[True, True]])
+    attend = jax.jit(lambda i: select.sparse_attention(q, keys, keys, i, mask))
+    assert np.isnan(np.asarray(attend(indices))).all()  # the row past the keys reads NaN
+    with pytest.raises(checks.CheckError, match="indices must lie in"):
+        checks.checked(attend)(indices)
+
+    session = jax.jit(lambda length: calibrate.calibrate_session(keys[None], length=length))
+    session(jnp.array([99], jnp.int32))  # taken as given: no error, no host callback
+    with pytest.raises(checks.CheckError, match="length must lie in"):
+        checks.checked(session)(jnp.array([99], jnp.int32))
