@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -146,7 +145,8 @@ def _sweep(args: argparse.Namespace) -> int:
         model_name = model_title(args.model)
         for context, cfg in zip(args.context, configs):
             prefix = sweep_prefix(args, context)
-            if args.resume and resume.finished(prefix + ".json", dataclasses.asdict(cfg)):
+            # compared as the study records it: budgets left to the defaults resolved at the model's head_dim
+            if args.resume and resume.finished(prefix + ".json", cfg.recorded(config.head_dim)):
                 done.append(prefix + ".json")
                 print(f"[sweep] --resume: {prefix}.json holds this context's study already; skipped", flush=True)
                 continue
