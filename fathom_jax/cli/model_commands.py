@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -58,8 +57,8 @@ def register(subparsers) -> None:
     p.add_argument("prompt", nargs="?", default=None, help="the text to continue (or --prompt-file)")
     p.add_argument("--prompt-file", default=None, help="read the prompt from this file instead")
     p.add_argument("--max-new-tokens", type=positive_int(1), default=32, help="tokens to generate")
-    p.add_argument("--method", type=method_spec, default="dense",
-                   help="dense, or a scan: " + methods.spec_help(", "))
+    p.add_argument("--method", type=_generate_method, default="dense",
+                   help="dense, or a scan: " + _generate_specs(methods))
     p.add_argument("--k", type=K_TYPE, default=128,
                    help="tokens attended per query head (4 sink + 32 local + top-scoring rest)")
     p.add_argument("--calibration", choices=["session", "corpus"], default="session",
@@ -146,7 +145,8 @@ def _sweep(args: argparse.Namespace) -> int:
         model_name = model_title(args.model)
         for context, cfg in zip(args.context, configs):
             prefix = sweep_prefix(args, context)
-            if args.resume and resume.finished(prefix + ".json", dataclasses.asdict(cfg)):
+            # compared as the study records it: budgets left to the defaults resolved at the model's head_dim
+            if args.resume and resume.finished(prefix + ".json", cfg.recorded(config.head_dim)):
                 done.append(prefix + ".json")
                 print(f"[sweep] --resume: {prefix}.json holds this context's study already; skipped", flush=True)
                 continue
@@ -216,6 +216,33 @@ def _generate_mesh(devices: int, config):
         raise UsageError(f"argument --mesh: the model's {config.n_kv_heads} KV heads do not split evenly over "
                          f"{devices} devices (one sequence: use a divisor of {config.n_kv_heads})")
     return mesh
+
+
+NEEDS_TUNED_CALIBRATION = ("fathom_tuned",)  # reads budgets tuned per (layer, KV head): generate has none to load
+
+
+def _generate_method(text: str):
+    """``--method`` of generate: :func:`method_spec`, less what needs a tuned calibration, which generate's session
+    or corpus statistics are not (``fathom_tuned``: tuned budgets; ``:observed``: the keys' plane errors)."""
+    method = method_spec(text)
+    if method == "dense":
+        return method
+    if method.name in NEEDS_TUNED_CALIBRATION:
+        raise argparse.ArgumentTypeError(
+            f"{method.spec} reads per-(layer, KV head) budgets from a tuned calibration, which generate cannot load "
+            "(fathom tune makes one; fathom sweep measures tuned budgets); here use a flat budget in bits as read, "
+            "e.g. fathom_bits:55")
+    if getattr(method, "importance", None) == "observed":
+        raise argparse.ArgumentTypeError(
+            f"{method.spec}: the observed error model needs the calibration keys' plane errors, which generate's "
+            f"statistics do not hold; drop ':observed' ({method.spec.replace(':observed', '')})")
+    return method
+
+
+def _generate_specs(methods) -> str:
+    """The spec forms generate accepts (:func:`_generate_method`), for its --help."""
+    return ", ".join(cls.spec_syntax.replace("[:observed]", "") for name, cls in methods.REGISTRY.items()
+                     if name not in NEEDS_TUNED_CALIBRATION)
 
 
 def _step_config(text: str):

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import time
 
-from fathom_jax.cli.args import Distinct, UsageError, check_out_dir, model_slug, model_title, positive_int, run_metadata
+from fathom_jax.cli.args import (K_TYPE, MIN_K, Distinct, UsageError, add_model_arguments, check_memory, check_out_dir,
+                                 check_positions, model_slug, model_title, peak_bytes, positive_int, run_metadata)
 from fathom_jax.eval import downstream as ds
 from fathom_jax.eval import resume
 from fathom_jax.eval import ruler as ruler_lib
@@ -66,8 +68,8 @@ def register(subparsers) -> None:
     p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096], action=Distinct,
                    help=f"tokens of cache: prompt + {sweeps.RESERVED} (a multiple of 64, at most the model's positions: "
                         f"{SMOLLM2_POSITIONS} for SmolLM2)")
-    p.add_argument("--k", type=positive_int(1), nargs="+", default=[64, 128], action=Distinct,
-                   help="selection sizes, tokens per query head (the same for every method)")
+    p.add_argument("--k", type=K_TYPE, nargs="+", default=[64, 128], action=Distinct,
+                   help=f"selection sizes, tokens per query head (the same for every method; at least {MIN_K})")
     p.add_argument("--tasks", nargs="+", default=list(ruler_lib.TASKS), action=Distinct,
                    help=f"tasks: {', '.join(ruler_lib.TASKS)}")
     p.add_argument("--per-task", type=positive_int(1), default=8, help="samples per task and context")
@@ -88,7 +90,7 @@ def register(subparsers) -> None:
     p.add_argument("--sessions", type=positive_int(2, " (a standard error needs two)"), default=40,
                    help="code sessions")
     p.add_argument("--k-fraction", type=float, nargs="+", default=[0.02, 0.005], action=Distinct,
-                   help="selection sizes as fractions of the context")
+                   help=f"selection sizes as fractions of the context (k = fraction x context: at least {MIN_K})")
     p.add_argument("--steps", type=positive_int(1), default=64, help="tokens each method decodes")
     p.add_argument("--methods", nargs="+", default=None, help=method_help + "; default: as for fathom ruler")
     p.add_argument("--baseline", default=None,
@@ -98,19 +100,36 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "tune", help="per-(layer, KV head) budgets tuned with optax on the calibration text, saved with orbax",
-        description="Captures --context tokens of the pydoc prose, measures each (layer, KV head)'s attention error "
-                    "of fathom_bits:B:observed at a grid of budgets, tunes budgets at each --mean with optax and saves "
-                    "each as an orbax calibration (fathom_tuned:observed reads it; load_calibration loads it).")
-    p.add_argument("--context", type=positive_int(512), default=4096, help="tokens of calibration text captured")
+        description="Captures --context tokens of the pydoc prose on SmolLM2-135M-Instruct (or --model), measures each "
+                    "(layer, KV head)'s attention error of fathom_bits:B:observed at a grid of budgets (the study's, "
+                    "scaled to the model's head_dim), tunes budgets at each --mean with optax and saves each as an "
+                    "orbax calibration (fathom_tuned:observed reads it; load_calibration loads it).")
+    p.add_argument("--context", type=positive_int(512), default=4096,
+                   help="tokens of calibration text captured (at most the model's positions)")
     p.add_argument("--mean", type=positive_int(9), nargs="+", default=[37, 55],
-                   help="mean budgets over the model, bits per token as read (code + scale)")
+                   help="mean budgets over the model, bits per token as read (code + scale), within the tuning grid: "
+                        f"{tuning_grid_text()} at D = 64")
     p.add_argument("--positions", type=positive_int(1), default=128,
                    help="positions of the capture measured, spread over its second half")
     p.add_argument("--k", type=positive_int(36), default=128, help="selection size the error is measured at")
-    p.add_argument("--out", default="calibrations", help="folder for tuned_smollm2_<context>_mean<M> checkpoints")
+    p.add_argument("--out", default="calibrations", help="folder for tuned_<model>_<context>_mean<M> checkpoints")
     p.add_argument("--force", action="store_true", help="overwrite existing checkpoints")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_model_arguments(p)
     p.set_defaults(func=run_tune_command)
+
+
+def tuning_grid(head_dim: int) -> tuple[int, ...]:
+    """The budgets ``fathom tune`` measures at ``head_dim``: the study's tuning grid scaled to it."""
+    from fathom_jax.eval import tuning
+    from fathom_jax.methods import fathom_budgets
+
+    return fathom_budgets(head_dim, tuning.GRID_AT_128)
+
+
+def tuning_grid_text(head_dim: int = 64) -> str:
+    grid = tuning_grid(head_dim)
+    return f"({grid[0]}, {grid[-1]}] bits"
 
 
 def _common(p) -> None:
@@ -171,6 +190,13 @@ def agreement_configs(args: argparse.Namespace) -> list[sweeps.AgreementConfig]:
     model_config = _model_config(args)
     d = model_config.head_dim
     baseline = args.baseline or at_head_dim("sparq:D/4", d)
+    for c in args.context:  # k = 4 at 0.001 of 4096 tokens ran (an ETA of 2 h) before this check
+        for f in args.k_fraction:
+            k = max(1, round(f * c))
+            if 0 < f <= 1 and k < MIN_K:
+                raise UsageError(f"argument --k-fraction: {f:g} of --context {c} is k = {k} tokens per query head, "
+                                 f"fewer than {MIN_K} (every query head keeps 4 sink + 32 local tokens); use a "
+                                 f"fraction of at least {math.ceil(MIN_K / c * 1e4) / 1e4:g} at this context")
     configs = [sweeps.AgreementConfig(context=c, sessions=args.sessions, k_fractions=tuple(args.k_fraction),
                                       steps=args.steps, methods=_methods(args, d), baseline=baseline,
                                       batch=args.batch, calibration=args.calibration,
@@ -235,25 +261,35 @@ def run_tune_command(args: argparse.Namespace) -> int:
     from fathom_jax import calibrate as cal
     from fathom_jax.eval import texts, tuning
     from fathom_jax.eval.fidelity import Capture
-    from fathom_jax.models import capture_qkv, load_smollm2
+    from fathom_jax.models import capture_qkv, hub
+    from fathom_jax.models.tokenizer import encode_prompt
 
-    grid_top = tuning.GRID[-1]
-    bad = [m for m in args.mean if not tuning.GRID[0] < m <= grid_top]
+    model_config = hub.model_config(args.model)  # its metadata: every argument is checked before the model loads
+    grid = tuning_grid(model_config.head_dim)
+    bad = [m for m in args.mean if not grid[0] < m <= grid[-1]]
     if bad:
-        raise UsageError(f"argument --mean: {bad} outside ({tuning.GRID[0]}, {grid_top}] bits (the tuning grid)")
+        raise UsageError(f"argument --mean: {bad} outside ({grid[0]}, {grid[-1]}] bits (the tuning grid at the "
+                         f"model's head_dim {model_config.head_dim})")
     if args.positions > args.context // 2 or args.k > args.context:
         raise UsageError(f"argument --positions/--k: {args.positions} positions and k = {args.k} do not fit "
                          f"--context {args.context}")
+    check_positions(args.context, model_config, args.allow_long_context, f"--context {args.context} asks for")
+    check_memory(peak_bytes(model_config, args.context, capture_texts=1), f"tune --context {args.context}",
+                 args.no_memory_check)
     check_out_dir(args.out)
+    tokenizer = hub.load_tokenizer(args.model)
+    all_ids = encode_prompt(tokenizer, texts.calibration_text()[0])
+    if len(all_ids) < args.context:
+        raise UsageError(f"argument --context: the calibration text has {len(all_ids)} tokens with this model's "
+                         f"tokenizer, fewer than --context {args.context}")
     t0 = time.time()
-    model, tokenizer, _ = load_smollm2()
-    text, _ = texts.calibration_text()
-    ids = texts.token_window(tokenizer.encode(text), args.context, name="calibration text")
+    model, _, _ = hub.load_model(args.model)
+    ids = texts.token_window(all_ids, args.context, name="calibration text")
     capture = Capture(**capture_qkv(model, jnp.asarray(ids)))
-    tuned, tables = tuning.tune_calibration(capture, args.mean, k=args.k, positions=args.positions,
+    tuned, tables = tuning.tune_calibration(capture, args.mean, grid=grid, k=args.k, positions=args.positions,
                                             progress=not args.quiet)
     for mean, calib in tuned.items():
-        path = os.path.join(args.out, f"tuned_smollm2_{_label(args.context)}_mean{mean}")
+        path = os.path.join(args.out, f"tuned_{model_slug(args.model)}_{_label(args.context)}_mean{mean}")
         cal.save_calibration(path, calib, force=args.force)
         b = np.asarray(calib.budget)
         print(f"[tune] mean {mean}: budgets {b.min():g}-{b.max():g} bits per (layer, KV head) -> {path}")

@@ -106,6 +106,11 @@ class StudyConfig:
             name: fathom_budgets(head_dim, at_128) for name, at_128 in _BUDGET_FIELDS.items()
             if getattr(self, name) is None})
 
+    def recorded(self, head_dim: int) -> dict:
+        """What a results file records of this config (``meta.config``): every budget resolved at ``head_dim``, so
+        that a fresh config (budgets still None) and the one a finished study ran compare equal (``--resume``)."""
+        return dataclasses.asdict(self.at_head_dim(head_dim))
+
 
 def captured_layers(model_config) -> tuple[int, ...]:
     """The model layers whose q/k/v ``capture_qkv`` returns, in order: Gemma 3's global layers (the only ones that
@@ -368,7 +373,7 @@ def run_study(
             "context": n_tokens,
             "ks": list(ks),
             "positions": config.positions,
-            "config": dataclasses.asdict(config),
+            "config": config.recorded(d),
         },
         "layer_plans": {str(m): b for m, b in layer_plans.items()},
         "basis_rule": basis_rule,

@@ -87,6 +87,18 @@ BAD_ARGUMENTS = [
     (["sweep", "--context", "0"], "argument --context: expected an integer >= 1"),
     (["sweep", "--context", "10"], "argument --context: 10 tokens cannot hold the default k"),
     (["sweep", "--context", "9000"], "--context 9000 asks for 9000 tokens, more than the model's 8192 positions"),
+    (["generate", "x", "--method", "fathom_tuned"],
+     "argument --method: fathom_tuned reads per-(layer, KV head) budgets from a tuned calibration, which generate "
+     "cannot load (fathom tune"),
+    (["generate", "x", "--method", "fathom_bits:55:observed"],
+     "argument --method: fathom_bits:55:observed: the observed error model needs the calibration keys' plane errors"),
+    (["agreement", "--k-fraction", "0.001"], "argument --k-fraction: 0.001 of --context 4096 is k = 4 tokens per query "
+                                             "head, fewer than 36 (every query head keeps 4 sink + 32 local tokens); "
+                                             "use a fraction of at least 0.0088 at this context"),
+    (["ruler", "--k", "4"], "argument --k: expected an integer >= 36"),
+    (["tune", "--context", "100000"], "--context 100000 asks for 100000 tokens, more than the model's 8192 positions"),
+    (["tune", "--context", "100000", "--allow-long-context"], "tune --context 100000 needs about"),
+    (["tune", "--mean", "200"], "argument --mean: [200] outside (8, 120] bits (the tuning grid at the model's "),
     (["fetch-model", "gpt5"], "argument name: invalid choice: 'gpt5'"),
     (["frobnicate"], "argument COMMAND: invalid choice: 'frobnicate'"),
 ]
@@ -94,7 +106,7 @@ BAD_ARGUMENTS = [
 
 @pytest.mark.parametrize("argv,message", BAD_ARGUMENTS, ids=[" ".join(a)[:40] for a, _ in BAD_ARGUMENTS])
 def test_bad_argument_is_one_line_and_exit_2_before_any_work(capsys, no_work, tmp_path, argv, message):
-    if argv[0] == "sweep":
+    if argv[0] in ("sweep", "tune", "ruler", "agreement"):
         argv = [*argv, "--out", str(tmp_path)]
     code, out, err = run(capsys, *argv)
     assert code == 2
@@ -142,6 +154,15 @@ def test_help_shows_defaults_budget_guidance_and_version(capsys):
     for want in ("the text to continue", "tokens to generate (default: 32)", "(default: 128)", "(default: dense)",
                  "choosing a scan budget", "sparq:8 = 34", "D = 128: sparq:16 = 68", "--model"):
         assert want in text, want
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--help"])  # every command takes --model (the README says so)
+    text = " ".join(capsys.readouterr().out.split())
+    for want in ("--model", "--allow-long-context", "--no-memory-check", "tuned_<model>_<context>_mean<M>"):
+        assert want in text, want
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "fathom_tuned" not in text and "observed" not in text  # what generate cannot run is not offered
     with pytest.raises(SystemExit):
         cli.main(["--version"])
     assert capsys.readouterr().out.startswith("fathom-jax ")

@@ -66,10 +66,11 @@ def test_bad_targets_are_named():
 
 @pytest.fixture
 def tiny_model(monkeypatch):
-    """A random two-layer model at SmolLM2's head_dim with a one-token-per-character tokenizer, as load_smollm2."""
+    """A random two-layer model at SmolLM2's head_dim with a one-token-per-character tokenizer, served by the hub
+    for whatever --model names."""
     from flax import nnx
 
-    import fathom_jax.models as models
+    from fathom_jax.models import hub
     from fathom_jax.models.config import LlamaConfig
     from fathom_jax.models.llama import LlamaForCausalLM
 
@@ -80,7 +81,9 @@ def tiny_model(monkeypatch):
     config = LlamaConfig(vocab=97, hidden=64, intermediate=96, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64,
                          rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=8192)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-    monkeypatch.setattr(models, "load_smollm2", lambda **kw: (model, Chars(), config))
+    monkeypatch.setattr(hub, "model_config", lambda source=None: config)
+    monkeypatch.setattr(hub, "load_tokenizer", lambda source=None: Chars())
+    monkeypatch.setattr(hub, "load_model", lambda source=None, **kw: (model, Chars(), config))
     return model
 
 
@@ -97,3 +100,15 @@ def test_tune_command_saves_tuned_calibrations(capsys, tmp_path, tiny_model):
     assert float(np.mean(calib.budget)) <= 20 and "mean 20: budgets" in out
     assert cli.main(["tune", "--mean", "500", "--out", str(tmp_path)]) == 2
     assert "argument --mean: [500] outside (8, 120]" in capsys.readouterr().err
+
+
+def test_tune_command_takes_a_model_and_names_its_checkpoints_after_it(capsys, tmp_path, tiny_model):
+    """``fathom tune --model`` (the README: every command takes one): the hub's model, checkpoints named after it."""
+    from fathom_jax import calibrate as cal
+    from fathom_jax import cli
+
+    argv = ["tune", "--model", str(tmp_path / "Tiny-Model"), "--context", "512", "--positions", "8", "--k", "48",
+            "--mean", "37", "--out", str(tmp_path / "out"), "--quiet"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    calib = cal.load_calibration(tmp_path / "out" / "tuned_tiny_model_512_mean37")
+    assert calib.budget.shape == (2, 1) and float(np.mean(calib.budget)) <= 37
