@@ -17,12 +17,15 @@ import math
 import os
 import time
 
-from fathom_jax.cli.args import (K_TYPE, MIN_K, Distinct, UsageError, add_model_arguments, check_memory, check_out_dir,
-                                 check_positions, model_slug, model_title, peak_bytes, positive_int, run_metadata)
+from fathom_jax.cli.args import (Distinct, UsageError, add_model_arguments, check_memory, check_out_dir, check_positions,
+                                 model_slug, model_title, peak_bytes, positive_int, run_metadata)
 from fathom_jax.eval import downstream as ds
 from fathom_jax.eval import resume
 from fathom_jax.eval import ruler as ruler_lib
 from fathom_jax.eval import sweeps
+
+# ruler and agreement select from small k too (downstream.forced_tokens), down to downstream.MIN_K
+DOWNSTREAM_K = positive_int(ds.MIN_K, " (below 128 a selection keeps k/8 sinks and a k/4 local window)")
 
 SMOLLM2_POSITIONS = 8192  # SmolLM2-135M's max_position_embeddings (each run checks its model's own)
 
@@ -68,8 +71,9 @@ def register(subparsers) -> None:
     p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096], action=Distinct,
                    help=f"tokens of cache: prompt + {sweeps.RESERVED} (a multiple of 64, at most the model's positions: "
                         f"{SMOLLM2_POSITIONS} for SmolLM2)")
-    p.add_argument("--k", type=K_TYPE, nargs="+", default=[64, 128], action=Distinct,
-                   help=f"selection sizes, tokens per query head (the same for every method; at least {MIN_K})")
+    p.add_argument("--k", type=DOWNSTREAM_K, nargs="+", default=[64, 128], action=Distinct,
+                   help=f"selection sizes, tokens per query head (the same for every method; at least {ds.MIN_K}: "
+                        "below 128 a selection keeps k/8 sinks and a k/4 local window)")
     p.add_argument("--tasks", nargs="+", default=list(ruler_lib.TASKS), action=Distinct,
                    help=f"tasks: {', '.join(ruler_lib.TASKS)}")
     p.add_argument("--per-task", type=positive_int(1), default=8, help="samples per task and context")
@@ -90,7 +94,7 @@ def register(subparsers) -> None:
     p.add_argument("--sessions", type=positive_int(2, " (a standard error needs two)"), default=40,
                    help="code sessions")
     p.add_argument("--k-fraction", type=float, nargs="+", default=[0.02, 0.005], action=Distinct,
-                   help=f"selection sizes as fractions of the context (k = fraction x context: at least {MIN_K})")
+                   help=f"selection sizes as fractions of the context (k = fraction x context: at least {ds.MIN_K})")
     p.add_argument("--steps", type=positive_int(1), default=64, help="tokens each method decodes")
     p.add_argument("--methods", nargs="+", default=None, help=method_help + "; default: as for fathom ruler")
     p.add_argument("--baseline", default=None,
@@ -193,10 +197,11 @@ def agreement_configs(args: argparse.Namespace) -> list[sweeps.AgreementConfig]:
     for c in args.context:  # k = 4 at 0.001 of 4096 tokens ran (an ETA of 2 h) before this check
         for f in args.k_fraction:
             k = max(1, round(f * c))
-            if 0 < f <= 1 and k < MIN_K:
+            if 0 < f <= 1 and k < ds.MIN_K:
                 raise UsageError(f"argument --k-fraction: {f:g} of --context {c} is k = {k} tokens per query head, "
-                                 f"fewer than {MIN_K} (every query head keeps 4 sink + 32 local tokens); use a "
-                                 f"fraction of at least {math.ceil(MIN_K / c * 1e4) / 1e4:g} at this context")
+                                 f"fewer than {ds.MIN_K} (below 128 a selection keeps k/8 sinks and a k/4 local "
+                                 f"window); use a fraction of at least {math.ceil(ds.MIN_K / c * 1e4) / 1e4:g} at "
+                                 "this context")
     configs = [sweeps.AgreementConfig(context=c, sessions=args.sessions, k_fractions=tuple(args.k_fraction),
                                       steps=args.steps, methods=_methods(args, d), baseline=baseline,
                                       batch=args.batch, calibration=args.calibration,

@@ -52,6 +52,11 @@ def default_methods(head_dim: int) -> tuple[str, ...]:
 DEFAULT_METHODS = default_methods(64)  # SmolLM2's
 
 
+# The smallest selection the downstream sweeps take: below 128 tokens a selection keeps k/8 sinks and a k/4 local
+# window (forced_tokens), so at 16 the scan still chooses 10 of its 16 tokens; k = 4 left it 2 (and ran for hours).
+MIN_K = 16
+
+
 def forced_tokens(k: int) -> tuple[int, int]:
     """(sink, local) for selection size ``k``: the paper's 4 + 32 from k = 128 up; below, a quarter of k
     for the local window and at most k/8 sinks, so that most of a small k is still chosen by the scan."""

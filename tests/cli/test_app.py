@@ -93,9 +93,9 @@ BAD_ARGUMENTS = [
     (["generate", "x", "--method", "fathom_bits:55:observed"],
      "argument --method: fathom_bits:55:observed: the observed error model needs the calibration keys' plane errors"),
     (["agreement", "--k-fraction", "0.001"], "argument --k-fraction: 0.001 of --context 4096 is k = 4 tokens per query "
-                                             "head, fewer than 36 (every query head keeps 4 sink + 32 local tokens); "
-                                             "use a fraction of at least 0.0088 at this context"),
-    (["ruler", "--k", "4"], "argument --k: expected an integer >= 36"),
+                                             "head, fewer than 16 (below 128 a selection keeps k/8 sinks and a k/4 "
+                                             "local window); use a fraction of at least 0.004 at this context"),
+    (["ruler", "--k", "4"], "argument --k: expected an integer >= 16"),
     (["tune", "--context", "100000"], "--context 100000 asks for 100000 tokens, more than the model's 8192 positions"),
     (["tune", "--context", "100000", "--allow-long-context"], "tune --context 100000 needs about"),
     (["tune", "--mean", "200"], "argument --mean: [200] outside (8, 120] bits (the tuning grid at the model's "),
