@@ -6,6 +6,9 @@ stop them by themselves: every wait has a deadline, past which the test kills th
 
 import json
 import os
+import pathlib
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -167,14 +170,19 @@ class Launch:
     """Processes of one job, started together; :meth:`wait` returns when all have ended or kills them at the
     deadline (each by its own handle)."""
 
-    def __init__(self, args: list[str], tmp_path, processes: int = 2):
-        port = _free_port()
-        self.logs = [(tmp_path / f"out{i}.txt", tmp_path / f"err{i}.txt") for i in range(processes)]
+    def __init__(self, args: list[str], tmp_path, processes: int = 2, *, commands: list[list[str]] | None = None,
+                 envs: list[dict] | None = None, cwd=ROOT):
+        """``processes`` workers (``tests/distributed_worker.py`` with ``args``), or the given ``commands``, one
+        process each, with ``envs``."""
+        if commands is None:
+            port = _free_port()
+            commands = [[sys.executable, "-m", "tests.distributed_worker", *args]] * processes
+            envs = [_worker_env(i, processes, port) for i in range(processes)]
+        self.logs = [(tmp_path / f"out{i}.txt", tmp_path / f"err{i}.txt") for i in range(len(commands))]
         self.procs = []
-        for i, (out, err) in enumerate(self.logs):
+        for (out, err), command, env in zip(self.logs, commands, envs):
             with open(out, "w") as stdout, open(err, "w") as stderr:  # the child keeps its own descriptors
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "tests.distributed_worker", *args], cwd=ROOT,
-                                                   env=_worker_env(i, processes, port), stdout=stdout, stderr=stderr))
+                self.procs.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr))
         self.start = time.monotonic()
         self.ended: dict[int, float] = {}
 
@@ -194,6 +202,9 @@ class Launch:
 
     def stderr(self, i: int) -> str:
         return self.logs[i][1].read_text()
+
+    def stdout(self, i: int) -> str:
+        return self.logs[i][0].read_text()
 
     def results(self, i: int) -> dict:
         """The RESULT lines process ``i`` printed, by method."""
@@ -248,3 +259,59 @@ def test_a_process_that_dies_makes_the_others_fail_not_hang(tmp_path):
     assert any(cause in err for cause in causes), job.report()
     # ended by the coordination service, not by the test's deadline (slack for a loaded machine)
     assert job.ended[0] - job.ended[1] < 6 * HEARTBEAT_S, job.ended
+
+
+def readme_launch() -> list[list[str]]:
+    """The README's launch of one job over two hosts (section 7): one command line per process, as written."""
+    section = (pathlib.Path(ROOT) / "README.md").read_text().split("**7. Across hosts**", 1)[1]
+    (block,) = re.findall(r"```sh\n(.*?)```", section.split("\n**", 1)[0], flags=re.S)
+    return [shlex.split(line, comments=True) for line in block.splitlines() if line.startswith("fathom generate ")
+            and "--coordinator" in line]
+
+
+def _cli_env() -> dict:
+    """One process of the README's launch on this machine: its CPU devices, no job in the environment (the command
+    line gives it), and this checkout's fathom_jax."""
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_ENV and k != "PYTEST_XDIST_WORKER"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                        f" --xla_force_host_platform_device_count={WORKER_DEVICES}").strip()
+    return env
+
+
+@pytest.mark.slow  # 8-13 s on 2 CPU cores: two processes start JAX and compile the decode
+def test_the_readme_launch_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The README's two command lines, on this machine: ``fathom generate`` (this checkout's, on the CPU) with the
+    coordinator at 127.0.0.1 instead of host0, and a tiny random Qwen3 with 8 KV heads at the ``--model`` path they
+    name. Both processes join before either touches JAX's devices (the CLI's backend check used to come first and
+    failed every multi-process run) and exit 0; process 0 prints the tokens one process on one device decodes."""
+    from fathom_jax.cli import app
+    from fathom_jax.models import LlamaConfig
+    from tests.test_readme import _write_hf
+
+    launch = readme_launch()
+    assert len(launch) == 2 and all(argv[0] == "fathom" for argv in launch), launch
+    prompt, model = launch[0][2], launch[0][launch[0].index("--model") + 1]
+    qwen = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
+    _write_hf(tmp_path / model, LlamaConfig.from_hf_config(qwen), qwen, 3)
+    port = _free_port()
+    commands = [[sys.executable, "-m", "fathom_jax.cli",
+                 *[f"127.0.0.1:{port}" if a == "host0:1234" else a for a in argv[1:]]] for argv in launch]
+    assert [a for a in commands[0] if a != "0"] == [a for a in commands[1] if a != "1"], "the same but the id"
+    job = Launch([], tmp_path, commands=commands, envs=[_cli_env()] * 2, cwd=tmp_path)
+    # the reference in this process while the two run: one process, one device, the same command otherwise
+    monkeypatch.chdir(tmp_path)
+    alone = [a for i, a in enumerate(launch[0][1:]) if not {a, launch[0][i]} & {"--mesh", "--coordinator",
+                                                                                "--num-processes", "--process-id"}]
+    assert app.main(alone) == 0
+    want = capsys.readouterr().out
+    assert job.wait(DEADLINE_S) == [0, 0], job.report()
+    # every process holds the tokens, process 0 prints them (gloo's connection lines beside them, written by its
+    # threads: not always whole lines)
+    assert want.startswith(prompt) and want in job.stdout(0), job.stdout(0)
+    assert prompt not in job.stdout(1), job.stdout(1)
+    for i in (0, 1):
+        err = job.stderr(i)
+        assert re.search(rf"process {i} of 2: 2 local cpu device\(s\) of 4; holds", err) and "tokens/s" in err, err

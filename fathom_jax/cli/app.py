@@ -22,7 +22,8 @@ from fathom_jax.cli.args import EXIT_FAILURE, EXIT_USAGE, UsageError, _Parser, p
 # Every subcommand of ``fathom``, registered here and nowhere else: each module exposes ``register(subparsers)``.
 # Their parsers are made by ``subparsers.add_parser`` and so get ``--debug``, defaults in ``--help`` and one-line
 # errors; their command functions raise :class:`UsageError` for a bad argument (exit 2) and let library errors
-# (ValueError, OSError, RuntimeError) through to :func:`main` (one line, exit 1).
+# (ValueError, OSError, RuntimeError) through to :func:`main` (one line, exit 1). A command that may run as one
+# process of several (``generate``) also sets ``join``: :func:`main` calls it before anything starts JAX's devices.
 COMMAND_MODULES: tuple[str, ...] = (
     "fathom_jax.cli.model_commands",      # fetch-model, sweep, generate
     "fathom_jax.cli.study_commands",      # the evaluations: ruler, agreement, tune, ...
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv, prog = argv, f"fathom {args.command}"
+        if getattr(args, "join", None) is not None:  # a command run by several processes joins them before JAX
+            args.join(args)                           # starts its devices (running's backend check does)
         with running(args.command):
             return args.func(args)
     except UsageError as err:

@@ -91,7 +91,7 @@ def register(subparsers) -> None:
     p.add_argument("--process-id", type=positive_int(0), default=None,
                    help="this process, 0 .. processes - 1 (default: $JAX_PROCESS_ID or the SLURM task)")
     add_model_arguments(p)
-    p.set_defaults(func=_generate)
+    p.set_defaults(func=_generate, join=_join)
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -265,6 +265,23 @@ def _rows(text: str):
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _join(args: argparse.Namespace) -> tuple[str, bool]:
+    """``(prompt text, several processes)``: the prompt read, then this process joins the job's others (one per host:
+    ``--coordinator``, the ``JAX_*`` variables or a SLURM job; nothing to join for one process). Joining must come
+    before anything touches JAX's devices, the CLI's backend check included, so :func:`fathom_jax.cli.app.main` calls
+    this first; again (from :func:`_generate`) it returns what the first call found."""
+    if getattr(args, "joined", None) is None:
+        from fathom_jax import distributed
+
+        text = _read_prompt(args)  # an empty prompt fails here, before waiting for the other processes
+        try:
+            several = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        except ValueError as e:
+            raise UsageError(f"argument --coordinator / --num-processes / --process-id: {e}") from None
+        args.joined = (text, several)
+    return args.joined
+
+
 def _generate(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
@@ -273,13 +290,9 @@ def _generate(args: argparse.Namespace) -> int:
     from fathom_jax import decode, distributed
     from fathom_jax.models import generate, hub
 
-    text = _read_prompt(args)
+    text, several = _join(args)  # done already when run from fathom_jax.cli.app.main
     config = hub.model_config(args.model)
     sparse = args.method != "dense" or args.placement != "device" or args.mesh > 1 or args.rows is not None
-    try:  # the job's other processes (one per host), before anything touches JAX's devices
-        several = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    except ValueError as e:
-        raise UsageError(f"argument --coordinator / --num-processes / --process-id: {e}") from None
     mesh = _generate_mesh(args.mesh, config)
     method = None
     if sparse:

@@ -114,6 +114,24 @@ def test_bad_argument_is_one_line_and_exit_2_before_any_work(capsys, no_work, tm
     assert message in err
 
 
+def test_generate_joins_the_job_before_jax_starts_its_devices(capsys, no_work, monkeypatch):
+    """Every --coordinator run (or JAX_* variables) failed: the backend check touched the devices before
+    distributed.initialize ran. Now the prompt is read, the job joined, then the backend checked (the two-process run
+    itself: tests/test_distributed.py, the README's launch)."""
+    from fathom_jax import distributed
+
+    order = []
+    monkeypatch.setattr(distributed, "initialize", lambda *a: order.append(("join", *a)) or False)
+    monkeypatch.setattr(cli_args, "check_backend", lambda: order.append(("backend",)))
+    code, _, err = run(capsys, "generate", "x", "--coordinator", "host0:1234", "--num-processes", "2",
+                       "--process-id", "1", "--mesh", "2")
+    assert code == 2 and "the model's 3 KV heads do not split evenly over 2 devices" in err, err  # stops after both
+    assert order == [("join", "host0:1234", 2, 1), ("backend",)]
+    order.clear()
+    code, _, err = run(capsys, "generate", "", "--coordinator", "host0:1234", "--num-processes", "2")
+    assert code == 2 and "the prompt is empty" in err and order == []  # before waiting for the other processes
+
+
 def test_debug_shows_the_traceback(no_work):
     with pytest.raises(cli.UsageError, match="argument --k"):
         cli.main(["generate", "x", "--k", "0", "--debug"])
