@@ -262,9 +262,9 @@ def test_a_process_that_dies_makes_the_others_fail_not_hang(tmp_path):
 
 
 def readme_launch() -> list[list[str]]:
-    """The README's launch of one job over two hosts (section 7): one command line per process, as written."""
-    section = (pathlib.Path(ROOT) / "README.md").read_text().split("**7. Across hosts**", 1)[1]
-    (block,) = re.findall(r"```sh\n(.*?)```", section.split("\n**", 1)[0], flags=re.S)
+    """The README's launch of one job over two hosts ("Across hosts"): one command line per process, as written."""
+    section = (pathlib.Path(ROOT) / "README.md").read_text().split("### Across hosts", 1)[1]
+    (block,) = re.findall(r"```sh\n(.*?)```", section.split("\n#", 1)[0], flags=re.S)
     return [shlex.split(line, comments=True) for line in block.splitlines() if line.startswith("fathom generate ")
             and "--coordinator" in line]
 

@@ -52,6 +52,15 @@ def test_readme_speaks_to_a_stranger():
     assert "steering" not in design and "shared/" not in design
 
 
+def test_offloaded_decoding_reads_in_short_subsections():
+    section = README.split("## Offloaded decoding", 1)[1].split("\n## ", 1)[0]
+    parts = section.split("\n### ")
+    assert len(parts) >= 8, "one subsection per topic"
+    for part in parts:
+        prose = " ".join(line for line in part.split("```")[::2])  # code blocks left out
+        assert len(prose.split()) <= 320, part.split("\n", 1)[0]
+
+
 def test_repository_is_self_contained():
     assert "arXiv:2609.17652" in README and "](../" not in README and "shared/paper" not in README
     for doc in ("DESIGN.md", "LICENSE"):
