@@ -110,15 +110,19 @@ class Distinct(argparse.Action):
 @contextlib.contextmanager
 def running(command: str):
     """Around a command that uses JAX (all but fetch-model): its backend checked first (:func:`check_backend`),
-    and a run-time check that fires reported as the library's CheckError, message first."""
-    if command == "fetch-model":
-        yield
-        return
-    check_backend()
-    from fathom_jax.checks import reraise
+    and a run-time check that fires reported as the library's CheckError, message first. Every command stops
+    within seconds of the first Ctrl-C (:func:`fathom_jax.eval.interrupt.handled`)."""
+    from fathom_jax.eval import interrupt
 
-    with reraise():
-        yield
+    with interrupt.handled():
+        if command == "fetch-model":
+            yield
+            return
+        check_backend()
+        from fathom_jax.checks import reraise
+
+        with reraise():
+            yield
 
 
 def check_backend() -> None:

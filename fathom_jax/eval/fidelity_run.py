@@ -167,6 +167,12 @@ def compile_program(key: Hashable, fn, args) -> Future:
     return future
 
 
+def compiles_pending() -> int:
+    """Programs requested and not compiled yet (what a run waits for before its first results)."""
+    with _COMPILED_LOCK:
+        return sum(not future.done() for future in _COMPILED.values())
+
+
 def cancel_compiles() -> None:
     """Drop the compiles not yet started (e.g. when the run they were for fails before it starts)."""
     with _COMPILED_LOCK:
@@ -210,14 +216,18 @@ class Run:
 
     def results(self, workers: int):
         self.compile_all()
-        with ThreadPoolExecutor(workers) as pool:
-            pending = [pool.submit(self._run_task, task) for task in self.tasks]
-            try:
-                for done in pending:
-                    done.result()
-            finally:
-                for future in pending:
-                    future.cancel()
+        pool = ThreadPoolExecutor(workers)
+        pending = [pool.submit(self._run_task, task) for task in self.tasks]
+        try:
+            for done in pending:
+                done.result()
+        except BaseException:
+            # Stop now (Ctrl-C, a failed task): waiting for the running tasks waited for every compile queued
+            # before their programs; dropped, those tasks end at once (CancelledError) and the process can exit.
+            pool.shutdown(wait=False, cancel_futures=True)
+            cancel_compiles()
+            raise
+        pool.shutdown()
         return list(zip(self.errors, self.bits))
 
     def _build_args(self, task: _Task):

@@ -9,15 +9,22 @@ programs compile on the thread that runs the units: the downstream sweeps) the s
 and the programs still to compile (``keys`` not yet seen) are added at the mean compile time per program seen
 so far. Otherwise (the study compiles on a background thread, overlapping the units) the ETA is the remaining
 units at the mean wall time per unit since the first finished one.
+
+Before the first unit (a minute or more of compiling and set-up) and during long units, the bar redraws every
+``TICK_S`` seconds from a background thread, so its clock moves, and says what the run is doing: :meth:`Progress.phase`
+names the step under way ("dense attention", "decoding ..."), ``status`` adds what it waits for (the study: the
+programs still compiling).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 
+TICK_S = 1.0  # how often the bar redraws between units
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration", "/jax/core/compile/backend_compile_duration")
 
 
@@ -28,8 +35,9 @@ class Progress:
     counts (:attr:`compile_s`, :attr:`eta_s`)."""
 
     def __init__(self, total: int, desc: str, *, unit: str = "unit", done: int = 0, keys: int = 0,
-                 sequential: bool = True, enabled: bool = True):
+                 sequential: bool = True, enabled: bool = True, status: Callable[[], str] | None = None):
         self.total, self.done, self.keys, self.sequential = total, done, keys, sequential
+        self.unit, self.status = unit, status
         self.compile_s = 0.0
         self._lock = threading.Lock()
         self._seen: set = set()
@@ -40,6 +48,8 @@ class Progress:
         self._last = time.perf_counter()
         self._compile_at_last = 0.0
         self._label = ""
+        self._phase = ""
+        self._closed = threading.Event()
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
         self._bar = None
         if enabled:
@@ -47,7 +57,8 @@ class Progress:
 
             self._bar = tqdm(total=total, initial=done, desc=desc, unit=unit,
                              bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
-            self._bar.set_postfix_str("ETA after the first " + unit, refresh=True)
+            self._bar.set_postfix_str(self.postfix(), refresh=True)
+            threading.Thread(target=self._tick, name=f"progress-{desc}", daemon=True).start()
 
     def _on_duration(self, event: str, duration: float, **kwargs) -> None:
         if event in _COMPILE_EVENTS:
@@ -72,6 +83,37 @@ class Progress:
             return None
         return left * (time.perf_counter() - self._first) / (self._units - 1)
 
+    def phase(self, text: str) -> None:
+        """What the run does now ("dense attention", "decoding Fathom 48 @ 128"; "" when it runs units): shown
+        until the next phase, and redrawn at once."""
+        with self._lock:
+            self._phase = text
+        self._redraw()
+
+    def postfix(self) -> str:
+        """The text after the bar: the phase, what the run waits for, the ETA, the compile time so far."""
+        with self._lock:
+            eta = self._eta()
+            compile_s, first, phase, label = self.compile_s, self._first, self._phase, self._label
+        status = self.status() if self.status is not None else ""
+        if first is None:
+            when = "ETA after the first " + self.unit
+        else:
+            when = "ETA " + ("after the next unit" if eta is None else _clock(eta))
+        parts = [phase, status, when, f"compiling {_clock(compile_s)} so far" if compile_s or first else ""]
+        if label and not phase:
+            parts.append(label)
+        return ", ".join(p for p in parts if p)
+
+    def _redraw(self) -> None:
+        if self._bar is not None and not self._closed.is_set():
+            self._bar.set_postfix_str(self.postfix(), refresh=True)
+
+    def _tick(self) -> None:
+        # tqdm redraws only when a unit finishes: without this the clock stood still for the first minute.
+        while not self._closed.wait(TICK_S):
+            self._redraw()
+
     def set_postfix_str(self, label: str, refresh: bool = False) -> None:
         """The name of the unit running now (tqdm's API, as the study's workers call it)."""
         with self._lock:
@@ -92,16 +134,12 @@ class Progress:
             self.done += n
             if self._first is None:
                 self._first = now
-            eta = self._eta()
-            text = "ETA " + ("after the next unit" if eta is None else _clock(eta))
-            text += f", compiling {_clock(self.compile_s)} so far"
-            if self._label:
-                text += f", {self._label}"
         if self._bar is not None:
-            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.set_postfix_str(self.postfix(), refresh=False)
             self._bar.update(n)
 
     def close(self) -> None:
+        self._closed.set()
         jax.monitoring.unregister_event_duration_listener(self._on_duration)
         if self._bar is not None:
             self._bar.close()

@@ -17,8 +17,9 @@ import contextlib
 import json
 import os
 import shlex
-import sys
 from collections.abc import Callable
+
+from fathom_jax.eval import interrupt
 
 
 class UnitLog:
@@ -93,11 +94,16 @@ def finished(path: str, config: dict) -> bool:
 @contextlib.contextmanager
 def stop_on_interrupt(command: str, saved: Callable[[], str], argv: list[str]):
     """Ctrl-C in the block: one line on stderr saying what ``saved()`` kept and the command that resumes, then
-    exit status 130 (``SystemExit``) instead of a ``KeyboardInterrupt`` traceback."""
-    try:
-        yield
-    except KeyboardInterrupt:
+    exit status 130 (``SystemExit``) instead of a ``KeyboardInterrupt`` traceback. Under
+    :func:`fathom_jax.eval.interrupt.handled` (every command) the same line comes, and the process ends, within
+    seconds even if the interrupt cannot reach this block."""
+    def message() -> str:
         again = "fathom " + shlex.join(argv if "--resume" in argv else [*argv, "--resume"])
-        print(f"\n[{command}] interrupted: {saved()}; to continue where it stopped, run: {again}", file=sys.stderr,
-              flush=True)
-        raise SystemExit(130) from None
+        return f"\n[{command}] interrupted: {saved()}; to continue where it stopped, run: {again}"
+
+    with interrupt.reporting(message):
+        try:
+            yield
+        except KeyboardInterrupt:
+            interrupt.report()
+            raise SystemExit(interrupt.EXIT_INTERRUPTED) from None

@@ -41,6 +41,7 @@ from fathom_jax.checks import reraise
 from fathom_jax.eval import fidelity as fid
 from fathom_jax.eval import study_allocation as alloc
 from fathom_jax.eval import tuning
+from fathom_jax.eval.fidelity_run import compiles_pending
 from fathom_jax.eval.progress import Progress
 from fathom_jax.eval.report import headline, plot, render_markdown, write_report  # noqa: F401  (re-exported)
 from fathom_jax.methods import Fathom, FathomKLT, ScanMethod, SparQUnion, fathom_budgets, paper_methods
@@ -230,6 +231,12 @@ def compile_ahead(config: StudyConfig, n_layers: int, n_heads: int, n_kv_heads: 
                       config.positions)
 
 
+def _compiling() -> str:
+    """What the study's bar says it waits for: its first units wait for their programs to compile."""
+    n = compiles_pending()
+    return f"{n} program{'s' * (n != 1)} to compile" if n else ""
+
+
 def default_rows(head_dim: int, config: StudyConfig) -> list[Row]:
     """Every row of the study but the per-layer plans (which the calibration capture decides)."""
     config = config.at_head_dim(head_dim)
@@ -295,12 +302,15 @@ def run_study(
     calls = len(rows) + len(grid) + len(_basis_methods(grid, basis_budgets)) + len(config.layer_plan_means) * with_plans
     calls += len(tuning_grid) + len(session_grid)
     # Its ETA starts at the first finished (evaluation, layer): programs compile on a background thread meanwhile.
-    bar = Progress(calls * n_layers, f"study @ {n_tokens} tokens", unit="layer", sequential=False) if progress else False
+    bar = Progress(calls * n_layers, f"study @ {n_tokens} tokens", unit="layer", sequential=False,
+                   status=_compiling) if progress else False
 
     calib_positions = fid.default_positions(calib_capture.q.shape[2], config.calib_positions)
     calibrating = defaults
     tunings = []  # (source, capture, grid, positions, dense references there)
     # Statistics and dense attention (every row's target), each computed once, side by side.
+    if bar:
+        bar.phase("calibration statistics and dense attention")
     with ThreadPoolExecutor(4) as pool:
         corpus = pool.submit(cal.calibrate, calib_capture.k, calib_capture.q)
         plane_error = pool.submit(allocation.plane_errors, calib_capture.k, skip_tokens=cal.SKIP_TOKENS) if observed else None
@@ -316,6 +326,8 @@ def run_study(
             tunings.append(("session", eval_capture, session_grid, pos, pool.submit(fid.dense_references, eval_capture, pos)))
         corpus, session, eval_refs = corpus.result(), session.result(), eval_refs.result()
         calib_refs = calib_refs and calib_refs.result()
+    if bar:
+        bar.phase("")  # the units from here on: the bar names the last one, and the programs still compiling
     calibs = {"corpus": corpus, "session": session, "none": None}
     if observed:
         calibs[alloc.OBSERVED] = alloc.observed_state(corpus, plane_error.result())

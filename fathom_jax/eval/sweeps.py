@@ -248,6 +248,7 @@ def _decode_all(model, index: int, prompts, branches, steps: int, units: _Units)
     if not todo:
         return out
     t0 = time.time()
+    units.bar.phase(f"prefill of batch {index + 1}")
     prefill = ds.dense_prefill(model, prompts, units.config.context)
     jax.block_until_ready(prefill.first)
     prefill_s = time.time() - t0
@@ -255,6 +256,7 @@ def _decode_all(model, index: int, prompts, branches, steps: int, units: _Units)
     calib = units.corpus if units.config.calibration == "corpus" else session_calibration(prefill, model)
     for branch in todo:
         t0 = time.time()
+        units.bar.phase(f"decoding {branch.name}")  # a branch's first decode compiles its program
         tokens = np.asarray(ds.decode_branch(model, prefill, branch, steps, calib))
         decode_s = time.time() - t0
         units.timing["decode_s"] += decode_s
@@ -263,7 +265,6 @@ def _decode_all(model, index: int, prompts, branches, steps: int, units: _Units)
             units.log.add(f"{index}:{branch.key}", {"tokens": tokens.tolist(), "decode_s": round(decode_s, 3),
                                                     "prefill_s": round(prefill_s, 3)})
             prefill_s = 0.0  # counted once per batch
-        units.bar.set_postfix_str(branch.name)
         units.bar.update(1, key=branch.key)
     return out
 

@@ -47,3 +47,27 @@ def test_overlapped_eta_starts_at_the_first_unit(clock):
         bar.update(1)
     assert bar.eta_s == pytest.approx(6 * 4.0)
     bar.close()
+
+
+def test_the_bar_says_what_the_run_does_and_its_clock_moves_before_the_first_unit(monkeypatch, capsys):
+    """The sweep's bar sat at 0/2040 with its clock stopped for a minute while programs compiled: now it names the
+    phase and what it waits for, and redraws every TICK_S seconds until units finish."""
+    import time
+
+    monkeypatch.setattr(P, "TICK_S", 0.02)
+    waiting = ["3 programs to compile"]
+    bar = P.Progress(5, "study", unit="layer", sequential=False, status=lambda: waiting[0])
+    bar.phase("dense attention")
+    assert bar.postfix() == "dense attention, 3 programs to compile, ETA after the first layer"
+    time.sleep(0.1)  # a few ticks
+    draws = capsys.readouterr().err.count("dense attention")
+    assert draws >= 3
+    bar.phase("")
+    waiting[0] = ""
+    bar.update(1)
+    assert bar.postfix() == "ETA after the next unit, compiling 0:00 so far"
+    bar.close()
+    time.sleep(0.1)
+    capsys.readouterr()
+    time.sleep(0.1)
+    assert capsys.readouterr().err == ""  # closed: no more redraws
