@@ -2,6 +2,6 @@
 argument types and checks every command shares), and the commands: ``model_commands`` (fetch-model, sweep,
 generate), ``study_commands`` (the evaluations), ``row_formats_command``."""
 
-from fathom_jax.cli.app import build_parser, main
+from fathom_jax.cli.app import build_parser, main, run
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "run"]

@@ -1,5 +1,3 @@
-import sys
+from fathom_jax.cli.app import run
 
-from fathom_jax.cli.app import main
-
-sys.exit(main())
+run()

@@ -16,7 +16,8 @@ and delivers it again a moment later, until it lands in the command's own code. 
 process is still alive ``GRACE_S`` seconds later (stuck in a call, or waiting for threads at exit), it prints what
 was saved (the innermost :func:`reporting` message, once) and ends the process with status 130; a second Ctrl-C
 does so at once. Everything a run saves is written as it finishes (``fathom_jax.eval.resume.UnitLog``), so ending
-the process there loses nothing saved.
+the process there loses nothing saved. The ``fathom`` program (``fathom_jax.cli.app.run``) ends at once after an
+interrupted command, so its exit does not wait for threads either.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class _State:
         self.redelivering = False  # the hook re-raised a dropped interrupt: the next SIGINT is that one, not a second
         self.reporters: list[Callable[[], str]] = []
         self.reported = False
+        self.active = True  # the command's block still runs (the watchdog ends only a command still running)
 
 
 _state = _State()
@@ -64,6 +66,7 @@ def handled(grace_s: float | None = None):
     try:
         yield
     finally:
+        _state.active = False
         signal.signal(signal.SIGINT, previous_handler if previous_handler is not None else signal.default_int_handler)
         sys.unraisablehook = previous_hook
 
@@ -99,7 +102,7 @@ def _on_sigint(grace: float) -> None:
         if _state.interrupted:  # a second Ctrl-C: the user will not wait
             _exit_now()
         _state.interrupted = True
-    threading.Thread(target=_watchdog, args=(grace,), name="fathom-interrupt-watchdog", daemon=True).start()
+    threading.Thread(target=_watchdog, args=(_state, grace), name="fathom-interrupt-watchdog", daemon=True).start()
     raise KeyboardInterrupt
 
 
@@ -121,10 +124,12 @@ def _redeliver() -> None:
     _thread.interrupt_main(signal.SIGINT)
 
 
-def _watchdog(grace: float) -> None:
-    # A daemon thread: a process that stops in time ends it too.
+def _watchdog(state: _State, grace: float) -> None:
+    # A daemon thread: a process that stops in time ends it too. A command that returned in time is left alone (a
+    # caller in the same process, a notebook, goes on); the program's own exit does not wait (cli.app.run).
     time.sleep(grace)
-    _exit_now()
+    if state.active:
+        _exit_now()
 
 
 def _exit_now() -> None:
