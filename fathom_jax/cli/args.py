@@ -114,15 +114,22 @@ def running(command: str):
     within seconds of the first Ctrl-C (:func:`fathom_jax.eval.interrupt.handled`)."""
     from fathom_jax.eval import interrupt
 
-    with interrupt.handled():
-        if command == "fetch-model":
-            yield
-            return
-        check_backend()
-        from fathom_jax.checks import reraise
+    # What an interrupt says where the command keeps no log of its own (generate, tune, fetch-model); the long runs'
+    # own line (fathom_jax.eval.resume.stop_on_interrupt) says what they saved and how to resume.
+    said = lambda: f"\n[{command}] interrupted: it writes its results only when it ends, so nothing was saved"  # noqa: E731
+    with interrupt.handled(), interrupt.reporting(said):
+        try:
+            if command == "fetch-model":
+                yield
+                return
+            check_backend()
+            from fathom_jax.checks import reraise
 
-        with reraise():
-            yield
+            with reraise():
+                yield
+        except KeyboardInterrupt:
+            interrupt.report()
+            raise SystemExit(interrupt.EXIT_INTERRUPTED) from None
 
 
 def check_backend() -> None:

@@ -34,3 +34,15 @@ def test_a_run_time_check_in_a_command_reads_as_its_check_error():
 
     with pytest.raises(checks.CheckError, match=r"^x must be >= 0, got -1.0$"), running("sweep"):
         jax.block_until_ready(jax.jit(f)(jnp.float32(-1)))
+
+
+def test_an_interrupted_command_without_a_log_says_so_and_exits_130(capsys):
+    """generate and tune keep no partial results: Ctrl-C ends them with one line (not a traceback) and status 130."""
+    from fathom_jax.cli.args import running
+
+    with pytest.raises(SystemExit) as stop:
+        with running("tune"):
+            raise KeyboardInterrupt
+    assert stop.value.code == 130
+    assert capsys.readouterr().err.strip() == ("[tune] interrupted: it writes its results only when it ends, so "
+                                               "nothing was saved")
