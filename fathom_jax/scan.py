@@ -26,8 +26,7 @@ from fathom_jax.calibrate import Calibration
 from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, Read, ScanMethod
 from pallas_kernels import backend
-from pallas_kernels.operands import StorePlanes
-from pallas_kernels.plane_scan import active_channels, plane_scan
+from pallas_kernels.plane_scan import plane_scan
 
 
 @jax.tree_util.register_dataclass
@@ -101,8 +100,7 @@ class IndexSource:
         if isinstance(store, store_lib.UnpackedStore):
             raise ValueError("an unpacked store (fathom_jax.store.UnpackedStore) is read by the 'xla' scan only; "
                              "the Pallas kernels read packed planes")
-        return plane_scan(read.queries, StorePlanes(store.planes, store.scales), self.length,
-                          active_channels(read.depths, read.max_active or None), implementation=self.implementation)
+        return plane_scan(read.queries, store.planes_at(), self.length, read.runs(), implementation=self.implementation)
 
     def block_scores(self, read: BlockRead) -> Float[Array, "*B G n"]:
         return block_scores(read, self.index[read.part].rows)

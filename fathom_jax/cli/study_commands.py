@@ -25,7 +25,7 @@ from fathom_jax.eval import ruler as ruler_lib
 from fathom_jax.eval import sweeps
 
 # ruler and agreement select from small k too (downstream.forced_tokens), down to downstream.MIN_K
-DOWNSTREAM_K = positive_int(ds.MIN_K, " (below 128 a selection keeps k/8 sinks and a k/4 local window)")
+DOWNSTREAM_K = positive_int(ds.MIN_K, f" ({ds.SMALL_K})")
 
 SMOLLM2_POSITIONS = 8192  # SmolLM2-135M's max_position_embeddings (each run checks its model's own)
 
@@ -73,7 +73,7 @@ def register(subparsers) -> None:
                         f"{SMOLLM2_POSITIONS} for SmolLM2)")
     p.add_argument("--k", type=DOWNSTREAM_K, nargs="+", default=[64, 128], action=Distinct,
                    help=f"selection sizes, tokens per query head (the same for every method; at least {ds.MIN_K}: "
-                        "below 128 a selection keeps k/8 sinks and a k/4 local window)")
+                        f"{ds.SMALL_K})")
     p.add_argument("--tasks", nargs="+", default=list(ruler_lib.TASKS), action=Distinct,
                    help=f"tasks: {', '.join(ruler_lib.TASKS)}")
     p.add_argument("--per-task", type=positive_int(1), default=8, help="samples per task and context")
@@ -199,9 +199,8 @@ def agreement_configs(args: argparse.Namespace) -> list[sweeps.AgreementConfig]:
             k = max(1, round(f * c))
             if 0 < f <= 1 and k < ds.MIN_K:
                 raise UsageError(f"argument --k-fraction: {f:g} of --context {c} is k = {k} tokens per query head, "
-                                 f"fewer than {ds.MIN_K} (below 128 a selection keeps k/8 sinks and a k/4 local "
-                                 f"window); use a fraction of at least {math.ceil(ds.MIN_K / c * 1e4) / 1e4:g} at "
-                                 "this context")
+                                 f"fewer than {ds.MIN_K} ({ds.SMALL_K}); use a fraction of at least "
+                                 f"{math.ceil(ds.MIN_K / c * 1e4) / 1e4:g} at this context")
     configs = [sweeps.AgreementConfig(context=c, sessions=args.sessions, k_fractions=tuple(args.k_fraction),
                                       steps=args.steps, methods=_methods(args, d), baseline=baseline,
                                       batch=args.batch, calibration=args.calibration,

@@ -29,7 +29,7 @@ from fathom_jax import store as store_lib
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead
 from pallas_kernels import backend
 from pallas_kernels.operands import StorePlanes
-from pallas_kernels.plane_scan import ResidentPlanes, active_channels, plane_scan
+from pallas_kernels.plane_scan import ResidentPlanes, plane_scan
 from pallas_kernels.row_fetch import StoredRows, row_fetch
 from pallas_kernels.run_gather import RunGatherConfig, run_gather
 from pallas_kernels.tier_gather import tier_gather
@@ -102,8 +102,8 @@ class StagedRead(_HostRead):
     programs: int = 0
 
     def _plane_scores(self, read, store, length, layer, group_start, after):
-        runs = active_channels(read.depths, read.max_active or None)
-        staged = run_gather(StorePlanes(store.planes, store.scales, layer, group_start), runs, after=after,
+        runs = read.runs()
+        staged = run_gather(store.planes_at(layer, group_start), runs, after=after,
                             config=RunGatherConfig(programs=self.programs), implementation=self.implementation)
         return _scan_staged(read, staged, runs, length, self.implementation), staged.planes
 
@@ -124,7 +124,7 @@ class TieredRead(_HostRead):
     programs: int = 0
 
     def _plane_scores(self, read, store, length, layer, group_start, after):
-        runs = active_channels(read.depths, read.max_active or None)
+        runs = read.runs()
         tiers = store.tiers(jnp.asarray(layer, jnp.int32), group_start)
         staged = tier_gather(tiers, runs, after=after, config=RunGatherConfig(programs=self.programs),
                              implementation=self.implementation)
@@ -179,5 +179,5 @@ def _columns(x, columns):
 
 
 def _scan_in_place(read, store, length, layer, group_start, implementation):
-    return plane_scan(read.queries, StorePlanes(store.planes, store.scales, layer, group_start), length,
-                      active_channels(read.depths, read.max_active or None), implementation=implementation)
+    return plane_scan(read.queries, store.planes_at(layer, group_start), length, read.runs(),
+                      implementation=implementation)

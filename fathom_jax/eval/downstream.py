@@ -55,6 +55,7 @@ DEFAULT_METHODS = default_methods(64)  # SmolLM2's
 # The smallest selection the downstream sweeps take: below 128 tokens a selection keeps k/8 sinks and a k/4 local
 # window (forced_tokens), so at 16 the scan still chooses 10 of its 16 tokens; k = 4 left it 2 (and ran for hours).
 MIN_K = 16
+SMALL_K = "below 128 a selection keeps k/8 sinks and a k/4 local window"  # why k may be that small, for messages
 
 
 def forced_tokens(k: int) -> tuple[int, int]:

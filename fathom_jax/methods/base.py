@@ -20,6 +20,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.operands import RunList
+from pallas_kernels.plane_scan import active_channels
+
 if TYPE_CHECKING:  # pragma: no cover
     from fathom_jax.calibrate import Calibration
     from fathom_jax.index import KeyIndex
@@ -47,6 +50,10 @@ class PlaneRead:
     def scores(self, source: "ReadSource") -> Float[Array, "*B G n"]:
         scores = source.plane_scores(self)
         return scores if self.shift is None else scores + self.shift[..., None]
+
+    def runs(self) -> RunList:
+        """The read as the plane kernels take it: the active channels by decreasing depth, ``max_active`` slots."""
+        return active_channels(self.depths, self.max_active or None)
 
 
 @jax.tree_util.register_dataclass

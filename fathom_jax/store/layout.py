@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Float16, Int, UInt32
 
 from fathom_jax import format as fmt
 from fathom_jax.format import BLOCK_TOKENS
+from pallas_kernels.operands import StorePlanes
 
 
 @jax.tree_util.register_dataclass
@@ -106,6 +107,11 @@ class PlaneStore(BlockScaled):
     def plane_run_bytes(self) -> int:
         """Bytes of one plane of one channel: the unit of a contiguous read."""
         return fmt.plane_run_bytes(self.capacity)
+
+    def planes_at(self, layer=None, group_start: int = 0) -> StorePlanes:
+        """The planes as the kernels read them in place: of layer ``layer`` of a stacked ``[L, R, ...]`` store for
+        groups ``group_start ..`` (None: the store as it is; :meth:`TieredPlaneStore.tiers` is the two tiers')."""
+        return StorePlanes(self.planes, self.scales, layer, group_start)
 
     def layer_store(self, layer, groups: slice, length) -> "PlaneStore":
         """Layer ``layer``'s ``groups`` of a stacked ``[L, R, ...]`` store, ``length`` long (as a two-tier store's)."""
