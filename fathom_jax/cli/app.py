@@ -78,7 +78,7 @@ def _one_line(err: BaseException) -> str:
 def run(argv: list[str] | None = None) -> None:
     """The ``fathom`` program: :func:`main`, then exit. After an interrupted command (status 130, what was saved
     already said) it ends at once: the interpreter's exit would wait for worker and compile threads to finish what
-    they had queued (a sweep took 115.6 s to exit)."""
+    they had queued."""
     try:
         code = main(argv)
     except SystemExit as stop:

@@ -4,11 +4,11 @@ Python raises ``KeyboardInterrupt`` in whatever Python code the main thread runs
 a long run kept going after it (issue 46):
 
 * it landed in a garbage-collection callback or a ``__del__`` (JAX's ``_xla_gc_callback`` runs at every
-  collection), where Python prints "Exception ignored in: ..." and drops it: ``fathom ruler`` ran on for 12.5
+  collection), where Python prints "Exception ignored in: ..." and drops it, and ``fathom ruler`` ran on for
   minutes after the first Ctrl-C;
 * the main thread sat in a long call into XLA, which runs no Python code until it returns;
 * the command had stopped, but the interpreter's exit waited for worker and compile threads to finish what they
-  had queued: ``fathom sweep`` took 115.6 s to exit after its message.
+  had queued, and ``fathom sweep`` took minutes to exit after its message.
 
 :func:`handled` (around every command, ``fathom_jax.cli.args.running``) installs a SIGINT handler and an
 unraisable-exception hook for the command's duration. The hook sees a ``KeyboardInterrupt`` dropped in a callback
