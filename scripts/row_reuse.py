@@ -8,9 +8,11 @@ index a decode loop holds there (``prefix_index`` of the window's index at lengt
 (sink and local included, as the decode step does) and takes each KV group's union: the rows one step fetches.
 
     python -m scripts.row_reuse --context 4096 --positions 64 --k 128 --methods exact,fathom:32
+    python -m scripts.row_reuse --model gemma3-270m --context 4096 --methods exact,fathom:128
 
-writes ``results/row_reuse_smollm2_<context>.{json,md}``. Runs on CPU (SmolLM2-135M, the GGUF the README's
-set-up fetches).
+writes ``results/row_reuse_<model>_<context>.{json,md}``. Runs on CPU (SmolLM2-135M or Gemma 3 270M, the GGUFs the
+README's set-up fetches). On Gemma 3 only the global layers scan (the others keep a local ring in HBM): the capture
+holds those, and they are the layers measured here.
 """
 
 from __future__ import annotations
@@ -77,9 +79,10 @@ def new_fraction(union: np.ndarray, mask: np.ndarray, window: int, middle: tuple
 
 def main(argv=None):
     from fathom_jax.models import capture_qkv
-    from fathom_jax.models.hub import load_model
+    from fathom_jax.models.hub import KNOWN_MODELS, known_model, load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2", choices=KNOWN_MODELS)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--positions", type=int, default=64, help="consecutive decode positions at the window's end")
     ap.add_argument("--k", type=int, default=128)
@@ -90,7 +93,8 @@ def main(argv=None):
     if not 2 <= args.positions <= args.context:
         ap.error(f"--positions must lie in [2, --context], got {args.positions}")
     t0 = time.time()
-    model, tok, cfg = load_model(None)
+    spec_file = known_model(args.model)
+    model, tok, cfg = load_model(args.model)
     eval_text, eval_info = texts.evaluation_text()
     ids = texts.token_window(tok.encode(eval_text), args.context, name="evaluation text")
     cap = fid.Capture(**capture_qkv(model, jnp.asarray(ids)))
@@ -98,12 +102,12 @@ def main(argv=None):
     calib_ids = texts.token_window(tok.encode(calib_text), args.calibration_tokens, name="calibration text")
     calib_cap = fid.Capture(**capture_qkv(model, jnp.asarray(calib_ids)))
     calib = cal.calibrate(calib_cap.k, calib_cap.q)
-    n_layers = cfg.n_layers
+    n_layers = cap.k.shape[0]  # the layers that scan (Gemma 3: its global ones)
     positions = np.arange(args.context - args.positions, args.context, dtype=np.int32)
     local_start = positions + 1 - LOCAL_TOKENS
     res = {"machine": harness.machine(), "command": harness.command("scripts.row_reuse", argv),
-           "config": vars(args).copy(), "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)",
-           "text": eval_info, "methods": {}}
+           "config": vars(args).copy(), "model": spec_file.title,
+           "text": eval_info, "model_layers": list(getattr(cfg, "global_layers", range(n_layers))), "methods": {}}
     for spec in args.methods.split(","):
         method = methods.parse(spec)
         run = layer_unions(method, args.k)
@@ -120,7 +124,7 @@ def main(argv=None):
         res["methods"][spec] = {"layers": per_layer,
                                 **{key: float(np.mean([r[key] for r in per_layer])) for key in per_layer[0]}}
     res["wall_seconds"] = round(time.time() - t0, 1)
-    prefix = os.path.join(args.out, f"row_reuse_smollm2_{args.context // 1024}k")
+    prefix = os.path.join(args.out, f"row_reuse_{spec_file.slug}_{args.context // 1024}k")
     harness.write_json(prefix + ".json", res)
     with open(prefix + ".md", "w") as f:
         f.write(report(res))
@@ -129,7 +133,8 @@ def main(argv=None):
 
 def report(res: dict) -> str:
     c = res["config"]
-    lines = [f"# Rows a decode step shares with the steps before it (SmolLM2-135M, {c['context']} tokens)", "",
+    name = res["model"].split(" (")[0]
+    lines = [f"# Rows a decode step shares with the steps before it ({name}, {c['context']} tokens)", "",
              f"{res['machine']['date']}, JAX {res['machine']['jax']}, commit {res['machine']['commit']}, "
              f"{res['machine']['backend']}. Command: `{res['command']}`. {res['model']}; evaluation text "
              f"{c['context']} tokens, its last {c['positions']} positions as consecutive decode steps, k = {c['k']} per "
@@ -147,7 +152,8 @@ def report(res: dict) -> str:
     first = next(iter(res["methods"]))
     lines += ["", f"Per layer ({first}, new rows with W = 1 / 8):", "",
               "| layer | rows per group | new (W=1) | new (W=8) | middle new (W=1) |", "|---|---|---|---|---|"]
-    for i, r in enumerate(res["methods"][first]["layers"]):
+    model_layers = res.get("model_layers", range(len(res["methods"][first]["layers"])))
+    for i, r in zip(model_layers, res["methods"][first]["layers"]):
         lines.append(f"| {i} | {r['rows_per_group']:.0f} | {r['new_w1']:.3f} | {r['new_w8']:.3f} | "
                      f"{r['new_middle_w1']:.3f} |")
     lines.append(f"\nWall time {res['wall_seconds']} s.")
