@@ -28,6 +28,11 @@ of rows each in the attn, attnbatch, full and batch sections, over a cache of it
 (``rows``), its row bytes per token and per step, and its host bytes per token (as held, and with every layer's own
 rows).
 
+Inputs (``--inputs today,honest``: one set of attention-only and control rows each, over a cache of its own;
+``scripts/offload_inputs.py``): ``today`` draws the keys every earlier run drew and repeats one query set (or drifts
+it by ``--query-drift``); ``honest`` draws keys whose plane-0 shares match SmolLM2's real keys and drifts the queries so
+that a step reselects ~63% of the rows of the step before, as real decodes measured. The report puts them side by side.
+
 A row cache (``--row-cache SLOTS``, :class:`fathom_jax.decode.RowCache`) pays only when a step reselects rows
 of the steps before it: ``--query-drift RHO`` gives every attention-only step new queries, drifting from the last
 step's (AR(1); 0.95 leaves ~37% of the rows new each step, what SmolLM2 measured on real text) instead of one query
@@ -53,6 +58,7 @@ from fathom_jax.models import LlamaConfig
 from fathom_jax.placement import Placement, device_mesh
 from fathom_jax.rows.layout import RowLayout
 from scripts import harness
+from scripts.offload_inputs import parse_inputs
 from scripts.offload_measure import Run, attention_rows, full_rows, link_section, prefill_section
 from scripts.offload_report import merge
 from scripts.offload_setup import (METHODS, parse_ctx, parse_rows, parse_variants, random_model, rows_tag)
@@ -133,6 +139,10 @@ PRESETS = harness.presets({
     "row-cache-batch8": f"--tag h200_row_cache_b8 --read staged --sections link,attnbatch,attn,batch,attnprofile "
                         f"--contexts 128k --attn-contexts 128k --batches 8 {_F48} --share-kv-from 512k "
                         "--query-drift 0.95 --row-cache 0,16384 --time-budget 390",
+    # results/offload_h200_honest_1m.* (issue 45): today's inputs and honest ones, plane 0 or every plane in HBM, the
+    # link floor and the all-in-HBM control of each
+    "honest-1m": f"--tag h200_honest_1m --sections link,attn,control --contexts 1m {_F48} --resident-planes 1,4 "
+                 "--inputs today,honest --share-kv-from 1m --time-budget 560",
     # results/fetch_order_h200/ (the default fetch order) and results/scan_unroll_h200/ (the default scan)
     "fathom48": f"--tag h200_f48 --read staged --sections link,attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                 "--time-budget 160",
@@ -230,6 +240,10 @@ def main(argv=None):
     ap.add_argument("--query-drift", type=float, default=None,
                     help="attention-only rows: each step's queries drift from the last by AR(1) with this coefficient "
                          "(0.95: ~37%% new rows per step); default: one query set repeated")
+    ap.add_argument("--inputs", default="today",
+                    help="synthetic input sets (scripts/offload_inputs.py), a ','-separated list: one set of attention "
+                         "and control rows each, over a cache of its own: today (the keys of every earlier run, queries "
+                         "repeated or --query-drift) and/or honest (keys and query drift fitted to real decodes)")
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
@@ -264,6 +278,10 @@ def main(argv=None):
             RowLayout.of(entry["format"], args.config.head_dim, jnp.bfloat16)
     except ValueError as e:
         ap.error(f"--rows: {e}")
+    try:
+        args.inputs = parse_inputs(args.inputs)
+    except ValueError as e:
+        ap.error(str(e))
     if args.query_drift is not None and not 0 <= args.query_drift < 1:
         ap.error(f"--query-drift must be in [0, 1), got {args.query_drift}")
     labels = [m for m in args.methods.split(",") if m]
@@ -288,9 +306,9 @@ def main(argv=None):
             for ctx in sorted(args.attn_contexts, reverse=True):
                 for p in args.resident_planes:
                     placement = dataclasses.replace(args.placement, resident_planes=p)
-                    for rows in args.rows:
-                        run.guard(f"attn {ctx} p{p}{rows_tag(rows)}", attention_rows, run, ctx,
-                                  labels, placement=placement, rows=rows)
+                    for rows, inputs in ((r, i) for r in args.rows for i in args.inputs):
+                        run.guard(f"attn {ctx} p{p}{rows_tag(rows)}{inputs_tag(inputs)}", attention_rows, run, ctx,
+                                  labels, placement=placement, rows=rows, inputs=inputs)
         elif section in ("full", "batch", "prefill") and run.model is None:
             run.model = run.guard("model", random_model, args.config, args.placement)
         if section == "full" and run.model is not None:
@@ -320,8 +338,9 @@ def main(argv=None):
                                   labels[:1], batch=b, placement=placement, rows=rows)
         elif section == "control":
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
-            run.guard("control", attention_rows, run, ctx, labels[:1],
-                      placement=Placement("device", mesh=mesh), tag="index and K/V in HBM")
+            for inputs in args.inputs:
+                run.guard(f"control{inputs_tag(inputs)}", attention_rows, run, ctx, labels[:1],
+                          placement=Placement("device", mesh=mesh), tag="index and K/V in HBM", inputs=inputs)
         elif section == "dense":
             METHODS.setdefault("dense", "dense")
             for ctx in [c for c in sorted(args.contexts) if c <= 131072]:
@@ -331,6 +350,11 @@ def main(argv=None):
             run.guard("prefill", prefill_section, run, ctx)
     run.save()
     print(f"done in {time.time() - run.t0:.0f} s; {len(run.res['errors'])} errors", flush=True)
+
+
+def inputs_tag(inputs) -> str:
+    """A section name's suffix naming an input set (none for today's)."""
+    return "" if inputs.name == "today" else f" {inputs.name} inputs"
 
 
 if __name__ == "__main__":

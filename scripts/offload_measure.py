@@ -23,6 +23,7 @@ from fathom_jax.placement import attach_bulk, split_bulk
 from fathom_jax.rows.layout import RowLayout
 from scripts import harness
 from scripts.offload_report import write_report
+from scripts.offload_inputs import INPUTS, InputSet
 from scripts.offload_setup import (AUTHORS_MS, METHODS, build_cache, cache_shape, default_rows, drifting_queries,
                                    hook, random_step_inputs, rows_tag, split_fields, synthetic_calibration,
                                    variant_tag, with_row_cache, without_row_cache)
@@ -36,6 +37,7 @@ class Run:
         self.args = args
         self.cfg = args.config
         self.calib, self.scale = synthetic_calibration(args.config)  # every row's synthetic statistics and keys
+        self._statistics = {INPUTS["today"].keys: (self.calib, self.scale)}  # and other --inputs' (drawn once)
         self.model = None  # the random-weight model, made by the first section that needs it
         self.t0 = time.time()
         self.path = os.path.join(args.out, f"offload_{args.tag}.json")
@@ -44,6 +46,13 @@ class Run:
         self.res["config"]["model"] = dataclasses.asdict(args.config)
         if isinstance(getattr(args, "rows", None), list):  # --rows entries by name (their RowFormat is the name's)
             self.res["config"]["rows"] = [{"name": r["name"], "share_kv_from": r["share_kv_from"]} for r in args.rows]
+
+    def statistics(self, inputs: InputSet | None):
+        """``(calibration, scale)`` of an input set's keys (None: today's)."""
+        keys = (inputs or INPUTS["today"]).keys
+        if keys not in self._statistics:
+            self._statistics[keys] = synthetic_calibration(self.cfg, keys=keys)
+        return self._statistics[keys]
 
     def left(self) -> float:
         return self.args.time_budget - (time.time() - self.t0)
@@ -87,12 +96,13 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
     method = attn.method
     row_bytes = RowLayout.of(attn.rows, cfg.head_dim, jnp.bfloat16).row_bytes
     resident = attn.placement.resident(cfg.n_layers)
-    bits, link_bits = [], []
+    bits, link_bits, plane0, code = [], [], 0.0, 0.0
     for layer in range(cfg.n_layers):
         c = attn.corpus_calibration(layer, q.shape[1])
         read = method.read(q[layer], None, c) if method.name != "fathom_klt" else None
         bits.append(np.asarray(read.bits))
         depths = np.asarray(getattr(read, "depths", np.zeros((1, 1))))
+        plane0, code = plane0 + float((depths > 0).sum()), code + float(depths.sum())
         if resident[layer]:  # planes below the resident count and every scale are read in HBM
             link_bits.append(np.maximum(depths - resident[layer], 0).sum(-1).astype(np.float64))
         else:
@@ -106,7 +116,8 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
     scan = float(bits.sum() * context / 8)
     link = float(np.sum([b.sum() for b in link_bits]) * context / 8)
     rows = float(cfg.n_layers * r * min(g * k, context) * row_bytes)  # union upper bound
-    return {"bits_per_token": float(bits.mean()), "scan_bytes": scan, "link_scan_bytes": link, "row_bytes_max": rows}
+    return {"bits_per_token": float(bits.mean()), "scan_bytes": scan, "link_scan_bytes": link, "row_bytes_max": rows,
+            "plane0_share": plane0 / code if code else None}  # of the planned code bits (a plane method's)
 
 
 def link_section(run: Run):
@@ -163,26 +174,29 @@ def link_rate(run) -> float:
     return float(np.mean(rates)) if rates else float("nan")
 
 
-def _first_cache(run: Run, context, labels, batch, placement, rows):
+def _first_cache(run: Run, context, labels, batch, placement, rows, inputs=None):
     """``(placement, rows, shared, cache)``: the defaults filled in and the synthetic cache of the first method (the
-    others' rows read it too), its K/V row buffer shared by every layer where ``rows`` says so."""
+    others' rows read it too), its K/V row buffer shared by every layer where ``rows`` says so; keys of ``inputs``."""
     args = run.args
     placement = placement or args.placement
     rows = rows or default_rows(args)
     shared = rows["share_kv_from"] is not None and batch * context >= rows["share_kv_from"]
-    first = hook(METHODS[labels[0]], run.calib, args.k, placement, args.implementation,
+    calib, scale = run.statistics(inputs)
+    first = hook(METHODS[labels[0]], calib, args.k, placement, args.implementation,
                  shape=cache_shape(run.cfg, batch, context), rows=rows["format"])
-    return placement, rows, shared, build_cache(first, run.cfg, run.scale, context=context, batch=batch,
+    return placement, rows, shared, build_cache(first, run.cfg, scale, context=context, batch=batch,
                                                 shared_kv=shared)
 
 
-def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag="", rows=None):
+def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag="", rows=None, inputs=None):
     """Attention-only steps of several methods over one synthetic cache (all plane methods share it); ``rows``: a
-    ``--rows`` entry (the K/V row format and its ``--share-kv-from``; default the model dtype)."""
+    ``--rows`` entry (the K/V row format and its ``--share-kv-from``; default the model dtype); ``inputs``: an
+    ``--inputs`` set (its keys and query drift; default today's keys and ``--query-drift``)."""
     args = run.args
     t = time.time()
-    cfg, calib = run.cfg, run.calib
-    placement, rows, shared, cache = _first_cache(run, context, labels, batch, placement, rows)
+    cfg, (calib, _) = run.cfg, run.statistics(inputs)
+    drift = inputs.drift if inputs is not None and inputs.drift is not None else args.query_drift
+    placement, rows, shared, cache = _first_cache(run, context, labels, batch, placement, rows, inputs)
     fill_s = time.time() - t
     q, key, value = random_step_inputs(cfg, batch)
     # Every row starts from the same `context` tokens: the small leaves (lengths, raw tails) are put back before
@@ -190,7 +204,7 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
     # it: before 2026-11-30 (run o5) rows after the first ~64 steps read a full cache).
     bulk = cache.bulk()
     start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])
-    queries = drifting_queries(q, args.query_drift) if args.query_drift is not None else [q]
+    queries = drifting_queries(q, drift) if drift is not None else [q]
     variants = args.variants if placement.offloaded else [{}]
     for label, variant in ((m, v) for m in labels for v in variants):
         if run.left() < 30:
@@ -234,7 +248,8 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
             floor_ms = float("nan")
         cached = row_cache_fields(cache, link_rate(run), nbytes["scan_bytes"])
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
-                 "mesh": placement.num_shards, **split, **tiers, "shared_kv": shared, "query_drift": args.query_drift,
+                 "mesh": placement.num_shards, **split, **tiers, "shared_kv": shared, "query_drift": drift,
+                 "inputs": (inputs or INPUTS["today"]).name,
                  **cached, **host_fields(cache, placement),
                  "fill_s": fill_s,
                  "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, **r, **nbytes,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from scripts import harness
+from scripts.offload_inputs import inputs_lines
 from scripts.offload_setup import AUTHORS_MS, SPLIT_DEFAULTS, split_text, writes_text
 
 
@@ -237,6 +238,7 @@ def write_report(res: dict, prefix: str) -> None:
         lines.append("")
     lines += row_format_lines(att + full)
     lines += row_cache_lines(att + full)
+    lines += inputs_lines(att)
     lines += tier_lines(att)
     for r in full + att:
         if "profile" in r:

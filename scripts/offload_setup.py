@@ -22,8 +22,8 @@ from fathom_jax.models import LlamaForCausalLM
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.rows.layout import row_format
 from pallas_kernels.topk import TopkConfig
+from scripts.offload_inputs import TODAY_KEYS, KeyModel, drifting_queries  # noqa: F401 (drifting_queries: re-exported)
 
-LOGVAR_STD = 1.25
 METHODS = {  # label -> spec
     "Fathom 48": "fathom:48", "Fathom 64": "fathom:64", "SparQ r=16": "sparq:16",
     "32-channel (SparQ r=32)": "sparq:32", "full 4-bit": "full4",
@@ -40,10 +40,12 @@ def parse_ctx(text: str) -> int:
     return int(float(text[:-1] if text[-1] in "km" else text) * mult)
 
 
-def synthetic_calibration(cfg, seed=0):
+def synthetic_calibration(cfg, seed=0, keys: KeyModel = TODAY_KEYS):
+    """``(calibration, scale [L, Hkv, D])`` of ``keys``' channel scales (the calibration's variance is the drawn
+    one); :data:`~scripts.offload_inputs.TODAY_KEYS` draws what every committed run before issue 45 drew."""
     rng = np.random.default_rng(seed)
     shape = (cfg.n_layers, cfg.n_kv_heads)
-    scale = np.exp(0.5 * LOGVAR_STD * rng.standard_normal(shape + (cfg.head_dim,))).astype(np.float32)
+    scale = keys.draw(rng, shape, cfg.head_dim)
     eye = np.broadcast_to(np.eye(cfg.head_dim, dtype=np.float32), shape + (cfg.head_dim, cfg.head_dim))
     calib = calibrate.from_arrays(variance=scale**2, mean=np.zeros_like(scale), basis=eye, eigenvalues=scale**2,
                                   ds_order=np.argsort(-scale, axis=-1), loki_basis=eye)
@@ -126,20 +128,6 @@ def random_step_inputs(cfg, batch, seed=1):
     return q, key, value
 
 
-def drifting_queries(q, rho: float, count: int = 64, seed: int = 2) -> list:
-    """``count`` query sets, each ``rho`` times the one before plus ``sqrt(1 - rho^2)`` fresh noise (an AR(1) drift,
-    stationary: every set has ``q``'s distribution). Real decode steps reselect most rows of the step before; one
-    repeated set would let a row cache hit every row. rho = 0.95 leaves ~37% of a group's rows new to each step
-    (numpy, 128k tokens, k = 512: results/logs/query_drift_numpy_2026-12-01.txt), as SmolLM2 measured on real text
-    (results/row_reuse_smollm2_4k.md)."""
-    rng = np.random.default_rng(seed)
-    out, cur = [], np.asarray(q, np.float32)
-    for _ in range(count):
-        cur = rho * cur + np.sqrt(1 - rho * rho) * rng.standard_normal(cur.shape).astype(np.float32)
-        out.append(jnp.asarray(cur))
-    return out
-
-
 def without_row_cache(cache):
     return dataclasses.replace(cache, row_cache=None)
 
@@ -192,7 +180,7 @@ def rows_tag(rows: dict) -> str:
 # GPU streams and writes after the scan are measured options since deleted, kept for their rows)
 SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
                   "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
-                  "resident_planes": 0, "rows": "model"}
+                  "resident_planes": 0, "rows": "model", "inputs": "today"}
 
 
 def options_text(options) -> str:
@@ -239,6 +227,7 @@ def split_text(r: dict) -> str:
             (["top-k split"] if r.get("topk", "single") != "single" else []) + \
             ([f"{r['layer_unroll']} layers per loop iteration"] if r.get("layer_unroll", 1) > 1 else []) + \
             ([f"row cache {r['row_cache']} slots"] if r.get("row_cache") else []) + \
+            ([f"{r['inputs']} inputs"] if r.get("inputs", "today") != "today" else []) + \
             ([f"xla: {r['xla_options']}"] if r.get("xla_options") else [])
     return "; ".join([text] * bool(text) + extra)
 
