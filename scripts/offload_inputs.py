@@ -47,8 +47,9 @@ TODAY_KEYS = KeyModel("today", 1.25)
 HONEST_KEYS = KeyModel("honest", 2.0, outlier_channels=2, outlier_scale=16.0)
 # The AR(1) drift under which a step at 1M tokens (k = 512, G = 4, HONEST_KEYS) reselects ~63% of the rows of the
 # step before, as exact top-k did on SmolLM2 (0.374 new at 4k, results/row_reuse_smollm2_4k.md; Gemma 3's global
-# layers 0.43, results/row_reuse_gemma3_4k.md). :func:`reselected_share` at 1M, 18 groups x 4 steps: 0.96 -> 0.63,
-# 0.965 -> 0.66 (0.95 -> 0.57). The share falls with the context at a given drift: at 128k ~0.945 gives 0.63.
+# layers 0.43, results/row_reuse_gemma3_4k.md). :func:`reselected_share` at 1M (results/offload_inputs_cpu.md, 12
+# groups): 0.95 -> 0.62, 0.96 -> 0.65, 0.965 -> 0.67; 18 other groups gave 0.60 / 0.63 at 0.95 / 0.96: groups differ
+# by a few points. The share falls with the context at a given drift (at 128k, 0.96 -> 0.72).
 HONEST_DRIFT = 0.96
 
 
