@@ -142,7 +142,7 @@ PRESETS = harness.presets({
     # results/offload_h200_honest_1m.* (issue 45): today's inputs and honest ones, plane 0 or every plane in HBM, the
     # link floor and the all-in-HBM control of each
     "honest-1m": f"--tag h200_honest_1m --sections link,attn,control --contexts 1m {_F48} --resident-planes 1,4 "
-                 "--inputs today,honest --share-kv-from 1m --time-budget 560",
+                 "--inputs today,honest --share-kv-from 1m --time-budget 290",
     # results/fetch_order_h200/ (the default fetch order) and results/scan_unroll_h200/ (the default scan)
     "fathom48": f"--tag h200_f48 --read staged --sections link,attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                 "--time-budget 160",
