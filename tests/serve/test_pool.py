@@ -1,0 +1,113 @@
+"""SessionPool on the tiny decoder (CPU): sessions joining, pausing, saved and loaded, leaving, decode exactly what
+they decode alone; the step compiles once; bad requests fail by name before any work."""
+
+import jax
+import numpy as np
+import pytest
+
+from fathom_jax import decode
+from fathom_jax.serve import PoolConfig, SessionPool
+from tests.serve.conftest import CAPACITY, PROMPTS
+
+
+def _pool(model, attention, slots=2, **kw):
+    return SessionPool(model, attention, PoolConfig(slots=slots, capacity=CAPACITY, **kw))
+
+
+def test_a_session_in_the_pool_decodes_what_it_decodes_alone(tiny_model, attention, lone_tokens):
+    pool = _pool(tiny_model, attention)
+    sid = pool.add(PROMPTS[0])
+    streamed = [pool.tokens(sid)[0]]
+    for _ in range(12):
+        out = pool.step()
+        assert list(out) == [sid]
+        streamed.append(out[sid])
+    assert streamed == pool.tokens(sid) == lone_tokens[0]
+
+
+def test_pause_save_load_and_churn_change_nothing_bit_for_bit(tiny_model, attention, lone_tokens, tmp_path):
+    pool = _pool(tiny_model, attention)
+    a = pool.add(PROMPTS[0])
+    for _ in range(12):
+        pool.step()
+    pool.pause(a)
+    alone = pool.session(a).parked  # the uninterrupted session's whole cache after 12 steps
+    pool.remove(a)
+
+    a = pool.add(PROMPTS[0])
+    b = pool.add(PROMPTS[1])
+    for _ in range(4):
+        pool.step()
+    pool.pause(a)
+    pool.save(a, tmp_path / "a")
+    pool.remove(a)
+    c = pool.add(PROMPTS[2])  # takes a's slot, then leaves
+    pool.step()
+    pool.step()
+    pool.remove(b)
+    a = pool.load(tmp_path / "a")
+    assert pool.session(a).slot == 1
+    pool.step()
+    pool.pause(a)
+    pool.step()
+    assert pool.tokens(c) == lone_tokens[2][:5]
+    pool.remove(c)
+    pool.resume(a)  # into the other slot
+    assert pool.session(a).slot == 0
+    for _ in range(7):
+        pool.step()
+    assert pool.tokens(a) == lone_tokens[0]
+    pool.pause(a)
+    resumed = pool.session(a).parked
+    for x, y in zip(jax.tree.leaves(alone), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert pool.step_compiles() == 1  # joins, leaves, pauses and loads never compiled the step again
+
+
+def test_more_sessions_than_slots_park_and_a_full_session_leaves_its_slot(tiny_model, attention):
+    pool = SessionPool(tiny_model, attention, PoolConfig(slots=1, capacity=96))  # 96 tokens: PROMPTS[0] + 26
+    a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
+    assert pool.session(a).slot == 0 and pool.session(b).parked is not None and pool.free_slots == 0
+    with pytest.raises(ValueError, match="no free slot"):
+        pool.resume(b)
+    steps = 0
+    while pool.session(a).slot is not None:
+        pool.step()
+        steps += 1
+    assert pool.session(a).length == pool.config.capacity  # parked once full: decoded to the last token
+    pool.resume(b)
+    assert pool.step() and pool.memory()["host"]["parked"] == 1
+
+
+def test_bad_requests_fail_by_name_before_any_work(tiny_model, attention, tmp_path):
+    pool = _pool(tiny_model, attention)
+    with pytest.raises(ValueError, match="prompt must be a non-empty 1-D"):
+        pool.add(np.zeros((0,), np.int32))
+    with pytest.raises(ValueError, match="capacity 256"):
+        pool.add(np.zeros((CAPACITY,), np.int32))
+    with pytest.raises(KeyError, match="no session 7"):
+        pool.pause(7)
+    sid = pool.add(PROMPTS[1])
+    with pytest.raises(ValueError, match="pause it first"):
+        pool.save(sid, tmp_path / "s")
+    with pytest.raises(ValueError, match="slots must be an int >= 1"):
+        PoolConfig(slots=0, capacity=8)
+    with pytest.raises(TypeError, match="SparseAttention"):
+        SessionPool(tiny_model, object(), PoolConfig(slots=1, capacity=64))
+
+
+def test_a_pool_split_over_two_devices_decodes_the_same(tiny_model, attention, lone_tokens):
+    from fathom_jax.placement import Placement, device_mesh
+
+    mesh = device_mesh(2)
+    sharded = decode.from_spec("fathom:32", k=40, placement=Placement(mesh=mesh))
+    pool = _pool(tiny_model, sharded)
+    a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
+    for _ in range(6):
+        pool.step()
+    pool.pause(b)
+    pool.resume(b)
+    for _ in range(6):
+        pool.step()
+    assert pool.tokens(a) == lone_tokens[0] and pool.tokens(b) == lone_tokens[1]
+    assert pool.step_compiles() == 1
