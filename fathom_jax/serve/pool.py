@@ -120,6 +120,7 @@ class SessionPool:
         self._cache = self.attention.start_decode(cache, np.zeros(config.slots, np.int32))
         self._run = self.attention.program(_pool_step_fn, self._cache, static=(self._graphdef,),
                                            options=generation.decode_compiler_options())
+        self._compiled_before = self._run.jit._cache_size()  # programs of this layout other pools compiled
         self._slots: list[int | None] = [None] * config.slots
         self._sessions: dict[int, Session] = {}
         self._ids = itertools.count()
@@ -139,6 +140,11 @@ class SessionPool:
         return list(self.session(sid).tokens)
 
     @property
+    def cache(self) -> SparseCache:
+        """The pool's stacked cache (every slot; the next step donates it)."""
+        return self._cache
+
+    @property
     def free_slots(self) -> int:
         return self._slots.count(None)
 
@@ -147,8 +153,9 @@ class SessionPool:
         return self.budget.report(parked=sum(s.parked is not None for s in self._sessions.values()))
 
     def step_compiles(self) -> int:
-        """Programs compiled for the step so far (1 once it ran: joins and leaves never add one)."""
-        return self._run.jit._cache_size()
+        """Step programs this pool compiled: 1 once it stepped (0 if an earlier pool of the same layout did); joins
+        and leaves never add one."""
+        return self._run.jit._cache_size() - self._compiled_before
 
     # -- sessions in and out ------------------------------------------------------------------
     def add(self, prompt: Int[Array, "T"]) -> int:

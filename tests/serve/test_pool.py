@@ -38,6 +38,7 @@ def test_pause_save_load_and_churn_change_nothing_bit_for_bit(tiny_model, attent
     b = pool.add(PROMPTS[1])
     for _ in range(4):
         pool.step()
+    compiled = pool.step_compiles()  # 1, or 0 where an earlier test's pool of this layout compiled the step
     pool.pause(a)
     pool.save(a, tmp_path / "a")
     pool.remove(a)
@@ -61,7 +62,7 @@ def test_pause_save_load_and_churn_change_nothing_bit_for_bit(tiny_model, attent
     resumed = pool.session(a).parked
     for x, y in zip(jax.tree.leaves(alone), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert pool.step_compiles() == 1  # joins, leaves, pauses and loads never compiled the step again
+    assert pool.step_compiles() == compiled <= 1  # joins, leaves, pauses and loads never compiled it again
 
 
 def test_more_sessions_than_slots_park_and_a_full_session_leaves_its_slot(tiny_model, attention):
@@ -110,4 +111,4 @@ def test_a_pool_split_over_two_devices_decodes_the_same(tiny_model, attention, l
     for _ in range(6):
         pool.step()
     assert pool.tokens(a) == lone_tokens[0] and pool.tokens(b) == lone_tokens[1]
-    assert pool.step_compiles() == 1
+    assert pool.step_compiles() <= 1
