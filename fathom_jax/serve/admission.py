@@ -36,12 +36,13 @@ def short_message(where: str, memory: str, need: int, free: int, budget: int, wh
             f"{_fmt(max(free, 0))} of the {_fmt(budget)} {memory} budget is free ({held})")
 
 
-def free_device_bytes() -> int | None:
-    """Free memory of the first local device, where the backend reports it (None on CPU)."""
+def free_device_bytes(fraction: float = 0.9) -> int | None:
+    """``fraction`` of the first local device's free memory, where the backend reports it (None on CPU): the rest is
+    left to what the ledger does not count (a prefill's activations, the step's temporaries)."""
     stats = jax.local_devices()[0].memory_stats()
     if not stats or "bytes_limit" not in stats:
         return None
-    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
 
 
 @dataclasses.dataclass

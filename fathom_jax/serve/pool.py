@@ -40,7 +40,8 @@ PROMPT_BUCKET = 64  # prompts are right-padded to a multiple of this: a prefill 
 class PoolConfig:
     """``slots``: sessions decoded per step; ``capacity``: tokens per session (prompt and generated);
     ``host_bytes``: host memory for parked sessions (None: 80% of the machine's); ``hbm_bytes``: device memory for
-    the pool's cache and one prefill (None: the device's free memory where it reports it, else unchecked)."""
+    the pool's cache and one prefill (None: 90% of the device's free memory where it reports it, else
+    unchecked)."""
 
     slots: int
     capacity: int
@@ -274,7 +275,7 @@ class SessionPool:
         self._slots[slot], session.slot = session.id, slot
 
     def _park(self, session: Session, one: SparseCache) -> None:
-        session.parked = slots_lib.to_host(one)
+        session.parked = slots_lib.to_host(one, self.attention.placement)
         self.budget.park(session.id)
         if session.slot is not None:
             self._free(session.slot)

@@ -103,11 +103,16 @@ def _clear_length(length, slot):
 # Where a parked session lives: host memory (pinned where the backend has it), as a tree of one sequence.
 
 
-def to_host(session: SparseCache) -> SparseCache:
+def to_host(session: SparseCache, placement: Placement) -> SparseCache:
     """``session`` copied to host memory: ``pinned_host`` arrays on a backend with them, numpy arrays elsewhere."""
-    if host_memory_available():
-        return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), session)
-    return jax.device_get(session)
+    if not host_memory_available():
+        return jax.device_get(session)
+    host = placement.replicated().with_memory_kind("pinned_host")
+
+    def one(x):
+        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host") if isinstance(x, jax.Array) else host)
+
+    return jax.tree.map(one, session)
 
 
 def to_device(session: SparseCache, placement: Placement) -> SparseCache:
