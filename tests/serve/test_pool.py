@@ -112,3 +112,45 @@ def test_a_pool_split_over_two_devices_decodes_the_same(tiny_model, attention, l
         pool.step()
     assert pool.tokens(a) == lone_tokens[0] and pool.tokens(b) == lone_tokens[1]
     assert pool.step_compiles() <= 1
+
+
+def test_the_pool_step_runs_the_methods_kernels(tiny_model):
+    from flax import nnx
+
+    from tests.support import jaxpr_pallas_calls
+
+    pool = SessionPool(tiny_model, decode.from_spec("fathom:32", k=40, implementation="pallas"),
+                       PoolConfig(slots=2, capacity=CAPACITY))
+    _, params = nnx.split(tiny_model)
+    traced = pool._run.trace(params, np.zeros(2, np.int32), np.array([True, False]), cache=pool.cache)
+    for name in ("fathom_plane_scan", "row_fetch", "water_line"):
+        assert len(jaxpr_pallas_calls(traced.jaxpr, name)) >= 1, name
+
+
+HAS_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+def test_on_the_gpu_parked_sessions_sit_in_pinned_host_memory_and_decode_bit_for_bit(tiny_model, tmp_path):
+    attn = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="pallas")
+    pool = _pool(tiny_model, attn)
+    a = pool.add(PROMPTS[0])
+    for _ in range(12):
+        pool.step()
+    alone = pool.tokens(a)
+    pool.remove(a)
+    a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
+    for _ in range(5):
+        pool.step()
+    pool.pause(a)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(pool.session(a).parked)} == {"pinned_host"}
+    pool.save(a, tmp_path / "a")
+    pool.remove(a)
+    pool.step()
+    a = pool.load(tmp_path / "a")
+    for _ in range(7):
+        pool.step()
+    assert pool.tokens(a) == alone
+    with pytest.raises(ValueError, match="pinned_host memory needs its slot moves written by a kernel"):
+        _pool(tiny_model, decode.from_spec("fathom:32", k=40, placement="pinned_host", implementation="pallas"))
