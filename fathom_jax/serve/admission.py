@@ -13,7 +13,7 @@ import dataclasses
 
 import jax
 
-from fathom_jax.placement import host_memory
+from fathom_jax.placement import host_memory, host_memory_available
 
 GiB = 1 << 30
 
@@ -62,6 +62,9 @@ class Budget:
         if host is None:
             phys = host_memory.physical_bytes()
             host = None if phys is None else int(0.8 * phys)
+            if host_memory_available():  # parked sessions are pinned: XLA's pinned allocator has its own cap
+                cap = int(0.8 * host_memory.limit_gib() * GiB)
+                host = cap if host is None else min(host, cap)
         hbm = config.hbm_bytes if config.hbm_bytes is not None else free_device_bytes()
         return cls(session=session, slots=config.slots, host=host, hbm=hbm)
 

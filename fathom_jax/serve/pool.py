@@ -39,7 +39,8 @@ PROMPT_BUCKET = 64  # prompts are right-padded to a multiple of this: a prefill 
 @dataclasses.dataclass(frozen=True)
 class PoolConfig:
     """``slots``: sessions decoded per step; ``capacity``: tokens per session (prompt and generated);
-    ``host_bytes``: host memory for parked sessions (None: 80% of the machine's); ``hbm_bytes``: device memory for
+    ``host_bytes``: host memory for parked sessions (None: 80% of the machine's, and
+    of XLA's pinned-memory cap where parked sessions are pinned); ``hbm_bytes``: device memory for
     the pool's cache and one prefill (None: 90% of the device's free memory where it reports it, else
     unchecked)."""
 
