@@ -202,9 +202,10 @@ class SessionPool:
         if self.free_slots == 0:
             raise AdmissionError(f"SessionPool.resume: no free slot for session {sid} (all {self.config.slots} slots "
                                  "are taken): pause or remove a session first")
-        parked, session.parked = session.parked, None
+        self.budget.admit_session("SessionPool.resume", parked=False)
+        self._place(session, slots_lib.to_device(session.parked, self.attention.placement), parked=False)
+        session.parked = None  # only once it is in its slot: a failed move keeps the parked copy
         self.budget.unpark(session.id)
-        self._place(session, slots_lib.to_device(parked, self.attention.placement), parked=False)
 
     def remove(self, sid: int) -> None:
         """Forget the session and free its slot or its host memory."""
@@ -217,7 +218,8 @@ class SessionPool:
     # -- decoding -------------------------------------------------------------------------------
     def step(self) -> dict[int, int]:
         """One token for every session in a slot, in one compiled program: ``{session id: its new token}``. A
-        session whose cache is full is parked first (it can be saved or removed, not decoded)."""
+        session whose cache is full is parked first (it can be saved or removed, not decoded; an
+        :class:`AdmissionError` if host memory cannot take it, before anything is decoded)."""
         for session in list(self._sessions.values()):
             if session.slot is not None and session.length + 1 > self.config.capacity:
                 self.pause(session.id)

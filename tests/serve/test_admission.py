@@ -30,21 +30,20 @@ def test_the_ledger_names_the_memory_short_and_by_how_much():
 
 
 def test_a_refused_session_leaves_the_pool_as_it_was(tiny_model, attention, lone_tokens):
-    probe = SessionPool(tiny_model, attention, PoolConfig(slots=1, capacity=CAPACITY))
-    one = probe.memory()["session_bytes"]
-    pool = SessionPool(tiny_model, attention, PoolConfig(slots=1, capacity=CAPACITY, host_bytes=one + one // 2))
-    a = pool.add(PROMPTS[0])
+    one = SessionPool(tiny_model, attention, PoolConfig(slots=2, capacity=CAPACITY)).memory()["session_bytes"]
+    pool = SessionPool(tiny_model, attention, PoolConfig(slots=2, capacity=CAPACITY, host_bytes=one + one // 2))
+    a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
     pool.step()
-    b = pool.add(PROMPTS[1])  # parked: room for one
+    c = pool.add(PROMPTS[2])  # parked: room for one
     live = len(jax.live_arrays())
     with pytest.raises(AdmissionError, match=r"SessionPool.add: host is short by .*\(1 parked sessions hold"):
         pool.add(PROMPTS[2])
     with pytest.raises(AdmissionError, match=r"SessionPool.pause: host is short by"):
         pool.pause(a)
-    assert len(jax.live_arrays()) == live and sorted(pool.sessions) == [a, b] and pool.session(a).slot == 0
+    assert len(jax.live_arrays()) == live and sorted(pool.sessions) == [a, b, c] and pool.session(a).slot == 0
     for _ in range(11):
         pool.step()
-    assert pool.tokens(a) == lone_tokens[0]
+    assert pool.tokens(a) == lone_tokens[0] and pool.tokens(b) == lone_tokens[1]
 
 
 def test_a_pool_larger_than_its_device_budget_is_refused_before_allocating(tiny_model, attention):

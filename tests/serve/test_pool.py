@@ -66,18 +66,17 @@ def test_pause_save_load_and_churn_change_nothing_bit_for_bit(tiny_model, attent
 
 
 def test_more_sessions_than_slots_park_and_a_full_session_leaves_its_slot(tiny_model, attention):
-    pool = SessionPool(tiny_model, attention, PoolConfig(slots=1, capacity=96))  # 96 tokens: PROMPTS[0] + 26
-    a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
-    assert pool.session(a).slot == 0 and pool.session(b).parked is not None and pool.free_slots == 0
+    pool = _pool(tiny_model, attention)
+    long = np.resize(PROMPTS[2], CAPACITY - 16)  # full after 16 steps
+    a, b, c = pool.add(long), pool.add(PROMPTS[1]), pool.add(PROMPTS[0])
+    assert pool.session(a).slot == 0 and pool.session(c).parked is not None and pool.free_slots == 0
     with pytest.raises(ValueError, match="no free slot"):
-        pool.resume(b)
-    steps = 0
+        pool.resume(c)
     while pool.session(a).slot is not None:
         pool.step()
-        steps += 1
-    assert pool.session(a).length == pool.config.capacity  # parked once full: decoded to the last token
-    pool.resume(b)
-    assert pool.step() and pool.memory()["host"]["parked"] == 1
+    assert pool.session(a).length == CAPACITY and len(pool.tokens(a)) == 17  # decoded to the last token, then parked
+    pool.resume(c)
+    assert sorted(pool.step()) == [b, c] and pool.memory()["host"]["parked"] == 1
 
 
 def test_bad_requests_fail_by_name_before_any_work(tiny_model, attention, tmp_path):
@@ -104,13 +103,13 @@ def test_a_pool_split_over_two_devices_decodes_the_same(tiny_model, attention, l
     sharded = decode.from_spec("fathom:32", k=40, placement=Placement(mesh=mesh))
     pool = _pool(tiny_model, sharded)
     a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
-    for _ in range(6):
+    for _ in range(3):
         pool.step()
     pool.pause(b)
     pool.resume(b)
-    for _ in range(6):
+    for _ in range(3):
         pool.step()
-    assert pool.tokens(a) == lone_tokens[0] and pool.tokens(b) == lone_tokens[1]
+    assert pool.tokens(a) == lone_tokens[0][:7] and pool.tokens(b) == lone_tokens[1][:7]
     assert pool.step_compiles() <= 1
 
 

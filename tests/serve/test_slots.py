@@ -15,10 +15,9 @@ def _filled(attention, batch, seed):
     shape = CacheShape(layers=2, batch=batch, kv_heads=2, capacity=128, head_dim=8, dtype=jnp.float32)
     attn = attention.bind(shape)
     cache = attn.start_decode(attn.init_cache(shape), np.zeros(batch, np.int32))
-    keys = jax.random.split(jax.random.key(seed), len(jax.tree.leaves(cache)))
-    fill = lambda x, k: jax.random.randint(k, x.shape, 0, 100).astype(x.dtype)  # noqa: E731
-    return jax.tree.unflatten(jax.tree.structure(cache), [fill(x, k) for x, k in
-                                                          zip(jax.tree.leaves(cache), keys)]), attn
+    rng = np.random.default_rng(seed)
+    leaves = [jnp.asarray(rng.integers(0, 100, x.shape).astype(x.dtype)) for x in jax.tree.leaves(cache)]
+    return jax.tree.unflatten(jax.tree.structure(cache), leaves), attn
 
 
 def test_insert_then_extract_is_exact_and_touches_one_slot(attention):
