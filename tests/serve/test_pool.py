@@ -7,6 +7,7 @@ import pytest
 
 from fathom_jax import decode
 from fathom_jax.serve import PoolConfig, SessionPool
+from scripts import pool_trace
 from tests.serve.conftest import CAPACITY, PROMPTS
 
 
@@ -63,6 +64,25 @@ def test_pause_save_load_and_churn_change_nothing_bit_for_bit(tiny_model, attent
     for x, y in zip(jax.tree.leaves(alone), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert pool.step_compiles() == compiled <= 1  # joins, leaves, pauses and loads never compiled it again
+
+
+@pytest.mark.parametrize("spec,rows", [("fathom_klt:32", "k8v8")])  # a KLT basis in the session statistics
+def test_other_methods_and_row_formats_move_between_slots_exactly(tiny_model, spec, rows):
+    pool = _pool(tiny_model, decode.from_spec(spec, k=40, rows=rows))
+    a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
+    for _ in range(3):
+        pool.step()
+    pool.pause(a)
+    pool.pause(b)
+    pool.resume(b)
+    pool.resume(a)  # each in the other's slot
+    assert (pool.session(a).slot, pool.session(b).slot) == (1, 0)
+    for _ in range(3):
+        pool.step()
+    got = pool.tokens(a), pool.tokens(b)
+    pool.remove(a)
+    pool.remove(b)
+    assert got == tuple(pool_trace.lone_tokens(pool, p, 7) for p in PROMPTS[:2])
 
 
 def test_more_sessions_than_slots_park_and_a_full_session_leaves_its_slot(tiny_model, attention):
