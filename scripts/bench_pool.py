@@ -40,10 +40,10 @@ def build_model(name: str):
         from fathom_jax.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM(TINY, rngs=nnx.Rngs(0))
-    from scripts.bench_offload import QWEN3_8B
+    from scripts.bench_offload import QWEN3_8B, SMOKE
     from scripts.offload_setup import random_model
 
-    return random_model(QWEN3_8B, Placement())
+    return random_model(SMOKE if name == "smoke" else QWEN3_8B, Placement())  # random bf16 weights
 
 
 def prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[np.ndarray]:
@@ -162,7 +162,8 @@ def _plot(r: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=("tiny", "qwen3-8b"), default="qwen3-8b")
+    ap.add_argument("--model", choices=("tiny", "smoke", "qwen3-8b"), default="qwen3-8b",
+                    help="tiny: f32, 3 layers, head_dim 8; smoke: Qwen3-8B's dtype at 3 layers, head_dim 64")
     ap.add_argument("--prompt-tokens", type=int, default=32768)
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--sessions", type=int, default=8)
