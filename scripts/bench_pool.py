@@ -1,0 +1,200 @@
+"""Session-pool benchmark: a churn trace (arrivals, decode bursts, pauses, saves and loads, departures, more sessions
+than slots) on a :class:`fathom_jax.serve.SessionPool`: results/pool_<tag>.{json,md,png}.
+
+    python3 -m scripts.bench_pool --model qwen3-8b --prompt-tokens 32768 --slots 4 --sessions 8 --out $OUT  # H200
+    python3 -m scripts.bench_pool --model tiny --prompt-tokens 200 --slots 2 --sessions 4 --out /tmp/pool   # CPU
+
+Reports the aggregate decode rate over the trace's bursts (tokens of every active session per second, the streamed
+tokens read back after each step) against the fixed batch of the same size (the pool's cache with every slot full,
+decoded by the plain ``decode_step`` driver), the time to add a session (a prefill of its prompt alone and the move
+into a slot or host memory), save and load rates (a session's bytes over the seconds), and host and HBM bytes over
+the trace. Qwen3-8B shapes run with random bf16 weights (``scripts/offload_setup.random_model``) and random prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from fathom_jax import decode
+from fathom_jax.models import generation
+from fathom_jax.models.config import LlamaConfig
+from fathom_jax.placement import Placement
+from fathom_jax.serve import PoolConfig, SessionPool
+from scripts import harness, pool_trace
+
+TINY = LlamaConfig(vocab=97, hidden=32, intermediate=48, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=8,
+                   rope_theta=1e4, rms_norm_eps=1e-6, attention_bias=True, qk_norm=True)
+
+
+def build_model(name: str):
+    if name == "tiny":
+        from flax import nnx
+
+        from fathom_jax.models.llama import LlamaForCausalLM
+
+        return LlamaForCausalLM(TINY, rngs=nnx.Rngs(0))
+    from scripts.bench_offload import QWEN3_8B, SMOKE
+    from scripts.offload_setup import random_model
+
+    return random_model(SMOKE if name == "smoke" else QWEN3_8B, Placement())  # random bf16 weights
+
+
+def prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[np.ndarray]:
+    """Random prompts of ``length`` minus up to 63 tokens (sessions of different lengths, in one prefill bucket when
+    ``length`` is a multiple of 64)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length - int(rng.integers(0, min(64, length)))).astype(np.int32)
+            for _ in range(count)]
+
+
+def fixed_batch_rate(pool: SessionPool, steps: int) -> float:
+    """Tokens per second of the plain decode driver on the pool's cache with every slot full (consumes the pool)."""
+    attn, cache = pool.attention, pool.cache
+    tokens = np.zeros(pool.config.slots, np.int32)
+    tok, _, cache = generation.decode_step(pool.model, tokens, cache, attn)  # compile
+    jax.block_until_ready(tok)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok, _, cache = generation.decode_step(pool.model, tok, cache, attn)
+    jax.block_until_ready(tok)
+    return pool.config.slots * steps / (time.perf_counter() - t0)
+
+
+def bench(args) -> dict:
+    model = build_model(args.model)
+    vocab = model.config.vocab
+    attn = decode.from_spec(args.method, k=args.k, rows=None if args.rows == "model" else args.rows)
+    capacity = args.prompt_tokens + args.rounds * args.burst + 2 * args.fixed_steps + 64
+    pool = SessionPool(model, attn, PoolConfig(slots=args.slots, capacity=capacity))
+    texts = prompts(vocab, args.sessions, args.prompt_tokens)
+    events = pool_trace.churn(args.sessions, args.slots, args.rounds, args.burst, seed=args.seed)
+    with tempfile.TemporaryDirectory(dir=args.save_dir) as save_dir:
+        pool_trace.warm_up(pool, texts[0], save_dir)  # nothing below compiles but a prefill of a new length bucket
+        res = pool_trace.run(pool, events, texts, save_dir)
+    steps = [e for e in res["timeline"] if e["op"] == "steps"]
+    decoded, seconds = sum(e["tokens"] for e in steps), sum(e["seconds"] for e in steps)
+    full = [pool.add(t) for t in texts[: args.slots]]
+    for _ in range(2):
+        pool.step()
+    one = res["session_bytes"]
+    out = dict(model=args.model, method=args.method, k=args.k, rows=args.rows, slots=args.slots,
+               sessions=args.sessions, prompt_tokens=args.prompt_tokens, capacity=capacity, rounds=args.rounds,
+               burst=args.burst, events=len(events), session_bytes=one,
+               pool_tokens_per_s=decoded / seconds if seconds else None, pool_steps=sum(e["steps"] for e in steps),
+               mean_active=decoded / max(1, sum(e["steps"] for e in steps)),
+               full_pool_tokens_per_s=_full_rate(pool, args.fixed_steps),
+               add_s=res["add_s"], save_gb_s=[one / s / 1e9 for s in res["save_s"]],
+               load_gb_s=[one / s / 1e9 for s in res["load_s"]], step_compiles=res["step_compiles"],
+               timeline=res["timeline"], slots_filled=len(full))
+    out["fixed_batch_tokens_per_s"] = fixed_batch_rate(pool, args.fixed_steps)
+    return out
+
+
+def _full_rate(pool: SessionPool, steps: int) -> float:
+    t0 = time.perf_counter()
+    tokens = sum(len(pool.step()) for _ in range(steps))
+    return tokens / (time.perf_counter() - t0)
+
+
+def _fmt(values, spec=".3g") -> str:
+    return "n/a" if not values else f"{np.median(values):{spec}} (median of {len(values)})"
+
+
+def write_report(res: dict, prefix: str) -> None:
+    m, r = res["machine"], res["pool"]
+    lines = [f"# Session pool: {r['slots']} slots, {r['sessions']} sessions of ~{r['prompt_tokens']} tokens "
+             f"({r['model']})", "",
+             f"{m['date']}, {m['device']}, JAX {m['jax']}, commit {m['commit']}. Command: `{res['command']}`.",
+             f"{r['method']}, k = {r['k']}, rows `{r['rows']}`, capacity {r['capacity']}; a churn trace of "
+             f"{r['events']} events ({r['rounds']} bursts of 1-{r['burst']} steps). One session: "
+             f"{r['session_bytes'] / 1e6:.1f} MB. Step programs compiled: {r['step_compiles']}.", "",
+             "| measure | value |", "|---|---|",
+             f"| churn: tokens/s (all active sessions; {r['mean_active']:.2f} active per step on average) | "
+             f"{r['pool_tokens_per_s']:.1f} |",
+             f"| pool, every slot full: tokens/s (streamed, read back each step) | {r['full_pool_tokens_per_s']:.1f} |",
+             f"| fixed batch of {r['slots']} (plain decode_step on the same cache) : tokens/s | "
+             f"{r['fixed_batch_tokens_per_s']:.1f} |",
+             f"| add a session (prefill alone + move), s | {_fmt(r['add_s'])} |",
+             f"| save, GB/s | {_fmt(r['save_gb_s'])} |", f"| load, GB/s | {_fmt(r['load_gb_s'])} |", "",
+             "| event | session | s | parked | host MB | HBM MB (pool) | device in use MB |", "|---|---|---|---|---|---|---|"]
+    for e in r["timeline"]:
+        dev = "n/a" if e["device_in_use"] is None else f"{e['device_in_use'] / 1e6:.1f}"
+        who = "" if e["session"] is None else e["session"]
+        op = e["op"] if e["op"] != "steps" else f"{e['steps']} steps"
+        lines.append(f"| {op} | {who} | {e['seconds']:.3f} | {e['parked']} | {e['host_bytes'] / 1e6:.1f} | "
+                     f"{e['hbm_bytes'] / 1e6:.1f} | {dev} |")
+    with open(prefix + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    _plot(r, prefix + ".png")
+
+
+def _plot(r: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [e["at"] for e in r["timeline"]]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    bursts = [e for e in r["timeline"] if e["op"] == "steps" and e["seconds"]]
+    a.plot([e["at"] for e in bursts], [e["tokens"] / e["seconds"] for e in bursts], "o-", label="churn bursts")
+    a.axhline(r["fixed_batch_tokens_per_s"], color="k", ls="--", label=f"fixed batch of {r['slots']}")
+    a.set_ylabel("tokens/s")
+    a.legend()
+    b.step(t, [e["host_bytes"] / 1e9 for e in r["timeline"]], where="post", label="host (parked)")
+    b.step(t, [e["hbm_bytes"] / 1e9 for e in r["timeline"]], where="post", label="HBM (pool cache)")
+    if all(e["device_in_use"] is not None for e in r["timeline"]):
+        b.step(t, [e["device_in_use"] / 1e9 for e in r["timeline"]], where="post", label="device in use")
+    b.set_ylabel("GB")
+    b.set_xlabel("seconds into the trace")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("tiny", "smoke", "qwen3-8b"), default="qwen3-8b",
+                    help="tiny: f32, 3 layers, head_dim 8; smoke: Qwen3-8B's dtype at 3 layers, head_dim 64")
+    ap.add_argument("--prompt-tokens", type=int, default=32768)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--burst", type=int, default=8)
+    ap.add_argument("--fixed-steps", type=int, default=16)
+    ap.add_argument("--method", default="fathom:48")
+    ap.add_argument("--k", type=int, default=512)
+    ap.add_argument("--rows", default="k8v8", help="K/V row format (model: the model dtype)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-dir", default=None, help="where saves go (default: the system's temporary directory)")
+    ap.add_argument("--tag", default=None, help="default <model>_<prompt tokens>_<backend>")
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args(argv)
+    for name in ("prompt_tokens", "slots", "sessions", "rounds", "burst", "fixed_steps", "k"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.sessions <= args.slots:
+        print(f"note: {args.sessions} sessions in {args.slots} slots: none has to park", file=sys.stderr)
+    tag = args.tag or f"{args.model}_{args.prompt_tokens}_{jax.default_backend()}"
+    res = dict(machine=harness.machine(), command=harness.command("scripts.bench_pool", argv), pool=bench(args))
+    os.makedirs(args.out, exist_ok=True)
+    prefix = os.path.join(args.out, f"pool_{tag}")
+    harness.write_json(prefix + ".json", res)
+    write_report(res, prefix)
+    r = res["pool"]
+    print(f"{prefix}.md: churn {r['pool_tokens_per_s']:.1f} tok/s, full pool {r['full_pool_tokens_per_s']:.1f}, "
+          f"fixed batch {r['fixed_batch_tokens_per_s']:.1f}; add {_fmt(r['add_s'])} s; save "
+          f"{_fmt(r['save_gb_s'])} GB/s, load {_fmt(r['load_gb_s'])} GB/s; step compiles {r['step_compiles']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

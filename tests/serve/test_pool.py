@@ -1,0 +1,175 @@
+"""SessionPool on the tiny decoder (CPU): sessions joining, pausing, saved and loaded, leaving, decode exactly what
+they decode alone; the step compiles once; bad requests fail by name before any work."""
+
+import jax
+import numpy as np
+import pytest
+
+from fathom_jax import decode
+from fathom_jax.serve import PoolConfig, SessionPool
+from scripts import pool_trace
+from tests.serve.conftest import CAPACITY, PROMPTS
+
+
+def _pool(model, attention, slots=2, **kw):
+    return SessionPool(model, attention, PoolConfig(slots=slots, capacity=CAPACITY, **kw))
+
+
+def test_a_session_in_the_pool_decodes_what_it_decodes_alone(tiny_model, attention, lone_tokens):
+    pool = _pool(tiny_model, attention)
+    sid = pool.add(PROMPTS[0])
+    streamed = [pool.tokens(sid)[0]]
+    for _ in range(12):
+        out = pool.step()
+        assert list(out) == [sid]
+        streamed.append(out[sid])
+    assert streamed == pool.tokens(sid) == lone_tokens[0]
+
+
+def test_pause_save_load_and_churn_change_nothing_bit_for_bit(tiny_model, attention, lone_tokens, tmp_path):
+    pool = _pool(tiny_model, attention)
+    a = pool.add(PROMPTS[0])
+    for _ in range(12):
+        pool.step()
+    pool.pause(a)
+    alone = pool.session(a).parked  # the uninterrupted session's whole cache after 12 steps
+    pool.remove(a)
+
+    a = pool.add(PROMPTS[0])
+    b = pool.add(PROMPTS[1])
+    for _ in range(4):
+        pool.step()
+    compiled = pool.step_compiles()  # 1, or 0 where an earlier test's pool of this layout compiled the step
+    pool.pause(a)
+    pool.save(a, tmp_path / "a")
+    pool.remove(a)
+    c = pool.add(PROMPTS[2])  # takes a's slot, then leaves
+    pool.step()
+    pool.step()
+    pool.remove(b)
+    a = pool.load(tmp_path / "a")
+    assert pool.session(a).slot == 1
+    pool.step()
+    pool.pause(a)
+    pool.step()
+    assert pool.tokens(c) == lone_tokens[2][:5]
+    pool.remove(c)
+    pool.resume(a)  # into the other slot
+    assert pool.session(a).slot == 0
+    for _ in range(7):
+        pool.step()
+    assert pool.tokens(a) == lone_tokens[0]
+    pool.pause(a)
+    resumed = pool.session(a).parked
+    for x, y in zip(jax.tree.leaves(alone), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert pool.step_compiles() == compiled <= 1  # joins, leaves, pauses and loads never compiled it again
+
+
+@pytest.mark.parametrize("spec,rows", [("fathom_klt:32", "k8v8")])  # a KLT basis in the session statistics
+def test_other_methods_and_row_formats_move_between_slots_exactly(tiny_model, spec, rows):
+    pool = _pool(tiny_model, decode.from_spec(spec, k=40, rows=rows))
+    a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
+    for _ in range(3):
+        pool.step()
+    pool.pause(a)
+    pool.pause(b)
+    pool.resume(b)
+    pool.resume(a)  # each in the other's slot
+    assert (pool.session(a).slot, pool.session(b).slot) == (1, 0)
+    for _ in range(3):
+        pool.step()
+    got = pool.tokens(a), pool.tokens(b)
+    pool.remove(a)
+    pool.remove(b)
+    assert got == tuple(pool_trace.lone_tokens(pool, p, 7) for p in PROMPTS[:2])
+
+
+def test_more_sessions_than_slots_park_and_a_full_session_leaves_its_slot(tiny_model, attention):
+    pool = _pool(tiny_model, attention)
+    long = np.resize(PROMPTS[2], CAPACITY - 16)  # full after 16 steps
+    a, b, c = pool.add(long), pool.add(PROMPTS[1]), pool.add(PROMPTS[0])
+    assert pool.session(a).slot == 0 and pool.session(c).parked is not None and pool.free_slots == 0
+    with pytest.raises(ValueError, match="no free slot"):
+        pool.resume(c)
+    while pool.session(a).slot is not None:
+        pool.step()
+    assert pool.session(a).length == CAPACITY and len(pool.tokens(a)) == 17  # decoded to the last token, then parked
+    pool.resume(c)
+    assert sorted(pool.step()) == [b, c] and pool.memory()["host"]["parked"] == 1
+
+
+def test_bad_requests_fail_by_name_before_any_work(tiny_model, attention, tmp_path):
+    pool = _pool(tiny_model, attention)
+    with pytest.raises(ValueError, match="prompt must be a non-empty 1-D"):
+        pool.add(np.zeros((0,), np.int32))
+    with pytest.raises(ValueError, match="capacity 256"):
+        pool.add(np.zeros((CAPACITY,), np.int32))
+    with pytest.raises(KeyError, match="no session 7"):
+        pool.pause(7)
+    sid = pool.add(PROMPTS[1])
+    with pytest.raises(ValueError, match="pause it first"):
+        pool.save(sid, tmp_path / "s")
+    with pytest.raises(ValueError, match="slots must be an int >= 1"):
+        PoolConfig(slots=0, capacity=8)
+    with pytest.raises(TypeError, match="SparseAttention"):
+        SessionPool(tiny_model, object(), PoolConfig(slots=1, capacity=64))
+
+
+def test_a_pool_split_over_two_devices_decodes_the_same(tiny_model, attention, lone_tokens):
+    from fathom_jax.placement import Placement, device_mesh
+
+    mesh = device_mesh(2)
+    sharded = decode.from_spec("fathom:32", k=40, placement=Placement(mesh=mesh))
+    pool = _pool(tiny_model, sharded)
+    a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
+    for _ in range(3):
+        pool.step()
+    pool.pause(b)
+    pool.resume(b)
+    for _ in range(3):
+        pool.step()
+    assert pool.tokens(a) == lone_tokens[0][:7] and pool.tokens(b) == lone_tokens[1][:7]
+    assert pool.step_compiles() <= 1
+
+
+def test_the_pool_step_runs_the_methods_kernels(tiny_model):
+    from flax import nnx
+
+    from tests.support import jaxpr_pallas_calls
+
+    pool = SessionPool(tiny_model, decode.from_spec("fathom:32", k=40, implementation="pallas"),
+                       PoolConfig(slots=2, capacity=CAPACITY))
+    _, params = nnx.split(tiny_model)
+    traced = pool._run.trace(params, np.zeros(2, np.int32), np.array([True, False]), cache=pool.cache)
+    for name in ("fathom_plane_scan", "row_fetch", "water_line"):
+        assert len(jaxpr_pallas_calls(traced.jaxpr, name)) >= 1, name
+
+
+HAS_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+def test_on_the_gpu_parked_sessions_sit_in_pinned_host_memory_and_decode_bit_for_bit(tiny_model, tmp_path):
+    attn = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="pallas")
+    pool = _pool(tiny_model, attn)
+    a = pool.add(PROMPTS[0])
+    for _ in range(12):
+        pool.step()
+    alone = pool.tokens(a)
+    pool.remove(a)
+    a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
+    for _ in range(5):
+        pool.step()
+    pool.pause(a)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(pool.session(a).parked)} == {"pinned_host"}
+    pool.save(a, tmp_path / "a")
+    pool.remove(a)
+    pool.step()
+    a = pool.load(tmp_path / "a")
+    for _ in range(7):
+        pool.step()
+    assert pool.tokens(a) == alone
+    with pytest.raises(ValueError, match="pinned_host memory needs its slot moves written by a kernel"):
+        _pool(tiny_model, decode.from_spec("fathom:32", k=40, placement="pinned_host", implementation="pallas"))
