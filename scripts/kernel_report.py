@@ -36,7 +36,9 @@ def write_report(res, out, name="kernels_h200"):
              "lanes: consecutive tokens a thread owns in the plane scan (8, 16 or 32; 0 in rows of the nibble scans and in "
              "rows of the blocked kernel, since removed, in older results). variant: `lanes` (CUDA-core FMAs) or `mma` "
              "(the tensor-core product; rows: its product rows per K step). HBM floor: the row's bytes (reads + f32 "
-             "scores) at the HBM copy rate above."],
+             "scores) at the HBM copy rate above.",
+             *sorted({f"Failed ({r['variant']}, tile {r['tile']}, rows {r['rows']}, warps {r['num_warps']}): "
+                      f"{r['error']}" for r in res["scan"] if "error" in r})],
             ["kernel", "n", "variant", "lanes", "rows", "tile", "warps", "ms (median)", "[min, max]",
              "GB/s (reads + f32 scores)", "HBM floor ms", "authors' ms"],
             ([r["kernel"], r["n"], r.get("variant", "lanes" if r.get("lanes") else ""), r.get("lanes", 0),
