@@ -21,6 +21,8 @@ FADD); the block scale and 1/2^(t-1) are folded into per-(channel, element) weig
 ``w_h = q_h * a / 2^(t-1)``: ``score = sum_j w_h c_t + sum_j w_h (1/2 - 2^(t-1))``, the second sum once
 per element, not per token. Planes and scales are read in place through ``memory_space=ANY`` refs, so
 they may live in ``pinned_host`` memory (a stacked ``[L, R, ...]`` cache indexed by the store's ``layer``).
+``PlaneScanConfig(variant="mma")`` computes the same scores as a tensor-core product instead, to a stated tolerance
+(:mod:`pallas_kernels.plane_scan_mma`: the same operands, its own ``pallas_call`` name).
 """
 
 from __future__ import annotations
