@@ -175,8 +175,8 @@ def plane_scan_mma_pallas(q, channels, depths, length, layer, planes, scales, ex
     store_ch = jnp.take_along_axis(channels, slot, axis=-1)
     if extra:  # the resident planes are read at the slot's store channel
         extra = (*extra[:2], jnp.take_along_axis(extra[2], slot, axis=-1))
-    kernel = functools.partial(_plane_scan_mma_kernel, groups=g, head_rows=hi.shape[1], rows=rows, tile=tile, num_words=w,
-                               group_start=group_start, hot_group_start=hot_group_start)
+    kernel = functools.partial(_plane_scan_mma_kernel, groups=g, head_rows=hi.shape[1], rows=rows, tile=tile,
+                               num_words=w, group_start=group_start, hot_group_start=hot_group_start)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((r, g, w * WORD_BITS), jnp.float32),

@@ -66,7 +66,8 @@ def scan_section(res, args, save) -> None:
         res["plan_active_channels"][n] = active
         for r in rows:
             print(f"{r['kernel']:22s} n={n:7d} {r['variant']:6s} lanes={r['lanes']:2d} rows={r['rows']:2d} "
-                  f"tile={r['tile']:5d} w={r['num_warps']} {r['median_ms']:.4f} ms [{r['min_ms']:.4f},{r['max_ms']:.4f}] "
+                  f"tile={r['tile']:5d} w={r['num_warps']} {r['median_ms']:.4f} ms "
+                  f"[{r['min_ms']:.4f},{r['max_ms']:.4f}] "
                   f"{r['GBps']:.0f} GB/s floor {r['floor_ms']:.4f} ms authors {r['authors_ms']}", flush=True)
         save()
 

@@ -138,7 +138,8 @@ def test_row_table_splits_weights():
     slot, plane, hi, lo, steps, unscale = PM.row_table(q, depths)
     assert hi.shape == (2, 16, 32) and np.array_equal(np.asarray(steps), [1, 1])
     w = (hi.astype(jnp.float32) + lo.astype(jnp.float32)) * unscale[:, None, None]
-    want = np.take_along_axis(np.asarray(q), np.asarray(slot)[:, None, :], -1) * 2.0 ** -(np.asarray(plane) + 1.0)[:, None]
+    want = np.take_along_axis(np.asarray(q), np.asarray(slot)[:, None, :], -1)
+    want = want * 2.0 ** -(np.asarray(plane) + 1.0)[:, None]
     read = np.arange(32)[None, :] < np.asarray(depths).sum(-1)[:, None]
     np.testing.assert_allclose(np.asarray(w)[:, :3], np.where(read[:, None], want, 0.0), rtol=2.0 ** -21, atol=0)
     assert not np.any(np.asarray(w)[:, 3:])
