@@ -26,7 +26,7 @@ from fathom_jax.calibrate import Calibration
 from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, Read, ScanMethod
 from pallas_kernels import backend
-from pallas_kernels.plane_scan import plane_scan
+from pallas_kernels.plane_scan import PlaneScanConfig, plane_scan
 
 
 @jax.tree_util.register_dataclass
@@ -92,6 +92,7 @@ class IndexSource:
     index: KeyIndex
     length: Int[Array, "*B"]
     implementation: backend.Implementation = "xla"
+    scan: PlaneScanConfig | None = None  # the plane scan's configuration (None: its default)
 
     def plane_scores(self, read: PlaneRead) -> Float[Array, "*B G n"]:
         store = dataclasses.replace(self.index[read.part], length=self.length)
@@ -100,7 +101,8 @@ class IndexSource:
         if isinstance(store, store_lib.UnpackedStore):
             raise ValueError("an unpacked store (fathom_jax.store.UnpackedStore) is read by the 'xla' scan only; "
                              "the Pallas kernels read packed planes")
-        return plane_scan(read.queries, store.planes_at(), self.length, read.runs(), implementation=self.implementation)
+        return plane_scan(read.queries, store.planes_at(), self.length, read.runs(), implementation=self.implementation,
+                          config=self.scan)
 
     def block_scores(self, read: BlockRead) -> Float[Array, "*B G n"]:
         return block_scores(read, self.index[read.part].rows)

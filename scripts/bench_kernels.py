@@ -51,20 +51,25 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def scan_section(res, args) -> None:
-    """The scans at each of ``--sizes``, after a check of the kernels against their references on this GPU."""
+def scan_section(res, args, save) -> None:
+    """The scans at each of ``--sizes``, after a check of the kernels against their references on this GPU; the
+    results saved after each size."""
     res["scan_check"] = compute.check_scans()
     print("check", res["scan_check"], flush=True)
     res["scan"] = []
     res["plan_active_channels"] = {}
     for n in map(int, args.sizes.split(",")):
         rows, active = compute.scan_cases(n, tune=args.tune)
+        for r in rows:
+            r["floor_ms"] = r["bytes"] / (res["copy"]["GBps"] * 1e9) * 1e3  # its bytes at the HBM copy rate
         res["scan"] += rows
         res["plan_active_channels"][n] = active
         for r in rows:
-            print(f"{r['kernel']:22s} n={n:7d} lanes={r['lanes']:2d} tile={r['tile']:5d} w={r['num_warps']} "
-                  f"{r['median_ms']:.4f} ms [{r['min_ms']:.4f},{r['max_ms']:.4f}] {r['GBps']:.0f} GB/s "
-                  f"authors {r['authors_ms']}", flush=True)
+            print(f"{r['kernel']:22s} n={n:7d} {r['variant']:6s} lanes={r['lanes']:2d} rows={r['rows']:2d} "
+                  f"tile={r['tile']:5d} w={r['num_warps']} {r['median_ms']:.4f} ms "
+                  f"[{r['min_ms']:.4f},{r['max_ms']:.4f}] "
+                  f"{r['GBps']:.0f} GB/s floor {r['floor_ms']:.4f} ms authors {r['authors_ms']}", flush=True)
+        save()
 
 
 def main(argv=None):
@@ -78,8 +83,6 @@ def main(argv=None):
     res = {"machine": machine, "command": harness.command("scripts.bench_kernels", argv), "jax": machine["jax"],
            "date": machine["date"], "copy": harness.hbm_copy_rate()}
     print("copy", res["copy"], flush=True)
-    if "scan" in sections:
-        scan_section(res, args)
     os.makedirs(args.out, exist_ok=True)
 
     def save():  # after every section, so a run stopped at its time limit keeps what it measured
@@ -87,6 +90,8 @@ def main(argv=None):
             json.dump(res, f, indent=1)
         write_report(res, args.out, args.name)
 
+    if "scan" in sections:
+        scan_section(res, args, save)
     save()
     sizes = tuple(map(int, args.rowfetch_sizes.split(",")))
     later = {  # section: (its key in the results, what measures it), in the order they run

@@ -32,13 +32,20 @@ def scan_inputs(n, *, batch=4, heads=8, groups=4, d=128, seed=0):
     return q, planes, scales, length, var
 
 
+# The tensor-core variant's configurations (tile, product rows per K step, warps); more with --tune.
+MMA_CONFIGS = tuple(PS.PlaneScanConfig(variant="mma", tile=t, rows=k, num_warps=w)
+                    for t, k, w in ((256, 16, 4), (128, 32, 4), (512, 16, 8)))
+MMA_TUNE = tuple(PS.PlaneScanConfig(variant="mma", tile=t, rows=k, num_warps=w)
+                 for t, k, w in ((64, 16, 4), (256, 32, 4), (256, 64, 8), (512, 32, 8), (1024, 16, 8)))
+
+
 def scan_cases(n, tune=False):
     q, planes, scales, length, var = scan_inputs(n)
     g = planner.importance(q, var)
     bh = 4 * 8
     out = []
     plan_stats = {}
-    for budget in (48, 64):
+    for budget in (32, 48, 64):
         plan = planner.plan_bisection(g, budget)
         runs = PS.active_channels(plan.depths)
         active = float(jnp.mean(jnp.sum(plan.depths > 0, -1)))
@@ -51,11 +58,12 @@ def scan_cases(n, tune=False):
             cfgs.insert(1, PS.PlaneScanConfig(tile=1024, lanes=16, num_warps=2))
         if tune and n >= 131072:
             cfgs += [PS.PlaneScanConfig(tile=2048, lanes=32, num_warps=2), PS.PlaneScanConfig(tile=256, lanes=8)]
+        cfgs += list(MMA_CONFIGS + (MMA_TUNE if tune else ()))
         for cfg in cfgs:
             step = lambda c, runs=runs, cfg=cfg: c + 1e-30 * PS.plane_scan(
                 q + c, StorePlanes(planes, scales), length, runs, config=cfg
             )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
-            r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
+            r = _timed_variant(cfg, lambda step=step: timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100))
             r.update(kernel=f"fathom_{budget}", n=n, **_scan_config_fields(cfg), active_channels=active,
                      bits_per_token=bits, bytes=nbytes)
             out.append(r)
@@ -70,7 +78,8 @@ def scan_cases(n, tune=False):
                 q + c, nib, scales, length, ch, config=NS.NibbleScanConfig(tile=tile, num_warps=warps)
             )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
             r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
-            r.update(kernel=name, n=n, lanes=0, tile=tile, num_warps=warps, bits_per_token=bits, bytes=nbytes)
+            r.update(kernel=name, n=n, variant="nibble", lanes=0, rows=0, tile=tile, num_warps=warps,
+                     bits_per_token=bits, bytes=nbytes)
             out.append(r)
         if tune and r_ch == 32 and n >= 131072:  # the same scan from the plane store: the plane scan at depth 4
             cfg = PS.PlaneScanConfig(tile=2048, num_warps=2)
@@ -87,8 +96,23 @@ def scan_cases(n, tune=False):
     return out, plan_stats
 
 
+def _timed_variant(cfg, measure):
+    """``measure()``; for the tensor-core variant, a failure (a Triton compile error) becomes the row's ``error`` with
+    NaN times, so the other rows of the run still come back."""
+    if cfg.variant != "mma":
+        return measure()
+    try:
+        return measure()
+    except Exception as err:  # noqa: BLE001 - reported in the row, never hidden
+        print(f"mma {cfg}: {type(err).__name__}: {err}", flush=True)
+        return {"median_ms": float("nan"), "min_ms": float("nan"), "max_ms": float("nan"),
+                "error": f"{type(err).__name__}: {err}"[:500]}
+
+
 def _scan_config_fields(cfg):
-    return {"lanes": cfg.lanes, "tile": cfg.tile, "num_warps": cfg.num_warps}
+    mma = cfg.variant == "mma"
+    return {"variant": cfg.variant, "lanes": 0 if mma else cfg.lanes, "rows": cfg.rows if mma else 0, "tile": cfg.tile,
+            "num_warps": cfg.num_warps}
 
 
 # One chunk of the pipelined decode step (fathom_jax.placement): the scan of the staged planes of a few groups, which
@@ -148,12 +172,26 @@ def check_scans():
     e = {f"plane_scan_lanes{lanes}_rel_err": rel(PS.plane_scan(
         q, store, length, runs, config=PS.PlaneScanConfig(lanes=lanes, tile=32 * lanes, num_warps=2)), b)
         for lanes in (8, 16, 32)}
+    e.update(_timed_variant(MMA_CONFIGS[0], lambda: _mma_errors(q, store, length, runs, scales, b)))
     nib = NS.pack_nibbles(planes)
     ch16 = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 3, 16))
     c = NS.nibble_scan(q, nib, scales, length, ch16)
     d = NS.nibble_scan_reference(q, nib, scales, length, ch16)
     rel = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
     return {**e, "nibble_scan_rel_err": rel(c, d)}
+
+
+def _mma_errors(q, store, length, runs, scales, want):
+    """The tensor-core variant's relative error and its largest error over the tolerance the tests hold it to
+    (``|err| <= 2^-16 m sum_k a_k``, :mod:`pallas_kernels.plane_scan_mma`), in log2."""
+    got = PS.plane_scan(q, store, length, runs, config=MMA_CONFIGS[0])
+    ch, dep = runs.channels, runs.depths
+    a = jnp.take_along_axis(scales.astype(jnp.float32), ch[..., None], axis=-2) * (dep[..., None] > 0)
+    m = jnp.max(jnp.abs(jnp.take_along_axis(q, ch[..., None, :], axis=-1)), axis=(-1, -2))
+    limit = m[..., None, None] * jnp.repeat(a.sum(-2), 64, axis=-1)[..., None, :]
+    err = jnp.max(jnp.abs(got - want) / jnp.maximum(limit, 1e-30))
+    return {"plane_scan_mma_rel_err": float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)),
+            "plane_scan_mma_log2_err_over_m_sum_a": float(jnp.log2(jnp.maximum(err, 2.0 ** -60)))}
 
 
 def topk_cases(tune=False):

@@ -34,10 +34,16 @@ def write_report(res, out, name="kernels_h200"):
             "Scans (HBM-resident, batch 4 x 8 KV heads, G=4, D=128)",
             [f"Correctness on the GPU: {res['scan_check']}; mean active channels per plan: {res['plan_active_channels']}.",
              "lanes: consecutive tokens a thread owns in the plane scan (8, 16 or 32; 0 in rows of the nibble scans and in "
-             "rows of the blocked kernel, since removed, in older results)."],
-            ["kernel", "n", "lanes", "tile", "warps", "ms (median)", "[min, max]", "GB/s (reads + f32 scores)", "authors' ms"],
-            ([r["kernel"], r["n"], r.get("lanes", 0), r["tile"], r["num_warps"], *_ms(r),
-              f"{r['GBps']:.0f}", r["authors_ms"]] for r in res["scan"]))
+             "rows of the blocked kernel, since removed, in older results). variant: `lanes` (CUDA-core FMAs) or `mma` "
+             "(the tensor-core product; rows: its product rows per K step). HBM floor: the row's bytes (reads + f32 "
+             "scores) at the HBM copy rate above.",
+             *sorted({f"Failed ({r['variant']}, tile {r['tile']}, rows {r['rows']}, warps {r['num_warps']}): "
+                      f"{r['error']}" for r in res["scan"] if "error" in r})],
+            ["kernel", "n", "variant", "lanes", "rows", "tile", "warps", "ms (median)", "[min, max]",
+             "GB/s (reads + f32 scores)", "HBM floor ms", "authors' ms"],
+            ([r["kernel"], r["n"], r.get("variant", "lanes" if r.get("lanes") else ""), r.get("lanes", 0),
+              r.get("rows", 0), r["tile"], r["num_warps"], *_ms(r), f"{r['GBps']:.0f}",
+              f"{r['bytes'] / (res['copy']['GBps'] * 1e9) * 1e3:.4f}", r["authors_ms"]] for r in res["scan"]))
     if "scan_chunk" in res:
         L += _section(
             "Scan of one pipelined chunk (Fathom 48, staged planes of the chunk's groups, HBM-resident, G=4, D=128)",

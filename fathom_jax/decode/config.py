@@ -29,6 +29,8 @@ Fields:
 * ``xla_options``: more XLA compiler options for the programs that run a step (``{name: value}``).
 * ``row_cache``: device-memory slots per layer and group for recently fetched K/V rows (0: none).
 * ``topk``: the top-k kernels' configuration (None: their defaults).
+* ``scan``: the plane scan's configuration, e.g. ``PlaneScanConfig(variant="mma")`` for its tensor-core variant
+  (None: its default).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from fathom_jax.decode.fetches import CachedRowFetch, RowFetch
 from fathom_jax.decode.reads import DeviceRead, DirectRead, IndexRead, StagedRead, TieredRead
 from fathom_jax.placement import Placement
 from fathom_jax.placement.residency import all_resident
+from pallas_kernels.plane_scan import PlaneScanConfig
 from pallas_kernels.topk import TopkConfig
 
 ReadMode = Literal["direct", "staged"]
@@ -65,6 +68,7 @@ class StepConfig:
     xla_options: tuple = ()
     row_cache: int = 0
     topk: TopkConfig | None = None
+    scan: PlaneScanConfig | None = None
 
     def __post_init__(self):
         if self.read not in get_args(ReadMode):
@@ -88,34 +92,40 @@ class StepConfig:
         object.__setattr__(self, "xla_options", tuple(sorted(options.items())))
         if self.topk is not None and not isinstance(self.topk, TopkConfig):
             raise TypeError(f"step topk must be a pallas_kernels.topk.TopkConfig or None, got {self.topk!r}")
+        if self.scan is not None and not isinstance(self.scan, PlaneScanConfig):
+            raise TypeError(f"step scan must be a pallas_kernels.plane_scan.PlaneScanConfig or None, got {self.scan!r}")
 
     @classmethod
     def parse(cls, text: str) -> "StepConfig":
-        """``"key=value,..."`` (the CLI's ``--step-config``): ints, ``auto``, ``xla_*`` options, topk fields as
-        ``topk.NAME=value``; unknown keys and bad values raise ValueError naming them."""
-        fields = {f.name for f in dataclasses.fields(cls)} - {"xla_options", "topk"}
+        """``"key=value,..."`` (the CLI's ``--step-config``): ints, ``auto``, ``xla_*`` options, topk and plane scan
+        fields as ``topk.NAME=value`` / ``scan.NAME=value``; unknown keys and bad values raise ValueError naming
+        them."""
+        kernels = {"topk": TopkConfig, "scan": PlaneScanConfig}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"xla_options", *kernels}
         kwargs: dict = {}
         options: dict = {}
-        topk: dict = {}
+        nested: dict = {name: {} for name in kernels}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, value = item.partition("=")
             key, value = key.strip(), value.strip()
+            kernel, dot, name = key.partition(".")
             if not sep or not value:
                 raise ValueError(f"step config {item!r}: expected key=value")
             if key.startswith("xla_"):
                 options[key] = _literal(value)
-            elif key.startswith("topk."):
-                topk[key[5:]] = _literal(value)
+            elif dot and kernel in kernels:
+                nested[kernel][name] = _literal(value)
             elif key in fields:
                 kwargs[key] = _literal(value)
             else:
-                raise ValueError(f"step config: unknown key {key!r}; expected one of {sorted(fields)}, xla_* or "
-                                 "topk.*")
-        if topk:
-            try:
-                kwargs["topk"] = TopkConfig(**topk)
-            except TypeError as err:
-                raise ValueError(f"step config topk: {err}") from None
+                raise ValueError(f"step config: unknown key {key!r}; expected one of {sorted(fields)}, xla_*, "
+                                 "topk.* or scan.*")
+        for name, config in kernels.items():
+            if nested[name]:
+                try:
+                    kwargs[name] = config(**nested[name])
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"step config {name}: {err}") from None
         return cls(xla_options=options, **kwargs)
 
     def resolve(self, placement: Placement, *, groups: int, capacity: int, implementation: str, layers: int = 1
@@ -142,6 +152,7 @@ class StepConfig:
             reader = StagedRead(implementation, _programs(self.gather_programs, host))
         else:
             reader = DirectRead(implementation)
+        reader = dataclasses.replace(reader, scan=self.scan)
         fetch_programs = _programs(self.fetch_programs, host)
         fetcher = (CachedRowFetch if self.row_cache else RowFetch)(implementation, fetch_programs)
         options = (CONCURRENT_KERNELS if staged and self.pipeline != 1 else {}) | dict(self.xla_options)

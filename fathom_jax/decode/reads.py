@@ -29,7 +29,7 @@ from fathom_jax import store as store_lib
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead
 from pallas_kernels import backend
 from pallas_kernels.operands import StorePlanes
-from pallas_kernels.plane_scan import ResidentPlanes, plane_scan
+from pallas_kernels.plane_scan import PlaneScanConfig, ResidentPlanes, plane_scan
 from pallas_kernels.row_fetch import StoredRows, row_fetch
 from pallas_kernels.run_gather import RunGatherConfig, run_gather
 from pallas_kernels.tier_gather import tier_gather
@@ -37,9 +37,11 @@ from pallas_kernels.tier_gather import tier_gather
 
 @dataclasses.dataclass(frozen=True)
 class IndexRead:
-    """The base of the read strategies: ``implementation`` runs the kernels (``"pallas"``) or the reference."""
+    """The base of the read strategies: ``implementation`` runs the kernels (``"pallas"``) or the reference; ``scan``
+    configures the plane scan (None: its default)."""
 
     implementation: backend.Implementation = "xla"
+    scan: PlaneScanConfig | None = dataclasses.field(default=None, kw_only=True)
 
     def source(self, view, *, group_start: int = 0, after=None) -> "StepSource":
         """The source a read of ``view``'s groups (from ``group_start`` of the stacked cache) scores; ``after``:
@@ -78,7 +80,7 @@ class DeviceRead(IndexRead):
             store = store.layer_store(layer, slice(group_start, group_start + length.shape[0]), length)
             return jnp.einsum("...gd,...dn->...gn", read.queries, store_lib.dequantize_channels(store, read.depths),
                               precision=jax.lax.Precision.HIGHEST), None
-        return _scan_in_place(read, store, length, layer, group_start, self.implementation), None
+        return _scan_in_place(read, store, length, layer, group_start, self.implementation, self.scan), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +107,7 @@ class StagedRead(_HostRead):
         runs = read.runs()
         staged = run_gather(store.planes_at(layer, group_start), runs, after=after,
                             config=RunGatherConfig(programs=self.programs), implementation=self.implementation)
-        return _scan_staged(read, staged, runs, length, self.implementation), staged.planes
+        return _scan_staged(read, staged, runs, length, self.implementation, self.scan), staged.planes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +115,7 @@ class DirectRead(_HostRead):
     """The plane scan reads the planes in place as it computes (host memory, or HBM with every plane resident)."""
 
     def _plane_scores(self, read, store, length, layer, group_start, after):
-        return _scan_in_place(read, store, length, layer, group_start, self.implementation), None
+        return _scan_in_place(read, store, length, layer, group_start, self.implementation, self.scan), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +131,7 @@ class TieredRead(_HostRead):
         staged = tier_gather(tiers, runs, after=after, config=RunGatherConfig(programs=self.programs),
                              implementation=self.implementation)
         resident = ResidentPlanes(tiers, runs.channels)
-        return _scan_staged(read, staged, runs, length, self.implementation, resident), staged.planes
+        return _scan_staged(read, staged, runs, length, self.implementation, self.scan, resident), staged.planes
 
 
 class StepSource:
@@ -150,7 +152,8 @@ class StepSource:
     def plane_scores(self, read: PlaneRead):
         view = self.view
         if view.layer is None:
-            return scan_lib.IndexSource(view.index, view.length, self.reader.implementation).plane_scores(read)
+            return scan_lib.IndexSource(view.index, view.length, self.reader.implementation,
+                                        self.reader.scan).plane_scores(read)
         scores, self.staged = self.reader._plane_scores(read, view.index[read.part], view.length, view.layer,
                                                         self.group_start, self.after)
         return scores
@@ -168,16 +171,17 @@ class StepSource:
         return scan_lib.dot(read.queries, keys.astype(jnp.float32))
 
 
-def _scan_staged(read, staged: StorePlanes, runs, length, implementation, resident=None):
+def _scan_staged(read, staged: StorePlanes, runs, length, implementation, config, resident=None):
     """The scan of a staged buffer: slot ``c`` holds channel ``runs.channels[c]``, scored by that query feature."""
     queries = jnp.take_along_axis(read.queries, runs.channels[..., None, :], axis=-1)
-    return plane_scan(queries, staged, length, runs.slots(), resident=resident, implementation=implementation)
+    return plane_scan(queries, staged, length, runs.slots(), resident=resident, implementation=implementation,
+                      config=config)
 
 
 def _columns(x, columns):
     return x if columns is None else x[..., columns[0]:columns[0] + columns[1]]
 
 
-def _scan_in_place(read, store, length, layer, group_start, implementation):
+def _scan_in_place(read, store, length, layer, group_start, implementation, config):
     return plane_scan(read.queries, store.planes_at(layer, group_start), length, read.runs(),
-                      implementation=implementation)
+                      implementation=implementation, config=config)

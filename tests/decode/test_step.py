@@ -226,6 +226,29 @@ def test_kernel_options_reach_the_kernels_and_change_no_result(setting):
     assert count_pallas_calls(plain, q, name="topk_local_tokens") == 0
 
 
+@pytest.mark.parametrize("placement", [Placement(), Placement("pinned_host")], ids=["device", "host"])
+def test_scan_config_selects_the_tensor_core_scan(setting, placement):
+    """``StepConfig(scan=PlaneScanConfig(variant="mma"))`` scores with the plane scan's tensor-core kernel in place of
+    the lanes kernel (in place in device memory; the staged buffer from host memory): the same selection, so the same
+    step (interpreted on CPU; its scores differ from the lanes kernel's by far less than these keys' score gaps)."""
+    from pallas_kernels.plane_scan import PlaneScanConfig
+    from tests.support import count_pallas_calls
+
+    keys, values, q, lengths, calib = setting
+    method = M.Fathom(20)
+    view, kv_cache, new = stacked_setting(setting, method)
+
+    def run(**kw):
+        ctx = context("pallas", placement, **kw)
+        return lambda q: step(method, q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]
+
+    lanes, mma = run(), run(scan=PlaneScanConfig(variant="mma", tile=64))
+    np.testing.assert_array_equal(np.asarray(mma(q)), np.asarray(lanes(q)))
+    assert count_pallas_calls(mma, q, name="fathom_plane_scan_mma") == 1
+    assert count_pallas_calls(lanes, q, name="fathom_plane_scan_mma") == 0
+    assert count_pallas_calls(lanes, q, name="fathom_plane_scan") == 1
+
+
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_pipelined_chunk_fetches_wait_for_the_next_chunks_scan(setting, implementation):
     """In pipelined chunks the next-to-last chunk's row fetch takes the last chunk's scores as an operand it never
