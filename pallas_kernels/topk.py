@@ -58,7 +58,8 @@ def topk_select_reference(scores, length, *, k: int = 512, sink: int = SINK_TOKE
 # 1. ``bucket_max``: grid (R, tiles): masked order-preserving keys of a tile, max over each bucket.
 # 2. ``select_buckets``: one program per row holds the row's bucket maxima in registers, finds the k'-th
 #    largest by a 32-round bitwise search (one compare per element per round), and writes the ids of
-#    the buckets >= tau (the first k' in index order, cumsum-compacted; nb-padded).
+#    the buckets > tau and then the first ones == tau, k' in all (index order, cumsum-compacted; nb-padded). Taking
+#    the first k' buckets >= tau instead lost a higher bucket behind tied ones (a top score, not a tie).
 # 3. ``select_tokens``: one program per row gathers the k' x bucket candidate scores, the exact k'-th largest
 #    candidate v (the same search), selects ``> v`` plus the first ``== v`` ties and writes their positions.
 # Steps 2 and 3 may each split a row over several programs and merge their survivors (below), by default the token
@@ -83,7 +84,7 @@ def _select_buckets_kernel(bmax_ref, out_ref, *, nbp, nb, kp, kpp):
     m = i < nb
     x = plgpu.load(bmax_ref.at[r, pl.ds(0, nbp)], mask=m, other=INT_MIN)
     valid = m & (x > INT_MIN)
-    _compact_store(out_ref, (r,), valid & (x >= _bitwise_kth(x, valid, kp)), i, kp, kpp, nb)
+    _compact_store(out_ref, (r,), _tie_select(x, valid, kp), i, kp, kpp, nb)
 
 
 def _token_candidates(len_ref, bid_ref, s_ref, r, start, size, *, kp, nb, n, bucket, sink, local):
@@ -136,7 +137,7 @@ def _local_buckets_kernel(bmax_ref, ids_ref, keys_ref, *, nbs, nb, kp, kpp):
     m = i < nb
     x = plgpu.load(bmax_ref.at[r, pl.ds(p * nbs, nbs)], mask=m, other=INT_MIN)
     valid = m & (x > INT_MIN)
-    cb = valid & (x >= _bitwise_kth(x, valid, kp))
+    cb = _tie_select(x, valid, kp)
     _compact_store(ids_ref, (r, p), cb, i, kp, kpp, nb, keys_ref, x)
 
 
@@ -155,7 +156,7 @@ def _merge_buckets_kernel(ids_ref, keys_ref, out_ref, *, splits, kp, kpp, nb):
     x = plgpu.load(keys_ref.at[r, sp, col], mask=m, other=INT_MIN)
     ids = plgpu.load(ids_ref.at[r, sp, col], mask=m, other=nb)
     valid = x > INT_MIN
-    cb = valid & (x >= _bitwise_kth(x, valid, kp))
+    cb = _tie_select(x, valid, kp)
     _compact_store(out_ref, (r,), cb, ids, kp, kpp, nb)
 
 
