@@ -14,12 +14,20 @@ middle): the k' largest scores, ties broken by position (the first ones). As a s
 the last tie taken; a token is the head's iff ``score > v`` or ``score == v`` and ``position <= p``. That rule is
 what lets one program find every head's members of another head's slots without comparing lists.
 
-1. ``group_bucket_max`` (grid rows x tiles): the maxima of 32-token buckets (the fused top-k's first kernel).
-2. ``group_select`` (one program per group, every head at once, looping over global memory in tiles): per head
-   ``tau``, the k'-th largest bucket maximum, by a 32-round bitwise search; the buckets above ``tau`` and the first
-   ones equal to it (k' buckets, which hold the top k' pairs); ``v`` and ``p`` among their tokens (the same search);
-   the head's slots; then, per slot, which heads hold its token (their scores at it against their ``v`` and ``p``).
-   Bucket ids and head lists pass through scratch outputs in global memory, behind a barrier.
+1. ``group_bucket_max`` (grid rows x tiles): the maxima of 32-token buckets, and of groups of ``gsz`` buckets (as
+   many groups as one program holds for every head, :func:`group_size`: 16 buckets at 1M tokens and 4 heads).
+2. ``group_select`` (one program per group, every head at once, its loops over global memory in tiles):
+
+   * ``tau0``, the k'-th largest group maximum, held in registers: k' groups hold a bucket >= it, so ``tau`` (the
+     k'-th largest bucket maximum) is >= it, and only the buckets >= ``tau0`` are kept (compacted in index order);
+   * ``tau`` among them by a 32-round bitwise search; the buckets above it and then the first ones equal to it (k'
+     buckets, which hold the top k' pairs);
+   * their tokens >= ``tau`` (each chosen bucket holds one, so ``v >= tau``), compacted; ``v`` and ``p`` among
+     them; the head's slots;
+   * per slot, which heads hold its token (their scores at it against their ``v`` and ``p``).
+
+   The compacted lists pass through scratch outputs in global memory, behind barriers. They hold a few times k'
+   entries on real scores; scores tied at scale keep up to every bucket (the same result, more tiles to search).
 """
 
 from __future__ import annotations
@@ -32,11 +40,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import backend as C
-from pallas_kernels.topk_radix import BUCKET, INT_MIN, bucket_max_kernel, middle, sink_local, sortable_key
+from pallas_kernels.topk_radix import BUCKET, INT_MIN, middle, sink_local, sortable_key
 
 KERNEL_NAME = "group_select"
 BUCKET_MAX_NAME = "group_bucket_max"
-TILE = 4096  # elements per head and tile step (x G heads): bounded registers at any n
+TILE = 4096  # elements of a tile step over every head: bounded registers at any n
+REGISTERS = 16384  # group maxima of every head held at once by one program
 
 
 def _check(scores, length, k, sink, local):
@@ -124,8 +133,35 @@ def _barrier(interpret: bool) -> None:
         plgpu.debug_barrier()
 
 
-def _group_select_kernel(len_ref, bmax_ref, s_ref, bid_ref, list_ref, slots_ref, member_ref, *, g, gp, n, nb, k,
-                         kq, sink, local, bucket, tb, tc, interpret):
+def _bucket_max_kernel(len_ref, s_ref, bmax_ref, gmax_ref, *, tg, gsz, nb, ng, sink, local):
+    """Program (row, tile): the maxima of ``tg`` groups of ``gsz`` buckets, and of those buckets (INT_MIN: none)."""
+    row = pl.program_id(0)
+    gi = pl.program_id(1) * tg + jnp.arange(tg, dtype=jnp.int32)
+    b = gi[:, None] * gsz + jnp.arange(gsz, dtype=jnp.int32)[None, :]
+    col = jnp.arange(BUCKET, dtype=jnp.int32)[None, None, :]
+    x = plgpu.load(s_ref.at[row, jnp.minimum(b, nb - 1)[:, :, None], col], mask=(b < nb)[:, :, None], other=0.0)
+    ok = middle(b[:, :, None] * BUCKET + col, len_ref[row], sink, local) & (b < nb)[:, :, None]
+    bmax = jnp.max(jnp.where(ok, sortable_key(x), INT_MIN), axis=2)
+    plgpu.store(bmax_ref.at[row, jnp.minimum(b, nb - 1)], bmax, mask=b < nb)
+    plgpu.store(gmax_ref.at[row, jnp.minimum(gi, ng - 1)], jnp.max(bmax, axis=1), mask=gi < ng)
+
+
+def _compact(load, tiles, keep, r, head, pos_ref, key_ref, cap, zero):
+    """Per head, ``load``'s elements where ``keep`` (positions and keys, in tile order) to ``pos_ref`` / ``key_ref``
+    ``[R, G, cap + 1]`` (column ``cap`` takes the lanes left out); returns how many per head."""
+    def body(t, count):
+        aux, x = load(t)
+        sel = keep(x)
+        at = (r, head, jnp.where(sel, count + jnp.cumsum(sel.astype(jnp.int32), axis=1) - 1, cap))
+        plgpu.store(pos_ref.at[at], aux, mask=sel)
+        plgpu.store(key_ref.at[at], x, mask=sel)
+        return count + jnp.sum(sel.astype(jnp.int32), axis=1, keepdims=True)
+
+    return jax.lax.fori_loop(0, tiles, body, zero)
+
+
+def _group_select_kernel(len_ref, gmax_ref, bmax_ref, s_ref, cb_ref, ck_ref, bid_ref, tp_ref, tk_ref, list_ref,
+                         slots_ref, member_ref, *, g, gp, n, nb, ng, ngp, k, kq, sink, local, tb, tc, interpret):
     r = pl.program_id(0)
     length = len_ref[r]
     kp = k - sink - local
@@ -133,17 +169,35 @@ def _group_select_kernel(len_ref, bmax_ref, s_ref, bid_ref, list_ref, slots_ref,
     head = jnp.minimum(heads, g - 1)
     zero = jnp.zeros((gp, 1), jnp.int32)
 
+    # tau0, the k'-th largest group maximum, bounds tau from below (k' groups hold a bucket >= it): only the buckets
+    # >= tau0 are searched, a few times k' of them unless scores tie at scale (then up to every bucket, slower).
+    i = jnp.arange(ngp, dtype=jnp.int32)[None, :]
+    gmax = plgpu.load(gmax_ref.at[r, head, jnp.minimum(i, ng - 1)], mask=i < ng, other=INT_MIN)
+    tau0 = _kth(lambda t: (None, gmax), 1, kp, zero)
+
     def bucket_tile(t):
         i = t * tb + jnp.arange(tb, dtype=jnp.int32)[None, :]
-        x = plgpu.load(bmax_ref.at[r, head, jnp.minimum(i, nb - 1)], mask=i < nb, other=INT_MIN)
-        return i, x
+        return i + zero, plgpu.load(bmax_ref.at[r, head, jnp.minimum(i, nb - 1)], mask=i < nb, other=INT_MIN)
 
-    tau = _kth(bucket_tile, pl.cdiv(nb, tb), kp, zero)
+    above0 = lambda x: (x >= tau0) & (x > INT_MIN)  # noqa: E731
+    held = _compact(bucket_tile, pl.cdiv(nb, tb), above0, r, head, cb_ref, ck_ref, nb, zero)
+    _barrier(interpret)
+
+    def held_tile(pos_ref, key_ref, count, size, cap):
+        def load(t):
+            j = t * size + jnp.arange(size, dtype=jnp.int32)[None, :]
+            at = (r, head, jnp.minimum(j, cap - 1))
+            return plgpu.load(pos_ref.at[at]), jnp.where(j < count, plgpu.load(key_ref.at[at]), INT_MIN)
+        return load
+
+    bucket_held = held_tile(cb_ref, ck_ref, held, tb, nb)
+    tiles = pl.cdiv(jnp.max(held), tb)
+    tau = _kth(bucket_held, tiles, kp, zero)
 
     def keep_bucket(t, i, sel, rank):
-        plgpu.store(bid_ref.at[r, head, jnp.where(sel, rank, kp)], i + zero, mask=sel)
+        plgpu.store(bid_ref.at[r, head, jnp.where(sel, rank, kp)], i, mask=sel)
 
-    taken, _ = _first(bucket_tile, pl.cdiv(nb, tb), kp, tau, zero, keep_bucket)
+    taken, _ = _first(bucket_held, tiles, kp, tau, zero, keep_bucket)
     s = jnp.arange(pl.next_power_of_2(kp + 1), dtype=jnp.int32)[None, :]
     plgpu.store(bid_ref.at[r, head, jnp.minimum(s, kp)], jnp.full(s.shape, nb, jnp.int32) + zero,
                 mask=(s >= taken) & (s < kp))
@@ -151,24 +205,29 @@ def _group_select_kernel(len_ref, bmax_ref, s_ref, bid_ref, list_ref, slots_ref,
 
     def token_tile(t):
         j = t * tc + jnp.arange(tc, dtype=jnp.int32)[None, :]
-        bid = plgpu.load(bid_ref.at[r, head, jnp.minimum(j // bucket, kp - 1)], mask=j < kp * bucket, other=nb)
-        pos = bid * bucket + j % bucket
+        bid = plgpu.load(bid_ref.at[r, head, jnp.minimum(j // BUCKET, kp - 1)], mask=j < kp * BUCKET, other=nb)
+        pos = bid * BUCKET + j % BUCKET
         ok = (bid < nb) & (pos < n) & middle(pos, length, sink, local)
         x = plgpu.load(s_ref.at[r, head, jnp.minimum(pos, n - 1)], mask=ok, other=0.0)
         return pos, jnp.where(ok, sortable_key(x), INT_MIN)
 
-    tiles = pl.cdiv(kp * bucket, tc)
-    v = _kth(token_tile, tiles, kp, zero)
+    # Every one of the k' tokens reaches tau (each selected bucket holds one): only tokens >= tau are searched.
+    cap = kp * BUCKET
+    above = lambda x: (x >= tau) & (x > INT_MIN)  # noqa: E731
+    held = _compact(token_tile, pl.cdiv(cap, tc), above, r, head, tp_ref, tk_ref, cap, zero)
+    _barrier(interpret)
+    token_held = held_tile(tp_ref, tk_ref, held, tc, cap)
+    tiles = pl.cdiv(jnp.max(held), tc)
+    v = _kth(token_held, tiles, kp, zero)
 
     def keep_token(t, pos, sel, rank):
         plgpu.store(list_ref.at[r, jnp.where(sel, head * k + sink + rank, g * k)], pos, mask=sel)
 
-    taken, last = _first(token_tile, tiles, kp, v, zero, keep_token)
+    taken, last = _first(token_held, tiles, kp, v, zero, keep_token)
     s = jnp.arange(kq, dtype=jnp.int32)[None, :]
     window = jnp.where(s < sink, s, jnp.maximum(sink, length - local) + s - sink - kp)
     window = jnp.where((s < sink) & (s < length) | (s >= sink + kp) & (window < length), window, -1)
-    fill = (s < sink) | (s >= sink + taken)  # the windows, and the middle past the head's selections
-    fill = fill & (s < k)
+    fill = ((s < sink) | (s >= sink + taken)) & (s < k)  # the windows, and the middle past the head's selections
     plgpu.store(list_ref.at[r, jnp.where(fill, head * k + s, g * k)], window + zero, mask=fill)
     _barrier(interpret)
 
@@ -184,29 +243,41 @@ def _group_select_kernel(len_ref, bmax_ref, s_ref, bid_ref, list_ref, slots_ref,
         plgpu.store(member_ref.at[r, head, at], (holds & keep).astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "sink", "local", "interpret", "num_warps"))
-def _group_select_pallas(scores, length, *, k, sink, local, interpret, num_warps):
+def group_size(heads: int, nb: int, registers: int = REGISTERS) -> int:
+    """Buckets per group of the bucket-maxima kernel's second output: a power of two that keeps a group's maxima of
+    every head (``heads x groups``, rounded up to powers of two) within ``registers`` elements of one program."""
+    gsz, gp = 1, pl.next_power_of_2(heads)
+    while gp * pl.next_power_of_2(pl.cdiv(nb, gsz)) > registers:
+        gsz *= 2
+    return gsz
+
+
+@functools.partial(jax.jit, static_argnames=("k", "sink", "local", "interpret", "num_warps", "tile", "registers"))
+def _group_select_pallas(scores, length, *, k, sink, local, interpret, num_warps, tile, registers):
     r, g, n = scores.shape
     nb = pl.cdiv(n, BUCKET)
     scores = scores.astype(jnp.float32)
     padded = jnp.pad(scores, ((0, 0), (0, 0), (0, nb * BUCKET - n))) if nb * BUCKET != n else scores
-    tb = min(64, pl.next_power_of_2(nb))
-    bmax = pl.pallas_call(
-        functools.partial(bucket_max_kernel, tb=tb, nb=nb, bucket=BUCKET, sink=sink, local=local),
-        out_shape=jax.ShapeDtypeStruct((r * g, nb), jnp.int32), grid=(r * g, pl.cdiv(nb, tb)),
-        interpret=interpret, name=BUCKET_MAX_NAME, compiler_params=C.compiler_params(4),
-    )(jnp.repeat(length, g), padded.reshape(r * g, nb, BUCKET)).reshape(r, g, nb)
+    gsz = group_size(g, nb, registers)
+    ng = pl.cdiv(nb, gsz)
+    tg = max(1, min(64 // gsz, pl.next_power_of_2(ng)))
+    gmax, bmax = pl.pallas_call(
+        functools.partial(_bucket_max_kernel, tg=tg, gsz=gsz, nb=nb, ng=ng, sink=sink, local=local),
+        out_shape=(jax.ShapeDtypeStruct((r * g, nb), jnp.int32), jax.ShapeDtypeStruct((r * g, ng), jnp.int32)),
+        grid=(r * g, pl.cdiv(ng, tg)), interpret=interpret, name=BUCKET_MAX_NAME, compiler_params=C.compiler_params(4),
+    )(jnp.repeat(length, g), padded.reshape(r * g, nb, BUCKET))[::-1]
     gp = pl.next_power_of_2(g)
     kp = k - sink - local
-    per_head = max(TILE // gp, BUCKET)
-    shapes = [((r, g, kp + 1), jnp.int32), ((r, g * k + 1), jnp.int32), ((r, g * k), jnp.int32), ((r, g, g * k), jnp.int32)]
-    _, _, slots, member = pl.pallas_call(
-        functools.partial(_group_select_kernel, g=g, gp=gp, n=n, nb=nb, k=k, kq=pl.next_power_of_2(k), sink=sink,
-                          local=local, bucket=BUCKET, interpret=interpret, tb=min(per_head, pl.next_power_of_2(nb)),
-                          tc=min(per_head, pl.next_power_of_2(kp * BUCKET))),
-        out_shape=[jax.ShapeDtypeStruct(*shape) for shape in shapes], grid=(r,), interpret=interpret,
+    per_head = max(tile // gp, BUCKET)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    scratch = [i32(r, g, nb + 1)] * 2 + [i32(r, g, kp + 1)] + [i32(r, g, kp * BUCKET + 1)] * 2 + [i32(r, g * k + 1)]
+    *_, slots, member = pl.pallas_call(
+        functools.partial(_group_select_kernel, g=g, gp=gp, n=n, nb=nb, ng=ng, ngp=pl.next_power_of_2(ng), k=k,
+                          kq=pl.next_power_of_2(k), sink=sink, local=local, interpret=interpret,
+                          tb=min(per_head, pl.next_power_of_2(nb)), tc=min(per_head, pl.next_power_of_2(kp * BUCKET))),
+        out_shape=[*scratch, i32(r, g * k), i32(r, g, g * k)], grid=(r,), interpret=interpret,
         name=KERNEL_NAME, compiler_params=C.compiler_params(num_warps),
-    )(length, bmax, scores)
+    )(length, gmax.reshape(r, g, ng), bmax.reshape(r, g, nb), scores)
     return slots, member
 
 
@@ -220,12 +291,18 @@ def group_select(
     implementation: C.Implementation | None = None,
     interpret: bool | None = None,
     num_warps: int = 16,
+    tile: int = TILE,
+    registers: int = REGISTERS,
 ):
-    """``(slots i32 [R, G k], member i32 [R, G, G k])`` (see the module docstring); ``length`` in [0, n]."""
+    """``(slots i32 [R, G k], member i32 [R, G, G k])`` (see the module docstring); ``length`` in [0, n]. ``tile``:
+    elements per step of the loops over every head; ``registers``: group maxima one program holds (powers of two;
+    tests lower both to reach several tiles and wide groups on small rows)."""
     implementation = C.resolve_implementation(implementation)
     _check(scores, length, k, sink, local)
     length = jnp.asarray(length, jnp.int32)
     if implementation == "xla":
         return group_select_reference(scores, length, k=k, sink=sink, local=local)
-    return _group_select_pallas(scores, length, k=k, sink=sink, local=local,
-                                interpret=C.resolve_interpret(interpret), num_warps=num_warps)
+    C.check_pow2("tile", tile)
+    C.check_pow2("registers", registers)
+    return _group_select_pallas(scores, length, k=k, sink=sink, local=local, interpret=C.resolve_interpret(interpret),
+                                num_warps=num_warps, tile=tile, registers=registers)

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import backend as C
 from pallas_kernels.topk_radix import (  # noqa: F401 (KERNEL_NAME, kth_largest: this module's API too)
     BUCKET, INT_MIN, KERNEL_NAME, finish, kth_largest, masks, sink_local, sortable_key, topk_radix, validate)
-from pallas_kernels.topk_radix import bucket_max_kernel as _bucket_max_kernel, middle as _middle
+from pallas_kernels.topk_radix import middle as _middle
 
 # The paper's forced tokens per query head, for every method: the first SINK_TOKENS positions and the last
 # LOCAL_TOKENS. Their one definition: the library's selection re-exports them.
@@ -76,6 +76,17 @@ def _bitwise_kth(x, valid, k):
         return jnp.where(cnt >= k, cand, prefix)
 
     return jax.lax.fori_loop(0, 32, rnd, jnp.int32(0)) ^ jnp.int32(INT_MIN)
+
+
+def _bucket_max_kernel(len_ref, s_ref, out_ref, *, tb, nb, bucket, sink, local):
+    r = pl.program_id(0)
+    b0 = pl.program_id(1) * tb
+    b = b0 + jnp.arange(tb, dtype=jnp.int32)
+    pos = b[:, None] * bucket + jnp.arange(bucket, dtype=jnp.int32)[None, :]
+    ok = _middle(pos, len_ref[r], sink, local) & (b[:, None] < nb)
+    x = plgpu.load(s_ref.at[r, pl.ds(b0, tb), :], mask=(b < nb)[:, None], other=0.0)
+    key = jnp.where(ok, sortable_key(x), INT_MIN)
+    plgpu.store(out_ref.at[r, pl.ds(b0, tb)], jnp.max(key, axis=1), mask=b < nb)
 
 
 def _select_buckets_kernel(bmax_ref, out_ref, *, nbp, nb, kp, kpp):

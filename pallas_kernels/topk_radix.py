@@ -79,19 +79,6 @@ def middle(pos, length, sink, local):
     return (pos >= sink) & (pos < length - local)
 
 
-def bucket_max_kernel(len_ref, s_ref, out_ref, *, tb, nb, bucket, sink, local):
-    """Program (row, tile): the maxima of ``tb`` buckets' order-preserving keys over middle positions (INT_MIN where
-    a bucket holds none); the fused top-k's first kernel and the group selection's."""
-    r = pl.program_id(0)
-    b0 = pl.program_id(1) * tb
-    b = b0 + jnp.arange(tb, dtype=jnp.int32)
-    pos = b[:, None] * bucket + jnp.arange(bucket, dtype=jnp.int32)[None, :]
-    ok = middle(pos, len_ref[r], sink, local) & (b[:, None] < nb)
-    x = plgpu.load(s_ref.at[r, pl.ds(b0, tb), :], mask=(b < nb)[:, None], other=0.0)
-    key = jnp.where(ok, sortable_key(x), INT_MIN)
-    plgpu.store(out_ref.at[r, pl.ds(b0, tb)], jnp.max(key, axis=1), mask=b < nb)
-
-
 # ----------------------------------------------------------------------------------------------
 # Radix select kernel
 

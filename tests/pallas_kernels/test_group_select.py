@@ -11,10 +11,13 @@ from pallas_kernels import group_select as GS
 from pallas_kernels import topk as TK
 from tests.support import count_pallas_calls, lower_triton_text
 
-# (groups, heads, n, k, sink, local, lengths, tied): n off the 32-token bucket, short rows (< k, < sink + local),
-# three heads (not a power of two), k - sink - local not a power of two, integer scores full of ties
+# (groups, heads, n, k, sink, local, lengths, tied[, options]): n off the 32-token bucket, short rows (< k, < sink +
+# local), three heads (not a power of two), k - sink - local not a power of two, integer scores full of ties; small
+# tiles and registers: groups of several buckets and searches over several tiles, as at 1M tokens
 SHAPES = {"ties": (3, 4, 700, 48, 4, 8, [700, 30, 45], True), "odd": (2, 3, 777, 40, 4, 8, [777, 11], False),
-          "one-head": (1, 1, 300, 40, 4, 32, [290], True)}
+          "one-head": (1, 1, 300, 40, 4, 32, [290], True),
+          "tiles": (2, 4, 2000, 76, 4, 8, [2000, 1777], False, dict(tile=64, registers=32)),
+          "tiles-ties": (1, 3, 2000, 76, 4, 8, [1990], True, dict(tile=64, registers=32))}
 NATIVE = {"1m": (2, 4, (1 << 20) + 64, 512, 4, 32, [(1 << 20) + 64, 700_001], False),
           "1m-ties": (1, 4, (1 << 20) + 64, 512, 4, 32, [1 << 20], True), "128k-g8": (4, 8, 1 << 17, 256, 4, 32,
                                                                                      [1 << 17, 99_999, 5, 300], True)}
@@ -50,9 +53,10 @@ def _cases(shapes, native):
 class TestGroupSelect(KernelTestBase):
     @pytest.mark.parametrize("impl,shape", _cases(SHAPES, NATIVE))
     def test_oracle_sets_and_reference_bits(self, impl, rng, shape):
-        r, g, n, k, sink, local, lengths, tied = {**SHAPES, **NATIVE}[shape]
+        r, g, n, k, sink, local, lengths, tied, *options = {**SHAPES, **NATIVE}[shape]
+        options = options[0] if options else {}
         scores, length = _inputs(rng, r, g, n, lengths, tied)
-        got = GS.group_select(scores, length, k=k, sink=sink, local=local, **impl.kw)
+        got = GS.group_select(scores, length, k=k, sink=sink, local=local, **options, **impl.kw)
         if n < 4096:  # the numpy oracle loops over positions
             _check_union(*got, scores, lengths, k, sink, local)
         want = GS.group_select_reference(scores, length, k=k, sink=sink, local=local)
@@ -100,6 +104,8 @@ def test_lowers_to_triton_at_1m_and_validates():
                              local=32, interpret=False, implementation="pallas")
     assert text.count(f'name = "{GS.KERNEL_NAME}"') == 1 and text.count(f'name = "{GS.BUCKET_MAX_NAME}"') == 1
     assert TK.BUCKET == GS.BUCKET
+    # groups of buckets whose maxima of every head one program holds: 16 at 1M tokens and 4 heads
+    assert [GS.group_size(g, nb) for g, nb in ((4, 32770), (8, 32770), (4, 4098), (3, 100))] == [16, 32, 2, 1]
     scores = jnp.zeros((2, 4, 300))
     with pytest.raises(ValueError, match="length must be"):
         GS.group_select(scores, jnp.zeros((3,), jnp.int32), k=48, sink=4, local=8)
