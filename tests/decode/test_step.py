@@ -263,8 +263,13 @@ def test_dense_attention_has_its_own_path(setting):
     np.testing.assert_allclose(np.asarray(fn(q)), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("method", [M.Fathom(20), M.Landmark()], ids=lambda m: m.spec)
-def test_selection_and_chunk_order_change_no_rows(setting, method):
+@pytest.mark.parametrize("method,implementation", [
+    (M.Fathom(20), "xla"), (M.Landmark(), "xla"),
+    # the kernels natively (interpreted, the step's kernels cost ~30 s of CPU; test_chained_order_and_fused_selection_
+    # by_construction traces them, the kernels' suites run them interpreted)
+    pytest.param(M.Fathom(20), "pallas", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        jax.default_backend() != "gpu", reason="needs a CUDA GPU")])], ids=lambda x: getattr(x, "spec", x))
+def test_selection_and_chunk_order_change_no_rows(setting, method, implementation):
     """In pipelined chunks, ``order="chained"`` (each scan waits for the previous chunk's rows) gives the same bits as
     XLA's order; ``selection="fused"`` (two kernels, no sort) attends the same rows per head in another slot order:
     the same output up to the order of the softmax's sums."""
@@ -272,7 +277,7 @@ def test_selection_and_chunk_order_change_no_rows(setting, method):
     view, kv_cache, new = stacked_setting(setting, method)
 
     def run(**kw):
-        ctx = context("xla", Placement("pinned_host"), pipeline=3, **kw)
+        ctx = context(implementation, Placement("pinned_host"), pipeline=3, **kw)
         return np.asarray(jax.jit(lambda view, kv, new: step(method, q, view, kv, lengths, calib, ctx,
                                                              layer=jnp.int32(1), new=new)[0])(view, kv_cache, new))
 
