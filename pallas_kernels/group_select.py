@@ -83,46 +83,42 @@ def group_select_reference(scores, length, *, k: int, sink: int, local: int):
     return jnp.where(keep, flat[:, 0], -1), (holds & keep[:, None, :]).astype(jnp.int32)
 
 
-def _kth(load, tiles: int, kth: int, init):
+def _kth(load, tiles, kth: int, init):
     """Per head (``[Gp, 1]``), the ``kth`` largest of the int32 keys ``load(t)`` yields for tiles ``t < tiles``
-    (INT_MIN marks none; INT_MIN if fewer): 32 one-bit rounds, each a pass over the tiles."""
+    (INT_MIN marks none; INT_MIN if fewer): 32 one-bit rounds, each a pass over the tiles. The first tile (often the
+    only one) stays in registers over the rounds."""
     flip = jnp.int32(INT_MIN)
+    first = load(0)[1]
 
-    def rnd(i, prefix):
-        cand = prefix | jnp.left_shift(jnp.int32(1), 31 - i)
-
-        def count(t, cnt):
-            x = load(t)[1] ^ flip  # unsigned order as bits, compared in signed space
-            return cnt + jnp.sum((x ^ flip >= cand ^ flip).astype(jnp.int32), axis=1, keepdims=True)
-
-        cnt = jax.lax.fori_loop(0, tiles, count, jnp.zeros_like(init))
-        return jnp.where(cnt >= kth, cand, prefix)
+    def rnd(i, prefix):  # the prefix in unsigned order (bits), each candidate compared in signed space
+        bit = prefix | jnp.left_shift(jnp.int32(1), 31 - i)
+        ge = lambda x: jnp.sum((x >= bit ^ flip).astype(jnp.int32), axis=1, keepdims=True)  # noqa: E731
+        cnt = jax.lax.fori_loop(1, tiles, lambda t, cnt: cnt + ge(load(t)[1]), ge(first))
+        return jnp.where(cnt >= kth, bit, prefix)
 
     return jax.lax.fori_loop(0, 32, rnd, init) ^ flip
 
 
-def _first(load, tiles: int, kth: int, v, init, emit):
+def _first(load, tiles, kth: int, v, init, emit):
     """Per head, the keys above ``v`` and then the first ties, up to ``kth`` in all, in tile order: calls
-    ``emit(t, aux, sel, rank)`` per tile (``rank``: 0-based slot of each selected element); returns the count and
-    the position ``aux`` of the last tie taken (-1 if none)."""
-    def above(t, cnt):
-        _, x = load(t)
-        return cnt + jnp.sum((x > v).astype(jnp.int32), axis=1, keepdims=True)
+    ``emit(aux, sel, rank)`` per tile (``rank``: 0-based slot of each selected element); returns the count and the
+    position ``aux`` of the last tie taken (-1 if none). The first tile is loaded once."""
+    first = load(0)
+    above = lambda x: jnp.sum((x > v).astype(jnp.int32), axis=1, keepdims=True)  # noqa: E731
+    need = kth - jax.lax.fori_loop(1, tiles, lambda t, cnt: cnt + above(load(t)[1]), above(first[1]))
 
-    need = kth - jax.lax.fori_loop(0, tiles, above, jnp.zeros_like(init))
-
-    def body(t, carry):
-        taken, ties, last = carry
-        aux, x = load(t)
+    def take(tile, carry):
+        (aux, x), (taken, ties, last) = tile, carry
         tie = (x == v) & (x > INT_MIN)
         tie_rank = ties + jnp.cumsum(tie.astype(jnp.int32), axis=1)
         sel = (x > v) | (tie & (tie_rank <= need))
-        emit(t, aux, sel, taken + jnp.cumsum(sel.astype(jnp.int32), axis=1) - 1)
+        emit(aux, sel, taken + jnp.cumsum(sel.astype(jnp.int32), axis=1) - 1)
         last = jnp.maximum(last, jnp.max(jnp.where(tie & (tie_rank <= need), aux, -1), axis=1, keepdims=True))
         return (taken + jnp.sum(sel.astype(jnp.int32), axis=1, keepdims=True),
                 ties + jnp.sum(tie.astype(jnp.int32), axis=1, keepdims=True), last)
 
-    taken, _, last = jax.lax.fori_loop(0, tiles, body, (jnp.zeros_like(init),) * 2 + (init - 1,))
+    carry = take(first, (jnp.zeros_like(init),) * 2 + (init - 1,))
+    taken, _, last = jax.lax.fori_loop(1, tiles, lambda t, carry: take(load(t), carry), carry)
     return taken, last
 
 
@@ -194,7 +190,7 @@ def _group_select_kernel(len_ref, gmax_ref, bmax_ref, s_ref, cb_ref, ck_ref, bid
     tiles = pl.cdiv(jnp.max(held), tb)
     tau = _kth(bucket_held, tiles, kp, zero)
 
-    def keep_bucket(t, i, sel, rank):
+    def keep_bucket(i, sel, rank):
         plgpu.store(bid_ref.at[r, head, jnp.where(sel, rank, kp)], i, mask=sel)
 
     taken, _ = _first(bucket_held, tiles, kp, tau, zero, keep_bucket)
@@ -220,7 +216,7 @@ def _group_select_kernel(len_ref, gmax_ref, bmax_ref, s_ref, cb_ref, ck_ref, bid
     tiles = pl.cdiv(jnp.max(held), tc)
     v = _kth(token_held, tiles, kp, zero)
 
-    def keep_token(t, pos, sel, rank):
+    def keep_token(pos, sel, rank):
         plgpu.store(list_ref.at[r, jnp.where(sel, head * k + sink + rank, g * k)], pos, mask=sel)
 
     taken, last = _first(token_held, tiles, kp, v, zero, keep_token)
