@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_test_base import IMPLS, KernelTestBase
+from kernel_test_base import IMPLS, KernelTestBase, assert_ran
 from oracles import select as np_select
 from pallas_kernels import group_select as GS
 from pallas_kernels import topk as TK
@@ -68,6 +68,8 @@ class TestGroupSelect(KernelTestBase):
         if impl.is_kernel:
             assert count_pallas_calls(GS.group_select, scores, length, name=GS.KERNEL_NAME, k=k, sink=sink,
                                       local=local, **impl.kw) == 1
+        for name in (GS.KERNEL_NAME, GS.BUCKET_MAX_NAME):  # in the compiled HLO too, on the GPU
+            assert_ran(GS.group_select, scores, length, name=name, impl=impl, k=k, sink=sink, local=local, **options)
 
     def test_same_sets_as_topk_kernels_and_group_union(self, impl, rng):
         """As sets per head: the top-k kernels' selection (the "pallas" path of select_topk) and group_union."""
