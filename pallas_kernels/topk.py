@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import backend as C
 from pallas_kernels.topk_radix import (  # noqa: F401 (KERNEL_NAME, kth_largest: this module's API too)
     BUCKET, INT_MIN, KERNEL_NAME, finish, kth_largest, masks, sink_local, sortable_key, topk_radix, validate)
+from pallas_kernels.topk_radix import middle as _middle
 
 # The paper's forced tokens per query head, for every method: the first SINK_TOKENS positions and the last
 # LOCAL_TOKENS. Their one definition: the library's selection re-exports them.
@@ -57,7 +58,8 @@ def topk_select_reference(scores, length, *, k: int = 512, sink: int = SINK_TOKE
 # 1. ``bucket_max``: grid (R, tiles): masked order-preserving keys of a tile, max over each bucket.
 # 2. ``select_buckets``: one program per row holds the row's bucket maxima in registers, finds the k'-th
 #    largest by a 32-round bitwise search (one compare per element per round), and writes the ids of
-#    the buckets >= tau (the first k' in index order, cumsum-compacted; nb-padded).
+#    the buckets > tau and then the first ones == tau, k' in all (index order, cumsum-compacted; nb-padded). Taking
+#    the first k' buckets >= tau instead lost a higher bucket behind tied ones (a top score, not a tie).
 # 3. ``select_tokens``: one program per row gathers the k' x bucket candidate scores, the exact k'-th largest
 #    candidate v (the same search), selects ``> v`` plus the first ``== v`` ties and writes their positions.
 # Steps 2 and 3 may each split a row over several programs and merge their survivors (below), by default the token
@@ -74,10 +76,6 @@ def _bitwise_kth(x, valid, k):
         return jnp.where(cnt >= k, cand, prefix)
 
     return jax.lax.fori_loop(0, 32, rnd, jnp.int32(0)) ^ jnp.int32(INT_MIN)
-
-
-def _middle(pos, length, sink, local):
-    return (pos >= sink) & (pos < length - local)
 
 
 def _bucket_max_kernel(len_ref, s_ref, out_ref, *, tb, nb, bucket, sink, local):
@@ -97,7 +95,7 @@ def _select_buckets_kernel(bmax_ref, out_ref, *, nbp, nb, kp, kpp):
     m = i < nb
     x = plgpu.load(bmax_ref.at[r, pl.ds(0, nbp)], mask=m, other=INT_MIN)
     valid = m & (x > INT_MIN)
-    _compact_store(out_ref, (r,), valid & (x >= _bitwise_kth(x, valid, kp)), i, kp, kpp, nb)
+    _compact_store(out_ref, (r,), _tie_select(x, valid, kp), i, kp, kpp, nb)
 
 
 def _token_candidates(len_ref, bid_ref, s_ref, r, start, size, *, kp, nb, n, bucket, sink, local):
@@ -150,7 +148,7 @@ def _local_buckets_kernel(bmax_ref, ids_ref, keys_ref, *, nbs, nb, kp, kpp):
     m = i < nb
     x = plgpu.load(bmax_ref.at[r, pl.ds(p * nbs, nbs)], mask=m, other=INT_MIN)
     valid = m & (x > INT_MIN)
-    cb = valid & (x >= _bitwise_kth(x, valid, kp))
+    cb = _tie_select(x, valid, kp)
     _compact_store(ids_ref, (r, p), cb, i, kp, kpp, nb, keys_ref, x)
 
 
@@ -169,7 +167,7 @@ def _merge_buckets_kernel(ids_ref, keys_ref, out_ref, *, splits, kp, kpp, nb):
     x = plgpu.load(keys_ref.at[r, sp, col], mask=m, other=INT_MIN)
     ids = plgpu.load(ids_ref.at[r, sp, col], mask=m, other=nb)
     valid = x > INT_MIN
-    cb = valid & (x >= _bitwise_kth(x, valid, kp))
+    cb = _tie_select(x, valid, kp)
     _compact_store(out_ref, (r,), cb, ids, kp, kpp, nb)
 
 

@@ -74,6 +74,11 @@ def sink_local(n, length, sink, local):
     return sink_idx, local_idx
 
 
+def middle(pos, length, sink, local):
+    """Positions between the sink and local windows (the ones ranked by score)."""
+    return (pos >= sink) & (pos < length - local)
+
+
 # ----------------------------------------------------------------------------------------------
 # Radix select kernel
 
@@ -144,7 +149,10 @@ def topk_radix(scores, length, *, k, sink, local, interpret, tile, num_warps):
     buckets = keys.reshape(r, nb, BUCKET)
     bmax = jnp.max(buckets, axis=-1)  # [R, nb]
     tau = kth_largest(bmax, k=kp, tile=tile, num_warps=num_warps, interpret=interpret)
-    cb = (bmax >= tau[:, None]) & (bmax > INT_MIN)
+    # Buckets above tau, then the first ones equal to it: the first k' >= tau could leave out a higher bucket.
+    tied = (bmax == tau[:, None]) & (bmax > INT_MIN)
+    above_b = jnp.sum((bmax > tau[:, None]), axis=-1, keepdims=True)
+    cb = (bmax > tau[:, None]) | (tied & (jnp.cumsum(tied.astype(jnp.int32), axis=-1) <= kp - above_b))
     bid = _row_compact(cb, jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (r, nb)), kp, fill=nb)
     padded = jnp.concatenate([buckets, jnp.full((r, 1, BUCKET), INT_MIN, jnp.int32)], axis=1)
     cand = jnp.take_along_axis(padded, bid[:, :, None], axis=1).reshape(r, kp * BUCKET)

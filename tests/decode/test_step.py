@@ -284,3 +284,84 @@ def test_dense_attention_has_its_own_path(setting):
     assert count_pallas_calls(fn, q, name="") == 0
     want = per_head_reference(M.Dense(), q, keys, values, lengths, calib)
     np.testing.assert_allclose(np.asarray(fn(q)), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("method,implementation", [
+    (M.Fathom(20), "xla"), (M.Landmark(), "xla"),
+    # the kernels natively (interpreted, the step's kernels cost ~30 s of CPU; test_chained_order_and_fused_selection_
+    # by_construction traces them, the kernels' suites run them interpreted)
+    pytest.param(M.Fathom(20), "pallas", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        jax.default_backend() != "gpu", reason="needs a CUDA GPU")])], ids=lambda x: getattr(x, "spec", x))
+def test_selection_and_chunk_order_change_no_rows(setting, method, implementation):
+    """In pipelined chunks, ``order="chained"`` (each scan waits for the previous chunk's rows) gives the same bits as
+    XLA's order; ``selection="fused"`` (two kernels, no sort) attends the same rows per head in another slot order:
+    the same output up to the order of the softmax's sums."""
+    q, lengths, calib = setting[2], jnp.asarray(setting[3]), setting[4]
+    view, kv_cache, new = stacked_setting(setting, method)
+
+    def run(**kw):
+        ctx = context(implementation, Placement("pinned_host"), pipeline=3, **kw)
+        return np.asarray(jax.jit(lambda view, kv, new: step(method, q, view, kv, lengths, calib, ctx,
+                                                             layer=jnp.int32(1), new=new)[0])(view, kv_cache, new))
+
+    base, fused = run(), run(selection="fused")
+    np.testing.assert_array_equal(run(order="chained"), base)
+    np.testing.assert_allclose(fused, base, rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(run(selection="fused", order="chained"), fused)
+    with pytest.raises(ValueError, match="step order must be one of"):
+        StepConfig(order="later")
+    assert StepConfig.parse("selection=fused,order=chained") == StepConfig(selection="fused", order="chained")
+
+
+def _kernels_in(eqn) -> set:
+    """The names of the pallas_calls ``eqn`` is or holds."""
+    from tests.support import _named_calls, _subjaxprs
+
+    calls = [eqn] if eqn.primitive.name == "pallas_call" else [c for sub in _subjaxprs(eqn)
+                                                                for c in _named_calls(sub, "")]
+    return {str(getattr(c.params["name"], "name", c.params["name"])) for c in calls}
+
+
+def _upstream_kernels(jaxpr, eqn) -> set:
+    """The names of the pallas_calls whose results ``eqn`` of the top level of ``jaxpr`` depends on."""
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    names, todo, seen = set(), list(eqn.invars), set()
+    while todo:
+        var = todo.pop()
+        producer = None if type(var).__name__ == "Literal" else made.get(var)
+        if producer is None or id(producer) in seen:
+            continue
+        seen.add(id(producer))
+        names |= _kernels_in(producer)
+        todo.extend(producer.invars)
+    return names
+
+
+def test_chained_order_and_fused_selection_by_construction(setting):
+    """Traced, not run: with ``order="chained"`` chunk i + 1's plane scan depends on chunk i's row fetch (through an
+    optimization barrier on its queries) while its plane transfer does not; ``selection="fused"`` selects each
+    chunk in two kernels (bucket maxima, one program per group) with no top-k kernel and no sort."""
+    from tests.support import count_pallas_calls
+
+    keys, values, q, lengths, calib = setting
+    method = M.Fathom(20)
+    view, kv_cache, new = stacked_setting(setting, method)
+
+    def traced(**kw):
+        ctx = context("pallas", Placement("pinned_host"), pipeline=3, gather_programs=2, **kw)
+        fn = lambda q: step(method, q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]  # noqa: E731
+        return fn, jax.make_jaxpr(fn)(q).jaxpr
+
+    barriers = {}
+    for order, chained in (("xla", False), ("chained", True)):
+        fn, jaxpr = traced(order=order, selection="fused")
+        scans = [e for e in jaxpr.eqns if "fathom_plane_scan" in _kernels_in(e)]
+        gathers = [e for e in jaxpr.eqns if "run_gather" in _kernels_in(e)]
+        assert len(scans) == len(gathers) == 3
+        assert ["row_fetch" in _upstream_kernels(jaxpr, e) for e in scans] == [False, chained, chained]
+        assert not any("row_fetch" in _upstream_kernels(jaxpr, e) for e in gathers)
+        barriers[order] = sum(e.primitive.name == "optimization_barrier" for e in jaxpr.eqns)
+        assert count_pallas_calls(fn, q, name="group_select") == count_pallas_calls(fn, q, name="group_bucket") == 3
+        assert count_pallas_calls(fn, q, name="topk") == 0
+        assert not [e for e in jaxpr.eqns if e.primitive.name == "sort"]
+    assert barriers["chained"] == barriers["xla"] + 2  # one per chunk after the first

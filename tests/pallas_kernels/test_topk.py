@@ -65,6 +65,19 @@ class TestTopk(KernelTestBase):
             # same multiset of selected scores as lax.top_k (ties may pick other positions)
             assert sorted(np.asarray(scores[r])[row].tolist()) == sorted(np.asarray(scores[r])[want[r]].tolist())
 
+    @pytest.mark.parametrize("path", ["fused", "split_4_4", "radix"])
+    def test_higher_bucket_behind_tied_buckets(self, impl, path):
+        """Bucket maxima tied at the k'-th largest before a higher one: the higher bucket's token is selected (the
+        first k' buckets >= tau in index order had left it out), exactly lax.top_k's set."""
+        scores = np.full((2, 4096), -1.0, np.float32)
+        scores[:, 40] = scores[:, 70] = 5.0
+        scores[:, 100] = 9.0
+        scores[1, 2000] = 9.0
+        got = np.asarray(TK.topk_select(jnp.asarray(scores), jnp.asarray([4096, 4096], jnp.int32), k=38,
+                                        config=CONFIGS[path], **impl.kw))
+        middle = [sorted(set(row.tolist()) - set(range(4)) - set(range(4064, 4096))) for row in got]
+        assert middle == [[40, 100], [100, 2000]]
+
     def test_kth_largest_exact(self, impl, rng):
         if not impl.is_kernel:
             pytest.skip("kth_largest is a kernel of the radix path; the reference uses lax.top_k")
