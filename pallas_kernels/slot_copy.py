@@ -57,7 +57,8 @@ def _check_start(start, groups: int, heads: int) -> jax.Array:
     if start.shape != () or not jnp.issubdtype(start.dtype, jnp.integer):
         raise ValueError(f"start must be an integer scalar (the slot's first group), got {start.dtype} {start.shape}")
     if not B.is_traced(start) and not 0 <= int(start) <= groups - heads:
-        raise ValueError(f"start must lie in [0, {groups - heads}] (heads {heads} of {groups} groups), got {int(start)}")
+        raise ValueError(f"start must lie in [0, {groups - heads}] (heads {heads} of {groups} groups), "
+                         f"got {int(start)}")
     return start.astype(jnp.int32)
 
 
@@ -170,7 +171,8 @@ def slot_read(
     start = _check_start(start, store.shape[1], heads)
     if implementation == "xla":
         return slot_read_reference(store, start, heads)
-    return _read_pallas(store, start, heads, config=config or SlotCopyConfig(), interpret=B.resolve_interpret(interpret))
+    return _read_pallas(store, start, heads, config=config or SlotCopyConfig(),
+                        interpret=B.resolve_interpret(interpret))
 
 
 def slot_write(

@@ -90,6 +90,10 @@ def test_slot_copy_lowers_to_triton_and_validates():
         text = lower_triton_text(lambda s, p, st: SC.slot_write(s, p, st, implementation="pallas", interpret=False),
                                  store, store[:, :2], jnp.int32(0))
         assert text.count(f'name = "{SC.WRITE_NAME}"') == 1
+        text = lower_triton_text(lambda s, p, st: SC._write_pallas(s, p, st, config=SC.SlotCopyConfig(),
+                                                                   interpret=False, in_place=True),
+                                 store, store[:, :2], jnp.int32(0))  # what slot_write_in_place runs on a GPU
+        assert text.count(f'name = "{SC.WRITE_NAME}"') == 1
     with pytest.raises(ValueError, match="store must be .* at least one axis after the group axis"):
         SC.slot_read(z((2, 4)), 0, 2)
     with pytest.raises(ValueError, match="heads must be an int in"):
