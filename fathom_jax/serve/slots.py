@@ -155,8 +155,7 @@ def insert(cache: SparseCache, session: SparseCache, slot: int, placement: Place
     program, in_place = insert_program(cache, placement, implementation)
     if not in_place:
         return program(cache, session, jnp.int32(slot))
-    small, done = program(*split_bulk(cache, bulk), session, jnp.int32(slot))
-    jax.block_until_ready(done)  # the host arrays hold the session once this returns
+    small, _ = program(*split_bulk(cache, bulk), session, jnp.int32(slot))  # the tokens: the writes were kept
     return attach_bulk(small, cache, bulk)
 
 
