@@ -7,7 +7,9 @@ pause, resume and leave without compiling the step again.
     pool.pause(a); pool.save(a, path) # parked in host memory; written to disk (fathom_jax.serve.session_store)
     b = pool.load(path)               # back, as a new session that decodes exactly what ``a`` would have
 
-The pool's cache is a :class:`~fathom_jax.decode.SparseCache` of ``slots`` sequences, made once. A step feeds every
+The pool's cache is a :class:`~fathom_jax.decode.SparseCache` of ``slots`` sequences, made once where the attention's
+placement puts it (its bulk arrays in ``pinned_host`` memory too: sessions then move by kernels, see
+:mod:`fathom_jax.serve.slots`). A step feeds every
 slot and masks the free ones: their lengths enter the step as 0 and leave it unchanged, and what the step writes in
 a free slot is overwritten whole when a session moves in (:mod:`fathom_jax.serve.slots`). Sequences never mix in a
 step, so an active session's tokens do not depend on what the other slots hold.
