@@ -3,7 +3,8 @@
 Kernels: ``plane_scan`` (Fathom's bit-plane scan), ``nibble_scan`` (fixed-channel 4-bit scan of the baselines),
 ``run_gather`` and ``tier_gather`` (plane runs from ``pinned_host`` to HBM, from one store or the cold tier of two),
 ``row_fetch`` (winner K/V rows), ``topk`` (sink + local + top-k selection), ``water_line`` (Fathom's bisection
-planner in one launch), ``cache_write`` and ``tier_write`` (new entries into a stacked cache, in place).
+planner in one launch), ``cache_write`` and ``tier_write`` (new entries into a stacked cache, in place),
+``slot_copy`` (one sequence's groups of a stacked array read out or written in, in place).
 Every kernel takes ``implementation="pallas" | "xla"`` and ``interpret=None`` (interpret mode when no GPU
 is present).
 

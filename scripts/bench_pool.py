@@ -4,6 +4,10 @@ than slots) on a :class:`fathom_jax.serve.SessionPool`: results/pool_<tag>.{json
     python3 -m scripts.bench_pool --model qwen3-8b --prompt-tokens 32768 --slots 4 --sessions 8 --out $OUT  # H200
     python3 -m scripts.bench_pool --model tiny --prompt-tokens 200 --slots 2 --sessions 4 --out /tmp/pool   # CPU
 
+By default the pool's cache is issue 47's layout: K/V rows (k8v8) and planes 1-3 in ``pinned_host`` memory, plane 0
+of every channel in HBM (``--placement pinned_host --resident-planes 1``); ``--placement device`` keeps it all in HBM.
+Parked sessions live in host memory either way.
+
 Reports the aggregate decode rate over the trace's bursts (tokens of every active session per second, the streamed
 tokens read back after each step) against the fixed batch of the same size (the pool's cache with every slot full,
 decoded by the plain ``decode_step`` driver), the time to add a session (a prefill of its prompt alone and the move
@@ -67,10 +71,19 @@ def fixed_batch_rate(pool: SessionPool, steps: int) -> float:
     return pool.config.slots * steps / (time.perf_counter() - t0)
 
 
+def placement(args) -> Placement:
+    """The pool cache's placement: ``--placement`` with ``--resident-planes`` (default 1 in pinned_host, 0 in HBM)."""
+    resident = args.resident_planes if args.resident_planes is not None else int(args.placement == "pinned_host")
+    return Placement(args.placement, resident_planes=resident)
+
+
 def bench(args) -> dict:
     model = build_model(args.model)
     vocab = model.config.vocab
-    attn = decode.from_spec(args.method, k=args.k, rows=None if args.rows == "model" else args.rows)
+    attn = decode.from_spec(args.method, k=args.k, rows=None if args.rows == "model" else args.rows,
+                            placement=placement(args))
+    if attn.placement.note:
+        print("note:", attn.placement.note, file=sys.stderr)
     capacity = args.prompt_tokens + args.rounds * args.burst + 2 * args.fixed_steps + 64
     pool = SessionPool(model, attn, PoolConfig(slots=args.slots, capacity=capacity))
     texts = prompts(vocab, args.sessions, args.prompt_tokens)
@@ -84,7 +97,9 @@ def bench(args) -> dict:
     for _ in range(2):
         pool.step()
     one = res["session_bytes"]
+    where = pool.attention.placement
     out = dict(model=args.model, method=args.method, k=args.k, rows=args.rows, slots=args.slots,
+               placement=where.memory, memory_kind=where.memory_kind, resident_planes=where.resident_planes,
                sessions=args.sessions, prompt_tokens=args.prompt_tokens, capacity=capacity, rounds=args.rounds,
                burst=args.burst, events=len(events), session_bytes=one,
                pool_tokens_per_s=decoded / seconds if seconds else None, pool_steps=sum(e["steps"] for e in steps),
@@ -112,7 +127,9 @@ def write_report(res: dict, prefix: str) -> None:
     lines = [f"# Session pool: {r['slots']} slots, {r['sessions']} sessions of ~{r['prompt_tokens']} tokens "
              f"({r['model']})", "",
              f"{m['date']}, {m['device']}, JAX {m['jax']}, commit {m['commit']}. Command: `{res['command']}`.",
-             f"{r['method']}, k = {r['k']}, rows `{r['rows']}`, capacity {r['capacity']}; a churn trace of "
+             f"{r['method']}, k = {r['k']}, rows `{r['rows']}`, capacity {r['capacity']}; the pool's cache in "
+             f"{r['memory_kind']} memory (placement {r['placement']}, resident planes {r['resident_planes']}); a "
+             f"churn trace of "
              f"{r['events']} events ({r['rounds']} bursts of 1-{r['burst']} steps). One session: "
              f"{r['session_bytes'] / 1e6:.1f} MB. Step programs compiled: {r['step_compiles']}.", "",
              "| measure | value |", "|---|---|",
@@ -148,7 +165,7 @@ def _plot(r: dict, path: str) -> None:
     a.axhline(r["fixed_batch_tokens_per_s"], color="k", ls="--", label=f"fixed batch of {r['slots']}")
     a.set_ylabel("tokens/s")
     a.legend()
-    b.step(t, [e["host_bytes"] / 1e9 for e in r["timeline"]], where="post", label="host (parked)")
+    b.step(t, [e["host_bytes"] / 1e9 for e in r["timeline"]], where="post", label="host (pool cache + parked)")
     b.step(t, [e["hbm_bytes"] / 1e9 for e in r["timeline"]], where="post", label="HBM (pool cache)")
     if all(e["device_in_use"] is not None for e in r["timeline"]):
         b.step(t, [e["device_in_use"] / 1e9 for e in r["timeline"]], where="post", label="device in use")
@@ -173,6 +190,11 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="fathom:48")
     ap.add_argument("--k", type=int, default=512)
     ap.add_argument("--rows", default="k8v8", help="K/V row format (model: the model dtype)")
+    ap.add_argument("--placement", choices=("pinned_host", "device"), default="pinned_host",
+                    help="where the pool cache's bulk arrays live (pinned_host: device memory where the backend has "
+                         "none)")
+    ap.add_argument("--resident-planes", type=int, default=None,
+                    help="planes of every channel kept in HBM with --placement pinned_host (default 1; 0 in HBM)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-dir", default=None, help="where saves go (default: the system's temporary directory)")
     ap.add_argument("--tag", default=None, help="default <model>_<prompt tokens>_<backend>")
@@ -181,6 +203,10 @@ def main(argv=None) -> int:
     for name in ("prompt_tokens", "slots", "sessions", "rounds", "burst", "fixed_steps", "k"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        placement(args)
+    except ValueError as e:
+        ap.error(f"--resident-planes: {e}")
     if args.sessions <= args.slots:
         print(f"note: {args.sessions} sessions in {args.slots} slots: none has to park", file=sys.stderr)
     tag = args.tag or f"{args.model}_{args.prompt_tokens}_{jax.default_backend()}"

@@ -32,4 +32,17 @@ def test_the_benchmark_writes_its_results(tmp_path):
     assert res["step_compiles"] <= 1 and res["pool_tokens_per_s"] > 0 and res["fixed_batch_tokens_per_s"] > 0
     assert len(res["add_s"]) >= 4 and res["session_bytes"] > 0
     assert {e["op"] for e in res["timeline"]} >= {"add", "steps", "remove"}
+    assert (res["placement"], res["resident_planes"]) == ("pinned_host", 1)  # issue 47's layout by default
     assert "| fixed batch of 2" in (tmp_path / "pool_t.md").read_text() and (tmp_path / "pool_t.png").stat().st_size
+
+
+def test_the_placement_flags_default_to_the_issues_layout_and_fail_by_name(capsys):
+    import argparse
+
+    import pytest
+
+    place = lambda **kw: bench_pool.placement(argparse.Namespace(**{"resident_planes": None, **kw}))  # noqa: E731
+    assert place(placement="pinned_host").resident_planes == 1 and place(placement="device").resident_planes == 0
+    with pytest.raises(SystemExit):
+        bench_pool.main(["--placement", "device", "--resident-planes", "1"])
+    assert "--resident-planes: placement resident_planes keeps planes" in capsys.readouterr().err

@@ -7,7 +7,9 @@ pause, resume and leave without compiling the step again.
     pool.pause(a); pool.save(a, path) # parked in host memory; written to disk (fathom_jax.serve.session_store)
     b = pool.load(path)               # back, as a new session that decodes exactly what ``a`` would have
 
-The pool's cache is a :class:`~fathom_jax.decode.SparseCache` of ``slots`` sequences, made once. A step feeds every
+The pool's cache is a :class:`~fathom_jax.decode.SparseCache` of ``slots`` sequences, made once where the attention's
+placement puts it (its bulk arrays in ``pinned_host`` memory too: sessions then move by kernels, see
+:mod:`fathom_jax.serve.slots`). A step feeds every
 slot and masks the free ones: their lengths enter the step as 0 and leave it unchanged, and what the step writes in
 a free slot is overwritten whole when a session moves in (:mod:`fathom_jax.serve.slots`). Sequences never mix in a
 step, so an active session's tokens do not depend on what the other slots hold.
@@ -99,16 +101,14 @@ class SessionPool:
             raise TypeError(f"SessionPool: attention must be a decode.SparseAttention, got {type(attention).__name__}")
         if not isinstance(config, PoolConfig):
             raise TypeError(f"SessionPool: config must be a PoolConfig, got {type(config).__name__}")
-        if attention.placement.in_host_memory:
-            raise ValueError("SessionPool: a pool cache in pinned_host memory needs its slot moves written by a kernel "
-                             "(XLA cannot update host arrays in place); use placement 'device': parked sessions "
-                             "still live in host memory")
         self.model, self.config = model, config
         self._graphdef, self._params = nnx.split(model)
         self._unbound = attention
         shape = model.cache_shape(config.slots, config.capacity)
         self.attention = attention.bind(shape)
         self.heads = shape.kv_heads
+        self._moves = (self.attention.placement, self.attention.resolved_implementation)
+        slots_lib.check_moves(*self._moves)  # a placement the slot moves cannot serve fails before any allocation
         template = jax.eval_shape(lambda: model.split_state(model.init_state(self.attention, config.slots,
                                                                              config.capacity)))
         if template[0] is not None:
@@ -191,7 +191,7 @@ class SessionPool:
         if session.slot is None:
             return
         self.budget.admit_session("SessionPool.pause", parked=True)
-        one = slots_lib.extract(self._cache, session.slot, self.heads)
+        one = slots_lib.extract(self._cache, session.slot, self.heads, *self._moves)
         self._park(session, one)
 
     def resume(self, sid: int) -> None:
@@ -274,7 +274,7 @@ class SessionPool:
             return
         slot = self._slots.index(None)
         self._cache = slots_lib.insert(self._cache, slots_lib.to_device(one, self.attention.placement), slot,
-                                       self.attention.placement)
+                                       *self._moves)
         self._slots[slot], session.slot = session.id, slot
 
     def _park(self, session: Session, one: SparseCache) -> None:

@@ -5,6 +5,12 @@ slots x KV heads`` (sequence major), ``length`` is ``[slots]``, and ``writes`` (
 writes) belongs to no sequence. A session is the same tree for one sequence (``R = KV heads``, ``length [1]``):
 what :func:`extract` cuts out of a slot and :func:`insert` writes into one. Both are compiled once per pool layout
 (the slot is a traced value), so moving sessions never compiles again.
+
+Small leaves move by XLA slices. The bulk leaves of the offloaded layout move as its decode step writes them, by
+kernels (:mod:`pallas_kernels.slot_copy`) that reach them in place: in ``pinned_host`` memory no XLA op may touch
+them, so the read copies the slot's groups into device memory and the write goes through the pointer of the host
+array, which the program neither donates nor returns (:mod:`fathom_jax.decode.cache_program`'s rule). With the
+kernels interpreted on a CPU, device memory stands in for the host.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fathom_jax.decode.cache import SparseCache
-from fathom_jax.placement import GROUP_AXIS, Placement, host_memory_available
+from fathom_jax.placement import GROUP_AXIS, Placement, attach_bulk, host_memory_available, join_bulk, split_bulk
+from pallas_kernels import slot_copy
 
 
 def _per_sequence(cache: SparseCache) -> SparseCache:
@@ -49,44 +56,107 @@ def check_layout(cache: SparseCache) -> None:
 
 
 def _move(leaf_fn, length_fn, cache: SparseCache, *rest):
-    """``leaf_fn`` over every per-sequence leaf of rank >= 2 and ``length_fn`` over ``length`` (``rest``: trees
-    like ``cache`` whose leaves go along)."""
-    def one(x, *others):
-        return leaf_fn(x, *others) if x.ndim >= 2 else None
+    """``leaf_fn(x, bulk, *others)`` over every per-sequence leaf of rank >= 2 (``bulk``: whether the placement puts
+    it with the bulk leaves, host or resident) and ``length_fn`` over ``length`` (``rest``: trees like ``cache``
+    whose leaves go along)."""
+    def one(x, bulk, *others):
+        return leaf_fn(x, bool(bulk), *others) if x.ndim >= 2 else None
 
-    moved = jax.tree.map(one, _per_sequence(cache), *[_per_sequence(r) for r in rest])
+    moved = jax.tree.map(one, _per_sequence(cache), _per_sequence(cache.bulk()), *[_per_sequence(r) for r in rest])
     return dataclasses.replace(moved, length=length_fn(cache.length, *[r.length for r in rest]))
 
 
-@functools.partial(jax.jit, static_argnames=("heads",))
-def _extract(cache: SparseCache, slot, heads: int) -> SparseCache:
+def check_moves(placement: Placement, implementation: str | None) -> bool:
+    """Whether a pool's bulk leaves move by the :mod:`pallas_kernels.slot_copy` kernels (the rest by XLA slices): for
+    the offloaded layout with the kernels, as its decode step writes them. In real host memory nothing else can."""
+    implementation = placement.check(implementation)
+    by_kernel = placement.offloaded and implementation == "pallas" and placement.mesh is None
+    if placement.in_host_memory and not by_kernel:
+        raise ValueError("SessionPool: a pool cache in pinned_host memory moves its slots by the slot_copy kernels, "
+                         "which run on one device: use a placement without a mesh (or placement 'device' with a "
+                         "mesh: parked sessions still live in host memory)")
+    return by_kernel
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "by_kernel"))
+def _extract(cache: SparseCache, slot, heads: int, by_kernel: bool = False) -> SparseCache:
     start = slot * heads
-    return _move(lambda x: jax.lax.dynamic_slice_in_dim(x, start, heads, axis=GROUP_AXIS),
-                 lambda n: jax.lax.dynamic_slice_in_dim(n, slot, 1), cache)
+
+    def leaf(x, bulk):
+        if bulk and by_kernel:  # read in place, wherever it lives
+            return slot_copy.slot_read(x, start, heads, implementation="pallas")
+        return jax.lax.dynamic_slice_in_dim(x, start, heads, axis=GROUP_AXIS)
+
+    return _move(leaf, lambda n: jax.lax.dynamic_slice_in_dim(n, slot, 1), cache)
 
 
-def extract(cache: SparseCache, slot: int, heads: int) -> SparseCache:
-    """The session in ``slot`` (a tree of one sequence, in device memory; the pool cache is unchanged)."""
-    return _extract(cache, jnp.int32(slot), heads)
+def extract(cache: SparseCache, slot: int, heads: int, placement: Placement | None = None,
+            implementation: str | None = None) -> SparseCache:
+    """The session in ``slot`` (a tree of one sequence, in device memory; the pool cache is unchanged). With a
+    ``placement`` (the pool's) and ``implementation``, its bulk leaves are read as :func:`check_moves` says."""
+    by_kernel = placement is not None and check_moves(placement, implementation)
+    return _extract(cache, jnp.int32(slot), heads, by_kernel=by_kernel)
 
 
 @functools.lru_cache(maxsize=None)
-def _insert_program(shardings):
-    def body(cache, session, slot):
-        heads = session.groups
-        start = slot * heads
-        moved = _move(lambda x, s: jax.lax.dynamic_update_slice_in_dim(x, s.astype(x.dtype), start, axis=GROUP_AXIS),
-                      lambda n, s: jax.lax.dynamic_update_slice_in_dim(n, s, slot, 0), cache, session)
-        return dataclasses.replace(moved, writes=cache.writes)
+def _insert_program(shardings, by_kernel: bool, in_place: bool):
+    def write(cache, session, slot):
+        start = slot * session.groups
+        tokens = []
 
-    # The pool cache keeps its shardings (the step program's signature); it is donated: updated in place.
-    return jax.jit(body, donate_argnums=(0,), out_shardings=jax.tree.unflatten(*shardings))
+        def leaf(x, bulk, s):
+            s = s.astype(x.dtype)
+            if not (bulk and by_kernel):
+                return jax.lax.dynamic_update_slice_in_dim(x, s, start, axis=GROUP_AXIS)
+            if in_place:  # through the pointer, as the decode step writes a host cache: nothing copied or returned
+                tokens.append(slot_copy.slot_write_in_place(x, s, start))
+                return x
+            return slot_copy.slot_write(x, s, start, implementation="pallas")
+
+        moved = _move(leaf, lambda n, s: jax.lax.dynamic_update_slice_in_dim(n, s, slot, 0), cache, session)
+        moved = dataclasses.replace(moved, writes=cache.writes)
+        done = jnp.concatenate(tokens) if tokens else jnp.zeros((0,), jnp.int32)
+        return moved, done
+
+    out_shardings = jax.tree.unflatten(*shardings)  # the whole cache's, or its small leaves' in place
+    if not in_place:
+        # The pool cache keeps its shardings (the step program's signature); it is donated: updated in place.
+        return jax.jit(lambda cache, session, slot: write(cache, session, slot)[0], donate_argnums=(0,),
+                       out_shardings=out_shardings)
+
+    # In host memory, as the step's programs (fathom_jax.decode.cache_program): the small leaves donated and
+    # returned, the bulk ones written in place and neither donated (XLA would free them) nor returned (XLA would copy
+    # them); the completion tokens are an output, so the writes are never dropped.
+    def body(small, bulk_leaves, session, slot):
+        cache = join_bulk(small, bulk_leaves)
+        moved, done = write(cache, session, slot)
+        return split_bulk(moved, cache.bulk())[0], done
+
+    return jax.jit(body, donate_argnums=(0,), out_shardings=(out_shardings, None))
 
 
-def insert(cache: SparseCache, session: SparseCache, slot: int, placement: Placement) -> SparseCache:
-    """``cache`` with ``session`` written into ``slot`` (the cache is donated)."""
-    leaves, treedef = jax.tree.flatten(placement.shardings(cache, cache.bulk()))
-    return _insert_program((treedef, tuple(leaves)))(cache, session, jnp.int32(slot))
+def insert_program(cache: SparseCache, placement: Placement, implementation: str | None = None):
+    """``(program, in_place)``: the compiled insert for pools like ``cache``; in place, it takes ``(small, bulk
+    leaves, session, slot)`` (:func:`~fathom_jax.placement.split_bulk`) and returns ``(small, completion tokens)``,
+    else ``(cache, session, slot)`` and returns the cache."""
+    bulk = cache.bulk()
+    by_kernel = check_moves(placement, implementation)
+    in_place = by_kernel and placement.in_host_memory
+    shardings = placement.shardings(cache, bulk)
+    leaves, treedef = jax.tree.flatten(split_bulk(shardings, bulk)[0] if in_place else shardings)
+    return _insert_program((treedef, tuple(leaves)), by_kernel, in_place), in_place
+
+
+def insert(cache: SparseCache, session: SparseCache, slot: int, placement: Placement,
+           implementation: str | None = None) -> SparseCache:
+    """``cache`` with ``session`` written into ``slot`` (the cache is donated; in host memory its bulk leaves are
+    written in place and the same arrays come back)."""
+    bulk = cache.bulk()
+    program, in_place = insert_program(cache, placement, implementation)
+    if not in_place:
+        return program(cache, session, jnp.int32(slot))
+    small, _ = program(*split_bulk(cache, bulk), session, jnp.int32(slot))  # the tokens: the writes were kept
+    return attach_bulk(small, cache, bulk)
 
 
 def clear(cache: SparseCache, slot: int) -> SparseCache:

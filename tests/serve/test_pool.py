@@ -2,6 +2,7 @@
 they decode alone; the step compiles once; bad requests fail by name before any work."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -171,5 +172,83 @@ def test_on_the_gpu_parked_sessions_sit_in_pinned_host_memory_and_decode_bit_for
     for _ in range(7):
         pool.step()
     assert pool.tokens(a) == alone
-    with pytest.raises(ValueError, match="pinned_host memory needs its slot moves written by a kernel"):
-        _pool(tiny_model, decode.from_spec("fathom:32", k=40, placement="pinned_host", implementation="pallas"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+def test_on_the_gpu_a_pool_cache_in_pinned_host_moves_sessions_in_place_bit_for_bit(tiny_model, tmp_path):
+    """Issue 47's layout natively: the pool's K/V rows (k8v8) and planes 1-3 in pinned_host, plane 0 in HBM. Sessions
+    paused, saved, loaded and resumed decode what they decode uninterrupted; the host arrays are the same ones
+    throughout (written in place), and neither slot move copies or returns a host array."""
+    from fathom_jax.hlo import host_array_copies
+    from fathom_jax.placement import Placement, split_bulk
+    from fathom_jax.serve import slots
+
+    placement = Placement("pinned_host", resident_planes=1)
+    attn = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="pallas", placement=placement)
+    pool = _pool(tiny_model, attn)
+
+    def host_leaves():
+        return [x for x, b in zip(jax.tree.leaves(pool.cache), jax.tree.leaves(pool.cache.bulk())) if b is True]
+
+    held = host_leaves()
+    assert held and {x.sharding.memory_kind for x in held} == {"pinned_host"}
+    assert "device" in jax.tree.leaves(pool.cache.bulk())  # plane 0, resident
+    alone = [pool_trace.lone_tokens(pool, p, n) for p, n in ((PROMPTS[0], 12), (PROMPTS[1], 13))]
+    a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
+    for _ in range(5):
+        pool.step()
+    pool.pause(a)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(pool.session(a).parked)} == {"pinned_host"}
+    pool.save(a, tmp_path / "a")
+    pool.remove(a)
+    pool.step()
+    pool.pause(b)
+    pool.resume(b)
+    a = pool.load(tmp_path / "a")
+    assert (pool.session(a).slot, pool.session(b).slot) == (1, 0)  # each in the other's slot
+    for _ in range(6):
+        pool.step()
+    assert [pool.tokens(a), pool.tokens(b)] == alone
+    assert all(x is y for x, y in zip(held, host_leaves()))
+
+    cache, one = pool.cache, slots.extract(pool.cache, 0, 2, placement, "pallas")
+    assert pool.step_compiles() <= 1
+    read = slots._extract.lower(cache, jnp.int32(0), heads=2, by_kernel=True)
+    program, in_place = slots.insert_program(cache, placement, "pallas")
+    write = program.lower(*split_bulk(cache, cache.bulk()), one, jnp.int32(0))
+    assert in_place and "slot_read" in read.as_text() and "slot_write" in write.as_text()
+    for lowered in (read, write):
+        assert host_array_copies(lowered.compile().as_text(), min_bytes=1) == []
+
+
+def test_an_offloaded_pool_moves_its_slots_by_the_kernels_bit_for_bit(tiny_model, tmp_path):
+    """Issue 47's layout (plane 0 resident, the rest and k8v8 rows offloaded; on CPU device memory stands in for
+    pinned_host) with the kernels, interpreted: sessions paused, saved, loaded and resumed into the other slot decode
+    what they decode uninterrupted, and the slot moves ran the slot_copy kernels."""
+    from fathom_jax.placement import Placement
+    from fathom_jax.serve import slots
+    from tests.support import count_pallas_calls
+
+    attn = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="pallas",
+                            placement=Placement("pinned_host", resident_planes=1))
+    pool = _pool(tiny_model, attn)
+    alone = [pool_trace.lone_tokens(pool, p, 6) for p in PROMPTS[:2]]
+    a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
+    pool.step()
+    pool.pause(a)
+    pool.save(a, tmp_path / "a")
+    pool.remove(a)
+    pool.pause(b)
+    pool.resume(b)
+    a = pool.load(tmp_path / "a")
+    assert (pool.session(a).slot, pool.session(b).slot) == (1, 0)  # each in the other's slot
+    for _ in range(4):
+        pool.step()
+    assert [pool.tokens(a), pool.tokens(b)] == alone
+    bulk = sum(bool(x) for x in jax.tree.leaves(slots._per_sequence(pool.cache.bulk())))
+    assert bulk >= 3  # K/V rows, the offloaded planes, plane 0 in device memory (*_hbm), ...
+    moves = dict(placement=attn.placement, implementation="pallas")
+    assert count_pallas_calls(slots.extract, pool.cache, name="slot_read", slot=1, heads=2, **moves) == bulk
+    one = slots.extract(pool.cache, 1, 2, **moves)
+    assert count_pallas_calls(slots.insert, pool.cache, one, name="slot_write", slot=0, **moves) == bulk

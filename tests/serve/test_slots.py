@@ -11,8 +11,8 @@ from fathom_jax.serve import slots
 from fathom_jax.models.attention import CacheShape
 
 
-def _filled(attention, batch, seed):
-    shape = CacheShape(layers=2, batch=batch, kv_heads=2, capacity=128, head_dim=8, dtype=jnp.float32)
+def _filled(attention, batch, seed, dtype=jnp.float32):
+    shape = CacheShape(layers=2, batch=batch, kv_heads=2, capacity=128, head_dim=8, dtype=dtype)
     attn = attention.bind(shape)
     cache = attn.start_decode(attn.init_cache(shape), np.zeros(batch, np.int32))
     rng = np.random.default_rng(seed)
@@ -41,3 +41,36 @@ def test_a_leaf_without_its_groups_on_axis_1_is_refused(attention):
         slots.check_layout(dataclasses.replace(pool, index=index))
     with pytest.raises(ValueError, match="a session is one sequence"):
         slots.session_of(pool)
+
+
+def test_the_kernel_moves_of_an_offloaded_pool_equal_the_xla_moves_bit_for_bit(tiny_model):
+    """Issue 47's layout (plane 0 resident, k8v8 rows; device memory standing in for pinned_host on CPU, the real
+    thing on a GPU): the slot_copy kernels move every bulk leaf, resident or not, exactly as XLA's slices do."""
+    from fathom_jax import decode
+    from fathom_jax.placement import Placement
+
+    placement = Placement("pinned_host", resident_planes=1)
+    attention = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="pallas", placement=placement)
+    pool, attn = _filled(attention, 3, 0, dtype=jnp.bfloat16)
+    one = slots.session_of(_filled(attention, 1, 1, dtype=jnp.bfloat16)[0])
+    assert "device" in jax.tree.leaves(pool.bulk()) and True in jax.tree.leaves(pool.bulk())
+    by_xla = slots.insert(jax.tree.map(jnp.copy, pool), one, 2, Placement(), "xla")  # every leaf in device memory
+    by_kernel = slots.insert(placement.put(pool, pool.bulk()), one, 2, placement, "pallas")
+    for x, y in zip(jax.tree.leaves(by_xla), jax.tree.leaves(by_kernel)):
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    for s in (1, 2):
+        for x, y in zip(jax.tree.leaves(slots.extract(by_xla, s, 2, Placement(), "xla")),
+                        jax.tree.leaves(slots.extract(by_kernel, s, 2, placement, "pallas"))):
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
+def test_a_pinned_host_pool_over_a_mesh_is_refused_by_name(monkeypatch):
+    from fathom_jax.placement import Placement
+    from fathom_jax.placement import placement as placement_lib
+
+    monkeypatch.setattr(placement_lib, "host_memory_available", lambda: True)  # a GPU's pinned_host memory
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    with pytest.raises(ValueError, match="pinned_host memory moves its slots by the slot_copy kernels"):
+        slots.check_moves(Placement("pinned_host", mesh=mesh), "pallas")
+    assert slots.check_moves(Placement("pinned_host"), "pallas") is True
+    assert slots.check_moves(Placement(), "pallas") is False
