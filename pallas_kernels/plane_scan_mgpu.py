@@ -19,11 +19,30 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxtyping import Array, Float, UInt
+from jaxtyping import Array, Float, Int, UInt
+
+from pallas_kernels.plane_scan_mma import row_table
 
 KERNEL_NAME = "fathom_plane_scan_mgpu"
 TOKENS = 64  # one block per program: the wgmma's M
 HEADS = 16  # the wgmma's N (heads padded)
+
+
+def product_rows(q: Float[Array, "R G D"], planes: UInt[Array, "R D 4 W"], scales: Float[Array, "R D NB"],
+                 channels: Int[Array, "R C"], depths: Int[Array, "R C"]):
+    """The probe's operands for a store and a run list, gathered in plain jnp from the mma variant's row table:
+    ``(words [R, NB, 2, K], scales [R, NB, K], w [R, 2, K, 16], unscale [R])``, ``K`` the most read rows of any
+    group rounded up to 16 (rows past a group's read ones weigh 0). Eager: ``K`` is read from the table."""
+    slot, plane, hi, lo, steps, unscale = row_table(jnp.take_along_axis(q, channels[:, None, :], -1), depths)
+    k = max(HEADS, HEADS * int(jnp.max(steps)))
+    slot, plane, hi, lo = slot[:, :k], plane[:, :k], hi[..., :k], lo[..., :k]
+    ch = jnp.take_along_axis(channels, slot, axis=-1)  # [R, K]
+    rows = jnp.take_along_axis(planes, ch[..., None, None], axis=1)  # [R, K, 4, W]
+    words = jnp.take_along_axis(rows, plane[..., None, None], axis=2)[:, :, 0]  # [R, K, W]
+    words = words.reshape(*words.shape[:2], -1, 2).transpose(0, 2, 3, 1)  # [R, NB, 2, K]
+    a = jnp.take_along_axis(scales, ch[..., None], axis=1).transpose(0, 2, 1)  # [R, NB, K]
+    w = jnp.stack([hi, lo], axis=1)[:, :, :HEADS].transpose(0, 1, 3, 2)  # [R, 2, K, 16]
+    return words, a, w, unscale
 
 
 def plane_product_reference(words: UInt[Array, "R NB 2 K"], scales: Float[Array, "R NB K"],

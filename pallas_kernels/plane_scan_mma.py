@@ -50,6 +50,16 @@ def _head_rows(groups: int) -> int:
     return max(MIN_ROWS, 1 << (groups - 1).bit_length())
 
 
+def _fp16_normal_part(w: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """``w`` (f32) rounded to nearest-even at 11 significant bits, 0 below fp16's normal range (``2^-14``): an f32
+    that converts to fp16 exactly. Integer operations, not an ``f32 -> f16 -> f32`` round trip: XLA's GPU pipeline
+    (``xla_allow_excess_precision``, on by default) folds that pair to the identity, which would zero ``lo``."""
+    bits = jax.lax.bitcast_convert_type(w, jnp.uint32)
+    half = jnp.uint32((1 << 12) - 1) + ((bits >> 13) & 1)  # round half to even on the 13 dropped mantissa bits
+    hi = jax.lax.bitcast_convert_type((bits + half) & jnp.uint32(0xFFFFE000), jnp.float32)
+    return jnp.where(jnp.abs(w) < 2.0 ** -14, 0.0, hi)
+
+
 def row_table(q: Float[Array, "R G C"], depths: Int[Array, "R C"], rows: int = MIN_ROWS):
     """The product rows of each group: ``(slot i32 [R, K], plane i32 [R, K], w_hi f16 [R, Gp, K], w_lo f16 [R, Gp, K],
     steps i32 [R], unscale f32 [R])`` with ``K = 4 C`` rounded up to ``rows`` (the rows of one step of the K loop);
@@ -71,8 +81,9 @@ def row_table(q: Float[Array, "R G C"], depths: Int[Array, "R C"], rows: int = M
     w = jnp.take_along_axis(qs, slot[:, None, :], axis=-1) * jnp.ldexp(1.0, -(plane + 1))[:, None, :]
     w = jnp.where(read[:, None, :], w, 0.0)
     w = jnp.pad(w, ((0, 0), (0, _head_rows(g) - g), (0, 0)))
-    hi = w.astype(jnp.float16)
-    lo = (w - hi.astype(jnp.float32)).astype(jnp.float16)
+    hi = _fp16_normal_part(w)
+    lo = (w - hi).astype(jnp.float16)  # exact remainder in f32, one rounding to fp16
+    hi = hi.astype(jnp.float16)  # exact: hi holds 11 significant bits in fp16's normal range
     steps = (jnp.sum(read, axis=-1, dtype=jnp.int32) + rows - 1) // rows
     return slot, plane, hi, lo, steps, jnp.ldexp(jnp.ones_like(top), e)
 

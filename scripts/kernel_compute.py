@@ -10,6 +10,8 @@ import numpy as np
 from fathom_jax import planner
 from pallas_kernels import nibble_scan as NS
 from pallas_kernels import plane_scan as PS
+from pallas_kernels import plane_scan_mgpu as MG
+from pallas_kernels import plane_scan_mma as PM
 from pallas_kernels import topk as TK
 from pallas_kernels.operands import RunList, StorePlanes
 from scripts.harness import timeit
@@ -39,13 +41,13 @@ MMA_TUNE = tuple(PS.PlaneScanConfig(variant="mma", tile=t, rows=k, num_warps=w)
                  for t, k, w in ((64, 16, 4), (256, 32, 4), (256, 64, 8), (512, 32, 8), (1024, 16, 8)))
 
 
-def scan_cases(n, tune=False):
+def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
     q, planes, scales, length, var = scan_inputs(n)
     g = planner.importance(q, var)
     bh = 4 * 8
     out = []
     plan_stats = {}
-    for budget in (32, 48, 64):
+    for budget in budgets:
         plan = planner.plan_bisection(g, budget)
         runs = PS.active_channels(plan.depths)
         active = float(jnp.mean(jnp.sum(plan.depths > 0, -1)))
@@ -68,7 +70,7 @@ def scan_cases(n, tune=False):
                      bits_per_token=bits, bytes=nbytes)
             out.append(r)
     nib = NS.pack_nibbles(planes)
-    for name, r_ch in (("sparq_r16", 16), ("nibble_32", 32), ("full_4bit", 128)):
+    for name, r_ch in (("sparq_r16", 16), ("nibble_32", 32), ("full_4bit", 128)) if nibble else ():
         ch = jnp.broadcast_to(jnp.arange(r_ch, dtype=jnp.int32), (4, 8, r_ch))
         bits = r_ch * 4 + r_ch * 16 / 64
         nbytes = bh * n * bits / 8 + bh * 4 * n * 4
@@ -113,6 +115,63 @@ def _scan_config_fields(cfg):
     mma = cfg.variant == "mma"
     return {"variant": cfg.variant, "lanes": 0 if mma else cfg.lanes, "rows": cfg.rows if mma else 0, "tile": cfg.tile,
             "num_warps": cfg.num_warps}
+
+
+def scan_gathered_cases(n, budget=48):
+    """Fathom ``budget`` on rows gathered beforehand (batch 4 x 8 KV heads, G=4, D=128): the lanes kernel on the run
+    gather's staged planes, the Mosaic GPU probe (:mod:`pallas_kernels.plane_scan_mgpu`: wgmma, bit operand in
+    registers) on its ``[R, NB, 2, K]`` rows, and the mma variant's row table alone (plain jnp, in every mma call).
+    Each probe stage that fails (lower, compile, run) becomes its row's ``error``; its scores are checked against
+    the plane scan's reference (``check``: log2 of the largest error over ``m sum_k a_k``, as for the mma variant)."""
+    q, planes, scales, length, var = (x.reshape(32, *x.shape[2:]) for x in scan_inputs(n))
+    runs = PS.active_channels(planner.plan_bisection(planner.importance(q, var), budget).depths)
+    ch, bits = runs.channels, float(jnp.mean(jnp.sum(runs.depths, -1) + 16 * jnp.sum(runs.depths > 0, -1) / 64))
+    scores = 32 * 4 * n * 4
+    base = dict(kernel=f"fathom_{budget}_gathered", n=n, lanes=0, rows=0, authors_ms=None)
+    staged = StorePlanes(jnp.take_along_axis(planes, ch[..., None, None], 1),
+                         jnp.take_along_axis(scales, ch[..., None], 1))
+    qs, slots, out = jnp.take_along_axis(q, ch[:, None, :], axis=-1), runs.slots(), []
+    for cfg in (PS.PlaneScanConfig(), PS.PlaneScanConfig(tile=1024, lanes=16, num_warps=2)):
+        step = lambda c, cfg=cfg: c + 1e-30 * PS.plane_scan(qs + c, staged, length, slots, config=cfg)[:, :1, :1].sum()
+        out.append({**timeit(step, jnp.zeros((), jnp.float32), iters=100), **base, **_scan_config_fields(cfg),
+                    "bytes": 32 * n * bits / 8 + scores})
+    table = jax.jit(lambda qq: PM.row_table(qq, runs.depths))
+    r = timeit(lambda c: c + 1e-30 * table(qs + c)[2][:, :1, :1].sum().astype(jnp.float32), jnp.zeros((), jnp.float32),
+               iters=100)
+    out.append({**r, **base, "kernel": f"fathom_{budget}_row_table", "variant": "xla", "tile": 0, "num_warps": 0,
+                "bytes": 0.0})
+    words, a, w, unscale = MG.product_rows(q, planes, scales, ch, runs.depths)
+    k = words.shape[-1]
+    row = {**base, "variant": "mgpu", "rows": k, "tile": MG.TOKENS, "num_warps": 4,
+           "bytes": words.nbytes + a.nbytes + w.nbytes + 32 * n * MG.HEADS * 4}
+    stage = "lower"
+    try:
+        compiled = jax.jit(MG.plane_product_mgpu).lower(words, a, w)
+        stage = "compile"
+        compiled = compiled.compile()
+        stage = "run"
+        got = compiled(words, a, w)[..., :4].reshape(32, n, 4).transpose(0, 2, 1) * unscale[:, None, None]
+        want = PS.plane_scan_reference(q, StorePlanes(planes, scales), length, runs)
+        row["check"] = float(jnp.log2(jnp.max(jnp.abs(got - want) / _m_sum_a(q, scales, runs))))
+        stage = "time"
+        step = lambda c: c + 1e-30 * MG.plane_product_mgpu(words, a, w + c.astype(jnp.float16))[:, :1, :1, :1].sum()
+        row.update({**timeit(step, jnp.zeros((), jnp.float32), iters=100), "n": n})
+    except Exception as err:  # noqa: BLE001 - reported in the row, never hidden
+        print(f"mgpu probe failed at {stage}: {type(err).__name__}: {err}", flush=True)
+        row.update(median_ms=float("nan"), min_ms=float("nan"), max_ms=float("nan"),
+                   error=f"{stage}: {type(err).__name__}: {err}"[:800])
+    out.append(row)
+    for r in out:
+        r["GBps"] = r["bytes"] / (r["median_ms"] * 1e-3) / 1e9
+    return out
+
+
+def _m_sum_a(q, scales, runs):
+    """``m sum_k a_k`` per score ``[R, 1, n]``, the mma variant's error scale (its module's derivation)."""
+    ch, dep = runs.channels, runs.depths
+    a = jnp.take_along_axis(scales.astype(jnp.float32), ch[..., None], axis=-2) * (dep[..., None] > 0)
+    m = jnp.max(jnp.abs(jnp.take_along_axis(q, ch[..., None, :], axis=-1)), axis=(-1, -2))
+    return jnp.maximum(m[..., None, None] * jnp.repeat(a.sum(-2), 64, axis=-1)[..., None, :], 1e-30)
 
 
 # One chunk of the pipelined decode step (fathom_jax.placement): the scan of the staged planes of a few groups, which
@@ -185,12 +244,11 @@ def _mma_errors(q, store, length, runs, scales, want):
     """The tensor-core variant's relative error and its largest error over the tolerance the tests hold it to
     (``|err| <= 2^-16 m sum_k a_k``, :mod:`pallas_kernels.plane_scan_mma`), in log2."""
     got = PS.plane_scan(q, store, length, runs, config=MMA_CONFIGS[0])
-    ch, dep = runs.channels, runs.depths
-    a = jnp.take_along_axis(scales.astype(jnp.float32), ch[..., None], axis=-2) * (dep[..., None] > 0)
-    m = jnp.max(jnp.abs(jnp.take_along_axis(q, ch[..., None, :], axis=-1)), axis=(-1, -2))
-    limit = m[..., None, None] * jnp.repeat(a.sum(-2), 64, axis=-1)[..., None, :]
-    err = jnp.max(jnp.abs(got - want) / jnp.maximum(limit, 1e-30))
+    err = jnp.max(jnp.abs(got - want) / _m_sum_a(q, scales, runs))
+    qc = jnp.take_along_axis(q, runs.channels[..., None, :], axis=-1)
+    lo = jax.jit(PM.row_table)(qc.reshape(-1, *qc.shape[-2:]), runs.depths.reshape(-1, runs.depths.shape[-1]))[3]
     return {"plane_scan_mma_rel_err": float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)),
+            "mma_row_table_lo_nonzero": float(jnp.mean(lo != 0)),  # 0: the weights' low parts lost on this device
             "plane_scan_mma_log2_err_over_m_sum_a": float(jnp.log2(jnp.maximum(err, 2.0 ** -60)))}
 
 

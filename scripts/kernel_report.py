@@ -37,6 +37,12 @@ def write_report(res, out, name="kernels_h200"):
              "rows of the blocked kernel, since removed, in older results). variant: `lanes` (CUDA-core FMAs) or `mma` "
              "(the tensor-core product; rows: its product rows per K step). HBM floor: the row's bytes (reads + f32 "
              "scores) at the HBM copy rate above.",
+             *(["`_gathered`: rows gathered beforehand (`lanes`: the run gather's staged planes; `mgpu`: the Mosaic GPU "
+                "probe, wgmma with the bit operand in registers, one warpgroup per 64-token block, rows: its K, 16 head "
+                "columns of f32 written); `_row_table`: the mma variant's row table alone (plain jnp, part of every mma "
+                "call). mgpu check, log2 of the largest error over m sum_k a_k (the mma tests hold -16): "
+                f"{ {r['n']: r.get('check') for r in res['scan'] if r.get('variant') == 'mgpu'} }."]
+               if any(r.get("variant") == "mgpu" for r in res["scan"]) else []),
              *sorted({f"Failed ({r['variant']}, tile {r['tile']}, rows {r['rows']}, warps {r['num_warps']}): "
                       f"{r['error']}" for r in res["scan"] if "error" in r})],
             ["kernel", "n", "variant", "lanes", "rows", "tile", "warps", "ms (median)", "[min, max]",
@@ -103,13 +109,14 @@ def write_report(res, out, name="kernels_h200"):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    if "scan" not in res:
-        return
-    fig, ax = plt.subplots(figsize=(8, 4))
     names = ["sparq_r16", "nibble_32", "full_4bit", "fathom_48", "fathom_64"]
+    if not any(r["kernel"] in names and np.isfinite(r["median_ms"]) for r in res.get("scan", ())):
+        return  # nothing to plot yet (a run saved after the gathered rows only, or failed kernels only)
+    fig, ax = plt.subplots(figsize=(8, 4))
     ns = sorted({r["n"] for r in res["scan"]})
     for i, n in enumerate(ns):
-        ours = [min((r["median_ms"] for r in res["scan"] if r["kernel"] == k and r["n"] == n), default=np.nan) for k in names]
+        ours = [np.nanmin([r["median_ms"] for r in res["scan"] if r["kernel"] == k and r["n"] == n] or [np.nan])
+                for k in names]  # a failed configuration's NaN row never wins
         theirs = [AUTHORS.get(n, {}).get(k, np.nan) for k in names]
         x = np.arange(len(names)) + i * 0.4
         ax.bar(x, ours, 0.2, label=f"ours n={n}")

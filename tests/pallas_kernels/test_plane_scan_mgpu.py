@@ -11,22 +11,8 @@ from kernel_test_base import HAS_GPU, random_store_arrays
 from oracles import plane_scan as np_plane_scan
 from pallas_kernels import plane_scan as PS
 from pallas_kernels import plane_scan_mgpu as MG
-from pallas_kernels import plane_scan_mma as PM
 
 D, G = 16, 4
-
-
-def product_operands(q, planes, scales, runs):
-    """``(words [R, NB, 2, K], scales [R, NB, K], w [R, 2, K, 16], unscale [R])``: the product rows of each 64-token
-    block, gathered in plain jnp from the mma variant's row table."""
-    slot, plane, hi, lo, _, unscale = PM.row_table(jnp.take_along_axis(q, runs.channels[:, None, :], -1), runs.depths)
-    ch = jnp.take_along_axis(runs.channels, slot, axis=-1)  # [R, K]
-    rows = jnp.take_along_axis(planes, ch[..., None, None], axis=1)  # [R, K, 4, W]
-    words = jnp.take_along_axis(rows, plane[..., None, None], axis=2)[:, :, 0]  # [R, K, W]
-    words = words.reshape(*words.shape[:2], -1, 2).transpose(0, 2, 3, 1)  # [R, NB, 2, K]
-    a = jnp.take_along_axis(scales, ch[..., None], axis=1).transpose(0, 2, 1)  # [R, NB, K]
-    w = jnp.stack([hi, lo], axis=1)[:, :, :16].transpose(0, 1, 3, 2)  # [R, 2, K, 16]
-    return words, a, w, unscale
 
 
 def test_reference_is_the_plane_scan():
@@ -35,7 +21,7 @@ def test_reference_is_the_plane_scan():
     length = jnp.full((3,), 256, jnp.int32)
     q = jnp.asarray(rng.standard_normal((3, G, D)), jnp.float32)
     runs = PS.active_channels(jnp.asarray(rng.integers(0, 5, (3, D)), jnp.int32))
-    words, a, w, unscale = product_operands(q, planes, scales, runs)
+    words, a, w, unscale = MG.product_rows(q, planes, scales, runs.channels, runs.depths)
     got = MG.plane_product_reference(words, a, w) * unscale[:, None, None, None]  # [R, NB, 64, 16]
     got = got.reshape(3, 256, 16)[..., :G].transpose(0, 2, 1)
     want = np_plane_scan(q, planes, scales, length, runs.channels, runs.depths)
@@ -59,7 +45,7 @@ def test_runs_on_the_gpu():
     planes, scales, _ = random_store_arrays(rng, (3,), D, 512)
     q = jnp.asarray(rng.standard_normal((3, G, D)), jnp.float32)
     runs = PS.active_channels(jnp.asarray(rng.integers(0, 5, (3, D)), jnp.int32))
-    words, a, w, _ = product_operands(q, planes, scales, runs)
+    words, a, w, _ = MG.product_rows(q, planes, scales, runs.channels, runs.depths)
     got = jax.jit(MG.plane_product_mgpu)(words, a, w)
     want = MG.plane_product_reference(words, a, w)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))

@@ -130,12 +130,16 @@ def test_reference_is_the_oracle():
     assert_scores_close(got, np_plane_scan(q, planes, scales, length, ch, runs.depths))
 
 
-def test_row_table_splits_weights():
-    """hi + lo carries each weight q 2^-e 2^-(p+1) to 22 bits; rows past the read ones weigh nothing."""
+@pytest.mark.parametrize("jit", [False, True, pytest.param(True, id="gpu", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")])])
+def test_row_table_splits_weights(jit):
+    """hi + lo carries each weight q 2^-e 2^-(p+1) to 22 bits, also jitted (on the GPU, XLA folds an f32 -> f16 ->
+    f32 round trip away, which would leave lo = 0); rows past the read ones weigh nothing."""
     rng = np.random.default_rng(4)
     q = jnp.asarray(rng.standard_normal((2, 3, 5)) * 1e3, jnp.float32)
     depths = jnp.asarray([[4, 0, 2, 1, 3], [0, 0, 0, 0, 1]], jnp.int32)
-    slot, plane, hi, lo, steps, unscale = PM.row_table(q, depths)
+    slot, plane, hi, lo, steps, unscale = (jax.jit(PM.row_table) if jit else PM.row_table)(q, depths)
+    assert np.any(np.asarray(lo) != 0)
     assert hi.shape == (2, 16, 32) and np.array_equal(np.asarray(steps), [1, 1])
     w = (hi.astype(jnp.float32) + lo.astype(jnp.float32)) * unscale[:, None, None]
     want = np.take_along_axis(np.asarray(q), np.asarray(slot)[:, None, :], -1)
@@ -145,6 +149,20 @@ def test_row_table_splits_weights():
     assert not np.any(np.asarray(w)[:, 3:])
     assert sorted(zip(np.asarray(slot[0, :10]), np.asarray(plane[0, :10]))) == [
         (0, 0), (0, 1), (0, 2), (0, 3), (2, 0), (2, 1), (3, 0), (4, 0), (4, 1), (4, 2)]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_fp16_normal_part_is_round_to_nearest_even(jit):
+    """Bit for bit numpy's f32 -> f16 rounding in fp16's normal range (ties, carries into the exponent, the top of
+    the range included), 0 below it."""
+    rng = np.random.default_rng(8)
+    w = np.ldexp(rng.uniform(0.5, 1.0, 4000), rng.integers(-30, 16, 4000)) * rng.choice([-1, 1], 4000)
+    w = w.astype(np.float32)
+    tie = np.asarray([1 + 2.0**-11, 1 + 3 * 2.0**-11, 2 - 2.0**-12, 2.0**-14, 65504 + 15], np.float32)
+    w = np.concatenate([w, tie, -tie, np.float32([0.0, 2.0**-14 * (1 - 2.0**-12)])])
+    got = np.asarray((jax.jit(PM._fp16_normal_part) if jit else PM._fp16_normal_part)(jnp.asarray(w)))
+    want = np.where(np.abs(w) < 2.0**-14, 0.0, w.astype(np.float16).astype(np.float32))
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
 
 
 def test_lowers_to_triton_with_its_name():
