@@ -17,7 +17,6 @@ from jaxtyping import Array, Bool, Float, Int
 
 from fathom_jax.checks import CheckError, fail_if
 from pallas_kernels import backend
-from pallas_kernels.group_select import group_select
 from pallas_kernels.topk import LOCAL_TOKENS, SINK_TOKENS, TopkConfig, topk_select  # the window is defined there
 
 
@@ -133,35 +132,6 @@ def group_union(
     member = functools.reduce(jnp.logical_or, [
         (flat_p[..., None, s:s + u] == flat[..., None, :]) & (head_p[..., None, s:s + u] == heads) for s in range(g)])
     return union, union_mask, member & union_mask[..., None, :]
-
-
-def select_union(
-    scores: Float[Array, "R G n"],
-    length: Int[Array, "R"],
-    k: int,
-    *,
-    sink: int = SINK_TOKENS,
-    local: int = LOCAL_TOKENS,
-    implementation: backend.Implementation | None = None,
-) -> tuple[Int[Array, "R U"], Bool[Array, "R G U"]]:
-    """The group's union of its heads' selections with no sort: ``slots [R, G k]`` (head ``h``'s ``k`` tokens in slots
-    ``[h k, (h + 1) k)``, -1 where masked or held by an earlier head) and ``member [R, G, G k]``.
-
-    Per head the same set as :func:`select_topk` with ``implementation="xla"`` (the top scores, the first positions
-    among ties); as sets per head the same as :func:`group_union` of that selection, in another slot order (so the
-    attention over them sums in another order). ``"pallas"``: the two kernels of :mod:`pallas_kernels.group_select`.
-    """
-    implementation = backend.resolve_implementation(implementation)
-    scores = jnp.asarray(scores)
-    if scores.ndim != 3 or not jnp.issubdtype(scores.dtype, jnp.floating):
-        raise CheckError(f"select_union: scores must be floating point [R, G, n], got {scores.dtype} "
-                         f"{list(scores.shape)}")
-    check_k(k, scores.shape[-1], sink, local)
-    if k - sink - local <= 0:
-        raise ValueError(f"select_union: k={k} must exceed sink + local = {sink} + {local}")
-    length = _checked_length(length, scores.shape[:1], scores.shape[-1])
-    slots, member = group_select(scores, length, k=k, sink=sink, local=local, implementation=implementation)
-    return slots, member != 0
 
 
 def attend(

@@ -228,12 +228,6 @@ def main(argv=None):
     ap.add_argument("--row-cache", default="0",
                     help="device-memory row-cache slots per layer and group (StepConfig.row_cache; a list: one row "
                          "each; 0: none)")
-    ap.add_argument("--selection", default="topk_union",
-                    help="how a chunk's scores become its group's union: topk_union (top-k kernels + one sort) and/or "
-                         "fused (two kernels, no sort) (a list: one row each; StepConfig.selection)")
-    ap.add_argument("--order", default="xla",
-                    help="the order of a layer's chunks: xla and/or chained (each chunk's scan waits for the previous "
-                         "chunk's rows) (a list: one row each; StepConfig.order)")
     ap.add_argument("--resident-planes", default="0",
                     help="planes of every channel kept in HBM (Placement.resident_planes), a ','-separated list: one set "
                          "of rows each (sections attn, attnbatch, batch), over a cache of its own (0: the whole index in "
@@ -268,11 +262,10 @@ def main(argv=None):
     args.sections = args.sections.split(",")
     try:
         args.variants = parse_variants(args.read, args.index_writes, args.pipeline, args.fetch_programs, args.topk,
-                                       args.xla_options, args.layer_unroll, args.row_cache, args.selection,
-                                       args.order)
+                                       args.xla_options, args.layer_unroll, args.row_cache)
     except (ValueError, TypeError) as e:
         ap.error(f"--index-writes / --pipeline / --fetch-programs / --topk / --xla-options / --layer-unroll / "
-                 f"--row-cache / --selection / --order: {e}")
+                 f"--row-cache: {e}")
     try:
         args.resident_planes = [int(p) for p in args.resident_planes.split(",")]
         for p in args.resident_planes:

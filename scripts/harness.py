@@ -154,7 +154,7 @@ CATEGORIES = (  # (category, substrings of kernel / op names), first match wins
     ("scan transfer (run gather)", ("run_gather", "tier_gather")),
     ("nibble scan", ("nibble_scan",)),
     ("planner (water line)", ("water_line",)),
-    ("top-k", ("topk", "kth_largest", "group_select", "group_bucket_max")),
+    ("top-k", ("topk", "kth_largest")),
     ("row fetch", ("row_fetch",)),
     ("cache write", ("cache_write", "tier_write")),
     ("GEMMs", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "matmul", "dot", "sm90_", "wgmma")),

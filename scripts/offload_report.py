@@ -206,7 +206,9 @@ def write_report(res: dict, prefix: str) -> None:
                   "`split`: a layer's groups on several GPU streams (an option since deleted: measured slower), or in "
                   "pipelined chunks whose plane transfers are "
                   "chained (the next chunk's transfer beside this chunk's scan, selection and row fetch), with the run "
-                  "gather as that many persistent programs.", "",
+                  "gather as that many persistent programs; `selection fused` (a group's selection and union in two "
+                  "kernels, no sort) and `order chained` (each chunk's scan waiting for the previous chunk's rows): "
+                  "options since deleted: measured slower.", "",
                   "| method | context | batch | mesh | split | index writes | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
                   "link floor ms | fraction of link | authors' ms | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("rows", "model"), r.get("read") or "",

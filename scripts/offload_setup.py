@@ -177,11 +177,11 @@ def rows_tag(rows: dict) -> str:
 
 
 # (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan; the
-# GPU streams and writes after the scan are measured options since deleted, kept for their rows)
+# GPU streams, writes after the scan, the two-kernel selection and the chained chunk order are measured options since
+# deleted, kept for their rows)
 SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
                   "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
-                  "resident_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union",
-                  "order": "xla"}
+                  "resident_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union", "order": "xla"}
 
 
 def options_text(options) -> str:
@@ -195,8 +195,7 @@ def split_fields(attn) -> dict:
             "gather_programs": getattr(run.reader, "programs", 0), "fetch_programs": run.fetcher.programs,
             "layer_unroll": run.layer_unroll, "row_cache": run.row_cache, "scan_writes": run.in_place,
             "topk": topk_name(run.topk), "xla_options": options_text(attn.step.xla_options),
-            "read": attn.step.read, "rows": "model" if attn.rows is None else attn.rows.spec,
-            "selection": run.selection, "order": run.order}
+            "read": attn.step.read, "rows": "model" if attn.rows is None else attn.rows.spec}
 
 
 def variant_tag(split: dict) -> str:
@@ -204,9 +203,7 @@ def variant_tag(split: dict) -> str:
             f"_f{split.get('fetch_programs', 0)}_{split.get('topk', 'single')}" + ("_w" if split.get("scan_writes") else "")
             + ("_x" if split.get("xla_options") else "") + (f"_u{split['layer_unroll']}" if split.get("layer_unroll", 1) > 1 else "")
             + (f"_c{split['row_cache']}" if split.get("row_cache") else "")
-            + (f"_r{split['rows']}" if split.get("rows", "model") != "model" else "")
-            + (f"_{split['selection']}" if split.get("selection", "topk_union") != "topk_union" else "")
-            + (f"_{split['order']}" if split.get("order", "xla") != "xla" else ""))
+            + (f"_r{split['rows']}" if split.get("rows", "model") != "model" else ""))
 
 
 def writes_text(r: dict) -> str:
@@ -234,17 +231,15 @@ def split_text(r: dict) -> str:
             ([f"{r['inputs']} inputs"] if r.get("inputs", "today") != "today" else []) + \
             ([f"xla: {r['xla_options']}"] if r.get("xla_options") else []) + \
             ([f"selection {r['selection']}"] if r.get("selection", "topk_union") != "topk_union" else []) + \
-            ([f"order {r['order']}"] if r.get("order", "xla") != "xla" else [])
+            ([f"order {r['order']}"] if r.get("order", "xla") != "xla" else [])  # (deleted options' rows)
     return "; ".join([text] * bool(text) + extra)
 
 
 def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "auto", topk: str = "auto",
-                   xla: str = "none", unroll: str = "1", row_cache: str = "0", selection: str = "topk_union",
-                   order: str = "xla") -> list[dict]:
+                   xla: str = "none", unroll: str = "1", row_cache: str = "0") -> list[dict]:
     """Every combination of the step configurations the lists give (one row each): ``--index-writes``,
     ``--pipeline`` (entries ``auto``, ``N`` or ``N/P``: N chunks, P persistent gather programs, "auto" where not
-    given), ``--fetch-programs``, ``--topk``, ``--xla-options``, ``--layer-unroll``, ``--row-cache``, ``--selection``,
-    ``--order``; ``--read`` for
+    given), ``--fetch-programs``, ``--topk``, ``--xla-options``, ``--layer-unroll``, ``--row-cache``; ``--read`` for
     all. Each is a set of :class:`fathom_jax.decode.StepConfig` fields, checked here."""
     pipes = []
     for item in pipeline.split(","):
@@ -267,7 +262,6 @@ def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "au
         raise ValueError(f"--row-cache entries are ints >= 0 (0: no row cache), got {row_cache!r}")
     out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u, "row_cache": c} for f in fetches
            for t in topk.split(",") for x in option_sets for u in unrolls for c in slots for v in out]
-    out = [v | {"selection": sel, "order": o} for sel in selection.split(",") for o in order.split(",") for v in out]
     for v in out:  # a bad entry fails here, before anything runs
         StepConfig(**(v | {"topk": topk_config(v["topk"]), "xla_options": dict(v["xla_options"])}))
     return list({tuple(v.items()): v for v in out}.values())

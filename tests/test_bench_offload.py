@@ -57,8 +57,7 @@ def test_variants_and_their_labels():
     """--index-writes x --pipeline (``--read`` for all): "auto" where a part is not given; every variant a valid step
     configuration."""
     got = offload_setup.parse_variants("staged", "full_blocks", "auto,1/0,8/66,4")
-    rest = dict(fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0, selection="topk_union",
-                order="xla")
+    rest = dict(fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0)
     assert got == [
         dict(read="staged", index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
         dict(read="staged", index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),
@@ -94,17 +93,6 @@ def test_variants_and_their_labels():
         offload_setup.parse_variants("staged", "every_step", "auto", "auto", "b3t4")
     with pytest.raises(ValueError, match="index_writes must be one of"):  # StepConfig checks every variant
         offload_setup.parse_variants("staged", "sometimes", "auto")
-    # the selection x the chunks' order: one row each, named in the row's label and text
-    got = offload_setup.parse_variants("staged", "every_step", "8", "auto", "auto", "none", "1", "0", "topk_union,fused",
-                                       "xla,chained")
-    assert [(v["selection"], v["order"]) for v in got] == [("topk_union", "xla"), ("topk_union", "chained"),
-                                                           ("fused", "xla"), ("fused", "chained")]
-    split = {"streams": 1, "index_writes": "every_step", "pipeline": 8, "gather_programs": 66}
-    assert offload_setup.variant_tag(split | {"selection": "fused", "order": "chained"}).endswith("_fused_chained")
-    assert offload_setup.variant_tag(split | {"selection": "topk_union", "order": "xla"}) == offload_setup.variant_tag(split)
-    assert offload_setup.split_text({"selection": "fused", "order": "chained"}) == "selection fused; order chained"
-    with pytest.raises(ValueError, match="step selection must be one of"):
-        offload_setup.parse_variants("staged", "every_step", "8", "auto", "auto", "none", "1", "0", "sorted")
     assert offload_setup.writes_text({"index_writes": "every_step", "scan_writes": True}) == "every_step in scan"
     assert offload_setup.writes_text({}) == "every_step"
     text = offload_setup.split_text  # (rows of the deleted GPU streams option still render)
@@ -112,6 +100,10 @@ def test_variants_and_their_labels():
     assert text({"pipeline": 1, "gather_programs": 66}) == "gather 66" and text({}) == ""
     assert text({"pipeline": 2, "gather_programs": 66, "fetch_programs": 66, "topk": "auto", "xla_options": "a=1"}) == \
         "pipeline 2 (gather 66); fetch 66; top-k split; xla: a=1"
+    # rows of the deleted two-kernel selection and chained chunk order still render, named as they ran
+    assert text({"pipeline": 8, "gather_programs": 66, "selection": "fused", "order": "chained"}) == \
+        "pipeline 8 (gather 66); selection fused; order chained"
+    assert text({"selection": "topk_union", "order": "xla"}) == ""
 
 
 def test_drifting_queries_are_an_ar1_sequence():

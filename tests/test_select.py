@@ -195,28 +195,3 @@ def test_indices_past_the_keys_eagerly_jitted_and_checked(rng):
     assert np.all(np.isfinite(unused))
     with pytest.raises(TypeError, match=r"indices must be integer \[..., G, k\], got dtype float32"):
         sel.sparse_attention(q, keys, values, idx.astype(jnp.float32), mask)
-
-
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_select_union_attends_as_topk_and_group_union(rng, implementation):
-    """The sort-free union: attention over its slots equals attention over select_topk + group_union's (the same
-    rows per head, summed in another order), under jit with a traced length; bad input is named."""
-    q = rng.standard_normal((2, 4, 8)).astype(np.float32)
-    k = rng.standard_normal((2, 300, 8)).astype(np.float32)
-    v = rng.standard_normal((2, 300, 8)).astype(np.float32)
-    scores = np.round(rng.standard_normal((2, 4, 300)), 1).astype(np.float32)  # ties
-    lengths = jnp.asarray([300, 41], jnp.int32)
-
-    def attend(slots, member):
-        rows = jnp.maximum(slots, 0)[..., None]
-        return sel.attend(q, jnp.take_along_axis(k, rows, axis=-2), jnp.take_along_axis(v, rows, axis=-2), member)
-
-    slots, member = jax.jit(functools.partial(sel.select_union, k=64, implementation=implementation))(scores, lengths)
-    assert member.dtype == jnp.bool_ and slots.shape == (2, 4 * 64)
-    union, umask, umember = sel.group_union(*sel.select_topk(scores, lengths, 64))
-    np.testing.assert_allclose(np.asarray(attend(slots, member)), np.asarray(attend(jnp.where(umask, union, -1),
-                                                                                   umember)), rtol=2e-5, atol=2e-6)
-    with pytest.raises(sel.CheckError, match="select_union: scores must be"):
-        sel.select_union(scores[0], lengths, 64)
-    with pytest.raises(ValueError, match="k=400 is larger"):
-        sel.select_union(scores, lengths, 400)

@@ -77,8 +77,7 @@ def register(subparsers) -> None:
     p.add_argument("--step-config", type=_step_config, default=None, metavar="KEY=VALUE,...",
                    help="how each sparse decode step runs, for tuning (fathom_jax.decode.StepConfig): read=staged|"
                         "direct, pipeline=auto|N, index_writes=every_step|full_blocks, row_cache=SLOTS, "
-                        "layer_unroll=N, gather_programs / fetch_programs=auto|N, xla_*=VALUE, topk.FIELD=N, "
-                        "selection=topk_union|fused, order=xla|chained; "
+                        "layer_unroll=N, gather_programs / fetch_programs=auto|N, xla_*=VALUE, topk.FIELD=N; "
                         "the defaults are the fastest measured")
     p.add_argument("--mesh", type=positive_int(1), default=1,
                    help="devices to split the KV heads over (sparse decoding; each device scans and fetches for its "

@@ -31,13 +31,6 @@ Fields:
 * ``topk``: the top-k kernels' configuration (None: their defaults).
 * ``scan``: the plane scan's configuration, e.g. ``PlaneScanConfig(variant="mma")`` for its tensor-core variant
   (None: its default).
-* ``selection``: how a chunk's scores become its group's union: ``"topk_union"`` (the top-k kernels, then one sort
-  of the group's selections, :func:`~fathom_jax.select.group_union`) or ``"fused"`` (two kernels and no sort,
-  :func:`~fathom_jax.select.select_union`: the same rows per head, in another slot order).
-* ``order``: the order of a pipelined layer's chunks: ``"xla"`` (data dependencies and the transfer chain only; the
-  next-to-last chunk's row fetch waits for the last chunk's scan) or ``"chained"`` (chunk ``i + 1``'s scan waits
-  for chunk ``i``'s fetched rows through an optimization barrier, so each fetch runs right after its selection,
-  beside the next chunk's transfer; the transfers stay chained to each other only).
 """
 
 from __future__ import annotations
@@ -56,8 +49,6 @@ from pallas_kernels.topk import TopkConfig
 
 ReadMode = Literal["direct", "staged"]
 IndexWrites = Literal["every_step", "full_blocks"]
-Selection = Literal["topk_union", "fused"]
-ChunkOrder = Literal["xla", "chained"]
 Auto = Literal["auto"]
 # XLA's CUDA graphs of a program follow its sequential schedule by default; a pipelined step needs each chunk's
 # transfer to run beside the previous chunk's kernels, which "CONCURRENT" (data dependencies only) allows.
@@ -78,18 +69,12 @@ class StepConfig:
     row_cache: int = 0
     topk: TopkConfig | None = None
     scan: PlaneScanConfig | None = None
-    selection: Selection = "topk_union"
-    order: ChunkOrder = "xla"
 
     def __post_init__(self):
         if self.read not in get_args(ReadMode):
             raise ValueError(f"step read must be one of {get_args(ReadMode)}, got {self.read!r}")
         if self.index_writes not in get_args(IndexWrites):
             raise ValueError(f"step index_writes must be one of {get_args(IndexWrites)}, got {self.index_writes!r}")
-        if self.selection not in get_args(Selection):
-            raise ValueError(f"step selection must be one of {get_args(Selection)}, got {self.selection!r}")
-        if self.order not in get_args(ChunkOrder):
-            raise ValueError(f"step order must be one of {get_args(ChunkOrder)}, got {self.order!r}")
         for name, least, auto in (("pipeline", 1, True), ("gather_programs", 0, True), ("fetch_programs", 0, True),
                                   ("layer_unroll", 1, False), ("row_cache", 0, False)):
             value = getattr(self, name)
@@ -176,7 +161,7 @@ class StepConfig:
         return ResolvedStep(reader=reader, fetcher=fetcher, chunks=chunks,
                             implementation=implementation, index_writes=self.index_writes, in_place=host,
                             layer_unroll=self.layer_unroll, compiler_options=tuple(sorted(options.items())),
-                            topk=self.topk, row_cache=self.row_cache, selection=self.selection, order=self.order)
+                            topk=self.topk, row_cache=self.row_cache)
 
     def _chunks(self, groups: int, capacity: int, staged_from_host: bool, planes_cross: bool) -> int:
         if self.pipeline != "auto":
@@ -205,8 +190,6 @@ class ResolvedStep:
     compiler_options: tuple
     topk: TopkConfig | None
     row_cache: int
-    selection: str = "topk_union"
-    order: str = "xla"
 
     @property
     def options(self) -> dict:

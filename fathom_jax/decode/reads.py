@@ -43,10 +43,10 @@ class IndexRead:
     implementation: backend.Implementation = "xla"
     scan: PlaneScanConfig | None = dataclasses.field(default=None, kw_only=True)
 
-    def source(self, view, *, group_start: int = 0, after=None, gate=None) -> "StepSource":
+    def source(self, view, *, group_start: int = 0, after=None) -> "StepSource":
         """The source a read of ``view``'s groups (from ``group_start`` of the stacked cache) scores; ``after``:
-        arrays a staged transfer waits for and never reads; ``gate``: arrays the scan waits for (not the transfer)."""
-        return StepSource(self, view, group_start, after, gate)
+        arrays a staged transfer waits for and never reads."""
+        return StepSource(self, view, group_start, after)
 
     def stage(self, x, layer, *, groups: tuple[int, int], columns: tuple[int, int] | None = None):
         """``x[layer]`` for groups ``(start, size)`` (``[Rc, N, F]`` of a stacked ``[L, R, N, F]`` bulk array) in
@@ -139,19 +139,11 @@ class StepSource:
     K/V rows ``kv`` at ``kv_layer`` as ``rows`` lays them out): raw scores of every stored position of its groups
     (positions past ``length`` not masked). ``staged`` is what a chained transfer waits for (None where nothing was
     staged). A view without a layer (an unstacked index in device memory) reads like :func:`fathom_jax.scan.execute`.
-    With a ``gate`` every scan's queries pass an optimization barrier with it, so no scan starts before the gate's
-    arrays exist, while a staged transfer (which reads no query) need not wait.
     """
 
-    def __init__(self, reader: IndexRead, view, group_start: int, after, gate=None):
-        self.reader, self.view, self.group_start, self.after, self.gate = reader, view, group_start, after, gate
+    def __init__(self, reader: IndexRead, view, group_start: int, after):
+        self.reader, self.view, self.group_start, self.after = reader, view, group_start, after
         self.staged = None
-
-    def _gated(self, read):
-        if self.gate is None:
-            return read
-        queries, _ = jax.lax.optimization_barrier((read.queries, self.gate))
-        return dataclasses.replace(read, queries=queries)
 
     @property
     def _groups(self) -> tuple[int, int]:
@@ -162,13 +154,13 @@ class StepSource:
         if view.layer is None:
             return scan_lib.IndexSource(view.index, view.length, self.reader.implementation,
                                         self.reader.scan).plane_scores(read)
-        scores, self.staged = self.reader._plane_scores(self._gated(read), view.index[read.part], view.length,
-                                                        view.layer, self.group_start, self.after)
+        scores, self.staged = self.reader._plane_scores(read, view.index[read.part], view.length, view.layer,
+                                                        self.group_start, self.after)
         return scores
 
     def block_scores(self, read: BlockRead):
         rows = self.reader.stage(self.view.index[read.part].rows, self.view.layer, groups=self._groups)
-        return scan_lib.block_scores(self._gated(read), rows)
+        return scan_lib.block_scores(read, rows)
 
     def key_scores(self, read: KeyRead):
         # The oracle scores the cache's keys, staged from its K/V rows (only their key features where they can be).
@@ -176,7 +168,7 @@ class StepSource:
         keys = self.reader.stage(view.kv, view.kv_layer, groups=self._groups, columns=view.rows.key_columns())
         if view.rows.key_columns() is None:
             keys = view.rows.split(keys)[0]
-        return scan_lib.dot(self._gated(read).queries, keys.astype(jnp.float32))
+        return scan_lib.dot(read.queries, keys.astype(jnp.float32))
 
 
 def _scan_staged(read, staged: StorePlanes, runs, length, implementation, config, resident=None):

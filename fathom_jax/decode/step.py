@@ -20,9 +20,8 @@ Per KV group ``r`` (``R = batch x KV heads`` groups, ``G`` query heads each):
 With ``ctx.run.chunks > 1`` the groups go through steps 2-6 in chunks whose plane transfers are chained: chunk
 ``i + 1``'s transfer is ordered after chunk ``i``'s (and after nothing else), so it runs beside chunk ``i``'s scan,
 selection, fetch and attention; and the next-to-last chunk's row fetch waits for the last chunk's scan, which the
-rest of the layer waits on and which ran at half speed beside it (NOTES.md); or, with ``order="chained"``, each
-chunk's scan waits for the previous chunk's fetched rows (an optimization barrier on its queries), so each fetch
-runs right after its selection by construction. Every group's result is the same as in one chunk. Dense attention (a method that selects every row) has its own path, :func:`dense_attention_step`.
+rest of the layer waits on and which ran at half speed beside it (NOTES.md). Every group's result is the same as
+in one chunk. Dense attention (a method that selects every row) has its own path, :func:`dense_attention_step`.
 
 During decode the newest token is not yet in the stored cache (stores are written after the step, or after all
 layers): its block of every index part and its K/V row are patched in from device memory (:class:`NewToken`), so
@@ -46,7 +45,7 @@ from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
 from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, ScanMethod
 from fathom_jax.rows.layout import RowLayout
-from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk, select_union
+from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk
 
 
 @jax.tree_util.register_dataclass
@@ -130,25 +129,17 @@ def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Ca
     read = method.read(q, view.index, view.calib, implementation=ctx.run.implementation)
     size = groups // chunks
     bulk = view.index.bulk()
-    chained = ctx.run.order == "chained" and chunks > 1
-    outs, staged, pending, fetched = [], None, None, None
+    outs, staged, pending = [], None, None
     for start in range(0, groups, size):
         chunk_read, chunk_q, chunk_index, chunk_length, chunk_new = _groups(
             (read, q, view.index, view.length, view.new), (False, False, bulk, False, False), start, size)
         chunk = dataclasses.replace(view, index=chunk_index, length=chunk_length, new=chunk_new)
-        # Chained: this chunk's scan waits for the previous chunk's rows, so that fetch cannot drift to the layer's
-        # end (where XLA had put every chunk's fetch at once); the transfer still waits only for the last transfer.
-        selection, staged = _select(chunk_read, chunk_q, chunk, ctx, start, after=staged, gate=fetched)
-        if chained:
-            out, fetched = _fetch_attend(selection, view, ctx)
-            outs.append(out)
-            continue
+        selection, staged = _select(chunk_read, chunk_q, chunk, ctx, start, after=staged)
         if pending is not None:  # the next-to-last chunk's fetch waits for the last chunk's scan
             last = start + size == groups
-            outs.append(_fetch_attend(pending, view, ctx, after=selection.scores if last else None)[0])
+            outs.append(_fetch_attend(pending, view, ctx, after=selection.scores if last else None))
         pending = selection
-    if not chained:
-        outs.append(_fetch_attend(pending, view, ctx)[0])
+    outs.append(_fetch_attend(pending, view, ctx))
     if len(outs) == 1:
         return outs[0]
     return jax.tree.map(lambda *parts: jnp.concatenate(parts), *outs)
@@ -183,19 +174,14 @@ class _Selection:
     new: NewToken | None
 
 
-def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=None, gate=None):
+def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=None):
     """Execute ``read`` for the view's groups (from ``group_start`` of the stacked cache) and select; returns the
     :class:`_Selection` and the staged planes a chained transfer waits for (None where nothing was staged); the
-    plane transfer itself waits for ``after``, the scan for ``gate``."""
-    source = ctx.run.reader.source(view, group_start=group_start, after=after, gate=gate)
+    plane transfer itself waits for ``after``."""
+    source = ctx.run.reader.source(view, group_start=group_start, after=after)
     scores = read.scores(source)
     if view.new is not None:
         scores = patch_scores(scores, read, view.new)
-    if ctx.run.selection == "fused":
-        slots, member = select_union(scores, view.length, ctx.k, sink=ctx.sink, local=ctx.local,
-                                     implementation=ctx.run.implementation)
-        return _Selection(q=q, bits=read.bits, slots=slots, member=member, scores=scores, group_start=group_start,
-                          new=view.new), source.staged
     # No masking pass over the scores: both selections take positions >= length as invalid.
     idx, mask = select_topk(scores, view.length, ctx.k, sink=ctx.sink, local=ctx.local,
                             implementation=ctx.run.implementation, config=ctx.run.topk)
@@ -207,13 +193,12 @@ def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=
                       new=view.new), source.staged
 
 
-def _fetch_attend(sel: _Selection, view: CacheView, ctx: StepContext, after=None):
-    """Fetch a selection's rows (after ``after``: arrays the fetch waits for and never reads) and attend; returns
-    the :class:`StepResult` and the fetched rows."""
+def _fetch_attend(sel: _Selection, view: CacheView, ctx: StepContext, after=None) -> StepResult:
+    """Fetch a selection's rows (after ``after``: arrays the fetch waits for and never reads) and attend."""
     chunk = dataclasses.replace(view, new=sel.new)
     rows, fill = ctx.run.fetcher.fetch(sel.slots, chunk, group_start=sel.group_start, after=after)
     k_rows, v_rows = view.rows.split(rows)
-    return StepResult(attend(sel.q, k_rows, v_rows, sel.member), sel.bits, fill), rows
+    return StepResult(attend(sel.q, k_rows, v_rows, sel.member), sel.bits, fill)
 
 
 def _groups(trees, bulk_masks, start: int, size: int):
