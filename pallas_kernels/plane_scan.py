@@ -21,15 +21,12 @@ FADD); the block scale and 1/2^(t-1) are folded into per-(channel, element) weig
 ``w_h = q_h * a / 2^(t-1)``: ``score = sum_j w_h c_t + sum_j w_h (1/2 - 2^(t-1))``, the second sum once
 per element, not per token. Planes and scales are read in place through ``memory_space=ANY`` refs, so
 they may live in ``pinned_host`` memory (a stacked ``[L, R, ...]`` cache indexed by the store's ``layer``).
-``PlaneScanConfig(variant="mma")`` computes the same scores as a tensor-core product instead, to a stated tolerance
-(:mod:`pallas_kernels.plane_scan_mma`: the same operands, its own ``pallas_call`` name).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -37,41 +34,28 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import backend as B
-from pallas_kernels.plane_scan_mma import plane_scan_mma_pallas
 from pallas_kernels.operands import LayerTiers, RunList, StorePlanes
 from pallas_kernels.plane_layout import BLOCK_TOKENS, N_PLANES, WORD_BITS, tier_rows
 
 KERNEL_NAME = "fathom_plane_scan"
-Variant = Literal["lanes", "mma"]
 
 
 @dataclasses.dataclass(frozen=True)
 class PlaneScanConfig:
     """Static tuning of the plane scan.
 
-    ``variant``: ``"lanes"`` (CUDA-core FMAs, a thread per ``lanes`` tokens) or ``"mma"`` (the same scores as a
-    tensor-core product, :mod:`pallas_kernels.plane_scan_mma`, to its stated tolerance; ``lanes`` unused, ``rows``
-    its product rows per step of the K loop: 16, 32 or 64). ``tile``: tokens per program (a power of two, >= 32 *
-    lanes; >= 64 for ``"mma"``); ``lanes``: consecutive tokens per thread (8, 16 or 32); ``num_warps`` /
-    ``num_stages``: Triton launch parameters.
+    ``tile``: tokens per program (a power of two, >= 32 * lanes); ``lanes``: consecutive tokens per
+    thread (8, 16 or 32); ``num_warps`` / ``num_stages``: Triton launch parameters.
     """
 
     tile: int = 512
     lanes: int = 16
     num_warps: int = 1
     num_stages: int | None = None
-    variant: Literal["lanes", "mma"] = "lanes"
-    rows: int = 16
 
     def __post_init__(self):
         B.check_pow2("tile", self.tile)
-        if self.variant not in get_args(Variant):
-            raise ValueError(f"variant must be one of {get_args(Variant)}, got {self.variant!r}")
-        if self.variant == "mma":
-            if self.tile < BLOCK_TOKENS or self.rows not in (16, 32, 64):
-                raise ValueError(f"the mma variant needs tile >= {BLOCK_TOKENS} and rows 16, 32 or 64, got tile="
-                                 f"{self.tile}, rows={self.rows}")
-        elif self.lanes not in (8, 16, 32) or self.tile < WORD_BITS * self.lanes:
+        if self.lanes not in (8, 16, 32) or self.tile < WORD_BITS * self.lanes:
             raise ValueError(f"lanes must be 8, 16 or 32 with tile >= 32 * lanes, got lanes={self.lanes}, tile={self.tile}")
 
     @classmethod
@@ -359,16 +343,9 @@ def plane_scan(
     r = B.prod(batch)
     extra, hot_group_start = ((), None) if resident is None else (resident.kernel_operands(),
                                                                   resident.tiers.group_start)
-    q, store, runs = q.reshape(r, *q.shape[-2:]), store.stacked(), runs.flat()
-    length, interpret = jnp.asarray(length, jnp.int32).reshape(r), B.resolve_interpret(interpret)
-    if config.variant == "mma":
-        out = plane_scan_mma_pallas(q, runs.channels, runs.depths, length, store.layer, store.planes, store.scales,
-                                    extra, tile=config.tile, rows=config.rows, num_warps=config.num_warps,
-                                    num_stages=config.num_stages, interpret=interpret, group_start=store.group_start,
-                                    hot_group_start=hot_group_start)
-    else:
-        out = _plane_scan_pallas(q, store, length, runs, extra, config=config, interpret=interpret,
-                                 hot_group_start=hot_group_start)
+    out = _plane_scan_pallas(q.reshape(r, *q.shape[-2:]), store.stacked(), jnp.asarray(length, jnp.int32).reshape(r),
+                             runs.flat(), extra, config=config, interpret=B.resolve_interpret(interpret),
+                             hot_group_start=hot_group_start)
     return out.reshape(*batch, *out.shape[1:])
 
 

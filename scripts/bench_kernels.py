@@ -7,7 +7,7 @@ costs ~0.1 ms to dispatch, more than a scan at 32k, so per-call timing would mea
 
     python3 -m scripts.bench_kernels --out results            # the scans (the default --sections)
     python3 -m scripts.bench_kernels --sections scan --tune    # scan tile / warp sweep
-    python3 -m scripts.bench_kernels --sections scangathered,scan --budgets 48 --no-nibble   # + the Mosaic GPU probe
+    python3 -m scripts.bench_kernels --sections scan --budgets 48 --no-nibble   # Fathom 48 alone
     python3 -m scripts.bench_kernels --preset topk-tune --out $OUT   # the run behind a committed table (PRESETS)
 
 This module holds the command line, its presets and the sections driver; ``kernel_compute`` the HBM-resident kernels
@@ -36,7 +36,7 @@ PRESETS = harness.presets({
     "rowlayout": "--sections rowlayout --rowfetch-sizes 131072,1048576 --name rowlayout_h200",
     "topk-split-roworder": "--sections topksplit,roworder --name kernels_u2_h200",
 })
-SECTIONS = ("scan", "scangathered", "scanchunk", "topk", "topksplit", "gather", "rowfetch", "roworder", "rowlayout")
+SECTIONS = ("scan", "scanchunk", "topk", "topksplit", "gather", "rowfetch", "roworder", "rowlayout")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,33 +55,23 @@ def parser() -> argparse.ArgumentParser:
 
 
 def scan_section(res, args, save) -> None:
-    """The scans at each of ``--sizes`` (sections ``scan``: in place; ``scangathered``: Fathom 48 on rows gathered
-    beforehand, the Mosaic GPU probe among them), after a check of the kernels against their references on this GPU;
-    the results saved after each part of each size."""
+    """The scans at each of ``--sizes``, after a check of the kernels against their references on this GPU; the results
+    saved after each size."""
     res["scan_check"] = compute.check_scans()
     print("check", res["scan_check"], flush=True)
     res["scan"] = []
     res["plan_active_channels"] = {}
-    sections = args.sections.split(",")
+    budgets = tuple(map(int, args.budgets.split(",")))
     for n in map(int, args.sizes.split(",")):
-        parts = []  # the new probe first: a run stopped at its time limit keeps it
-        if "scangathered" in sections:
-            parts.append(lambda n=n: (compute.scan_gathered_cases(n), None))
-        if "scan" in sections:
-            budgets = tuple(map(int, args.budgets.split(",")))
-            parts.append(lambda n=n: compute.scan_cases(n, tune=args.tune, budgets=budgets, nibble=not args.no_nibble))
-        for part in parts:
-            rows, active = part()
-            for r in rows:
-                r["floor_ms"] = r["bytes"] / (res["copy"]["GBps"] * 1e9) * 1e3  # its bytes at the HBM copy rate
-                print(f"{r['kernel']:22s} n={n:7d} {r['variant']:6s} lanes={r['lanes']:2d} rows={r['rows']:2d} "
-                      f"tile={r['tile']:5d} w={r['num_warps']} {r['median_ms']:.4f} ms "
-                      f"[{r['min_ms']:.4f},{r['max_ms']:.4f}] "
-                      f"{r['GBps']:.0f} GB/s floor {r['floor_ms']:.4f} ms authors {r['authors_ms']}", flush=True)
-            res["scan"] += rows
-            if active is not None:
-                res["plan_active_channels"][n] = active
-            save()
+        rows, active = compute.scan_cases(n, tune=args.tune, budgets=budgets, nibble=not args.no_nibble)
+        for r in rows:
+            r["floor_ms"] = r["bytes"] / (res["copy"]["GBps"] * 1e9) * 1e3  # its bytes at the HBM copy rate
+            print(f"{r['kernel']:22s} n={n:7d} {r['variant']:6s} lanes={r['lanes']:2d} tile={r['tile']:5d} "
+                  f"w={r['num_warps']} {r['median_ms']:.4f} ms [{r['min_ms']:.4f},{r['max_ms']:.4f}] "
+                  f"{r['GBps']:.0f} GB/s floor {r['floor_ms']:.4f} ms authors {r['authors_ms']}", flush=True)
+        res["scan"] += rows
+        res["plan_active_channels"][n] = active
+        save()
 
 
 def main(argv=None):
@@ -102,7 +92,7 @@ def main(argv=None):
             json.dump(res, f, indent=1)
         write_report(res, args.out, args.name)
 
-    if {"scan", "scangathered"} & set(sections):
+    if "scan" in sections:
         scan_section(res, args, save)
     save()
     sizes = tuple(map(int, args.rowfetch_sizes.split(",")))

@@ -10,8 +10,6 @@ import numpy as np
 from fathom_jax import planner
 from pallas_kernels import nibble_scan as NS
 from pallas_kernels import plane_scan as PS
-from pallas_kernels import plane_scan_mgpu as MG
-from pallas_kernels import plane_scan_mma as PM
 from pallas_kernels import topk as TK
 from pallas_kernels.operands import RunList, StorePlanes
 from scripts.harness import timeit
@@ -34,13 +32,6 @@ def scan_inputs(n, *, batch=4, heads=8, groups=4, d=128, seed=0):
     return q, planes, scales, length, var
 
 
-# The tensor-core variant's configurations (tile, product rows per K step, warps); more with --tune.
-MMA_CONFIGS = tuple(PS.PlaneScanConfig(variant="mma", tile=t, rows=k, num_warps=w)
-                    for t, k, w in ((256, 16, 4), (128, 32, 4), (512, 16, 8)))
-MMA_TUNE = tuple(PS.PlaneScanConfig(variant="mma", tile=t, rows=k, num_warps=w)
-                 for t, k, w in ((64, 16, 4), (256, 32, 4), (256, 64, 8), (512, 32, 8), (1024, 16, 8)))
-
-
 def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
     q, planes, scales, length, var = scan_inputs(n)
     g = planner.importance(q, var)
@@ -60,12 +51,11 @@ def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
             cfgs.insert(1, PS.PlaneScanConfig(tile=1024, lanes=16, num_warps=2))
         if tune and n >= 131072:
             cfgs += [PS.PlaneScanConfig(tile=2048, lanes=32, num_warps=2), PS.PlaneScanConfig(tile=256, lanes=8)]
-        cfgs += list(MMA_CONFIGS + (MMA_TUNE if tune else ()))
         for cfg in cfgs:
             step = lambda c, runs=runs, cfg=cfg: c + 1e-30 * PS.plane_scan(
                 q + c, StorePlanes(planes, scales), length, runs, config=cfg
             )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
-            r = _timed_variant(cfg, lambda step=step: timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100))
+            r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
             r.update(kernel=f"fathom_{budget}", n=n, **_scan_config_fields(cfg), active_channels=active,
                      bits_per_token=bits, bytes=nbytes)
             out.append(r)
@@ -98,80 +88,8 @@ def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
     return out, plan_stats
 
 
-def _timed_variant(cfg, measure):
-    """``measure()``; for the tensor-core variant, a failure (a Triton compile error) becomes the row's ``error`` with
-    NaN times, so the other rows of the run still come back."""
-    if cfg.variant != "mma":
-        return measure()
-    try:
-        return measure()
-    except Exception as err:  # noqa: BLE001 - reported in the row, never hidden
-        print(f"mma {cfg}: {type(err).__name__}: {err}", flush=True)
-        return {"median_ms": float("nan"), "min_ms": float("nan"), "max_ms": float("nan"),
-                "error": f"{type(err).__name__}: {err}"[:500]}
-
-
 def _scan_config_fields(cfg):
-    mma = cfg.variant == "mma"
-    return {"variant": cfg.variant, "lanes": 0 if mma else cfg.lanes, "rows": cfg.rows if mma else 0, "tile": cfg.tile,
-            "num_warps": cfg.num_warps}
-
-
-def scan_gathered_cases(n, budget=48):
-    """Fathom ``budget`` on rows gathered beforehand (batch 4 x 8 KV heads, G=4, D=128): the lanes kernel on the run
-    gather's staged planes, the Mosaic GPU probe (:mod:`pallas_kernels.plane_scan_mgpu`: wgmma, bit operand in
-    registers) on its ``[R, NB, 2, K]`` rows, and the mma variant's row table alone (plain jnp, in every mma call).
-    Each probe stage that fails (lower, compile, run) becomes its row's ``error``; its scores are checked against
-    the plane scan's reference (``check``: log2 of the largest error over ``m sum_k a_k``, as for the mma variant)."""
-    q, planes, scales, length, var = (x.reshape(32, *x.shape[2:]) for x in scan_inputs(n))
-    runs = PS.active_channels(planner.plan_bisection(planner.importance(q, var), budget).depths)
-    ch, bits = runs.channels, float(jnp.mean(jnp.sum(runs.depths, -1) + 16 * jnp.sum(runs.depths > 0, -1) / 64))
-    scores = 32 * 4 * n * 4
-    base = dict(kernel=f"fathom_{budget}_gathered", n=n, lanes=0, rows=0, authors_ms=None)
-    staged = StorePlanes(jnp.take_along_axis(planes, ch[..., None, None], 1),
-                         jnp.take_along_axis(scales, ch[..., None], 1))
-    qs, slots, out = jnp.take_along_axis(q, ch[:, None, :], axis=-1), runs.slots(), []
-    for cfg in (PS.PlaneScanConfig(), PS.PlaneScanConfig(tile=1024, lanes=16, num_warps=2)):
-        step = lambda c, cfg=cfg: c + 1e-30 * PS.plane_scan(qs + c, staged, length, slots, config=cfg)[:, :1, :1].sum()
-        out.append({**timeit(step, jnp.zeros((), jnp.float32), iters=100), **base, **_scan_config_fields(cfg),
-                    "bytes": 32 * n * bits / 8 + scores})
-    table = jax.jit(lambda qq: PM.row_table(qq, runs.depths))
-    r = timeit(lambda c: c + 1e-30 * table(qs + c)[2][:, :1, :1].sum().astype(jnp.float32), jnp.zeros((), jnp.float32),
-               iters=100)
-    out.append({**r, **base, "kernel": f"fathom_{budget}_row_table", "variant": "xla", "tile": 0, "num_warps": 0,
-                "bytes": 0.0})
-    words, a, w, unscale = MG.product_rows(q, planes, scales, ch, runs.depths)
-    k = words.shape[-1]
-    row = {**base, "variant": "mgpu", "rows": k, "tile": MG.TOKENS, "num_warps": 4,
-           "bytes": words.nbytes + a.nbytes + w.nbytes + 32 * n * MG.HEADS * 4}
-    stage = "lower"
-    try:
-        compiled = jax.jit(MG.plane_product_mgpu).lower(words, a, w)
-        stage = "compile"
-        compiled = compiled.compile()
-        stage = "run"
-        got = compiled(words, a, w)[..., :4].reshape(32, n, 4).transpose(0, 2, 1) * unscale[:, None, None]
-        want = PS.plane_scan_reference(q, StorePlanes(planes, scales), length, runs)
-        row["check"] = float(jnp.log2(jnp.max(jnp.abs(got - want) / _m_sum_a(q, scales, runs))))
-        stage = "time"
-        step = lambda c: c + 1e-30 * MG.plane_product_mgpu(words, a, w + c.astype(jnp.float16))[:, :1, :1, :1].sum()
-        row.update({**timeit(step, jnp.zeros((), jnp.float32), iters=100), "n": n})
-    except Exception as err:  # noqa: BLE001 - reported in the row, never hidden
-        print(f"mgpu probe failed at {stage}: {type(err).__name__}: {err}", flush=True)
-        row.update(median_ms=float("nan"), min_ms=float("nan"), max_ms=float("nan"),
-                   error=f"{stage}: {type(err).__name__}: {err}"[:800])
-    out.append(row)
-    for r in out:
-        r["GBps"] = r["bytes"] / (r["median_ms"] * 1e-3) / 1e9
-    return out
-
-
-def _m_sum_a(q, scales, runs):
-    """``m sum_k a_k`` per score ``[R, 1, n]``, the mma variant's error scale (its module's derivation)."""
-    ch, dep = runs.channels, runs.depths
-    a = jnp.take_along_axis(scales.astype(jnp.float32), ch[..., None], axis=-2) * (dep[..., None] > 0)
-    m = jnp.max(jnp.abs(jnp.take_along_axis(q, ch[..., None, :], axis=-1)), axis=(-1, -2))
-    return jnp.maximum(m[..., None, None] * jnp.repeat(a.sum(-2), 64, axis=-1)[..., None, :], 1e-30)
+    return {"variant": "lanes", "lanes": cfg.lanes, "rows": 0, "tile": cfg.tile, "num_warps": cfg.num_warps}
 
 
 # One chunk of the pipelined decode step (fathom_jax.placement): the scan of the staged planes of a few groups, which
@@ -231,25 +149,12 @@ def check_scans():
     e = {f"plane_scan_lanes{lanes}_rel_err": rel(PS.plane_scan(
         q, store, length, runs, config=PS.PlaneScanConfig(lanes=lanes, tile=32 * lanes, num_warps=2)), b)
         for lanes in (8, 16, 32)}
-    e.update(_timed_variant(MMA_CONFIGS[0], lambda: _mma_errors(q, store, length, runs, scales, b)))
     nib = NS.pack_nibbles(planes)
     ch16 = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 3, 16))
     c = NS.nibble_scan(q, nib, scales, length, ch16)
     d = NS.nibble_scan_reference(q, nib, scales, length, ch16)
     rel = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
     return {**e, "nibble_scan_rel_err": rel(c, d)}
-
-
-def _mma_errors(q, store, length, runs, scales, want):
-    """The tensor-core variant's relative error and its largest error over the tolerance the tests hold it to
-    (``|err| <= 2^-16 m sum_k a_k``, :mod:`pallas_kernels.plane_scan_mma`), in log2."""
-    got = PS.plane_scan(q, store, length, runs, config=MMA_CONFIGS[0])
-    err = jnp.max(jnp.abs(got - want) / _m_sum_a(q, scales, runs))
-    qc = jnp.take_along_axis(q, runs.channels[..., None, :], axis=-1)
-    lo = jax.jit(PM.row_table)(qc.reshape(-1, *qc.shape[-2:]), runs.depths.reshape(-1, runs.depths.shape[-1]))[3]
-    return {"plane_scan_mma_rel_err": float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)),
-            "mma_row_table_lo_nonzero": float(jnp.mean(lo != 0)),  # 0: the weights' low parts lost on this device
-            "plane_scan_mma_log2_err_over_m_sum_a": float(jnp.log2(jnp.maximum(err, 2.0 ** -60)))}
 
 
 def topk_cases(tune=False):

@@ -34,15 +34,9 @@ def write_report(res, out, name="kernels_h200"):
             "Scans (HBM-resident, batch 4 x 8 KV heads, G=4, D=128)",
             [f"Correctness on the GPU: {res['scan_check']}; mean active channels per plan: {res['plan_active_channels']}.",
              "lanes: consecutive tokens a thread owns in the plane scan (8, 16 or 32; 0 in rows of the nibble scans and in "
-             "rows of the blocked kernel, since removed, in older results). variant: `lanes` (CUDA-core FMAs) or `mma` "
-             "(the tensor-core product; rows: its product rows per K step). HBM floor: the row's bytes (reads + f32 "
-             "scores) at the HBM copy rate above.",
-             *(["`_gathered`: rows gathered beforehand (`lanes`: the run gather's staged planes; `mgpu`: the Mosaic GPU "
-                "probe, wgmma with the bit operand in registers, one warpgroup per 64-token block, rows: its K, 16 head "
-                "columns of f32 written); `_row_table`: the mma variant's row table alone (plain jnp, part of every mma "
-                "call). mgpu check, log2 of the largest error over m sum_k a_k (the mma tests hold -16): "
-                f"{ {r['n']: r.get('check') for r in res['scan'] if r.get('variant') == 'mgpu'} }."]
-               if any(r.get("variant") == "mgpu" for r in res["scan"]) else []),
+             "rows of the blocked kernel, since removed, in older results). variant: `lanes` (CUDA-core FMAs), `nibble`, "
+             "or, in older results, `mma` / `mgpu` (tensor-core products, since deleted: measured slower; rows: their "
+             "product rows per K step). HBM floor: the row's bytes (reads + f32 scores) at the HBM copy rate above.",
              *sorted({f"Failed ({r['variant']}, tile {r['tile']}, rows {r['rows']}, warps {r['num_warps']}): "
                       f"{r['error']}" for r in res["scan"] if "error" in r})],
             ["kernel", "n", "variant", "lanes", "rows", "tile", "warps", "ms (median)", "[min, max]",

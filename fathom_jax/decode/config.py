@@ -29,7 +29,7 @@ Fields:
 * ``xla_options``: more XLA compiler options for the programs that run a step (``{name: value}``).
 * ``row_cache``: device-memory slots per layer and group for recently fetched K/V rows (0: none).
 * ``topk``: the top-k kernels' configuration (None: their defaults).
-* ``scan``: the plane scan's configuration, e.g. ``PlaneScanConfig(variant="mma")`` for its tensor-core variant
+* ``scan``: the plane scan's configuration, e.g. ``PlaneScanConfig(tile=1024, num_warps=2)``
   (None: its default).
 """
 
