@@ -236,7 +236,7 @@ def plan_bisection(
 ) -> ReadPlan:
     """The paper's planner: depths at the water line found by ``steps`` bisection steps on log theta.
 
-    ``implementation="pallas"`` runs the bisection as one kernel launch (:mod:`pallas_kernels.water_line`);
+    ``implementation="triton"`` runs the bisection as one kernel launch (:mod:`pallas_kernels.water_line`);
     ``"xla"`` as an XLA loop. Both give the same plan bit for bit (and equal :func:`bisection_trace`).
     """
     g, budget, log_lo, log_hi = _prepare(g, budget, bracket)

@@ -5,7 +5,7 @@
 
 A method plans its read (:meth:`~fathom_jax.methods.ScanMethod.read`); :func:`execute` carries it out:
 
-* plane reads: ``implementation="xla"`` dequantizes the store (the reference); ``"pallas"`` runs the
+* plane reads: ``implementation="xla"`` dequantizes the store (the reference); ``"triton"`` runs the
   plane-scan kernel over the active channels only (never a dequantized copy). A decode cache's stacked
   ``[L, R, ...]`` stores, in device or host memory, are read by :mod:`fathom_jax.decode.reads`;
 * block reads score one row per block of tokens (the landmark's 8-token block mean, Quest's page bounds) and
@@ -133,8 +133,8 @@ def scan_scores(
 
     jit with ``method`` (and ``implementation``) static (``jax.jit(scan_scores, static_argnums=0,
     static_argnames="implementation")``); vmap over leading axes of ``q``, ``index`` and ``calib``
-    together (e.g. layers). ``implementation``: ``"xla"`` (the reference), ``"pallas"`` (the plane-scan
-    kernel), ``None`` (pallas on a GPU, xla elsewhere).
+    together (e.g. layers). ``implementation``: ``"xla"`` (the reference), ``"triton"`` (the plane-scan
+    kernel), ``None`` (triton on a GPU, xla elsewhere).
     """
     implementation = backend.resolve_implementation(implementation)
     q = check_scan_inputs(method, q, index, calib)

@@ -44,8 +44,8 @@ def select_topk(
     Positions ``< sink`` and ``>= length - local`` are always taken; the remaining slots go to the
     highest scores among the other valid positions. With ``length < k`` every valid token is taken
     and the spare slots are masked. NaN scores rank below every real score (XLA path).
-    ``implementation="pallas"`` uses the top-k kernels (``pallas_kernels.topk``: the same set, ties
-    aside, in increasing position order; ``config`` tunes them); ``"xla"`` uses ``lax.top_k``; None: pallas on a GPU.
+    ``implementation="triton"`` uses the top-k kernels (``pallas_kernels.topk``: the same set, ties
+    aside, in increasing position order; ``config`` tunes them); ``"xla"`` uses ``lax.top_k``; None: triton on a GPU.
 
     ``length`` (integers, broadcasting to ``[*B]``) must lie in [0, n]: a CheckError when concrete. A traced
     length (the decode step's) is checked in checkify mode only (:func:`fathom_jax.checks.checked`); by
@@ -60,10 +60,10 @@ def select_topk(
     n = scores.shape[-1]
     check_k(k, n, sink, local)
     length = _checked_length(length, scores.shape[:-2], n)
-    if implementation == "pallas":
+    if implementation == "triton":
         rows = scores.reshape(-1, n).astype(jnp.float32)
         lengths = jnp.broadcast_to(length[..., None], scores.shape[:-1]).reshape(-1)
-        idx = topk_select(rows, lengths, k=k, sink=sink, local=local, implementation="pallas", config=config)
+        idx = topk_select(rows, lengths, k=k, sink=sink, local=local, implementation="triton", config=config)
         idx = idx.reshape(*scores.shape[:-1], k)
         return jnp.maximum(idx, 0), idx >= 0
     top, idx = jax.lax.top_k(selection_priority(scores, length, sink=sink, local=local), k)

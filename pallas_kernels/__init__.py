@@ -5,7 +5,7 @@ Kernels: ``plane_scan`` (Fathom's bit-plane scan), ``nibble_scan`` (fixed-channe
 ``row_fetch`` (winner K/V rows), ``topk`` (sink + local + top-k selection), ``water_line`` (Fathom's bisection
 planner in one launch), ``cache_write`` and ``tier_write`` (new entries into a stacked cache, in place),
 ``slot_copy`` (one sequence's groups of a stacked array read out or written in, in place).
-Every kernel takes ``implementation="pallas" | "xla"`` and ``interpret=None`` (interpret mode when no GPU
+Every kernel takes ``implementation="triton" | "xla"`` and ``interpret=None`` (interpret mode when no GPU
 is present).
 
 What they share, and no kernel imports another: ``backend`` (the implementation switch, operand checks and

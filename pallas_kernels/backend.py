@@ -1,15 +1,19 @@
 """The one implementation switch of the kernels and the library, and what every kernel module shares.
 
-``implementation`` takes one of two values, with one meaning everywhere (kernels, scans, selection,
-the decoder):
+``implementation`` names a backend, with one meaning everywhere (kernels, scans, selection, the decoder), as
+jax's own Pallas ops and tokamax name theirs:
 
 * ``"xla"``: plain jnp / XLA ops only - every kernel's independent ``*_reference``;
-* ``"pallas"``: the Pallas kernels, compiled for the GPU by the Triton backend, or run in Pallas
-  interpret mode where there is no GPU (``interpret=None`` picks that).
+* ``"triton"``: the Pallas kernels lowered by Pallas' Triton backend for the GPU, or run in Pallas interpret mode
+  where there is no GPU (``interpret=None`` picks that).
 
-``None`` (the default everywhere) resolves once, here: ``"pallas"`` on a GPU backend, ``"xla"``
+A kernel with a variant for another Pallas backend (Mosaic GPU) would add its name here and accept it where it has
+that variant; none has one (NOTES.md: what each kernel would need). ``"pallas"``, this switch's earlier name for
+``"triton"``, is refused with a message saying so.
+
+``None`` (the default everywhere) resolves once, here: ``"triton"`` on a GPU backend, ``"xla"``
 elsewhere. Host-resident (``pinned_host``) arrays can only be read by the kernels, so the offloaded
-placement on a GPU needs ``"pallas"`` (the library's placement checks it).
+placement on a GPU needs ``"triton"`` (the library's placement checks it).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-Implementation = Literal["xla", "pallas"]
+Implementation = Literal["xla", "triton"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 
 
@@ -40,11 +44,14 @@ def on_gpu() -> bool:
 
 
 def resolve_implementation(implementation: Implementation | None) -> Implementation:
-    """Validate ``implementation``; ``None`` means "pallas" on a GPU, "xla" elsewhere."""
+    """Validate ``implementation``; ``None`` means "triton" on a GPU, "xla" elsewhere."""
     if implementation is None:
-        return "pallas" if on_gpu() else "xla"
+        return "triton" if on_gpu() else "xla"
+    if implementation == "pallas":
+        raise ValueError("implementation 'pallas' is now named after its backend: 'triton' (the Pallas kernels as "
+                         "Pallas' Triton backend lowers them), or 'xla' for the references")
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} (or None: pallas on a GPU, "
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} (or None: triton on a GPU, "
                          f"xla elsewhere), got {implementation!r}")
     return implementation
 

@@ -247,8 +247,8 @@ def main(argv=None):
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
-    ap.add_argument("--implementation", default="pallas", choices=["pallas", "xla"],
-                    help="the kernels: pallas (what the benchmark measures; interpreted on a CPU) or xla (a quick CPU "
+    ap.add_argument("--implementation", default="triton", choices=["triton", "xla"],
+                    help="the kernels: triton (what the benchmark measures; interpreted on a CPU) or xla (a quick CPU "
                          "check of the script; device memory only)")
     args = ap.parse_args(argv)
     args.config = SMOKE if args.smoke else QWEN3_8B

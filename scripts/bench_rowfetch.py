@@ -119,7 +119,7 @@ def _exact(got, idx: np.ndarray, n: int, words: int) -> bool:
 
 def fetch(kv, idx, config: RF.RowFetchConfig):
     """One call: the rows ``idx [groups, slots]`` of ``kv`` by the Pallas kernel (interpreted on a CPU)."""
-    return RF.row_fetch(RF.StoredRows(kv), idx, config=config, implementation="pallas")[0]
+    return RF.row_fetch(RF.StoredRows(kv), idx, config=config, implementation="triton")[0]
 
 
 def time_fetch(kv, sets: np.ndarray, config: RF.RowFetchConfig, repeats: int) -> tuple[dict, bool]:

@@ -175,7 +175,7 @@ def topk_cases(tune=False):
         length = jnp.full((32,), n, jnp.int32)
         b = TK.topk_select_reference(scores, length, k=k)
         iters = 50 if n < (1 << 20) else 20
-        fns = [(name, lambda s, c=c: TK.topk_select(s, length, k=k, implementation="pallas", config=c))
+        fns = [(name, lambda s, c=c: TK.topk_select(s, length, k=k, implementation="triton", config=c))
                for name, c in variants]
         fns += [("reference_lax_top_k", lambda s: TK.topk_select_reference(s, length, k=k)),
                 ("lax.top_k_only", lambda s: jax.lax.top_k(s, k - TK.SINK_TOKENS - TK.LOCAL_TOKENS)[1])]
@@ -205,7 +205,7 @@ def topk_split_cases(sizes=((1 << 17) + 64, (1 << 20) + 64), rows=(4, 32), split
             want = TK.topk_select_reference(scores, length, k=k)
             for bs, ts in splits:
                 cfg = TK.TopkConfig(path="fused", bucket_splits=bs, token_splits=ts)
-                fn = lambda s, cfg=cfg: TK.topk_select(s, length, k=k, implementation="pallas", config=cfg)  # noqa: E731
+                fn = lambda s, cfg=cfg: TK.topk_select(s, length, k=k, implementation="triton", config=cfg)  # noqa: E731
                 same = bool(jnp.array_equal(fn(scores), want))
                 step = lambda c, fn=fn: c + fn(scores + c).astype(jnp.float32)[:, :1] * 1e-30  # noqa: E731
                 t = timeit(step, jnp.zeros((r, 1), jnp.float32), iters=50, repeats=3)

@@ -120,7 +120,7 @@ def test_bisection_kernel_equals_its_reference():
     rng = np.random.default_rng(4)
     tables = np.stack([random_table(rng, 33, geometric=g) for g in (True, False) * 5])
     budgets = rng.uniform(0, A.max_bits(33), 10).astype(np.float32)
-    got = A.plan_bits_bisection(tables, budgets, implementation="pallas")
+    got = A.plan_bits_bisection(tables, budgets, implementation="triton")
     want = A.plan_bits_bisection(tables, budgets, implementation="xla")
     np.testing.assert_array_equal(got.depths, want.depths)
     np.testing.assert_array_equal(got.theta, want.theta)

@@ -91,7 +91,7 @@ def test_compiled_decode_step_reads_the_host_cache_in_place(tiny_config, tiny_mo
     step = StepConfig(read=read, index_writes=writes, pipeline=pipeline, gather_programs=64 if pipeline > 1 else 0,
                       row_cache=row_cache)
     attn = decode.from_spec("fathom:16", k=64, calibration="session", placement="pinned_host", step=step,
-                            implementation="pallas")
+                            implementation="triton")
     prompt = np.random.default_rng(0).integers(0, 97, (2, 1000)).astype(np.int32)
     logits, cache, attn = generation.prefill(tiny_model, prompt, np.array([1000, 900]), attn, 4096)
     assert cache.kv.sharding.memory_kind == "pinned_host"
@@ -133,7 +133,7 @@ def test_compiled_decode_step_reads_each_layers_weights_in_place(memory):
     cfg = LlamaConfig(vocab=97, hidden=512, intermediate=1536, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=64,
                       rope_theta=1e4, rms_norm_eps=1e-6, qk_norm=True)
     model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    attn = decode.from_spec("fathom:16", k=64, calibration="session", placement=memory, implementation="pallas")
+    attn = decode.from_spec("fathom:16", k=64, calibration="session", placement=memory, implementation="triton")
     prompt = np.random.default_rng(0).integers(0, 97, (2, 1000)).astype(np.int32)
     logits, cache, attn = generation.prefill(model, prompt, np.array([1000, 900]), attn, 4096)
     graphdef, state = nnx.split(model)

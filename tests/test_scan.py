@@ -227,7 +227,7 @@ def test_jit_static_method_and_vmap_over_layers():
 @pytest.mark.parametrize("make", [lambda d: M.Fathom(d), lambda d: M.FathomKLT(d), lambda d: M.SparQUnion(d // 4)],
                          ids=["fathom", "fathom_klt", "sparq_union"])
 def test_pallas_plane_scan_equals_reference(make):
-    """implementation="pallas" reads the same planes with the Pallas plane scan (interpret mode on CPU)."""
+    """implementation="triton" reads the same planes with the Pallas plane scan (interpret mode on CPU)."""
     rng = np.random.default_rng(7)
     d, n = 16, 200
     keys = (rng.standard_normal((2, n, d)) * np.exp(rng.normal(size=d))).astype(np.float32)
@@ -236,7 +236,7 @@ def test_pallas_plane_scan_equals_reference(make):
     method = make(d)
     index = I.build_index(keys, calib, method.parts, length=np.array([n, 150]))
     want = SC.scan_scores(method, q, index, calib)
-    got = SC.scan_scores(method, q, index, calib, implementation="pallas")
+    got = SC.scan_scores(method, q, index, calib, implementation="triton")
     np.testing.assert_array_equal(np.asarray(got.bits_per_token), np.asarray(want.bits_per_token))
     w, g = np.asarray(want.scores), np.asarray(got.scores)
     np.testing.assert_array_equal(np.isinf(w), np.isinf(g))

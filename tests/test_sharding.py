@@ -40,7 +40,7 @@ def smol_like(tiny_config):
 
 
 @pytest.mark.parametrize("spec,memory,implementation,batch,split", [
-    ("fathom_klt:12", "pinned_host", "xla", 1, {}), ("sparq:2", "pinned_host", "pallas", 2, dict(pipeline=2, row_cache=16)),
+    ("fathom_klt:12", "pinned_host", "xla", 1, {}), ("sparq:2", "pinned_host", "triton", 2, dict(pipeline=2, row_cache=16)),
     ("landmark", "device", "xla", 1, {})])
 def test_sharded_decode_equals_unsharded(tiny_model, mesh, spec, memory, implementation, batch, split):
     """2 KV heads: each device scans, selects and fetches for its own KV head(s) (with the kernels, under
@@ -49,9 +49,9 @@ def test_sharded_decode_equals_unsharded(tiny_model, mesh, spec, memory, impleme
     cache sharded like the groups."""
     prompt = np.random.default_rng(5).integers(0, 97, (batch, 30)).astype(np.int32)
     if jax.default_backend() == "gpu":  # real pinned_host memory is read by the kernels only
-        implementation = "pallas"
+        implementation = "triton"
     common = dict(k=12, sink=2, local=4, implementation=implementation)
-    steps = 2 if implementation == "pallas" else 4
+    steps = 2 if implementation == "triton" else 4
     want = np.asarray(generate(tiny_model, prompt, steps, capacity=48, attention_fn=decode.from_spec(spec, **common)))
     attn = decode.from_spec(spec, placement=Placement(memory, mesh=mesh), step=StepConfig(**split), **common)
     got = np.asarray(generate(tiny_model, prompt, steps, capacity=48, attention_fn=attn))

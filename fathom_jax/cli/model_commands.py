@@ -66,8 +66,8 @@ def register(subparsers) -> None:
                         "calibration text (Python's language reference)")
     p.add_argument("--calib-tokens", type=positive_int(18, " (calibration skips the first 16 tokens)"), default=1024,
                    help="tokens of calibration text (corpus)")
-    p.add_argument("--implementation", choices=["xla", "pallas"], default=None,
-                   help="scan and top-k: jnp reference or Pallas kernels (default: pallas on a GPU, xla elsewhere)")
+    p.add_argument("--implementation", choices=["xla", "triton"], default=None,
+                   help="scan and top-k: jnp reference or Pallas kernels (default: triton on a GPU, xla elsewhere)")
     p.add_argument("--placement", choices=["device", "pinned_host"], default="device",
                    help="where the K/V cache and key index live: device memory or pinned host memory")
     p.add_argument("--rows", type=_rows, default=None, metavar="FORMAT",

@@ -55,7 +55,7 @@ class SparseAttention:
     """Top-k sparse decode attention driven by a scan method (a callable pytree hook of the decoder).
 
     Static: ``method``, ``k`` (tokens per query head, sinks and local window included), ``calibration_source``,
-    ``sink``, ``local``, ``skip_tokens``, ``implementation`` (None: pallas on a GPU, xla elsewhere), ``placement``
+    ``sink``, ``local``, ``skip_tokens``, ``implementation`` (None: triton on a GPU, xla elsewhere), ``placement``
     (where the cache lives), ``rows`` (how the cache stores K/V rows: None for the model dtype, or a row format with
     per-token scales such as ``"k8v8"``, :mod:`fathom_jax.rows.layout`), ``step`` (how a step runs) and ``run`` (the step resolved for a cache's shape: set by
     :meth:`bind`). Traced: ``calibration``, corpus statistics with leading axes ``[n_layers, Hkv]``; new arrays of

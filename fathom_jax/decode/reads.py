@@ -1,7 +1,7 @@
 """How a decode step reads the key index of a stacked cache: one strategy object per way, chosen once.
 
 * :class:`DeviceRead`: the index is in device memory (HBM); the ``"xla"`` reference dequantizes the layer's planes,
-  ``"pallas"`` runs the plane scan on the stacked store in place.
+  ``"triton"`` runs the plane scan on the stacked store in place.
 * :class:`StagedRead`: the index is in host memory; the run gather copies the planned runs (the first ``t_j`` planes
   of every active channel) to HBM at the link rate, then the plane scan reads HBM. A staged transfer can be chained
   after another (``after``): the pipelined step orders each chunk's transfer after the previous chunk's.
@@ -37,7 +37,7 @@ from pallas_kernels.tier_gather import tier_gather
 
 @dataclasses.dataclass(frozen=True)
 class IndexRead:
-    """The base of the read strategies: ``implementation`` runs the kernels (``"pallas"``) or the reference; ``scan``
+    """The base of the read strategies: ``implementation`` runs the kernels (``"triton"``) or the reference; ``scan``
     configures the plane scan (None: its default)."""
 
     implementation: backend.Implementation = "xla"

@@ -16,7 +16,7 @@ put each leaf where it belongs. How a decode step reads and writes a placed cach
 
 Host memory is reached only through the Pallas kernels: inside ``jit`` no XLA op may touch a ``pinned_host``
 array (a slice or a reshape included), so with ``"pinned_host"`` on a GPU the implementation must be
-``"pallas"``. Where the backend has no ``pinned_host`` memory (CPU tests, interpret mode), the same layout and
+``"triton"``. Where the backend has no ``pinned_host`` memory (CPU tests, interpret mode), the same layout and
 the same code run in device memory, and :attr:`Placement.note` says so.
 
 Stacked caches are ``[L, R, ...]``: layers first, then the group axis ``R = batch x KV heads`` (sequence major).
@@ -161,9 +161,9 @@ class Placement:
     def check(self, implementation: backend.Implementation | None) -> backend.Implementation:
         """Resolve the implementation for this placement (host memory is read by the kernels only)."""
         implementation = backend.resolve_implementation(implementation)
-        if self.in_host_memory and implementation != "pallas":
+        if self.in_host_memory and implementation != "triton":
             raise ValueError(
-                "placement 'pinned_host' on a GPU needs implementation='pallas': XLA ops cannot read host "
+                "placement 'pinned_host' on a GPU needs implementation='triton': XLA ops cannot read host "
                 "memory inside jit, only the Pallas kernels can"
             )
         return implementation

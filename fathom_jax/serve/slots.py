@@ -70,7 +70,7 @@ def check_moves(placement: Placement, implementation: str | None) -> bool:
     """Whether a pool's bulk leaves move by the :mod:`pallas_kernels.slot_copy` kernels (the rest by XLA slices): for
     the offloaded layout with the kernels, as its decode step writes them. In real host memory nothing else can."""
     implementation = placement.check(implementation)
-    by_kernel = placement.offloaded and implementation == "pallas" and placement.mesh is None
+    by_kernel = placement.offloaded and implementation == "triton" and placement.mesh is None
     if placement.in_host_memory and not by_kernel:
         raise ValueError("SessionPool: a pool cache in pinned_host memory moves its slots by the slot_copy kernels, "
                          "which run on one device: use a placement without a mesh (or placement 'device' with a "
@@ -84,7 +84,7 @@ def _extract(cache: SparseCache, slot, heads: int, by_kernel: bool = False) -> S
 
     def leaf(x, bulk):
         if bulk and by_kernel:  # read in place, wherever it lives
-            return slot_copy.slot_read(x, start, heads, implementation="pallas")
+            return slot_copy.slot_read(x, start, heads, implementation="triton")
         return jax.lax.dynamic_slice_in_dim(x, start, heads, axis=GROUP_AXIS)
 
     return _move(leaf, lambda n: jax.lax.dynamic_slice_in_dim(n, slot, 1), cache)
@@ -111,7 +111,7 @@ def _insert_program(shardings, by_kernel: bool, in_place: bool):
             if in_place:  # through the pointer, as the decode step writes a host cache: nothing copied or returned
                 tokens.append(slot_copy.slot_write_in_place(x, s, start))
                 return x
-            return slot_copy.slot_write(x, s, start, implementation="pallas")
+            return slot_copy.slot_write(x, s, start, implementation="triton")
 
         moved = _move(leaf, lambda n, s: jax.lax.dynamic_update_slice_in_dim(n, s, slot, 0), cache, session)
         moved = dataclasses.replace(moved, writes=cache.writes)

@@ -238,7 +238,7 @@ def test_small_k_equals_rebuild_per_step_reference(model, calib, dense_run, spec
 
 @pytest.mark.parametrize("spec,implementation,split", [
     ("fathom:16", "xla", {}), ("fathom:16", "xla", dict(pipeline=2)),
-    pytest.param("fathom:16", "pallas", dict(pipeline=2), marks=ON_GPU, id="gpu")])  # interpreted: ~40 s on CPU
+    pytest.param("fathom:16", "triton", dict(pipeline=2), marks=ON_GPU, id="gpu")])  # interpreted: ~40 s on CPU
 def test_offloaded_placement_equals_device_placement(model, calib, spec, implementation, split):
     """The offloaded layout (kernels staging and writing the cache; device memory on CPU) = device memory;
     with the groups in two pipelined chunks too (each read at its group offset, the second chunk's transfer
@@ -248,7 +248,7 @@ def test_offloaded_placement_equals_device_placement(model, calib, spec, impleme
     want = np.asarray(generate(model, prompt, 3, capacity=CAPACITY, lengths=lengths,
                                attention_fn=decode.from_spec(spec, **common)))
     # with the kernels, the staged read (run gather, then scan HBM) is the one the device path does not take
-    read = "staged" if implementation == "pallas" else "direct"
+    read = "staged" if implementation == "triton" else "direct"
     writes = "full_blocks" if split else "every_step"  # the steps never read a partial block from the store
     host = decode.from_spec(spec, placement="pinned_host", step=StepConfig(read=read, index_writes=writes, **split),
                             **common)
@@ -260,7 +260,7 @@ def test_offloaded_placement_equals_device_placement(model, calib, spec, impleme
 
 @pytest.mark.parametrize("implementation,split", [
     ("xla", {}), ("xla", dict(pipeline=2)),  # the interpreted kernels: ~45 s on CPU, natively below
-    pytest.param("pallas", dict(pipeline=2), marks=ON_GPU, id="gpu-pinned_host")])  # natively, rows in host memory
+    pytest.param("triton", dict(pipeline=2), marks=ON_GPU, id="gpu-pinned_host")])  # natively, rows in host memory
 def test_row_cache_decodes_the_same_bits(model, calib, implementation, split):
     """With a row cache (rows the slots hold come from device memory, the rest are fetched) every logit is the same bits
     as without one, in a ragged batch, offloaded and pipelined too; after the steps every filled slot holds the row the
@@ -294,9 +294,9 @@ def test_ragged_batch_decodes_like_each_sequence_alone(model, calib):
 
 
 def test_pallas_kernels_decode_like_the_reference(model):
-    """implementation="pallas" (plane scan, top-k, row fetch, cache write; interpreted on CPU) == "xla"."""
+    """implementation="triton" (plane scan, top-k, row fetch, cache write; interpreted on CPU) == "xla"."""
     ref = decode.from_spec("fathom:16", k=40, implementation="xla")
-    pal = dataclasses.replace(ref, implementation="pallas")
+    pal = dataclasses.replace(ref, implementation="triton")
     want, want_cache, _ = sparse_forced(model, LONG, LONG[:, :3], ref, capacity=72)
     got, got_cache, _ = sparse_forced(model, LONG, LONG[:, :3], pal, capacity=72)
     close(got[:2], want[:2], 1e-4)  # prefill and the first step

@@ -109,7 +109,7 @@ def stacked_setting(setting, method):
     return stacked.replace(**view), kv_cache, new
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
 @pytest.mark.parametrize("method", [M.Fathom(20), M.Landmark(), M.Quest(8), M.Exact()], ids=lambda m: m.spec)
 def test_stacked_layers_and_newest_token_patch(setting, method, implementation):
     """A stacked [L, R] cache read at a layer, with the newest token patched in from device memory,
@@ -130,7 +130,7 @@ PIPELINE = dict(pipeline=3, gather_programs=5)
     (M.Fathom(20), "xla"), (M.Exact(), "xla"), (M.Landmark(), "xla"), (M.Quest(), "xla"),
     # the kernels' group windows, natively (interpreted on the CPU this one step cost ~30 s; each kernel's own suite
     # reads group windows interpreted)
-    pytest.param(M.Fathom(20), "pallas", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    pytest.param(M.Fathom(20), "triton", marks=[pytest.mark.gpu, pytest.mark.skipif(
         jax.default_backend() != "gpu", reason="needs a CUDA GPU")])], ids=lambda x: getattr(x, "spec", x))
 def test_groups_split_into_chunks_equal_one_chunk(setting, method, implementation):
     """With ``pipeline=3`` each group is stepped in its own chunk (its plane transfer chained to the previous chunk's;
@@ -183,10 +183,10 @@ def test_pinned_host_step_equals_hbm_step_and_reference(read, split):
     kv = side_by_side(keys, values)[None]
     kv_host = jax.device_put(kv, host.sharding(4, bulk=True))
     assert kv_host.sharding.memory_kind == "pinned_host"
-    ctx = context("pallas", host, k=256, groups=r, capacity=n, **({"read": read, "pipeline": 1} | split))
+    ctx = context("triton", host, k=256, groups=r, capacity=n, **({"read": read, "pipeline": 1} | split))
     got = jax.jit(lambda idx, c: step(method, q, idx, c, lengths, calib, ctx, layer=0)[0],
                   compiler_options=ctx.run.options or None)(placed, kv_host)
-    hbm_ctx = context("pallas", k=256, groups=r, capacity=n)
+    hbm_ctx = context("triton", k=256, groups=r, capacity=n)
     hbm = jax.jit(lambda idx, c: step(method, q, idx, c, lengths, calib, hbm_ctx, layer=0)[0])(stacked, kv)
     if not split:
         np.testing.assert_array_equal(np.asarray(got), np.asarray(hbm))
@@ -214,7 +214,7 @@ def test_kernel_options_reach_the_kernels_and_change_no_result(setting):
     view, kv_cache, new = stacked_setting(setting, method)
 
     def run(**kw):
-        ctx = context("pallas", Placement("pinned_host"), **kw)
+        ctx = context("triton", Placement("pinned_host"), **kw)
         return lambda q: step(method, q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]
 
     plain = run(fetch_programs=0, topk=TopkConfig(bucket_splits=1, token_splits=1))
@@ -238,7 +238,7 @@ def test_scan_config_reaches_the_plane_scan(setting, placement):
     view, kv_cache, new = stacked_setting(setting, method)
 
     def run(**kw):
-        ctx = context("pallas", placement, **kw)
+        ctx = context("triton", placement, **kw)
         return lambda q: step(method, q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]
 
     default, tuned = run(), run(scan=PlaneScanConfig(tile=256, lanes=8, num_warps=2))
@@ -246,7 +246,7 @@ def test_scan_config_reaches_the_plane_scan(setting, placement):
     assert count_pallas_calls(tuned, q, name="fathom_plane_scan") == 1
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
 def test_pipelined_chunk_fetches_wait_for_the_next_chunks_scan(setting, implementation):
     """In pipelined chunks the next-to-last chunk's row fetch takes the last chunk's scores as an operand it never
     reads (so the GPU runs it after that scan, not beside it); the order changes no result."""
@@ -260,7 +260,7 @@ def test_pipelined_chunk_fetches_wait_for_the_next_chunks_scan(setting, implemen
         ctx = context(implementation, Placement("pinned_host"), pipeline=pipeline, gather_programs=2)
         return lambda q: step(method, q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]
 
-    if implementation == "pallas":
+    if implementation == "triton":
         fetches = pallas_call_eqns(run(3), q, name="row_fetch")
         # operands: index, layer, K/V cache (+ the next chunk's scores)
         assert [len(e.invars) for e in fetches] == [3, 4, 3]
@@ -276,7 +276,7 @@ def test_dense_attention_has_its_own_path(setting):
 
     keys, values, q, lengths, calib = setting
     view, kv_cache, new = stacked_setting(setting, M.Dense())
-    ctx = context("pallas", Placement())
+    ctx = context("triton", Placement())
     fn = lambda q: step(M.Dense(), q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]  # noqa: E731
     assert count_pallas_calls(fn, q, name="") == 0
     want = per_head_reference(M.Dense(), q, keys, values, lengths, calib)

@@ -44,9 +44,9 @@ def planes_of(cache) -> np.ndarray:
     # decode through interpreted kernels costs ~40 s of the CPU suite, so the kernels' placements run on the GPU only
     # (each kernel has its interpreted suite in tests/pallas_kernels)
     ("xla", 1, {}), ("xla", (1, 0, 3), dict(index_writes="full_blocks")),
-    pytest.param("pallas", (1, 0, 3), dict(index_writes="full_blocks"), marks=ON_GPU, id="gpu-per-layer"),
-    pytest.param("pallas", 2, dict(pipeline=2), marks=ON_GPU, id="gpu-2-pipelined"),
-    pytest.param("pallas", 4, {}, marks=ON_GPU, id="gpu-4")])
+    pytest.param("triton", (1, 0, 3), dict(index_writes="full_blocks"), marks=ON_GPU, id="gpu-per-layer"),
+    pytest.param("triton", 2, dict(pipeline=2), marks=ON_GPU, id="gpu-2-pipelined"),
+    pytest.param("triton", 4, {}, marks=ON_GPU, id="gpu-4")])
 def test_resident_planes_decode_the_same_bits(tiny_model, implementation, resident, step):
     """p planes of every channel in device memory (the same layout and kernels as on a GPU, where the rest is in
     pinned host memory): the logits equal the one-tier host cache's bit for bit, with every plane in its tier after the
@@ -64,7 +64,7 @@ def test_resident_planes_decode_the_same_bits(tiny_model, implementation, reside
     per_layer = attn.placement.resident(3)
     assert isinstance(store, TieredPlaneStore) and store.hot.shape[0] == sum(per_layer)
     assert store.cold.shape[0] == 4 * 3 - sum(per_layer)
-    if implementation == "pallas":
+    if implementation == "triton":
         from flax import nnx
 
         from tests.support import jaxpr_pallas_calls
@@ -134,8 +134,8 @@ def test_resident_planes_live_in_hbm_and_the_rest_in_host_memory(tiny_model):
     the one-tier host cache's bit for bit and the compiled step copies no host array."""
     from fathom_jax.hlo import device_copies, host_array_copies
 
-    want, _, _ = decode_run(tiny_model, 0, "pallas", pipeline=1)
-    got, cache, attn = decode_run(tiny_model, 1, "pallas", pipeline=1)
+    want, _, _ = decode_run(tiny_model, 0, "triton", pipeline=1)
+    got, cache, attn = decode_run(tiny_model, 1, "triton", pipeline=1)
     np.testing.assert_array_equal(got, want)
     store = cache.index["raw"]
     assert store.hot.sharding.memory_kind == "device" and store.scales.sharding.memory_kind == "device"

@@ -71,7 +71,7 @@ def test_sparse_global_layers_in_device_memory_and_offloaded(model, spec):
 def test_gpu_kernels_over_pinned_host_equal_device_memory(model, spec, rows):
     """On the GPU, with the Pallas kernels: the global layers' cache in pinned host memory (streamed step by step)
     decodes the tokens and logits of the same cache in HBM, and its K/V rows really live on the host."""
-    kernels = dict(SPARSE, implementation="pallas", rows=rows)
+    kernels = dict(SPARSE, implementation="triton", rows=rows)
     device = decode.from_spec(spec, **kernels)
     host = decode.from_spec(spec, placement="pinned_host", **kernels)
     want = np.asarray(models.generate(model, PROMPT, STEPS, capacity=CAPACITY, attention_fn=device))
@@ -111,7 +111,7 @@ def test_gemma3_offloaded_decoding_equals_hbm_decoding(gemma3_real, context, spe
     prompt, lengths = np.asarray(ids, np.int32)[None], np.array([len(ids)])
     out = {}
     for memory in ("device", "pinned_host"):
-        attn = decode.from_spec(spec, k=512, placement=memory, rows=rows, implementation="pallas")
+        attn = decode.from_spec(spec, k=512, placement=memory, rows=rows, implementation="triton")
         logits, state, attn = generation.prefill(model, prompt, lengths, attn, context)
         tokens, all_logits = [], []
         for _ in range(32):

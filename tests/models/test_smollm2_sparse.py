@@ -82,7 +82,7 @@ def test_smollm2_offloaded_decoding_equals_hbm_decoding(smollm2, context):
     out = {}
     for memory, pipeline in (("device", 1), ("pinned_host", 1), ("device", 3), ("pinned_host", 3)):
         attn = decode.from_spec("fathom:32", k=128, placement=memory, step=StepConfig(pipeline=pipeline),
-                                implementation="pallas")
+                                implementation="triton")
         tokens, logits, cache = greedy_with_logits(model, ids, lengths, attn, context, 64)
         out[memory, pipeline] = (tokens, logits)
         if memory == "pinned_host":
@@ -119,7 +119,7 @@ def test_smollm2_offloaded_decoding_over_two_gpus_equals_one_gpu(smollm2):
     out = {}
     for devices in (1, 2):
         placement = decode.Placement("pinned_host", mesh=device_mesh(devices))
-        attn = decode.from_spec("fathom:32", k=128, placement=placement, implementation="pallas")
+        attn = decode.from_spec("fathom:32", k=128, placement=placement, implementation="triton")
         tokens, logits, cache = greedy_with_logits(model, prompt, lengths, attn, 4096, 32)
         out[devices] = (tokens, logits)
         if devices == 2:

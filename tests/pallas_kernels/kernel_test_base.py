@@ -33,7 +33,7 @@ class Impl:
 
     @property
     def is_kernel(self) -> bool:
-        return self.implementation == "pallas"
+        return self.implementation == "triton"
 
     @property
     def on_gpu(self) -> bool:
@@ -42,8 +42,8 @@ class Impl:
 
 IMPLS = [
     pytest.param(Impl("xla", None), id="xla"),
-    pytest.param(Impl("pallas", True), id="interpret"),
-    pytest.param(Impl("pallas", False), id="gpu",
+    pytest.param(Impl("triton", True), id="interpret"),
+    pytest.param(Impl("triton", False), id="gpu",
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")]),
 ]
 

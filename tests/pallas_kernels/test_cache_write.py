@@ -63,7 +63,7 @@ def test_cache_write_lowers_to_triton_and_validates():
     for dst, src, axis in ((z((3, 2, 64, 16), jnp.bfloat16), z((3, 2, 1, 16), jnp.bfloat16), 2),
                            (z((3, 2, 8, 4, 20), jnp.uint32), z((3, 2, 8, 4, 2), jnp.uint32), 4),
                            (z((3, 2, 64, 33), jnp.uint32), z((3, 2, 1, 33), jnp.uint32), 2)):
-        text = lower_triton_text(lambda d, s, st: CW.cache_write(d, s, st, axis=axis, implementation="pallas",
+        text = lower_triton_text(lambda d, s, st: CW.cache_write(d, s, st, axis=axis, implementation="triton",
                                                                  interpret=False), dst, src, z((2,), jnp.int32))
         assert text.count(f'name = "{CW.KERNEL_NAME}"') == 1
     with pytest.raises(ValueError, match="does not fit"):

@@ -31,7 +31,7 @@ class TestNibbleScan(KernelTestBase):
 def test_nibble_scan_lowers_to_triton_and_validates():
     z = jnp.zeros
     q, scales, ln, ch = z((2, G, D)), z((2, D, 10), jnp.float16), z((2,), jnp.int32), z((2, 8), jnp.int32)
-    text = lower_triton_text(NS.nibble_scan, q, z((2, D, 80), jnp.uint32), scales, ln, ch, implementation="pallas",
+    text = lower_triton_text(NS.nibble_scan, q, z((2, D, 80), jnp.uint32), scales, ln, ch, implementation="triton",
                              interpret=False)
     assert text.count(f'name = "{NS.KERNEL_NAME}"') == 1
     with pytest.raises(ValueError, match="channels"):

@@ -102,10 +102,10 @@ def test_plane_scan_lowers_to_triton():
     for lanes in (8, 16, 32):
         config = PS.PlaneScanConfig(lanes=lanes, tile=32 * lanes)
         text = lower_triton_text(PS.plane_scan, q, StorePlanes(planes, scales), ln, RunList(ch, ch),
-                                 implementation="pallas", interpret=False, config=config)
+                                 implementation="triton", interpret=False, config=config)
         assert text.count(f'name = "{PS.KERNEL_NAME}"') == 1
     text = lower_triton_text(lambda p, s, layer: PS.plane_scan(q, StorePlanes(p, s, layer), ln, RunList(ch, ch),
-                                                                 implementation="pallas", interpret=False),
+                                                                 implementation="triton", interpret=False),
                              z((3, 2, D, 4, 20), jnp.uint32), z((3, 2, D, 10), jnp.float16), jnp.int32(1))
     assert text.count(f'name = "{PS.KERNEL_NAME}"') == 1
 
@@ -128,6 +128,6 @@ def test_plane_scan_validation():
     with pytest.raises(ValueError, match="lanes"):
         PS.PlaneScanConfig(tile=256, lanes=16)
     with pytest.raises(ValueError, match=r"with a layer index they must be \[L, R, D, 4, W\]"):
-        PS.plane_scan(q, StorePlanes(planes, scales, 0), ln, runs, implementation="pallas")
+        PS.plane_scan(q, StorePlanes(planes, scales, 0), ln, runs, implementation="triton")
     # value checks are skipped (not failed) under jit: the caller owns them there
     jax.jit(lambda c: PS.plane_scan(q, store, ln, RunList(c, c), implementation="xla"))(ch)

@@ -77,19 +77,19 @@ class TestRowFetch(KernelTestBase):
 def test_row_fetch_lowers_to_triton_and_validates():
     z = jnp.zeros
     text = lower_triton_text(lambda a, b, layer: RF.row_fetch(RF.StoredRows(a, b, layer), z((2, 9), jnp.int32),
-                                                               implementation="pallas", interpret=False),
+                                                               implementation="triton", interpret=False),
                              z((3, 2, 64, D), jnp.bfloat16), z((3, 2, 64, D), jnp.bfloat16), jnp.int32(2))
     assert text.count(f'name = "{RF.KERNEL_NAME}"') == 1
     ordered = lower_triton_text(lambda a, layer, after: RF.row_fetch(RF.StoredRows(a, layer=layer),
                                                                      z((2, 9), jnp.int32), after=after,
-                                                                     implementation="pallas", interpret=False),
+                                                                     implementation="triton", interpret=False),
                                 z((3, 2, 64, D), jnp.bfloat16), jnp.int32(2), z((7,), jnp.float32))
     assert "gpu.triton(%arg2, %arg1, %arg0, %arg3)" in ordered  # index, layer, cache, then the `after` operand
     with pytest.raises(ValueError, match="values"):
         RF.row_fetch(RF.StoredRows(z((2, 64, D), jnp.bfloat16), z((2, 64, D), jnp.float32)), z((2, 9), jnp.int32))
     with pytest.raises(ValueError, match="at least one feature"):
         RF.row_fetch(RF.StoredRows(z((2, 64, 12), jnp.bfloat16), columns=(0, 0)), z((2, 9), jnp.int32))
-    odd = lower_triton_text(lambda a: RF.row_fetch(RF.StoredRows(a), z((2, 9), jnp.int32), implementation="pallas",
+    odd = lower_triton_text(lambda a: RF.row_fetch(RF.StoredRows(a), z((2, 9), jnp.int32), implementation="triton",
                                                    interpret=False), z((2, 64, 33), jnp.uint32))
     assert odd.count(f'name = "{RF.KERNEL_NAME}"') == 1  # rows of any width lower (blocks padded and masked)
     with pytest.raises(ValueError, match=r"1 <= Rc <= 1 \(groups 1\.\. of the store's 2\)"):

@@ -90,14 +90,14 @@ class TestRunGather(KernelTestBase):
 def test_run_gather_lowers_to_triton_and_validates():
     z = jnp.zeros
     runs = RunList(z((2, 5), jnp.int32), z((2, 5), jnp.int32))
-    text = lower_triton_text(lambda p, s, layer: RG.run_gather(StorePlanes(p, s, layer), runs, implementation="pallas",
+    text = lower_triton_text(lambda p, s, layer: RG.run_gather(StorePlanes(p, s, layer), runs, implementation="triton",
                                                                 interpret=False),
                              z((3, 2, D, 4, 20), jnp.uint32), z((3, 2, D, 10), jnp.float16), jnp.int32(0))
     assert text.count(f'name = "{RG.KERNEL_NAME}"') == 1
     persistent = lower_triton_text(
         lambda p, s, layer, a: RG.run_gather(StorePlanes(p, s, layer), RunList(runs.channels, runs.depths, sorted=True),
                                              after=a, config=RG.RunGatherConfig(chunk=4, programs=3),
-                                             implementation="pallas", interpret=False),
+                                             implementation="triton", interpret=False),
         z((3, 2, D, 4, 20), jnp.uint32), z((3, 2, D, 10), jnp.float16), jnp.int32(0), z((7,), jnp.float32))
     assert persistent.count(f'name = "{RG.KERNEL_NAME}"') == 1
     assert "grid_x = 3 : i32, grid_y = 1 : i32, grid_z = 1" in persistent  # three programs walking the items

@@ -70,7 +70,7 @@ class TestSlotCopy(KernelTestBase):
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 def test_the_in_place_write_changes_the_host_store_and_returns_only_a_token(rng):
     store, part, heads = _case(rng, "planes_u32")
-    pinned = host(jnp.asarray(store), Impl("pallas", False))
+    pinned = host(jnp.asarray(store), Impl("triton", False))
     token = jax.jit(lambda s, p, st: SC.slot_write_in_place(s, p, st))
     compiled = token.lower(pinned, jnp.asarray(part), jnp.int32(1)).compile()
     assert "pinned_host" not in str(compiled.output_shardings)
@@ -84,10 +84,10 @@ def test_slot_copy_lowers_to_triton_and_validates():
     z = jnp.zeros
     for shape, dtype in (((2, 6, 5, 3), jnp.bfloat16), ((2, 4, 3, 4, 5), jnp.uint32), ((2, 6, 9), jnp.uint8)):
         store = z(shape, dtype)
-        text = lower_triton_text(lambda s, st: SC.slot_read(s, st, 2, implementation="pallas", interpret=False),
+        text = lower_triton_text(lambda s, st: SC.slot_read(s, st, 2, implementation="triton", interpret=False),
                                  store, jnp.int32(0))
         assert text.count(f'name = "{SC.READ_NAME}"') == 1
-        text = lower_triton_text(lambda s, p, st: SC.slot_write(s, p, st, implementation="pallas", interpret=False),
+        text = lower_triton_text(lambda s, p, st: SC.slot_write(s, p, st, implementation="triton", interpret=False),
                                  store, store[:, :2], jnp.int32(0))
         assert text.count(f'name = "{SC.WRITE_NAME}"') == 1
         text = lower_triton_text(lambda s, p, st: SC._write_pallas(s, p, st, config=SC.SlotCopyConfig(),

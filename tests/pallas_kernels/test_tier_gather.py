@@ -98,14 +98,14 @@ def test_tier_gather_lowers_to_triton_and_validates():
     table = jnp.asarray(tier_table((1, 2)))
     runs = RunList(z((2, 5), jnp.int32), z((2, 5), jnp.int32))
     text = lower_triton_text(lambda c, s, t, layer: TG.tier_gather(LayerTiers(hot, c, s, t, layer), runs,
-                                                                   implementation="pallas", interpret=False),
+                                                                   implementation="triton", interpret=False),
                              cold, scales, table, jnp.int32(0))
     assert text.count(f'name = "{TG.KERNEL_NAME}"') == 1
     ch = runs.channels
     text = lower_triton_text(lambda q, p, s, h: PS.plane_scan(
         q, StorePlanes(p, s), z((2,), jnp.int32), runs,
         resident=PS.ResidentPlanes(LayerTiers(h, cold, scales, table, jnp.int32(1)), ch),
-        implementation="pallas", interpret=False), z((2, 4, 5)), z((2, 5, 4, 20), jnp.uint32),
+        implementation="triton", interpret=False), z((2, 4, 5)), z((2, 5, 4, 20), jnp.uint32),
         z((2, 5, 10), jnp.float16), hot)
     assert text.count(f'name = "{PS.KERNEL_NAME}"') == 1
     with pytest.raises(ValueError, match="table must be"):

@@ -45,7 +45,7 @@ class TestTierWrite(KernelTestBase):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (interpret mode writes no inputs)")
 def test_writes_the_host_tier_in_place():
-    impl, rng = Impl("pallas", False), np.random.default_rng(7)
+    impl, rng = Impl("triton", False), np.random.default_rng(7)
     resident = (1, 2)
     hot, cold, tiers = tiers_of(rng, resident)
     src = rng.integers(0, 2**32, (1, 3, D, 4, 2), dtype=np.uint32)
@@ -64,7 +64,7 @@ def test_tier_write_lowers_to_triton_and_validates():
     z = jnp.zeros
     hot, cold, tiers = z((3, 2, D, W), jnp.uint32), z((5, 2, D, W), jnp.uint32), jnp.asarray(tier_table((1, 2)))
     text = lower_triton_text(lambda h, c, s, st: TW.tier_write(LayerTiers(h, c, None, tiers, 1), s, st,
-                                                               implementation="pallas", interpret=False),
+                                                               implementation="triton", interpret=False),
                              hot, cold, z((1, 2, D, 4, 2), jnp.uint32), z((2,), jnp.int32))
     assert text.count(f'name = "{TW.KERNEL_NAME}"') == 1
     two = LayerTiers(hot, cold, None, tiers)

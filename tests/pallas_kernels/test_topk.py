@@ -100,11 +100,11 @@ def test_sortable_key_order():
 
 def test_topk_lowers_to_triton_and_validates():
     text = lower_triton_text(TK.topk_select, jnp.zeros((4, 4096)), jnp.zeros((4,), jnp.int32), k=64, interpret=False,
-                             implementation="pallas", config=TK.TopkConfig(path="radix"))
+                             implementation="triton", config=TK.TopkConfig(path="radix"))
     assert text.count(f'name = "{TK.KERNEL_NAME}"') == 2
     for n in (1 << 20, (1 << 20) + 64):  # 1M tokens, and 1M plus a decode step's room: fused, never radix
         text = lower_triton_text(TK.topk_select, jnp.zeros((4, n)), jnp.zeros((4,), jnp.int32), k=512,
-                                 interpret=False, implementation="pallas")  # default: fused
+                                 interpret=False, implementation="triton")  # default: fused
         assert all(f'name = "{nm}"' in text for nm in ("topk_bucket_max", "topk_select_buckets", "topk_select_tokens"))
         assert f'name = "{TK.KERNEL_NAME}"' not in text
     # A 1M-token decode cache (2^20 + 64 slots) keeps 32-token buckets; rows past 2M tokens widen them.
@@ -117,6 +117,6 @@ def test_topk_lowers_to_triton_and_validates():
     with pytest.raises(ValueError, match="token_splits must be a power of two"):
         TK.TopkConfig(token_splits=3)
     text = lower_triton_text(TK.topk_select, jnp.zeros((4, 1 << 20)), jnp.zeros((4,), jnp.int32), k=512,
-                             interpret=False, implementation="pallas",
+                             interpret=False, implementation="triton",
                              config=TK.TopkConfig(bucket_splits=8, token_splits=4))
     assert all(f'name = "{nm}"' in text for nm in ("topk_local_buckets", "topk_local_tokens"))

@@ -82,7 +82,7 @@ class TestWaterLine(KernelTestBase):
 def test_zero_importance_is_never_read():
     """A zero channel reads nothing, even where the water line falls below every other threshold."""
     g = jnp.array([[0.0, 1.0, 2.0]], jnp.float32)
-    for implementation in ("xla", "pallas"):
+    for implementation in ("xla", "triton"):
         plan = P.plan_bisection(g, 12, bracket=(1e-30, 10.0), implementation=implementation)
         assert int(plan.depths[0, 0]) == 0 and int(plan.code_bits[0]) == 8
     with pytest.raises(ValueError, match="bracket must be"):
@@ -113,6 +113,6 @@ def test_bad_arguments():
 def test_water_line_lowers_to_triton():
     z = jnp.zeros
     text = lower_triton_text(lambda t, b: WL.water_line(t, b, (b, b), spec=WL.WaterLineSpec(30),
-                                                        implementation="pallas", interpret=False),
+                                                        implementation="triton", interpret=False),
                              z((4, 8, 128), jnp.float32), z((8,), jnp.float32))
     assert text.count(f'name = "{WL.KERNEL_NAME}"') == 1

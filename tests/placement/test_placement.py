@@ -58,7 +58,7 @@ def test_zeros_are_zero_and_placed(memory):
     assert x.sharding.memory_kind == placement.memory_kind
 
 
-def resolve(config, placement, groups=8, capacity=1000, implementation="pallas"):
+def resolve(config, placement, groups=8, capacity=1000, implementation="triton"):
     return config.resolve(placement, groups=groups, capacity=capacity, implementation=implementation)
 
 
@@ -102,7 +102,7 @@ def test_auto_pipeline_chunks_by_positions_of_the_groups_in_real_host_memory():
         # every plane resident: only the row fetches overlap, 2 chunks at most; any plane on the host: by positions
         for resident, chunks in ((4, 2), ((4, 4, 4), 2), ((4, 3, 4), 8), (2, 8)):
             tiers = Placement("pinned_host", resident_planes=resident)
-            assert auto.resolve(tiers, groups=8, capacity=1 << 20, implementation="pallas", layers=3).chunks == chunks
+            assert auto.resolve(tiers, groups=8, capacity=1 << 20, implementation="triton", layers=3).chunks == chunks
         assert resolve(auto, Placement("pinned_host", resident_planes=4), 8, 1 << 15).chunks == 2
         assert resolve(StepConfig(pipeline=8), Placement("pinned_host", resident_planes=4), 8, 1 << 20).chunks == 8
 
@@ -116,10 +116,10 @@ def test_reads_and_fetches_are_chosen_once():
     from fathom_jax.decode.reads import DeviceRead, DirectRead, StagedRead
 
     host = Placement("pinned_host")
-    assert resolve(StepConfig(), Placement()).reader == DeviceRead("pallas")
+    assert resolve(StepConfig(), Placement()).reader == DeviceRead("triton")
     assert resolve(StepConfig(), host, implementation="xla").reader == DeviceRead("xla")
-    assert resolve(StepConfig(), host).reader == StagedRead("pallas", 0)
-    assert resolve(StepConfig(read="direct"), host).reader == DirectRead("pallas")
+    assert resolve(StepConfig(), host).reader == StagedRead("triton", 0)
+    assert resolve(StepConfig(read="direct"), host).reader == DirectRead("triton")
     assert type(resolve(StepConfig(), host).fetcher) is RowFetch
     assert type(resolve(StepConfig(row_cache=8), host).fetcher) is CachedRowFetch
     assert not resolve(StepConfig(), host).in_place  # device memory here: functional writes

@@ -66,8 +66,8 @@ def _random_dense(seed, *, layers=2, batch=2, kv_heads=2, capacity=200, head_dim
 
 @pytest.mark.parametrize("spec,implementation,memory", [
     ("k8v8", "xla", "device"), ("k8v4g8a", "xla", "device"), ("k8v8", "xla", "pinned_host"),
-    pytest.param("k8v8", "pallas", "pinned_host", marks=ON_GPU, id="gpu-k8v8"),
-    pytest.param("k8v4g8a", "pallas", "pinned_host", marks=ON_GPU, id="gpu-k8v4g8a")])
+    pytest.param("k8v8", "triton", "pinned_host", marks=ON_GPU, id="gpu-k8v8"),
+    pytest.param("k8v4g8a", "triton", "pinned_host", marks=ON_GPU, id="gpu-k8v4g8a")])
 def test_rows_after_appends_equal_rows_of_all_keys(spec, implementation, memory):
     """A prefill of 70 / 45 tokens, then 5 decode steps through the attention step: every stored row is the format's
     row of its token (the appends through the kernels' writes too)."""
@@ -112,7 +112,7 @@ def reference_step(attn, layout, keys, values, lengths, q):
     return np.stack([np.asarray(o) for o in outs])
 
 
-@pytest.mark.parametrize("implementation", ["xla", pytest.param("pallas", marks=ON_GPU, id="gpu")])
+@pytest.mark.parametrize("implementation", ["xla", pytest.param("triton", marks=ON_GPU, id="gpu")])
 @pytest.mark.parametrize("spec,rows", [("sparq:2", "k8v8"), ("landmark", "k8v8"), ("exact", "k8v8"), ("dense", "k8v8"),
                                        ("sparq:2", "k8v4g8a"), ("sparq:2", "bf16"), ("exact", "bf16")])
 def test_step_attends_over_the_dequantized_rows(spec, rows, implementation, full_f32_matmuls):
@@ -143,7 +143,7 @@ def test_step_attends_over_the_dequantized_rows(spec, rows, implementation, full
 
 
 @pytest.mark.parametrize("implementation,split", [
-    ("xla", {}), pytest.param("pallas", dict(pipeline=2), marks=ON_GPU, id="gpu")])  # interpreted: ~30 s more on CPU
+    ("xla", {}), pytest.param("triton", dict(pipeline=2), marks=ON_GPU, id="gpu")])  # interpreted: ~30 s more on CPU
 def test_row_cache_holds_compressed_rows(model, calib, implementation, split):
     """With a row cache the slots hold the stored words and every logit is the same bits as without one."""
     common = dict(calibration=calib, implementation=implementation, rows="k8v8", **SMALL)

@@ -139,7 +139,7 @@ def test_the_pool_step_runs_the_methods_kernels(tiny_model):
 
     from tests.support import jaxpr_pallas_calls
 
-    pool = SessionPool(tiny_model, decode.from_spec("fathom:32", k=40, implementation="pallas"),
+    pool = SessionPool(tiny_model, decode.from_spec("fathom:32", k=40, implementation="triton"),
                        PoolConfig(slots=2, capacity=CAPACITY))
     _, params = nnx.split(tiny_model)
     traced = pool._run.trace(params, np.zeros(2, np.int32), np.array([True, False]), cache=pool.cache)
@@ -153,7 +153,7 @@ HAS_GPU = jax.default_backend() == "gpu"
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 def test_on_the_gpu_parked_sessions_sit_in_pinned_host_memory_and_decode_bit_for_bit(tiny_model, tmp_path):
-    attn = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="pallas")
+    attn = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="triton")
     pool = _pool(tiny_model, attn)
     a = pool.add(PROMPTS[0])
     for _ in range(12):
@@ -185,7 +185,7 @@ def test_on_the_gpu_a_pool_cache_in_pinned_host_moves_sessions_in_place_bit_for_
     from fathom_jax.serve import slots
 
     placement = Placement("pinned_host", resident_planes=1)
-    attn = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="pallas", placement=placement)
+    attn = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="triton", placement=placement)
     pool = _pool(tiny_model, attn)
 
     def host_leaves():
@@ -212,10 +212,10 @@ def test_on_the_gpu_a_pool_cache_in_pinned_host_moves_sessions_in_place_bit_for_
     assert [pool.tokens(a), pool.tokens(b)] == alone
     assert all(x is y for x, y in zip(held, host_leaves()))
 
-    cache, one = pool.cache, slots.extract(pool.cache, 0, 2, placement, "pallas")
+    cache, one = pool.cache, slots.extract(pool.cache, 0, 2, placement, "triton")
     assert pool.step_compiles() <= 1
     read = slots._extract.lower(cache, jnp.int32(0), heads=2, by_kernel=True)
-    program, in_place = slots.insert_program(cache, placement, "pallas")
+    program, in_place = slots.insert_program(cache, placement, "triton")
     write = program.lower(*split_bulk(cache, cache.bulk()), one, jnp.int32(0))
     assert in_place and "slot_read" in read.as_text() and "slot_write" in write.as_text()
     for lowered in (read, write):
@@ -230,7 +230,7 @@ def test_an_offloaded_pool_moves_its_slots_by_the_kernels_bit_for_bit(tiny_model
     from fathom_jax.serve import slots
     from tests.support import count_pallas_calls
 
-    attn = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="pallas",
+    attn = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="triton",
                             placement=Placement("pinned_host", resident_planes=1))
     pool = _pool(tiny_model, attn)
     alone = [pool_trace.lone_tokens(pool, p, 6) for p in PROMPTS[:2]]
@@ -248,7 +248,7 @@ def test_an_offloaded_pool_moves_its_slots_by_the_kernels_bit_for_bit(tiny_model
     assert [pool.tokens(a), pool.tokens(b)] == alone
     bulk = sum(bool(x) for x in jax.tree.leaves(slots._per_sequence(pool.cache.bulk())))
     assert bulk >= 3  # K/V rows, the offloaded planes, plane 0 in device memory (*_hbm), ...
-    moves = dict(placement=attn.placement, implementation="pallas")
+    moves = dict(placement=attn.placement, implementation="triton")
     assert count_pallas_calls(slots.extract, pool.cache, name="slot_read", slot=1, heads=2, **moves) == bulk
     one = slots.extract(pool.cache, 1, 2, **moves)
     assert count_pallas_calls(slots.insert, pool.cache, one, name="slot_write", slot=0, **moves) == bulk

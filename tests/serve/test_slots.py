@@ -50,17 +50,17 @@ def test_the_kernel_moves_of_an_offloaded_pool_equal_the_xla_moves_bit_for_bit(t
     from fathom_jax.placement import Placement
 
     placement = Placement("pinned_host", resident_planes=1)
-    attention = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="pallas", placement=placement)
+    attention = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="triton", placement=placement)
     pool, attn = _filled(attention, 3, 0, dtype=jnp.bfloat16)
     one = slots.session_of(_filled(attention, 1, 1, dtype=jnp.bfloat16)[0])
     assert "device" in jax.tree.leaves(pool.bulk()) and True in jax.tree.leaves(pool.bulk())
     by_xla = slots.insert(jax.tree.map(jnp.copy, pool), one, 2, Placement(), "xla")  # every leaf in device memory
-    by_kernel = slots.insert(placement.put(pool, pool.bulk()), one, 2, placement, "pallas")
+    by_kernel = slots.insert(placement.put(pool, pool.bulk()), one, 2, placement, "triton")
     for x, y in zip(jax.tree.leaves(by_xla), jax.tree.leaves(by_kernel)):
         np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
     for s in (1, 2):
         for x, y in zip(jax.tree.leaves(slots.extract(by_xla, s, 2, Placement(), "xla")),
-                        jax.tree.leaves(slots.extract(by_kernel, s, 2, placement, "pallas"))):
+                        jax.tree.leaves(slots.extract(by_kernel, s, 2, placement, "triton"))):
             np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
 
 
@@ -71,6 +71,6 @@ def test_a_pinned_host_pool_over_a_mesh_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(placement_lib, "host_memory_available", lambda: True)  # a GPU's pinned_host memory
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
     with pytest.raises(ValueError, match="pinned_host memory moves its slots by the slot_copy kernels"):
-        slots.check_moves(Placement("pinned_host", mesh=mesh), "pallas")
-    assert slots.check_moves(Placement("pinned_host"), "pallas") is True
-    assert slots.check_moves(Placement(), "pallas") is False
+        slots.check_moves(Placement("pinned_host", mesh=mesh), "triton")
+    assert slots.check_moves(Placement("pinned_host"), "triton") is True
+    assert slots.check_moves(Placement(), "triton") is False
