@@ -12,7 +12,8 @@ Reports the aggregate decode rate over the trace's bursts (tokens of every activ
 tokens read back after each step) against the fixed batch of the same size (the pool's cache with every slot full,
 decoded by the plain ``decode_step`` driver), the time to add a session (a prefill of its prompt alone and the move
 into a slot or host memory), save and load rates (a session's bytes over the seconds), and host and HBM bytes over
-the trace. Qwen3-8B shapes run with random bf16 weights (``scripts/offload_setup.random_model``) and random prompts.
+the trace, beside the disk's own rate in the save directory (plain write + fsync and read-back of a session's bytes).
+Qwen3-8B shapes run with random bf16 weights (``scripts/offload_setup.random_model``) and random prompts.
 """
 
 from __future__ import annotations
@@ -58,6 +59,28 @@ def prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[np.ndarr
             for _ in range(count)]
 
 
+def disk_rate(directory: str | None, nbytes: int, block: int = 64 << 20) -> tuple[float, float]:
+    """GB/s of plain file I/O in ``directory``: ``nbytes`` written in ``block``-byte writes and fsynced, then read back
+    (as soon after as a load follows its save, so from wherever the system keeps it) into one reused buffer."""
+    buf = np.random.default_rng(0).integers(0, 256, min(block, max(nbytes, 1)), np.uint8)
+    fd, path = tempfile.mkstemp(dir=directory, prefix="disk_rate_")
+    try:
+        t0 = time.perf_counter()
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            for at in range(0, nbytes, buf.size):
+                f.write(memoryview(buf)[: min(buf.size, nbytes - at)])
+            os.fsync(f.fileno())
+        write = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+        read = time.perf_counter() - t0
+    finally:
+        os.remove(path)
+    return nbytes / write / 1e9, nbytes / read / 1e9
+
+
 def fixed_batch_rate(pool: SessionPool, steps: int) -> float:
     """Tokens per second of the plain decode driver on the pool's cache with every slot full (consumes the pool)."""
     attn, cache = pool.attention, pool.cache
@@ -91,6 +114,7 @@ def bench(args) -> dict:
     with tempfile.TemporaryDirectory(dir=args.save_dir) as save_dir:
         pool_trace.warm_up(pool, texts[0], save_dir)  # nothing below compiles but a prefill of a new length bucket
         res = pool_trace.run(pool, events, texts, save_dir)
+        disk = [disk_rate(save_dir, res["session_bytes"]) for _ in range(args.disk_repeats)]
     steps = [e for e in res["timeline"] if e["op"] == "steps"]
     decoded, seconds = sum(e["tokens"] for e in steps), sum(e["seconds"] for e in steps)
     full = [pool.add(t) for t in texts[: args.slots]]
@@ -106,7 +130,8 @@ def bench(args) -> dict:
                mean_active=decoded / max(1, sum(e["steps"] for e in steps)),
                full_pool_tokens_per_s=_full_rate(pool, args.fixed_steps),
                add_s=res["add_s"], save_gb_s=[one / s / 1e9 for s in res["save_s"]],
-               load_gb_s=[one / s / 1e9 for s in res["load_s"]], step_compiles=res["step_compiles"],
+               load_gb_s=[one / s / 1e9 for s in res["load_s"]], disk_write_gb_s=[w for w, _ in disk],
+               disk_read_gb_s=[r for _, r in disk], step_compiles=res["step_compiles"],
                timeline=res["timeline"], slots_filled=len(full))
     out["fixed_batch_tokens_per_s"] = fixed_batch_rate(pool, args.fixed_steps)
     return out
@@ -139,7 +164,10 @@ def write_report(res: dict, prefix: str) -> None:
              f"| fixed batch of {r['slots']} (plain decode_step on the same cache) : tokens/s | "
              f"{r['fixed_batch_tokens_per_s']:.1f} |",
              f"| add a session (prefill alone + move), s | {_fmt(r['add_s'])} |",
-             f"| save, GB/s | {_fmt(r['save_gb_s'])} |", f"| load, GB/s | {_fmt(r['load_gb_s'])} |", "",
+             f"| save, GB/s | {_fmt(r['save_gb_s'])} |",
+             f"| the disk beside it: write + fsync of as many bytes, plain file I/O, GB/s | "
+             f"{_fmt(r['disk_write_gb_s'])} |", f"| load, GB/s | {_fmt(r['load_gb_s'])} |",
+             f"| the disk beside it: read back, plain file I/O, GB/s | {_fmt(r['disk_read_gb_s'])} |", "",
              "| event | session | s | parked | host MB | HBM MB (pool) | device in use MB |", "|---|---|---|---|---|---|---|"]
     for e in r["timeline"]:
         dev = "n/a" if e["device_in_use"] is None else f"{e['device_in_use'] / 1e6:.1f}"
@@ -197,10 +225,12 @@ def main(argv=None) -> int:
                     help="planes of every channel kept in HBM with --placement pinned_host (default 1; 0 in HBM)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-dir", default=None, help="where saves go (default: the system's temporary directory)")
+    ap.add_argument("--disk-repeats", type=int, default=3,
+                    help="plain write + fsync and read-back measurements of one session's bytes in the save directory")
     ap.add_argument("--tag", default=None, help="default <model>_<prompt tokens>_<backend>")
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
-    for name in ("prompt_tokens", "slots", "sessions", "rounds", "burst", "fixed_steps", "k"):
+    for name in ("prompt_tokens", "slots", "sessions", "rounds", "burst", "fixed_steps", "k", "disk_repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
@@ -218,7 +248,8 @@ def main(argv=None) -> int:
     r = res["pool"]
     print(f"{prefix}.md: churn {r['pool_tokens_per_s']:.1f} tok/s, full pool {r['full_pool_tokens_per_s']:.1f}, "
           f"fixed batch {r['fixed_batch_tokens_per_s']:.1f}; add {_fmt(r['add_s'])} s; save "
-          f"{_fmt(r['save_gb_s'])} GB/s, load {_fmt(r['load_gb_s'])} GB/s; step compiles {r['step_compiles']}")
+          f"{_fmt(r['save_gb_s'])} GB/s, load {_fmt(r['load_gb_s'])} GB/s (disk: write {_fmt(r['disk_write_gb_s'])}, "
+          f"read {_fmt(r['disk_read_gb_s'])}); step compiles {r['step_compiles']}")
     return 0
 
 

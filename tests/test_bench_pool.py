@@ -33,6 +33,8 @@ def test_the_benchmark_writes_its_results(tmp_path):
     assert len(res["add_s"]) >= 4 and res["session_bytes"] > 0
     assert {e["op"] for e in res["timeline"]} >= {"add", "steps", "remove"}
     assert (res["placement"], res["resident_planes"]) == ("pinned_host", 1)  # issue 47's layout by default
+    assert len(res["disk_write_gb_s"]) == len(res["disk_read_gb_s"]) == 3 and min(res["disk_read_gb_s"]) > 0
+    assert "| the disk beside it: write + fsync" in (tmp_path / "pool_t.md").read_text()
     assert "| fixed batch of 2" in (tmp_path / "pool_t.md").read_text() and (tmp_path / "pool_t.png").stat().st_size
 
 
@@ -46,3 +48,8 @@ def test_the_placement_flags_default_to_the_issues_layout_and_fail_by_name(capsy
     with pytest.raises(SystemExit):
         bench_pool.main(["--placement", "device", "--resident-planes", "1"])
     assert "--resident-planes: placement resident_planes keeps planes" in capsys.readouterr().err
+
+
+def test_the_disk_rate_writes_and_reads_back_its_bytes(tmp_path):
+    write, read = bench_pool.disk_rate(str(tmp_path), (3 << 20) + 5, block=1 << 20)
+    assert write > 0 and read > 0 and not list(tmp_path.iterdir())  # its file is gone

@@ -3,7 +3,8 @@
 ``pool``           :class:`SessionPool` (add, step, pause, resume, remove, save, load) and :class:`PoolConfig`
 ``slots``          one session's slices of the pool's stacked cache, moved in and out; bytes per slot
 ``admission``      the memory ledger: a session refused before anything is allocated (:class:`AdmissionError`)
-``session_store``  a parked session on disk (orbax), checked whole before it loads; saves replace atomically
+``session_store``  a parked session on disk (one checksummed file), checked whole before it loads; saves replace
+                   atomically
 """
 
 from fathom_jax.serve.admission import AdmissionError
