@@ -130,6 +130,12 @@ def running(command: str):
         except KeyboardInterrupt:
             interrupt.report()
             raise SystemExit(interrupt.EXIT_INTERRUPTED) from None
+        except Exception:
+            if not interrupt.requested():
+                raise
+            # The interrupt surfaced as another error (JAX wraps one raised in a static argument's __eq__).
+            interrupt.report()
+            raise SystemExit(interrupt.EXIT_INTERRUPTED) from None
 
 
 def check_backend() -> None:

@@ -83,6 +83,12 @@ def reporting(message: Callable[[], str]):
         _state.reporters.remove(message)
 
 
+def requested() -> bool:
+    """Whether a Ctrl-C came during the running command (the error it ends with may be another one: JAX turns an
+    interrupt raised inside a static argument's ``__eq__`` into a ``ValueError``)."""
+    return _state.interrupted
+
+
 def report() -> None:
     """Print the innermost :func:`reporting` message on stderr, once per command (the main thread, or the
     watchdog if the main thread does not get there in time)."""

@@ -138,3 +138,25 @@ def test_a_command_that_stopped_in_time_leaves_its_caller_running():
     proc = _start(RETURNED)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and out.split() == ["stopped", "alive"], err
+
+
+WRAPPED = """
+    import os, signal, time
+    from fathom_jax.cli.args import running
+
+    with running("fetch-model"):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt as err:  # what JAX does with one raised in a static argument's __eq__
+            raise ValueError("static arguments should be comparable using __eq__") from err
+"""
+
+
+def test_an_interrupt_that_surfaces_as_another_error_still_stops_the_command():
+    """A Ctrl-C that JAX turned into a ValueError (it landed in jit's comparison of static arguments: a `fathom
+    agreement` run said "error" and exited 1) still ends the command as interrupted: status 130, what was saved."""
+    proc = _start(WRAPPED)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "[fetch-model] interrupted" in err and "static arguments" not in err, err
