@@ -41,7 +41,9 @@ class Decoder(Protocol):
         """An empty decode state: the attention's empty cache and the model's own part."""
 
     def split_state(self, state) -> tuple[Any, Any]:
-        """``(own, cache)``: what the model keeps between steps (None if nothing) and the attention's cache."""
+        """``(own, cache)``: what the model keeps between steps (None if nothing) and the attention's cache. An ``own``
+        that is not None has a ``sequence_axes()`` method: a tree like it of each leaf's sequence (batch) axis, what
+        moves one sequence's state without knowing its layout (a session pool's slots)."""
 
     def join_state(self, own, cache) -> Any:
         """The decode state of ``own`` and ``cache`` (the inverse of :meth:`split_state`)."""

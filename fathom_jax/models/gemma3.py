@@ -60,7 +60,7 @@ class Gemma3ForCausalLM(nnx.Module):
 
     # -- the decoder protocol (decoder.py) --------------------------------------------------------------
     # The decode state is the local layers' window rings and the global layers' attention cache (Gemma3State).
-    ragged = False  # the rings have one length for the batch
+    ragged = True  # every sequence at its own position: the rings keep one length per sequence
     capture_query_chunk = PREFILL_QUERY_CHUNK  # q/k/v capture attends by chunks of queries (linear memory in T)
 
     def cache_shape(self, batch: int, capacity: int) -> CacheShape:
@@ -82,12 +82,13 @@ class Gemma3ForCausalLM(nnx.Module):
         return Gemma3State(windows, cache)
 
     def forward_prompt(self, attention: PromptAttention, prompt, lengths, state: Gemma3State):
-        """The whole (equal-length) prompt in one layer loop: local layers through their windows, global layers
-        through ``attention.attend_prompt``. Returns (f32 logits at the last token [B, V], state)."""
+        """The right-padded prompt (``lengths [B]``) in one layer loop: local layers through their windows (padding
+        never written), global layers through ``attention.attend_prompt``. Returns (f32 logits at each last prompt
+        token [B, V], state)."""
         t = prompt.shape[1]
 
         def local_attend(i, q, k, v, s):
-            o, windows = s.windows.attend(i, q, k, v)
+            o, windows = s.windows.attend(i, q, k, v, lengths)
             return o, (dataclasses.replace(s, windows=windows), None)
 
         def global_attend(g, q, k, v, s):
@@ -96,10 +97,9 @@ class Gemma3ForCausalLM(nnx.Module):
 
         x, state, _, _ = self.run_layers(self.embed(prompt), jnp.arange(t, dtype=jnp.int32), local_attend,
                                          global_attend, state, mlp_chunk=attention.mlp_chunk)
-        # Computed, not the constant t: a program's constant output comes back uncommitted, and the next decode
-        # step would compile once more for it.
-        windows = dataclasses.replace(state.windows, length=state.windows.length + t)
-        return self.logits(self.norm(x[:, -1])), dataclasses.replace(state, windows=windows)
+        windows = dataclasses.replace(state.windows, length=state.windows.length + lengths)
+        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return self.logits(self.norm(last)), dataclasses.replace(state, windows=windows)
 
     def forward_token(self, attention: CacheAttention, tokens, state: Gemma3State):
         """One decode step: ``(f32 logits [B, V], state)``. The global layers call ``attention.attend(cache, g, q,
@@ -115,7 +115,7 @@ class Gemma3ForCausalLM(nnx.Module):
             o, update = attention.attend(cache, g, q[:, :, :, 0], k[:, :, 0], v[:, :, 0])
             return o[:, :, :, None], (w, update)
 
-        x, windows, _, updates = self.run_layers(self.embed(tokens[:, None]), start + jnp.arange(1, dtype=jnp.int32),
+        x, windows, _, updates = self.run_layers(self.embed(tokens[:, None]), start[:, None],
                                                  local_attend, global_attend, windows)
         state = Gemma3State(dataclasses.replace(windows, length=start + 1), attention.commit(cache, updates))
         return self.logits(self.norm(x[:, 0])), state

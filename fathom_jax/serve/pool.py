@@ -12,7 +12,9 @@ placement puts it (its bulk arrays in ``pinned_host`` memory too: sessions then 
 :mod:`fathom_jax.serve.slots`). A step feeds every
 slot and masks the free ones: their lengths enter the step as 0 and leave it unchanged, and what the step writes in
 a free slot is overwritten whole when a session moves in (:mod:`fathom_jax.serve.slots`). Sequences never mix in a
-step, so an active session's tokens do not depend on what the other slots hold.
+step, so an active session's tokens do not depend on what the other slots hold. What the model keeps of its own per
+sequence (Gemma 3's window rings: ``model.split_state``'s first part) is one more tree of ``slots`` sequences in
+device memory, moved, parked and saved with each session's cache.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,13 +68,15 @@ class PoolConfig:
 @dataclasses.dataclass
 class Session:
     """One session: its prompt length, the tokens it generated (the last is the next step's input), and where its
-    cache is: a ``slot`` of the pool, or ``parked`` in host memory (a tree of one sequence)."""
+    cache is: a ``slot`` of the pool, or ``parked`` in host memory (a tree of one sequence; the model's own state of
+    it, if the model keeps one, in ``parked_state``)."""
 
     id: int
     prompt_length: int
     tokens: list[int]
     slot: int | None = None
     parked: SparseCache | None = None
+    parked_state: Any = None
 
     @property
     def length(self) -> int:
@@ -79,18 +84,20 @@ class Session:
         return self.prompt_length + len(self.tokens) - 1
 
 
-def _pool_step_fn(graphdef, attention: SparseAttention, params, tokens, active, cache: SparseCache):
-    """One greedy step of every slot; free slots (``active`` False) enter at length 0 and keep their lengths."""
+def _pool_step_fn(graphdef, attention: SparseAttention, params, tokens, active, own, cache: SparseCache):
+    """One greedy step of every slot; free slots (``active`` False) enter at length 0 and keep their lengths (the
+    model's own state of a free slot is whatever the step leaves: a session moving in overwrites it whole)."""
     model = nnx.merge(graphdef, params)
     groups = jnp.repeat(active, cache.groups // cache.batch)[None]
     index = cache.index
     masked = dataclasses.replace(cache, length=jnp.where(active, cache.length, 0),
                                  index=dataclasses.replace(index, length=jnp.where(groups, index.length, 0)))
-    (nxt, _), out = generation.greedy_step(model, attention, tokens, masked)
+    (nxt, _), state = generation.greedy_step(model, attention, tokens, model.join_state(own, masked))
+    own, out = model.split_state(state)
     out = dataclasses.replace(out, length=jnp.where(active, out.length, cache.length),
                               index=dataclasses.replace(out.index, length=jnp.where(groups, out.index.length,
                                                                                     index.length)))
-    return nxt, out
+    return (nxt, own), out
 
 
 class SessionPool:
@@ -111,15 +118,15 @@ class SessionPool:
         slots_lib.check_moves(*self._moves)  # a placement the slot moves cannot serve fails before any allocation
         template = jax.eval_shape(lambda: model.split_state(model.init_state(self.attention, config.slots,
                                                                              config.capacity)))
-        if template[0] is not None:
-            raise ValueError(f"SessionPool: {type(model).__name__} keeps per-sequence state besides the attention's "
-                             "cache (e.g. Gemma 3's window rings); the pool moves only the sparse cache")
-        per_slot = slots_lib.slot_bytes(template[1], config.slots, attention.placement)
+        self._axes = None if template[0] is None else slots_lib.own_axes(template[0], config.slots)
+        per_slot = slots_lib.slot_bytes(template[1], config.slots, attention.placement,
+                                         model_state=template[0])
         self.budget = Budget.make(config, per_slot)
         self.budget.admit_pool("SessionPool")  # before the cache is allocated
         own, cache = model.split_state(model.init_state(self.attention, config.slots, config.capacity))
         slots_lib.check_layout(cache)
         self._cache = self.attention.start_decode(cache, np.zeros(config.slots, np.int32))
+        self._own = own
         self._run = self.attention.program(_pool_step_fn, self._cache, static=(self._graphdef,),
                                            options=generation.decode_compiler_options())
         self._compiled_before = self._run.jit._cache_size()  # programs of this layout other pools compiled
@@ -179,7 +186,8 @@ class SessionPool:
         ids[0, :t] = prompt
         logits, state, _ = generation.prefill(self.model, ids, np.array([t], np.int32), self._unbound,
                                               self.config.capacity)
-        one = slots_lib.session_of(self.model.split_state(state)[1])
+        own, cache = self.model.split_state(state)
+        one = (own, slots_lib.session_of(cache))
         session = Session(next(self._ids), t, [int(np.asarray(generation.first_token(logits))[0])])
         self._sessions[session.id] = session
         self._place(session, one, parked)
@@ -191,8 +199,9 @@ class SessionPool:
         if session.slot is None:
             return
         self.budget.admit_session("SessionPool.pause", parked=True)
-        one = slots_lib.extract(self._cache, session.slot, self.heads, *self._moves)
-        self._park(session, one)
+        slot = jnp.int32(session.slot)
+        own = None if self._axes is None else slots_lib.extract_own(self._own, slot, axes=self._axes)
+        self._park(session, (own, slots_lib.extract(self._cache, session.slot, self.heads, *self._moves)))
 
     def resume(self, sid: int) -> None:
         """Move a parked session back into a free slot (:class:`AdmissionError` when none is free)."""
@@ -203,8 +212,9 @@ class SessionPool:
             raise AdmissionError(f"SessionPool.resume: no free slot for session {sid} (all {self.config.slots} slots "
                                  "are taken): pause or remove a session first")
         self.budget.admit_session("SessionPool.resume", parked=False)
-        self._place(session, slots_lib.to_device(session.parked, self.attention.placement), parked=False)
-        session.parked = None  # only once it is in its slot: a failed move keeps the parked copy
+        self._place(session, slots_lib.to_device((session.parked_state, session.parked), self.attention.placement),
+                    parked=False)
+        session.parked = session.parked_state = None  # only once in its slot: a failed move keeps the parked copy
         self.budget.unpark(session.id)
 
     def remove(self, sid: int) -> None:
@@ -227,7 +237,7 @@ class SessionPool:
         if not active.any():
             return {}
         tokens = np.array([0 if s is None else self._sessions[s].tokens[-1] for s in self._slots], np.int32)
-        nxt, self._cache = self._run(self._params, tokens, active, cache=self._cache)
+        (nxt, self._own), self._cache = self._run(self._params, tokens, active, self._own, cache=self._cache)
         nxt = np.asarray(nxt)
         out = {}
         for slot, sid in enumerate(self._slots):
@@ -243,17 +253,24 @@ class SessionPool:
         session = self.session(sid)
         if session.parked is None:
             raise ValueError(f"SessionPool.save: session {sid} is in slot {session.slot}; pause it first")
-        session_store.save(path, session.parked, tokens=session.tokens, prompt_length=session.prompt_length,
-                           signature=self._signature())
+        if self._axes is not None and session.parked_state is None:
+            raise ValueError(f"SessionPool.save: session {sid} has no model state, which {type(self.model).__name__} "
+                             "keeps beside the cache: it cannot be decoded again from the cache alone")
+        session_store.save(path, self._saved(session.parked_state, session.parked), tokens=session.tokens,
+                           prompt_length=session.prompt_length, signature=self._signature())
 
     def load(self, path: str | os.PathLike) -> int:
         """A saved session back in this pool (a free slot, else parked), as a new id. The file is checked whole
         first: a damaged or foreign one raises :class:`~fathom_jax.serve.session_store.SessionFileError` and
         changes nothing."""
         template = slots_lib.session_template(self._cache, self.heads)
+        if self._axes is not None:
+            own = jax.eval_shape(lambda o: slots_lib.extract_own(o, jnp.int32(0), axes=self._axes), self._own)
+            template = self._saved(own, template)
         parked = self.free_slots == 0
         self.budget.admit_session("SessionPool.load", parked=parked)
-        one, meta = session_store.load(path, template, signature=self._signature())
+        saved, meta = session_store.load(path, template, signature=self._signature())
+        one = (saved[session_store.MODEL_STATE], saved["cache"]) if self._axes is not None else (None, saved)
         if meta["prompt_length"] + len(meta["tokens"]) - 1 > self.config.capacity:
             raise session_store.SessionFileError(f"session at {path} holds more tokens than the capacity "
                                                  f"{self.config.capacity}")
@@ -268,17 +285,25 @@ class SessionPool:
         return dict(model=repr(self.model.config), attention=self._unbound.label, heads=self.heads,
                     capacity=round_capacity(self.config.capacity))
 
-    def _place(self, session: Session, one: SparseCache, parked: bool) -> None:
+    @staticmethod
+    def _saved(own, cache):
+        """What a save holds: the cache alone, or with the model's own state (its leaves then named apart)."""
+        return cache if own is None else {"cache": cache, session_store.MODEL_STATE: own}
+
+    def _place(self, session: Session, one: tuple[Any, SparseCache], parked: bool) -> None:
+        """``one``: ``(the model's own state or None, the cache)`` of the session."""
         if parked:
             self._park(session, one)
             return
         slot = self._slots.index(None)
-        self._cache = slots_lib.insert(self._cache, slots_lib.to_device(one, self.attention.placement), slot,
-                                       *self._moves)
+        own, cache = slots_lib.to_device(one, self.attention.placement)
+        self._cache = slots_lib.insert(self._cache, cache, slot, *self._moves)
+        if self._axes is not None:
+            self._own = slots_lib.insert_own(self._own, own, jnp.int32(slot), axes=self._axes)
         self._slots[slot], session.slot = session.id, slot
 
-    def _park(self, session: Session, one: SparseCache) -> None:
-        session.parked = slots_lib.to_host(one, self.attention.placement)
+    def _park(self, session: Session, one: tuple[Any, SparseCache]) -> None:
+        session.parked_state, session.parked = slots_lib.to_host(one, self.attention.placement)
         self.budget.park(session.id)
         if session.slot is not None:
             self._free(session.slot)

@@ -27,6 +27,7 @@ MANIFEST = "session.json"
 ARRAYS = "arrays.bin"
 FORMAT = 2
 ALIGN = 4096  # leaf offsets: page-aligned, so each leaf's reads and writes start on a page
+MODEL_STATE = "model_state"  # a session's key for what its model keeps beside the cache (Gemma 3's window rings)
 
 
 class SessionFileError(ValueError):
@@ -77,7 +78,8 @@ def _write_chunk(fd: int, flat: np.ndarray, offset: int, a: int, b: int) -> int:
 
 
 def save(path: str | os.PathLike, session, *, tokens: list[int], prompt_length: int, signature: dict) -> None:
-    """Write ``session`` (a one-sequence cache tree, in host memory) with its tokens to the directory ``path``."""
+    """Write ``session`` (a one-sequence cache tree, with the model's own state under ``MODEL_STATE`` where it has
+    one; in host memory) with its tokens to the directory ``path``."""
     path = os.path.abspath(os.fspath(path))
     leaves = [(p, np.asarray(x)) for p, x in _leaves(session)]  # from device or pinned memory: one copy, here
     flats = [_bytes(x) for _, x in leaves]
@@ -156,6 +158,10 @@ def load(path: str | os.PathLike, template, *, signature: dict):
         raise SessionFileError(f"the saved session at {path} was made by another pool layout: it has "
                                f"{manifest.get('signature')}, this pool {signature}")
     expected = _leaves(template)
+    own = f"['{MODEL_STATE}']"
+    if any(p.startswith(own) for p, _ in expected) and not any(str(x.get("path")).startswith(own) for x in leaves):
+        raise SessionFileError(f"the saved session at {path} holds no model state ({MODEL_STATE}), which this pool's "
+                               "model keeps beside the cache: it cannot be decoded from the cache alone")
     if [leaf.get("path") for leaf in leaves] != [p for p, _ in expected]:
         raise SessionFileError(f"the saved session at {path} holds leaves {[x.get('path') for x in leaves]}, this "
                                f"pool's sessions {[p for p, _ in expected]}")

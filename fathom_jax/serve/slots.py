@@ -170,11 +170,50 @@ def _clear_length(length, slot):
 
 
 # ----------------------------------------------------------------------------------------------
+# The model's own per-sequence state (Gemma 3's window rings), beside the cache: every leaf holds one entry per slot on
+# the axis the state names (``own.sequence_axes()``, :meth:`~fathom_jax.models.decoder.Decoder.split_state`). It lives
+# in device memory and moves by XLA slices.
+
+
+def own_axes(own, slots: int) -> tuple[int, ...]:
+    """Each leaf's sequence axis of a pool's own state (arrays or shapes) of ``slots`` sequences, checked."""
+    if not callable(getattr(own, "sequence_axes", None)):
+        raise ValueError(f"SessionPool: the model keeps per-sequence state ({type(own).__name__}) without a "
+                         "sequence_axes() method: the pool cannot tell which sequence each part belongs to")
+    axes = jax.tree.leaves(own.sequence_axes())
+    leaves = jax.tree_util.tree_flatten_with_path(own)[0]
+    if len(axes) != len(leaves):
+        raise ValueError(f"SessionPool: {type(own).__name__}.sequence_axes() names {len(axes)} axes for its "
+                         f"{len(leaves)} leaves")
+    for (path, x), axis in zip(leaves, axes):
+        if not (isinstance(axis, int) and 0 <= axis < x.ndim and x.shape[axis] == slots):
+            raise ValueError(f"SessionPool: model state leaf {jax.tree_util.keystr(path)} of shape {x.shape} has "
+                             f"no axis {axis!r} of the {slots} sequences")
+    return tuple(axes)
+
+
+@functools.partial(jax.jit, static_argnames=("axes",))
+def extract_own(own, slot, axes: tuple[int, ...]):
+    """The own state of the sequence in ``slot`` (the pool's unchanged)."""
+    leaves, treedef = jax.tree.flatten(own)
+    return jax.tree.unflatten(treedef, [jax.lax.dynamic_slice_in_dim(x, slot, 1, a) for x, a in zip(leaves, axes)])
+
+
+@functools.partial(jax.jit, static_argnames=("axes",), donate_argnums=(0,))
+def insert_own(own, one, slot, axes: tuple[int, ...]):
+    """``own`` (donated) with ``one``'s sequence written into ``slot``."""
+    leaves, treedef = jax.tree.flatten(own)
+    return jax.tree.unflatten(treedef, [jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), slot, a)
+                                        for x, y, a in zip(leaves, jax.tree.leaves(one), axes)])
+
+
+# ----------------------------------------------------------------------------------------------
 # Where a parked session lives: host memory (pinned where the backend has it), as a tree of one sequence.
 
 
-def to_host(session: SparseCache, placement: Placement) -> SparseCache:
-    """``session`` copied to host memory: ``pinned_host`` arrays on a backend with them, numpy arrays elsewhere."""
+def to_host(session, placement: Placement):
+    """``session`` (a tree of one sequence: its cache, the model's own state) copied to host memory: ``pinned_host``
+    arrays on a backend with them, numpy arrays elsewhere."""
     if not host_memory_available():
         return jax.device_get(session)
     host = placement.replicated().with_memory_kind("pinned_host")
@@ -185,7 +224,7 @@ def to_host(session: SparseCache, placement: Placement) -> SparseCache:
     return jax.tree.map(one, session)
 
 
-def to_device(session: SparseCache, placement: Placement) -> SparseCache:
+def to_device(session, placement: Placement):
     """A parked session back in device memory, replicated over the placement's devices (the insert program then
     splits it like the pool)."""
     return jax.device_put(session, placement.replicated())
@@ -200,9 +239,9 @@ def nbytes(x) -> int:
     return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
 
-def slot_bytes(cache: SparseCache, slots: int, placement: Placement) -> dict[str, dict[str, int]]:
-    """One slot's bytes in a pool ``cache`` of ``slots`` slots (arrays or shapes): ``{"host": {kind: bytes}, "hbm":
-    {kind: bytes}}``.
+def slot_bytes(cache: SparseCache, slots: int, placement: Placement, model_state=None) -> dict[str, dict[str, int]]:
+    """One slot's bytes in a pool ``cache`` of ``slots`` slots (arrays or shapes), with the model's ``own`` state of
+    them if any (kind ``model_state``, in device memory): ``{"host": {kind: bytes}, "hbm": {kind: bytes}}``.
 
     Bulk kinds as :meth:`SparseCache.nbytes` names them (``kv``, plane stores, ...) sit in host memory when the
     placement puts them there; ``*_hbm`` kinds (resident planes) and the small leaves (tails, lengths, session
@@ -220,6 +259,8 @@ def slot_bytes(cache: SparseCache, slots: int, placement: Placement) -> dict[str
     own = _per_sequence(cache)
     small = sum(nbytes(x) for x, b in zip(jax.tree.leaves(own), jax.tree.leaves(own.bulk())) if not b and x.ndim >= 2)
     out["hbm"]["small"] = small // slots + np.dtype(cache.length.dtype).itemsize
+    if model_state is not None:
+        out["hbm"]["model_state"] = sum(nbytes(x) for x in jax.tree.leaves(model_state)) // slots
     return out
 
 

@@ -142,7 +142,7 @@ def test_the_pool_step_runs_the_methods_kernels(tiny_model):
     pool = SessionPool(tiny_model, decode.from_spec("fathom:32", k=40, implementation="triton"),
                        PoolConfig(slots=2, capacity=CAPACITY))
     _, params = nnx.split(tiny_model)
-    traced = pool._run.trace(params, np.zeros(2, np.int32), np.array([True, False]), cache=pool.cache)
+    traced = pool._run.trace(params, np.zeros(2, np.int32), np.array([True, False]), pool._own, cache=pool.cache)
     for name in ("fathom_plane_scan", "row_fetch", "water_line"):
         assert len(jaxpr_pallas_calls(traced.jaxpr, name)) >= 1, name
 
@@ -252,3 +252,106 @@ def test_an_offloaded_pool_moves_its_slots_by_the_kernels_bit_for_bit(tiny_model
     assert count_pallas_calls(slots.extract, pool.cache, name="slot_read", slot=1, heads=2, **moves) == bulk
     one = slots.extract(pool.cache, 1, 2, **moves)
     assert count_pallas_calls(slots.insert, pool.cache, one, name="slot_write", slot=0, **moves) == bulk
+
+
+# Gemma 3 (tiny): the model's own per-sequence state (the local layers' window rings) travels with each session.
+GEMMA_CAPACITY = 64
+GEMMA_PROMPTS = tuple(np.random.default_rng(1).integers(0, 97, n).astype(np.int32) for n in (21, 34, 13))
+GEMMA_SPARSE = dict(k=12, sink=2, local=4, implementation="xla")
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """(tiny Gemma 3, Fathom over its global layers, each prompt's 10 greedy tokens decoded alone: prefill + decode
+    steps, batch 1, the prompt right-padded as the pool pads it)."""
+    from flax import nnx
+
+    from fathom_jax.models import gemma3 as G
+    from fathom_jax.models import generation
+    from tests.models.test_gemma3 import CFG
+
+    model, attention = G.Gemma3ForCausalLM(CFG, rngs=nnx.Rngs(3)), decode.from_spec("fathom:16", **GEMMA_SPARSE)
+    alone = []
+    for prompt in GEMMA_PROMPTS:
+        ids = np.zeros((1, GEMMA_CAPACITY), np.int32)
+        ids[0, :prompt.size] = prompt
+        logits, state, attn = generation.prefill(model, ids, np.array([prompt.size]), attention, GEMMA_CAPACITY)
+        tok = generation.first_token(logits)
+        tokens = [int(tok[0])]
+        for _ in range(9):
+            tok, _, state = generation.decode_step(model, tok, state, attn)
+            tokens.append(int(tok[0]))
+        alone.append(tokens)
+    return model, attention, alone
+
+
+def test_gemma3_sessions_carry_their_window_rings_through_slots_pause_save_and_load(gemma3, tmp_path):
+    import json
+
+    from fathom_jax.serve.session_store import SessionFileError
+
+    model, attention, alone = gemma3
+    pool = SessionPool(model, attention, PoolConfig(slots=2, capacity=GEMMA_CAPACITY))
+    cfg = model.config
+    ring = len(cfg.local_layers) * cfg.n_kv_heads * cfg.sliding_window * cfg.head_dim * 4  # f32 keys, one sequence
+    assert pool.memory()["session"]["hbm"]["model_state"] == 2 * ring + 4  # keys, values and the length
+    a, b, c = (pool.add(p) for p in GEMMA_PROMPTS)
+    assert pool.session(c).parked is not None and int(pool.session(c).parked_state.length[0]) == GEMMA_PROMPTS[2].size
+    for _ in range(3):
+        pool.step()
+    pool.pause(a)
+    assert int(pool.session(a).parked_state.length[0]) == pool.session(a).length  # the rings' own length
+    pool.save(a, tmp_path / "a")
+    pool.remove(a)
+    pool.resume(c)  # into a's slot
+    for _ in range(2):
+        pool.step()
+    a = pool.load(tmp_path / "a")  # parked: no free slot
+    pool.pause(b)
+    pool.resume(a)  # into b's slot
+    assert (pool.session(c).slot, pool.session(a).slot) == (0, 1)
+    for _ in range(3):
+        pool.step()
+    pool.pause(c)
+    pool.resume(b)  # into c's slot
+    for _ in range(3):
+        pool.step()
+    assert [pool.tokens(s) for s in (a, b, c)] == [alone[0][:10], alone[1][:9], alone[2][:6]]
+    assert pool.step_compiles() <= 1  # joins, leaves, pauses, loads and slot swaps never compiled it again
+
+    # A save without the model's state cannot be decoded: refused by name, nothing loaded.
+    manifest = tmp_path / "a" / "session.json"
+    saved = json.loads(manifest.read_text())
+    saved["leaves"] = [x for x in saved["leaves"] if not x["path"].startswith("['model_state']")]
+    manifest.write_text(json.dumps(saved))
+    held = pool.sessions
+    with pytest.raises(SessionFileError, match="holds no model state"):
+        pool.load(tmp_path / "a")
+    assert pool.sessions.keys() == held.keys()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+def test_on_the_gpu_gemma3_sessions_over_a_pinned_host_cache_decode_bit_for_bit(gemma3, tmp_path):
+    """The global layers' pool cache in pinned_host (moved by the slot kernels), the window rings in HBM: parked
+    sessions (rings included) sit in pinned host memory and decode what they decode uninterrupted."""
+    attn = decode.from_spec("fathom:16", placement="pinned_host", **dict(GEMMA_SPARSE, implementation="triton"))
+    pool = SessionPool(gemma3[0], attn, PoolConfig(slots=2, capacity=GEMMA_CAPACITY))
+    alone = [pool_trace.lone_tokens(pool, p, 9) for p in GEMMA_PROMPTS[:2]]
+    a, b = pool.add(GEMMA_PROMPTS[0]), pool.add(GEMMA_PROMPTS[1])
+    for _ in range(3):
+        pool.step()
+    pool.pause(a)
+    parked = jax.tree.leaves((pool.session(a).parked, pool.session(a).parked_state))
+    assert {x.sharding.memory_kind for x in parked} == {"pinned_host"}
+    pool.save(a, tmp_path / "a")
+    pool.remove(a)
+    pool.step()
+    pool.pause(b)
+    pool.resume(b)
+    a = pool.load(tmp_path / "a")
+    assert (pool.session(a).slot, pool.session(b).slot) == (1, 0)  # each in the other's slot
+    for _ in range(4):
+        pool.step()
+    assert [pool.tokens(a), pool.tokens(b)] == [alone[0][:8], alone[1][:9]]
+    assert pool.step_compiles() <= 1

@@ -74,3 +74,32 @@ def test_a_pinned_host_pool_over_a_mesh_is_refused_by_name(monkeypatch):
         slots.check_moves(Placement("pinned_host", mesh=mesh), "triton")
     assert slots.check_moves(Placement("pinned_host"), "triton") is True
     assert slots.check_moves(Placement(), "triton") is False
+
+
+def test_the_models_own_state_moves_by_its_sequence_axes_and_a_state_without_them_is_refused():
+    from fathom_jax.models.gemma3_windows import Windows
+    from tests.models.test_gemma3 import CFG
+
+    rng = np.random.default_rng(0)
+    fill = lambda w: jax.tree.map(lambda x: jnp.asarray(rng.integers(0, 100, x.shape).astype(x.dtype)), w)  # noqa: E731
+    pool, one = fill(Windows.init(CFG, 3, jnp.float32)), fill(Windows.init(CFG, 1, jnp.float32))
+    axes = slots.own_axes(pool, 3)
+    before = jax.device_get(pool)
+    pool = slots.insert_own(pool, one, jnp.int32(2), axes=axes)
+    for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(slots.extract_own(pool, jnp.int32(2), axes=axes))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for x, y, a in zip(jax.tree.leaves(before), jax.tree.leaves(pool), axes):  # slots 0 and 1 untouched
+        np.testing.assert_array_equal(np.take(np.asarray(x), [0, 1], axis=a), np.take(np.asarray(y), [0, 1], axis=a))
+    assert slots.slot_bytes(*_filled_bytes(), model_state=pool)["hbm"]["model_state"] == sum(
+        x.nbytes for x in jax.tree.leaves(one))
+    with pytest.raises(ValueError, match="without a sequence_axes"):
+        slots.own_axes({"rings": pool.k}, 3)
+    with pytest.raises(ValueError, match=r"model state leaf \.k of shape .* has no axis 1 of the 2 sequences"):
+        slots.own_axes(pool, 2)
+
+
+def _filled_bytes():
+    from fathom_jax import decode
+
+    pool, attn = _filled(decode.from_spec("fathom:32", k=40), 3, 0)
+    return pool, 3, attn.placement
