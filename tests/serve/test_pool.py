@@ -160,7 +160,7 @@ def test_on_the_gpu_parked_sessions_sit_in_pinned_host_memory_and_decode_bit_for
         pool.step()
     alone = pool.tokens(a)
     pool.remove(a)
-    a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
+    a, _ = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
     for _ in range(5):
         pool.step()
     pool.pause(a)
