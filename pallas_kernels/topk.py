@@ -28,7 +28,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import backend as C
 from pallas_kernels.topk_radix import (  # noqa: F401 (KERNEL_NAME, kth_largest: this module's API too)
     BUCKET, INT_MIN, KERNEL_NAME, finish, kth_largest, masks, sink_local, sortable_key, topk_radix, validate)
-from pallas_kernels.topk_radix import middle as _middle
 
 # The paper's forced tokens per query head, for every method: the first SINK_TOKENS positions and the last
 # LOCAL_TOKENS. Their one definition: the library's selection re-exports them.
@@ -76,6 +75,10 @@ def _bitwise_kth(x, valid, k):
         return jnp.where(cnt >= k, cand, prefix)
 
     return jax.lax.fori_loop(0, 32, rnd, jnp.int32(0)) ^ jnp.int32(INT_MIN)
+
+
+def _middle(pos, length, sink, local):
+    return (pos >= sink) & (pos < length - local)
 
 
 def _bucket_max_kernel(len_ref, s_ref, out_ref, *, tb, nb, bucket, sink, local):

@@ -74,11 +74,6 @@ def sink_local(n, length, sink, local):
     return sink_idx, local_idx
 
 
-def middle(pos, length, sink, local):
-    """Positions between the sink and local windows (the ones ranked by score)."""
-    return (pos >= sink) & (pos < length - local)
-
-
 # ----------------------------------------------------------------------------------------------
 # Radix select kernel
 
