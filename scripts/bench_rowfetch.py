@@ -152,15 +152,8 @@ def device_put_rate(nbytes: int, memory: str, repeats: int) -> dict:
     """``device_put`` of one contiguous ``nbytes`` array from ``memory`` to HBM."""
     dev = jax.devices()[0]
     src = jax.device_put(np.ones(max(1, nbytes // 4), np.uint32), jax.sharding.SingleDeviceSharding(dev, memory_kind=memory))
-    dst = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-    jax.block_until_ready(jax.device_put(src, dst))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(jax.device_put(src, dst))
-        times.append((time.perf_counter() - t) * 1e3)
-    r = harness.stats(times)
-    return r | {"bytes": src.nbytes, "GBps": src.nbytes / (r["median_ms"] * 1e-3) / 1e9}
+    return harness.put_rate(src, jax.sharding.SingleDeviceSharding(dev, memory_kind="device"), repeats) | {
+        "bytes": src.nbytes}
 
 
 def read_thp(path: str = THP) -> str | None:

@@ -6,7 +6,8 @@
   donates its cache), wall clock around ``n`` asynchronous calls.
 * :func:`machine`, :func:`command`: device, host, JAX version, date, and the command line - recorded in every
   results file.
-* :func:`host_to_device_rate`, :func:`hbm_copy_rate`: the link and HBM ceilings, measured in the same run.
+* :func:`host_to_device_rate` (over :func:`put_rate`), :func:`hbm_copy_rate`: the link and HBM ceilings, measured in
+  the same run.
 * :func:`profile_breakdown`: device time per kernel category from a JAX profiler (perfetto) trace.
 * :func:`expand_preset`: ``--preset NAME`` on a benchmark's command line, the argument list behind a committed table.
 """
@@ -118,6 +119,18 @@ def hbm_copy_rate(nbytes=1 << 30) -> dict:
     return r
 
 
+def put_rate(src, dst, repeats=5) -> dict:
+    """``device_put`` of the array ``src`` to the sharding ``dst`` (one warm-up, then ``repeats`` timed): ms and GB/s."""
+    jax.block_until_ready(jax.device_put(src, dst))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(jax.device_put(src, dst))
+        times.append((time.perf_counter() - t) * 1e3)
+    r = stats(times)
+    return r | {"GBps": src.nbytes / (r["median_ms"] * 1e-3) / 1e9}
+
+
 def host_to_device_rate(nbytes=2 << 30, devices=None, repeats=5) -> dict:
     """``device_put`` of ``nbytes`` from pinned_host to each device, one at a time and all at once (GB/s)."""
     devices = devices or jax.devices()
@@ -127,14 +140,7 @@ def host_to_device_rate(nbytes=2 << 30, devices=None, repeats=5) -> dict:
         src = jax.device_put(np.ones(nbytes // 4, np.float32), jax.sharding.SingleDeviceSharding(d, memory_kind="pinned_host"))
         srcs.append((d, src))
     for d, src in srcs:
-        dst = jax.sharding.SingleDeviceSharding(d, memory_kind="device")
-        jax.block_until_ready(jax.device_put(src, dst))
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            jax.block_until_ready(jax.device_put(src, dst))
-            times.append((time.perf_counter() - t) * 1e3)
-        out[f"device{d.id}"] = {**stats(times), "GBps": nbytes / (np.median(times) * 1e-3) / 1e9}
+        out[f"device{d.id}"] = put_rate(src, jax.sharding.SingleDeviceSharding(d, memory_kind="device"), repeats)
     if len(srcs) > 1:
         times = []
         for _ in range(repeats):
@@ -312,6 +318,15 @@ def write_json(path: str, data) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, default=str)
     os.replace(tmp, path)
+
+
+def write_soak(res: dict, prefix: str, write_report) -> int:
+    """A soak's results (``res["soak"]["passed"]`` among them) as ``prefix.json`` and its ``write_report`` markdown;
+    says whether it passed; the exit status (0 passed, 1 not)."""
+    write_json(prefix + ".json", res)
+    write_report(res, prefix)
+    print(f"{'passed' if res['soak']['passed'] else 'FAILED'}: {prefix}.md", flush=True)
+    return 0 if res["soak"]["passed"] else 1
 
 
 def presets(lines: dict[str, str]) -> dict[str, list[str]]:

@@ -292,12 +292,7 @@ def main(argv=None) -> int:
     res = {"machine": harness.machine(), "command": harness.command("scripts.soak", argv),
            "soak": soak(model, tokenizer, args)}
     res["wall_seconds"] = time.time() - t
-    os.makedirs(args.out, exist_ok=True)
-    prefix = os.path.join(args.out, f"soak_{args.tag}")
-    harness.write_json(prefix + ".json", res)
-    write_report(res, prefix)
-    print(f"{'passed' if res['soak']['passed'] else 'FAILED'}: {prefix}.md", flush=True)
-    return 0 if res["soak"]["passed"] else 1
+    return harness.write_soak(res, os.path.join(args.out, f"soak_{args.tag}"), write_report)
 
 
 if __name__ == "__main__":

@@ -128,12 +128,7 @@ def main(argv=None) -> int:
     tag = args.tag or f"{args.model}_{jax.default_backend()}"
     res = dict(machine=harness.machine(), command=harness.command("scripts.soak_pool", argv),
                soak=soak(model, prompts, args))
-    os.makedirs(args.out, exist_ok=True)
-    prefix = os.path.join(args.out, f"soak_pool_{tag}")
-    harness.write_json(prefix + ".json", res)
-    write_report(res, prefix)
-    print(f"{'passed' if res['soak']['passed'] else 'FAILED'}: {prefix}.md", flush=True)
-    return 0 if res["soak"]["passed"] else 1
+    return harness.write_soak(res, os.path.join(args.out, f"soak_pool_{tag}"), write_report)
 
 
 if __name__ == "__main__":
