@@ -17,17 +17,20 @@ def attention():
 @pytest.fixture(scope="session")
 def lone_tokens(tiny_model, attention):
     """Each prompt's greedy tokens decoded alone (prefill + decode steps, batch 1): 13 per prompt."""
+    return [decode_alone(tiny_model, attention, prompt, padded=128, capacity=CAPACITY, count=13) for prompt in PROMPTS]
+
+
+def decode_alone(model, attention, prompt, *, padded: int, capacity: int, count: int) -> list[int]:
+    """``count`` greedy tokens of ``prompt`` decoded alone: its prefill right-padded to ``padded`` tokens, then
+    decode steps, batch 1 (what a pool's session must decode)."""
     from fathom_jax.models import generation
 
-    out = []
-    for prompt in PROMPTS:
-        ids = np.zeros((1, 128), np.int32)
-        ids[0, :prompt.size] = prompt
-        logits, state, attn = generation.prefill(tiny_model, ids, np.array([prompt.size]), attention, CAPACITY)
-        tok = generation.first_token(logits)
-        tokens = [int(tok[0])]
-        for _ in range(12):
-            tok, _, state = generation.decode_step(tiny_model, tok, state, attn)
-            tokens.append(int(tok[0]))
-        out.append(tokens)
-    return out
+    ids = np.zeros((1, padded), np.int32)
+    ids[0, :prompt.size] = prompt
+    logits, state, attn = generation.prefill(model, ids, np.array([prompt.size]), attention, capacity)
+    tok = generation.first_token(logits)
+    tokens = [int(tok[0])]
+    for _ in range(count - 1):
+        tok, _, state = generation.decode_step(model, tok, state, attn)
+        tokens.append(int(tok[0]))
+    return tokens

@@ -9,7 +9,7 @@ import pytest
 from fathom_jax import decode
 from fathom_jax.serve import PoolConfig, SessionPool
 from scripts import pool_trace
-from tests.serve.conftest import CAPACITY, PROMPTS
+from tests.serve.conftest import CAPACITY, PROMPTS, decode_alone
 
 
 def _pool(model, attention, slots=2, **kw):
@@ -267,21 +267,11 @@ def gemma3():
     from flax import nnx
 
     from fathom_jax.models import gemma3 as G
-    from fathom_jax.models import generation
     from tests.models.test_gemma3 import CFG
 
     model, attention = G.Gemma3ForCausalLM(CFG, rngs=nnx.Rngs(3)), decode.from_spec("fathom:16", **GEMMA_SPARSE)
-    alone = []
-    for prompt in GEMMA_PROMPTS:
-        ids = np.zeros((1, GEMMA_CAPACITY), np.int32)
-        ids[0, :prompt.size] = prompt
-        logits, state, attn = generation.prefill(model, ids, np.array([prompt.size]), attention, GEMMA_CAPACITY)
-        tok = generation.first_token(logits)
-        tokens = [int(tok[0])]
-        for _ in range(9):
-            tok, _, state = generation.decode_step(model, tok, state, attn)
-            tokens.append(int(tok[0]))
-        alone.append(tokens)
+    alone = [decode_alone(model, attention, prompt, padded=GEMMA_CAPACITY, capacity=GEMMA_CAPACITY, count=10)
+             for prompt in GEMMA_PROMPTS]
     return model, attention, alone
 
 
