@@ -212,8 +212,7 @@ class SessionPool:
             raise AdmissionError(f"SessionPool.resume: no free slot for session {sid} (all {self.config.slots} slots "
                                  "are taken): pause or remove a session first")
         self.budget.admit_session("SessionPool.resume", parked=False)
-        self._place(session, slots_lib.to_device((session.parked_state, session.parked), self.attention.placement),
-                    parked=False)
+        self._place(session, (session.parked_state, session.parked), parked=False)  # _place moves it to the device
         session.parked = session.parked_state = None  # only once in its slot: a failed move keeps the parked copy
         self.budget.unpark(session.id)
 
