@@ -14,13 +14,11 @@ The active channels come as a fixed-size run list (:class:`~pallas_kernels.opera
 (e.g. ``ReadPlan.depths``), sorted by decreasing depth, so the kernel runs one loop per *depth class* (t = 4, 3, 2,
 1) with the depth a compile-time constant. The store is a :class:`~pallas_kernels.operands.StorePlanes`.
 
-The kernel: one program per (group, tile of tokens); a thread owns ``lanes`` consecutive tokens (a
-whole plane word or a part of one), unrolled at compile time, so each token's bit is one constant shift
-and one mask-or; codes become floats by the 2^23 magic-number trick (OR into the mantissa, one exact
-FADD); the block scale and 1/2^(t-1) are folded into per-(channel, element) weights
-``w_h = q_h * a / 2^(t-1)``: ``score = sum_j w_h c_t + sum_j w_h (1/2 - 2^(t-1))``, the second sum once
-per element, not per token. Planes and scales are read in place through ``memory_space=ANY`` refs, so
-they may live in ``pinned_host`` memory (a stacked ``[L, R, ...]`` cache indexed by the store's ``layer``).
+The kernel (:mod:`pallas_kernels.plane_scan_bodies`): one program per (group, tile of tokens), one loop per depth
+class over the listed channels, in f32 (``PlaneScanConfig.math = "f32"``, exact to f32 rounding) or on pairs of
+tokens in packed f16 (``"f16x2"``: half the arithmetic, scores within :func:`f16x2_error_bound` of the exact ones).
+Planes and scales are read in place through ``memory_space=ANY`` refs, so they may live in ``pinned_host`` memory (a
+stacked ``[L, R, ...]`` cache indexed by the store's ``layer``).
 """
 
 from __future__ import annotations
@@ -31,13 +29,14 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import backend as B
+from pallas_kernels import plane_scan_bodies as bodies
 from pallas_kernels.operands import LayerTiers, RunList, StorePlanes
 from pallas_kernels.plane_layout import BLOCK_TOKENS, N_PLANES, WORD_BITS, tier_rows
 
 KERNEL_NAME = "fathom_plane_scan"
+MATHS = ("f32", "f16x2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,25 +44,38 @@ class PlaneScanConfig:
     """Static tuning of the plane scan.
 
     ``tile``: tokens per program (a power of two, >= 32 * lanes); ``lanes``: consecutive tokens per
-    thread (8, 16 or 32); ``num_warps`` / ``num_stages``: Triton launch parameters.
+    thread (8, 16 or 32); ``num_warps`` / ``num_stages``: Triton launch parameters; ``math``: the kernel's arithmetic,
+    ``"f32"`` or ``"f16x2"`` (pairs of tokens in packed f16, ``lanes = 32``; :mod:`pallas_kernels.plane_scan_bodies`).
+    ``tile`` and ``lanes`` default to the H200's best for the arithmetic (``results/kernels_h200.md``).
     """
 
-    tile: int = 512
-    lanes: int = 16
+    tile: int | None = None
+    lanes: int | None = None
     num_warps: int = 1
     num_stages: int | None = None
+    math: str = "f32"
 
     def __post_init__(self):
+        if self.math not in MATHS:
+            raise ValueError(f"math must be one of {MATHS}, got {self.math!r}")
+        wide = self.math == "f16x2"
+        if self.lanes is None:
+            object.__setattr__(self, "lanes", WORD_BITS if wide else 16)
+        if self.tile is None:
+            object.__setattr__(self, "tile", 1024 if wide else 512)
         B.check_pow2("tile", self.tile)
         if self.lanes not in (8, 16, 32) or self.tile < WORD_BITS * self.lanes:
             raise ValueError(f"lanes must be 8, 16 or 32 with tile >= 32 * lanes, got lanes={self.lanes}, tile={self.tile}")
+        if wide and self.lanes != WORD_BITS:
+            raise ValueError(f"math='f16x2' pairs the tokens of a whole plane word: it needs lanes=32, "
+                             f"got {self.lanes}")
 
     @classmethod
-    def heuristic(cls, capacity: int) -> "PlaneScanConfig":
-        """16 lanes, 512-token tiles, 1 warp: the H200's best from 32k to 128k tokens (``results/kernels_h200.md``);
-        small stores keep the same shape."""
+    def heuristic(cls, capacity: int, math: str = "f32") -> "PlaneScanConfig":
+        """The defaults for ``math`` (f32: 16 lanes, 512-token tiles, 1 warp: the H200's best from 32k to 128k tokens,
+        ``results/kernels_h200.md``); small stores keep the same shape."""
         del capacity
-        return cls()
+        return cls(math=math)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,103 +194,25 @@ def plane_scan_reference(q, store: StorePlanes, length, runs: RunList, *, reside
     return jnp.einsum("...gc,...cn->...gn", qc, value, precision=jax.lax.Precision.HIGHEST)
 
 
-# ----------------------------------------------------------------------------------------------
-# Kernel
+def f16x2_error_bound(q, store: StorePlanes, runs: RunList):
+    """How far the ``f16x2`` kernel's scores may lie from the exact ones, per token ``f32 [*, n]`` (every head).
 
-_MAGIC = 0x4B000000  # float32 bits of 2^23: bitcast(_MAGIC | c) == 2^23 + c exactly for c < 2^23
-
-
-def _stack_lanes(xs):
-    """``[E, len(xs)]`` from a list of ``[E]`` tensors (a tree of two-way stacks: Triton's ``join``)."""
-    if len(xs) == 1:
-        return xs[0][:, None]
-    a, b = _stack_lanes(xs[0::2]), _stack_lanes(xs[1::2])
-    e, m = a.shape
-    return jnp.stack([a, b], axis=-1).reshape(e, 2 * m)
-
-
-def _plane_scan_kernel(
-    # inputs
-    qc_ref,  # f32 [Rc, G, C]         query weights of the listed channels
-    ch_ref,  # i32 [Rc, C]            channel list, sorted by decreasing depth
-    bounds_ref,  # i32 [Rc, 4]        end offsets of depth classes 4, 3, 2, 1
-    len_ref,  # i32 [Rc]              valid tokens
-    layer_ref,  # i32 [1]             layer of the stacked store
-    planes_ref,  # u32 [L, R, D, 4, W]  (any memory space: HBM or pinned host); groups group_start.. are read
-    scales_ref,  # f16 [L, R, D, NB]
-    *rest,  # with resident planes: hot u32 [Nh, R, D, W], (p_l, first hot row) i32 [2], store channels i32 [Rc, C];
-    # then the output f32 [Rc, G, W * S, lanes]
-    groups: int,
-    elems: int,
-    lanes: int,
-    num_words: int,
-    group_start: int,
-    hot_group_start: int | None,
-):
-    *resident, out_ref = rest
-    split = WORD_BITS // lanes
-    r = pl.program_id(0)
-    layer, src = layer_ref[0], r + group_start
-    if resident:
-        hot_ref, tier_ref, rch_ref = resident
-        n_resident, hot_row = tier_ref[0], tier_ref[1]
-    e0 = pl.program_id(1) * elems
-    e = e0 + jnp.arange(elems, dtype=jnp.int32)
-    word = e // split if split > 1 else e
-    emask = word < num_words
-    block = e // (BLOCK_TOKENS // lanes)
-    part_shift = ((e % split) * lanes).astype(jnp.uint32) if split > 1 else None
-    acc = tuple(tuple(jnp.zeros((elems,), jnp.float32) for _ in range(lanes)) for _ in range(groups))
-    bias = tuple(jnp.zeros((elems,), jnp.float32) for _ in range(groups))
-    magic = jnp.full((elems,), _MAGIC, jnp.uint32)
-
-    start = jnp.int32(0)
-    for cls, t in enumerate((4, 3, 2, 1)):
-        end = bounds_ref[r, cls]
-        half = float(2 ** (t - 1))
-
-        def body(k, carry, t=t, half=half):
-            acc, bias = carry
-            j = ch_ref[r, k]
-            a = plgpu.load(scales_ref.at[layer, src, j, block], mask=emask, other=0.0).astype(jnp.float32) * (1.0 / half)
-            wts = [qc_ref[r, h, k] * a for h in range(groups)]
-            bias = tuple(bias[h] + wts[h] * (0.5 - half) for h in range(groups))
-            words = []
-            for p in range(t):
-                cols = word if split > 1 else pl.ds(e0, elems)
-                if resident:  # plane p from the hot tier or the staged buffer; the other load is masked off
-                    staged = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), cols], mask=emask & (p >= n_resident),
-                                        other=0)
-                    row = jnp.clip(hot_row + p, 0, hot_ref.shape[0] - 1)
-                    w = staged | plgpu.load(hot_ref.at[row, r + hot_group_start, rch_ref[r, k], cols],
-                                            mask=emask & (p < n_resident), other=0)
-                else:
-                    w = plgpu.load(planes_ref.at[layer, src, j, jnp.int32(p), cols], mask=emask, other=0)
-                words.append(w >> part_shift if split > 1 else w)
-            new = [list(acc[h]) for h in range(groups)]
-            for lane in range(lanes):
-                code = magic
-                for p in range(t):
-                    s = t - 1 - p  # plane p is bit s of c_t
-                    w = words[p]
-                    if lane > s:
-                        w = w >> (lane - s)
-                    elif lane < s:
-                        w = w << (s - lane)
-                    code = code | (w & jnp.uint32(1 << s))
-                v = jax.lax.bitcast_convert_type(code, jnp.float32) - float(2**23)  # exact: c_t
-                for h in range(groups):
-                    new[h][lane] = new[h][lane] + wts[h] * v
-            return tuple(tuple(x) for x in new), bias
-
-        acc, bias = jax.lax.fori_loop(start, end, body, (acc, bias))
-        start = end
-
-    tok = e[:, None] * lanes + jnp.arange(lanes, dtype=jnp.int32)[None, :]
-    valid = tok < len_ref[r]
-    for h in range(groups):
-        plgpu.store(out_ref.at[r, jnp.int32(h), pl.ds(e0, elems), :],
-                    jnp.where(valid, _stack_lanes([x + bias[h] for x in acc[h]]), 0.0), mask=emask[:, None])
+    Its weights ``q_j a_j / 2^(t-1)`` and each of its ``C`` partial sums (``C`` = the listed channels of depth > 0)
+    round to f16 once, each term and sum bounded by ``S = sum_j max_h |q_hj| a_j`` (``a_j`` the token's block
+    scale): ``(C + 2) 2^-11 S``, plus ``C 2^-33 qbound a_max`` for weights and sums under f16's normal range
+    (``qbound = sum_j max_h |q_hj|``, ``a_max`` the block's largest listed scale: the kernel scales its sums to below
+    ``2^14`` by them)."""
+    planes, scales = store.read(q.shape[0])
+    del planes
+    active = runs.depths > 0  # [*, C]
+    qc = jnp.take_along_axis(q.astype(jnp.float32), runs.channels[..., None, :], axis=-1)  # [*, G, C]
+    qmax = jnp.where(active, jnp.max(jnp.abs(qc), axis=-2), 0.0)
+    a = jnp.take_along_axis(scales, runs.channels[..., :, None], axis=-2).astype(jnp.float32)  # [*, C, NB]
+    a = jnp.where(active[..., None], a, 0.0)
+    count = jnp.sum(active, axis=-1)[..., None].astype(jnp.float32)
+    per_block = (count + 2) * 2.0**-11 * jnp.einsum("...c,...cb->...b", qmax, a) + (
+        count * 2.0**-33 * jnp.sum(qmax, axis=-1)[..., None] * jnp.max(a, axis=-2))
+    return jnp.repeat(per_block, BLOCK_TOKENS, axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "hot_group_start"))
@@ -299,17 +233,23 @@ def _plane_scan_pallas(q, store: StorePlanes, length, runs: RunList, extra: tupl
     qc = jnp.take_along_axis(q.astype(jnp.float32), channels[:, None, :], axis=-1)
     split = WORD_BITS // config.lanes
     elems = config.tile // config.lanes
-    kernel = functools.partial(_plane_scan_kernel, groups=g, elems=elems, lanes=config.lanes, num_words=w,
-                               group_start=store.group_start, hot_group_start=hot_group_start)
+    inputs = (qc, channels, bounds, length, store.layer, store.planes, store.scales, *extra)
+    if config.math == "f16x2":  # each thread's sums are bounded through the listed channels' largest |q|
+        body = bodies.f16x2_body
+        inputs = (qc, jnp.sum(jnp.where(depths[:, None, :] > 0, jnp.abs(qc), 0.0).max(axis=1), axis=-1), *inputs[1:])
+    else:
+        body = bodies.f32_body
+    kernel = functools.partial(body, groups=g, elems=elems, lanes=config.lanes, num_words=w,
+                               group_start=store.group_start, hot_group_start=hot_group_start, interpret=interpret)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((r, g, w * split, config.lanes), jnp.float32),
         grid=(r, pl.cdiv(w * split, elems)),
-        in_specs=[B.any_spec()] * (7 + len(extra)),
+        in_specs=[B.any_spec()] * len(inputs),
         interpret=interpret,
-        name=KERNEL_NAME,
+        name=KERNEL_NAME if config.math == "f32" else f"{KERNEL_NAME}_{config.math}",
         compiler_params=B.compiler_params(config.num_warps, config.num_stages),
-    )(qc, channels, bounds, length, store.layer, store.planes, store.scales, *extra)
+    )(*inputs)
     return out.reshape(r, g, w * WORD_BITS)
 
 

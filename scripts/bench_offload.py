@@ -244,6 +244,9 @@ def main(argv=None):
                     help="synthetic input sets (scripts/offload_inputs.py), a ','-separated list: one set of attention "
                          "and control rows each, over a cache of its own: today (the keys of every earlier run, queries "
                          "repeated or --query-drift) and/or honest (keys and query drift fitted to real decodes)")
+    ap.add_argument("--scan", default="default",
+                    help="plane scan configurations (StepConfig.scan; a list: one row each): default (the kernel's "
+                         "heuristic, f32 arithmetic) and/or f16x2 (pairs of tokens in packed f16)")
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
@@ -262,10 +265,10 @@ def main(argv=None):
     args.sections = args.sections.split(",")
     try:
         args.variants = parse_variants(args.read, args.index_writes, args.pipeline, args.fetch_programs, args.topk,
-                                       args.xla_options, args.layer_unroll, args.row_cache)
+                                       args.xla_options, args.layer_unroll, args.row_cache, args.scan)
     except (ValueError, TypeError) as e:
         ap.error(f"--index-writes / --pipeline / --fetch-programs / --topk / --xla-options / --layer-unroll / "
-                 f"--row-cache: {e}")
+                 f"--row-cache / --scan: {e}")
     try:
         args.resident_planes = [int(p) for p in args.resident_planes.split(",")]
         for p in args.resident_planes:
@@ -339,7 +342,7 @@ def main(argv=None):
         elif section == "control":
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             for inputs in args.inputs:
-                run.guard(f"control{inputs_tag(inputs)}", attention_rows, run, ctx, labels[:1],
+                run.guard(f"control{inputs_tag(inputs)}", attention_rows, run, ctx, labels,
                           placement=Placement("device", mesh=mesh), tag="index and K/V in HBM", inputs=inputs)
         elif section == "dense":
             METHODS.setdefault("dense", "dense")

@@ -51,6 +51,8 @@ def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
             cfgs.insert(1, PS.PlaneScanConfig(tile=1024, lanes=16, num_warps=2))
         if tune and n >= 131072:
             cfgs += [PS.PlaneScanConfig(tile=2048, lanes=32, num_warps=2), PS.PlaneScanConfig(tile=256, lanes=8)]
+        cfgs += F16X2_CONFIGS
+        exact = None
         for cfg in cfgs:
             step = lambda c, runs=runs, cfg=cfg: c + 1e-30 * PS.plane_scan(
                 q + c, StorePlanes(planes, scales), length, runs, config=cfg
@@ -58,6 +60,13 @@ def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
             r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
             r.update(kernel=f"fathom_{budget}", n=n, **_scan_config_fields(cfg), active_channels=active,
                      bits_per_token=bits, bytes=nbytes)
+            scores = PS.plane_scan(q, StorePlanes(planes, scales), length, runs, config=cfg)
+            if exact is None:  # the first configuration's (f32) scores: what each f16x2 row's selection is held to
+                exact = scores
+            elif cfg.math != "f32":
+                r.update(selection_against_f32(scores, exact, PS.f16x2_error_bound(q, StorePlanes(planes, scales),
+                                                                                   runs)))
+            del scores
             out.append(r)
     nib = NS.pack_nibbles(planes)
     for name, r_ch in (("sparq_r16", 16), ("nibble_32", 32), ("full_4bit", 128)) if nibble else ():
@@ -88,8 +97,31 @@ def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
     return out, plan_stats
 
 
+# The packed-f16 scan's launch shapes (a thread owns a word: tile >= 1024).
+F16X2_CONFIGS = tuple(PS.PlaneScanConfig(tile=t, num_warps=w, math="f16x2")
+                      for t, w in ((1024, 1), (2048, 2), (4096, 4)))
+
+
 def _scan_config_fields(cfg):
-    return {"variant": "lanes", "lanes": cfg.lanes, "rows": 0, "tile": cfg.tile, "num_warps": cfg.num_warps}
+    return {"variant": "lanes" if cfg.math == "f32" else cfg.math, "lanes": cfg.lanes, "rows": 0, "tile": cfg.tile,
+            "num_warps": cfg.num_warps}
+
+
+def selection_against_f32(scores, exact, bound, k=512):
+    """The top-``k`` of ``scores`` against that of the f32 ``exact`` scores, per row: tokens that differ, and how many
+    of them are near-ties (their exact score within twice the f16x2 error bound of the row's k-th exact score)."""
+    scores, exact = np.asarray(scores), np.asarray(exact)
+    bound = np.broadcast_to(np.asarray(bound)[..., None, :], exact.shape)
+    differ = ties = 0
+    rows = exact.reshape(-1, exact.shape[-1])
+    for got, ref, b in zip(scores.reshape(rows.shape), rows, bound.reshape(rows.shape)):
+        mine, theirs = np.argpartition(-got, k)[:k], np.argpartition(-ref, k)[:k]
+        gone = np.setdiff1d(theirs, mine)
+        kth = np.partition(ref, -k)[-k]
+        differ += len(gone)
+        ties += int(np.sum(np.abs(ref[gone] - kth) <= 2 * b[gone]))
+    return {"topk_rows": len(rows), "topk_k": k, "topk_differ": differ, "topk_differ_near_ties": ties,
+            "max_err_over_bound": float(np.max(np.abs(scores - exact) / np.maximum(bound, 1e-30)))}
 
 
 # One chunk of the pipelined decode step (fathom_jax.placement): the scan of the staged planes of a few groups, which
@@ -97,7 +129,7 @@ def _scan_config_fields(cfg):
 # 8 chunks at 1M and in 2 at 128k; batch 8 at 128k in 2 chunks.
 SCAN_CHUNKS = ((1, 1 << 20), (4, 1 << 17), (32, 1 << 17))
 SCAN_CHUNK_CONFIGS = tuple(PS.PlaneScanConfig(tile=t, lanes=l, num_warps=w)
-                           for t, l, w in ((512, 16, 1), (256, 8, 1), (1024, 16, 2), (1024, 32, 1)))
+                           for t, l, w in ((512, 16, 1), (256, 8, 1), (1024, 16, 2), (1024, 32, 1))) + F16X2_CONFIGS
 
 
 def parse_chunks(text):
@@ -131,6 +163,8 @@ def scan_chunk_cases(chunks=SCAN_CHUNKS, configs=SCAN_CHUNK_CONFIGS, budget=48):
             r = timeit(step, jnp.zeros((), jnp.float32), iters=100)
             r.update(kernel=f"fathom_{budget}_chunk", groups=groups, n=n, **_scan_config_fields(cfg),
                      active_channels=active, same_bits=bool(np.array_equal(got, first)))
+            if cfg.math != "f32":
+                r.update(selection_against_f32(got, first, PS.f16x2_error_bound(qs, staged, slots)))
             out.append(r)
             print(f"scan chunk groups={groups:2d} n={n:7d} tile={cfg.tile:4d} lanes={cfg.lanes:2d} w={cfg.num_warps} "
                   f"{r['median_ms'] * 1e3:7.1f} us [{r['min_ms'] * 1e3:.1f}, {r['max_ms'] * 1e3:.1f}] "
@@ -149,6 +183,11 @@ def check_scans():
     e = {f"plane_scan_lanes{lanes}_rel_err": rel(PS.plane_scan(
         q, store, length, runs, config=PS.PlaneScanConfig(lanes=lanes, tile=32 * lanes, num_warps=2)), b)
         for lanes in (8, 16, 32)}
+    got = PS.plane_scan(q, store, length, runs, config=PS.PlaneScanConfig(math="f16x2"))
+    bound = PS.f16x2_error_bound(q, store, runs)[..., None, :]
+    valid = jnp.arange(got.shape[-1]) < length[..., None, None]
+    e["plane_scan_f16x2_rel_err"] = rel(got, b)
+    e["plane_scan_f16x2_max_err_over_bound"] = float(jnp.max(jnp.where(valid, jnp.abs(got - b) / bound, 0.0)))
     nib = NS.pack_nibbles(planes)
     ch16 = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 3, 16))
     c = NS.nibble_scan(q, nib, scales, length, ch16)

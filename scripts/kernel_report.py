@@ -25,6 +25,12 @@ def _ms(r):
     return [f"{r['median_ms']:.4f}", f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}]"]
 
 
+def _topk_vs_f32(r) -> str:
+    if "topk_differ" not in r:
+        return ""
+    return f"{r['topk_differ']} ({r['topk_differ_near_ties']}) / {r['topk_rows']} x {r['topk_k']}"
+
+
 def write_report(res, out, name="kernels_h200"):
     L = [f"# Kernel benchmarks ({res['machine']['device']})", "",
          f"JAX {res['jax']}, {res['date']}. Median of repeats of a jitted fori_loop (ms per call), [min, max].",
@@ -34,24 +40,32 @@ def write_report(res, out, name="kernels_h200"):
             "Scans (HBM-resident, batch 4 x 8 KV heads, G=4, D=128)",
             [f"Correctness on the GPU: {res['scan_check']}; mean active channels per plan: {res['plan_active_channels']}.",
              "lanes: consecutive tokens a thread owns in the plane scan (8, 16 or 32; 0 in rows of the nibble scans and in "
-             "rows of the blocked kernel, since removed, in older results). variant: `lanes` (CUDA-core FMAs), `nibble`, "
-             "or, in older results, `mma` / `mgpu` (tensor-core products, since deleted: measured slower; rows: their "
-             "product rows per K step). HBM floor: the row's bytes (reads + f32 scores) at the HBM copy rate above.",
+             "rows of the blocked kernel, since removed, in older results). variant: `lanes` (CUDA-core f32 FMAs), `f16x2` "
+             "(pairs of tokens in packed f16 FMAs), `nibble`, or, in older results, `mma` / `mgpu` (tensor-core products, "
+             "since deleted: measured slower; rows: their product rows per K step). HBM floor: the row's bytes (reads + "
+             "f32 scores) at the HBM copy rate above. top-k vs f32 (f16x2 rows): of the rows' top-512 sets under the "
+             "first (f32) row's scores, the tokens the f16x2 scores select differently, and how many of them are near-ties "
+             "(within twice the f16x2 error bound of the k-th score); err / bound: the largest |score - f32 score| over "
+             "its bound.",
              *sorted({f"Failed ({r['variant']}, tile {r['tile']}, rows {r['rows']}, warps {r['num_warps']}): "
                       f"{r['error']}" for r in res["scan"] if "error" in r})],
             ["kernel", "n", "variant", "lanes", "rows", "tile", "warps", "ms (median)", "[min, max]",
-             "GB/s (reads + f32 scores)", "HBM floor ms", "authors' ms"],
+             "GB/s (reads + f32 scores)", "HBM floor ms", "authors' ms", "top-k vs f32: differ (near-ties) / rows x k",
+             "err / bound"],
             ([r["kernel"], r["n"], r.get("variant", "lanes" if r.get("lanes") else ""), r.get("lanes", 0),
               r.get("rows", 0), r["tile"], r["num_warps"], *_ms(r), f"{r['GBps']:.0f}",
-              f"{r['bytes'] / (res['copy']['GBps'] * 1e9) * 1e3:.4f}", r["authors_ms"]] for r in res["scan"]))
+              f"{r['bytes'] / (res['copy']['GBps'] * 1e9) * 1e3:.4f}", r["authors_ms"], _topk_vs_f32(r),
+              f"{r['max_err_over_bound']:.3f}" if "max_err_over_bound" in r else ""] for r in res["scan"]))
     if "scan_chunk" in res:
         L += _section(
             "Scan of one pipelined chunk (Fathom 48, staged planes of the chunk's groups, HBM-resident, G=4, D=128)",
             ["The chunk scans of the decode step: 1 group of 1M tokens (batch 1 in 8 chunks), 4 and 32 groups of 128k "
              "(batch 1 and 8 in 2 chunks). `same bits`: scores equal to the first configuration's bit for bit."],
-            ["groups", "n", "tile", "lanes", "warps", "us (median)", "[min, max]", "same bits"],
-            ([r["groups"], r["n"], r["tile"], r["lanes"], r["num_warps"], f"{r['median_ms'] * 1e3:.1f}",
-              f"[{r['min_ms'] * 1e3:.1f}, {r['max_ms'] * 1e3:.1f}]", r["same_bits"]] for r in res["scan_chunk"]))
+            ["groups", "n", "variant", "tile", "lanes", "warps", "us (median)", "[min, max]", "same bits",
+             "top-k vs f32: differ (near-ties) / rows x k"],
+            ([r["groups"], r["n"], r.get("variant", "lanes"), r["tile"], r["lanes"], r["num_warps"],
+              f"{r['median_ms'] * 1e3:.1f}", f"[{r['min_ms'] * 1e3:.1f}, {r['max_ms'] * 1e3:.1f}]", r["same_bits"],
+              _topk_vs_f32(r)] for r in res["scan_chunk"]))
     if "gather" in res:
         L += _section(
             "Run gather vs run size (8 KV heads x 128 channels x 4 planes)", [],

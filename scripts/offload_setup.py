@@ -21,6 +21,7 @@ from fathom_jax.decode import StepConfig
 from fathom_jax.models import LlamaForCausalLM
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.rows.layout import row_format
+from pallas_kernels.plane_scan import PlaneScanConfig
 from pallas_kernels.topk import TopkConfig
 from scripts.offload_inputs import TODAY_KEYS, KeyModel, drifting_queries  # noqa: F401 (drifting_queries: re-exported)
 
@@ -70,6 +71,21 @@ def topk_config(name: str) -> TopkConfig | None:
     return TopkConfig(bucket_splits=buckets if buckets == "auto" else int(buckets), token_splits=int(split.group(2)))
 
 
+# `--scan` entries: the plane scan's configuration (StepConfig.scan); default: the kernel's heuristic.
+SCAN_CONFIGS = {"default": None, "f16x2": PlaneScanConfig.heuristic(0, math="f16x2")}
+
+
+def scan_config(name: str) -> PlaneScanConfig | None:
+    if name not in SCAN_CONFIGS:
+        raise ValueError(f"--scan entries are {sorted(SCAN_CONFIGS)}, got {name!r}")
+    return SCAN_CONFIGS[name]
+
+
+def scan_name(config: PlaneScanConfig | None) -> str:
+    """The ``--scan`` entry of a configuration (:func:`scan_config` inverted; ``custom`` for any other)."""
+    return next((name for name, c in SCAN_CONFIGS.items() if c == config), "custom")
+
+
 def topk_name(config: TopkConfig | None) -> str:
     """The ``--topk`` entry of a configuration (:func:`topk_config` inverted)."""
     if config is None:
@@ -84,6 +100,7 @@ def hook(spec, calib, k, placement, implementation, variant=None, *, shape: Cach
     method = methods.parse(spec)
     variant = dict(variant or {})
     variant["topk"] = topk_config(variant.pop("topk", "auto"))
+    variant["scan"] = scan_config(variant.pop("scan", "default"))
     variant["xla_options"] = dict(variant.get("xla_options", ()))
     attn = decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
                                   placement=placement, implementation=implementation, step=StepConfig(**variant),
@@ -181,7 +198,7 @@ def rows_tag(rows: dict) -> str:
 # deleted, kept for their rows)
 SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
                   "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
-                  "resident_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union", "order": "xla"}
+                  "resident_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union", "order": "xla", "scan": "default"}
 
 
 def options_text(options) -> str:
@@ -194,7 +211,8 @@ def split_fields(attn) -> dict:
     return {"streams": 1, "index_writes": run.index_writes, "pipeline": run.chunks,
             "gather_programs": getattr(run.reader, "programs", 0), "fetch_programs": run.fetcher.programs,
             "layer_unroll": run.layer_unroll, "row_cache": run.row_cache, "scan_writes": run.in_place,
-            "topk": topk_name(run.topk), "xla_options": options_text(attn.step.xla_options),
+            "topk": topk_name(run.topk), "scan": scan_name(attn.step.scan),
+            "xla_options": options_text(attn.step.xla_options),
             "read": attn.step.read, "rows": "model" if attn.rows is None else attn.rows.spec}
 
 
@@ -203,7 +221,8 @@ def variant_tag(split: dict) -> str:
             f"_f{split.get('fetch_programs', 0)}_{split.get('topk', 'single')}" + ("_w" if split.get("scan_writes") else "")
             + ("_x" if split.get("xla_options") else "") + (f"_u{split['layer_unroll']}" if split.get("layer_unroll", 1) > 1 else "")
             + (f"_c{split['row_cache']}" if split.get("row_cache") else "")
-            + (f"_r{split['rows']}" if split.get("rows", "model") != "model" else ""))
+            + (f"_r{split['rows']}" if split.get("rows", "model") != "model" else "")
+            + (f"_s{split['scan']}" if split.get("scan", "default") != "default" else ""))
 
 
 def writes_text(r: dict) -> str:
@@ -226,6 +245,7 @@ def split_text(r: dict) -> str:
             ([f"resident planes {r['resident_planes']}"] if r.get("resident_planes") else []) + \
             ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
             (["top-k split"] if r.get("topk", "single") != "single" else []) + \
+            ([f"scan {r['scan']}"] if r.get("scan", "default") != "default" else []) + \
             ([f"{r['layer_unroll']} layers per loop iteration"] if r.get("layer_unroll", 1) > 1 else []) + \
             ([f"row cache {r['row_cache']} slots"] if r.get("row_cache") else []) + \
             ([f"{r['inputs']} inputs"] if r.get("inputs", "today") != "today" else []) + \
@@ -236,10 +256,10 @@ def split_text(r: dict) -> str:
 
 
 def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "auto", topk: str = "auto",
-                   xla: str = "none", unroll: str = "1", row_cache: str = "0") -> list[dict]:
+                   xla: str = "none", unroll: str = "1", row_cache: str = "0", scan: str = "default") -> list[dict]:
     """Every combination of the step configurations the lists give (one row each): ``--index-writes``,
     ``--pipeline`` (entries ``auto``, ``N`` or ``N/P``: N chunks, P persistent gather programs, "auto" where not
-    given), ``--fetch-programs``, ``--topk``, ``--xla-options``, ``--layer-unroll``, ``--row-cache``; ``--read`` for
+    given), ``--fetch-programs``, ``--topk``, ``--xla-options``, ``--layer-unroll``, ``--row-cache``, ``--scan``; ``--read`` for
     all. Each is a set of :class:`fathom_jax.decode.StepConfig` fields, checked here."""
     pipes = []
     for item in pipeline.split(","):
@@ -250,6 +270,8 @@ def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "au
     fetches = [x if x == "auto" else int(x) for x in fetch.split(",")]
     for name in topk.split(","):
         topk_config(name)  # a bad entry fails here, before anything runs
+    for name in scan.split(","):
+        scan_config(name)
     option_sets = []
     for item in xla.split(";"):  # "none" or name=value,name=value (a value may hold commas: a list of enums)
         pairs = {} if item in ("", "none") else dict(kv.split("=", 1) for kv in re.split(r",(?=xla_)", item))
@@ -260,10 +282,12 @@ def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "au
     slots = [int(c) for c in row_cache.split(",")]
     if any(c < 0 for c in slots):
         raise ValueError(f"--row-cache entries are ints >= 0 (0: no row cache), got {row_cache!r}")
-    out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u, "row_cache": c} for f in fetches
-           for t in topk.split(",") for x in option_sets for u in unrolls for c in slots for v in out]
+    out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u, "row_cache": c, "scan": sc}
+           for f in fetches for t in topk.split(",") for x in option_sets for u in unrolls for c in slots
+           for sc in scan.split(",") for v in out]
     for v in out:  # a bad entry fails here, before anything runs
-        StepConfig(**(v | {"topk": topk_config(v["topk"]), "xla_options": dict(v["xla_options"])}))
+        StepConfig(**(v | {"topk": topk_config(v["topk"]), "scan": scan_config(v["scan"]),
+                           "xla_options": dict(v["xla_options"])}))
     return list({tuple(v.items()): v for v in out}.values())
 
 

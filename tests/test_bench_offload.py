@@ -57,7 +57,7 @@ def test_variants_and_their_labels():
     """--index-writes x --pipeline (``--read`` for all): "auto" where a part is not given; every variant a valid step
     configuration."""
     got = offload_setup.parse_variants("staged", "full_blocks", "auto,1/0,8/66,4")
-    rest = dict(fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0)
+    rest = dict(fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0, scan="default")
     assert got == [
         dict(read="staged", index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
         dict(read="staged", index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),
@@ -91,6 +91,14 @@ def test_variants_and_their_labels():
         ["auto", "single", "b8t4", "bautot8"]
     with pytest.raises(ValueError, match="power of two"):
         offload_setup.parse_variants("staged", "every_step", "auto", "auto", "b3t4")
+    # the plane scan's arithmetic: one row each; named back from the configuration a bound hook runs
+    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "0",
+                                       "default,f16x2")
+    assert [v["scan"] for v in got] == ["default", "f16x2"]
+    assert offload_setup.scan_name(offload_setup.scan_config("f16x2")) == "f16x2"
+    assert offload_setup.scan_name(None) == "default" and offload_setup.split_text({"scan": "f16x2"}) == "scan f16x2"
+    with pytest.raises(ValueError, match="--scan entries"):
+        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "0", "bf16")
     with pytest.raises(ValueError, match="index_writes must be one of"):  # StepConfig checks every variant
         offload_setup.parse_variants("staged", "sometimes", "auto")
     assert offload_setup.writes_text({"index_writes": "every_step", "scan_writes": True}) == "every_step in scan"

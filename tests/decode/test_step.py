@@ -244,6 +244,9 @@ def test_scan_config_reaches_the_plane_scan(setting, placement):
     default, tuned = run(), run(scan=PlaneScanConfig(tile=256, lanes=8, num_warps=2))
     np.testing.assert_array_equal(np.asarray(tuned(q)), np.asarray(default(q)))
     assert count_pallas_calls(tuned, q, name="fathom_plane_scan") == 1
+    packed = run(scan=PlaneScanConfig(math="f16x2"))  # the packed-f16 arithmetic: its own kernel, in the program
+    assert count_pallas_calls(packed, q, name="fathom_plane_scan_f16x2") == 1
+    assert count_pallas_calls(packed, q, name="fathom_plane_scan") == 1  # (names match as prefixes): no other scan
 
 
 @pytest.mark.parametrize("implementation", ["xla", "triton"])

@@ -171,7 +171,9 @@ def test_step_config_parses_the_clis_text():
                              scan=PlaneScanConfig(lanes=8, tile=256, num_warps=4))
     assert resolve(got, Placement("pinned_host")).reader.scan == got.scan
     assert StepConfig.parse("") == StepConfig() and StepConfig.parse("pipeline=auto").pipeline == "auto"
-    for bad, match in (("streams=2", "unknown key 'streams'"), ("pipeline", "expected key=value"),
+    assert StepConfig.parse("scan.math=f16x2").scan == PlaneScanConfig(math="f16x2", lanes=32, tile=1024)
+    for bad, match in (("scan.math=f16x2,scan.lanes=16", "needs lanes=32"), ("scan.math=bf16", "math must be one of"),
+                       ("streams=2", "unknown key 'streams'"), ("pipeline", "expected key=value"),
                        ("pipeline=0", "pipeline must be an int >= 1"), ("read=disk", "read must be one of"),
                        ("topk.nope=1", "step config topk"), ("scan.variant=mma", "step config scan: "),
                        ("scan=lanes", "unknown key 'scan'")):
