@@ -73,7 +73,8 @@ class PlaneScanConfig:
     @classmethod
     def heuristic(cls, capacity: int, math: str = "f32") -> "PlaneScanConfig":
         """The defaults for ``math`` (f32: 16 lanes, 512-token tiles, 1 warp: the H200's best from 32k to 128k tokens,
-        ``results/kernels_h200.md``); small stores keep the same shape."""
+        ``results/kernels_h200.md``; f16x2: 1024-token tiles, 1 warp, within 2% of the best of three shapes,
+        ``results/kernels_h200_f16x2.md``); small stores keep the same shape."""
         del capacity
         return cls(math=math)
 
