@@ -36,19 +36,18 @@ def stats(times_ms) -> dict:
             "max_ms": float(np.max(times_ms)), "n": int(times_ms.size)}
 
 
-def timeit(step, x0, *, iters, repeats=5, args=()):
-    """ms per iteration of ``x -> step(x, *args)`` run ``iters`` times in one jitted fori_loop; ``args`` are jit
-    arguments (arrays a step closes over become constants of the program: gigabytes of them compile for minutes)."""
+def timeit(step, x0, *, iters, repeats=5):
+    """ms per iteration of ``x -> step(x)`` run ``iters`` times in one jitted fori_loop."""
 
     @jax.jit
-    def loop(x, *a):
-        return jax.lax.fori_loop(0, iters, lambda i, c: step(c, *a), x)
+    def loop(x):
+        return jax.lax.fori_loop(0, iters, lambda i, c: step(c), x)
 
-    jax.block_until_ready(loop(x0, *args))
+    jax.block_until_ready(loop(x0))
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(loop(x0, *args))
+        jax.block_until_ready(loop(x0))
         times.append((time.perf_counter() - t) * 1e3 / iters)
     return stats(times)
 

@@ -54,10 +54,10 @@ def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
         cfgs += F16X2_CONFIGS
         exact = None
         for cfg in cfgs:
-            step = lambda c, p, s, runs=runs, cfg=cfg: c + 1e-30 * PS.plane_scan(
-                q + c, StorePlanes(p, s), length, runs, config=cfg
+            step = lambda c, runs=runs, cfg=cfg: c + 1e-30 * PS.plane_scan(
+                q + c, StorePlanes(planes, scales), length, runs, config=cfg
             )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
-            r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100, args=(planes, scales))
+            r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
             r.update(kernel=f"fathom_{budget}", n=n, **_scan_config_fields(cfg), active_channels=active,
                      bits_per_token=bits, bytes=nbytes)
             scores = PS.plane_scan(q, StorePlanes(planes, scales), length, runs, config=cfg)
@@ -75,20 +75,20 @@ def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
         nbytes = bh * n * bits / 8 + bh * 4 * n * 4
         cfgs = [(512, 1)]
         for tile, warps in cfgs:
-            step = lambda c, nb, s, ch=ch, tile=tile, warps=warps: c + 1e-30 * NS.nibble_scan(
-                q + c, nb, s, length, ch, config=NS.NibbleScanConfig(tile=tile, num_warps=warps)
+            step = lambda c, ch=ch, tile=tile, warps=warps: c + 1e-30 * NS.nibble_scan(
+                q + c, nib, scales, length, ch, config=NS.NibbleScanConfig(tile=tile, num_warps=warps)
             )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
-            r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100, args=(nib, scales))
+            r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
             r.update(kernel=name, n=n, variant="nibble", lanes=0, rows=0, tile=tile, num_warps=warps,
                      bits_per_token=bits, bytes=nbytes)
             out.append(r)
         if tune and r_ch == 32 and n >= 131072:  # the same scan from the plane store: the plane scan at depth 4
             cfg = PS.PlaneScanConfig(tile=2048, num_warps=2)
             full = jnp.full(ch.shape, 4, jnp.int32)
-            step = lambda c, p, s, ch=ch, cfg=cfg: c + 1e-30 * PS.plane_scan(
-                q + c, StorePlanes(p, s), length, RunList(ch, full, sorted=True), config=cfg
+            step = lambda c, ch=ch, cfg=cfg: c + 1e-30 * PS.plane_scan(
+                q + c, StorePlanes(planes, scales), length, RunList(ch, full, sorted=True), config=cfg
             )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
-            r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100, args=(planes, scales))
+            r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
             r.update(kernel="nibble_32_from_planes", n=n, **_scan_config_fields(cfg), bits_per_token=bits, bytes=nbytes)
             out.append(r)
     for r in out:
