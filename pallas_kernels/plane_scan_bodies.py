@@ -188,8 +188,8 @@ def f16x2_body(qc_ref, qbound_ref, ch_ref, bounds_ref, len_ref, layer_ref, plane
     top = jax.lax.fori_loop(0, bounds_ref[r, 3], lambda k, m: jnp.maximum(m, src.scale(ch_ref[r, k], block)),
                             jnp.zeros((elems,), jnp.float32))
     exponent = (jax.lax.bitcast_convert_type(top * qbound_ref[r], jnp.int32) >> 23) & 0xFF
-    scale_bits = jnp.clip(127 + SUM_BOUND_LOG2 - 1 + 127 - exponent, 1, 254)
-    s, inv_s = _pow2_from_exponent(scale_bits), _pow2_from_exponent(254 - scale_bits)  # inv_s = 0 where all is 0
+    scale_bits = jnp.clip(127 + SUM_BOUND_LOG2 - 1 + 127 - exponent, 1, 253)  # s and 1/s normal floats (no flush)
+    s, inv_s = _pow2_from_exponent(scale_bits), _pow2_from_exponent(254 - scale_bits)
 
     acc = tuple(tuple(jnp.zeros((elems,), jnp.uint32) for _ in range(pairs)) for _ in range(groups))
     bias = tuple(jnp.zeros((elems,), jnp.float32) for _ in range(groups))
