@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fathom_jax import calibrate as cal
 from fathom_jax import methods
 from fathom_jax.eval import fidelity as fid
 from fathom_jax.eval import texts
+from fathom_jax.eval.sweeps import corpus_calibration
 from fathom_jax.index import build_index, prefix_index
 from fathom_jax.scan import scan_scores
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, group_union, select_topk
@@ -98,10 +98,7 @@ def main(argv=None):
     eval_text, eval_info = texts.evaluation_text()
     ids = texts.token_window(tok.encode(eval_text), args.context, name="evaluation text")
     cap = fid.Capture(**capture_qkv(model, jnp.asarray(ids)))
-    calib_text, _ = texts.calibration_text()
-    calib_ids = texts.token_window(tok.encode(calib_text), args.calibration_tokens, name="calibration text")
-    calib_cap = fid.Capture(**capture_qkv(model, jnp.asarray(calib_ids)))
-    calib = cal.calibrate(calib_cap.k, calib_cap.q)
+    calib, _, _ = corpus_calibration(model, tok, args.calibration_tokens)
     n_layers = cap.k.shape[0]  # the layers that scan (Gemma 3: its global ones)
     positions = np.arange(args.context - args.positions, args.context, dtype=np.int32)
     local_start = positions + 1 - LOCAL_TOKENS

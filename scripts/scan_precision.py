@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fathom_jax import calibrate as cal
 from fathom_jax import methods
 from fathom_jax.eval import fidelity as fid
 from fathom_jax.eval import texts
 from fathom_jax.eval.scoring import MethodScore
+from fathom_jax.eval.sweeps import corpus_calibration
 from fathom_jax.methods.base import ScanMethod
 from fathom_jax.scan import IndexSource, check_scan_inputs, mask_invalid
 from pallas_kernels.plane_scan import PlaneScanConfig
@@ -73,10 +73,7 @@ def main(argv=None):
     eval_text, eval_info = texts.evaluation_text()
     cap = fid.Capture(**capture_qkv(model, jnp.asarray(texts.token_window(tok.encode(eval_text), args.context,
                                                                            name="evaluation text"))))
-    calib_text, _ = texts.calibration_text()
-    calib_cap = fid.Capture(**capture_qkv(model, jnp.asarray(texts.token_window(
-        tok.encode(calib_text), args.calibration_tokens, name="calibration text"))))
-    calib = cal.calibrate(calib_cap.k, calib_cap.q)
+    calib, _, _ = corpus_calibration(model, tok, args.calibration_tokens)
     positions = np.arange(args.context - args.positions, args.context, dtype=np.int32)
     evaluations, labels = [], []
     for spec in args.methods.split(","):
