@@ -217,9 +217,7 @@ def main(argv=None):
     call_bytes = args.groups * args.slots * row_bytes
 
     def save():
-        harness.write_json(prefix + ".json", res)
-        with open(prefix + ".md", "w") as f:
-            f.write(report(res))
+        harness.write_results(prefix, res, report)
 
     def measure(kv, pattern, fetch_programs=0, array="first"):
         sets = index_sets(pattern, args.reps, args.groups, n, args.slots, row_bytes, seed=len(res["rows"]))

@@ -320,6 +320,15 @@ def write_json(path: str, data) -> None:
     os.replace(tmp, path)
 
 
+def write_results(prefix: str, res: dict, report) -> str:
+    """``res`` as ``prefix.json`` and ``report(res)`` (its markdown) as ``prefix.md``; returns the markdown."""
+    write_json(prefix + ".json", res)
+    text = report(res)
+    with open(prefix + ".md", "w") as f:
+        f.write(text)
+    return text
+
+
 def write_soak(res: dict, prefix: str, write_report) -> int:
     """A soak's results (``res["soak"]["passed"]`` among them) as ``prefix.json`` and its ``write_report`` markdown;
     says whether it passed; the exit status (0 passed, 1 not)."""

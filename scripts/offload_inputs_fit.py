@@ -74,9 +74,7 @@ def main(argv=None):
                 res["reuse"].append({"keys": keys.name, "context": context, "drift": rho, "reselected": share})
                 print(res["reuse"][-1], flush=True)
                 res["wall_seconds"] = round(time.time() - t0, 1)
-                harness.write_json(prefix + ".json", res)
-                with open(prefix + ".md", "w") as f:
-                    f.write(fit_report(res))
+                harness.write_results(prefix, res, fit_report)
 
 
 if __name__ == "__main__":

@@ -167,9 +167,7 @@ def main(argv=None):
     def save():
         run["wall_seconds"] = round(time.time() - t0, 1)
         res["rows"].sort(key=lambda r: (r["keys"] != "synthetic", r.get("context", 0)))  # stable: budgets stay in order
-        harness.write_json(prefix + ".json", res)
-        with open(prefix + ".md", "w") as f:
-            f.write(report(res))
+        harness.write_results(prefix, res, report)
 
     if not args.no_synthetic:
         res["rows"] += synthetic_rows(args.draws, args.seed)

@@ -122,10 +122,7 @@ def main(argv=None):
                                 **{key: float(np.mean([r[key] for r in per_layer])) for key in per_layer[0]}}
     res["wall_seconds"] = round(time.time() - t0, 1)
     prefix = os.path.join(args.out, f"row_reuse_{spec_file.slug}_{args.context // 1024}k")
-    harness.write_json(prefix + ".json", res)
-    with open(prefix + ".md", "w") as f:
-        f.write(report(res))
-    print(report(res))
+    print(harness.write_results(prefix, res, report))
 
 
 def report(res: dict) -> str:
