@@ -19,6 +19,8 @@ of a tiered store from its hot tier.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -78,6 +80,18 @@ def _bit_to(w, lane: int, s: int):
     return w
 
 
+def _over_depth_classes(bounds_ref, r, body, carry):
+    """``carry`` through ``body(t, k, carry)`` over the listed slots ``k`` of each depth class ``t`` = 4, 3, 2, 1 in
+    turn (slots sorted by decreasing depth; ``bounds_ref[r]`` the classes' end offsets): one loop per class, ``t`` a
+    compile-time constant."""
+    start = jnp.int32(0)
+    for cls, t in enumerate((4, 3, 2, 1)):
+        end = bounds_ref[r, cls]
+        carry = jax.lax.fori_loop(start, end, functools.partial(body, t), carry)
+        start = end
+    return carry
+
+
 def f32_body(qc_ref, ch_ref, bounds_ref, len_ref, layer_ref, planes_ref, scales_ref, *rest, groups: int, elems: int,
              lanes: int, num_words: int, group_start: int, hot_group_start: int | None, interpret: bool):
     """``f32`` arithmetic: out ``f32 [Rc, G, W * 32 / lanes, lanes]``."""
@@ -98,32 +112,27 @@ def f32_body(qc_ref, ch_ref, bounds_ref, len_ref, layer_ref, planes_ref, scales_
     bias = tuple(jnp.zeros((elems,), jnp.float32) for _ in range(groups))
     magic = jnp.full((elems,), _MAGIC, jnp.uint32)
 
-    start = jnp.int32(0)
-    for cls, t in enumerate((4, 3, 2, 1)):
-        end = bounds_ref[r, cls]
+    def body(t, k, carry):
+        acc, bias = carry
         half = float(2 ** (t - 1))
+        j = ch_ref[r, k]
+        a = src.scale(j, block) * (1.0 / half)
+        wts = [qc_ref[r, h, k] * a for h in range(groups)]
+        bias = tuple(bias[h] + wts[h] * (0.5 - half) for h in range(groups))
+        words = [src.word(k, j, p, cols) for p in range(t)]
+        words = [w >> part_shift for w in words] if split > 1 else words
+        new = [list(acc[h]) for h in range(groups)]
+        for lane in range(lanes):
+            code = magic
+            for p in range(t):
+                s = t - 1 - p  # plane p is bit s of c_t
+                code = code | (_bit_to(words[p], lane, s) & jnp.uint32(1 << s))
+            v = jax.lax.bitcast_convert_type(code, jnp.float32) - float(2**23)  # exact: c_t
+            for h in range(groups):
+                new[h][lane] = new[h][lane] + wts[h] * v
+        return tuple(tuple(x) for x in new), bias
 
-        def body(k, carry, t=t, half=half):
-            acc, bias = carry
-            j = ch_ref[r, k]
-            a = src.scale(j, block) * (1.0 / half)
-            wts = [qc_ref[r, h, k] * a for h in range(groups)]
-            bias = tuple(bias[h] + wts[h] * (0.5 - half) for h in range(groups))
-            words = [src.word(k, j, p, cols) for p in range(t)]
-            words = [w >> part_shift for w in words] if split > 1 else words
-            new = [list(acc[h]) for h in range(groups)]
-            for lane in range(lanes):
-                code = magic
-                for p in range(t):
-                    s = t - 1 - p  # plane p is bit s of c_t
-                    code = code | (_bit_to(words[p], lane, s) & jnp.uint32(1 << s))
-                v = jax.lax.bitcast_convert_type(code, jnp.float32) - float(2**23)  # exact: c_t
-                for h in range(groups):
-                    new[h][lane] = new[h][lane] + wts[h] * v
-            return tuple(tuple(x) for x in new), bias
-
-        acc, bias = jax.lax.fori_loop(start, end, body, (acc, bias))
-        start = end
+    acc, bias = _over_depth_classes(bounds_ref, r, body, (acc, bias))
 
     tok = e[:, None] * lanes + jnp.arange(lanes, dtype=jnp.int32)[None, :]
     valid = tok < len_ref[r]
@@ -193,33 +202,30 @@ def f16x2_body(qc_ref, qbound_ref, ch_ref, bounds_ref, len_ref, layer_ref, plane
 
     acc = tuple(tuple(jnp.zeros((elems,), jnp.uint32) for _ in range(pairs)) for _ in range(groups))
     bias = tuple(jnp.zeros((elems,), jnp.float32) for _ in range(groups))
-    start = jnp.int32(0)
-    for cls, t in enumerate((4, 3, 2, 1)):
-        end = bounds_ref[r, cls]
+    # two f16 -(1024 + 2^(t-1)) per depth: (1024 + c) - (1024 + 2^(t-1)) = c - 2^(t-1), exact
+    offsets = {t: full((0xE400 + 2 ** (t - 1)) * 0x10001) for t in (4, 3, 2, 1)}
+
+    def body(t, k, carry):
+        acc, bias = carry
         half = float(2 ** (t - 1))
-        offset = full((0xE400 + 2 ** (t - 1)) * 0x10001)  # two f16 -(1024 + 2^(t-1)): 1024 + c -> c - 2^(t-1), exact
+        j = ch_ref[r, k]
+        a = src.scale(j, block) * (1.0 / half)
+        q = [qc_ref[r, h, k] for h in range(groups)]
+        bias = tuple(bias[h] + q[h] * a * 0.5 for h in range(groups))  # value = (c - 2^(t-1)) a / 2^(t-1) + a / 2^t
+        wts = [_f32_to_f16_bits(q[h] * a * s) * 0x10001 for h in range(groups)]
+        words = [src.word(k, j, p, cols) for p in range(t)]
+        new = [list(acc[h]) for h in range(groups)]
+        for i in range(pairs):
+            code = full(_MAGIC2)
+            for p in range(t):
+                s_bit = t - 1 - p  # plane p is bit s_bit of c_t, for token i and token i + 16
+                code = code | (_bit_to(words[p], i, s_bit) & jnp.uint32((1 << s_bit) | (1 << (s_bit + 16))))
+            v = _hfma2(code, full(_ONE2), offsets[t], interpret)
+            for h in range(groups):
+                new[h][i] = _hfma2(wts[h], v, new[h][i], interpret)
+        return tuple(tuple(x) for x in new), bias
 
-        def body(k, carry, t=t, half=half, offset=offset):
-            acc, bias = carry
-            j = ch_ref[r, k]
-            a = src.scale(j, block) * (1.0 / half)
-            q = [qc_ref[r, h, k] for h in range(groups)]
-            bias = tuple(bias[h] + q[h] * a * 0.5 for h in range(groups))  # value = (c - 2^(t-1)) a / 2^(t-1) + a / 2^t
-            wts = [_f32_to_f16_bits(q[h] * a * s) * 0x10001 for h in range(groups)]
-            words = [src.word(k, j, p, cols) for p in range(t)]
-            new = [list(acc[h]) for h in range(groups)]
-            for i in range(pairs):
-                code = full(_MAGIC2)
-                for p in range(t):
-                    s_bit = t - 1 - p  # plane p is bit s_bit of c_t, for token i and token i + 16
-                    code = code | (_bit_to(words[p], i, s_bit) & jnp.uint32((1 << s_bit) | (1 << (s_bit + 16))))
-                v = _hfma2(code, full(_ONE2), offset, interpret)
-                for h in range(groups):
-                    new[h][i] = _hfma2(wts[h], v, new[h][i], interpret)
-            return tuple(tuple(x) for x in new), bias
-
-        acc, bias = jax.lax.fori_loop(start, end, body, (acc, bias))
-        start = end
+    acc, bias = _over_depth_classes(bounds_ref, r, body, (acc, bias))
 
     tok = e[:, None] * WORD_BITS + jnp.arange(WORD_BITS, dtype=jnp.int32)[None, :]
     valid = tok < len_ref[r]
