@@ -16,6 +16,20 @@ def _pool(model, attention, slots=2, **kw):
     return SessionPool(model, attention, PoolConfig(slots=slots, capacity=CAPACITY, **kw))
 
 
+def swap_slots_through_a_save(pool, a, b, path, *, step=True) -> int:
+    """Paused session ``a`` (slot 0) saved and removed, a step (``step``), ``b`` (slot 1) paused and resumed into the
+    slot ``a`` left, ``a`` loaded into ``b``'s: returns ``a``'s new id, each checked in the other's slot."""
+    pool.save(a, path)
+    pool.remove(a)
+    if step:
+        pool.step()
+    pool.pause(b)
+    pool.resume(b)
+    a = pool.load(path)
+    assert (pool.session(a).slot, pool.session(b).slot) == (1, 0)  # each in the other's slot
+    return a
+
+
 def test_a_session_in_the_pool_decodes_what_it_decodes_alone(tiny_model, attention, lone_tokens):
     pool = _pool(tiny_model, attention)
     sid = pool.add(PROMPTS[0])
@@ -200,13 +214,7 @@ def test_on_the_gpu_a_pool_cache_in_pinned_host_moves_sessions_in_place_bit_for_
         pool.step()
     pool.pause(a)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(pool.session(a).parked)} == {"pinned_host"}
-    pool.save(a, tmp_path / "a")
-    pool.remove(a)
-    pool.step()
-    pool.pause(b)
-    pool.resume(b)
-    a = pool.load(tmp_path / "a")
-    assert (pool.session(a).slot, pool.session(b).slot) == (1, 0)  # each in the other's slot
+    a = swap_slots_through_a_save(pool, a, b, tmp_path / "a")
     for _ in range(6):
         pool.step()
     assert [pool.tokens(a), pool.tokens(b)] == alone
@@ -237,12 +245,7 @@ def test_an_offloaded_pool_moves_its_slots_by_the_kernels_bit_for_bit(tiny_model
     a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
     pool.step()
     pool.pause(a)
-    pool.save(a, tmp_path / "a")
-    pool.remove(a)
-    pool.pause(b)
-    pool.resume(b)
-    a = pool.load(tmp_path / "a")
-    assert (pool.session(a).slot, pool.session(b).slot) == (1, 0)  # each in the other's slot
+    a = swap_slots_through_a_save(pool, a, b, tmp_path / "a", step=False)
     for _ in range(4):
         pool.step()
     assert [pool.tokens(a), pool.tokens(b)] == alone
@@ -334,13 +337,7 @@ def test_on_the_gpu_gemma3_sessions_over_a_pinned_host_cache_decode_bit_for_bit(
     pool.pause(a)
     parked = jax.tree.leaves((pool.session(a).parked, pool.session(a).parked_state))
     assert {x.sharding.memory_kind for x in parked} == {"pinned_host"}
-    pool.save(a, tmp_path / "a")
-    pool.remove(a)
-    pool.step()
-    pool.pause(b)
-    pool.resume(b)
-    a = pool.load(tmp_path / "a")
-    assert (pool.session(a).slot, pool.session(b).slot) == (1, 0)  # each in the other's slot
+    a = swap_slots_through_a_save(pool, a, b, tmp_path / "a")
     for _ in range(4):
         pool.step()
     assert [pool.tokens(a), pool.tokens(b)] == [alone[0][:8], alone[1][:9]]
