@@ -52,7 +52,9 @@ def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
         if tune and n >= 131072:
             cfgs += [PS.PlaneScanConfig(tile=2048, lanes=32, num_warps=2), PS.PlaneScanConfig(tile=256, lanes=8)]
         cfgs += F16X2_CONFIGS
-        exact = None
+        store = StorePlanes(planes, scales)
+        exact = PS.plane_scan(q, store, length, runs, config=cfgs[0])  # the f32 scores the f16x2 rows are held to
+        bound = PS.f16x2_error_bound(q, store, runs)
         for cfg in cfgs:
             step = lambda c, runs=runs, cfg=cfg: c + 1e-30 * PS.plane_scan(
                 q + c, StorePlanes(planes, scales), length, runs, config=cfg
@@ -60,14 +62,10 @@ def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
             r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
             r.update(kernel=f"fathom_{budget}", n=n, **_scan_config_fields(cfg), active_channels=active,
                      bits_per_token=bits, bytes=nbytes)
-            scores = PS.plane_scan(q, StorePlanes(planes, scales), length, runs, config=cfg)
-            if exact is None:  # the first configuration's (f32) scores: what each f16x2 row's selection is held to
-                exact = scores
-            elif cfg.math != "f32":
-                r.update(selection_against_f32(scores, exact, PS.f16x2_error_bound(q, StorePlanes(planes, scales),
-                                                                                   runs)))
-            del scores
+            if cfg.math != "f32":
+                r.update(selection_against_f32(PS.plane_scan(q, store, length, runs, config=cfg), exact, bound))
             out.append(r)
+        del exact, bound
     nib = NS.pack_nibbles(planes)
     for name, r_ch in (("sparq_r16", 16), ("nibble_32", 32), ("full_4bit", 128)) if nibble else ():
         ch = jnp.broadcast_to(jnp.arange(r_ch, dtype=jnp.int32), (4, 8, r_ch))
@@ -153,6 +151,7 @@ def scan_chunk_cases(chunks=SCAN_CHUNKS, configs=SCAN_CHUNK_CONFIGS, budget=48):
         qs = jnp.take_along_axis(q, ch[:, None, :], axis=-1)
         slots = runs.slots()
         active = float(jnp.mean(jnp.sum(runs.depths > 0, -1)))
+        bound = PS.f16x2_error_bound(qs, staged, slots)
         first = None
         for cfg in configs:
             scan = jax.jit(lambda qq, cfg=cfg: PS.plane_scan(qq, staged, length, slots, config=cfg))
@@ -164,7 +163,7 @@ def scan_chunk_cases(chunks=SCAN_CHUNKS, configs=SCAN_CHUNK_CONFIGS, budget=48):
             r.update(kernel=f"fathom_{budget}_chunk", groups=groups, n=n, **_scan_config_fields(cfg),
                      active_channels=active, same_bits=bool(np.array_equal(got, first)))
             if cfg.math != "f32":
-                r.update(selection_against_f32(got, first, PS.f16x2_error_bound(qs, staged, slots)))
+                r.update(selection_against_f32(got, first, bound))
             out.append(r)
             print(f"scan chunk groups={groups:2d} n={n:7d} tile={cfg.tile:4d} lanes={cfg.lanes:2d} w={cfg.num_warps} "
                   f"{r['median_ms'] * 1e3:7.1f} us [{r['min_ms'] * 1e3:.1f}, {r['max_ms'] * 1e3:.1f}] "
