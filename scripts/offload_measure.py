@@ -206,8 +206,8 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
     start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])
     queries = drifting_queries(q, drift) if drift is not None else [q]
     # the HBM control runs each scan configuration with the step's other defaults (its options are the offload's)
-    variants = args.variants if placement.offloaded else [dict(t) for t in dict.fromkeys(
-        (("scan", v.get("scan", "default")),) for v in args.variants)]
+    variants = args.variants if placement.offloaded else [
+        {"scan": scan} for scan in dict.fromkeys(v.get("scan", "default") for v in args.variants)]
     for label, variant in ((m, v) for m in labels for v in variants):
         if run.left() < 30:
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
