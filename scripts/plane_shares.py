@@ -50,8 +50,8 @@ def row(keys: str, calibration: str, queries: str, budget: int, head_dim: int, r
 
 
 def synthetic_rows(draws: int, seed: int) -> list[dict]:
-    import bench_offload as bench  # the benchmark's own definitions of its keys and queries
-    import offload_setup
+    from scripts import bench_offload as bench  # the benchmark's own definitions of its keys and queries
+    from scripts import offload_setup
 
     cfg = bench.QWEN3_8B
     calib, _ = offload_setup.synthetic_calibration(cfg)

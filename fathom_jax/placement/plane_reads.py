@@ -188,11 +188,15 @@ def _check_shapes(queries, calib: Calibration) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("planner", "implementation"))
-def _layer_counts(q, calib, budget, *, planner, implementation):
+def _layer_depths(q, calib, budget, *, planner, implementation):
     # The budget enters as data (one program for every budget; Fathom checks a traced budget at run time). Fathom
     # reads nothing from the index to plan its depths: only the queries and the calibration variance.
     method = Fathom(budget, planner=planner)
-    return plane_read_counts(method.read(q, None, calib, implementation=implementation).depths)
+    return method.read(q, None, calib, implementation=implementation).depths
+
+
+def _layer_counts(q, calib, budget, *, planner, implementation):
+    return plane_read_counts(_layer_depths(q, calib, budget, planner=planner, implementation=implementation))
 
 
 def plane_reads(
@@ -217,3 +221,52 @@ def plane_reads(
                                        implementation=implementation)) for layer, m in enumerate(methods)]
     triples = queries[0].size // queries.shape[-2]  # groups x channels per layer
     return PlaneReads(np.stack(counts) / triples, queries.shape[-1])
+
+
+def plan_depths(
+    method: Fathom | Sequence[Fathom],
+    queries: Float[Array, "L *B G D"],
+    calib: Calibration,
+    *,
+    implementation: str | None = None,
+) -> Int[Array, "L *B D"]:
+    """The planned depth of every channel of every group, layer by layer (arguments as :func:`plane_reads`)."""
+    queries = jnp.asarray(queries, jnp.float32)
+    _check_shapes(queries, calib)
+    methods = _layer_methods(method, queries.shape[0], queries.shape[-1])
+    return jnp.stack([_layer_depths(queries[layer], calib[layer], np.int32(m.budget), planner=m.planner,
+                                    implementation=implementation) for layer, m in enumerate(methods)])
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaneReuse:
+    """What a device cache of the host planes read by the last ``window`` decode steps would fetch, pooled over
+    steps and groups (:func:`plane_reuse`). Counts are channel planes per group and step: one channel's plane is one
+    bit per token, so a count times ``tokens / 8`` is bytes over the link (or in the cache)."""
+
+    resident: int
+    window: int
+    read: float  # host channel planes a step reads (mean)
+    new: float  # the share of them that none of the last ``window`` steps read
+    held_mean: float  # channel planes the cache holds: this step's and the window's (mean)
+    held_max: int  # and its largest (what a fixed-size cache needs)
+
+
+def plane_reuse(depths: Int[Array, "T *N D"], resident: int, window: int) -> PlaneReuse:
+    """Plane reuse of ``T`` consecutive steps' planned ``depths`` (any group axes ``N``): a step reads channel j's
+    planes ``[resident, depth_j)`` from the host; a cache of what the last ``window`` steps read holds planes
+    ``[resident, max_w depth_j(t - w))``, so the step still fetches ``max(0, depth_j - max(resident, held_j))`` of
+    them. Steps ``window .. T - 1`` are counted (each has a full window before it)."""
+    d = np.asarray(depths, np.int64)
+    if d.ndim < 2 or not 1 <= window < d.shape[0]:
+        raise ValueError(f"depths must be [T, *N, D] with T > window >= 1, got shape {d.shape} and window {window}")
+    if not 0 <= resident <= N_PLANES:
+        raise ValueError(f"resident must lie in [0, {N_PLANES}] planes, got {resident}")
+    now = d[window:]
+    held = np.max(np.stack([d[window - w:d.shape[0] - w] for w in range(1, window + 1)]), axis=0)
+    read = np.maximum(now - resident, 0).sum(-1)
+    new = np.maximum(now - np.maximum(held, resident), 0).sum(-1)
+    kept = np.maximum(np.maximum(now, held) - resident, 0).sum(-1)
+    total = read.sum()
+    return PlaneReuse(resident, window, float(read.mean()), float(new.sum() / total) if total else 0.0,
+                      float(kept.mean()), int(kept.max()))

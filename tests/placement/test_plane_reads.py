@@ -6,7 +6,7 @@ import pytest
 from fathom_jax import calibrate
 from fathom_jax import planner as planner_lib
 from fathom_jax.methods import Fathom, FathomKLT, SparQ
-from fathom_jax.placement.plane_reads import PlaneReads, plane_read_counts, plane_reads
+from fathom_jax.placement.plane_reads import PlaneReads, plan_depths, plane_read_counts, plane_reads, plane_reuse
 
 
 def stats(variance) -> calibrate.Calibration:
@@ -68,6 +68,47 @@ def test_frequencies_match_the_planners_depths(rng, planner):
     np.testing.assert_allclose(reads.bits, np.asarray(plan.bits_per_token).mean(axis=(1, 2)), rtol=1e-6)
     np.testing.assert_allclose(reads.code_share.sum(axis=1), 1.0)
     assert np.all(np.diff(reads.read_frequency, axis=1) <= 0)
+    np.testing.assert_array_equal(plan_depths(Fathom(budget, planner=planner), q, stats(var)), depths)
+
+
+def _reuse_by_sets(depths, resident, window):
+    """The cache as sets of (group, channel, plane) read by each step: what :func:`plane_reuse` counts."""
+    t_steps, *groups, d = depths.shape
+    flat = depths.reshape(t_steps, -1, d)
+    reads = [{(n, c, i) for n in range(flat.shape[1]) for c in range(d) for i in range(resident, flat[t, n, c])}
+             for t in range(t_steps)]
+    read = new = 0
+    kept = []
+    for t in range(window, t_steps):
+        held = set().union(*reads[t - window:t])
+        read += len(reads[t])
+        new += len(reads[t] - held)
+        kept.append([len({x for x in reads[t] | held if x[0] == n}) for n in range(flat.shape[1])])
+    steps_groups = (t_steps - window) * flat.shape[1]
+    return read / steps_groups, new / max(read, 1), np.mean(kept), np.max(kept)
+
+
+@pytest.mark.parametrize("resident,window", [(0, 1), (1, 1), (1, 3), (2, 2), (4, 1)])
+def test_plane_reuse_counts_what_a_cache_of_the_last_steps_lacks(rng, resident, window):
+    depths = rng.integers(0, 5, size=(7, 2, 3, 6))  # [T, batch, Hkv, D]
+    reuse = plane_reuse(depths, resident, window)
+    read, new, held_mean, held_max = _reuse_by_sets(depths, resident, window)
+    assert (reuse.read, reuse.held_mean, reuse.held_max) == pytest.approx((read, held_mean, held_max))
+    assert reuse.new == pytest.approx(new)
+
+
+def test_plane_reuse_by_hand():
+    # one group, two channels; steps read depths (3, 1), (2, 2), (3, 2) with plane 0 resident
+    depths = np.array([[[3, 1]], [[2, 2]], [[3, 2]]])
+    reuse = plane_reuse(depths, resident=1, window=1)
+    # step 1 reads planes 1 of ch 0 and 1 of ch 1 (2); the cache of step 0 holds 1-2 of ch 0: new = ch 1's plane 1.
+    # step 2 reads 1-2 of ch 0 and 1 of ch 1 (3); step 1 held 1 of ch 0 and 1 of ch 1: new = ch 0's plane 2.
+    assert (reuse.read, reuse.new) == (2.5, 2 / 5)
+    assert (reuse.held_mean, reuse.held_max) == (3.0, 3)
+    with pytest.raises(ValueError, match="T > window"):
+        plane_reuse(depths, resident=1, window=3)
+    with pytest.raises(ValueError, match="resident must lie"):
+        plane_reuse(depths, resident=5, window=1)
 
 
 def test_bad_inputs_raise_clear_errors(rng):
