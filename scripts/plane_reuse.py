@@ -40,6 +40,7 @@ BUDGETS = (32, 48, 64)  # Fathom budgets named at D = 128
 WINDOWS = (1, 2, 4, 8)
 RESIDENT = (0, 1)
 ONE_M = 1 << 20
+PROMPT_TOKENS = 1024  # a set chosen from the prompt: the mean importance of its last queries before the decode steps
 
 
 def _host_reads(depths: np.ndarray, resident: int) -> np.ndarray:
@@ -74,7 +75,7 @@ def gain_new(depths: np.ndarray, mean_importance: np.ndarray, resident: int, slo
 
 
 def reuse_rows(inputs: str, depths_by_budget: dict, calib_by_budget: dict, head_dim: int, mean_importance,
-               **extra) -> list[dict]:
+               prompt_importance=None, **extra) -> list[dict]:
     """One row per (budget, resident planes, window) from ``depths [T, ...groups, D]`` per budget; the fixed set of
     the same bytes as the window's cache from the plans of calibration queries ``calib_by_budget``."""
     rows = []
@@ -86,7 +87,9 @@ def reuse_rows(inputs: str, depths_by_budget: dict, calib_by_budget: dict, head_
                              "head_dim": head_dim, "resident": resident, "window": window, "read": r.read, "new": r.new,
                              "held_mean": r.held_mean, "held_max": r.held_max, "steps": int(depths.shape[0]),
                              "static_new": static_new(depths, calib_by_budget[budget], resident, r.held_max),
-                             "gain_new": gain_new(depths, mean_importance, resident, r.held_max), **extra})
+                             "gain_new": gain_new(depths, mean_importance, resident, r.held_max),
+                             "prompt_new": None if prompt_importance is None else
+                             gain_new(depths, prompt_importance, resident, r.held_max), **extra})
         print(f"[{inputs}] budget {budget}: new share (p = 1, W = 1) "
               f"{next(r['new'] for r in rows if r['budget'] == budget and r['resident'] == 1 and r['window'] == 1):.3f}",
               flush=True)
@@ -143,8 +146,11 @@ def model_rows(model_name: str, context: int, positions: int, calibration_tokens
     title = known_model(model_name).title
     layers = list(getattr(cfg, "global_layers", range(cap.k.shape[0])))
     q_calib = jnp.stack([calib_cap.layer_queries(layer, calib_pos) for layer in range(calib_cap.q.shape[0])])
+    prompt_pos = np.arange(max(0, pos[0] - PROMPT_TOKENS), pos[0], dtype=np.int32)  # the prompt's last tokens
+    q_prompt = jnp.stack([cap.layer_queries(layer, prompt_pos) for layer in range(cap.q.shape[0])])
     return reuse_rows(f"{title.split(' (')[0]}, {context // 1024}k", depths(cap, pos), depths(calib_cap, calib_pos),
-                      cap.q.shape[-1], _mean_importance(q_calib, calib.variance), model=title), {
+                      cap.q.shape[-1], _mean_importance(q_calib, calib.variance),
+                      _mean_importance(q_prompt, calib.variance), model=title), {
         "model": title, "context": context, "positions": [int(pos[0]), int(pos[-1])], "layers": layers,
         "calibration_tokens": calibration_tokens}
 
@@ -197,9 +203,16 @@ def report(res: dict) -> str:
              "tokens one channel plane of one group is 128 KiB, so the Qwen3-8B step (36 layers x 8 groups) moves "
              "`read x 36 MiB` of planes without a cache and `new` of that with one, and the cache takes "
              "`held max x 36 MiB` of HBM (those columns: the rows of Qwen3-8B's D = 128 only).", "",
+             "Against a cache, sets chosen once, of the same bytes (each group's `held max` channel planes at W = 1, "
+             "or at W = 8): `fixed set` the ones the plans of calibration queries read most often (the calibration "
+             "text's for a model, independent Gaussian queries for the synthetic keys); `by mean gains` those with the "
+             "largest planner gains `g_j 4^-i` at the mean importance `E[sum_h q_j^2] Var(k_j)` of those queries "
+             "(statistics, no plans); `by the prompt's gains` the same at the mean importance of the model's own "
+             f"queries at the {PROMPT_TOKENS} positions before the decode steps (what a prefill could choose).", "",
              "| inputs | Fathom (at D = 128) | bits | p | read | new (W=1) | new (W=2) | new (W=4) | new (W=8) | "
-             "fixed set, bytes of W=1 / W=8: new | by mean gains: new | held W=1 mean / max | held W=8 mean / max | 1M: MB a step (no cache / W = 1) | 1M: cache GB (W = 1) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fixed set, bytes of W=1 / W=8: new | by mean gains: new | by the prompt's gains: new | held W=1 mean / max | "
+             "held W=8 mean / max | 1M: MB a step (no cache / W = 1) | 1M: cache GB (W = 1) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keyed = {(r["inputs"], r["budget"], r["resident"], r["window"]): r for r in res["rows"]}
     for inputs, budget, resident in dict.fromkeys((r["inputs"], r["budget"], r["resident"]) for r in res["rows"]):
         w = {window: keyed[(inputs, budget, resident, window)] for window in WINDOWS}
@@ -208,7 +221,8 @@ def report(res: dict) -> str:
         lines.append(
             f"| {inputs} | {one['budget_at_d128']} | {one['budget']} | {resident} | {one['read']:.1f} | "
             + " | ".join(f"{w[x]['new']:.3f}" for x in WINDOWS)
-            + f" | {w[1]['static_new']:.3f} / {w[8]['static_new']:.3f} | {w[1]['gain_new']:.3f}"
+            + f" | {w[1]['static_new']:.3f} / {w[8]['static_new']:.3f} | {w[1]['gain_new']:.3f} | "
+            + ("" if w[1].get("prompt_new") is None else f"{w[1]['prompt_new']:.3f}")
             + f" | {w[1]['held_mean']:.1f} / {w[1]['held_max']} | {w[8]['held_mean']:.1f} / {w[8]['held_max']} | "
             + (f"{one['read'] * mib * 2**20 / 1e6:.0f} / {one['read'] * one['new'] * mib * 2**20 / 1e6:.0f} | "
                f"{one['held_max'] * mib * 2**20 / 1e9:.2f} |" if one["head_dim"] == 128 else " | |"))
