@@ -124,7 +124,13 @@ jax.tree_util.register_dataclass(StorePlanes, data_fields=["planes", "scales", "
 class LayerTiers:
     """A stacked store in two tiers (:mod:`pallas_kernels.plane_layout`) at ``layer`` (an int or traced scalar), for
     groups ``group_start ..`` (static). ``tier_write`` writes layers ``layer ..`` of every group and reads no
-    ``scales`` (None there is fine)."""
+    ``scales`` (None there is fine).
+
+    ``warm`` (optional, device memory: the warm tier) holds copies of some channel planes past the resident ones,
+    chosen per group: ``warm_map[l, r, j, i]`` is one plus the row of ``warm[l, r]`` holding plane ``i`` of channel
+    ``j`` (0: none, so a map of zeros holds nothing). A channel's mapped planes are the ones right after the resident
+    planes (``[p_l, h_j)``), so a read of depth ``t`` crosses the link for planes ``[h_j, t)`` only; the cold tier
+    still holds every plane ``>= p_l``."""
 
     hot: jax.Array  # u32 [Nh, R, D, W]  planes i < p_l (device memory)
     cold: jax.Array  # u32 [Nc, R, D, W]  planes i >= p_l (pinned_host on the GPU)
@@ -132,6 +138,8 @@ class LayerTiers:
     table: jax.Array  # i32 [L, 3]  tier_table(resident)
     layer: jax.Array | int = 0
     group_start: int = 0
+    warm: jax.Array | None = None  # u32 [L, R, S, W]  copies of channel planes i >= p_l (device memory)
+    warm_map: jax.Array | None = None  # i32 [L, R, D, 4]  1 + the row of warm holding (channel, plane), or 0
 
     def check(self, request_groups: int, name: str) -> None:
         """Dtypes and shapes of the tiers and ``scales``; ``request_groups`` groups from ``group_start`` must lie in
@@ -150,11 +158,36 @@ class LayerTiers:
         if self.table.shape != (layers, 3):
             raise ValueError(f"tiers.table must be [L, 3] = [{layers}, 3], got {self.table.shape}")
         B.request_groups((groups,), (request_groups,), 0, self.group_start, name)
+        if (self.warm is None) != (self.warm_map is None):
+            raise ValueError("tiers.warm and tiers.warm_map come together (both or neither)")
+        if self.warm is not None:
+            B.check_array("tiers.warm", self.warm, ndim=4, dtypes=(jnp.uint32,))
+            B.check_array("tiers.warm_map", self.warm_map, ndim=4, dtypes=(jnp.int32,))
+            if self.warm.shape[:2] != (layers, groups) or self.warm.shape[3] != 2 * nb:
+                raise ValueError(f"tiers.warm must be [L, R, S, W] with L, R = {layers, groups} and W = {2 * nb}, got "
+                                 f"{self.warm.shape}")
+            if self.warm_map.shape != (layers, groups, d, N_PLANES):
+                raise ValueError(f"tiers.warm_map must be [L, R, D, 4] = {[layers, groups, d, N_PLANES]}, got "
+                                 f"{self.warm_map.shape}")
 
     def layer_index(self) -> jax.Array:
         """``layer`` as the kernels take it: ``i32 [1]``."""
         return jnp.reshape(jnp.asarray(self.layer, jnp.int32), (1,))
 
+    def warm_rows(self, channels: jax.Array) -> jax.Array:
+        """``i32 [Rc, C, 4]``: the row of ``warm`` holding each plane of slot ``c``'s channel ``channels[r, c]`` at
+        this layer (-1: none), for the window's groups (plain jnp)."""
+        layer = jnp.reshape(jnp.asarray(self.layer, jnp.int32), ())  # an int, a scalar or the kernels' i32 [1]
+        layer_map = jax.lax.dynamic_index_in_dim(self.warm_map, layer, keepdims=False)
+        window = layer_map[self.group_start:self.group_start + channels.shape[0]]  # [Rc, D, 4]
+        return jnp.take_along_axis(window, channels[:, :, None], axis=1) - 1
 
-jax.tree_util.register_dataclass(LayerTiers, data_fields=["hot", "cold", "scales", "table", "layer"],
-                                 meta_fields=["group_start"])
+    def first_planes(self, channels: jax.Array) -> jax.Array:
+        """``i32 [Rc, C]``: the first plane of each slot's channel that only the cold tier holds (``p_l`` plus its
+        planes in ``warm``): what a gather moves over the link starts there."""
+        p = jnp.asarray(self.table, jnp.int32)[jnp.reshape(jnp.asarray(self.layer, jnp.int32), ()), 0]
+        return p + jnp.sum((self.warm_rows(channels) >= 0).astype(jnp.int32), axis=-1)
+
+
+jax.tree_util.register_dataclass(LayerTiers, data_fields=["hot", "cold", "scales", "table", "layer", "warm",
+                                                          "warm_map"], meta_fields=["group_start"])

@@ -81,27 +81,41 @@ class PlaneScanConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ResidentPlanes:
-    """Planes ``[0, p_l)`` of a staged scan read in place from a tiered store's hot tier.
+    """Planes ``[0, p_l)`` of a staged scan read in place from a tiered store's hot tier (and its warm tier's planes
+    from there).
 
     With a staged buffer from :func:`pallas_kernels.tier_gather.tier_gather` (which stages only the planes past the
     resident ones), slot ``c`` of group ``r`` reads plane ``i < p_l`` from ``hot[table[layer, 1] + i, group_start + r,
-    channels[r, c]]`` of ``tiers`` and planes ``i >= p_l`` from the staged buffer. ``channels [Rc, C]``: the store
-    channel of each slot (the run list the gather staged)."""
+    channels[r, c]]`` of ``tiers``, a plane the warm tier holds from ``warm[layer, group_start + r, row]``
+    (:meth:`~pallas_kernels.operands.LayerTiers.warm_rows`), and the others from the staged buffer. ``channels [Rc,
+    C]``: the store channel of each slot (the run list the gather staged)."""
 
     tiers: LayerTiers
     channels: jax.Array  # i32 [Rc, C]
 
     def planes(self, staged):
-        """The staged buffer ``[Rc, C, 4, W]`` with its resident planes filled in from the hot tier (plain jnp)."""
+        """The staged buffer ``[Rc, C, 4, W]`` with its resident and warm planes filled in (plain jnp)."""
         tiers = self.tiers
         p, hot_row = tiers.table[tiers.layer, 0], tiers.table[tiers.layer, 1]
         groups = slice(tiers.group_start, tiers.group_start + self.channels.shape[0])
         hot = jnp.take_along_axis(tier_rows(tiers.hot, hot_row, groups), self.channels[..., None, None], axis=-3)
-        return jnp.where(jnp.arange(N_PLANES)[:, None] < p, hot, staged)
+        planes = jnp.where(jnp.arange(N_PLANES)[:, None] < p, hot, staged)
+        if tiers.warm is None:
+            return planes
+        rows = tiers.warm_rows(self.channels)  # [Rc, C, 4]
+        warm = jax.lax.dynamic_index_in_dim(tiers.warm, jnp.asarray(tiers.layer, jnp.int32), keepdims=False)[groups]
+        held = jnp.take_along_axis(warm[:, None], jnp.maximum(rows, 0)[..., None], axis=2)  # [Rc, C, 4, W]
+        return jnp.where(rows[..., None] >= 0, held, planes)
 
     def kernel_operands(self) -> tuple:
-        """What the kernel reads: ``(hot u32 [Nh, R, D, W], (p_l, first hot row) i32 [2], channels i32 [Rc, C])``."""
-        return self.tiers.hot, self.tiers.table[self.tiers.layer, :2], self.channels
+        """What the kernel reads: ``(hot u32 [Nh, R, D, W], (p_l, first hot row) i32 [2], channels i32 [Rc, C])``; with
+        a warm tier ``(p_l, first hot row, layer) i32 [3]`` and then ``(warm u32 [L, R, S, W], rows i32 [Rc, C, 4])``."""
+        tiers = self.tiers
+        info = tiers.table[tiers.layer, :2]
+        if tiers.warm is None:
+            return tiers.hot, info, self.channels
+        info = jnp.concatenate([info, tiers.layer_index()])
+        return tiers.hot, info, self.channels, tiers.warm, tiers.warm_rows(self.channels)
 
 
 jax.tree_util.register_dataclass(ResidentPlanes, data_fields=["tiers", "channels"], meta_fields=[])
@@ -164,6 +178,17 @@ def _validate_resident(resident: ResidentPlanes, store: StorePlanes, runs: RunLi
         raise ValueError(f"resident.tiers.hot must be [Nh, R, D, W = {store.width}] and table [L, 3], got "
                          f"{tiers.hot.shape}, {tiers.table.shape}")
     B.request_groups(tiers.hot.shape[1:2], runs.channels.shape[:1], 0, tiers.group_start, "plane_scan (resident)")
+    if (tiers.warm is None) != (tiers.warm_map is None):
+        raise ValueError("resident.tiers.warm and warm_map come together (both or neither)")
+    if tiers.warm is not None:
+        B.check_array("resident.tiers.warm", tiers.warm, ndim=4, dtypes=(jnp.uint32,))
+        B.check_array("resident.tiers.warm_map", tiers.warm_map, ndim=4, dtypes=(jnp.int32,))
+        if tiers.warm.shape[1] != tiers.hot.shape[1] or tiers.warm.shape[3] != store.width:
+            raise ValueError(f"resident.tiers.warm must be [L, R = {tiers.hot.shape[1]}, S, W = {store.width}], got "
+                             f"{tiers.warm.shape}")
+        if tiers.warm_map.shape[:2] != tiers.warm.shape[:2] or tiers.warm_map.shape[3] != N_PLANES:
+            raise ValueError(f"resident.tiers.warm_map must be [L, R, D, 4] of the warm tier's L, R, got "
+                             f"{tiers.warm_map.shape}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,8 +253,10 @@ def _plane_scan_pallas(q, store: StorePlanes, length, runs: RunList, extra: tupl
         order = jnp.argsort(-depths, axis=-1, stable=True)
         channels = jnp.take_along_axis(channels, order, axis=-1)
         depths = jnp.take_along_axis(depths, order, axis=-1)
-        if extra:  # the kernel reads slot k's resident planes at its store channel
-            extra = (*extra[:2], jnp.take_along_axis(extra[2], order, axis=-1))
+        if extra:  # the kernel reads slot k's resident planes at its store channel (and its warm rows)
+            hot, table, channels_in, *warm = extra
+            warm = warm and [warm[0], jnp.take_along_axis(warm[1], order[..., None], axis=1)]
+            extra = (hot, table, jnp.take_along_axis(channels_in, order, axis=-1), *warm)
     bounds = _class_bounds(depths)
     qc = jnp.take_along_axis(q.astype(jnp.float32), channels[:, None, :], axis=-1)
     split = WORD_BITS // config.lanes

@@ -45,14 +45,16 @@ def _stack_lanes(xs):
 
 class _Planes:
     """Reads slot ``k``'s plane words and block scales for one program (the store, or with resident planes the hot
-    tier for planes below ``p_l`` and the staged buffer for the rest)."""
+    tier for planes below ``p_l``, the warm tier for the planes it holds, and the staged buffer for the rest)."""
 
     def __init__(self, planes_ref, scales_ref, resident, *, layer, src, r, hot_group_start, emask):
         self.planes_ref, self.scales_ref, self.layer, self.src, self.emask = planes_ref, scales_ref, layer, src, emask
         self.resident = resident
         if resident:
-            self.hot_ref, tier_ref, self.rch_ref = resident
+            self.hot_ref, tier_ref, self.rch_ref, *warm = resident
+            self.warm_ref, self.wrow_ref = warm or (None, None)
             self.n_resident, self.hot_row = tier_ref[0], tier_ref[1]
+            self.warm_layer = tier_ref[2] if warm else None  # the tiers' layer (the staged buffer has none)
             self.hot_group = r + hot_group_start
             self.r = r
 
@@ -63,12 +65,22 @@ class _Planes:
     def word(self, k, j, p, cols):
         if not self.resident:
             return plgpu.load(self.planes_ref.at[self.layer, self.src, j, jnp.int32(p), cols], mask=self.emask, other=0)
-        # plane p from the hot tier or the staged buffer; the other load is masked off
-        staged = plgpu.load(self.planes_ref.at[self.layer, self.src, j, jnp.int32(p), cols],
-                            mask=self.emask & (p >= self.n_resident), other=0)
+        # plane p from the hot tier, the warm tier (where it holds it) or the staged buffer; the other loads are
+        # masked off
+        warm = None
+        if self.warm_ref is None:
+            staged = plgpu.load(self.planes_ref.at[self.layer, self.src, j, jnp.int32(p), cols],
+                                mask=self.emask & (p >= self.n_resident), other=0)
+        else:
+            wrow = self.wrow_ref[self.r, k, p]
+            warm = plgpu.load(self.warm_ref.at[self.warm_layer, self.hot_group, jnp.maximum(wrow, 0), cols],
+                              mask=self.emask & (wrow >= 0), other=0)
+            staged = plgpu.load(self.planes_ref.at[self.layer, self.src, j, jnp.int32(p), cols],
+                                mask=self.emask & (p >= self.n_resident) & (wrow < 0), other=0)
         row = jnp.clip(self.hot_row + p, 0, self.hot_ref.shape[0] - 1)
-        return staged | plgpu.load(self.hot_ref.at[row, self.hot_group, self.rch_ref[self.r, k], cols],
-                                   mask=self.emask & (p < self.n_resident), other=0)
+        words = staged | plgpu.load(self.hot_ref.at[row, self.hot_group, self.rch_ref[self.r, k], cols],
+                                    mask=self.emask & (p < self.n_resident), other=0)
+        return words if warm is None else words | warm
 
 
 def _bit_to(w, lane: int, s: int):

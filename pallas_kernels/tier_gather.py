@@ -16,9 +16,11 @@ fixed-size run list ``runs`` = ``channels [Rc, C]`` / ``depths [Rc, C]``, it wri
     staged_planes  u32 [Rc, C, 4, W]   slot c, plane p_l <= i < t_c: plane i of channel channels[c] (from cold)
     staged_scales  f16 [Rc, C, NB]     slot c with t_c > 0: scales[channels[c]]
 
-and leaves the slot's other planes and the slots of depth 0 unwritten: the plane scan reads planes ``i < p_l`` from
-the hot tier in place (:class:`pallas_kernels.plane_scan.ResidentPlanes`), no plane at or past ``t_c`` and no slot of
-depth 0, so nothing crosses HBM twice and only the deeper planes cross the link. Each (slot, plane) is one contiguous
+(with ``tiers.warm``, copies of chosen channel planes past ``p_l`` in device memory: planes ``h_c <= i < t_c``,
+``h_c`` the slot's first plane outside it, :meth:`~pallas_kernels.operands.LayerTiers.first_planes`) and leaves the
+slot's other planes and the slots of depth 0 unwritten: the plane scan reads planes ``i < p_l`` from the hot tier and
+the ``warm`` ones from the warm tier (:class:`pallas_kernels.plane_scan.ResidentPlanes`), no plane at or past ``t_c`` and
+no slot of depth 0, so nothing crosses HBM twice and only the deeper planes cross the link. Each (slot, plane) is one contiguous
 run of ``W`` words. The work items (the slots of depth > 0 only) and the persistent-programs grid are the run gather's
 (:func:`~pallas_kernels.gather.walk_items`, :class:`~pallas_kernels.gather.RunGatherConfig`).
 """
@@ -55,7 +57,8 @@ def tier_gather_reference(tiers: LayerTiers, runs: RunList) -> StorePlanes:
     planes = tier_rows(tiers.cold, cold_row - p, groups)  # [Rc, D, 4, W]: plane i as the cold tier would hold it
     sel = jnp.take_along_axis(planes, channels[:, :, None, None], axis=-3)  # [Rc, C, 4, W]
     plane = jnp.arange(N_PLANES)[:, None]
-    keep = (plane >= p) & (plane < depths[:, :, None, None])
+    first = p if tiers.warm is None else tiers.first_planes(channels)[:, :, None, None]
+    keep = (plane >= first) & (plane < depths[:, :, None, None])
     staged_planes = jnp.where(keep, sel, jnp.uint32(0))
     sc = jnp.take_along_axis(tiers.scales[tiers.layer][groups], channels[:, :, None], axis=-2)
     staged_scales = jnp.where(depths[:, :, None] > 0, sc, jnp.zeros((), tiers.scales.dtype))
@@ -63,11 +66,13 @@ def tier_gather_reference(tiers: LayerTiers, runs: RunList) -> StorePlanes:
 
 
 def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int):
-    """Copy work item (slot ``c`` of group ``r``, words ``i * chunk ..``) of the slot's planes in ``[p_l, t)``, from
-    the cold tier, and its scales; every load is issued before the first store."""
-    ch_ref, dep_ref, layer_ref, tier_ref, cold_ref, scales_ref, out_planes_ref, out_scales_ref = refs
+    """Copy work item (slot ``c`` of group ``r``, words ``i * chunk ..``) of the slot's planes in ``[p_l, t)`` (from
+    the slot's first plane outside the warm tier where the tiers have one), from the cold tier, and its scales; every load
+    is issued before the first store."""
+    ch_ref, dep_ref, layer_ref, tier_ref, cold_ref, scales_ref, *first_ref, out_planes_ref, out_scales_ref = refs
     layer, src = layer_ref[0], r + group_start
     p, cold_row = tier_ref[layer, 0], tier_ref[layer, 2]
+    first = first_ref[0][r, c] if first_ref else p
     j = ch_ref[r, c]
     t = dep_ref[r, c]
     w0 = i * chunk
@@ -75,7 +80,7 @@ def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int
     data = []
     for plane in range(N_PLANES):
         k = jnp.clip(cold_row + plane - p, 0, cold_ref.shape[0] - 1)
-        moved = wmask & (plane >= p) & (plane < t)
+        moved = wmask & (plane >= first) & (plane < t)
         data.append((plgpu.load(cold_ref.at[k, src, j, pl.ds(w0, chunk)], mask=moved, other=0), moved))
     half = chunk // 2
     s0 = i * half
@@ -89,10 +94,11 @@ def _copy_item(refs, r, c, i, valid, *, chunk: int, width: int, group_start: int
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def _tier_gather_pallas(tiers: LayerTiers, runs: RunList, after, *, config, interpret) -> StorePlanes:
     """``tiers.layer i32 [1]``; the kernel reads the cold tier, the table and the scales (the hot tier rides along
-    unread)."""
+    unread), and with a warm tier each slot's first plane outside it."""
     width = tiers.cold.shape[-1]
     copy = functools.partial(_copy_item, width=width, group_start=tiers.group_start)
-    return gather_call(copy, (tiers.layer, tiers.table, tiers.cold, tiers.scales), runs, after,
+    first = () if tiers.warm is None else (tiers.first_planes(runs.channels),)
+    return gather_call(copy, (tiers.layer, tiers.table, tiers.cold, tiers.scales, *first), runs, after,
                        staged_shape(runs, width, tiers.scales.dtype), config=config, interpret=interpret,
                        name=KERNEL_NAME)
 

@@ -41,6 +41,7 @@ from fathom_jax.models.attention import CacheShape
 from fathom_jax.models.prompt_attention import PREFILL_MLP_CHUNK, prefill_attention
 from fathom_jax.placement import Placement
 from fathom_jax.placement import host_memory
+from fathom_jax.placement.residency import prompt_importance
 from fathom_jax.rows.formats import RowFormat
 from fathom_jax.rows.layout import RowLayout, row_format
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
@@ -141,7 +142,7 @@ class SparseAttention:
         resident = self.placement.resident(layers)
         if not any(resident):
             return self.index_parts
-        return frozenset(p.placed(resident) for p in self.index_parts)
+        return frozenset(p.placed(resident, self.placement.warm_planes) for p in self.index_parts)
 
     # -- the CacheAttention protocol: how the decoder drives it ---------------------------------
     @property
@@ -227,22 +228,30 @@ class SparseAttention:
     def attend_prompt(self, cache: SparseCache, layer, q, keys, values, lengths):
         """The prompt's dense causal attention at ``layer``, and the cache with its rows written
         (:meth:`write_prompt`)."""
-        return prefill_attention(q, keys, values), self.write_prompt(cache, layer, keys, values, lengths)
+        return prefill_attention(q, keys, values), self.write_prompt(cache, layer, keys, values, lengths, q)
 
-    def write_prompt(self, cache: SparseCache, layer, keys, values, lengths) -> SparseCache:
+    def write_prompt(self, cache: SparseCache, layer, keys, values, lengths, queries=None) -> SparseCache:
         """Prefill: layer ``layer``'s post-RoPE ``keys, values [B, Hkv, T, Dh]`` of sequences of ``lengths [B]``
-        written into the cache (K/V rows and the index built from them), wherever it lives."""
+        written into the cache (K/V rows and the index built from them), wherever it lives. ``queries [B, Hkv, G, T,
+        Dh]`` (post-RoPE): what a placement with warm planes chooses them by (the prompt's importance), else unused."""
         b, hkv, t, d = keys.shape
         keys, values = keys.reshape(b * hkv, t, d), values.reshape(b * hkv, t, d)
         lengths = jnp.repeat(jnp.asarray(lengths, jnp.int32), hkv)
         session = None
         if self.session:
             session = calibrate_session(keys.astype(jnp.float32), length=lengths, skip_tokens=self.skip_tokens)
+        if not self.placement.warm_planes:
+            queries = None
+        elif queries is None:
+            raise ValueError(f"write_prompt: the placement keeps warm planes (warm_planes={self.placement.warm_planes}),"
+                             " chosen from the prompt's queries: pass queries [B, Hkv, G, T, Dh]")
+        else:
+            queries = queries.reshape(b * hkv, *queries.shape[2:])
         return self.placement.per_group(
-            self._write_groups, cache, keys, values, lengths, session, jnp.asarray(layer, jnp.int32),
-            axes=(1, 0, 0, 0, 0, None), out_axes=(cache, 1))
+            self._write_groups, cache, keys, values, lengths, session, queries, jnp.asarray(layer, jnp.int32),
+            axes=(1, 0, 0, 0, 0, 0, None), out_axes=(cache, 1))
 
-    def _write_groups(self, cache, keys, values, lengths, session, layer):
+    def _write_groups(self, cache, keys, values, lengths, session, queries, layer):
         keys, values = writes_lib.materialized(keys, values)
         if self.rows is not None:  # out-of-range values would come back wrong from the rows (checked at run time)
             valid = (jnp.arange(keys.shape[1]) < lengths[:, None])[..., None]
@@ -254,7 +263,8 @@ class SparseAttention:
         else:
             calib = self.corpus_calibration(layer, keys.shape[0])
         built = build_index(keys.astype(jnp.float32), calib, cache.index.parts, capacity=cache.capacity, length=lengths)
-        return writes_lib.write_layer(cache, layer, keys, values, built, self._writer())
+        importance = None if queries is None else prompt_importance(queries, calib.variance, lengths)
+        return writes_lib.write_layer(cache, layer, keys, values, built, self._writer(), importance)
 
     def start_decode(self, cache: SparseCache, lengths) -> SparseCache:
         """The cache with its per-sequence lengths set after the last prefill layer (placed like the cache's other

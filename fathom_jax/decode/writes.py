@@ -54,12 +54,14 @@ def materialized(keys, values):
     return jax.lax.optimization_barrier((keys, values))
 
 
-def write_layer(cache: SparseCache, layer, keys, values, built: KeyIndex, write: Writer) -> SparseCache:
-    """Prefill: layer ``layer``'s K/V rows (``keys, values [R, T, Dh]``) and its ``built`` index written."""
+def write_layer(cache: SparseCache, layer, keys, values, built: KeyIndex, write: Writer, importance=None
+                ) -> SparseCache:
+    """Prefill: layer ``layer``'s K/V rows (``keys, values [R, T, Dh]``) and its ``built`` index written;
+    ``importance [R, D]``: the prompt's, for plane stores that choose warm planes by it."""
     zero = jnp.zeros(keys.shape[:1], jnp.int32)
     kv = write(cache.kv, cache.layout.join(keys, values)[None], zero, 2, 0 if cache.shared_kv else layer)
     length = cache.index.length.at[layer].set(built.length)
-    data = tuple(part.write_layer(write, stacked, new, layer, length)
+    data = tuple(part.write_layer(write, stacked, new, layer, length, importance=importance)
                  for part, stacked, new in zip(cache.index.parts, cache.index.data, built.data))
     row_cache = cache.row_cache
     if row_cache is not None:  # the layer's rows are new: its slots are emptied

@@ -72,18 +72,18 @@ class IndexPart(abc.ABC):
         return data.head_dim
 
     # -- a stacked decode cache ``[L, R, ...]`` -------------------------------------------------------------
-    def placed(self, resident: tuple[int, ...]) -> "IndexPart":
-        """This part in a decode cache whose placement keeps ``resident[l]`` top planes of layer ``l`` in device
-        memory (only plane stores have planes to keep)."""
+    def placed(self, resident: tuple[int, ...], warm: int = 0) -> "IndexPart":
+        """This part in a decode cache whose placement keeps ``resident[l]`` top planes of layer ``l`` and ``warm``
+        channel planes per layer and group in device memory (only plane stores have planes to keep)."""
         return self
 
     def empty(self, alloc: Alloc, length, *, layers: int, groups: int, capacity: int, head_dim: int) -> Any:
         """Zeros for ``layers x groups`` sequences; ``length [L, R]`` is the index's own (shared) length array."""
         raise NotImplementedError(f"index part {self.name!r} has no place in a decode cache")
 
-    def write_layer(self, write: Write, stacked, built, layer, length) -> Any:
+    def write_layer(self, write: Write, stacked, built, layer, length, *, importance=None) -> Any:
         """``stacked`` with layer ``layer`` set to ``built`` (a prefill's data for that layer's groups); ``length
-        [L, R]`` is the index's length after it."""
+        [L, R]`` is the index's length after it; ``importance [R, D]``: the prompt's (a plane store's warm planes)."""
         raise NotImplementedError
 
     def add_token(self, stacked, layer, position: Int[Array, "R"], key: Float[Array, "R D"]):

@@ -24,6 +24,7 @@ class Planes(IndexPart):
     name: str
     rotation: Callable[[Calibration], KeyRotation] | None = None
     resident: tuple[int, ...] = ()  # a decode cache's planes [0, p_l) of layer l in device memory (placed)
+    warm: int = 0  # and its warm channel planes per layer and group (placed)
 
     writes_per_token: ClassVar[int] = 2  # plane words and scales
 
@@ -55,12 +56,15 @@ class Planes(IndexPart):
         return head_dim * (N_PLANES * fmt.plane_words(capacity) * 4 + capacity // BLOCK_TOKENS * 2)
 
     # -- a stacked decode cache: where its planes sit is the stacking's (one tier or two) ------------------
-    def placed(self, resident: tuple[int, ...]) -> "Planes":
-        return dataclasses.replace(self, resident=tuple(resident))
+    def placed(self, resident: tuple[int, ...], warm: int = 0) -> "Planes":
+        if warm and self.rotation is not None:
+            raise ValueError(f"warm_planes={warm}: warm planes are chosen by the raw keys' importance; the plane store "
+                             f"{self.name!r} holds rotated keys (use them with Fathom's raw planes)")
+        return dataclasses.replace(self, resident=tuple(resident), warm=warm)
 
     @property
     def stacking(self) -> OneTier | TwoTiers:
-        return stacking(self.resident)
+        return stacking(self.resident, self.warm)
 
     def bulk_bytes(self, *, layers, capacity, head_dim):
         return self.stacking.bulk_bytes(self, layers=layers, capacity=capacity, head_dim=head_dim)
@@ -69,8 +73,8 @@ class Planes(IndexPart):
         return self.stacking.empty(alloc, length, rotated=self.rotation is not None, layers=layers, groups=groups,
                                    capacity=capacity, head_dim=head_dim)
 
-    def write_layer(self, write, stacked, built, layer, length):
-        return self.stacking.write_layer(write, stacked, built, layer, length)
+    def write_layer(self, write, stacked, built, layer, length, *, importance=None):
+        return self.stacking.write_layer(write, stacked, built, layer, length, importance)
 
     def add_token(self, stacked, layer, position, key):
         return self.stacking.add_token(stacked, layer, position, key)

@@ -4,7 +4,8 @@
   placement puts bulk leaves; with every plane of every layer resident (``in_hbm``), in device memory whatever the
   placement (the index-in-HBM control).
 * :class:`TwoTiers`: planes ``[0, p_l)`` of layer ``l`` and the block scales in device memory, the rest in host
-  memory (a :class:`~fathom_jax.store.tiered.TieredPlaneStore`).
+  memory (a :class:`~fathom_jax.store.tiered.TieredPlaneStore`); with ``warm`` slots, copies of that many channel
+  planes past the resident ones per layer and group in device memory too, chosen at prefill from the prompt.
 
 Both hold the same codes, built, appended and cut by :class:`~fathom_jax.index.plane_part.Planes` alike; the
 stacking only says where a cache's planes sit and how a layer's blocks are written there.
@@ -22,6 +23,7 @@ from fathom_jax import format as fmt
 from fathom_jax import store as store_lib
 from fathom_jax.format import BLOCK_TOKENS, N_PLANES, WORDS_PER_BLOCK
 from fathom_jax.index.part import _small_like
+from fathom_jax.placement.residency import warm_choice, warm_sources
 from fathom_jax.store import KeyRotation, PlaneStore
 from fathom_jax.store.tiered import TieredPlaneStore
 
@@ -37,13 +39,17 @@ class PlaneBlock:
     tail: Float[Array, "R 64 D"]
 
 
-def stacking(resident: tuple[int, ...]) -> "OneTier | TwoTiers":
-    """The stacking for ``resident[l]`` planes of layer ``l`` in device memory (none: one tier)."""
+def stacking(resident: tuple[int, ...], warm: int = 0) -> "OneTier | TwoTiers":
+    """The stacking for ``resident[l]`` planes of layer ``l`` in device memory (none: one tier) and ``warm`` channel
+    planes per layer and group beside them."""
+    if warm and not any(resident):
+        raise ValueError(f"warm_planes={warm} keeps channel planes beside the resident ones: it needs resident_planes "
+                         ">= 1 for some layer (a store in two tiers)")
     if not any(resident):
         return OneTier()
     if all(p == N_PLANES for p in resident):
         return OneTier(in_hbm=True)
-    return TwoTiers(tuple(resident))
+    return TwoTiers(tuple(resident), warm)
 
 
 def _rotation(alloc, rotated: bool, *, layers: int, groups: int, head_dim: int) -> KeyRotation | None:
@@ -98,7 +104,8 @@ class OneTier:
             tail=alloc((layers, groups, BLOCK_TOKENS, d), jnp.float32, bulk=False), length=length,
             rotation=_rotation(alloc, rotated, layers=layers, groups=groups, head_dim=d))
 
-    def write_layer(self, write, stacked, built, layer, length):
+    def write_layer(self, write, stacked, built, layer, length, importance=None):
+        del importance  # no warm planes in one tier
         zero = jnp.zeros(built.length.shape, jnp.int32)
         put = lambda dst, src, axis: write(dst, src[None], zero, axis, layer)  # noqa: E731
         tail, rotation = _set_small(stacked, built, layer)
@@ -122,42 +129,74 @@ class OneTier:
 @dataclasses.dataclass(frozen=True)
 class TwoTiers:
     """Planes ``[0, p_l)`` of layer ``l`` and the block scales in HBM, planes ``[p_l, 4)`` in host memory, each tier
-    plane-major (:class:`~fathom_jax.store.tiered.TieredPlaneStore`); written with one ``tier_write`` per layer."""
+    plane-major (:class:`~fathom_jax.store.tiered.TieredPlaneStore`); written with one ``tier_write`` per layer.
+
+    ``warm`` > 0: a warm tier ``[L, R, warm, W]`` in HBM holds copies of that many channel planes past the resident
+    ones per layer and group, chosen when the layer is prefilled (from the prompt's importance) and written with every
+    block after; the cold tier still holds them, so a read is the same bits wherever a plane comes from."""
 
     resident: tuple[int, ...]
+    warm: int = 0
 
     def bulk(self, data):
-        return dataclasses.replace(_small_like(data, False), hot="device", cold=True, scales="device")
+        warm = {} if self.warm == 0 else {"warm": "device"}
+        return dataclasses.replace(_small_like(data, False), hot="device", cold=True, scales="device", **warm)
 
     def bulk_bytes(self, part, *, layers, capacity, head_dim) -> dict[str, int]:
         plane = head_dim * fmt.plane_words(capacity) * 4
         scales = layers * head_dim * (capacity // BLOCK_TOKENS) * 2
         hot = sum(self.resident) * plane
-        return {"planes": layers * N_PLANES * plane - hot, "planes_hbm": hot + scales}
+        warm = layers * self.warm * fmt.plane_words(capacity) * 4
+        return {"planes": layers * N_PLANES * plane - hot, "planes_hbm": hot + scales + warm}
 
     def empty(self, alloc, length, *, rotated, layers, groups, capacity, head_dim):
         d, w, hot = head_dim, fmt.plane_words(capacity), sum(self.resident)
+        warm = {}
+        if self.warm:  # a map of zeros: nothing warm until a layer is prefilled
+            warm = dict(warm=alloc((layers, groups, self.warm, w), jnp.uint32, bulk="device"),
+                        warm_map=alloc((layers, groups, d, N_PLANES), jnp.int32, bulk=False))
         return TieredPlaneStore(
             cold=alloc((layers * N_PLANES - hot, groups, d, w), jnp.uint32),  # largest first (host memory)
             hot=alloc((hot, groups, d, w), jnp.uint32, bulk="device"),
             scales=alloc((layers, groups, d, capacity // BLOCK_TOKENS), jnp.float16, bulk="device"),
             tail=alloc((layers, groups, BLOCK_TOKENS, d), jnp.float32, bulk=False), length=length,
-            rotation=_rotation(alloc, rotated, layers=layers, groups=groups, head_dim=d), resident=self.resident)
+            rotation=_rotation(alloc, rotated, layers=layers, groups=groups, head_dim=d), resident=self.resident,
+            **warm)
 
-    def write_layer(self, write, stacked, built, layer, length):
+    def write_layer(self, write, stacked, built, layer, length, importance=None):
+        """Layer ``layer`` prefilled; with warm planes, ``importance [R, D]`` chooses them
+        (:func:`~fathom_jax.placement.residency.warm_choice`)."""
         start = jnp.zeros(built.length.shape, jnp.int32)
         hot, cold = write.tiers(stacked.tiers(layer), built.planes[None], start)
         tail, rotation = _set_small(stacked, built, layer)
-        return dataclasses.replace(stacked, hot=hot, cold=cold, tail=tail, length=length, rotation=rotation,
-                                   scales=write(stacked.scales, built.scales[None], start, 3, layer))
+        stacked = dataclasses.replace(stacked, hot=hot, cold=cold, tail=tail, length=length, rotation=rotation,
+                                      scales=write(stacked.scales, built.scales[None], start, 3, layer))
+        if not self.warm:
+            return stacked
+        if importance is None:
+            raise ValueError(f"a plane store with warm planes (warm_planes={self.warm}) chooses them from the prompt: "
+                             "write_prompt needs its queries")
+        resident = jnp.asarray(self.resident, jnp.int32)[layer]
+        warm_map = warm_choice(importance, resident, self.warm)  # [R, D, 4]
+        stacked = dataclasses.replace(stacked, warm_map=stacked.warm_map.at[layer].set(warm_map))
+        return self._write_warm(write, stacked, built.planes[None], start, layer)
+
+    def _write_warm(self, write, stacked, words, start, layer):
+        """The warm rows of layers ``layer ..`` from their plane words ``words [Ls, R, D, 4, M]`` at word ``start [R]``."""
+        ls, r, d, _, m = words.shape
+        warm_map = jax.lax.dynamic_slice_in_dim(stacked.warm_map, jnp.asarray(layer, jnp.int32), ls)
+        sources, _ = warm_sources(warm_map, self.warm)  # [Ls, R, S]: rows no plane is mapped to copy a harmless one
+        rows = jnp.take_along_axis(words.reshape(ls, r, d * N_PLANES, m), sources[..., None], axis=2)
+        return dataclasses.replace(stacked, warm=write(stacked.warm, rows, start, 3, layer))
 
     def add_token(self, stacked, layer, position, key):
         tail, rotation, block = add_token(stacked, layer, position, key)
         return dataclasses.replace(stacked, tail=tail, length=position + 1, rotation=rotation), block
 
     def write_blocks(self, write, stacked, words, scale, block, due, layer):
-        """As :meth:`OneTier.write_blocks`, each plane to its tier."""
+        """As :meth:`OneTier.write_blocks`, each plane to its tier (and to its warm row where it has one)."""
         block = jnp.where(due, block, stacked.scales.shape[-1])
         hot, cold = write.tiers(stacked.tiers(layer), words, block * WORDS_PER_BLOCK)
-        return dataclasses.replace(stacked, hot=hot, cold=cold,
-                                   scales=write(stacked.scales, scale[..., None], block, 3, layer))
+        stacked = dataclasses.replace(stacked, hot=hot, cold=cold,
+                                      scales=write(stacked.scales, scale[..., None], block, 3, layer))
+        return stacked if not self.warm else self._write_warm(write, stacked, words, block * WORDS_PER_BLOCK, layer)

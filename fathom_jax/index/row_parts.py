@@ -145,7 +145,7 @@ class BlockRows(IndexPart):
         return self._data(alloc((layers, groups, capacity // self.tokens, self.width(head_dim)), jnp.float16),
                           alloc((layers, groups, self.tokens, head_dim), jnp.float32, bulk=False))
 
-    def write_layer(self, write, stacked, built, layer, length):
+    def write_layer(self, write, stacked, built, layer, length, *, importance=None):
         zero = jnp.zeros(built.rows.shape[:1], jnp.int32)
         rows = write(stacked.rows, built.rows[None], zero, 2, layer)
         return self._data(rows, stacked.tail.at[layer].set(built.tail))

@@ -20,10 +20,11 @@ LONG = np.random.default_rng(7).integers(0, 97, (2, 60)).astype(np.int32)
 LENGTHS = np.array([60, 45])
 
 
-def decode_run(model, resident, implementation, **step):
+def decode_run(model, resident, implementation, warm=0, **step):
     """Prefill (60 / 45 tokens) and 5 decode steps (crossing a 64-token block): (logits [6, B, V], cache, hook)."""
     attn = decode.from_spec("fathom:16", k=12, sink=2, local=4, calibration="session", implementation=implementation,
-                            placement=Placement("pinned_host", resident_planes=resident), step=StepConfig(**step))
+                            placement=Placement("pinned_host", resident_planes=resident, warm_planes=warm),
+                            step=StepConfig(**step))
     logits, cache, attn = generation.prefill(model, LONG, LENGTHS, attn, 72)
     out = [np.asarray(logits)]
     for t in range(5):
@@ -77,6 +78,47 @@ def test_resident_planes_decode_the_same_bits(tiny_model, implementation, reside
         assert calls["tier_gather"] >= 1 and calls["run_gather"] == 0 and calls["tier_write"] >= 1, calls
 
 
+@pytest.mark.parametrize("implementation,resident,step", [
+    ("xla", (1, 2, 1), {}),
+    ("triton", 1, {}),  # interpreted on the CPU: the warm tier read by the tiered gather and the scan
+    pytest.param("triton", (1, 2, 1), dict(pipeline=2, index_writes="full_blocks"), marks=ON_GPU, id="gpu")])
+def test_warm_planes_decode_the_same_bits(tiny_model, implementation, resident, step):
+    """Warm channel planes beside the resident ones: the logits equal the cache's without them bit for bit; every warm
+    row holds the plane its map names after the appends (a block crossed), the map gives each group its 5 channel
+    planes past the resident ones, following them with no gap; and the step's tiered gather and scan read them."""
+    want, want_cache, want_attn = decode_run(tiny_model, resident, implementation, **step)
+    got, cache, attn = decode_run(tiny_model, resident, implementation, warm=5, **step)
+    np.testing.assert_array_equal(got, want)
+    if step.get("index_writes") == "full_blocks":
+        cache = decode.flush(cache, attn)
+    store, planes = cache.index["raw"], planes_of(cache)
+    warm, warm_map = np.asarray(store.warm), np.asarray(store.warm_map)
+    per_layer = attn.placement.resident(3)
+    for layer, p in enumerate(per_layer):
+        for r in range(warm_map.shape[1]):
+            mapped = np.argwhere(warm_map[layer, r] > 0)
+            assert len(mapped) == 5 and np.all(mapped[:, 1] >= p)
+            for c, i in mapped:
+                np.testing.assert_array_equal(warm[layer, r, warm_map[layer, r, c, i] - 1], planes[layer, r, c, i])
+                assert i == p or warm_map[layer, r, c, i - 1] > 0  # right after the resident planes, no gap
+    if implementation == "triton":
+        from flax import nnx
+
+        from tests.support import jaxpr_pallas_calls
+
+        _, state = nnx.split(tiny_model)
+
+        def operands(cache, attn, name):
+            jaxpr = generation.decode_step_program(tiny_model, cache, attn).trace(
+                state, jnp.asarray(LONG[:, 5]), None, cache=cache).jaxpr
+            return sorted(len(eqn.invars) for eqn in jaxpr_pallas_calls(jaxpr, name))
+
+        # the gather takes each slot's first cold plane, the scan the warm tier and each slot's warm rows
+        gathers, scans = operands(cache, attn, "tier_gather"), operands(cache, attn, "fathom_plane_scan")
+        assert gathers and gathers == [n + 1 for n in operands(want_cache, want_attn, "tier_gather")]
+        assert scans and scans == [n + 2 for n in operands(want_cache, want_attn, "fathom_plane_scan")]
+
+
 def test_cache_bytes_by_tier():
     """The bytes a tiered cache holds, by tier, equal what cache_bytes predicts; the hot planes and scales are in
     device memory."""
@@ -90,6 +132,30 @@ def test_cache_bytes_by_tier():
     assert want["planes"] == 9 * plane and want["planes_hbm"] == 3 * plane + 3 * 6 * 16 * (256 // 64) * 2
     assert decode.cache_bytes(attn.index_parts, rows, n_layers=3, groups=6, capacity=200)[
         "planes"] == 12 * plane + 3 * 6 * 16 * 4 * 2
+    warm = decode.from_spec("fathom:16", k=40, placement=Placement("pinned_host", resident_planes=(1, 2, 0),
+                                                                     warm_planes=5))
+    cache = warm.init_cache(shape)
+    got = decode.cache_bytes(warm.cache_parts(3), rows, n_layers=3, groups=6, capacity=200)
+    assert cache.nbytes() == got and got["planes"] == want["planes"]
+    assert got["planes_hbm"] == want["planes_hbm"] + 3 * 6 * 5 * (256 // 32) * 4  # [L, R, S, W] words
+
+
+def test_placement_checks_warm_planes():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="warm_planes must be an int >= 0"):
+            Placement("pinned_host", resident_planes=1, warm_planes=bad)
+    with pytest.raises(ValueError, match="use it with memory='pinned_host' and resident_planes >= 1"):
+        Placement("pinned_host", warm_planes=4)
+    with pytest.raises(ValueError, match="holds rotated keys"):
+        decode.from_spec("fathom_klt:8", k=40, placement=Placement("pinned_host", resident_planes=1,
+                                                                   warm_planes=4)).cache_parts(2)
+    attn = decode.from_spec("fathom:8", k=40, placement=Placement("pinned_host", resident_planes=1, warm_planes=4))
+    shape = CacheShape(layers=2, batch=1, kv_heads=2, capacity=128, head_dim=16, dtype=jnp.bfloat16)
+    attn = attn.bind(shape)
+    cache = attn.init_cache(shape)
+    keys = jnp.ones((1, 2, 64, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="chosen from the prompt's queries: pass queries"):
+        attn.write_prompt(cache, 0, keys, keys, jnp.full((1,), 64, jnp.int32))
 
 
 def test_placement_checks_resident_planes():

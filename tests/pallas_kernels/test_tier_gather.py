@@ -29,6 +29,29 @@ def split_tiers(planes, resident):
     return jnp.asarray(np.stack(hot)), jnp.asarray(np.stack(cold))
 
 
+def warm_tier(rng, planes, resident, slots):
+    """A warm tier of ``slots`` rows per (layer, group) over ``planes [L, R, D, 4, W]`` (numpy): each channel keeps a
+    random number of the planes right after the layer's resident ones, rows in a random order, unused rows random
+    words. Returns ``(warm [L, R, S, W], warm_map [L, R, D, 4], first [L, R, D])`` (the map holds 1 + the row, 0 for
+    none): ``first`` the first plane only the cold tier holds."""
+    planes = np.asarray(planes)
+    layers, groups, d, _, w = planes.shape
+    warm = rng.integers(0, 2**32, (layers, groups, slots, w), dtype=np.uint32)
+    warm_map = np.zeros((layers, groups, d, 4), np.int32)
+    first = np.zeros((layers, groups, d), np.int32)
+    for layer, p in enumerate(resident):
+        for r in range(groups):
+            rows = list(rng.permutation(slots))
+            for c in rng.permutation(d):
+                count = min(int(rng.integers(0, 4 - p + 1)), len(rows))
+                for i in range(p, p + count):
+                    row = rows.pop()
+                    warm_map[layer, r, c, i] = row + 1
+                    warm[layer, r, row] = planes[layer, r, c, i]
+                first[layer, r, c] = p + count
+    return jnp.asarray(warm), jnp.asarray(warm_map), first
+
+
 def run_list(rng, r, c=7):
     ch = jnp.asarray(rng.integers(0, D, (r, c)), jnp.int32)
     return RunList(ch, jnp.asarray(rng.integers(0, 5, (r, c)), jnp.int32))
@@ -66,6 +89,62 @@ class TestTierGather(KernelTestBase):
         window = slice(group_start, group_start + groups)
         assert_staged(got.planes, got.scales, *np_run_gather(planes[1][window], scales[1][window], runs.channels,
                                                              runs.depths), runs.depths, resident[1])
+
+    @pytest.mark.parametrize("group_start,programs", [(0, 0), (2, 3)])
+    def test_warm_tier_planes_stay_off_the_link(self, impl, rng, group_start, programs):
+        """With a warm tier each slot's staged planes start at its channel's first plane outside it: those equal the
+        one-tier gather's, and the planes the warm tier holds are not staged (the reference leaves zeros)."""
+        planes, scales, _ = random_store_arrays(rng, (3, 5), D, 320)
+        resident = (1, 0, 2)
+        hot, cold = split_tiers(planes, resident)
+        warm, warm_map, first = warm_tier(rng, planes, resident, slots=12)
+        table = jnp.asarray(tier_table(resident))
+        runs = run_list(rng, 3)
+        window = slice(group_start, group_start + 3)
+        gather = jax.jit(lambda c, s, layer: TG.tier_gather(
+            LayerTiers(hot, c, s, table, layer, group_start, warm, warm_map), runs,
+            config=RG.RunGatherConfig(chunk=4, programs=programs), **impl.kw))
+        for layer in range(3):
+            got = gather(host(cold, impl), scales, jnp.int32(layer))
+            slot_first = np.take_along_axis(first[layer][window], np.asarray(runs.channels), axis=-1)
+            want = np_run_gather(planes[layer][window], scales[layer][window], runs.channels, runs.depths)
+            assert_staged(got.planes, got.scales, *want, runs.depths, slot_first[..., None])
+            if not impl.is_kernel:
+                plane = np.arange(4)[None, None, :]
+                assert not np.asarray(got.planes)[plane < slot_first[..., None]].any()
+            np.testing.assert_array_equal(LayerTiers(hot, cold, scales, table, layer, group_start, warm, warm_map)
+                                          .first_planes(runs.channels), slot_first)
+
+    def test_scan_with_warm_planes_equals_the_scan_of_one_tier(self, impl, rng):
+        """Resident planes from the hot tier, the warm tier's planes from there, the rest staged: the scan equals the
+        plane scan of the store in one tier (unsorted lists too: the kernel's sort carries each slot's warm rows)."""
+        group_start = 1
+        planes, scales, length = random_store_arrays(rng, (2, 4), D, 448)
+        resident = (1, 2)
+        hot, cold = split_tiers(planes, resident)
+        warm, warm_map, _ = warm_tier(rng, planes, resident, slots=20)
+        table = jnp.asarray(tier_table(resident))
+        groups = slice(group_start, group_start + 3)
+        q = jnp.asarray(rng.standard_normal((3, 4, D)), jnp.float32)
+        for runs in (PS.active_channels(jnp.asarray(rng.integers(0, 5, (3, D)), jnp.int32), max_active=10),
+                     run_list(rng, 3)):
+            q_staged = jnp.take_along_axis(q, runs.channels[:, None, :], axis=-1)
+            for layer in (0, 1):
+                tiers = LayerTiers(hot, host(cold, impl), scales, table, jnp.int32(layer), group_start, warm, warm_map)
+                staged = TG.tier_gather(tiers, runs, **impl.kw)
+                resident_planes = PS.ResidentPlanes(tiers, runs.channels)
+                for config in (None, PS.PlaneScanConfig(math="f16x2")):
+                    got = jax.jit(lambda q, st, n, rl, r, config=config: PS.plane_scan(
+                        q, st, n, rl, resident=r, config=config, **impl.kw))(
+                        q_staged, staged, length[layer][groups], runs.slots(), resident_planes)
+                    want = np_plane_scan(q, planes[layer][groups], scales[layer][groups], length[layer][groups],
+                                         runs.channels, runs.depths)
+                    if config is None:
+                        assert_scores_close(got, want)
+                    else:  # the packed-f16 kernel within its bound (the reference is the f32 one)
+                        bound = PS.f16x2_error_bound(q, StorePlanes(planes[layer][groups], scales[layer][groups]),
+                                                     runs)
+                        assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= np.asarray(bound)[:, None] + 1e-6)
 
     def test_scan_with_resident_planes_in_place_equals_the_scan_of_one_tier(self, impl, rng):
         """The staged buffer scanned with the identity list, planes below p_l read from the hot tier in place, ==
@@ -108,6 +187,22 @@ def test_tier_gather_lowers_to_triton_and_validates():
         implementation="triton", interpret=False), z((2, 4, 5)), z((2, 5, 4, 20), jnp.uint32),
         z((2, 5, 10), jnp.float16), hot)
     assert text.count(f'name = "{PS.KERNEL_NAME}"') == 1
+    warm, warm_map = z((2, 2, 6, 20), jnp.uint32), z((2, 2, D, 4), jnp.int32)
+    text = lower_triton_text(lambda c, s, t, layer: TG.tier_gather(
+        LayerTiers(hot, c, s, t, layer, 0, warm, warm_map), runs, implementation="triton", interpret=False),
+        cold, scales, table, jnp.int32(0))
+    assert text.count(f'name = "{TG.KERNEL_NAME}"') == 1
+    for config in (None, PS.PlaneScanConfig(math="f16x2")):
+        text = lower_triton_text(lambda q, p, s, h, config=config: PS.plane_scan(
+            q, StorePlanes(p, s), z((2,), jnp.int32), runs, config=config,
+            resident=PS.ResidentPlanes(LayerTiers(h, cold, scales, table, jnp.int32(1), 0, warm, warm_map), ch),
+            implementation="triton", interpret=False), z((2, 4, 5)), z((2, 5, 4, 20), jnp.uint32),
+            z((2, 5, 10), jnp.float16), hot)
+        assert text.count('name = "fathom_plane_scan') == 1
+    with pytest.raises(ValueError, match="warm and tiers.warm_map come together"):
+        TG.tier_gather(LayerTiers(hot, cold, scales, table, 0, 0, warm), runs)
+    with pytest.raises(ValueError, match=r"warm_map must be \[L, R, D, 4\]"):
+        TG.tier_gather(LayerTiers(hot, cold, scales, table, 0, 0, warm, warm_map[..., :3]), runs)
     with pytest.raises(ValueError, match="table must be"):
         TG.tier_gather(LayerTiers(hot, cold, scales, z((3, 3), jnp.int32), 0), runs)
     with pytest.raises(ValueError, match="cold must be"):
