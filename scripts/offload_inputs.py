@@ -120,7 +120,8 @@ def inputs_lines(att: list[dict]) -> list[str]:
         return []
 
     def group(r):
-        return (r["method"], r["context"], r["batch"], r.get("resident_planes", 0), r.get("rows", "model"))
+        return (r["method"], r["context"], r["batch"], r.get("resident_planes", 0), r.get("warm_planes", 0),
+                r.get("rows", "model"))
 
     control = {(r["method"], r["batch"], r["inputs"]): r for r in named if r["memory"] != "pinned_host"}
     lines = ["## Today's inputs against honest ones", "",
@@ -139,7 +140,8 @@ def inputs_lines(att: list[dict]) -> list[str]:
         ctl_text = f"{ctl['median_ms']:.2f} ({ctl['context']})" if ctl else ""
         ratio = f"{r['median_ms'] / base['median_ms']:.2f}x" if base and base is not r else ""
         share = r.get("plane0_share")
-        lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r.get('resident_planes', 0)} | {r['inputs']} | "
+        warm = f" + {r['warm_planes']} warm" if r.get("warm_planes") else ""
+        lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r.get('resident_planes', 0)}{warm} | {r['inputs']} | "
                      f"{r.get('query_drift') or 'none'} | {'' if share is None else f'{100 * share:.1f}%'} | "
                      f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | "
                      f"{r['median_ms'] / r['link_floor_ms']:.2f} | {ctl_text} | {ratio} |")

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fathom_jax import decode, distributed
+from fathom_jax import decode, distributed, planner
 from fathom_jax.models import generation
 from fathom_jax.placement import attach_bulk, split_bulk
+from fathom_jax.placement.residency import warm_choice
 from fathom_jax.rows.layout import RowLayout
 from scripts import harness
 from scripts.offload_report import write_report
@@ -95,7 +96,7 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
     format's words with their scales)."""
     method = attn.method
     row_bytes = RowLayout.of(attn.rows, cfg.head_dim, jnp.bfloat16).row_bytes
-    resident = attn.placement.resident(cfg.n_layers)
+    resident, warm = attn.placement.resident(cfg.n_layers), attn.placement.warm_planes
     bits, link_bits, plane0, code = [], [], 0.0, 0.0
     for layer in range(cfg.n_layers):
         c = attn.corpus_calibration(layer, q.shape[1])
@@ -103,8 +104,12 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
         bits.append(np.asarray(read.bits))
         depths = np.asarray(getattr(read, "depths", np.zeros((1, 1))))
         plane0, code = plane0 + float((depths > 0).sum()), code + float(depths.sum())
-        if resident[layer]:  # planes below the resident count and every scale are read in HBM
-            link_bits.append(np.maximum(depths - resident[layer], 0).sum(-1).astype(np.float64))
+        if resident[layer]:  # planes below the resident count (and the warm ones) and every scale are read in HBM
+            first = resident[layer]
+            if warm:  # as the fill chose them: the step's queries are the prompt's (build_cache)
+                importance = planner.importance(q[layer], c.variance)
+                first = first + np.sum(np.asarray(warm_choice(importance, resident[layer], warm)) > 0, axis=-1)
+            link_bits.append(np.maximum(depths - first, 0).sum(-1).astype(np.float64))
         else:
             link_bits.append(np.asarray(read.bits, np.float64))
     bits = np.stack(bits)  # [L, R]
@@ -184,8 +189,9 @@ def _first_cache(run: Run, context, labels, batch, placement, rows, inputs=None)
     calib, scale = run.statistics(inputs)
     first = hook(METHODS[labels[0]], calib, args.k, placement, args.implementation,
                  shape=cache_shape(run.cfg, batch, context), rows=rows["format"])
+    queries = random_step_inputs(run.cfg, batch)[0] if placement.warm_planes else None  # warm planes: the step's
     return placement, rows, shared, build_cache(first, run.cfg, scale, context=context, batch=batch,
-                                                shared_kv=shared)
+                                                shared_kv=shared, queries=queries)
 
 
 def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag="", rows=None, inputs=None):
@@ -243,7 +249,7 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
         nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
         floor_ms = (nbytes["link_scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
         held = cache.nbytes()
-        tiers = {"resident_planes": placement.resident_planes,
+        tiers = {"resident_planes": placement.resident_planes, "warm_planes": placement.warm_planes,
                  "index_host_bytes": float(index_host_bytes(held)),
                  "index_hbm_bytes": float(held.get("planes_hbm", 0))}
         if not placement.offloaded:  # the HBM control: no link traffic

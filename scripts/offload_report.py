@@ -343,17 +343,20 @@ def tier_lines(att: list[dict]) -> list[str]:
     base = {(r["method"], r["context"], r["batch"], r.get("rows", "model")): r for r in rows if not r["resident_planes"]}
     lines = ["## Resident planes", "",
              "`p`: planes [0, p) of every channel, and every block scale, in HBM; planes [p, 4) in pinned host memory "
-             "(p = 4: the whole index in HBM). Link MB: the planned planes (and, at p = 0, scales) that cross the link "
-             "per step; the floor adds the selected rows (max) at the link rate measured in the run.", "",
+             "(p = 4: the whole index in HBM); `+ S warm`: S more channel planes per layer and group in HBM, chosen "
+             "from the step's queries (`Placement.warm_planes`). Link MB: the planned planes (and, at p = 0, scales) "
+             "that cross the link per step; the floor adds the selected rows (max) at the link rate measured in the "
+             "run.", "",
              "| method | context | batch | p | index host GB | index HBM GB | link MB (planes) | rows MB (max) | ms | "
              "tokens/s | link floor ms | vs p = 0 | link bytes vs p = 0 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["method"], r["context"], r["batch"], r.get("rows", "model"),
-                                         str(r["resident_planes"]))):
+                                         str(r["resident_planes"]), r.get("warm_planes", 0))):
         b = base.get((r["method"], r["context"], r["batch"], r.get("rows", "model")))
         speed = f"{b['median_ms'] / r['median_ms']:.2f}x" if b else ""
         share = f"{r['link_scan_bytes'] / b['link_scan_bytes']:.2f}" if b and b["link_scan_bytes"] else ""
-        lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['resident_planes']} | "
+        p = f"{r['resident_planes']}" + (f" + {r['warm_planes']} warm" if r.get("warm_planes") else "")
+        lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {p} | "
                      f"{r['index_host_bytes'] / 1e9:.2f} | {r['index_hbm_bytes'] / 1e9:.2f} | "
                      f"{r['link_scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
                      f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['batch'] / r['median_ms'] * 1e3:.1f} | "

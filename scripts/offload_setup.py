@@ -113,25 +113,30 @@ def cache_shape(cfg, batch: int, context: int) -> CacheShape:
                       head_dim=cfg.head_dim, dtype=jnp.bfloat16)
 
 
-def _fill_fn(cfg, context, attn, layer, key, scale, cache):
-    """One layer's synthetic keys (``scale`` the channels' scales per group) and values, written as a prefill would."""
+def _fill_fn(cfg, context, attn, layer, key, scale, queries, cache):
+    """One layer's synthetic keys (``scale`` the channels' scales per group) and values, written as a prefill would;
+    ``queries [R, G, D]`` (a placement with warm planes): the prompt's queries, the same at every position."""
     b, hkv, d = cache.batch, cfg.n_kv_heads, cfg.head_dim
     k1, k2 = jax.random.split(key)
     keys = jax.random.normal(k1, (b, hkv, context, d), jnp.float32) * scale.reshape(b, hkv, 1, d)
     values = jax.random.normal(k2, (b, hkv, context, d), jnp.bfloat16)
-    return None, attn.write_prompt(cache, layer, keys.astype(jnp.bfloat16), values, jnp.full((b,), context, jnp.int32))
+    if queries is not None:
+        queries = jnp.broadcast_to(queries.reshape(b, hkv, -1, 1, d), (b, hkv, queries.shape[1], context, d))
+    return None, attn.write_prompt(cache, layer, keys.astype(jnp.bfloat16), values, jnp.full((b,), context, jnp.int32),
+                                   queries)
 
 
-def build_cache(attn, cfg, scale, *, context, batch, shared_kv, seed=0):
+def build_cache(attn, cfg, scale, *, context, batch, shared_kv, seed=0, queries=None):
     """A cache holding ``context`` tokens per sequence, room for 64 more, filled layer by layer (``attn`` bound to
-    its shape)."""
+    its shape); ``queries [L, R, G, D]``: what a placement with warm planes chooses them by (the step's)."""
     cache = attn.init_cache(cache_shape(cfg, batch, context), shared_kv=shared_kv)
     r, d = batch * cfg.n_kv_heads, cfg.head_dim
     scale_r = jnp.asarray(np.tile(scale, (1, batch, 1)).reshape(cfg.n_layers, r, d))
     fill = attn.program(_fill_fn, cache, static=(cfg, context))  # donated; in host memory written in place
     key = jax.random.key(seed)
     for layer in range(cfg.n_layers):
-        _, cache = fill(jnp.int32(layer), jax.random.fold_in(key, layer), scale_r[layer], cache=cache)
+        _, cache = fill(jnp.int32(layer), jax.random.fold_in(key, layer), scale_r[layer],
+                        None if queries is None else queries[layer], cache=cache)
     cache = attn.start_decode(cache, jnp.full((batch,), context, jnp.int32))
     return jax.block_until_ready(cache)
 
@@ -198,7 +203,7 @@ def rows_tag(rows: dict) -> str:
 # deleted, kept for their rows)
 SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
                   "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
-                  "resident_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union", "order": "xla", "scan": "default"}
+                  "resident_planes": 0, "warm_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union", "order": "xla", "scan": "default"}
 
 
 def options_text(options) -> str:
@@ -243,6 +248,7 @@ def split_text(r: dict) -> str:
         text = f"gather {r['gather_programs']}" if r.get("gather_programs") else ""
     extra = ([f"rows {r['rows']}"] if r.get("rows", "model") != "model" else []) + \
             ([f"resident planes {r['resident_planes']}"] if r.get("resident_planes") else []) + \
+            ([f"warm planes {r['warm_planes']}"] if r.get("warm_planes") else []) + \
             ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
             (["top-k split"] if r.get("topk", "single") != "single" else []) + \
             ([f"scan {r['scan']}"] if r.get("scan", "default") != "default" else []) + \

@@ -215,3 +215,28 @@ def test_rows_entries_and_their_errors(capsys):
         with pytest.raises(SystemExit):
             bench_offload.main(["--smoke", "--rows", bad, "--out", "/nonexistent"])
         assert "--rows:" in capsys.readouterr().err
+
+
+def test_warm_planes_rows_on_cpu(tmp_path, monkeypatch):
+    """``--resident-planes 1 --warm-planes 0,8``: a row with warm planes beside one without (tiny shapes, XLA
+    kernels): the warm tier's HBM bytes counted, fewer plane bytes over the link (the step's queries chose them), the
+    report's tier table naming it; warm planes with no resident plane make no row."""
+    import dataclasses
+
+    cfg = dataclasses.replace(bench_offload.SMOKE, head_dim=128, n_heads=4, n_layers=2)
+    monkeypatch.setattr(bench_offload, "SMOKE", cfg)
+    bench_offload.main(["--smoke", "--implementation", "xla", "--out", str(tmp_path), "--tag", "warm",
+                        "--sections", "attn", "--contexts", "128", "--methods", "Fathom 48", "--k", "64",
+                        "--steps", "1", "--repeats", "1", "--resident-planes", "0,1", "--warm-planes", "0,8",
+                        "--share-kv-from", "none"])
+    res = json.load(open(tmp_path / "offload_warm.json"))
+    assert not res["errors"], res["errors"]
+    got = {(r["resident_planes"], r["warm_planes"]): r for r in res["rows"]}
+    assert set(got) == {(0, 0), (1, 0), (1, 8)}
+    cold, warm = got[1, 0], got[1, 8]
+    words = (128 + 64) // 32  # the cache's room: the context and 64 more tokens
+    assert warm["index_hbm_bytes"] - cold["index_hbm_bytes"] == 2 * 2 * 8 * words * 4  # [L, R, S, W] words
+    assert 0 < warm["link_scan_bytes"] < cold["link_scan_bytes"]
+    assert "| 1 + 8 warm |" in (tmp_path / "offload_warm.md").read_text()
+    with pytest.raises(SystemExit):
+        bench_offload.main(["--smoke", "--warm-planes", "-1", "--out", str(tmp_path)])
