@@ -43,13 +43,15 @@ def test_a_leaf_without_its_groups_on_axis_1_is_refused(attention):
         slots.session_of(pool)
 
 
-def test_the_kernel_moves_of_an_offloaded_pool_equal_the_xla_moves_bit_for_bit(tiny_model):
+@pytest.mark.parametrize("warm", [0, 3])
+def test_the_kernel_moves_of_an_offloaded_pool_equal_the_xla_moves_bit_for_bit(tiny_model, warm):
     """Issue 47's layout (plane 0 resident, k8v8 rows; device memory standing in for pinned_host on CPU, the real
-    thing on a GPU): the slot_copy kernels move every bulk leaf, resident or not, exactly as XLA's slices do."""
+    thing on a GPU), with warm planes too: the slot_copy kernels move every bulk leaf, resident or not, exactly as
+    XLA's slices do."""
     from fathom_jax import decode
     from fathom_jax.placement import Placement
 
-    placement = Placement("pinned_host", resident_planes=1)
+    placement = Placement("pinned_host", resident_planes=1, warm_planes=warm)
     attention = decode.from_spec("fathom:32", k=40, rows="k8v8", implementation="triton", placement=placement)
     pool, attn = _filled(attention, 3, 0, dtype=jnp.bfloat16)
     one = slots.session_of(_filled(attention, 1, 1, dtype=jnp.bfloat16)[0])
