@@ -15,6 +15,7 @@ largest planner gains ``g_j 4^-i`` at the prompt's mean importance (:func:`promp
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -82,10 +83,12 @@ def prompt_importance(q: Float[Array, "R G T D"], variance: Float[Array, "R D"],
                       window: int = 1024) -> Float[Array, "R D"]:
     """The planner's importance ``g_j = E[sum_h q_hj^2] Var(k_j)`` (Eq. 3) averaged over each group's last ``window``
     valid prompt positions (``< length``): what :func:`warm_choice` ranks a session's channel planes by."""
-    t = q.shape[-2]
-    pos = jnp.arange(t)
-    used = (pos < length[:, None]) & (pos >= length[:, None] - window)  # [R, T]
-    energy = jnp.sum(jnp.square(q.astype(jnp.float32)), axis=1)  # [R, T, D]
+    _, g, t, d = q.shape
+    w = min(window, t)
+    start = jnp.clip(length - w, 0, t - w)  # each group's last w positions (the whole prompt if shorter)
+    q = jax.vmap(lambda x, s: jax.lax.dynamic_slice(x, (0, s, 0), (g, w, d)))(q, start)  # [R, G, w, D]
+    used = start[:, None] + jnp.arange(w) < length[:, None]  # [R, w]
+    energy = jnp.sum(jnp.square(q.astype(jnp.float32)), axis=1)  # [R, w, D]
     mean = jnp.sum(energy * used[..., None], axis=1) / jnp.maximum(jnp.sum(used, axis=1), 1)[:, None]
     return mean * variance.astype(jnp.float32)
 

@@ -134,3 +134,4 @@ def test_bad_inputs_raise_clear_errors(rng):
         PlaneReads(np.array([[0.5, 0.6, 0.0, 0.0]]), head_dim=4)
     with pytest.raises(ValueError, match=r"\[layers, 4\]"):
         PlaneReads(np.zeros((2, 3)), head_dim=4)
+
