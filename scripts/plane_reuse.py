@@ -34,6 +34,7 @@ import numpy as np
 from fathom_jax.format import N_PLANES
 from fathom_jax.methods import Fathom
 from fathom_jax.placement.plane_reads import plan_depths, plane_reuse
+from fathom_jax.placement.residency import warm_choice
 from scripts import harness
 
 BUDGETS = (32, 48, 64)  # Fathom budgets named at D = 128
@@ -63,15 +64,14 @@ def static_new(depths: np.ndarray, calib_depths: np.ndarray, resident: int, slot
 
 
 def gain_new(depths: np.ndarray, mean_importance: np.ndarray, resident: int, slots: int) -> float:
-    """:func:`static_new` with the set ranked by the planner's own marginal gains ``g_j 4^-i`` at the groups' mean
-    importance ``mean_importance [N..., D]`` (``E[sum_h q_j^2] Var(k_j)``): a set chosen from statistics alone."""
+    """:func:`static_new` with the set ``Placement(warm_planes=slots)`` keeps: the planner's own marginal gains
+    ``g_j 4^-i`` at the groups' mean importance ``mean_importance [N..., D]`` (``E[sum_h q_j^2] Var(k_j)``,
+    :func:`~fathom_jax.placement.residency.warm_choice`): a set chosen from statistics alone."""
     reads = _host_reads(depths, resident)
-    gain = mean_importance.reshape(-1, mean_importance.shape[-1])[..., None] * 4.0 ** -np.arange(N_PLANES)
-    gain = np.where(np.arange(N_PLANES) >= resident, gain, -np.inf).reshape(gain.shape[0], -1)
-    kept = np.zeros_like(gain, bool)
-    np.put_along_axis(kept, np.argsort(-gain, axis=1, kind="stable")[:, :slots], True, axis=1)
+    kept = np.asarray(warm_choice(jnp.asarray(mean_importance.reshape(-1, mean_importance.shape[-1])), resident,
+                                  slots)) > 0  # [N, D, 4]
     total = reads.sum()
-    return float((reads & ~kept.reshape(reads.shape[1:])).sum() / total) if total else 0.0
+    return float((reads & ~kept).sum() / total) if total else 0.0
 
 
 def reuse_rows(inputs: str, depths_by_budget: dict, calib_by_budget: dict, head_dim: int, mean_importance,
