@@ -126,25 +126,22 @@ class TestTierGather(KernelTestBase):
         table = jnp.asarray(tier_table(resident))
         groups = slice(group_start, group_start + 3)
         q = jnp.asarray(rng.standard_normal((3, 4, D)), jnp.float32)
-        for runs in (PS.active_channels(jnp.asarray(rng.integers(0, 5, (3, D)), jnp.int32), max_active=10),
-                     run_list(rng, 3)):
+        sorted_runs = PS.active_channels(jnp.asarray(rng.integers(0, 5, (3, D)), jnp.int32), max_active=10)
+        f16x2 = PS.PlaneScanConfig(math="f16x2")
+        for runs, layer, config in ((sorted_runs, 0, None), (run_list(rng, 3), 1, None), (sorted_runs, 1, f16x2)):
             q_staged = jnp.take_along_axis(q, runs.channels[:, None, :], axis=-1)
-            for layer in (0, 1):
-                tiers = LayerTiers(hot, host(cold, impl), scales, table, jnp.int32(layer), group_start, warm, warm_map)
-                staged = TG.tier_gather(tiers, runs, **impl.kw)
-                resident_planes = PS.ResidentPlanes(tiers, runs.channels)
-                for config in (None, PS.PlaneScanConfig(math="f16x2")):
-                    got = jax.jit(lambda q, st, n, rl, r, config=config: PS.plane_scan(
-                        q, st, n, rl, resident=r, config=config, **impl.kw))(
-                        q_staged, staged, length[layer][groups], runs.slots(), resident_planes)
-                    want = np_plane_scan(q, planes[layer][groups], scales[layer][groups], length[layer][groups],
-                                         runs.channels, runs.depths)
-                    if config is None:
-                        assert_scores_close(got, want)
-                    else:  # the packed-f16 kernel within its bound (the reference is the f32 one)
-                        bound = PS.f16x2_error_bound(q, StorePlanes(planes[layer][groups], scales[layer][groups]),
-                                                     runs)
-                        assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= np.asarray(bound)[:, None] + 1e-6)
+            tiers = LayerTiers(hot, host(cold, impl), scales, table, jnp.int32(layer), group_start, warm, warm_map)
+            staged = TG.tier_gather(tiers, runs, **impl.kw)
+            got = jax.jit(lambda q, st, n, rl, r, config=config: PS.plane_scan(
+                q, st, n, rl, resident=r, config=config, **impl.kw))(
+                q_staged, staged, length[layer][groups], runs.slots(), PS.ResidentPlanes(tiers, runs.channels))
+            want = np_plane_scan(q, planes[layer][groups], scales[layer][groups], length[layer][groups],
+                                 runs.channels, runs.depths)
+            if config is None:
+                assert_scores_close(got, want)
+            else:  # the packed-f16 kernel within its bound (the reference is the f32 one)
+                bound = PS.f16x2_error_bound(q, StorePlanes(planes[layer][groups], scales[layer][groups]), runs)
+                assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= np.asarray(bound)[:, None] + 1e-6)
 
     def test_scan_with_resident_planes_in_place_equals_the_scan_of_one_tier(self, impl, rng):
         """The staged buffer scanned with the identity list, planes below p_l read from the hot tier in place, ==
