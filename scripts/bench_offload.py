@@ -143,11 +143,12 @@ PRESETS = harness.presets({
     # link floor and the all-in-HBM control of each
     "honest-1m": f"--tag h200_honest_1m --sections link,attn,control --contexts 1m {_F48} --resident-planes 1,4 "
                  "--inputs today,honest --share-kv-from 1m --time-budget 290",
-    # warm planes (plane_reuse.md: a fixed set of ~27 channel planes per group misses ~6% of Fathom 48's host planes)
-    "warm-1m": f"--tag h200_warm_1m --sections link,attn --contexts 1m {_F48} --resident-planes 1 --warm-planes 0,32 "
-               "--inputs today,honest --share-kv-from 1m --time-budget 400",
+    # warm planes (plane_reuse.md: on these keys a set of 27 / 58 channel planes per group, chosen by the planner's
+    # gains, misses ~6% / ~11% of Fathom 48's host planes at p = 1 / 0)
+    "warm-1m": f"--tag h200_warm_1m --sections link,attn --contexts 1m {_F48} --resident-planes 0,1 --warm-planes 0,48 "
+               "--inputs honest --share-kv-from 1m --time-budget 480",
     "warm-128k-b8": f"--tag h200_warm_128k_b8 --sections link,attnbatch --contexts 128k {_F48} --batches 8 "
-                    "--rows k8v8 --resident-planes 1 --warm-planes 0,32 --share-kv-from none --time-budget 300",
+                    "--rows k8v8 --resident-planes 0,1 --warm-planes 0,48 --share-kv-from none --time-budget 400",
     # results/fetch_order_h200/ (the default fetch order) and results/scan_unroll_h200/ (the default scan)
     "fathom48": f"--tag h200_f48 --read staged --sections link,attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                 "--time-budget 160",
@@ -240,7 +241,7 @@ def main(argv=None):
     ap.add_argument("--warm-planes", default="0",
                     help="channel planes per layer and KV group kept in HBM beside the resident planes "
                          "(Placement.warm_planes, chosen from the step's queries), a ','-separated list: one set of "
-                         "attn rows each with resident planes 1-3 (0: none)")
+                         "attn and attnbatch rows each with resident planes 0-3 (0: none)")
     ap.add_argument("--rows", default="model",
                     help="K/V row formats, a ','-separated list: one set of rows each (sections attn, attnbatch, full, "
                          "batch), over a cache of its own. Each FORMAT or FORMAT@SHARE: model (the model dtype, bf16) or "
@@ -287,7 +288,7 @@ def main(argv=None):
     try:
         args.warm_planes = [int(w) for w in args.warm_planes.split(",")]
         for w in args.warm_planes:
-            Placement("pinned_host", resident_planes=1, warm_planes=w)
+            Placement("pinned_host", warm_planes=w)
     except ValueError as e:
         ap.error(f"--warm-planes: {e}")
     try:
@@ -322,7 +323,7 @@ def main(argv=None):
             run.guard("link", link_section, run)
         elif section == "attn":
             for ctx in sorted(args.attn_contexts, reverse=True):
-                for p, w in ((p, w) for p in args.resident_planes for w in args.warm_planes if not w or 0 < p < 4):
+                for p, w in ((p, w) for p in args.resident_planes for w in args.warm_planes if not w or p < 4):
                     placement = dataclasses.replace(args.placement, resident_planes=p, warm_planes=w)
                     for rows, inputs in ((r, i) for r in args.rows for i in args.inputs):
                         run.guard(f"attn {ctx} p{p}{f'w{w}' if w else ''}{rows_tag(rows)}{inputs_tag(inputs)}",
@@ -349,7 +350,7 @@ def main(argv=None):
         elif section == "attnbatch":  # attention-only rows of larger batches (the row cache's and tiers' comparison)
             ctx = 131072 if 131072 in args.contexts else min(args.contexts)
             for b in (int(x) for x in args.batches.split(",")):
-                for p, w in ((p, w) for p in args.resident_planes for w in args.warm_planes if not w or 0 < p < 4):
+                for p, w in ((p, w) for p in args.resident_planes for w in args.warm_planes if not w or p < 4):
                     placement = dataclasses.replace(args.placement, resident_planes=p, warm_planes=w)
                     for rows in args.rows:
                         run.guard(f"attn batch {b} p{p}{f'w{w}' if w else ''}{rows_tag(rows)}", attention_rows, run,

@@ -104,7 +104,7 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
         bits.append(np.asarray(read.bits))
         depths = np.asarray(getattr(read, "depths", np.zeros((1, 1))))
         plane0, code = plane0 + float((depths > 0).sum()), code + float(depths.sum())
-        if resident[layer]:  # planes below the resident count (and the warm ones) and every scale are read in HBM
+        if resident[layer] or warm:  # planes below the resident count (and the warm ones) and every scale in HBM
             first = resident[layer]
             if warm:  # as the fill chose them: the step's queries are the prompt's (build_cache)
                 importance = planner.importance(q[layer], c.variance)

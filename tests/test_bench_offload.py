@@ -218,9 +218,9 @@ def test_rows_entries_and_their_errors(capsys):
 
 
 def test_warm_planes_rows_on_cpu(tmp_path, monkeypatch):
-    """``--resident-planes 1 --warm-planes 0,8``: a row with warm planes beside one without (tiny shapes, XLA
+    """``--resident-planes 0,1 --warm-planes 0,8``: rows with warm planes beside ones without (tiny shapes, XLA
     kernels): the warm tier's HBM bytes counted, fewer plane bytes over the link (the step's queries chose them), the
-    report's tier table naming it; warm planes with no resident plane make no row."""
+    report's tier table naming them."""
     import dataclasses
 
     cfg = dataclasses.replace(bench_offload.SMOKE, head_dim=128, n_heads=4, n_layers=2)
@@ -232,11 +232,17 @@ def test_warm_planes_rows_on_cpu(tmp_path, monkeypatch):
     res = json.load(open(tmp_path / "offload_warm.json"))
     assert not res["errors"], res["errors"]
     got = {(r["resident_planes"], r["warm_planes"]): r for r in res["rows"]}
-    assert set(got) == {(0, 0), (1, 0), (1, 8)}
+    assert set(got) == {(0, 0), (0, 8), (1, 0), (1, 8)}
     cold, warm = got[1, 0], got[1, 8]
     words = (128 + 64) // 32  # the cache's room: the context and 64 more tokens
     assert warm["index_hbm_bytes"] - cold["index_hbm_bytes"] == 2 * 2 * 8 * words * 4  # [L, R, S, W] words
     assert 0 < warm["link_scan_bytes"] < cold["link_scan_bytes"]
-    assert "| 1 + 8 warm |" in (tmp_path / "offload_warm.md").read_text()
+    # no resident plane: the scales, one unread hot row and the warm planes in HBM; neither scales nor warm planes
+    # cross the link
+    assert got[0, 8]["index_hbm_bytes"] == 2 * 2 * 128 * (words // 2) * 2 + 1 * 2 * 128 * words * 4 + \
+        2 * 2 * 8 * words * 4  # scales [L, R, D, NB] f16, the hot row [1, R, D, W] and the warm tier
+    assert 0 < got[0, 8]["link_scan_bytes"] < got[0, 0]["link_scan_bytes"]
+    report = (tmp_path / "offload_warm.md").read_text()
+    assert "| 1 + 8 warm |" in report and "| 0 + 8 warm |" in report
     with pytest.raises(SystemExit):
         bench_offload.main(["--smoke", "--warm-planes", "-1", "--out", str(tmp_path)])

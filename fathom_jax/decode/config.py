@@ -137,7 +137,7 @@ class StepConfig:
                              "(batch x KV heads) of each device; use a divisor of it")
         host = placement.in_host_memory
         resident = placement.resident(layers)
-        tiered = placement.offloaded and any(resident)
+        tiered = placement.offloaded and (any(resident) or placement.warm_planes > 0)
         staged = placement.offloaded and (self.read == "staged" or tiered)
         reader: IndexRead
         if implementation == "xla":  # XLA reads device memory only

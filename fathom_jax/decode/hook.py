@@ -140,7 +140,7 @@ class SparseAttention:
         """The index parts of a cache of ``layers`` layers, placed: plane stores keep the placement's resident
         planes in device memory (:mod:`fathom_jax.index.plane_stacking`)."""
         resident = self.placement.resident(layers)
-        if not any(resident):
+        if not any(resident) and not self.placement.warm_planes:
             return self.index_parts
         return frozenset(p.placed(resident, self.placement.warm_planes) for p in self.index_parts)
 

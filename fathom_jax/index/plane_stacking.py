@@ -41,11 +41,8 @@ class PlaneBlock:
 
 def stacking(resident: tuple[int, ...], warm: int = 0) -> "OneTier | TwoTiers":
     """The stacking for ``resident[l]`` planes of layer ``l`` in device memory (none: one tier) and ``warm`` channel
-    planes per layer and group beside them."""
-    if warm and not any(resident):
-        raise ValueError(f"warm_planes={warm} keeps channel planes beside the resident ones: it needs resident_planes "
-                         ">= 1 for some layer (a store in two tiers)")
-    if not any(resident):
+    planes per layer and group beside them (two tiers and the warm one, even with no resident plane)."""
+    if not any(resident) and not warm:
         return OneTier()
     if all(p == N_PLANES for p in resident):
         return OneTier(in_hbm=True)
@@ -132,8 +129,9 @@ class TwoTiers:
     plane-major (:class:`~fathom_jax.store.tiered.TieredPlaneStore`); written with one ``tier_write`` per layer.
 
     ``warm`` > 0: a warm tier ``[L, R, warm, W]`` in HBM holds copies of that many channel planes past the resident
-    ones per layer and group, chosen when the layer is prefilled (from the prompt's importance) and written with every
-    block after; the cold tier still holds them, so a read is the same bits wherever a plane comes from."""
+    ones per layer and group (with no resident plane at all: from plane 0, the scales in HBM too), chosen when the
+    layer is prefilled (from the prompt's importance) and written with every block after; the cold tier still holds
+    them, so a read is the same bits wherever a plane comes from."""
 
     resident: tuple[int, ...]
     warm: int = 0
@@ -142,12 +140,18 @@ class TwoTiers:
         warm = {} if self.warm == 0 else {"warm": "device"}
         return dataclasses.replace(_small_like(data, False), hot="device", cold=True, scales="device", **warm)
 
+    @property
+    def hot_rows(self) -> int:
+        """Rows of the hot tier: every layer's resident planes (one unread row where there are none: the warm tier
+        beside a store with no resident plane, whose kernels take a hot tier all the same)."""
+        return max(sum(self.resident), 1)
+
     def bulk_bytes(self, part, *, layers, capacity, head_dim) -> dict[str, int]:
         plane = head_dim * fmt.plane_words(capacity) * 4
         scales = layers * head_dim * (capacity // BLOCK_TOKENS) * 2
-        hot = sum(self.resident) * plane
         warm = layers * self.warm * fmt.plane_words(capacity) * 4
-        return {"planes": layers * N_PLANES * plane - hot, "planes_hbm": hot + scales + warm}
+        return {"planes": layers * N_PLANES * plane - sum(self.resident) * plane,
+                "planes_hbm": self.hot_rows * plane + scales + warm}
 
     def empty(self, alloc, length, *, rotated, layers, groups, capacity, head_dim):
         d, w, hot = head_dim, fmt.plane_words(capacity), sum(self.resident)
@@ -157,7 +161,7 @@ class TwoTiers:
                         warm_map=alloc((layers, groups, d, N_PLANES), jnp.int32, bulk=False))
         return TieredPlaneStore(
             cold=alloc((layers * N_PLANES - hot, groups, d, w), jnp.uint32),  # largest first (host memory)
-            hot=alloc((hot, groups, d, w), jnp.uint32, bulk="device"),
+            hot=alloc((self.hot_rows, groups, d, w), jnp.uint32, bulk="device"),
             scales=alloc((layers, groups, d, capacity // BLOCK_TOKENS), jnp.float16, bulk="device"),
             tail=alloc((layers, groups, BLOCK_TOKENS, d), jnp.float32, bulk=False), length=length,
             rotation=_rotation(alloc, rotated, layers=layers, groups=groups, head_dim=d), resident=self.resident,

@@ -5,6 +5,7 @@
     Placement("pinned_host", mesh=mesh)  # ... split over the mesh's devices on the group axis
     Placement("pinned_host", resident_planes=1)   # ... but the top plane of every channel (and the scales) in HBM
     Placement("pinned_host", resident_planes=1, warm_planes=16)  # ... and 16 more channel planes per layer and group
+    Placement("pinned_host", warm_planes=40)   # ... or no whole plane: 40 channel planes per layer and group, scales
 
 A cache is a pytree whose *bulk* leaves grow with the context (bit planes, block scales, landmark means, K/V rows:
 each cache type says which of its leaves are bulk, as a tree like it: True for a bulk leaf, ``"device"`` for a bulk
@@ -12,7 +13,7 @@ leaf kept in device memory whatever the placement, False for a small one); every
 rotations) is small and always stays in device memory. ``resident_planes`` keeps the top planes of every plane
 store's channels in device memory (per layer, or one count for all;
 :mod:`fathom_jax.index.plane_stacking`); ``warm_planes`` keeps that many more channel planes per layer and KV group
-there, the ones past the resident planes the prompt's queries make the planner read most
+there (and the block scales), the ones past the resident planes the prompt's queries make the planner read most
 (:func:`fathom_jax.placement.residency.warm_choice`; ``results/plane_reuse.md``). :meth:`Placement.put` and :meth:`Placement.zeros`
 put each leaf where it belongs. How a decode step reads and writes a placed cache is
 :class:`fathom_jax.decode.StepConfig`'s business, not the placement's.
@@ -107,9 +108,9 @@ class Placement:
         if not isinstance(self.warm_planes, int) or isinstance(self.warm_planes, bool) or self.warm_planes < 0:
             raise ValueError(f"placement warm_planes must be an int >= 0 (channel planes per layer and KV group), got "
                              f"{self.warm_planes!r}")
-        if self.warm_planes and not any(counts):
-            raise ValueError(f"placement warm_planes={self.warm_planes} keeps channel planes in device memory beside "
-                             "the resident ones: use it with memory='pinned_host' and resident_planes >= 1")
+        if self.warm_planes and not self.offloaded:
+            raise ValueError(f"placement warm_planes={self.warm_planes} keeps channel planes of a pinned_host index in "
+                             "device memory: use it with memory='pinned_host' (in device memory every plane is)")
         if self.mesh is not None:
             if self.axis is None:
                 object.__setattr__(self, "axis", self.mesh.axis_names[0])

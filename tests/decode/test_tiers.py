@@ -79,8 +79,8 @@ def test_resident_planes_decode_the_same_bits(tiny_model, implementation, reside
 
 
 @pytest.mark.parametrize("implementation,resident,step", [
-    ("xla", (1, 2, 1), {}),
-    ("triton", 1, {}),  # interpreted on the CPU: the warm tier read by the tiered gather and the scan
+    ("xla", (1, 2, 1), {}), ("xla", 0, {}),  # no resident plane: the scales and the warm planes alone in HBM
+    ("triton", (0, 1, 0), {}),  # interpreted on the CPU: the warm tier read by the tiered gather and the scan
     pytest.param("triton", (1, 2, 1), dict(pipeline=2, index_writes="full_blocks"), marks=ON_GPU, id="gpu")])
 def test_warm_planes_decode_the_same_bits(tiny_model, implementation, resident, step):
     """Warm channel planes beside the resident ones: the logits equal the cache's without them bit for bit; every warm
@@ -89,6 +89,7 @@ def test_warm_planes_decode_the_same_bits(tiny_model, implementation, resident, 
     want, want_cache, want_attn = decode_run(tiny_model, resident, implementation, **step)
     got, cache, attn = decode_run(tiny_model, resident, implementation, warm=5, **step)
     np.testing.assert_array_equal(got, want)
+    assert isinstance(cache.index["raw"], TieredPlaneStore)
     if step.get("index_writes") == "full_blocks":
         cache = decode.flush(cache, attn)
     store, planes = cache.index["raw"], planes_of(cache)
@@ -128,6 +129,10 @@ def test_cache_bytes_by_tier():
     rows = attn.row_layout(shape)
     want = decode.cache_bytes(attn.cache_parts(3), rows, n_layers=3, groups=6, capacity=200)
     assert cache.nbytes() == want
+    cold = decode.from_spec("fathom:16", k=40, placement=Placement("pinned_host", warm_planes=5))
+    held = cold.init_cache(shape)
+    assert held.nbytes() == decode.cache_bytes(cold.cache_parts(3), rows, n_layers=3, groups=6, capacity=200)
+    assert held.index["raw"].hot.shape[0] == 1  # no resident plane: one unread hot row
     plane = plane_bytes(groups=6, capacity=200, head_dim=16)
     assert want["planes"] == 9 * plane and want["planes_hbm"] == 3 * plane + 3 * 6 * 16 * (256 // 64) * 2
     assert decode.cache_bytes(attn.index_parts, rows, n_layers=3, groups=6, capacity=200)[
@@ -144,8 +149,8 @@ def test_placement_checks_warm_planes():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="warm_planes must be an int >= 0"):
             Placement("pinned_host", resident_planes=1, warm_planes=bad)
-    with pytest.raises(ValueError, match="use it with memory='pinned_host' and resident_planes >= 1"):
-        Placement("pinned_host", warm_planes=4)
+    with pytest.raises(ValueError, match="warm_planes=4 keeps channel planes of a pinned_host index"):
+        Placement("device", warm_planes=4)
     with pytest.raises(ValueError, match="holds rotated keys"):
         decode.from_spec("fathom_klt:8", k=40, placement=Placement("pinned_host", resident_planes=1,
                                                                    warm_planes=4)).cache_parts(2)
