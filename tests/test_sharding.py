@@ -88,3 +88,20 @@ def test_uneven_heads_split_by_groups_and_cache_is_sharded(smol_like, mesh):
     assert cache.kv.sharding.spec == P(None, "x")  # still sharded after the in-place writes
     with pytest.raises(ValueError, match="multiple of 2"):
         generate(smol_like, prompt[:1], 2, capacity=48, attention_fn=sharded)
+
+
+def test_warm_planes_are_sharded_like_the_groups(tiny_model, mesh):
+    """Warm planes over a mesh: each device chooses and holds its own groups' warm planes (the tier and its map split
+    on the group axis like the planes), and the decode equals the unsharded one without them."""
+    prompt = np.random.default_rng(7).integers(0, 97, (2, 30)).astype(np.int32)
+    common = dict(k=12, sink=2, local=4, implementation="xla")
+    want = np.asarray(generate(tiny_model, prompt, 4, capacity=48, attention_fn=decode.from_spec("fathom:12", **common)))
+    attn = decode.from_spec("fathom:12", placement=Placement("pinned_host", mesh=mesh, resident_planes=1,
+                                                             warm_planes=3), **common)
+    got = np.asarray(generate(tiny_model, prompt, 4, capacity=48, attention_fn=attn))
+    np.testing.assert_array_equal(got, want)
+    lengths = np.array([30, 30])
+    _, cache, _ = generation.prefill(tiny_model, prompt, lengths, attn, 48)
+    store = cache.index["raw"]
+    assert store.warm.sharding.spec == P(None, "x") and store.warm_map.sharding.spec == P(None, "x")
+    assert int((np.asarray(store.warm_map) > 0).sum()) == 3 * 3 * 4  # 3 warm planes per layer (3) and group (4)
