@@ -235,12 +235,13 @@ def test_warm_planes_rows_on_cpu(tmp_path, monkeypatch):
     assert set(got) == {(0, 0), (0, 8), (1, 0), (1, 8)}
     cold, warm = got[1, 0], got[1, 8]
     words = (128 + 64) // 32  # the cache's room: the context and 64 more tokens
-    assert warm["index_hbm_bytes"] - cold["index_hbm_bytes"] == 2 * 2 * 8 * words * 4  # [L, R, S, W] words
+    # the warm tier's words [L, R, S, W] and its map [L, R, D, 4] int32
+    assert warm["index_hbm_bytes"] - cold["index_hbm_bytes"] == 2 * 2 * 8 * words * 4 + 2 * 2 * 128 * 4 * 4
     assert 0 < warm["link_scan_bytes"] < cold["link_scan_bytes"]
     # no resident plane: the scales, one unread hot row and the warm planes in HBM; neither scales nor warm planes
     # cross the link
     assert got[0, 8]["index_hbm_bytes"] == 2 * 2 * 128 * (words // 2) * 2 + 1 * 2 * 128 * words * 4 + \
-        2 * 2 * 8 * words * 4  # scales [L, R, D, NB] f16, the hot row [1, R, D, W] and the warm tier
+        2 * 2 * 8 * words * 4 + 2 * 2 * 128 * 4 * 4  # scales [L, R, D, NB] f16, the hot row, the warm tier, its map
     assert 0 < got[0, 8]["link_scan_bytes"] < got[0, 0]["link_scan_bytes"]
     report = (tmp_path / "offload_warm.md").read_text()
     assert "| 1 + 8 warm |" in report and "| 0 + 8 warm |" in report

@@ -137,7 +137,7 @@ class TwoTiers:
     warm: int = 0
 
     def bulk(self, data):
-        warm = {} if self.warm == 0 else {"warm": "device"}
+        warm = {} if self.warm == 0 else {"warm": "device", "warm_map": "device"}  # kernels read both at a group offset
         return dataclasses.replace(_small_like(data, False), hot="device", cold=True, scales="device", **warm)
 
     @property
@@ -149,7 +149,7 @@ class TwoTiers:
     def bulk_bytes(self, part, *, layers, capacity, head_dim) -> dict[str, int]:
         plane = head_dim * fmt.plane_words(capacity) * 4
         scales = layers * head_dim * (capacity // BLOCK_TOKENS) * 2
-        warm = layers * self.warm * fmt.plane_words(capacity) * 4
+        warm = layers * self.warm * fmt.plane_words(capacity) * 4 + (layers * head_dim * N_PLANES * 4 if self.warm else 0)
         return {"planes": layers * N_PLANES * plane - sum(self.resident) * plane,
                 "planes_hbm": self.hot_rows * plane + scales + warm}
 
@@ -158,7 +158,7 @@ class TwoTiers:
         warm = {}
         if self.warm:  # a map of zeros: nothing warm until a layer is prefilled
             warm = dict(warm=alloc((layers, groups, self.warm, w), jnp.uint32, bulk="device"),
-                        warm_map=alloc((layers, groups, d, N_PLANES), jnp.int32, bulk=False))
+                        warm_map=alloc((layers, groups, d, N_PLANES), jnp.int32, bulk="device"))
         return TieredPlaneStore(
             cold=alloc((layers * N_PLANES - hot, groups, d, w), jnp.uint32),  # largest first (host memory)
             hot=alloc((self.hot_rows, groups, d, w), jnp.uint32, bulk="device"),
@@ -181,14 +181,17 @@ class TwoTiers:
             raise ValueError(f"a plane store with warm planes (warm_planes={self.warm}) chooses them from the prompt: "
                              "write_prompt needs its queries")
         resident = jnp.asarray(self.resident, jnp.int32)[layer]
-        warm_map = warm_choice(importance, resident, self.warm)  # [R, D, 4]
-        stacked = dataclasses.replace(stacked, warm_map=stacked.warm_map.at[layer].set(warm_map))
-        return self._write_warm(write, stacked, built.planes[None], start, layer)
+        warm_map = warm_choice(importance, resident, self.warm)[None]  # [1, R, D, 4]
+        # written like the other bulk leaves (in place where they live: a program returns no bulk leaf)
+        stacked = dataclasses.replace(stacked, warm_map=write(stacked.warm_map, warm_map, start, 3, layer))
+        return self._write_warm(write, stacked, built.planes[None], start, layer, warm_map)
 
-    def _write_warm(self, write, stacked, words, start, layer):
-        """The warm rows of layers ``layer ..`` from their plane words ``words [Ls, R, D, 4, M]`` at word ``start [R]``."""
+    def _write_warm(self, write, stacked, words, start, layer, warm_map=None):
+        """The warm rows of layers ``layer ..`` from their plane words ``words [Ls, R, D, 4, M]`` at word ``start [R]``
+        (``warm_map [Ls, R, D, 4]``: theirs, by default the store's)."""
         ls, r, d, _, m = words.shape
-        warm_map = jax.lax.dynamic_slice_in_dim(stacked.warm_map, jnp.asarray(layer, jnp.int32), ls)
+        if warm_map is None:
+            warm_map = jax.lax.dynamic_slice_in_dim(stacked.warm_map, jnp.asarray(layer, jnp.int32), ls)
         sources, _ = warm_sources(warm_map, self.warm)  # [Ls, R, S]: rows no plane is mapped to copy a harmless one
         rows = jnp.take_along_axis(words.reshape(ls, r, d * N_PLANES, m), sources[..., None], axis=2)
         return dataclasses.replace(stacked, warm=write(stacked.warm, rows, start, 3, layer))

@@ -80,7 +80,8 @@ def test_resident_planes_decode_the_same_bits(tiny_model, implementation, reside
 
 @pytest.mark.parametrize("implementation,resident,step", [
     ("xla", (1, 2, 1), {}), ("xla", 0, {}),  # no resident plane: the scales and the warm planes alone in HBM
-    ("triton", (0, 1, 0), {}),  # interpreted on the CPU: the warm tier read by the tiered gather and the scan
+    ("triton", (0, 1, 0), dict(pipeline=2)),  # interpreted on the CPU: the warm tier read by the tiered gather and
+    #                                            the scan, in two chunks of groups
     pytest.param("triton", (1, 2, 1), dict(pipeline=2, index_writes="full_blocks"), marks=ON_GPU, id="gpu")])
 def test_warm_planes_decode_the_same_bits(tiny_model, implementation, resident, step):
     """Warm channel planes beside the resident ones: the logits equal the cache's without them bit for bit; every warm
@@ -142,7 +143,8 @@ def test_cache_bytes_by_tier():
     cache = warm.init_cache(shape)
     got = decode.cache_bytes(warm.cache_parts(3), rows, n_layers=3, groups=6, capacity=200)
     assert cache.nbytes() == got and got["planes"] == want["planes"]
-    assert got["planes_hbm"] == want["planes_hbm"] + 3 * 6 * 5 * (256 // 32) * 4  # [L, R, S, W] words
+    # the warm tier [L, R, S, W] words and its map [L, R, D, 4] int32
+    assert got["planes_hbm"] == want["planes_hbm"] + 3 * 6 * 5 * (256 // 32) * 4 + 3 * 6 * 16 * 4 * 4
 
 
 def test_placement_checks_warm_planes():
