@@ -89,6 +89,20 @@ def importance(q: Float[Array, "*G H D"], variance: Float[Array, "*G D"]) -> Flo
     return jnp.sum(q * q, axis=-2) * jnp.asarray(variance, jnp.float32)
 
 
+def prompt_importance(q: Float[Array, "R G T D"], variance: Float[Array, "R D"], length: Int[Array, "R"],
+                      window: int = 1024) -> Float[Array, "R D"]:
+    """The planner's importance ``g_j = E[sum_h q_hj^2] Var(k_j)`` (Eq. 3) averaged over each group's last ``window``
+    valid prompt positions (``< length``): what :func:`fathom_jax.store.tiered.warm_choice` ranks a session's channel planes by."""
+    _, g, t, d = q.shape
+    w = min(window, t)
+    start = jnp.clip(length - w, 0, t - w)  # each group's last w positions (the whole prompt if shorter)
+    q = jax.vmap(lambda x, s: jax.lax.dynamic_slice(x, (0, s, 0), (g, w, d)))(q, start)  # [R, G, w, D]
+    used = start[:, None] + jnp.arange(w) < length[:, None]  # [R, w]
+    energy = jnp.sum(jnp.square(q.astype(jnp.float32)), axis=1)  # [R, w, D]
+    mean = jnp.sum(energy * used[..., None], axis=1) / jnp.maximum(jnp.sum(used, axis=1), 1)[:, None]
+    return mean * variance.astype(jnp.float32)
+
+
 def importance_klt(
     q: Float[Array, "*G H D"], basis: Float[Array, "*G D D"], eigenvalues: Float[Array, "*G D"]
 ) -> Float[Array, "*G D"]:

@@ -20,7 +20,7 @@ import numpy as np
 from fathom_jax import decode, distributed, planner
 from fathom_jax.models import generation
 from fathom_jax.placement import attach_bulk, split_bulk
-from fathom_jax.placement.residency import warm_choice
+from fathom_jax.store.tiered import warm_choice
 from fathom_jax.rows.layout import RowLayout
 from scripts import harness
 from scripts.offload_report import write_report

@@ -34,7 +34,7 @@ import numpy as np
 from fathom_jax.format import N_PLANES
 from fathom_jax.methods import Fathom
 from fathom_jax.placement.plane_reads import plan_depths, plane_reuse
-from fathom_jax.placement.residency import warm_choice
+from fathom_jax.store.tiered import warm_choice
 from scripts import harness
 
 BUDGETS = (32, 48, 64)  # Fathom budgets named at D = 128
@@ -66,7 +66,7 @@ def static_new(depths: np.ndarray, calib_depths: np.ndarray, resident: int, slot
 def gain_new(depths: np.ndarray, mean_importance: np.ndarray, resident: int, slots: int) -> float:
     """:func:`static_new` with the set ``Placement(warm_planes=slots)`` keeps: the planner's own marginal gains
     ``g_j 4^-i`` at the groups' mean importance ``mean_importance [N..., D]`` (``E[sum_h q_j^2] Var(k_j)``,
-    :func:`~fathom_jax.placement.residency.warm_choice`): a set chosen from statistics alone."""
+    :func:`~fathom_jax.store.tiered.warm_choice`): a set chosen from statistics alone."""
     reads = _host_reads(depths, resident)
     kept = np.asarray(warm_choice(jnp.asarray(mean_importance.reshape(-1, mean_importance.shape[-1])), resident,
                                   slots)) > 0  # [N, D, 4]

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fathom_jax import methods as methods_lib
+from fathom_jax import planner as planner_lib
 from fathom_jax import store as store_lib
 from fathom_jax.calibrate import SKIP_TOKENS, Calibration, calibrate_session
 from fathom_jax.checks import is_traced
@@ -41,7 +42,6 @@ from fathom_jax.models.attention import CacheShape
 from fathom_jax.models.prompt_attention import PREFILL_MLP_CHUNK, prefill_attention
 from fathom_jax.placement import Placement
 from fathom_jax.placement import host_memory
-from fathom_jax.placement.residency import prompt_importance
 from fathom_jax.rows.formats import RowFormat
 from fathom_jax.rows.layout import RowLayout, row_format
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
@@ -263,7 +263,7 @@ class SparseAttention:
         else:
             calib = self.corpus_calibration(layer, keys.shape[0])
         built = build_index(keys.astype(jnp.float32), calib, cache.index.parts, capacity=cache.capacity, length=lengths)
-        importance = None if queries is None else prompt_importance(queries, calib.variance, lengths)
+        importance = None if queries is None else planner_lib.prompt_importance(queries, calib.variance, lengths)
         return writes_lib.write_layer(cache, layer, keys, values, built, self._writer(), importance)
 
     def start_decode(self, cache: SparseCache, lengths) -> SparseCache:

@@ -23,9 +23,8 @@ from fathom_jax import format as fmt
 from fathom_jax import store as store_lib
 from fathom_jax.format import BLOCK_TOKENS, N_PLANES, WORDS_PER_BLOCK
 from fathom_jax.index.part import _small_like
-from fathom_jax.placement.residency import warm_choice, warm_sources
 from fathom_jax.store import KeyRotation, PlaneStore
-from fathom_jax.store.tiered import TieredPlaneStore
+from fathom_jax.store.tiered import TieredPlaneStore, warm_choice, warm_sources
 
 
 @jax.tree_util.register_dataclass
@@ -169,7 +168,7 @@ class TwoTiers:
 
     def write_layer(self, write, stacked, built, layer, length, importance=None):
         """Layer ``layer`` prefilled; with warm planes, ``importance [R, D]`` chooses them
-        (:func:`~fathom_jax.placement.residency.warm_choice`)."""
+        (:func:`~fathom_jax.store.tiered.warm_choice`)."""
         start = jnp.zeros(built.length.shape, jnp.int32)
         hot, cold = write.tiers(stacked.tiers(layer), built.planes[None], start)
         tail, rotation = _set_small(stacked, built, layer)

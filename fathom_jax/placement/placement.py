@@ -14,7 +14,7 @@ rotations) is small and always stays in device memory. ``resident_planes`` keeps
 store's channels in device memory (per layer, or one count for all;
 :mod:`fathom_jax.index.plane_stacking`); ``warm_planes`` keeps that many more channel planes per layer and KV group
 there (and the block scales), the ones past the resident planes the prompt's queries make the planner read most
-(:func:`fathom_jax.placement.residency.warm_choice`; ``results/plane_reuse.md``). :meth:`Placement.put` and :meth:`Placement.zeros`
+(:func:`fathom_jax.store.tiered.warm_choice`; ``results/plane_reuse.md``). :meth:`Placement.put` and :meth:`Placement.zeros`
 put each leaf where it belongs. How a decode step reads and writes a placed cache is
 :class:`fathom_jax.decode.StepConfig`'s business, not the placement's.
 

@@ -5,7 +5,7 @@ every channel of layer ``l`` and the block scales in HBM and planes ``[p_l, 4)``
 plane-major (rows ``[plane, group, channel, words]``, :func:`pallas_kernels.plane_layout.tier_table`): the same codes as
 the one-tier :class:`~fathom_jax.store.PlaneStore`, whose planes are channel-major. With warm planes
 (``Placement(..., warm_planes=S)``) a third tier in device memory holds copies of ``S`` channel planes past the resident
-ones per layer and group, chosen at prefill (:func:`fathom_jax.placement.residency.warm_choice`).
+ones per layer and group, chosen at prefill (:func:`warm_choice`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Float16, Int, UInt32
 
 from fathom_jax.store.layout import BlockScaled, KeyRotation, PlaneStore
 from pallas_kernels.operands import LayerTiers
-from pallas_kernels.plane_layout import layer_planes, tier_table
+from pallas_kernels.plane_layout import N_PLANES, layer_planes, tier_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,3 +55,29 @@ class TieredPlaneStore(BlockScaled):
 
 jax.tree_util.register_dataclass(TieredPlaneStore, data_fields=["hot", "cold", "scales", "tail", "length", "rotation",
                                                                 "warm", "warm_map"], meta_fields=["resident"])
+
+
+
+def warm_choice(importance: Float[Array, "R D"], resident, slots: int) -> Int[Array, "R D 4"]:
+    """The warm map of one layer (``1 + row`` of the warm tier holding plane ``i`` of channel ``j``, 0 for none, as
+    :class:`~pallas_kernels.operands.LayerTiers` takes it): each group's ``slots`` channel planes past the ``resident``
+    ones (an int, or traced) with the largest gains ``importance_j 4^-i``, rows in order of gain. A channel's planes
+    gain less the deeper they are, so its chosen planes follow the resident ones with no gap (ties: lower channel,
+    then plane, first)."""
+    r, d = importance.shape
+    plane = jnp.arange(N_PLANES)
+    gain = importance.astype(jnp.float32)[..., None] * 4.0 ** -plane.astype(jnp.float32)
+    gain = jnp.where(plane >= jnp.asarray(resident), gain, -jnp.inf).reshape(r, d * N_PLANES)
+    order = jnp.argsort(-gain, axis=-1, stable=True)[:, :slots]  # [R, S]: the flat (channel, plane) of each row
+    rows = jnp.zeros((r, d * N_PLANES), jnp.int32)
+    taken = jnp.take_along_axis(gain, order, axis=-1) > -jnp.inf
+    rows = rows.at[jnp.arange(r)[:, None], order].set(jnp.where(taken, jnp.arange(1, slots + 1, dtype=jnp.int32), 0))
+    return rows.reshape(r, d, N_PLANES)
+
+
+def warm_sources(warm_map: Int[Array, "*B D 4"], slots: int) -> tuple[Int[Array, "*B S"], Array]:
+    """Row by row, the flat ``channel * 4 + plane`` a warm map puts there and whether it puts one: what a write copies
+    into each row of the warm tier."""
+    flat = warm_map.reshape(*warm_map.shape[:-2], -1)
+    hit = flat[..., None, :] == jnp.arange(1, slots + 1, dtype=flat.dtype)[:, None]  # [*B, S, D * 4]
+    return jnp.argmax(hit, axis=-1).astype(jnp.int32), jnp.any(hit, axis=-1)

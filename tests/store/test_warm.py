@@ -4,7 +4,8 @@ they are ranked by, and which plane each warm row holds."""
 import jax.numpy as jnp
 import numpy as np
 
-from fathom_jax.placement.residency import prompt_importance, warm_choice, warm_sources
+from fathom_jax.planner import prompt_importance
+from fathom_jax.store.tiered import warm_choice, warm_sources
 
 
 def test_warm_choice_takes_the_largest_gains_past_the_resident_planes():
