@@ -279,18 +279,14 @@ def main(argv=None):
     except (ValueError, TypeError) as e:
         ap.error(f"--index-writes / --pipeline / --fetch-programs / --topk / --xla-options / --layer-unroll / "
                  f"--row-cache / --scan: {e}")
-    try:
-        args.resident_planes = [int(p) for p in args.resident_planes.split(",")]
-        for p in args.resident_planes:
-            Placement("pinned_host", resident_planes=p)
-    except ValueError as e:
-        ap.error(f"--resident-planes: {e}")
-    try:
-        args.warm_planes = [int(w) for w in args.warm_planes.split(",")]
-        for w in args.warm_planes:
-            Placement("pinned_host", warm_planes=w)
-    except ValueError as e:
-        ap.error(f"--warm-planes: {e}")
+    for field in ("resident_planes", "warm_planes"):  # lists of counts, each a valid Placement field
+        try:
+            counts = [int(c) for c in getattr(args, field).split(",")]
+            for c in counts:
+                Placement("pinned_host", **{field: c})
+        except ValueError as e:
+            ap.error(f"--{field.replace('_', '-')}: {e}")
+        setattr(args, field, counts)
     try:
         args.rows = parse_rows(args.rows, args.share_kv_from)
         for entry in args.rows:  # the format against the model's head_dim
