@@ -75,7 +75,7 @@ def gain_new(depths: np.ndarray, mean_importance: np.ndarray, resident: int, slo
 
 
 def reuse_rows(inputs: str, depths_by_budget: dict, calib_by_budget: dict, head_dim: int, mean_importance,
-               prompt_importance=None, **extra) -> list[dict]:
+               variance, prompt_importance=None, **extra) -> list[dict]:
     """One row per (budget, resident planes, window) from ``depths [T, ...groups, D]`` per budget; the fixed set of
     the same bytes as the window's cache from the plans of calibration queries ``calib_by_budget``."""
     rows = []
@@ -88,6 +88,7 @@ def reuse_rows(inputs: str, depths_by_budget: dict, calib_by_budget: dict, head_
                              "held_mean": r.held_mean, "held_max": r.held_max, "steps": int(depths.shape[0]),
                              "static_new": static_new(depths, calib_by_budget[budget], resident, r.held_max),
                              "gain_new": gain_new(depths, mean_importance, resident, r.held_max),
+                             "variance_new": gain_new(depths, variance, resident, r.held_max),
                              "prompt_new": None if prompt_importance is None else
                              gain_new(depths, prompt_importance, resident, r.held_max), **extra})
         print(f"[{inputs}] budget {budget}: new share (p = 1, W = 1) "
@@ -114,7 +115,8 @@ def synthetic_rows(steps: int) -> list[dict]:
     rows = []
     for name, rho in (("honest (drift 0.96)", HONEST_DRIFT), ("honest keys, fresh queries", 0.0)):
         q = jnp.stack(drifting_queries(q0, rho, steps), axis=1)
-        rows += reuse_rows(name, depths(q), drawn, cfg.head_dim, g, model="synthetic (Qwen3-8B shapes)")
+        rows += reuse_rows(name, depths(q), drawn, cfg.head_dim, g, np.asarray(calib.variance),
+                           model="synthetic (Qwen3-8B shapes)")
     return rows
 
 
@@ -149,7 +151,7 @@ def model_rows(model_name: str, context: int, positions: int, calibration_tokens
     prompt_pos = np.arange(max(0, pos[0] - PROMPT_TOKENS), pos[0], dtype=np.int32)  # the prompt's last tokens
     q_prompt = jnp.stack([cap.layer_queries(layer, prompt_pos) for layer in range(cap.q.shape[0])])
     return reuse_rows(f"{title.split(' (')[0]}, {context // 1024}k", depths(cap, pos), depths(calib_cap, calib_pos),
-                      cap.q.shape[-1], _mean_importance(q_calib, calib.variance),
+                      cap.q.shape[-1], _mean_importance(q_calib, calib.variance), np.asarray(calib.variance),
                       _mean_importance(q_prompt, calib.variance), model=title), {
         "model": title, "context": context, "positions": [int(pos[0]), int(pos[-1])], "layers": layers,
         "calibration_tokens": calibration_tokens}
@@ -208,11 +210,13 @@ def report(res: dict) -> str:
              "text's for a model, independent Gaussian queries for the synthetic keys); `by mean gains` those with the "
              "largest planner gains `g_j 4^-i` at the mean importance `E[sum_h q_j^2] Var(k_j)` of those queries "
              "(statistics, no plans); `by the prompt's gains` the same at the mean importance of the model's own "
-             f"queries at the {PROMPT_TOKENS} positions before the decode steps (what a prefill could choose).", "",
+             f"queries at the {PROMPT_TOKENS} positions before the decode steps (what a prefill could choose); `by key "
+             "variance` by the gains of the keys' variances alone (no query statistic).", "",
              "| inputs | Fathom (at D = 128) | bits | p | read | new (W=1) | new (W=2) | new (W=4) | new (W=8) | "
-             "fixed set, bytes of W=1 / W=8: new | by mean gains: new | by the prompt's gains: new | held W=1 mean / max | "
+             "fixed set, bytes of W=1 / W=8: new | by mean gains: new | by the prompt's gains: new | by key variance: new | "
+             "held W=1 mean / max | "
              "held W=8 mean / max | 1M: MB a step (no cache / W = 1) | 1M: cache GB (W = 1) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keyed = {(r["inputs"], r["budget"], r["resident"], r["window"]): r for r in res["rows"]}
     for inputs, budget, resident in dict.fromkeys((r["inputs"], r["budget"], r["resident"]) for r in res["rows"]):
         w = {window: keyed[(inputs, budget, resident, window)] for window in WINDOWS}
@@ -223,6 +227,7 @@ def report(res: dict) -> str:
             + " | ".join(f"{w[x]['new']:.3f}" for x in WINDOWS)
             + f" | {w[1]['static_new']:.3f} / {w[8]['static_new']:.3f} | {w[1]['gain_new']:.3f} | "
             + ("" if w[1].get("prompt_new") is None else f"{w[1]['prompt_new']:.3f}")
+            + f" | {w[1]['variance_new']:.3f}"
             + f" | {w[1]['held_mean']:.1f} / {w[1]['held_max']} | {w[8]['held_mean']:.1f} / {w[8]['held_max']} | "
             + (f"{one['read'] * mib * 2**20 / 1e6:.0f} / {one['read'] * one['new'] * mib * 2**20 / 1e6:.0f} | "
                f"{one['held_max'] * mib * 2**20 / 1e9:.2f} |" if one["head_dim"] == 128 else " | |"))
