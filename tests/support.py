@@ -225,3 +225,23 @@ def serve_first_layers(monkeypatch, n_layers: int) -> None:
         return load(source, dtype=dtype)
 
     monkeypatch.setattr(hub, "load_model", load_first)
+
+
+def bench_offload_rows(tmp_path, monkeypatch, tag: str, *args: str):
+    """``scripts.bench_offload`` run on the CPU at tiny shapes with the benchmark's head_dim 128 (2 layers, 4 heads),
+    XLA kernels, one 128-token context, Fathom 48 at k = 64, one step, plus ``args``: ``(results, config)``, the run
+    checked to have recorded no error."""
+    import dataclasses
+    import json
+
+    from scripts import bench_offload
+
+    cfg = dataclasses.replace(bench_offload.SMOKE, head_dim=128, n_heads=4, n_layers=2)
+    monkeypatch.setattr(bench_offload, "SMOKE", cfg)
+    bench_offload.main(["--smoke", "--implementation", "xla", "--out", str(tmp_path), "--tag", tag, "--contexts", "128",
+                        "--methods", "Fathom 48", "--k", "64", "--steps", "1", "--repeats", "1",
+                        "--share-kv-from", "none", *args])
+    with open(tmp_path / f"offload_{tag}.json") as f:
+        res = json.load(f)
+    assert not res["errors"], res["errors"]
+    return res, cfg

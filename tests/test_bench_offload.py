@@ -10,6 +10,7 @@ import pytest
 
 from pallas_kernels.topk import TopkConfig
 from scripts import bench_offload, offload_measure, offload_report, offload_setup
+from tests.support import bench_offload_rows
 
 
 def part(date: str, median: float, notes: list[str], errors: list[dict]) -> dict:
@@ -158,19 +159,11 @@ def test_rows_formats_run_side_by_side_on_cpu(tmp_path, monkeypatch):
     benchmark's head_dim 128, XLA kernels), each recording its format, its row bytes (bf16 K and V: 512 B per token;
     k8v8: the layout's words), its host bytes per token and tokens per second; the report puts them side by side.
     (The full step's rows go through the same row bookkeeping; tests/rows/test_layout.py decodes every format.)"""
-    import dataclasses
-
     import jax.numpy as jnp
 
     from fathom_jax.rows.layout import RowLayout
 
-    cfg = dataclasses.replace(bench_offload.SMOKE, head_dim=128, n_heads=4, n_layers=2)
-    monkeypatch.setattr(bench_offload, "SMOKE", cfg)
-    bench_offload.main(["--smoke", "--implementation", "xla", "--out", str(tmp_path), "--tag", "rows",
-                        "--sections", "attn", "--contexts", "128", "--methods", "Fathom 48", "--k", "64",
-                        "--steps", "1", "--repeats", "1", "--rows", "model,k8v8", "--share-kv-from", "none"])
-    res = json.load(open(tmp_path / "offload_rows.json"))
-    assert not res["errors"], res["errors"]
+    res, cfg = bench_offload_rows(tmp_path, monkeypatch, "rows", "--sections", "attn", "--rows", "model,k8v8")
     assert res["config"]["rows"] == [{"name": "model", "share_kv_from": None}, {"name": "k8v8", "share_kv_from": None}]
     got = {(r["kind"], r["rows"]): r for r in res["rows"]}
     assert set(got) == {("attention", rows) for rows in ("model", "k8v8")}
@@ -221,16 +214,8 @@ def test_warm_planes_rows_on_cpu(tmp_path, monkeypatch):
     """``--resident-planes 0,1 --warm-planes 0,8``: rows with warm planes beside ones without (tiny shapes, XLA
     kernels): the warm tier's HBM bytes counted, fewer plane bytes over the link (the step's queries chose them), the
     report's tier table naming them."""
-    import dataclasses
-
-    cfg = dataclasses.replace(bench_offload.SMOKE, head_dim=128, n_heads=4, n_layers=2)
-    monkeypatch.setattr(bench_offload, "SMOKE", cfg)
-    bench_offload.main(["--smoke", "--implementation", "xla", "--out", str(tmp_path), "--tag", "warm",
-                        "--sections", "attn", "--contexts", "128", "--methods", "Fathom 48", "--k", "64",
-                        "--steps", "1", "--repeats", "1", "--resident-planes", "0,1", "--warm-planes", "0,8",
-                        "--share-kv-from", "none"])
-    res = json.load(open(tmp_path / "offload_warm.json"))
-    assert not res["errors"], res["errors"]
+    res, _ = bench_offload_rows(tmp_path, monkeypatch, "warm", "--sections", "attn", "--resident-planes", "0,1",
+                                "--warm-planes", "0,8")
     got = {(r["resident_planes"], r["warm_planes"]): r for r in res["rows"]}
     assert set(got) == {(0, 0), (0, 8), (1, 0), (1, 8)}
     cold, warm = got[1, 0], got[1, 8]

@@ -2,7 +2,6 @@
 (results/plane_shares.md, results/row_reuse_*), and the two input sets side by side in one CPU run."""
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from fathom_jax.methods import Fathom
 from fathom_jax.placement.plane_reads import plane_reads
 from scripts import bench_offload, offload_inputs, offload_setup
+from tests.support import bench_offload_rows
 
 # Fathom 32 / 48 / 64's plane-0 share of the code bits: SmolLM2's real keys at 8k (session statistics, the paper's
 # budgets scaled to D = 64) and the benchmark's keys before issue 45 (results/plane_shares.md).
@@ -67,14 +67,8 @@ def test_inputs_run_side_by_side_on_cpu(tmp_path, monkeypatch):
     """``--inputs today,honest``: one set of attention-only rows and one HBM control each, over caches of their own
     (tiny shapes, XLA kernels); honest rows read less of their bits from plane 0 and drift their queries; the report's
     table puts each beside today's and its control."""
-    cfg = dataclasses.replace(bench_offload.SMOKE, head_dim=128, n_heads=4, n_layers=2)
-    monkeypatch.setattr(bench_offload, "SMOKE", cfg)
-    bench_offload.main(["--smoke", "--implementation", "xla", "--out", str(tmp_path), "--tag", "inputs",
-                        "--sections", "attn,control", "--contexts", "128", "--methods", "Fathom 48", "--k", "64",
-                        "--steps", "1", "--repeats", "1", "--inputs", "today,honest", "--resident-planes", "1",
-                        "--share-kv-from", "none"])
-    res = json.load(open(tmp_path / "offload_inputs.json"))
-    assert not res["errors"], res["errors"]
+    res, _ = bench_offload_rows(tmp_path, monkeypatch, "inputs", "--sections", "attn,control", "--inputs",
+                                "today,honest", "--resident-planes", "1")
     got = {(r["memory"], r["inputs"]): r for r in res["rows"]}
     assert set(got) == {(m, i) for m in ("pinned_host", "device") for i in ("today", "honest")}
     for memory in ("pinned_host", "device"):
