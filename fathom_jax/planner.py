@@ -92,7 +92,8 @@ def importance(q: Float[Array, "*G H D"], variance: Float[Array, "*G D"]) -> Flo
 def prompt_importance(q: Float[Array, "R G T D"], variance: Float[Array, "R D"], length: Int[Array, "R"],
                       window: int = 1024) -> Float[Array, "R D"]:
     """The planner's importance ``g_j = E[sum_h q_hj^2] Var(k_j)`` (Eq. 3) averaged over each group's last ``window``
-    valid prompt positions (``< length``): what :func:`fathom_jax.store.tiered.warm_choice` ranks a session's channel planes by."""
+    valid prompt positions (``< length``): what :func:`fathom_jax.store.tiered.warm_choice` ranks a session's channel
+    planes by."""
     _, g, t, d = q.shape
     w = min(window, t)
     start = jnp.clip(length - w, 0, t - w)  # each group's last w positions (the whole prompt if shorter)

@@ -51,27 +51,32 @@ def _host_reads(depths: np.ndarray, resident: int) -> np.ndarray:
     return (plane >= resident) & (plane < d)
 
 
+def _missed(depths: np.ndarray, resident: int, kept: np.ndarray) -> float:
+    """The share of the steps' host plane reads outside ``kept`` (each group's channel planes, ``[N, D, 4]`` or
+    flat ``[N, D * 4]``)."""
+    reads = _host_reads(depths, resident)
+    total = reads.sum()
+    return float((reads & ~kept.reshape(reads.shape[1:])).sum() / total) if total else 0.0
+
+
 def static_new(depths: np.ndarray, calib_depths: np.ndarray, resident: int, slots: int) -> float:
     """The share of the steps' host plane reads that a fixed set of ``slots`` channel planes per group misses, the
     set being each group's most often read channel planes over ``calib_depths`` (plans of calibration queries): a
     residency chosen once, against which a cache of the last steps' planes is measured at the same HBM bytes."""
-    reads, calib = _host_reads(depths, resident), _host_reads(calib_depths, resident)
+    calib = _host_reads(calib_depths, resident)
     freq = calib.mean(axis=0).reshape(calib.shape[1], -1)  # [N, D * 4]
     kept = np.zeros_like(freq, bool)
     np.put_along_axis(kept, np.argsort(-freq, axis=1, kind="stable")[:, :slots], True, axis=1)
-    total = reads.sum()
-    return float((reads & ~kept.reshape(reads.shape[1:])).sum() / total) if total else 0.0
+    return _missed(depths, resident, kept)
 
 
 def gain_new(depths: np.ndarray, mean_importance: np.ndarray, resident: int, slots: int) -> float:
     """:func:`static_new` with the set ``Placement(warm_planes=slots)`` keeps: the planner's own marginal gains
     ``g_j 4^-i`` at the groups' mean importance ``mean_importance [N..., D]`` (``E[sum_h q_j^2] Var(k_j)``,
     :func:`~fathom_jax.store.tiered.warm_choice`): a set chosen from statistics alone."""
-    reads = _host_reads(depths, resident)
     kept = np.asarray(warm_choice(jnp.asarray(mean_importance.reshape(-1, mean_importance.shape[-1])), resident,
                                   slots)) > 0  # [N, D, 4]
-    total = reads.sum()
-    return float((reads & ~kept).sum() / total) if total else 0.0
+    return _missed(depths, resident, kept)
 
 
 def reuse_rows(inputs: str, depths_by_budget: dict, calib_by_budget: dict, head_dim: int, mean_importance,

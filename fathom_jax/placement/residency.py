@@ -76,4 +76,3 @@ def link_bytes(resident: tuple[int, ...], reads: Float[Array, "L 4"], *, groups:
     reads = np.asarray(reads, np.float64)
     plane = plane_bytes(groups=groups, capacity=capacity, head_dim=head_dim)
     return float(sum(reads[layer, i] * plane for layer, p in enumerate(resident) for i in range(p, N_PLANES)))
-

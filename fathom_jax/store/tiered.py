@@ -57,7 +57,6 @@ jax.tree_util.register_dataclass(TieredPlaneStore, data_fields=["hot", "cold", "
                                                                 "warm", "warm_map"], meta_fields=["resident"])
 
 
-
 def warm_choice(importance: Float[Array, "R D"], resident, slots: int) -> Int[Array, "R D 4"]:
     """The warm map of one layer (``1 + row`` of the warm tier holding plane ``i`` of channel ``j``, 0 for none, as
     :class:`~pallas_kernels.operands.LayerTiers` takes it): each group's ``slots`` channel planes past the ``resident``
