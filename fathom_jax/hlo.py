@@ -106,3 +106,52 @@ def device_copies(hlo_text: str, *, min_bytes: int = 1 << 20) -> list[dict]:
     place; its output is the GEMM's result and workspace)."""
     return [i for i in running_instructions(hlo_text, min_bytes=min_bytes) if i["kind"] != "kCustom" and (
             i["opcode"] in _COPY_OPS or i["name"].startswith(_COPY_NAMES) or (i["op"] or "").endswith("/dynamic_slice"))]
+
+
+# Instructions that launch no kernel of their own: tuples and aliases, control flow (counted by what it runs), the
+# completion half of an asynchronous op (its start launched it).
+_NO_LAUNCH = _NOT_WORK | {"conditional", "call", "opt-barrier", "after-all", "add-dependency", "partition-id",
+                          "replica-id", "copy-done", "async-done", "async-update", "call-done", "fusion-done"}
+_CALLED = re.compile(r"(body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def kernel_launches(hlo_text: str) -> dict:
+    """The kernels a compiled GPU program launches, where they run: ``{"entry": n, "loops": [{"body": name,
+    "kernels": n, "branches": [[n, ...], ...]}, ...]}``. A loop's ``kernels`` run once an iteration (a decode step's
+    layer scan: once a layer); ``branches`` lists, per conditional in its body, the kernels of each branch (only one
+    of which runs). Fusions, custom calls (the Pallas kernels, cuBLAS), sorts, copies and collectives count one each;
+    a called computation counts as its instructions."""
+    instructions = hlo_instructions(hlo_text)
+    by_computation: dict[str, list[dict]] = {}
+    for inst in instructions:
+        by_computation.setdefault(inst["computation"], []).append(inst)
+    lines = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            lines[m.group(1)] = line
+
+    def count(computation: str, loops: list) -> tuple[int, list]:
+        kernels, branches = 0, []
+        for inst in by_computation.get(computation, []):
+            line = lines.get(inst["name"], "")
+            called = dict((kind, name) for kind, name in _CALLED.findall(line))
+            if inst["opcode"] == "while":
+                inner, inner_branches = count(called["body"], loops)
+                loops.append({"body": called["body"], "kernels": inner, "branches": inner_branches})
+            elif inst["opcode"] == "conditional":
+                names = _BRANCHES.search(line)
+                names = ([n.strip().lstrip("%") for n in names.group(1).split(",")] if names else
+                         [called[k] for k in ("false_computation", "true_computation") if k in called])
+                branches.append([count(name, loops)[0] for name in names])
+            elif inst["opcode"] == "call":
+                inner, inner_branches = count(called["to_apply"], loops)
+                kernels, branches = kernels + inner, branches + inner_branches
+            elif inst["opcode"] not in _NO_LAUNCH:
+                kernels += 1
+        return kernels, branches
+
+    loops: list = []
+    entry, entry_branches = count("ENTRY", loops)
+    return {"entry": entry, "entry_branches": entry_branches, "loops": loops}

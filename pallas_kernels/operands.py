@@ -3,7 +3,8 @@
 * :class:`RunList`: a fixed-size run list (slot ``c`` reads channel ``channels[c]`` to depth ``depths[c]``);
 * :class:`StorePlanes`: a channel-major plane store as a kernel reads it in place (a plain store, one layer of a
   stacked one for a window of its groups, or the staged buffer a gather returns);
-* :class:`LayerTiers`: a stacked store held in two memory tiers (:mod:`pallas_kernels.plane_layout`) at one layer.
+* :class:`LayerTiers`: a stacked store held in two memory tiers (:mod:`pallas_kernels.plane_layout`) at one layer;
+* :class:`ResidentPlanes`: a staged buffer's resident (and warm) planes, read in place from a :class:`LayerTiers`.
 
 Each is a frozen pytree: arrays (and a traced layer) are its leaves, what fixes a kernel's shape (``group_start``,
 ``sorted``) is static, so a ``jit`` over an operand compiles once per window and list kind, as the keyword arguments
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as B
-from pallas_kernels.plane_layout import N_PLANES, check_run_list
+from pallas_kernels.plane_layout import N_PLANES, check_run_list, tier_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,3 +192,72 @@ class LayerTiers:
 
 jax.tree_util.register_dataclass(LayerTiers, data_fields=["hot", "cold", "scales", "table", "layer", "warm",
                                                           "warm_map"], meta_fields=["group_start"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidentPlanes:
+    """Planes ``[0, p_l)`` of a staged scan read in place from a tiered store's hot tier (and its warm tier's planes
+    from there).
+
+    With a staged buffer from :func:`pallas_kernels.tier_gather.tier_gather` (which stages only the planes past the
+    resident ones), slot ``c`` of group ``r`` reads plane ``i < p_l`` from ``hot[table[layer, 1] + i, group_start + r,
+    channels[r, c]]`` of ``tiers``, a plane the warm tier holds from ``warm[layer, group_start + r, row]``
+    (:meth:`~pallas_kernels.operands.LayerTiers.warm_rows`), and the others from the staged buffer. ``channels [Rc,
+    C]``: the store channel of each slot (the run list the gather staged)."""
+
+    tiers: LayerTiers
+    channels: jax.Array  # i32 [Rc, C]
+
+    def planes(self, staged):
+        """The staged buffer ``[Rc, C, 4, W]`` with its resident and warm planes filled in (plain jnp)."""
+        tiers = self.tiers
+        p, hot_row = tiers.table[tiers.layer, 0], tiers.table[tiers.layer, 1]
+        groups = slice(tiers.group_start, tiers.group_start + self.channels.shape[0])
+        hot = jnp.take_along_axis(tier_rows(tiers.hot, hot_row, groups), self.channels[..., None, None], axis=-3)
+        planes = jnp.where(jnp.arange(N_PLANES)[:, None] < p, hot, staged)
+        if tiers.warm is None:
+            return planes
+        rows = tiers.warm_rows(self.channels)  # [Rc, C, 4]
+        warm = jax.lax.dynamic_index_in_dim(tiers.warm, jnp.asarray(tiers.layer, jnp.int32), keepdims=False)[groups]
+        held = jnp.take_along_axis(warm[:, None], jnp.maximum(rows, 0)[..., None], axis=2)  # [Rc, C, 4, W]
+        return jnp.where(rows[..., None] >= 0, held, planes)
+
+    def check(self, store: StorePlanes, runs: RunList, name: str) -> None:
+        """Dtypes and shapes against the staged buffer ``store`` and the run list it was staged from."""
+        tiers = self.tiers
+        B.check_array("resident.tiers.hot", tiers.hot, ndim=4, dtypes=(jnp.uint32,))
+        B.check_array("resident.tiers.table", tiers.table, ndim=2, dtypes=(jnp.int32,))
+        B.check_array("resident.channels", self.channels, ndim=2, dtypes=(jnp.int32,))
+        if store.layer is not None or store.planes.ndim != 4:
+            raise ValueError(f"resident planes go with a staged buffer [Rc, C, 4, W] and no layer, got planes "
+                             f"{store.planes.shape} and layer {store.layer}")
+        if self.channels.shape != runs.channels.shape:
+            raise ValueError(f"resident.channels must be [Rc, C] = {runs.channels.shape}, got {self.channels.shape}")
+        if tiers.hot.shape[-1] != store.width or tiers.table.shape[1:] != (3,):
+            raise ValueError(f"resident.tiers.hot must be [Nh, R, D, W = {store.width}] and table [L, 3], got "
+                             f"{tiers.hot.shape}, {tiers.table.shape}")
+        B.request_groups(tiers.hot.shape[1:2], runs.channels.shape[:1], 0, tiers.group_start, f"{name} (resident)")
+        if (tiers.warm is None) != (tiers.warm_map is None):
+            raise ValueError("resident.tiers.warm and warm_map come together (both or neither)")
+        if tiers.warm is not None:
+            B.check_array("resident.tiers.warm", tiers.warm, ndim=4, dtypes=(jnp.uint32,))
+            B.check_array("resident.tiers.warm_map", tiers.warm_map, ndim=4, dtypes=(jnp.int32,))
+            if tiers.warm.shape[1] != tiers.hot.shape[1] or tiers.warm.shape[3] != store.width:
+                raise ValueError(f"resident.tiers.warm must be [L, R = {tiers.hot.shape[1]}, S, W = {store.width}], got "
+                                 f"{tiers.warm.shape}")
+            if tiers.warm_map.shape[:2] != tiers.warm.shape[:2] or tiers.warm_map.shape[3] != N_PLANES:
+                raise ValueError(f"resident.tiers.warm_map must be [L, R, D, 4] of the warm tier's L, R, got "
+                                 f"{tiers.warm_map.shape}")
+
+    def kernel_operands(self) -> tuple:
+        """What the kernel reads: ``(hot u32 [Nh, R, D, W], (p_l, first hot row) i32 [2], channels i32 [Rc, C])``; with
+        a warm tier ``(p_l, first hot row, layer) i32 [3]`` and then ``(warm u32 [L, R, S, W], rows i32 [Rc, C, 4])``."""
+        tiers = self.tiers
+        info = tiers.table[tiers.layer, :2]
+        if tiers.warm is None:
+            return tiers.hot, info, self.channels
+        info = jnp.concatenate([info, tiers.layer_index()])
+        return tiers.hot, info, self.channels, tiers.warm, tiers.warm_rows(self.channels)
+
+
+jax.tree_util.register_dataclass(ResidentPlanes, data_fields=["tiers", "channels"], meta_fields=[])

@@ -14,8 +14,9 @@ The active channels come as a fixed-size run list (:class:`~pallas_kernels.opera
 (e.g. ``ReadPlan.depths``), sorted by decreasing depth, so the kernel runs one loop per *depth class* (t = 4, 3, 2,
 1) with the depth a compile-time constant. The store is a :class:`~pallas_kernels.operands.StorePlanes`.
 
-The kernel (:mod:`pallas_kernels.plane_scan_bodies`): one program per (group, tile of tokens), one loop per depth
-class over the listed channels, in f32 (``PlaneScanConfig.math = "f32"``, exact to f32 rounding) or on pairs of
+The kernel (its bodies in :mod:`pallas_kernels.plane_scan_bodies`, its launch in
+:mod:`pallas_kernels.plane_scan_common`, shared with the scan that selects, :mod:`pallas_kernels.scan_select`): one
+program per (group, tile of tokens), one loop per depth class over the listed channels, in f32 (``PlaneScanConfig.math = "f32"``, exact to f32 rounding) or on pairs of
 tokens in packed f16 (``"f16x2"``: half the arithmetic, scores within :func:`f16x2_error_bound` of the exact ones).
 Planes and scales are read in place through ``memory_space=ANY`` refs, so they may live in ``pinned_host`` memory (a
 stacked ``[L, R, ...]`` cache indexed by the store's ``layer``).
@@ -23,102 +24,19 @@ stacked ``[L, R, ...]`` cache indexed by the store's ``layer``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as B
 from pallas_kernels import plane_scan_bodies as bodies
-from pallas_kernels.operands import LayerTiers, RunList, StorePlanes
-from pallas_kernels.plane_layout import BLOCK_TOKENS, N_PLANES, WORD_BITS, tier_rows
+from pallas_kernels import plane_scan_common as common
+from pallas_kernels.plane_scan_common import PlaneScanConfig  # noqa: F401 (this module's API too)
+from pallas_kernels.operands import ResidentPlanes, RunList, StorePlanes  # noqa: F401 (ResidentPlanes: API)
+from pallas_kernels.plane_layout import BLOCK_TOKENS, WORD_BITS
 
 KERNEL_NAME = "fathom_plane_scan"
-MATHS = ("f32", "f16x2")
-
-
-@dataclasses.dataclass(frozen=True)
-class PlaneScanConfig:
-    """Static tuning of the plane scan.
-
-    ``tile``: tokens per program (a power of two, >= 32 * lanes); ``lanes``: consecutive tokens per
-    thread (8, 16 or 32); ``num_warps`` / ``num_stages``: Triton launch parameters; ``math``: the kernel's arithmetic,
-    ``"f32"`` or ``"f16x2"`` (pairs of tokens in packed f16, ``lanes = 32``; :mod:`pallas_kernels.plane_scan_bodies`).
-    ``tile`` and ``lanes`` default to the H200's best for the arithmetic (``results/kernels_h200.md``).
-    """
-
-    tile: int | None = None
-    lanes: int | None = None
-    num_warps: int = 1
-    num_stages: int | None = None
-    math: str = "f32"
-
-    def __post_init__(self):
-        if self.math not in MATHS:
-            raise ValueError(f"math must be one of {MATHS}, got {self.math!r}")
-        wide = self.math == "f16x2"
-        if self.lanes is None:
-            object.__setattr__(self, "lanes", WORD_BITS if wide else 16)
-        if self.tile is None:
-            object.__setattr__(self, "tile", 1024 if wide else 512)
-        B.check_pow2("tile", self.tile)
-        if self.lanes not in (8, 16, 32) or self.tile < WORD_BITS * self.lanes:
-            raise ValueError(f"lanes must be 8, 16 or 32 with tile >= 32 * lanes, got lanes={self.lanes}, tile={self.tile}")
-        if wide and self.lanes != WORD_BITS:
-            raise ValueError(f"math='f16x2' pairs the tokens of a whole plane word: it needs lanes=32, "
-                             f"got {self.lanes}")
-
-    @classmethod
-    def heuristic(cls, capacity: int, math: str = "f32") -> "PlaneScanConfig":
-        """The defaults for ``math`` (f32: 16 lanes, 512-token tiles, 1 warp: the H200's best from 32k to 128k tokens,
-        ``results/kernels_h200.md``; f16x2: 1024-token tiles, 1 warp, within 2% of the best of three shapes,
-        ``results/kernels_h200_f16x2.md``); small stores keep the same shape."""
-        del capacity
-        return cls(math=math)
-
-
-@dataclasses.dataclass(frozen=True)
-class ResidentPlanes:
-    """Planes ``[0, p_l)`` of a staged scan read in place from a tiered store's hot tier (and its warm tier's planes
-    from there).
-
-    With a staged buffer from :func:`pallas_kernels.tier_gather.tier_gather` (which stages only the planes past the
-    resident ones), slot ``c`` of group ``r`` reads plane ``i < p_l`` from ``hot[table[layer, 1] + i, group_start + r,
-    channels[r, c]]`` of ``tiers``, a plane the warm tier holds from ``warm[layer, group_start + r, row]``
-    (:meth:`~pallas_kernels.operands.LayerTiers.warm_rows`), and the others from the staged buffer. ``channels [Rc,
-    C]``: the store channel of each slot (the run list the gather staged)."""
-
-    tiers: LayerTiers
-    channels: jax.Array  # i32 [Rc, C]
-
-    def planes(self, staged):
-        """The staged buffer ``[Rc, C, 4, W]`` with its resident and warm planes filled in (plain jnp)."""
-        tiers = self.tiers
-        p, hot_row = tiers.table[tiers.layer, 0], tiers.table[tiers.layer, 1]
-        groups = slice(tiers.group_start, tiers.group_start + self.channels.shape[0])
-        hot = jnp.take_along_axis(tier_rows(tiers.hot, hot_row, groups), self.channels[..., None, None], axis=-3)
-        planes = jnp.where(jnp.arange(N_PLANES)[:, None] < p, hot, staged)
-        if tiers.warm is None:
-            return planes
-        rows = tiers.warm_rows(self.channels)  # [Rc, C, 4]
-        warm = jax.lax.dynamic_index_in_dim(tiers.warm, jnp.asarray(tiers.layer, jnp.int32), keepdims=False)[groups]
-        held = jnp.take_along_axis(warm[:, None], jnp.maximum(rows, 0)[..., None], axis=2)  # [Rc, C, 4, W]
-        return jnp.where(rows[..., None] >= 0, held, planes)
-
-    def kernel_operands(self) -> tuple:
-        """What the kernel reads: ``(hot u32 [Nh, R, D, W], (p_l, first hot row) i32 [2], channels i32 [Rc, C])``; with
-        a warm tier ``(p_l, first hot row, layer) i32 [3]`` and then ``(warm u32 [L, R, S, W], rows i32 [Rc, C, 4])``."""
-        tiers = self.tiers
-        info = tiers.table[tiers.layer, :2]
-        if tiers.warm is None:
-            return tiers.hot, info, self.channels
-        info = jnp.concatenate([info, tiers.layer_index()])
-        return tiers.hot, info, self.channels, tiers.warm, tiers.warm_rows(self.channels)
-
-
-jax.tree_util.register_dataclass(ResidentPlanes, data_fields=["tiers", "channels"], meta_fields=[])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,83 +59,14 @@ def active_channels(depths, max_active: int | None = None) -> RunList:
     return RunList(order, jnp.take_along_axis(depths, order, axis=-1), sorted=True)
 
 
-def _class_bounds(depths):
-    """``[*, 4]`` end offsets of the depth classes 4, 3, 2, 1 in a list sorted by decreasing depth."""
-    counts = jnp.stack([jnp.sum(depths == t, axis=-1) for t in (4, 3, 2, 1)], axis=-1)
-    return jnp.cumsum(counts, axis=-1).astype(jnp.int32)
-
-
-# ----------------------------------------------------------------------------------------------
-# Validation
-
-
-def _validate(q, store: StorePlanes, length, runs: RunList):
-    B.check_array("q", q, ndim_min=2, dtypes=(jnp.float32, jnp.bfloat16, jnp.float16))
-    batch = store.check(q.shape[:-2], "plane_scan")
-    d = store.head_dim
-    runs.check(d)
-    if q.shape[:-2] != batch or q.shape[-1] != d:
-        raise ValueError(f"q must be [*batch, G, D] = [{batch}, G, {d}], got {q.shape}")
-    if jnp.shape(length) != batch:
-        raise ValueError(f"length must have the batch shape {batch}, got {jnp.shape(length)}")
-    if runs.batch != batch:
-        raise ValueError(f"runs: channels/depths must both be [*batch, C] = [{batch}, C], got {runs.channels.shape}")
-
-
-def _validate_resident(resident: ResidentPlanes, store: StorePlanes, runs: RunList) -> None:
-    tiers = resident.tiers
-    B.check_array("resident.tiers.hot", tiers.hot, ndim=4, dtypes=(jnp.uint32,))
-    B.check_array("resident.tiers.table", tiers.table, ndim=2, dtypes=(jnp.int32,))
-    B.check_array("resident.channels", resident.channels, ndim=2, dtypes=(jnp.int32,))
-    if store.layer is not None or store.planes.ndim != 4:
-        raise ValueError(f"resident planes go with a staged buffer [Rc, C, 4, W] and no layer, got planes "
-                         f"{store.planes.shape} and layer {store.layer}")
-    if resident.channels.shape != runs.channels.shape:
-        raise ValueError(f"resident.channels must be [Rc, C] = {runs.channels.shape}, got {resident.channels.shape}")
-    if tiers.hot.shape[-1] != store.width or tiers.table.shape[1:] != (3,):
-        raise ValueError(f"resident.tiers.hot must be [Nh, R, D, W = {store.width}] and table [L, 3], got "
-                         f"{tiers.hot.shape}, {tiers.table.shape}")
-    B.request_groups(tiers.hot.shape[1:2], runs.channels.shape[:1], 0, tiers.group_start, "plane_scan (resident)")
-    if (tiers.warm is None) != (tiers.warm_map is None):
-        raise ValueError("resident.tiers.warm and warm_map come together (both or neither)")
-    if tiers.warm is not None:
-        B.check_array("resident.tiers.warm", tiers.warm, ndim=4, dtypes=(jnp.uint32,))
-        B.check_array("resident.tiers.warm_map", tiers.warm_map, ndim=4, dtypes=(jnp.int32,))
-        if tiers.warm.shape[1] != tiers.hot.shape[1] or tiers.warm.shape[3] != store.width:
-            raise ValueError(f"resident.tiers.warm must be [L, R = {tiers.hot.shape[1]}, S, W = {store.width}], got "
-                             f"{tiers.warm.shape}")
-        if tiers.warm_map.shape[:2] != tiers.warm.shape[:2] or tiers.warm_map.shape[3] != N_PLANES:
-            raise ValueError(f"resident.tiers.warm_map must be [L, R, D, 4] of the warm tier's L, R, got "
-                             f"{tiers.warm_map.shape}")
-
-
 # ----------------------------------------------------------------------------------------------
 # Reference (plain jnp, independent of the kernel)
 
 
 def plane_scan_reference(q, store: StorePlanes, length, runs: RunList, *, resident: ResidentPlanes | None = None):
     """Scores ``[*, G, n]`` by unpacking the selected channels' planes to codes and dequantizing."""
-    _validate(q, store, length, runs)
-    if resident is not None:
-        store = dataclasses.replace(store, planes=resident.planes(store.planes))
-    planes, scales = store.read(q.shape[0])
-    channels, depths = runs.channels, runs.depths
-    *batch, d, _, w = planes.shape
-    n = WORD_BITS * w
-    sel = jnp.take_along_axis(planes, channels[..., :, None, None], axis=-3)  # [*, C, 4, W]
-    bits = (sel[..., None] >> jnp.arange(WORD_BITS, dtype=jnp.uint32)) & 1  # [*, C, 4, W, 32]
-    bits = bits.reshape(*sel.shape[:-1], n).astype(jnp.int32)  # [*, C, 4, n]
-    t = depths[..., :, None]  # [*, C, 1]
-    code = jnp.zeros(bits.shape[:-2] + (n,), jnp.int32)
-    for p in range(N_PLANES):  # plane p is bit (t-1-p) of c_t when p < t
-        code = code + jnp.where(p < t, bits[..., p, :] << jnp.maximum(t - 1 - p, 0), 0)
-    half = jnp.left_shift(1, jnp.maximum(t, 1) - 1).astype(jnp.float32)
-    a = jnp.take_along_axis(scales, channels[..., :, None], axis=-2).astype(jnp.float32)  # [*, C, NB]
-    a = jnp.repeat(a, BLOCK_TOKENS, axis=-1)  # [*, C, n]
-    value = jnp.where(t > 0, (code.astype(jnp.float32) + 0.5 - half) * a / half, 0.0)
-    value = jnp.where(jnp.arange(n) < jnp.asarray(length)[..., None, None], value, 0.0)
-    qc = jnp.take_along_axis(q.astype(jnp.float32), channels[..., None, :], axis=-1)  # [*, G, C]
-    return jnp.einsum("...gc,...cn->...gn", qc, value, precision=jax.lax.Precision.HIGHEST)
+    common.check_scan_inputs(q, store, length, runs, "plane_scan")
+    return common.scores_reference(q, store, length, runs, resident=resident)
 
 
 def f16x2_error_bound(q, store: StorePlanes, runs: RunList):
@@ -246,39 +95,14 @@ def _plane_scan_pallas(q, store: StorePlanes, length, runs: RunList, extra: tupl
                        hot_group_start):
     """q [Rc, G, D], store [L, R, D, 4, W] / [L, R, D, NB] at layer i32[1], length and runs over Rc; ``extra``: the
     resident planes' operands (:meth:`ResidentPlanes.kernel_operands`, hot tier groups ``hot_group_start ..``)."""
-    w = store.width
     r, g = q.shape[:2]
-    channels, depths = runs.channels, runs.depths
-    if not runs.sorted:
-        order = jnp.argsort(-depths, axis=-1, stable=True)
-        channels = jnp.take_along_axis(channels, order, axis=-1)
-        depths = jnp.take_along_axis(depths, order, axis=-1)
-        if extra:  # the kernel reads slot k's resident planes at its store channel (and its warm rows)
-            hot, table, channels_in, *warm = extra
-            warm = warm and [warm[0], jnp.take_along_axis(warm[1], order[..., None], axis=1)]
-            extra = (hot, table, jnp.take_along_axis(channels_in, order, axis=-1), *warm)
-    bounds = _class_bounds(depths)
-    qc = jnp.take_along_axis(q.astype(jnp.float32), channels[:, None, :], axis=-1)
     split = WORD_BITS // config.lanes
-    elems = config.tile // config.lanes
-    inputs = (qc, channels, bounds, length, store.layer, store.planes, store.scales, *extra)
-    if config.math == "f16x2":  # each thread's sums are bounded through the listed channels' largest |q|
-        body = bodies.f16x2_body
-        inputs = (qc, jnp.sum(jnp.where(depths[:, None, :] > 0, jnp.abs(qc), 0.0).max(axis=1), axis=-1), *inputs[1:])
-    else:
-        body = bodies.f32_body
-    kernel = functools.partial(body, groups=g, elems=elems, lanes=config.lanes, num_words=w,
-                               group_start=store.group_start, hot_group_start=hot_group_start, interpret=interpret)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((r, g, w * split, config.lanes), jnp.float32),
-        grid=(r, pl.cdiv(w * split, elems)),
-        in_specs=[B.any_spec()] * len(inputs),
-        interpret=interpret,
-        name=KERNEL_NAME if config.math == "f32" else f"{KERNEL_NAME}_{config.math}",
-        compiler_params=B.compiler_params(config.num_warps, config.num_stages),
-    )(*inputs)
-    return out.reshape(r, g, w * WORD_BITS)
+    out = common.scan_call(
+        q, store, length, runs, extra, config=config, interpret=interpret, hot_group_start=hot_group_start,
+        epilogue=bodies.store_scores, tail=(),
+        out_shape=jax.ShapeDtypeStruct((r, g, store.width * split, config.lanes), jnp.float32),
+        name=KERNEL_NAME if config.math == "f32" else f"{KERNEL_NAME}_{config.math}")
+    return out.reshape(r, g, store.width * WORD_BITS)
 
 
 def plane_scan(
@@ -301,9 +125,9 @@ def plane_scan(
     (:class:`ResidentPlanes`; the store a staged buffer ``[Rc, C, 4, W]`` without a layer).
     """
     implementation = B.resolve_implementation(implementation)
-    _validate(q, store, length, runs)
+    common.check_scan_inputs(q, store, length, runs, "plane_scan")
     if resident is not None:
-        _validate_resident(resident, store, runs)
+        resident.check(store, runs, "plane_scan")
     if implementation == "xla":
         return plane_scan_reference(q, store, length, runs, resident=resident)
     config = config or PlaneScanConfig.heuristic(store.width * WORD_BITS)

@@ -19,6 +19,7 @@ of a tiered store from its hot tier.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,6 +42,28 @@ def _stack_lanes(xs):
     a, b = _stack_lanes(xs[0::2]), _stack_lanes(xs[1::2])
     e, m = a.shape
     return jnp.stack([a, b], axis=-1).reshape(e, 2 * m)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """Where a program's scores lie: group ``r``, elements ``e0 .. e0 + elems - 1`` (``emask``: those inside the
+    store), their tokens ``tok [elems, lanes]`` and the group's ``length``."""
+
+    r: jax.Array
+    e0: jax.Array
+    elems: int
+    tok: jax.Array
+    emask: jax.Array
+    length: jax.Array
+
+
+def store_scores(refs, tile: Tile, scores) -> None:
+    """The plane scan's epilogue: every token's score (0 past the length) into ``out f32 [Rc, G, E, lanes]``."""
+    (out_ref,) = refs
+    valid = tile.tok < tile.length
+    for h, s in enumerate(scores):
+        plgpu.store(out_ref.at[tile.r, jnp.int32(h), pl.ds(tile.e0, tile.elems), :], jnp.where(valid, s, 0.0),
+                    mask=tile.emask[:, None])
 
 
 class _Planes:
@@ -105,10 +128,12 @@ def _over_depth_classes(bounds_ref, r, body, carry):
 
 
 def f32_body(qc_ref, ch_ref, bounds_ref, len_ref, layer_ref, planes_ref, scales_ref, *rest, groups: int, elems: int,
-             lanes: int, num_words: int, group_start: int, hot_group_start: int | None, interpret: bool):
-    """``f32`` arithmetic: out ``f32 [Rc, G, W * 32 / lanes, lanes]``."""
+             lanes: int, num_words: int, group_start: int, hot_group_start: int | None, interpret: bool,
+             n_resident: int, epilogue):
+    """``f32`` arithmetic; ``rest``: the ``n_resident`` refs of the resident planes, then the epilogue's refs, which
+    ``epilogue`` (:class:`Tile`) writes from the tile's scores."""
     del interpret
-    *resident, out_ref = rest
+    resident, tail = rest[:n_resident], rest[n_resident:]
     split = WORD_BITS // lanes
     r = pl.program_id(0)
     e0 = pl.program_id(1) * elems
@@ -147,10 +172,8 @@ def f32_body(qc_ref, ch_ref, bounds_ref, len_ref, layer_ref, planes_ref, scales_
     acc, bias = _over_depth_classes(bounds_ref, r, body, (acc, bias))
 
     tok = e[:, None] * lanes + jnp.arange(lanes, dtype=jnp.int32)[None, :]
-    valid = tok < len_ref[r]
-    for h in range(groups):
-        plgpu.store(out_ref.at[r, jnp.int32(h), pl.ds(e0, elems), :],
-                    jnp.where(valid, _stack_lanes([x + bias[h] for x in acc[h]]), 0.0), mask=emask[:, None])
+    scores = [_stack_lanes([x + bias[h] for x in acc[h]]) for h in range(groups)]
+    epilogue(tail, Tile(r=r, e0=e0, elems=elems, tok=tok, emask=emask, length=len_ref[r]), scores)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,11 +210,12 @@ def _pow2_from_exponent(bits):
 
 
 def f16x2_body(qc_ref, qbound_ref, ch_ref, bounds_ref, len_ref, layer_ref, planes_ref, scales_ref, *rest, groups: int,
-               elems: int, lanes: int, num_words: int, group_start: int, hot_group_start: int | None, interpret: bool):
-    """``f16x2`` arithmetic (``lanes`` = 32: a thread owns a word): out ``f32 [Rc, G, W, 32]``. ``qbound [Rc]``: the
-    sum over the listed channels of the largest ``|q|`` of the group's heads (bounds each thread's sums)."""
+               elems: int, lanes: int, num_words: int, group_start: int, hot_group_start: int | None, interpret: bool,
+               n_resident: int, epilogue):
+    """``f16x2`` arithmetic (``lanes`` = 32: a thread owns a word); ``rest`` as :func:`f32_body`'s. ``qbound [Rc]``:
+    the sum over the listed channels of the largest ``|q|`` of the group's heads (bounds each thread's sums)."""
     assert lanes == WORD_BITS
-    *resident, out_ref = rest
+    resident, tail = rest[:n_resident], rest[n_resident:]
     pairs = WORD_BITS // 2
     r = pl.program_id(0)
     e0 = pl.program_id(1) * elems
@@ -240,10 +264,9 @@ def f16x2_body(qc_ref, qbound_ref, ch_ref, bounds_ref, len_ref, layer_ref, plane
     acc, bias = _over_depth_classes(bounds_ref, r, body, (acc, bias))
 
     tok = e[:, None] * WORD_BITS + jnp.arange(WORD_BITS, dtype=jnp.int32)[None, :]
-    valid = tok < len_ref[r]
+    scores = []
     for h in range(groups):
         lo = [_f16_to_f32(x & 0xFFFF) * inv_s + bias[h] for x in acc[h]]
         hi = [_f16_to_f32(x >> 16) * inv_s + bias[h] for x in acc[h]]
-        plgpu.store(out_ref.at[r, jnp.int32(h), pl.ds(e0, elems), :],
-                    jnp.where(valid, _stack_lanes(lo + hi), 0.0), mask=emask[:, None])
-
+        scores.append(_stack_lanes(lo + hi))
+    epilogue(tail, Tile(r=r, e0=e0, elems=elems, tok=tok, emask=emask, length=len_ref[r]), scores)

@@ -27,7 +27,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import backend as C
 from pallas_kernels.topk_radix import (  # noqa: F401 (KERNEL_NAME, kth_largest: this module's API too)
-    BUCKET, INT_MIN, KERNEL_NAME, finish, kth_largest, masks, sink_local, sortable_key, topk_radix, validate)
+    BUCKET, INT_MIN, KERNEL_NAME, bitwise_kth, finish, kth_largest, masks, sink_local, sortable_key, topk_radix,
+    validate)
 
 # The paper's forced tokens per query head, for every method: the first SINK_TOKENS positions and the last
 # LOCAL_TOKENS. Their one definition: the library's selection re-exports them.
@@ -63,18 +64,6 @@ def topk_select_reference(scores, length, *, k: int = 512, sink: int = SINK_TOKE
 #    candidate v (the same search), selects ``> v`` plus the first ``== v`` ties and writes their positions.
 # Steps 2 and 3 may each split a row over several programs and merge their survivors (below), by default the token
 # selection over 4 and the bucket selection into slices of 16384 buckets (rows of 512k tokens and more).
-
-
-def _bitwise_kth(x, valid, k):
-    """k-th largest of the int32 keys ``x`` where ``valid`` (INT_MIN if fewer than k): 32 one-bit rounds."""
-    xu = jnp.where(valid, x, INT_MIN) ^ jnp.int32(INT_MIN)  # unsigned order as bits; compare in signed space
-
-    def rnd(i, prefix):
-        cand = prefix | jnp.left_shift(jnp.int32(1), 31 - i)
-        cnt = jnp.sum((xu ^ jnp.int32(INT_MIN) >= cand ^ jnp.int32(INT_MIN)).astype(jnp.int32))
-        return jnp.where(cnt >= k, cand, prefix)
-
-    return jax.lax.fori_loop(0, 32, rnd, jnp.int32(0)) ^ jnp.int32(INT_MIN)
 
 
 def _middle(pos, length, sink, local):
@@ -176,7 +165,7 @@ def _merge_buckets_kernel(ids_ref, keys_ref, out_ref, *, splits, kp, kpp, nb):
 
 def _tie_select(key, ok, kp):
     """The k' largest keys where ``ok``: all above the k'-th largest ``v``, then the first ties (index order)."""
-    v = _bitwise_kth(key, ok, kp)
+    v = bitwise_kth([key], [ok], kp)
     above = ok & (key > v)
     tie = ok & (key == v)
     need = kp - jnp.sum(above.astype(jnp.int32))

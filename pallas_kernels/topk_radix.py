@@ -37,6 +37,20 @@ def sortable_key(x):
     return b ^ ((b >> 31) & jnp.int32(0x7FFFFFFF))
 
 
+def bitwise_kth(xs, valids, k):
+    """The k-th largest of the int32 keys ``xs`` (a list of vectors read as one) where ``valids`` (INT_MIN if fewer
+    than k; with ``k <= 0`` the largest int32): 32 one-bit rounds, one compare per element per round, inside a
+    kernel."""
+    xus = [jnp.where(valid, x, INT_MIN) ^ jnp.int32(INT_MIN) for x, valid in zip(xs, valids)]  # unsigned order as bits
+
+    def rnd(i, prefix):
+        cand = (prefix | jnp.left_shift(jnp.int32(1), 31 - i)) ^ jnp.int32(INT_MIN)
+        cnt = sum(jnp.sum((xu ^ jnp.int32(INT_MIN) >= cand).astype(jnp.int32)) for xu in xus)
+        return jnp.where(cnt >= k, cand ^ jnp.int32(INT_MIN), prefix)
+
+    return jax.lax.fori_loop(0, 32, rnd, jnp.int32(0)) ^ jnp.int32(INT_MIN)
+
+
 def validate(scores, length, k, sink, local):
     """Clear errors for bad shapes, dtypes or window sizes, before any work."""
     C.check_array("scores", scores, ndim=2, dtypes=(jnp.float32, jnp.bfloat16, jnp.float16))

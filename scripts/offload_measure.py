@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fathom_jax import decode, distributed, planner
+from fathom_jax import decode, distributed, hlo, planner
 from fathom_jax.models import generation
 from fathom_jax.placement import attach_bulk, split_bulk
 from fathom_jax.store.tiered import warm_choice
@@ -147,6 +147,33 @@ def row_cache_fields(cache, link_gbps: float, scan_bytes: float) -> dict:
             "link_floor_fetched_ms": (scan_bytes + row_bytes) / (link_gbps * 1e9) * 1e3}
 
 
+def selection_fields(cache, attn, steps: int) -> dict:
+    """How often the threshold selection's candidates could not prove a group's selection (the second path ran):
+    ``second_path`` of the ``selections`` a row's ``steps`` made (layers x groups each), from the cache's seeds."""
+    if cache.seeds is None or not attn.run.keeps_seeds:
+        return {}
+    fallbacks = cache.seeds.fallbacks
+    return {"second_path": int(jnp.sum(fallbacks)), "selections": steps * fallbacks.size}
+
+
+def launch_fields(attn, q, key, value, cache) -> dict:
+    """The kernels the attention-only step's compiled program launches a layer (on a GPU; none elsewhere): ``launches``
+    in the layer loop's body outside any branch, ``launches_first`` / ``launches_second`` the threshold selection's
+    branches (its candidates' path, and the sorted second path), from :func:`fathom_jax.hlo.kernel_launches`."""
+    if jax.default_backend() != "gpu":
+        return {}
+    program = attn.program(decode.programs._attention_fn, cache)  # noqa: SLF001 (the step attention_step runs)
+    found = hlo.kernel_launches(program.lower(q, key, value, cache=cache).compile().as_text())
+    if not found["loops"]:
+        return {}
+    layer = max(found["loops"], key=lambda loop: loop["kernels"])  # the layer scan's body
+    out = {"launches": layer["kernels"] + len(layer["branches"]), "launches_entry": found["entry"]}
+    if layer["branches"]:
+        out["launches_first"] = sum(b[0] for b in layer["branches"])
+        out["launches_second"] = sum(b[-1] for b in layer["branches"])
+    return out
+
+
 def host_fields(cache, placement) -> dict:
     """A cache's bytes per token, layer and KV head (over ``layers x batch x KV heads x capacity``) from its own arrays:
     ``host_bytes_per_token`` as held in host memory (with ``shared_kv`` the one row buffer counted once, so less than
@@ -211,9 +238,11 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
     bulk = cache.bulk()
     start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])
     queries = drifting_queries(q, drift) if drift is not None else [q]
-    # the HBM control runs each scan configuration with the step's other defaults (its options are the offload's)
+    # the HBM control runs each scan configuration and selection with the step's other defaults (its options are the
+    # offload's)
     variants = args.variants if placement.offloaded else [
-        {"scan": scan} for scan in dict.fromkeys(v.get("scan", "default") for v in args.variants)]
+        {"scan": scan, "selection": select} for scan, select in dict.fromkeys(
+            (v.get("scan", "default"), v.get("selection", "threshold")) for v in args.variants)]
     for label, variant in ((m, v) for m in labels for v in variants):
         if run.left() < 30:
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
@@ -238,6 +267,8 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
             print(f"[attn {label} {context}] FAILED {e}"[:600], flush=True)
             return None
         cache = state[1]
+        selection = selection_fields(cache, attn, next(steps))
+        launches = launch_fields(attn, queries[0], key, value, cache)
         profile = None
         if "attnprofile" in args.sections:
             trace = os.path.join(args.out, "traces", f"attn_{context}_{label.split()[0]}_{batch}_{placement.memory}_{variant_tag(split)}")
@@ -258,7 +289,7 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
                  "mesh": placement.num_shards, **split, **tiers, "shared_kv": shared, "query_drift": drift,
                  "inputs": (inputs or INPUTS["today"]).name,
-                 **cached, **host_fields(cache, placement),
+                 **cached, **host_fields(cache, placement), **selection, **launches,
                  "fill_s": fill_s,
                  "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],

@@ -110,7 +110,7 @@ def hook(spec, calib, k, placement, implementation, variant=None, *, shape: Cach
 
 def cache_shape(cfg, batch: int, context: int) -> CacheShape:
     return CacheShape(layers=cfg.n_layers, batch=batch, kv_heads=cfg.n_kv_heads, capacity=context + 64,
-                      head_dim=cfg.head_dim, dtype=jnp.bfloat16)
+                      head_dim=cfg.head_dim, dtype=jnp.bfloat16, query_heads=cfg.group_size)
 
 
 def _fill_fn(cfg, context, attn, layer, key, scale, queries, cache):
@@ -203,7 +203,8 @@ def rows_tag(rows: dict) -> str:
 # deleted, kept for their rows)
 SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
                   "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
-                  "resident_planes": 0, "warm_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union", "order": "xla", "scan": "default"}
+                  "resident_planes": 0, "warm_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union", "order": "xla", "scan": "default",
+                  "select": "sorted"}
 
 
 def options_text(options) -> str:
@@ -217,7 +218,7 @@ def split_fields(attn) -> dict:
             "gather_programs": getattr(run.reader, "programs", 0), "fetch_programs": run.fetcher.programs,
             "layer_unroll": run.layer_unroll, "row_cache": run.row_cache, "scan_writes": run.in_place,
             "topk": topk_name(run.topk), "scan": scan_name(attn.step.scan),
-            "xla_options": options_text(attn.step.xla_options),
+            "xla_options": options_text(attn.step.xla_options), "select": attn.step.selection,
             "read": attn.step.read, "rows": "model" if attn.rows is None else attn.rows.spec}
 
 
@@ -227,7 +228,8 @@ def variant_tag(split: dict) -> str:
             + ("_x" if split.get("xla_options") else "") + (f"_u{split['layer_unroll']}" if split.get("layer_unroll", 1) > 1 else "")
             + (f"_c{split['row_cache']}" if split.get("row_cache") else "")
             + (f"_r{split['rows']}" if split.get("rows", "model") != "model" else "")
-            + (f"_s{split['scan']}" if split.get("scan", "default") != "default" else ""))
+            + (f"_s{split['scan']}" if split.get("scan", "default") != "default" else "")
+            + ("_sorted" if split.get("select", "sorted") == "sorted" else ""))
 
 
 def writes_text(r: dict) -> str:
@@ -256,17 +258,27 @@ def split_text(r: dict) -> str:
             ([f"row cache {r['row_cache']} slots"] if r.get("row_cache") else []) + \
             ([f"{r['inputs']} inputs"] if r.get("inputs", "today") != "today" else []) + \
             ([f"xla: {r['xla_options']}"] if r.get("xla_options") else []) + \
+            ([select_text(r)] if r.get("select", "sorted") != "sorted" else []) + \
             ([f"selection {r['selection']}"] if r.get("selection", "topk_union") != "topk_union" else []) + \
             ([f"order {r['order']}"] if r.get("order", "xla") != "xla" else [])  # (deleted options' rows)
     return "; ".join([text] * bool(text) + extra)
 
 
+def select_text(r: dict) -> str:
+    """A threshold-selection row's selection and how often its second path ran."""
+    text = f"{r['select']} selection"
+    if r.get("selections"):
+        text += f" (second path {r['second_path'] / r['selections']:.1%})"
+    return text
+
+
 def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "auto", topk: str = "auto",
-                   xla: str = "none", unroll: str = "1", row_cache: str = "0", scan: str = "default") -> list[dict]:
+                   xla: str = "none", unroll: str = "1", row_cache: str = "0", scan: str = "default",
+                   select: str = "threshold") -> list[dict]:
     """Every combination of the step configurations the lists give (one row each): ``--index-writes``,
     ``--pipeline`` (entries ``auto``, ``N`` or ``N/P``: N chunks, P persistent gather programs, "auto" where not
-    given), ``--fetch-programs``, ``--topk``, ``--xla-options``, ``--layer-unroll``, ``--row-cache``, ``--scan``; ``--read`` for
-    all. Each is a set of :class:`fathom_jax.decode.StepConfig` fields, checked here."""
+    given), ``--fetch-programs``, ``--topk``, ``--xla-options``, ``--layer-unroll``, ``--row-cache``, ``--scan``,
+    ``--select``; ``--read`` for all. Each is a set of :class:`fathom_jax.decode.StepConfig` fields, checked here."""
     pipes = []
     for item in pipeline.split(","):
         n, _, programs = item.partition("/")
@@ -288,9 +300,10 @@ def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "au
     slots = [int(c) for c in row_cache.split(",")]
     if any(c < 0 for c in slots):
         raise ValueError(f"--row-cache entries are ints >= 0 (0: no row cache), got {row_cache!r}")
-    out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u, "row_cache": c, "scan": sc}
+    out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u, "row_cache": c, "scan": sc,
+                "selection": se}
            for f in fetches for t in topk.split(",") for x in option_sets for u in unrolls for c in slots
-           for sc in scan.split(",") for v in out]
+           for sc in scan.split(",") for se in select.split(",") for v in out]
     for v in out:  # a bad entry fails here, before anything runs
         StepConfig(**(v | {"topk": topk_config(v["topk"]), "scan": scan_config(v["scan"]),
                            "xla_options": dict(v["xla_options"])}))

@@ -28,6 +28,11 @@ Fields:
 * ``layer_unroll``: layers per iteration of the decode step's layer scan.
 * ``xla_options``: more XLA compiler options for the programs that run a step (``{name: value}``).
 * ``row_cache``: device-memory slots per layer and group for recently fetched K/V rows (0: none).
+* ``selection``: how each head's rows are chosen (:mod:`fathom_jax.decode.selection`): ``"threshold"`` (the scan
+  keeps only the tokens above each head's threshold, seeded by the previous step; the exact top-k among them, with
+  the sorted path as a second path) or ``"sorted"`` (every score written, the top-k kernels, the union by a sort);
+  ``threshold``: the threshold selection's knobs (a :class:`~fathom_jax.decode.selection.ThresholdSelection`, None:
+  its defaults; ``threshold.rank=8`` on the command line).
 * ``topk``: the top-k kernels' configuration (None: their defaults).
 * ``scan``: the plane scan's configuration, e.g. ``PlaneScanConfig(tile=1024, num_warps=2)``
   (None: its default).
@@ -42,12 +47,14 @@ import jax
 
 from fathom_jax.decode.fetches import CachedRowFetch, RowFetch
 from fathom_jax.decode.reads import DeviceRead, DirectRead, IndexRead, StagedRead, TieredRead
+from fathom_jax.decode.selection import SortedSelection, ThresholdSelection
 from fathom_jax.placement import Placement
 from fathom_jax.placement.residency import all_resident
 from pallas_kernels.plane_scan import PlaneScanConfig
 from pallas_kernels.topk import TopkConfig
 
 ReadMode = Literal["direct", "staged"]
+SelectionMode = Literal["threshold", "sorted"]
 IndexWrites = Literal["every_step", "full_blocks"]
 Auto = Literal["auto"]
 # XLA's CUDA graphs of a program follow its sequential schedule by default; a pipelined step needs each chunk's
@@ -67,12 +74,19 @@ class StepConfig:
     layer_unroll: int = 1
     xla_options: tuple = ()
     row_cache: int = 0
+    selection: SelectionMode = "threshold"
+    threshold: ThresholdSelection | None = None
     topk: TopkConfig | None = None
     scan: PlaneScanConfig | None = None
 
     def __post_init__(self):
         if self.read not in get_args(ReadMode):
             raise ValueError(f"step read must be one of {get_args(ReadMode)}, got {self.read!r}")
+        if self.selection not in get_args(SelectionMode):
+            raise ValueError(f"step selection must be one of {get_args(SelectionMode)}, got {self.selection!r}")
+        if self.threshold is not None and not isinstance(self.threshold, ThresholdSelection):
+            raise TypeError("step threshold must be a fathom_jax.decode.selection.ThresholdSelection or None, got "
+                            f"{self.threshold!r}")
         if self.index_writes not in get_args(IndexWrites):
             raise ValueError(f"step index_writes must be one of {get_args(IndexWrites)}, got {self.index_writes!r}")
         for name, least, auto in (("pipeline", 1, True), ("gather_programs", 0, True), ("fetch_programs", 0, True),
@@ -100,7 +114,7 @@ class StepConfig:
         """``"key=value,..."`` (the CLI's ``--step-config``): ints, ``auto``, ``xla_*`` options, topk and plane scan
         fields as ``topk.NAME=value`` / ``scan.NAME=value``; unknown keys and bad values raise ValueError naming
         them."""
-        kernels = {"topk": TopkConfig, "scan": PlaneScanConfig}
+        kernels = {"topk": TopkConfig, "scan": PlaneScanConfig, "threshold": ThresholdSelection}
         fields = {f.name for f in dataclasses.fields(cls)} - {"xla_options", *kernels}
         kwargs: dict = {}
         options: dict = {}
@@ -119,7 +133,7 @@ class StepConfig:
                 kwargs[key] = _literal(value)
             else:
                 raise ValueError(f"step config: unknown key {key!r}; expected one of {sorted(fields)}, xla_*, "
-                                 "topk.* or scan.*")
+                                 "topk.*, scan.* or threshold.*")
         for name, config in kernels.items():
             if nested[name]:
                 try:
@@ -158,7 +172,8 @@ class StepConfig:
         options = (CONCURRENT_KERNELS if staged and self.pipeline != 1 else {}) | dict(self.xla_options)
         planes_cross = not (tiered and all_resident(resident))  # else the index is all in HBM, the rows are not
         chunks = self._chunks(groups // placement.num_shards, capacity, host and staged, planes_cross)
-        return ResolvedStep(reader=reader, fetcher=fetcher, chunks=chunks,
+        selection = SortedSelection() if self.selection == "sorted" else (self.threshold or ThresholdSelection())
+        return ResolvedStep(reader=reader, fetcher=fetcher, selection=selection, chunks=chunks,
                             implementation=implementation, index_writes=self.index_writes, in_place=host,
                             layer_unroll=self.layer_unroll, compiler_options=tuple(sorted(options.items())),
                             topk=self.topk, row_cache=self.row_cache)
@@ -182,6 +197,7 @@ class ResolvedStep:
 
     reader: IndexRead
     fetcher: RowFetch
+    selection: SortedSelection | ThresholdSelection
     chunks: int
     implementation: str
     index_writes: str
@@ -194,6 +210,12 @@ class ResolvedStep:
     @property
     def options(self) -> dict:
         return dict(self.compiler_options)
+
+    @property
+    def keeps_seeds(self) -> bool:
+        """Whether a cache stepped this way keeps selection seeds (:class:`~fathom_jax.decode.selection.SelectionSeeds`):
+        with threshold selection on the kernels."""
+        return isinstance(self.selection, ThresholdSelection) and self.implementation == "triton"
 
 
 def _programs(value, host: bool) -> int:

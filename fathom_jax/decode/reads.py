@@ -28,10 +28,11 @@ from fathom_jax import scan as scan_lib
 from fathom_jax import store as store_lib
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead
 from pallas_kernels import backend
-from pallas_kernels.operands import StorePlanes
-from pallas_kernels.plane_scan import PlaneScanConfig, ResidentPlanes, plane_scan
+from pallas_kernels.operands import ResidentPlanes, RunList, StorePlanes
+from pallas_kernels.plane_scan import PlaneScanConfig, plane_scan
 from pallas_kernels.row_fetch import StoredRows, row_fetch
 from pallas_kernels.run_gather import RunGatherConfig, run_gather
+from pallas_kernels.scan_select import Candidates, scan_select
 from pallas_kernels.tier_gather import tier_gather
 
 
@@ -59,8 +60,14 @@ class IndexRead:
     def _stage(self, x, layer, groups, columns):
         raise NotImplementedError
 
-    def _plane_scores(self, read, store, length, layer, group_start, after):
+    def _plane_operands(self, read, store, length, layer, group_start, after) -> tuple["ScanOperands", object]:
+        """What the plane scan of ``read`` reads (:class:`ScanOperands`), and the staged planes a chained transfer
+        waits for (None where nothing was staged)."""
         raise NotImplementedError
+
+    def _plane_scores(self, read, store, length, layer, group_start, after):
+        operands, staged = self._plane_operands(read, store, length, layer, group_start, after)
+        return operands.scores(self), staged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +87,10 @@ class DeviceRead(IndexRead):
             store = store.layer_store(layer, slice(group_start, group_start + length.shape[0]), length)
             return jnp.einsum("...gd,...dn->...gn", read.queries, store_lib.dequantize_channels(store, read.depths),
                               precision=jax.lax.Precision.HIGHEST), None
-        return _scan_in_place(read, store, length, layer, group_start, self.implementation, self.scan), None
+        return super()._plane_scores(read, store, length, layer, group_start, after)
+
+    def _plane_operands(self, read, store, length, layer, group_start, after):
+        return _in_place(read, store, length, layer, group_start), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,19 +113,19 @@ class StagedRead(_HostRead):
 
     programs: int = 0
 
-    def _plane_scores(self, read, store, length, layer, group_start, after):
+    def _plane_operands(self, read, store, length, layer, group_start, after):
         runs = read.runs()
         staged = run_gather(store.planes_at(layer, group_start), runs, after=after,
                             config=RunGatherConfig(programs=self.programs), implementation=self.implementation)
-        return _scan_staged(read, staged, runs, length, self.implementation, self.scan), staged.planes
+        return _staged(read, staged, runs, length), staged.planes
 
 
 @dataclasses.dataclass(frozen=True)
 class DirectRead(_HostRead):
     """The plane scan reads the planes in place as it computes (host memory, or HBM with every plane resident)."""
 
-    def _plane_scores(self, read, store, length, layer, group_start, after):
-        return _scan_in_place(read, store, length, layer, group_start, self.implementation, self.scan), None
+    def _plane_operands(self, read, store, length, layer, group_start, after):
+        return _in_place(read, store, length, layer, group_start), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,13 +135,12 @@ class TieredRead(_HostRead):
 
     programs: int = 0
 
-    def _plane_scores(self, read, store, length, layer, group_start, after):
+    def _plane_operands(self, read, store, length, layer, group_start, after):
         runs = read.runs()
         tiers = store.tiers(jnp.asarray(layer, jnp.int32), group_start)
         staged = tier_gather(tiers, runs, after=after, config=RunGatherConfig(programs=self.programs),
                              implementation=self.implementation)
-        resident = ResidentPlanes(tiers, runs.channels)
-        return _scan_staged(read, staged, runs, length, self.implementation, self.scan, resident), staged.planes
+        return _staged(read, staged, runs, length, ResidentPlanes(tiers, runs.channels)), staged.planes
 
 
 class StepSource:
@@ -158,6 +167,13 @@ class StepSource:
                                                         self.group_start, self.after)
         return scores
 
+    def plane_operands(self, read: PlaneRead) -> ScanOperands:
+        """What a plane scan of ``read`` reads, staged where it must be (once: the scores of a second path read the
+        same staged planes); a view stacked at a layer, read by the kernels."""
+        operands, self.staged = self.reader._plane_operands(read, self.view.index[read.part], self.view.length,
+                                                            self.view.layer, self.group_start, self.after)
+        return operands
+
     def block_scores(self, read: BlockRead):
         rows = self.reader.stage(self.view.index[read.part].rows, self.view.layer, groups=self._groups)
         return scan_lib.block_scores(read, rows)
@@ -171,17 +187,39 @@ class StepSource:
         return scan_lib.dot(read.queries, keys.astype(jnp.float32))
 
 
-def _scan_staged(read, staged: StorePlanes, runs, length, implementation, config, resident=None):
-    """The scan of a staged buffer: slot ``c`` holds channel ``runs.channels[c]``, scored by that query feature."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScanOperands:
+    """What one plane scan of a step reads: ``queries [Rc, G, C]`` (by run-list slot), the planes (a stacked store
+    at its layer, or a staged buffer), the run list, the groups' ``length`` and a staged buffer's resident planes.
+    The plane scan writes every score from them (:meth:`scores`); the scan that selects keeps only each head's
+    candidates (:meth:`candidates`)."""
+
+    queries: jax.Array
+    store: StorePlanes
+    runs: RunList
+    length: jax.Array
+    resident: ResidentPlanes | None = None
+
+    def scores(self, reader: IndexRead) -> jax.Array:
+        return plane_scan(self.queries, self.store, self.length, self.runs, resident=self.resident,
+                          implementation=reader.implementation, config=reader.scan)
+
+    def candidates(self, reader: IndexRead, threshold, stop, *, start: int, capacity: int, shift=None) -> Candidates:
+        return scan_select(self.queries, self.store, self.length, self.runs, threshold, stop, start=start,
+                           capacity=capacity, shift=shift, resident=self.resident,
+                           implementation=reader.implementation, config=reader.scan)
+
+
+def _staged(read, staged: StorePlanes, runs, length, resident=None) -> ScanOperands:
+    """A staged buffer's scan: slot ``c`` holds channel ``runs.channels[c]``, scored by that query feature."""
     queries = jnp.take_along_axis(read.queries, runs.channels[..., None, :], axis=-1)
-    return plane_scan(queries, staged, length, runs.slots(), resident=resident, implementation=implementation,
-                      config=config)
+    return ScanOperands(queries, staged, runs.slots(), length, resident)
+
+
+def _in_place(read, store, length, layer, group_start) -> ScanOperands:
+    return ScanOperands(read.queries, store.planes_at(layer, group_start), read.runs(), length)
 
 
 def _columns(x, columns):
     return x if columns is None else x[..., columns[0]:columns[0] + columns[1]]
-
-
-def _scan_in_place(read, store, length, layer, group_start, implementation, config):
-    return plane_scan(read.queries, store.planes_at(layer, group_start), length, read.runs(),
-                      implementation=implementation, config=config)

@@ -1,19 +1,21 @@
 """One sparse-attention step of one layer: plan -> read -> scan -> select -> union -> fetch -> attend.
 
-    out = sparse_attention_step(method, q, view, ctx)      # StepResult(out [R, G, Dh], bits [R], fill)
+    out = sparse_attention_step(method, q, view, ctx)      # StepResult(out [R, G, Dh], bits [R], fill, seeds)
 
 Written once, for every scan method and placement: the decoder's sparse attention (:mod:`fathom_jax.decode.hook`)
 calls it per layer inside its layer scan. ``view`` (:class:`CacheView`) is what the layer reads (its index, K/V rows,
-lengths, the new token); ``ctx`` (:class:`StepContext`) is how: ``k``, the sink and local window, and the resolved
-step (:class:`~fathom_jax.decode.config.ResolvedStep`) with its read strategy (index in HBM, staged from host, read in
-place from host) and fetch strategy (with or without a row cache).
+lengths, the new token, the selection's seeds); ``ctx`` (:class:`StepContext`) is how: ``k``, the sink and local
+window, and the resolved step (:class:`~fathom_jax.decode.config.ResolvedStep`) with its read strategy (index in HBM,
+staged from host, read in place from host), selection strategy (sorted, or by thresholds:
+:mod:`fathom_jax.decode.selection`) and fetch strategy (with or without a row cache).
 
 Per KV group ``r`` (``R = batch x KV heads`` groups, ``G`` query heads each):
 
 1. plan: the method's read for the group's queries (Fathom: importance and depths by the planner);
-2. read + scan: approximate scores of every stored position (the read strategy);
-3. select: per query head 4 sink + 32 local + the top-(k - 36) by approximate score;
-4. union: the group's G sets as one fixed-size list (``G k`` slots, duplicates masked);
+2. read + scan: approximate scores of every stored position (the read strategy), or only each head's candidates
+   above its threshold (the threshold selection);
+3. select: per query head 4 sink + 32 local + the top-(k - 36) by approximate score (the selection strategy);
+4. union: the group's G sets as one fixed-size list (``G k`` slots in position order, duplicates masked);
 5. fetch: the union's K/V rows (the fetch strategy; one copy serves every head of the group);
 6. attend: exact softmax attention of each head over its own k rows.
 
@@ -37,15 +39,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from fathom_jax import scan as scan_lib
-from fathom_jax import store as store_lib
 from fathom_jax.calibrate import Calibration
 from fathom_jax.decode.config import ResolvedStep
 from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
 from fathom_jax.index import KeyIndex
-from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, ScanMethod
+from fathom_jax.decode.selection import Selection, SelectionSeeds
+from fathom_jax.methods.base import ScanMethod
 from fathom_jax.rows.layout import RowLayout
-from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend, group_union, select_topk
+from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend
 
 
 @jax.tree_util.register_dataclass
@@ -73,7 +74,8 @@ class CacheView:
     ``[L, R, C, W]`` read at ``kv_layer`` (default ``layer``; 0 for a row buffer shared by every layer), or
     ``[R, C, W]`` without a layer, stored as ``layout`` says (static; None: ``W = 2 Dh`` rows in ``kv``'s dtype); ``length``: valid tokens per group, the new one included; ``calib``: the
     layer's statistics per group; ``new``: the token the stored cache does not hold yet; ``row_cache``: slots
-    stacked like ``kv`` (read at ``layer``), with a :class:`~fathom_jax.decode.fetches.CachedRowFetch`.
+    stacked like ``kv`` (read at ``layer``), with a :class:`~fathom_jax.decode.fetches.CachedRowFetch`; ``seeds``:
+    the layer's :class:`~fathom_jax.decode.selection.SelectionSeeds` per group (None: the cache keeps none).
     """
 
     index: KeyIndex
@@ -84,6 +86,7 @@ class CacheView:
     kv_layer: Int[Array, ""] | None = None
     new: NewToken | None = None
     row_cache: RowCache | None = None
+    seeds: SelectionSeeds | None = None
     layout: RowLayout | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
@@ -111,12 +114,13 @@ class StepResult(NamedTuple):
     out: Float[Array, "R G Dh"]
     bits: Float[Array, "R"]
     fill: RowFill | None = None  # what to store in the row-cache slots (None without a row cache)
+    seeds: SelectionSeeds | None = None  # the selection's seeds for the next step (None without seeds)
 
 
 def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext
                           ) -> StepResult:
     """Sparse attention of the ``G`` query heads of every group (dense attention for a method that selects every
-    row: :func:`dense_attention_step`); returns the output, bits per token read and the row-cache fill."""
+    row: :func:`dense_attention_step`); returns the output, bits per token read, the row-cache fill and the next seeds."""
     if method.selects_all:
         return dense_attention_step(method, q, view, ctx)
     groups = q.shape[0]
@@ -131,13 +135,14 @@ def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Ca
     bulk = view.index.bulk()
     outs, staged, pending = [], None, None
     for start in range(0, groups, size):
-        chunk_read, chunk_q, chunk_index, chunk_length, chunk_new = _groups(
-            (read, q, view.index, view.length, view.new), (False, False, bulk, False, False), start, size)
-        chunk = dataclasses.replace(view, index=chunk_index, length=chunk_length, new=chunk_new)
+        chunk_read, chunk_q, chunk_index, chunk_length, chunk_new, chunk_seeds = _groups(
+            (read, q, view.index, view.length, view.new, view.seeds), (False, False, bulk, False, False, False), start,
+            size)
+        chunk = dataclasses.replace(view, index=chunk_index, length=chunk_length, new=chunk_new, seeds=chunk_seeds)
         selection, staged = _select(chunk_read, chunk_q, chunk, ctx, start, after=staged)
         if pending is not None:  # the next-to-last chunk's fetch waits for the last chunk's scan
             last = start + size == groups
-            outs.append(_fetch_attend(pending, view, ctx, after=selection.scores if last else None))
+            outs.append(_fetch_attend(pending, view, ctx, after=selection.done if last else None))
         pending = selection
     outs.append(_fetch_attend(pending, view, ctx))
     if len(outs) == 1:
@@ -156,49 +161,23 @@ def dense_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Cac
     mask = jnp.arange(keys.shape[-2]) < view.length[:, None, None]
     out = attend(q, keys, values, jnp.broadcast_to(mask, q.shape[:-1] + keys.shape[-2:-1]))
     bits = jnp.full(q.shape[:1], method.fixed_bits_per_token(q.shape[-1]), jnp.float32)
-    return StepResult(out, bits, None)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Selection:
-    """A chunk's selection before its rows are fetched: the union ``slots [Rc, S]`` (-1 where masked), which head
-    attends which slot (``member``), and the chunk's scores with the newest block patched in (what a later fetch may
-    wait for)."""
-
-    q: jax.Array
-    bits: jax.Array
-    slots: jax.Array
-    member: jax.Array
-    scores: jax.Array
-    group_start: int
-    new: NewToken | None
+    return StepResult(out, bits, None, view.seeds)
 
 
 def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=None):
-    """Execute ``read`` for the view's groups (from ``group_start`` of the stacked cache) and select; returns the
-    :class:`_Selection` and the staged planes a chained transfer waits for (None where nothing was staged); the
-    plane transfer itself waits for ``after``."""
+    """Execute ``read`` for the view's groups (from ``group_start`` of the stacked cache) and select (the step's
+    selection strategy); returns the :class:`~fathom_jax.decode.selection.Selection` and the staged planes a chained
+    transfer waits for (None where nothing was staged); the plane transfer itself waits for ``after``."""
     source = ctx.run.reader.source(view, group_start=group_start, after=after)
-    scores = read.scores(source)
-    if view.new is not None:
-        scores = patch_scores(scores, read, view.new)
-    # No masking pass over the scores: both selections take positions >= length as invalid.
-    idx, mask = select_topk(scores, view.length, ctx.k, sink=ctx.sink, local=ctx.local,
-                            implementation=ctx.run.implementation, config=ctx.run.topk)
-    # One XLA sort even though the Pallas top-k lists each head's tokens in order: the sort-free union, faster
-    # alone, made the pipelined step slower (results/union_h200.md).
-    union, union_mask, member = group_union(idx, mask)
-    slots = jnp.where(union_mask, union, -1)
-    return _Selection(q=q, bits=read.bits, slots=slots, member=member, scores=scores, group_start=group_start,
-                      new=view.new), source.staged
+    return ctx.run.selection.select(read, q, source, view, ctx, group_start), source.staged
 
 
-def _fetch_attend(sel: _Selection, view: CacheView, ctx: StepContext, after=None) -> StepResult:
+def _fetch_attend(sel: Selection, view: CacheView, ctx: StepContext, after=None) -> StepResult:
     """Fetch a selection's rows (after ``after``: arrays the fetch waits for and never reads) and attend."""
     chunk = dataclasses.replace(view, new=sel.new)
     rows, fill = ctx.run.fetcher.fetch(sel.slots, chunk, group_start=sel.group_start, after=after)
     k_rows, v_rows = view.rows.split(rows)
-    return StepResult(attend(sel.q, k_rows, v_rows, sel.member), sel.bits, fill)
+    return StepResult(attend(sel.q, k_rows, v_rows, sel.member), sel.bits, fill, sel.seeds)
 
 
 def _groups(trees, bulk_masks, start: int, size: int):
@@ -211,40 +190,6 @@ def _groups(trees, bulk_masks, start: int, size: int):
         return jax.tree.map(lambda x, b: x if b else x[start:start + size], tree, bulk)
 
     return tuple(cut(tree, bulk) for tree, bulk in zip(trees, bulk_masks))
-
-
-def _put_block(scores, block_scores, start):
-    """``scores [R, G, n]`` with ``block_scores [R, G, m]`` written at position ``start [R]`` (clipped in range)."""
-    return jax.vmap(lambda s, b, at: jax.lax.dynamic_update_slice(s, b, (0, at)))(scores, block_scores, start)
-
-
-def patch_scores(scores, read, new: NewToken):
-    """Scores of the newest block from the fresh block data (the stored block is stale until written): the read
-    scores the newest block (:class:`NewestBlock`), whose width ``m`` places it at ``position // m * m``."""
-    block_scores = read.scores(NewestBlock(new))
-    size = block_scores.shape[-1]
-    return _put_block(scores, block_scores, new.position // size * size)
-
-
-@dataclasses.dataclass(frozen=True)
-class NewestBlock:
-    """The :class:`~fathom_jax.methods.base.ReadSource` of a step's newest block, from the fresh block data of each
-    index part (its 64-token plane block, its newest row) and the new key: scores ``[R, G, m]`` of the block's ``m``
-    tokens (64, the read's block, 1)."""
-
-    new: NewToken
-
-    def plane_scores(self, read: PlaneRead):
-        block = self.new.blocks[read.part]
-        codes = store_lib.unpack_planes(block.words, read.depths)  # [R, 64, D]
-        values = store_lib.dequantize_codes(codes, block.scale.astype(jnp.float32)[:, None, :], read.depths[:, None, :])
-        return scan_lib.dot(read.queries, values)
-
-    def block_scores(self, read: BlockRead):
-        return scan_lib.block_scores(read, self.new.blocks[read.part].row[:, None, :])
-
-    def key_scores(self, read: KeyRead):
-        return scan_lib.dot(read.queries, self.new.key[:, None, :].astype(jnp.float32))
 
 
 def _put_row(x, row, at):

@@ -89,7 +89,7 @@ def write_token(cache: SparseCache, update: LayerUpdate, position, layer, write:
 
 def commit(cache: SparseCache, update: LayerUpdate, position, write: Writer, index_writes: str) -> SparseCache:
     """Every layer's step (``update`` stacked on [L]) into the cache: the bulk writes unless each layer made them
-    in the layer scan (``update.written``), then the small leaves (tails, lengths, row-cache slots)."""
+    in the layer scan (``update.written``), then the small leaves (tails, lengths, row-cache slots, seeds)."""
     if update.written is None:
         kv, data = write_token(cache, update, position, 0, write, index_writes)
         writes = write.done(cache.writes)
@@ -99,8 +99,9 @@ def commit(cache: SparseCache, update: LayerUpdate, position, write: Writer, ind
     length = cache.index.length + 1
     data = tuple(part.commit(stacked, update.blocks[part.name], length) for part, stacked in zip(cache.index.parts, data))
     row_cache = cache.row_cache if update.rows is None else commit_rows(cache.row_cache, update.rows)
+    seeds = cache.seeds if update.seeds is None else update.seeds  # every layer's, stacked by the layer scan
     return dataclasses.replace(cache, kv=kv, index=KeyIndex(length, cache.index.parts, data), length=cache.length + 1,
-                               writes=writes, row_cache=row_cache)
+                               writes=writes, row_cache=row_cache, seeds=seeds)
 
 
 def flush(cache: SparseCache, write: Writer) -> SparseCache:

@@ -31,7 +31,8 @@ from fathom_jax.models.prompt_attention import PREFILL_MLP_CHUNK, prefill_attent
 @dataclasses.dataclass(frozen=True)
 class CacheShape:
     """The shape of an attention cache: ``layers`` x ``batch`` sequences x ``kv_heads``, ``capacity`` tokens of
-    ``head_dim`` channels, rows in ``dtype``."""
+    ``head_dim`` channels, rows in ``dtype``; ``query_heads``: the query heads that share each KV head (0: not given,
+    so the cache keeps nothing per query head)."""
 
     layers: int
     batch: int
@@ -39,6 +40,7 @@ class CacheShape:
     capacity: int
     head_dim: int
     dtype: Any
+    query_heads: int = 0
 
     @property
     def groups(self) -> int:

@@ -67,7 +67,7 @@ class Gemma3ForCausalLM(nnx.Module):
         """The global layers' cache shape (``layers`` = the number of global layers)."""
         cfg = self.config
         return CacheShape(layers=len(cfg.global_layers), batch=batch, kv_heads=cfg.n_kv_heads, capacity=capacity,
-                          head_dim=cfg.head_dim, dtype=self.dtype)
+                          head_dim=cfg.head_dim, dtype=self.dtype, query_heads=cfg.group_size)
 
     def init_state(self, attention: PromptAttention, batch: int, capacity: int) -> Gemma3State:
         return Gemma3State(Windows.init(self.config, batch, self.dtype),

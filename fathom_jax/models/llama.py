@@ -49,7 +49,7 @@ class LlamaForCausalLM(nnx.Module):
     def cache_shape(self, batch: int, capacity: int) -> CacheShape:
         cfg = self.config
         return CacheShape(layers=cfg.n_layers, batch=batch, kv_heads=cfg.n_kv_heads, capacity=capacity,
-                          head_dim=cfg.head_dim, dtype=self.dtype)
+                          head_dim=cfg.head_dim, dtype=self.dtype, query_heads=cfg.group_size)
 
     def init_state(self, attention: PromptAttention, batch: int, capacity: int):
         return attention.init_cache(self.cache_shape(batch, capacity))

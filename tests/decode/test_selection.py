@@ -1,0 +1,126 @@
+"""The threshold selection decodes the sorted selection's bits: seeded steps, overflowing and starved candidate lists
+(the second path), offloaded caches; the seeds live in the cache and count the second path; the step runs the three
+kernels once a chunk and the top-k kernels only inside the second path."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fathom_jax import decode
+from fathom_jax.decode import StepConfig
+from fathom_jax.decode.selection import SelectionSeeds, ThresholdSelection
+from fathom_jax.models import generation
+from fathom_jax.placement import Placement
+from pallas_kernels import candidate_topk, group_union, scan_select
+from pallas_kernels.topk_radix import INT_MIN
+from tests.support import jaxpr_pallas_calls
+
+RNG = np.random.default_rng(11)
+PROMPT = RNG.integers(0, 97, (2, 256)).astype(np.int32)
+TOKENS = RNG.integers(0, 97, (2, 4)).astype(np.int32)
+LENGTHS = np.array([256, 200])
+CAPACITY = 320
+
+
+def decode_run(model, attn, seeds=None):
+    """Logits of the prefill and each forced step, and the final cache; ``seeds``: every step's thresholds (keys)."""
+    logits, cache, attn = generation.prefill(model, PROMPT, LENGTHS, attn, CAPACITY)
+    out = [np.asarray(logits)]
+    for t in range(TOKENS.shape[1]):
+        if seeds is not None:
+            cache = dataclasses.replace(cache, seeds=dataclasses.replace(
+                cache.seeds, threshold=jnp.full_like(cache.seeds.threshold, SelectionSeeds.stored(jnp.int32(seeds)))))
+        _, logits, cache = generation.decode_step(model, TOKENS[:, t], cache, attn)
+        out.append(np.asarray(logits))
+    return np.stack(out), cache
+
+
+def hook(step, placement=None):
+    return decode.from_spec("fathom:16", k=40, implementation="triton", step=step,
+                            placement=placement or Placement())
+
+
+@pytest.fixture(scope="module")
+def sorted_run(tiny_model):
+    return decode_run(tiny_model, hook(StepConfig(selection="sorted")))
+
+
+def test_threshold_selection_decodes_the_sorted_bits(tiny_model, sorted_run):
+    """Seeded steps take the candidates' path, unseeded and starved ones the second path: the same logits, bit for
+    bit, and the same cache (but the seeds, which only this one keeps)."""
+    want, want_cache = sorted_run
+    assert want_cache.seeds is None
+    got, cache = decode_run(tiny_model, hook(StepConfig()))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    fallbacks = np.asarray(cache.seeds.fallbacks)
+    steps = TOKENS.shape[1]
+    assert fallbacks.min() >= 1  # the first step: no threshold yet, more candidates than the list holds
+    assert fallbacks.sum() <= fallbacks.size * steps // 2  # most later steps select from their candidates
+    assert np.all(np.asarray(cache.seeds.keys()) > INT_MIN)  # each head's threshold set from its scores
+    assert jax.tree.map(np.array_equal, cache.index, want_cache.index) == jax.tree.map(lambda _: True, cache.index)
+
+
+@pytest.mark.parametrize("case", ["starved", "overflow"])
+def test_second_path_decodes_the_sorted_bits(tiny_model, sorted_run, case):
+    """Thresholds above every score (no candidate reaches them) or a list of 4 slots (every head overflows): every
+    step takes the second path, counted, and decodes the same bits."""
+    want, _ = sorted_run
+    if case == "starved":
+        got, cache = decode_run(tiny_model, hook(StepConfig()), seeds=2**31 - 1)
+    else:
+        got, cache = decode_run(tiny_model, hook(StepConfig(threshold=ThresholdSelection(rank=1, slack=1))))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.all(np.asarray(cache.seeds.fallbacks) >= (TOKENS.shape[1] if case == "starved" else 1))
+
+
+def test_offloaded_tiers_with_threshold_selection(tiny_model):
+    """Resident and warm planes (the tiered gather's staged planes, read by the scan that selects): the bits of the
+    same cache selected the sorted way."""
+    placement = Placement("pinned_host", resident_planes=1, warm_planes=6)
+    want, _ = decode_run(tiny_model, hook(StepConfig(selection="sorted"), placement))
+    got, cache = decode_run(tiny_model, hook(StepConfig(), placement))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    fallbacks = np.asarray(cache.seeds.fallbacks)
+    assert fallbacks.sum() <= fallbacks.size * TOKENS.shape[1] // 2
+
+
+def test_step_kernels_once_a_chunk(tiny_model):
+    """In the step's program: the scan that selects, the top-k among candidates and the union once per chunk of each
+    layer; the plane scan and the top-k kernels only inside the second path's branch."""
+    for chunks in (1, 2):
+        attn = hook(StepConfig(pipeline=chunks), Placement("pinned_host"))
+        _, cache, attn = generation.prefill(tiny_model, PROMPT, LENGTHS, attn, CAPACITY)
+        _, params = nnx.split(tiny_model)
+        jaxpr = generation.decode_step_program(tiny_model, cache, attn).trace(
+            params, jnp.asarray(TOKENS[:, 0]), None, cache=cache).jaxpr
+        for name in (scan_select.KERNEL_NAME, candidate_topk.KERNEL_NAME, group_union.KERNEL_NAME):
+            assert len(jaxpr_pallas_calls(jaxpr, name)) == chunks, (name, chunks)
+        conds = [e for e in _equations(jaxpr.jaxpr, skip=("pallas_call",)) if e.primitive.name == "cond"
+                 and any(jaxpr_pallas_calls(b, group_union.KERNEL_NAME) for b in e.params["branches"])]
+        assert len(conds) == chunks
+        for cond in conds:
+            by_candidates, by_scores = cond.params["branches"]  # lax.cond(failed, by_scores, by_candidates)
+            assert jaxpr_pallas_calls(by_candidates, "topk_select_tokens") == []
+            assert jaxpr_pallas_calls(by_candidates, group_union.KERNEL_NAME)
+            assert jaxpr_pallas_calls(by_scores, "fathom_plane_scan")
+            assert jaxpr_pallas_calls(by_scores, "topk_select_tokens")
+        outside = [e for e in _equations(jaxpr.jaxpr, skip=("cond", "pallas_call")) if e.primitive.name == "pallas_call"]
+        assert not [e for e in outside if str(e.params["name"]).startswith(("fathom_plane_scan", "topk_"))]
+
+
+def _equations(jaxpr, skip=()):
+    """Every equation of ``jaxpr`` and the jaxprs nested in it (but inside the ``skip`` primitives')."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name in skip:
+            continue
+        for v in eqn.params.values():
+            for item in (v if isinstance(v, (tuple, list)) else (v,)):
+                if hasattr(item, "eqns"):
+                    yield from _equations(item, skip)
+                elif hasattr(item, "jaxpr") and hasattr(item, "consts"):
+                    yield from _equations(item.jaxpr, skip)
