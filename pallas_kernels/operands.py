@@ -4,7 +4,8 @@
 * :class:`StorePlanes`: a channel-major plane store as a kernel reads it in place (a plain store, one layer of a
   stacked one for a window of its groups, or the staged buffer a gather returns);
 * :class:`LayerTiers`: a stacked store held in two memory tiers (:mod:`pallas_kernels.plane_layout`) at one layer;
-* :class:`ResidentPlanes`: a staged buffer's resident (and warm) planes, read in place from a :class:`LayerTiers`.
+* :class:`ResidentPlanes`: a staged buffer's resident (and warm) planes, read in place from a :class:`LayerTiers`;
+* :class:`StoredRows`: K/V rows as a kernel reads them in place (a plain array, or one layer of a stacked cache).
 
 Each is a frozen pytree: arrays (and a traced layer) are its leaves, what fixes a kernel's shape (``group_start``,
 ``sorted``) is static, so a ``jit`` over an operand compiles once per window and list kind, as the keyword arguments
@@ -261,3 +262,25 @@ class ResidentPlanes:
 
 
 jax.tree_util.register_dataclass(ResidentPlanes, data_fields=["tiers", "channels"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredRows:
+    """The K/V rows a fetch reads, in place: ``keys`` (and ``values``, or None to fetch rows of ``keys`` alone)
+    ``[*, n, F]``; with ``layer`` (an int or traced scalar) layer ``layer`` of stacked ``[L, R, n, F]`` caches, whose
+    groups ``group_start ..`` (static) are read. ``columns=(start, width)`` (static): features ``start:start +
+    width`` of every row (default all), e.g. the keys of a cache that keeps K and V side by side."""
+
+    keys: jax.Array  # [*, n, F]  or [L, R, n, F] with a layer
+    values: jax.Array | None = None  # as keys
+    layer: jax.Array | int | None = None
+    group_start: int = 0
+    columns: tuple[int, int] | None = None
+
+    def window(self) -> tuple[int, int]:
+        """``(start, width)`` of the features read."""
+        return (0, self.keys.shape[-1]) if self.columns is None else (int(self.columns[0]), int(self.columns[1]))
+
+
+jax.tree_util.register_dataclass(StoredRows, data_fields=["keys", "values", "layer"],
+                                 meta_fields=["group_start", "columns"])

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import backend as B
+from pallas_kernels.operands import StoredRows  # noqa: F401 (this module's API too)
 
 KERNEL_NAME = "row_fetch"
 
@@ -48,28 +49,6 @@ class RowFetchConfig:
         B.check_pow2("rows", self.rows)
         if not isinstance(self.programs, int) or isinstance(self.programs, bool) or self.programs < 0:
             raise ValueError(f"programs must be an int >= 0 (0: one program per work item), got {self.programs!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredRows:
-    """The K/V rows a fetch reads, in place: ``keys`` (and ``values``, or None to fetch rows of ``keys`` alone)
-    ``[*, n, F]``; with ``layer`` (an int or traced scalar) layer ``layer`` of stacked ``[L, R, n, F]`` caches, whose
-    groups ``group_start ..`` (static) are read. ``columns=(start, width)`` (static): features ``start:start +
-    width`` of every row (default all), e.g. the keys of a cache that keeps K and V side by side."""
-
-    keys: jax.Array  # [*, n, F]  or [L, R, n, F] with a layer
-    values: jax.Array | None = None  # as keys
-    layer: jax.Array | int | None = None
-    group_start: int = 0
-    columns: tuple[int, int] | None = None
-
-    def window(self) -> tuple[int, int]:
-        """``(start, width)`` of the features read."""
-        return (0, self.keys.shape[-1]) if self.columns is None else (int(self.columns[0]), int(self.columns[1]))
-
-
-jax.tree_util.register_dataclass(StoredRows, data_fields=["keys", "values", "layer"],
-                                 meta_fields=["group_start", "columns"])
 
 
 def _validate(rows: StoredRows, index):

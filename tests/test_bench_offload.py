@@ -58,7 +58,8 @@ def test_variants_and_their_labels():
     """--index-writes x --pipeline (``--read`` for all): "auto" where a part is not given; every variant a valid step
     configuration."""
     got = offload_setup.parse_variants("staged", "full_blocks", "auto,1/0,8/66,4")
-    rest = dict(fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0, scan="default")
+    rest = dict(fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0, scan="default",
+                selection="threshold")
     assert got == [
         dict(read="staged", index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
         dict(read="staged", index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),
@@ -74,6 +75,9 @@ def test_variants_and_their_labels():
                                        "xla_gpu_enable_command_buffer=FUSION,WHILE,xla_foo=3", "1,2")
     assert [v["layer_unroll"] for v in got] == [1, 2]
     assert got[0]["xla_options"] == (("xla_gpu_enable_command_buffer", "FUSION,WHILE"), ("xla_foo", "3"))
+    # the selections: one row each
+    got = offload_setup.parse_variants("staged", "every_step", "auto", select="threshold,sorted")
+    assert [v["selection"] for v in got] == ["threshold", "sorted"]
     with pytest.raises(ValueError, match="--layer-unroll entries"):
         offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "0")
     assert "2 layers per loop iteration" in offload_setup.split_text({"layer_unroll": 2}) and offload_setup.split_text({"layer_unroll": 1}) == ""

@@ -11,7 +11,7 @@ from flax import nnx
 
 from fathom_jax import decode
 from fathom_jax.decode import StepConfig
-from fathom_jax.hlo import device_copies, host_array_copies
+from fathom_jax.hlo import device_copies, host_array_copies, kernel_launches
 from fathom_jax.models import generation
 
 SNIPPET = """
@@ -205,3 +205,62 @@ def test_decode_step_updates_its_row_cache_in_place(tiny_model):
     leaves = jax.tree.leaves(attn)
     kept = jax.jit(run.jit.__wrapped__).lower(leaves, (state, tokens, None), *split_bulk(cache, cache.bulk()))
     assert device_copies(kept.compile().as_text(), min_bytes=size) != []
+
+
+# A compiled GPU module's shape, cut down: a layer loop whose body holds two fusions, a Pallas kernel, a cuBLAS call
+# reached through a called computation, and a conditional with a one-kernel and a three-kernel branch.
+_LAUNCH_HLO = """
+HloModule step
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(f32[4]{0} %p)
+}
+
+%branch_fast (t: (f32[4])) -> f32[4] {
+  %t = (f32[4]{0}) parameter(0)
+  %g = f32[4]{0} get-tuple-element((f32[4]{0}) %t), index=0
+  ROOT %u = f32[4]{0} custom-call(f32[4]{0} %g), custom_call_target="__gpu$xla.gpu.triton"
+}
+
+%branch_slow (t: (f32[4])) -> f32[4] {
+  %t.1 = (f32[4]{0}) parameter(0)
+  %g.1 = f32[4]{0} get-tuple-element((f32[4]{0}) %t.1), index=0
+  %s = f32[4]{0} sort(f32[4]{0} %g.1), dimensions={0}, to_apply=%cmp
+  %f.2 = f32[4]{0} fusion(f32[4]{0} %s), kind=kLoop, calls=%fused_a
+  ROOT %c.2 = f32[4]{0} custom-call(f32[4]{0} %f.2), custom_call_target="__gpu$xla.gpu.triton"
+}
+
+%gemm (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %d = f32[4]{0} custom-call(f32[4]{0} %x), custom_call_target="__cublas$gemm"
+}
+
+%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s.1 = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element((s32[], f32[4]{0}) %s.1), index=0
+  %v = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %s.1), index=1
+  %f.1 = f32[4]{0} fusion(f32[4]{0} %v), kind=kLoop, calls=%fused_a
+  %k = f32[4]{0} custom-call(f32[4]{0} %f.1), custom_call_target="__gpu$xla.gpu.triton"
+  %call = f32[4]{0} call(f32[4]{0} %k), to_apply=%gemm
+  %pred = pred[] fusion(f32[4]{0} %call), kind=kLoop, calls=%fused_a
+  %tup = (f32[4]{0}) tuple(f32[4]{0} %call)
+  %cond = f32[4]{0} conditional(pred[] %pred, (f32[4]{0}) %tup, (f32[4]{0}) %tup), true_computation=%branch_slow, false_computation=%branch_fast
+  ROOT %r = (s32[], f32[4]{0}) tuple(s32[] %i, f32[4]{0} %cond)
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %init = (s32[], f32[4]{0}) tuple(s32[] %zero, f32[4]{0} %a)
+  %w = (s32[], f32[4]{0}) while((s32[], f32[4]{0}) %init), condition=%cond_c, body=%body
+  ROOT %out = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %w), index=1
+}
+"""
+
+
+def test_kernel_launches_counts_by_where_they_run():
+    got = kernel_launches(_LAUNCH_HLO)
+    assert got["entry"] == 0
+    (loop,) = got["loops"]
+    # fusion, triton kernel, the called cuBLAS gemm, the predicate's fusion; the branches apart (fast, slow)
+    assert loop["body"] == "body" and loop["kernels"] == 4 and loop["branches"] == [[1, 3]]

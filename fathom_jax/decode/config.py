@@ -168,7 +168,9 @@ class StepConfig:
             reader = DirectRead(implementation)
         reader = dataclasses.replace(reader, scan=self.scan)
         fetch_programs = _programs(self.fetch_programs, host)
-        fetcher = (CachedRowFetch if self.row_cache else RowFetch)(implementation, fetch_programs)
+        # the offloaded layout's rows are fetched first (on a CPU, device memory stands in for the host: the same path)
+        fetcher = (CachedRowFetch if self.row_cache else RowFetch)(implementation, fetch_programs,
+                                                                   in_host=placement.offloaded)
         options = (CONCURRENT_KERNELS if staged and self.pipeline != 1 else {}) | dict(self.xla_options)
         planes_cross = not (tiered and all_resident(resident))  # else the index is all in HBM, the rows are not
         chunks = self._chunks(groups // placement.num_shards, capacity, host and staged, planes_cross)

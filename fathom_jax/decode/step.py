@@ -175,9 +175,8 @@ def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=
 def _fetch_attend(sel: Selection, view: CacheView, ctx: StepContext, after=None) -> StepResult:
     """Fetch a selection's rows (after ``after``: arrays the fetch waits for and never reads) and attend."""
     chunk = dataclasses.replace(view, new=sel.new)
-    rows, fill = ctx.run.fetcher.fetch(sel.slots, chunk, group_start=sel.group_start, after=after)
-    k_rows, v_rows = view.rows.split(rows)
-    return StepResult(attend(sel.q, k_rows, v_rows, sel.member), sel.bits, fill, sel.seeds)
+    out, fill = ctx.run.fetcher.attend(sel.q, sel.slots, sel.member, chunk, group_start=sel.group_start, after=after)
+    return StepResult(out, sel.bits, fill, sel.seeds)
 
 
 def _groups(trees, bulk_masks, start: int, size: int):
