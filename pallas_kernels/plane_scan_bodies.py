@@ -129,9 +129,10 @@ def _over_depth_classes(bounds_ref, r, body, carry):
 
 def f32_body(qc_ref, ch_ref, bounds_ref, len_ref, layer_ref, planes_ref, scales_ref, *rest, groups: int, elems: int,
              lanes: int, num_words: int, group_start: int, hot_group_start: int | None, interpret: bool,
-             n_resident: int, epilogue):
+             n_resident: int, epilogue, stride: int = 1):
     """``f32`` arithmetic; ``rest``: the ``n_resident`` refs of the resident planes, then the epilogue's refs, which
-    ``epilogue`` (:class:`Tile`) writes from the tile's scores."""
+    ``epilogue`` (:class:`Tile`) writes from the tile's scores. ``stride`` > 1 scores every ``stride``-th token only
+    (a sample: that share of the arithmetic), the tile's ``tok`` and scores ``[elems, lanes / stride]``."""
     del interpret
     resident, tail = rest[:n_resident], rest[n_resident:]
     split = WORD_BITS // lanes
@@ -145,7 +146,8 @@ def f32_body(qc_ref, ch_ref, bounds_ref, len_ref, layer_ref, planes_ref, scales_
     block = e // (BLOCK_TOKENS // lanes)
     part_shift = ((e % split) * lanes).astype(jnp.uint32) if split > 1 else None
     cols = word if split > 1 else pl.ds(e0, elems)
-    acc = tuple(tuple(jnp.zeros((elems,), jnp.float32) for _ in range(lanes)) for _ in range(groups))
+    computed = range(0, lanes, stride)
+    acc = tuple(tuple(jnp.zeros((elems,), jnp.float32) for _ in computed) for _ in range(groups))
     bias = tuple(jnp.zeros((elems,), jnp.float32) for _ in range(groups))
     magic = jnp.full((elems,), _MAGIC, jnp.uint32)
 
@@ -159,19 +161,19 @@ def f32_body(qc_ref, ch_ref, bounds_ref, len_ref, layer_ref, planes_ref, scales_
         words = [src.word(k, j, p, cols) for p in range(t)]
         words = [w >> part_shift for w in words] if split > 1 else words
         new = [list(acc[h]) for h in range(groups)]
-        for lane in range(lanes):
+        for i, lane in enumerate(computed):
             code = magic
             for p in range(t):
                 s = t - 1 - p  # plane p is bit s of c_t
                 code = code | (_bit_to(words[p], lane, s) & jnp.uint32(1 << s))
             v = jax.lax.bitcast_convert_type(code, jnp.float32) - float(2**23)  # exact: c_t
             for h in range(groups):
-                new[h][lane] = new[h][lane] + wts[h] * v
+                new[h][i] = new[h][i] + wts[h] * v
         return tuple(tuple(x) for x in new), bias
 
     acc, bias = _over_depth_classes(bounds_ref, r, body, (acc, bias))
 
-    tok = e[:, None] * lanes + jnp.arange(lanes, dtype=jnp.int32)[None, :]
+    tok = e[:, None] * lanes + jnp.arange(0, lanes, stride, dtype=jnp.int32)[None, :]
     scores = [_stack_lanes([x + bias[h] for x in acc[h]]) for h in range(groups)]
     epilogue(tail, Tile(r=r, e0=e0, elems=elems, tok=tok, emask=emask, length=len_ref[r]), scores)
 

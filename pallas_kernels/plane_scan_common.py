@@ -113,12 +113,13 @@ def _class_bounds(depths):
 
 
 def scan_call(q, store, length, runs, extra: tuple, *, config, interpret: bool, hot_group_start, epilogue,
-              tail: tuple, out_shape, name: str, aliases: dict | None = None):
+              tail: tuple, out_shape, name: str, aliases: dict | None = None, stride: int = 1):
     """One scan launch over ``q [Rc, G, D]``, the stacked ``store`` at its layer (``i32 [1]``), ``length`` and the
     run list ``runs`` (``[Rc, C]``), grid (group, tile): each program scores its tile and hands the scores to
     ``epilogue(refs, tile, scores)``, whose refs are ``tail`` (more inputs, all read in place) and then ``out_shape``'s
     outputs (``aliases``: ``{index into tail: output index}``). ``extra``: the resident planes' operands (their hot
-    tier groups ``hot_group_start ..``)."""
+    tier groups ``hot_group_start ..``). ``stride`` > 1 (f32 arithmetic): every ``stride``-th token scored, a
+    sample."""
     r, g = q.shape[:2]
     channels, depths = runs.channels, runs.depths
     if not runs.sorted:
@@ -138,7 +139,10 @@ def scan_call(q, store, length, runs, extra: tuple, *, config, interpret: bool, 
         body = bodies.f16x2_body
         inputs = (qc, jnp.sum(jnp.where(depths[:, None, :] > 0, jnp.abs(qc), 0.0).max(axis=1), axis=-1), *inputs[1:])
     else:
-        body = bodies.f32_body
+        body = functools.partial(bodies.f32_body, stride=stride)
+    if stride > 1 and (config.math != "f32" or config.lanes % stride):
+        raise ValueError(f"a sampled scan (stride {stride}) runs the f32 arithmetic with lanes divisible by the "
+                         f"stride, got {config}")
     kernel = functools.partial(body, groups=g, elems=elems, lanes=config.lanes, num_words=store.width,
                                group_start=store.group_start, hot_group_start=hot_group_start, interpret=interpret,
                                n_resident=len(extra), epilogue=epilogue)

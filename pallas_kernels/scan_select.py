@@ -26,9 +26,10 @@ from pallas_kernels import backend as B
 from pallas_kernels import plane_scan_common as common
 from pallas_kernels.operands import ResidentPlanes, RunList, StorePlanes
 from pallas_kernels.plane_layout import WORD_BITS
-from pallas_kernels.topk_radix import sortable_key
+from pallas_kernels.topk_radix import INT_MIN, kth_largest, sortable_key
 
 KERNEL_NAME = "fathom_scan_select"
+SAMPLE_NAME = "fathom_scan_sample"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,73 @@ def _scan_select_pallas(q, store: StorePlanes, length, runs: RunList, extra: tup
                    jax.ShapeDtypeStruct((r, g, capacity + 1), jnp.float32)),
         name=KERNEL_NAME if config.math == "f32" else f"{KERNEL_NAME}_{config.math}")
     return Candidates(count, position, score)
+
+
+def _sample_epilogue(refs, tile, scores, *, start: int, shifted: bool):
+    """Every sampled token's key (the lowest int32 outside ``[start, stop)``)."""
+    if shifted:
+        stop_ref, shift_ref, out_ref = refs
+    else:
+        stop_ref, out_ref = refs
+    inside = (tile.tok >= start) & (tile.tok < stop_ref[tile.r]) & tile.emask[:, None]
+    for h, s in enumerate(scores):
+        if shifted:
+            s = s + shift_ref[tile.r, h]
+        plgpu.store(out_ref.at[tile.r, jnp.int32(h), pl.ds(tile.e0, tile.elems), :],
+                    jnp.where(inside, sortable_key(s), INT_MIN), mask=tile.emask[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("start", "m", "stride", "config", "interpret", "hot_group_start"))
+def _sample_threshold_pallas(q, store: StorePlanes, length, runs: RunList, extra: tuple, stop, shift, *, start, m,
+                             stride, config, interpret, hot_group_start):
+    r, g = q.shape[:2]
+    split = WORD_BITS // config.lanes
+    epilogue = functools.partial(_sample_epilogue, start=start, shifted=shift is not None)
+    keys = common.scan_call(
+        q, store, length, runs, extra, config=config, interpret=interpret, hot_group_start=hot_group_start,
+        epilogue=epilogue, tail=(stop,) + (() if shift is None else (shift,)), stride=stride, name=SAMPLE_NAME,
+        out_shape=jax.ShapeDtypeStruct((r, g, store.width * split, config.lanes // stride), jnp.int32))
+    return kth_largest(keys.reshape(r * g, -1), k=m, interpret=interpret).reshape(r, g)
+
+
+def sample_threshold_reference(q, store: StorePlanes, length, runs: RunList, stop, *, start: int, m: int, stride: int,
+                               shift=None, resident: ResidentPlanes | None = None):
+    """Plain jnp: the ``m``-th largest key of the reference scores of every ``stride``-th position in ``[start, stop)``
+    (the lowest int32 where fewer)."""
+    common.check_scan_inputs(q, store, length, runs, "sample_threshold")
+    scores = common.scores_reference(q, store, length, runs, resident=resident)
+    if shift is not None:
+        scores = scores + shift[..., None]
+    pos = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+    inside = (pos % stride == 0) & (pos >= start) & (pos < stop[..., None, None])
+    keys = jnp.where(inside, sortable_key(scores), INT_MIN)
+    return jnp.bitwise_not(jnp.sort(jnp.bitwise_not(keys), axis=-1)[..., m - 1])  # ~ reverses the order exactly
+
+
+def sample_threshold(q, store: StorePlanes, length, runs: RunList, stop, *, start: int, m: int, stride: int,
+                     shift=None, resident: ResidentPlanes | None = None, implementation: B.Implementation | None = None,
+                     config: common.PlaneScanConfig | None = None, interpret: bool | None = None):
+    """Per query head, the key of the ``m``-th largest score among every ``stride``-th token of ``[start, stop)``
+    (``i32 [R, G]``, flat over the batch; the lowest int32 where fewer): a threshold about ``m x stride`` tokens
+    reach, from ``1 / stride`` of the scan's arithmetic (the f32 kernel body, whatever ``config.math``; ``stride``
+    a power of two up to its lanes), and one radix select (:func:`~pallas_kernels.topk_radix.kth_largest`)."""
+    implementation = B.resolve_implementation(implementation)
+    common.check_scan_inputs(q, store, length, runs, "sample_threshold")
+    r = B.prod(q.shape[:-2])
+    flat = lambda x: None if x is None else x.reshape(r, *x.shape[len(q.shape) - 2:])  # noqa: E731
+    if not isinstance(m, int) or m < 1:
+        raise ValueError(f"m must be an int >= 1, got {m!r}")
+    if implementation == "xla":
+        return flat(sample_threshold_reference(q, store, length, runs, stop, start=start, m=m, stride=stride,
+                                               shift=shift, resident=resident))
+    config = dataclasses.replace(config or common.PlaneScanConfig(), math="f32", lanes=16, tile=512)
+    if resident is not None:
+        resident.check(store, runs, "sample_threshold")
+    extra, hot_group_start = ((), None) if resident is None else (resident.kernel_operands(),
+                                                                  resident.tiers.group_start)
+    return _sample_threshold_pallas(flat(q), store.stacked(), flat(jnp.asarray(length, jnp.int32)), runs.flat(), extra,
+                                    flat(stop), flat(shift), start=start, m=m, stride=stride, config=config,
+                                    interpret=B.resolve_interpret(interpret), hot_group_start=hot_group_start)
 
 
 def _validate(q, threshold, stop, shift, start, capacity):

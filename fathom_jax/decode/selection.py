@@ -85,21 +85,35 @@ class SortedSelection:
 class ThresholdSelection:
     """Candidates above each head's threshold, the exact top-k among them (see the module docstring).
 
-    ``rank``: the next threshold is each head's ``rank x k'``-th best candidate (k' = k - sink - local), so a step
-    expects about ``rank x k'`` candidates a head; ``slack``: the list holds ``slack x rank x k'`` of them (rounded up
-    to a power of two) before it overflows."""
+    ``seed``: where each head's threshold comes from: ``"sample"`` (this step's own: the ``m``-th best of every
+    ``stride``-th middle token, scored by a sampled scan, ``m x stride ~ rank x k'``, ``m >= samples``) or
+    ``"previous"`` (the previous step's ``rank x k'``-th best candidate, kept in the cache's seeds).
+    ``rank``: a step expects about ``rank x k'`` candidates a head (k' = k - sink - local); ``slack``: the list holds
+    ``slack x rank x k'`` of them (rounded up to a power of two) before it overflows."""
 
+    seed: str = "sample"
     rank: int = 4
     slack: int = 4
+    samples: int = 32
 
     def __post_init__(self):
-        for name in ("rank", "slack"):
+        if self.seed not in ("sample", "previous"):
+            raise ValueError(f"threshold selection seed must be 'sample' or 'previous', got {self.seed!r}")
+        for name in ("rank", "slack", "samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"threshold selection {name} must be an int >= 1, got {value!r}")
 
     def capacity(self, kp: int) -> int:
         return pl.next_power_of_2(self.slack * self.rank * kp)
+
+    def sampling(self, kp: int) -> tuple[int, int]:
+        """``(m, stride)`` of the sampled threshold: every ``stride``-th token (a power of two up to 16), its
+        ``m``-th best, with ``m >= samples`` and ``m x stride ~ rank x k'``."""
+        stride = 1
+        while stride < 16 and self.rank * kp // (2 * stride) >= self.samples:
+            stride *= 2
+        return -(-self.rank * kp // stride), stride
 
     def select(self, read, q, source, view, ctx, group_start: int) -> Selection:
         if not (isinstance(read, PlaneRead) and view.seeds is not None and view.layer is not None
@@ -108,9 +122,16 @@ class ThresholdSelection:
         reader = source.reader
         operands = source.plane_operands(read)
         kp = ctx.k - ctx.sink - ctx.local
-        threshold = view.seeds.keys()
         newest = view.length if view.new is None else view.new.position // BLOCK_TOKENS * BLOCK_TOKENS
         stop = jnp.minimum(view.length - ctx.local, newest)
+        if self.seed == "sample":
+            m, stride = self.sampling(kp)
+            threshold = operands.sample_threshold(reader, stop, start=ctx.sink, m=m, stride=stride, shift=read.shift)
+            # where the whole middle fits the list, every token is a candidate (and the selection complete)
+            fits = (stop - ctx.sink <= self.capacity(kp))[:, None]
+            threshold = jnp.where(fits, jnp.int32(INT_MIN), threshold)
+        else:
+            threshold = view.seeds.keys()
         candidates = operands.candidates(reader, threshold, stop, start=ctx.sink, capacity=self.capacity(kp),
                                          shift=read.shift)
         extra = (None, None)
@@ -127,13 +148,15 @@ class ThresholdSelection:
         def by_scores():  # the second path: every score written (from the same staged planes)
             scores = _patched(_shifted(operands.scores(reader), read), read, view.new)
             slots, member = _sorted(scores, view.length, ctx)
+            if self.seed != "previous":
+                return slots, member, threshold
             keys = kth_largest_middle(scores, view.length, self.rank * kp, sink=ctx.sink, local=ctx.local,
                                       implementation=reader.implementation)
             return slots, member, keys
 
         slots, member, seed = jax.lax.cond(jnp.any(failed > 0), by_scores, by_candidates)
-        seeds = SelectionSeeds(SelectionSeeds.stored(seed),
-                               view.seeds.fallbacks + jnp.any(failed > 0, axis=-1).astype(jnp.int32))
+        kept = SelectionSeeds.stored(seed) if self.seed == "previous" else view.seeds.threshold
+        seeds = SelectionSeeds(kept, view.seeds.fallbacks + jnp.any(failed > 0, axis=-1).astype(jnp.int32))
         return Selection(q=q, bits=read.bits, slots=slots, member=member, done=candidates.count,
                          group_start=group_start, new=view.new, seeds=seeds)
 

@@ -153,3 +153,35 @@ def test_kernel_equals_reference_set(impl):
     want, _ = got_sets(SS.scan_select_reference(q, store, length, runs, threshold, stop, start=START, capacity=512))
     got, _ = got_sets(SS.scan_select(q, store, length, runs, threshold, stop, start=START, capacity=512, **impl.kw))
     assert got == want
+
+
+class TestSampleThreshold(KernelTestBase):
+    @pytest.mark.parametrize("stride", [1, 4, 16])
+    def test_mth_best_of_every_strideth_token(self, impl, rng, stride):
+        """Integer queries and unit scales (every score exact in f32): the kernel's key is the numpy oracle's, the
+        ``m``-th best of the window's every ``stride``-th token (the lowest int32 where fewer)."""
+        planes, scales, length = random_store_arrays(rng, (3,), D, 2048, length=[2048, 1500, 90])
+        scales = jnp.ones_like(scales)
+        q = jnp.asarray(rng.integers(-3, 4, (3, G, D)), jnp.float32)
+        runs = PS.active_channels(jnp.asarray(rng.integers(0, 5, (3, D)), jnp.int32))
+        store, stop, shift = StorePlanes(planes, scales), length - 32, jnp.asarray(rng.integers(-2, 3, (3, G)),
+                                                                                  jnp.float32)
+        got = np.asarray(SS.sample_threshold(q, store, length, runs, stop, start=START, m=10, stride=stride,
+                                             shift=shift, **impl.kw))
+        scores = np.asarray(PS.plane_scan(q, store, length, runs, implementation="xla")) + np.asarray(shift)[..., None]
+        keys = np.asarray(sortable_key(jnp.asarray(scores)))
+        for r, h in np.ndindex(3, G):
+            pos = np.arange(START, int(stop[r]))
+            sample = sorted(keys[r, h, pos[pos % stride == 0]].tolist(), reverse=True)
+            assert got[r, h] == (sample[9] if len(sample) >= 10 else -2**31), (r, h)
+        assert_ran(SS.sample_threshold, q, store, length, runs, stop, name=SS.SAMPLE_NAME, impl=impl, start=START,
+                   m=10, stride=stride)
+
+
+def test_sample_threshold_lowers_to_triton():
+    z = jnp.zeros
+    q, planes, scales = z((2, G, D)), z((2, D, 4, 20), jnp.uint32), z((2, D, 10), jnp.float16)
+    ln, ch = z((2,), jnp.int32), z((2, 8), jnp.int32)
+    text = lower_triton_text(SS.sample_threshold, q, StorePlanes(planes, scales), ln, RunList(ch, ch), ln, start=4,
+                             m=8, stride=16, implementation="triton", interpret=False)
+    assert text.count(f'name = "{SS.SAMPLE_NAME}"') == 1 and 'name = "kth_largest"' in text
