@@ -139,11 +139,13 @@ def cache_bytes(parts, rows: RowLayout, *, n_layers: int, groups: int, capacity:
 
 
 def allocate(alloc: Callable[..., Any], parts, shape: CacheShape, *, rows: str | None = None, shared_kv: bool = False,
-             row_cache: int = 0, session_calibration=None, seed_heads: int = 0) -> SparseCache:
+             row_cache: int = 0, row_cache_mode: str = "direct", session_calibration=None, seed_heads: int = 0
+             ) -> SparseCache:
     """An empty cache of ``shape`` from ``alloc(shape, dtype, bulk=True)`` (zeros where they belong), largest array
     first: XLA's pinned host allocator grows in regions of doubling size, and K/V rows allocated after the planes
     found no region left at 1M tokens. ``rows``: the row format (:class:`~fathom_jax.rows.layout.RowLayout`; None:
-    the model dtype). ``session_calibration``: a Calibration of one group's shapes, stacked ``[L, R]``
+    the model dtype). ``row_cache``: slots of a :class:`RowCache` (``row_cache_mode`` its mode).
+    ``session_calibration``: a Calibration of one group's shapes, stacked ``[L, R]``
     here for the session's statistics (None for corpus statistics). ``seed_heads``: query heads per group of the
     threshold selection's seeds (zeros: no threshold yet; 0: no seeds)."""
     small = lambda dims, dtype: alloc(dims, dtype, bulk=False)  # noqa: E731
@@ -163,6 +165,7 @@ def allocate(alloc: Callable[..., Any], parts, shape: CacheShape, *, rows: str |
     slots = None
     if row_cache:
         slots = empty_row_cache(small, n_layers=layers, groups=groups, slots=row_cache, width=layout.width,
+                                mode=row_cache_mode,
                                 dtype=layout.storage_dtype)
     seeds = None
     if seed_heads:

@@ -27,7 +27,8 @@ Fields:
   which every step scores it anyway; :meth:`fathom_jax.decode.SparseAttention.flush` writes it on demand).
 * ``layer_unroll``: layers per iteration of the decode step's layer scan.
 * ``xla_options``: more XLA compiler options for the programs that run a step (``{name: value}``).
-* ``row_cache``: device-memory slots per layer and group for recently fetched K/V rows (0: none).
+* ``row_cache``: device-memory slots per layer and group for recently fetched K/V rows (0: none), or ``"last"``: the
+  previous step's selected rows, kept in its order (:mod:`fathom_jax.decode.row_cache`).
 * ``selection``: how each head's rows are chosen (:mod:`fathom_jax.decode.selection`): ``"threshold"`` (the scan
   keeps only the tokens above each head's threshold, seeded by the previous step; the exact top-k among them, with
   the sorted path as a second path) or ``"sorted"`` (every score written, the top-k kernels, the union by a sort);
@@ -73,7 +74,7 @@ class StepConfig:
     index_writes: IndexWrites = "every_step"
     layer_unroll: int = 1
     xla_options: tuple = ()
-    row_cache: int = 0
+    row_cache: int | Literal["last"] = 0
     selection: SelectionMode = "threshold"
     threshold: ThresholdSelection | None = None
     topk: TopkConfig | None = None
@@ -92,10 +93,11 @@ class StepConfig:
         for name, least, auto in (("pipeline", 1, True), ("gather_programs", 0, True), ("fetch_programs", 0, True),
                                   ("layer_unroll", 1, False), ("row_cache", 0, False)):
             value = getattr(self, name)
-            if auto and value == "auto":
+            if (auto and value == "auto") or (name == "row_cache" and value == "last"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                allowed = f"an int >= {least}" + (" or 'auto'" if auto else "")
+                allowed = f"an int >= {least}" + (" or 'auto'" if auto else "") + (
+                    " or 'last'" if name == "row_cache" else "")
                 raise ValueError(f"step {name} must be {allowed}, got {value!r}")
         try:
             options = dict(self.xla_options)  # a dict or (name, value) pairs

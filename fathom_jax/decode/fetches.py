@@ -50,12 +50,7 @@ class RowFetch:
                                  new_position=None if new is None else new.position,
                                  implementation=self.implementation), None
         fetched = self._rows(slots, view, group_start, after)  # [Rc, S, W]: slot u's row at u
-        index = jnp.where(slots >= 0, jnp.arange(slots.shape[-1], dtype=jnp.int32), -1)
-        at_new = None
-        if new is not None:  # the slot holding the new token (none: -1)
-            at_new = jnp.max(jnp.where(slots == new.position[:, None], index, -1), axis=-1)
-        return sparse_attend(q, StoredRows(fetched), index, member, new_row=new_row, new_position=at_new,
-                             implementation=self.implementation), None
+        return _attend_fetched(q, fetched, slots, member, new, new_row, self.implementation), None
 
     def fetch(self, slots, view, *, group_start: int = 0, after=None):
         """``(rows [Rc, S, W], fill)`` of the union ``slots [Rc, S]`` (-1: padding, a zero row) of groups
@@ -74,9 +69,11 @@ class CachedRowFetch(RowFetch):
     """Take the rows the row cache holds from its device-memory slots, fetch only the misses."""
 
     def attend(self, q, slots, member, view, *, group_start: int = 0, after=None):
-        rows, fill = self.fetch(slots, view, group_start=group_start, after=after)
-        k_rows, v_rows = view.rows.split(rows)
-        return attend(q, k_rows, v_rows, member), fill
+        rows, fill = self.fetch(slots, view, group_start=group_start, after=after)  # the new row already in
+        if self.implementation == "xla" or view.rows.compressed or not _is_pow2(view.rows.head_dim):
+            k_rows, v_rows = view.rows.split(rows)
+            return attend(q, k_rows, v_rows, member), fill
+        return _attend_fetched(q, rows, slots, member, None, None, self.implementation), fill
 
     def fetch(self, slots, view, *, group_start: int = 0, after=None):
         hit, cached = row_lookup(view.row_cache, slots, layer=view.layer, group_start=group_start)
@@ -96,3 +93,14 @@ def _with_new_row(rows, slots, new, layout):
 
 def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
+
+
+def _attend_fetched(q, fetched, slots, member, new, new_row, implementation):
+    """The attention kernel over fetched rows ``[Rc, S, W]`` (slot ``u``'s row at ``u``; ``new``: the token whose
+    ``new_row`` replaces its slot's, where it has one)."""
+    index = jnp.where(slots >= 0, jnp.arange(slots.shape[-1], dtype=jnp.int32), -1)
+    at_new = None
+    if new is not None:  # the slot holding the new token (none: -1)
+        at_new = jnp.max(jnp.where(slots == new.position[:, None], index, -1), axis=-1)
+    return sparse_attend(q, StoredRows(fetched), index, member, new_row=new_row, new_position=at_new,
+                         implementation=implementation)

@@ -215,7 +215,7 @@ class SparseAttention:
         :mod:`fathom_jax.placement.host_memory`): a cap too low or regions larger than the machine fail here, before
         anything is allocated. ``shared_kv``: one K/V row buffer for every layer (a benchmark mode).
         """
-        options = dict(rows=self.rows, shared_kv=shared_kv, row_cache=self.step.row_cache,
+        options = dict(rows=self.rows, shared_kv=shared_kv, **self._row_cache(shape),
                        session_calibration=_session_template(shape.head_dim) if self.session else None,
                        seed_heads=self.seed_heads(shape))
         parts = self.cache_parts(shape.layers)
@@ -225,6 +225,15 @@ class SparseAttention:
             host_memory.check(sizes, devices=self.placement.local_shards,  # this host's share of the mesh
                               what=f"a cache of {round_capacity(shape.capacity)} tokens")
         return allocate(self.placement.zeros, parts, shape, **options)
+
+    def _row_cache(self, shape: CacheShape) -> dict:
+        """The row cache's slots and mode (``row_cache="last"``: the union's ``G k`` slots of the previous step)."""
+        if self.step.row_cache != "last":
+            return dict(row_cache=self.step.row_cache)
+        if not shape.query_heads:
+            raise ValueError("SparseAttention: step row_cache='last' keeps the previous step's union of G x k rows: "
+                             "the cache shape must give its query heads per KV head (CacheShape.query_heads)")
+        return dict(row_cache=shape.query_heads * self.k, row_cache_mode="last")
 
     def seed_heads(self, shape: CacheShape) -> int:
         """Query heads per group of the threshold selection's seeds a cache of ``shape`` keeps (0: none): with

@@ -83,7 +83,7 @@ def test_colliding_tokens_keep_the_largest():
 
 
 def test_step_config_and_hook_check_the_row_cache():
-    with pytest.raises(ValueError, match="row_cache must be an int >= 0"):
+    with pytest.raises(ValueError, match="row_cache must be an int >= 0 or .last."):
         StepConfig(row_cache=-1)
     with pytest.raises(ValueError, match="selects every row"):
         decode.SparseAttention(methods.parse("dense"), k=64, step=StepConfig(row_cache=8))
@@ -112,3 +112,53 @@ def test_stacked_lookup_reads_its_layer_and_groups_in_place():
     want = row_lookup(RowCache(rows=rows[1, 2:5], tags=tags[1, 2:5]), tokens)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_last_step_rows_found_by_search():
+    """``mode="last"``: a token is a hit exactly where the previous step's union held it (its sorted slots, masked
+    duplicates as zero tags), and the hit's row is that slot's; the commit keeps the new union whole."""
+    rng = np.random.default_rng(5)
+    source = rng.standard_normal((200, WIDTH)).astype(np.float32)
+    union = lambda: np.where(rng.random(SELECTED) < 0.8, np.sort(rng.choice(200, SELECTED, replace=False)), -1)  # noqa: E731
+    previous = np.stack([union() for _ in range(GROUPS)]).astype(np.int32)
+    cache = RowCache(rows=jnp.asarray(source[np.maximum(previous, 0)] * (previous >= 0)[..., None]),
+                     tags=jnp.asarray(np.where(previous >= 0, previous + 1, 0)), mode="last")
+    tokens = np.stack([np.where(rng.random(SELECTED) < 0.5, previous[r], rng.integers(0, 200, SELECTED))
+                       for r in range(GROUPS)]).astype(np.int32)
+    tokens = np.sort(np.where(rng.random(tokens.shape) < 0.1, -1, tokens), axis=-1)  # unsorted holes are fine
+    hit, cached = jax.jit(row_lookup)(cache, jnp.asarray(tokens))
+    hit = np.asarray(hit)
+    want = np.stack([np.isin(tokens[r], previous[r][previous[r] >= 0]) & (tokens[r] >= 0) for r in range(GROUPS)])
+    np.testing.assert_array_equal(hit, want)
+    np.testing.assert_array_equal(np.asarray(cached)[hit], source[tokens[hit]])
+    fill = RowFill(tokens=jnp.asarray(tokens), hit=jnp.asarray(hit), rows=jnp.asarray(source[np.maximum(tokens, 0)]))
+    new = commit_rows(jax.tree.map(lambda a: a[None], cache), jax.tree.map(lambda a: a[None], fill))
+    np.testing.assert_array_equal(np.asarray(new.tags[0]), np.where(tokens >= 0, tokens + 1, 0))
+    assert new.mode == "last" and np.asarray(new.hits[0]).tolist() == hit.sum(-1).tolist()
+
+
+def test_last_step_rows_decode_the_same_bits(tiny_model):
+    """``row_cache="last"``: a step takes the rows the previous step selected from device memory and fetches only the
+    others: the same logits, bit for bit, as fetching every row; most rows come from the slots."""
+    from fathom_jax.models import generation
+    from fathom_jax.placement import Placement
+
+    rng = np.random.default_rng(2)
+    prompt, tokens = rng.integers(0, 97, (2, 200)).astype(np.int32), rng.integers(0, 97, (2, 4)).astype(np.int32)
+
+    def run(step):
+        attn = decode.from_spec("fathom:16", k=40, implementation="triton", placement=Placement("pinned_host"),
+                                step=step)
+        logits, cache, attn = generation.prefill(tiny_model, prompt, np.array([200, 170]), attn, 256)
+        out = [np.asarray(logits)]
+        for t in range(tokens.shape[1]):
+            _, logits, cache = generation.decode_step(tiny_model, tokens[:, t], cache, attn)
+            out.append(np.asarray(logits))
+        return np.stack(out), cache
+
+    want, _ = run(StepConfig())
+    got, cache = run(StepConfig(row_cache="last"))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert cache.row_cache.mode == "last" and cache.row_cache.tags.shape[-1] == 3 * 40  # G x k slots
+    hits, fetched = int(cache.row_cache.hits.sum()), int(cache.row_cache.fetched.sum())
+    assert hits > fetched  # the last step reselected most of its rows
