@@ -113,13 +113,15 @@ def _class_bounds(depths):
 
 
 def scan_call(q, store, length, runs, extra: tuple, *, config, interpret: bool, hot_group_start, epilogue,
-              tail: tuple, out_shape, name: str, aliases: dict | None = None, stride: int = 1):
+              tail: tuple, out_shape, name: str, aliases: dict | None = None, stride: int = 1,
+              raw_outputs: bool = False):
     """One scan launch over ``q [Rc, G, D]``, the stacked ``store`` at its layer (``i32 [1]``), ``length`` and the
     run list ``runs`` (``[Rc, C]``), grid (group, tile): each program scores its tile and hands the scores to
     ``epilogue(refs, tile, scores)``, whose refs are ``tail`` (more inputs, all read in place) and then ``out_shape``'s
     outputs (``aliases``: ``{index into tail: output index}``). ``extra``: the resident planes' operands (their hot
     tier groups ``hot_group_start ..``). ``stride`` > 1 (f32 arithmetic): every ``stride``-th token scored, a
-    sample."""
+    sample. ``raw_outputs``: the outputs passed as raw pointers (``memory_space=ANY``, as an aliased output that
+    atomics update must be)."""
     r, g = q.shape[:2]
     channels, depths = runs.channels, runs.depths
     if not runs.sorted:
@@ -152,6 +154,7 @@ def scan_call(q, store, length, runs, extra: tuple, *, config, interpret: bool, 
         out_shape=out_shape,
         grid=(r, pl.cdiv(store.width * split, elems)),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (offset + len(tail)),
+        **({"out_specs": jax.tree.map(lambda _: pl.BlockSpec(memory_space=pl.ANY), out_shape)} if raw_outputs else {}),
         input_output_aliases={offset + i: o for i, o in (aliases or {}).items()},
         interpret=interpret,
         name=name,

@@ -3,8 +3,8 @@
 The same scores as :func:`pallas_kernels.plane_scan.plane_scan` (the same kernel bodies, bit for bit), but no score
 array: each program (group, tile of tokens) keeps, per query head ``h``, the tokens at positions ``start <= i <
 stop[r]`` whose order-preserving key (:func:`~pallas_kernels.topk_radix.sortable_key`) of ``score + shift[r, h]``
-reaches ``threshold[r, h]`` (an int32 key), and appends them to the head's candidate list: one vector atomic per
-program reserves their slots, a prefix sum places them. What comes back (:class:`Candidates`) is, per head, how many
+reaches ``threshold[r, h]`` (an int32 key), and appends them to the head's candidate list: one scalar atomic per
+(program, head) reserves their slots, a prefix sum places them. What comes back (:class:`Candidates`) is, per head, how many
 tokens passed (``count``, which may exceed the ``capacity`` slots: the rest were dropped) and the first ``capacity``
 of them (positions and scores, in no particular order on a GPU; in position order interpreted).
 
@@ -56,29 +56,19 @@ def _select_epilogue(refs, tile, scores, *, start: int, capacity: int, shifted: 
         key_ref, stop_ref, shift_ref, _, count_ref, pos_ref, score_ref = refs
     else:
         key_ref, stop_ref, _, count_ref, pos_ref, score_ref = refs
-    r, groups = tile.r, len(scores)
-    gp = pl.next_power_of_2(groups)
+    r = tile.r
     inside = (tile.tok >= start) & (tile.tok < stop_ref[r]) & tile.emask[:, None]
     tokens = tile.tok.reshape(-1)
-    head = jnp.arange(gp, dtype=jnp.int32)
-    passed, counts = [], jnp.zeros((gp,), jnp.int32)
     for h, s in enumerate(scores):
         if shifted:
             s = s + shift_ref[r, h]
-        keep = (inside & (sortable_key(s) >= key_ref[r, h])).reshape(-1)
-        passed.append((keep, s.reshape(-1)))
-        counts = counts + jnp.where(head == h, jnp.sum(keep.astype(jnp.int32)), 0)
-
-    @pl.when(jnp.sum(counts) > 0)
-    def _():
-        # One atomic for every head: most tiles of a long context hold a candidate of some head.
-        base = plgpu.atomic_add(count_ref, (r, pl.ds(0, gp)), counts)
-        for h, (keep, s) in enumerate(passed):
-            slot = jnp.sum(jnp.where(head == h, base, 0)) + jnp.cumsum(keep.astype(jnp.int32)) - 1
-            write = keep & (slot < capacity)
-            at = jnp.where(write, slot, capacity)  # masked lanes point at the scratch column
-            plgpu.store(pos_ref.at[r, jnp.int32(h), at], tokens, mask=write)
-            plgpu.store(score_ref.at[r, jnp.int32(h), at], s, mask=write)
+        keep = (inside & (sortable_key(s) >= key_ref[r, h])).reshape(-1).astype(jnp.int32)
+        # the head's slots reserved by one scalar atomic (adding 0 where no token passed)
+        slot = plgpu.atomic_add(count_ref, (r, jnp.int32(h)), jnp.sum(keep)) + jnp.cumsum(keep) - 1
+        write = (keep > 0) & (slot < capacity)
+        at = jnp.where(write, slot, capacity)  # masked lanes point at the scratch column
+        plgpu.store(pos_ref.at[r, jnp.int32(h), at], tokens, mask=write)
+        plgpu.store(score_ref.at[r, jnp.int32(h), at], s.reshape(-1), mask=write)
 
 
 @functools.partial(jax.jit, static_argnames=("start", "capacity", "config", "interpret", "hot_group_start"))
@@ -90,7 +80,7 @@ def _scan_select_pallas(q, store: StorePlanes, length, runs: RunList, extra: tup
     epilogue = functools.partial(_select_epilogue, start=start, capacity=capacity, shifted=shift is not None)
     count, position, score = common.scan_call(
         q, store, length, runs, extra, config=config, interpret=interpret, hot_group_start=hot_group_start,
-        epilogue=epilogue, tail=tail, aliases={len(tail) - 1: 0},
+        epilogue=epilogue, tail=tail, aliases={len(tail) - 1: 0}, raw_outputs=True,
         out_shape=(jax.ShapeDtypeStruct((r, gp), jnp.int32), jax.ShapeDtypeStruct((r, g, capacity + 1), jnp.int32),
                    jax.ShapeDtypeStruct((r, g, capacity + 1), jnp.float32)),
         name=KERNEL_NAME if config.math == "f32" else f"{KERNEL_NAME}_{config.math}")

@@ -261,6 +261,11 @@ def main(argv=None):
                     help="how a step selects its rows (StepConfig.selection; a list: one row each): threshold (the scan "
                          "keeps each head's candidates above a threshold seeded by the previous step) and/or sorted "
                          "(every score written, the top-k kernels, the union by a sort)")
+    ap.add_argument("--attention", default="kernel",
+                    help="how a step attends (StepConfig.attention; a list: one row each): kernel (the attention "
+                         "kernel reads the selected rows by index) and/or xla (the rows gathered, then XLA)")
+    ap.add_argument("--dump-hlo", action="store_true",
+                    help="write each attention row's compiled step (GPU) beside the results, to count its kernels")
     ap.add_argument("--link-bytes", type=int, default=2 << 30)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds; sections past it are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the whole script)")
@@ -279,10 +284,11 @@ def main(argv=None):
     args.sections = args.sections.split(",")
     try:
         args.variants = parse_variants(args.read, args.index_writes, args.pipeline, args.fetch_programs, args.topk,
-                                       args.xla_options, args.layer_unroll, args.row_cache, args.scan, args.select)
+                                       args.xla_options, args.layer_unroll, args.row_cache, args.scan, args.select,
+                                       args.attention)
     except (ValueError, TypeError) as e:
         ap.error(f"--index-writes / --pipeline / --fetch-programs / --topk / --xla-options / --layer-unroll / "
-                 f"--row-cache / --scan / --select: {e}")
+                 f"--row-cache / --scan / --select / --attention: {e}")
     for field in ("resident_planes", "warm_planes"):  # lists of counts, each a valid Placement field
         try:
             counts = [int(c) for c in getattr(args, field).split(",")]

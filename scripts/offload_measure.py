@@ -156,14 +156,18 @@ def selection_fields(cache, attn, steps: int) -> dict:
     return {"second_path": int(jnp.sum(fallbacks)), "selections": steps * fallbacks.size}
 
 
-def launch_fields(attn, q, key, value, cache) -> dict:
+def launch_fields(attn, q, key, value, cache, hlo_path=None) -> dict:
     """The kernels the attention-only step's compiled program launches a layer (on a GPU; none elsewhere): ``launches``
     in the layer loop's body outside any branch, ``launches_first`` / ``launches_second`` the threshold selection's
     branches (its candidates' path, and the sorted second path), from :func:`fathom_jax.hlo.kernel_launches`."""
     if jax.default_backend() != "gpu":
         return {}
     program = attn.program(decode.programs._attention_fn, cache)  # noqa: SLF001 (the step attention_step runs)
-    found = hlo.kernel_launches(program.lower(q, key, value, cache=cache).compile().as_text())
+    text = program.lower(q, key, value, cache=cache).compile().as_text()
+    if hlo_path:
+        with open(hlo_path, "w") as f:
+            f.write(text)
+    found = hlo.kernel_launches(text)
     if not found["loops"]:
         return {}
     layer = max(found["loops"], key=lambda loop: loop["kernels"])  # the layer scan's body
@@ -268,7 +272,9 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
             return None
         cache = state[1]
         selection = selection_fields(cache, attn, next(steps))
-        launches = launch_fields(attn, queries[0], key, value, cache)
+        hlo_path = os.path.join(args.out, f"{args.tag}_{placement.memory}_{variant_tag(split)}.hlo.txt") if (
+            args.dump_hlo) else None
+        launches = launch_fields(attn, queries[0], key, value, cache, hlo_path)
         profile = None
         if "attnprofile" in args.sections:
             trace = os.path.join(args.out, "traces", f"attn_{context}_{label.split()[0]}_{batch}_{placement.memory}_{variant_tag(split)}")

@@ -204,7 +204,7 @@ def rows_tag(rows: dict) -> str:
 SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
                   "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
                   "resident_planes": 0, "warm_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union", "order": "xla", "scan": "default",
-                  "select": "sorted"}
+                  "select": "sorted", "attention": "xla"}
 
 
 def options_text(options) -> str:
@@ -219,6 +219,7 @@ def split_fields(attn) -> dict:
             "layer_unroll": run.layer_unroll, "row_cache": run.row_cache, "scan_writes": run.in_place,
             "topk": topk_name(run.topk), "scan": scan_name(attn.step.scan),
             "xla_options": options_text(attn.step.xla_options), "select": attn.step.selection,
+            "attention": attn.step.attention,
             "read": attn.step.read, "rows": "model" if attn.rows is None else attn.rows.spec}
 
 
@@ -229,7 +230,8 @@ def variant_tag(split: dict) -> str:
             + (f"_c{split['row_cache']}" if split.get("row_cache") else "")
             + (f"_r{split['rows']}" if split.get("rows", "model") != "model" else "")
             + (f"_s{split['scan']}" if split.get("scan", "default") != "default" else "")
-            + ("_sorted" if split.get("select", "sorted") == "sorted" else ""))
+            + ("_sorted" if split.get("select", "sorted") == "sorted" else "")
+            + ("_xattn" if split.get("attention", "xla") == "xla" else ""))
 
 
 def writes_text(r: dict) -> str:
@@ -259,6 +261,7 @@ def split_text(r: dict) -> str:
             ([f"{r['inputs']} inputs"] if r.get("inputs", "today") != "today" else []) + \
             ([f"xla: {r['xla_options']}"] if r.get("xla_options") else []) + \
             ([select_text(r)] if r.get("select", "sorted") != "sorted" else []) + \
+            (["attention kernel"] if r.get("attention", "xla") == "kernel" else []) + \
             ([f"selection {r['selection']}"] if r.get("selection", "topk_union") != "topk_union" else []) + \
             ([f"order {r['order']}"] if r.get("order", "xla") != "xla" else [])  # (deleted options' rows)
     return "; ".join([text] * bool(text) + extra)
@@ -274,7 +277,7 @@ def select_text(r: dict) -> str:
 
 def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "auto", topk: str = "auto",
                    xla: str = "none", unroll: str = "1", row_cache: str = "0", scan: str = "default",
-                   select: str = "threshold") -> list[dict]:
+                   select: str = "threshold", attention: str = "kernel") -> list[dict]:
     """Every combination of the step configurations the lists give (one row each): ``--index-writes``,
     ``--pipeline`` (entries ``auto``, ``N`` or ``N/P``: N chunks, P persistent gather programs, "auto" where not
     given), ``--fetch-programs``, ``--topk``, ``--xla-options``, ``--layer-unroll``, ``--row-cache``, ``--scan``,
@@ -297,13 +300,13 @@ def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "au
     unrolls = [int(u) for u in unroll.split(",")]
     if any(u < 1 for u in unrolls):
         raise ValueError(f"--layer-unroll entries are ints >= 1, got {unroll!r}")
-    slots = [int(c) for c in row_cache.split(",")]
-    if any(c < 0 for c in slots):
+    slots = [c if c == "last" else int(c) for c in row_cache.split(",")]
+    if any(c != "last" and c < 0 for c in slots):
         raise ValueError(f"--row-cache entries are ints >= 0 (0: no row cache), got {row_cache!r}")
     out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u, "row_cache": c, "scan": sc,
-                "selection": se}
+                "selection": se, "attention": at}
            for f in fetches for t in topk.split(",") for x in option_sets for u in unrolls for c in slots
-           for sc in scan.split(",") for se in select.split(",") for v in out]
+           for sc in scan.split(",") for se in select.split(",") for at in attention.split(",") for v in out]
     for v in out:  # a bad entry fails here, before anything runs
         StepConfig(**(v | {"topk": topk_config(v["topk"]), "scan": scan_config(v["scan"]),
                            "xla_options": dict(v["xla_options"])}))

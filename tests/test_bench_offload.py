@@ -59,7 +59,7 @@ def test_variants_and_their_labels():
     configuration."""
     got = offload_setup.parse_variants("staged", "full_blocks", "auto,1/0,8/66,4")
     rest = dict(fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0, scan="default",
-                selection="threshold")
+                selection="threshold", attention="kernel")
     assert got == [
         dict(read="staged", index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
         dict(read="staged", index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),

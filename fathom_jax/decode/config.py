@@ -34,6 +34,8 @@ Fields:
   the sorted path as a second path) or ``"sorted"`` (every score written, the top-k kernels, the union by a sort);
   ``threshold``: the threshold selection's knobs (a :class:`~fathom_jax.decode.selection.ThresholdSelection`, None:
   its defaults; ``threshold.rank=8`` on the command line).
+* ``attention``: ``"kernel"`` (the attention kernel reads the selected rows by index, :mod:`pallas_kernels.sparse_attend`)
+  or ``"xla"`` (the rows fetched into one array, then attended by XLA).
 * ``topk``: the top-k kernels' configuration (None: their defaults).
 * ``scan``: the plane scan's configuration, e.g. ``PlaneScanConfig(tile=1024, num_warps=2)``
   (None: its default).
@@ -56,6 +58,7 @@ from pallas_kernels.topk import TopkConfig
 
 ReadMode = Literal["direct", "staged"]
 SelectionMode = Literal["threshold", "sorted"]
+AttentionMode = Literal["kernel", "xla"]
 IndexWrites = Literal["every_step", "full_blocks"]
 Auto = Literal["auto"]
 # XLA's CUDA graphs of a program follow its sequential schedule by default; a pipelined step needs each chunk's
@@ -77,12 +80,15 @@ class StepConfig:
     row_cache: int | Literal["last"] = 0
     selection: SelectionMode = "threshold"
     threshold: ThresholdSelection | None = None
+    attention: AttentionMode = "kernel"
     topk: TopkConfig | None = None
     scan: PlaneScanConfig | None = None
 
     def __post_init__(self):
         if self.read not in get_args(ReadMode):
             raise ValueError(f"step read must be one of {get_args(ReadMode)}, got {self.read!r}")
+        if self.attention not in get_args(AttentionMode):
+            raise ValueError(f"step attention must be one of {get_args(AttentionMode)}, got {self.attention!r}")
         if self.selection not in get_args(SelectionMode):
             raise ValueError(f"step selection must be one of {get_args(SelectionMode)}, got {self.selection!r}")
         if self.threshold is not None and not isinstance(self.threshold, ThresholdSelection):
@@ -172,7 +178,8 @@ class StepConfig:
         fetch_programs = _programs(self.fetch_programs, host)
         # the offloaded layout's rows are fetched first (on a CPU, device memory stands in for the host: the same path)
         fetcher = (CachedRowFetch if self.row_cache else RowFetch)(implementation, fetch_programs,
-                                                                   in_host=placement.offloaded)
+                                                                   in_host=placement.offloaded,
+                                                                   kernel=self.attention == "kernel")
         options = (CONCURRENT_KERNELS if staged and self.pipeline != 1 else {}) | dict(self.xla_options)
         planes_cross = not (tiered and all_resident(resident))  # else the index is all in HBM, the rows are not
         chunks = self._chunks(groups // placement.num_shards, capacity, host and staged, planes_cross)

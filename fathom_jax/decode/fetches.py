@@ -34,11 +34,16 @@ class RowFetch:
     implementation: backend.Implementation = "xla"
     programs: int = 0
     in_host: bool = False
+    kernel: bool = True  # the attention kernel (else the rows gathered, then attended by XLA)
+
+    def _by_xla(self, view) -> bool:
+        return (not self.kernel or self.implementation == "xla" or view.rows.compressed
+                or not _is_pow2(view.rows.head_dim))
 
     def attend(self, q, slots, member, view, *, group_start: int = 0, after=None):
         """``(out [Rc, G, Dh], fill)``: each head of groups ``group_start ..`` attends its member slots of the union
         ``slots [Rc, S]``; ``fill`` as :meth:`fetch` returns it. The rows' read waits for ``after``."""
-        if self.implementation == "xla" or view.rows.compressed or not _is_pow2(view.rows.head_dim):
+        if self._by_xla(view):
             rows, fill = self.fetch(slots, view, group_start=group_start, after=after)
             k_rows, v_rows = view.rows.split(rows)
             return attend(q, k_rows, v_rows, member), fill
@@ -70,7 +75,7 @@ class CachedRowFetch(RowFetch):
 
     def attend(self, q, slots, member, view, *, group_start: int = 0, after=None):
         rows, fill = self.fetch(slots, view, group_start=group_start, after=after)  # the new row already in
-        if self.implementation == "xla" or view.rows.compressed or not _is_pow2(view.rows.head_dim):
+        if self._by_xla(view):
             k_rows, v_rows = view.rows.split(rows)
             return attend(q, k_rows, v_rows, member), fill
         return _attend_fetched(q, rows, slots, member, None, None, self.implementation), fill
