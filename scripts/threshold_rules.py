@@ -310,25 +310,30 @@ def main(argv=None):
     spec_file = known_model(args.model)
     model, tok, cfg = load_model(args.model)
     eval_text, eval_info = texts.evaluation_text()
-    cap = fid.Capture(**capture_qkv(model, jnp.asarray(texts.token_window(tok.encode(eval_text), args.context,
-                                                                           name="evaluation text"))))
+    qkv = capture_qkv(model, jnp.asarray(texts.token_window(tok.encode(eval_text), args.context,
+                                                           name="evaluation text")))
+    cap = fid.Capture(q=qkv["q"], k=qkv["k"], v=qkv["k"])  # the values are not read
+    del qkv
     budget = BUDGET * cap.q.shape[-1] // 128
     method = methods.parse(f"fathom:{budget}")
     lengths = np.arange(args.context - args.positions, args.context, dtype=np.int32) + 1
     model_layers = [int(x) for x in getattr(cfg, "global_layers", range(cap.k.shape[0]))]
     name = f"{spec_file.slug}_{args.context // 1024}k_{args.positions}"
+    paths = [os.path.join(args.cache, f"{name}_layer{layer}.npy") if args.cache else None
+             for layer in range(cap.k.shape[0])]
     calib = None
+    if not all(path and os.path.exists(path) for path in paths):
+        calib, _, _ = corpus_calibration(model, tok, args.calibration_tokens)
+    del model  # only the capture and the calibration from here
+    print(f"captured: {time.time() - t0:.0f} s", flush=True)
     per_layer = []
     group = cap.group_size
-    for layer in range(cap.k.shape[0]):
+    for layer, path in enumerate(paths):
         q = cap.layer_queries(layer, lengths - 1)  # [P, Hkv, G, D]
         qnorm = np.linalg.norm(np.asarray(q, np.float64), axis=-1).reshape(len(lengths), -1)
-        path = os.path.join(args.cache, f"{name}_layer{layer}.npy") if args.cache else None
         if path and os.path.exists(path):
             keys = np.load(path)
         else:
-            if calib is None:
-                calib, _, _ = corpus_calibration(model, tok, args.calibration_tokens)
             layer_calib = jax.tree.map(lambda x: x[layer], calib)
             keys = layer_keys(method, q, cap.k[layer], layer_calib, lengths)
             if path:
@@ -336,6 +341,7 @@ def main(argv=None):
                 np.save(path, keys)
         t1 = time.time()
         per_layer.append(layer_stats(keys, lengths, ks, group, qnorm))
+        del keys
         print(f"layer {model_layers[layer]}: {time.time() - t0:.0f} s (rules {time.time() - t1:.0f} s)", flush=True)
     rows = []
     for k in ks:
@@ -355,7 +361,8 @@ def main(argv=None):
                     "heads": int(cap.q.shape[1]), "group": int(group), "head_dim": int(cap.q.shape[-1]),
                     "scores": f"Fathom {BUDGET} (fathom:{budget})", "sink": SINK_TOKENS, "local": LOCAL_TOKENS,
                     "wall_seconds": round(time.time() - t0, 1)}, "rows": rows}
-    prefix = os.path.join(args.out, f"threshold_rules_{spec_file.slug}_{args.context // 1024}k")
+    prefix = os.path.join(args.out, f"threshold_rules_{spec_file.slug}_{args.context // 1024}k"
+                          + ("" if args.positions == 256 else f"_{args.positions}pos"))
     print(harness.write_results(prefix, res, report))
 
 
@@ -382,7 +389,7 @@ def report(res: dict) -> str:
              "`layer cond` (A, B): the second path's share with one decision per group / layer (every head of it "
              "reseeded); `retried`: share of heads scanning twice (D); `cand / k'`: candidates the scans write per "
              "head (both scans in D) over k'; "
-             "`worst layer`: the largest per-layer `fail` (the layer)."]
+             "`worst layer`: the largest per-layer `fail` (the layer; 0: no layer fails)."]
     for k in sorted({r["k"] for r in res["rows"]}):
         rows = [r for r in res["rows"] if r["k"] == k]
         r0 = rows[0]
@@ -394,7 +401,7 @@ def report(res: dict) -> str:
             lines.append(f"| {r['name']} | {r['fail']:.5f} | {r['fails']} / {r['decisions']} | "
                          f"{r['overflow']:.5f} | {r['few']:.5f} | {r['group_any']:.5f} | {r['layer_any']:.5f} | "
                          f"{' | '.join(opt)} | {r['candidates_per_kp']:.2f} | "
-                         f"{r['worst_fail']:.5f} ({r['worst_layer']}) |")
+                         + (f"{r['worst_fail']:.5f} ({r['worst_layer']}) |" if r["worst_fail"] else "0 |"))
     return "\n".join(lines) + "\n"
 
 
