@@ -1,0 +1,83 @@
+"""scripts/threshold_seeds.py's simulation against the library's own decisions, step by step: the candidates a scan
+keeps (built here by brute force), :func:`pallas_kernels.candidate_topk.candidate_topk_reference`'s ``failed`` and
+seed, and on the second path :func:`fathom_jax.select.kth_largest_middle`."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fathom_jax.decode.selection import ThresholdSelection
+from fathom_jax.format import BLOCK_TOKENS
+from fathom_jax.select import kth_largest_middle
+from pallas_kernels.candidate_topk import candidate_topk_reference
+from pallas_kernels.topk_radix import INT_MIN, sortable_key
+from scripts import threshold_seeds
+
+SINK, LOCAL = 4, 8
+
+
+def scores_sequence(steps=40, heads=3, n=448, seed=0):
+    """Scores [P, H, n] of drifting heads whose scale and offset jump now and then (both failures occur)."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal((heads, n))
+    out = []
+    scale, offset = np.ones(heads), np.zeros(heads)
+    for _ in range(steps):
+        base = 0.9 * base + np.sqrt(1 - 0.81) * rng.standard_normal(base.shape)
+        jump = rng.random(heads) < 0.25
+        scale = np.where(jump, rng.uniform(0.3, 3.0, heads), scale)
+        offset = np.where(jump, rng.normal(0, 1.5, heads), offset)
+        out.append(scale[:, None] * base + offset[:, None])
+    return np.asarray(out, np.float32)
+
+
+def reference(scores, lengths, k, rank, slack, coupled):
+    """``(second [P, H], failed [P, H])`` by the library's selection code, one step at a time."""
+    steps, heads, n = scores.shape
+    kp = k - SINK - LOCAL
+    capacity = ThresholdSelection(rank, slack).capacity(kp)
+    threshold = jnp.full((1, heads), INT_MIN, jnp.int32)
+    second, failed_all = [], []
+    for t, length in enumerate(lengths):
+        s = jnp.asarray(scores[t])
+        keys = np.asarray(sortable_key(s))
+        newest = (length - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+        stop = min(length - LOCAL, newest)
+        count = np.zeros((1, 4), np.int32)  # [R, Gp]
+        position = np.zeros((1, heads, capacity + 1), np.int32)
+        score = np.zeros((1, heads, capacity + 1), np.float32)
+        for h in range(heads):
+            passed = [i for i in range(SINK, stop) if keys[h, i] >= int(threshold[0, h])]
+            count[0, h] = len(passed)
+            kept = passed[:capacity]
+            position[0, h, :len(kept)], score[0, h, :len(kept)] = kept, scores[t, h, kept]
+        extra_position = newest + np.arange(BLOCK_TOKENS, dtype=np.int32)
+        extra_score = scores[t][:, np.minimum(extra_position, n - 1)]
+        _, failed, seed = candidate_topk_reference(
+            jnp.asarray(count), jnp.asarray(position), jnp.asarray(score), jnp.asarray([length], jnp.int32),
+            threshold, jnp.asarray([stop], jnp.int32), jnp.asarray(extra_position[None]),
+            jnp.asarray(extra_score[None]), k=k, sink=SINK, local=LOCAL, rank=rank)
+        fail = np.asarray(failed[0]) > 0
+        go = np.full(heads, fail.any()) if coupled else fail
+        scored = kth_largest_middle(s[None], jnp.asarray([length]), rank * kp, sink=SINK, local=LOCAL,
+                                    implementation="xla")
+        threshold = jnp.where(jnp.asarray(go)[None], scored, seed)
+        second.append(go)
+        failed_all.append(fail)
+    return np.asarray(second), np.asarray(failed_all)
+
+
+@pytest.mark.parametrize("k,rank,slack,coupled", [(40, 2, 2, False), (40, 4, 1, False), (40, 2, 2, True),
+                                                  (44, 1, 1, False)])
+def test_simulation_equals_the_library_step_by_step(k, rank, slack, coupled):
+    scores = scores_sequence()
+    lengths = np.arange(370, 370 + scores.shape[0], dtype=np.int32)  # crosses a block boundary (384)
+    keys = np.asarray(sortable_key(jnp.asarray(scores)))
+    got = threshold_seeds.simulate(keys, lengths, k, rank, slack, sink=SINK, local=LOCAL, coupled=coupled)
+    second, failed = reference(scores, lengths, k, rank, slack, coupled)
+    np.testing.assert_array_equal(got["second"], second)
+    np.testing.assert_array_equal(got["overflow"] | got["few"], failed)
+    assert not (got["overflow"] & got["few"]).any()
+    assert got["overflow"][0].all()  # the lowest threshold: every stored middle token passes
+    if (k, rank, slack, coupled) == (40, 2, 2, False):  # the sequence exercises both failures and successes
+        assert got["overflow"][1:].any() and got["few"][1:].any() and not got["second"][1:].all()
