@@ -45,7 +45,8 @@ def main(argv=None):
     ap.add_argument("--method", default=None, help="the scan (default: Fathom at 3 D / 4 code bits)")
     ap.add_argument("--k", type=int, default=128)
     ap.add_argument("--budgets", type=_ints, default=(256, 512, 1024))
-    ap.add_argument("--row-ks", type=_ints, default=(128, 192, 256, 384, 512, 768, 1024))
+    ap.add_argument("--row-ks", type=_ints, default=ss.ShareConfig.row_ks, help="per-layer k's of the equal-rows "
+                                                                                "comparison")
     ap.add_argument("--rules", nargs="+", default=list(DEFAULT_RULES), help="share= values")
     ap.add_argument("--chosen", type=_ints, default=(2, 3, 4, 6, 8), help="selection layer counts chosen on the "
                                                                            "calibration capture")
