@@ -52,7 +52,10 @@ def main(argv=None):
                                                                            "calibration capture")
     ap.add_argument("--rankings", nargs="+", default=list(ss.RANKINGS), choices=ss.RANKINGS)
     ap.add_argument("--out", default="results")
+    ap.add_argument("--render", metavar="JSON", help="only rebuild the markdown and figure beside a results JSON")
     args = ap.parse_args(argv)
+    if args.render:
+        return render(args.render)
     if not 0 < args.positions < args.context or not 0 < args.calib_positions < args.context:
         ap.error(f"--positions and --calib-positions must lie in (0, --context = {args.context})")
     from fathom_jax.models.hub import model_config
@@ -69,6 +72,20 @@ def main(argv=None):
     if max(config.budgets) > args.context - args.positions:
         ap.error(f"--budgets: {max(config.budgets)} positions do not fit before the first decode position")
     run(args, config, argv)
+
+
+def render(path: str) -> None:
+    import json
+
+    from fathom_jax.eval import share_report
+
+    with open(path) as f:
+        res = json.load(f)
+    prefix = path.removesuffix(".json")
+    with open(prefix + ".md", "w") as f:
+        f.write(share_report.render_markdown(res))
+    share_report.plot(res, prefix + ".png")
+    print(f"wrote {prefix}.md, {prefix}.png")
 
 
 def run(args, config: ss.ShareConfig, argv) -> None:

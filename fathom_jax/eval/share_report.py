@@ -144,45 +144,55 @@ def _overlap_table(res: dict, best: str) -> list[str]:
 
 
 def plot(res: dict, path: str) -> None:
-    """Error against bits read per step and against link bytes per step (per-layer selection's curves, the rules'
-    points by budget), each layer's error under a few rules, and the consecutive layers' overlap."""
+    """Error against bits read per step and against link bytes per step, at this context and projected to 1M
+    (per-layer selection's curves, the rules' points by budget, the middle budget's named); each layer's error under
+    the best cheap rules; the consecutive layers' overlap; every (selection, sharing) pair's error ratio."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     base, best = res["baseline"], best_ranking(res)
     rows = _rows(res, base["method"], best)
     budgets = res["meta"]["config"]["budgets"]
+    middle = budgets[len(budgets) // 2]
     colors = dict(zip(budgets, plt.get_cmap("viridis")(np.linspace(0.1, 0.8, len(budgets)))))
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
+    fig, axes = plt.subplots(2, 3, figsize=(19, 10))
     bits_grid = sorted(base["bits_grid"], key=lambda g: g["bits"])
     for ax, x_key, label in ((axes[0, 0], "bits", "scan bits per token per KV head, mean over layers"),
-                             (axes[0, 1], "link_mb", "MB one step moves (planes + bf16 rows)")):
+                             (axes[0, 1], "link_mb", "MB one step moves at this context (planes + bf16 rows)"),
+                             (axes[0, 2], "link_mb_1m", "MB at 1M: the same bits per token and rows (projection)")):
         ax.plot([g[x_key] for g in bits_grid], [g["error"] for g in bits_grid], "k-o", ms=4,
                 label=f"per-layer, budgets {bits_grid[0]['budget']}-{bits_grid[-1]['budget']} (k = {base['k']})")
-        if x_key == "link_mb":
-            ax.plot([g["link_mb"] for g in base["row_grid"]], [g["error"] for g in base["row_grid"]], "k--s", ms=4,
+        if x_key != "bits":
+            ax.plot([g[x_key] for g in base["row_grid"]], [g["error"] for g in base["row_grid"]], "k--s", ms=4,
                     label=f"per-layer {base['method']}, k = {base['row_grid'][0]['k']}-{base['row_grid'][-1]['k']}")
         for budget in budgets:
             pts = [r for r in rows if r["budget"] == budget]
             ax.scatter([r[x_key] for r in pts], [r["error"] for r in pts], color=colors[budget], s=22, zorder=3,
                        label=f"shared, budget {budget}")
+            for r in pts if budget == middle else ():
+                ax.annotate(r["rule"], (r[x_key], r["error"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
         ax.axhline(TARGET * base["error"], color="r", ls=":", lw=1, label=f"+15% of per-layer {base['method']}")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis, subs in ((ax.xaxis, (1.0, 2.0, 5.0)), (ax.yaxis, (1.0, 1.5, 2.0, 3.0, 5.0, 7.0))):
+            axis.set_major_locator(ticker.LogLocator(base=10, subs=subs))
+            axis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+            axis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel(label)
         ax.set_ylabel("attention-output error")
         ax.legend(fontsize=7)
     ax = axes[1, 0]
     layers = res["meta"]["scanning_layers"]
     ax.plot(layers, base["error_per_layer"], "k-o", ms=3, label=f"per-layer {base['method']}")
-    picks = [r for r in rows if r["budget"] == budgets[0]]
-    for r in sorted(picks, key=lambda r: r["ratio"])[:4]:
+    cheap = [r for r in rows if r["budget"] == middle and r["selecting"] <= 4]
+    for r in sorted(cheap, key=lambda r: r["ratio"])[:4]:
         ax.plot(layers, r["error_per_layer"], "-", marker=".", label=f"{r['rule']} ({_layers(r['layers'])})")
     ax.set_xlabel("layer")
     ax.set_ylabel("error")
-    ax.set_title(f"per layer: the 4 best rules at budget {budgets[0]}", fontsize=9)
+    ax.set_title(f"per layer: the best rules of at most 4 selection layers, budget {middle}", fontsize=9)
     ax.legend(fontsize=7)
     ax = axes[1, 1]
     ov = res["overlap"]
@@ -196,6 +206,17 @@ def plot(res: dict, path: str) -> None:
     ax.set_xlabel("layer l")
     ax.set_ylabel("share of middle tokens")
     ax.legend(fontsize=7)
+    ax = axes[1, 2]
+    pair = np.array([[np.nan if x is None else x for x in row] for row in res["pair"][best][str(middle)]])
+    image = ax.imshow(np.log2(pair / np.asarray(base["error_per_layer"])[None, :]), cmap="RdBu_r", vmin=-2, vmax=2,
+                      origin="lower")
+    ticks = range(0, len(layers), max(1, len(layers) // 8))
+    ax.set_xticks(list(ticks), [layers[i] for i in ticks])
+    ax.set_yticks(list(ticks), [layers[i] for i in ticks])
+    ax.set_xlabel("sharing layer l")
+    ax.set_ylabel("selection layer s")
+    ax.set_title(f"log2(error of l attending s's set / l's own), budget {middle}", fontsize=9)
+    fig.colorbar(image, ax=ax, shrink=0.8)
     fig.suptitle(f"Selection shared across layers: {res['meta']['model'].split(' (')[0]}, {res['meta']['context']} "
                  f"tokens, ranking {best}", fontsize=11)
     fig.tight_layout()

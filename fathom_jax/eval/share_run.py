@@ -107,15 +107,14 @@ def run_share_study(eval_capture: fid.Capture, calib_capture: fid.Capture, calib
         "error": float(own.mean()), "error_per_layer": own.mean(-1).tolist(), "bits": float(bits.mean()),
         "bits_per_layer": bits.tolist(), "rows": float(rows_grid[k_index].mean()),
         "rows_per_layer": rows_grid[k_index].tolist(),
-        "link_mb": _link_mb(bits, rows_grid[k_index], n_tokens, n_kv, d),
-        "link_mb_1m": _link_mb(bits, rows_grid[k_index], ONE_M, n_kv, d),
+        **_links(bits, rows_grid[k_index], n_tokens, n_kv, d),
         "row_grid": [{"k": k, "rows": float(rows_grid[i].mean()), "error": float(grid_err[i].mean()),
-                      "link_mb": _link_mb(bits, rows_grid[i], n_tokens, n_kv, d)} for i, k in enumerate(config.row_ks)],
+                      **_links(bits, rows_grid[i], n_tokens, n_kv, d)} for i, k in enumerate(config.row_ks)],
         "bits_grid": [{"budget": m.budget, "bits": float(b.mean()), "error": float(e[0].mean()),
-                       "link_mb": _link_mb(b, rows_grid[k_index], n_tokens, n_kv, d)}
+                       **_links(b, rows_grid[k_index], n_tokens, n_kv, d)}
                       for m, (e, b) in zip(grid_methods, at_k) if isinstance(m, Fathom)]
                      + [{"budget": method.budget, "bits": float(bits.mean()), "error": float(own.mean()),
-                         "link_mb": _link_mb(bits, rows_grid[k_index], n_tokens, n_kv, d)}],
+                         **_links(bits, rows_grid[k_index], n_tokens, n_kv, d)}],
     }
     rows = []
     scans = [(method, sel, own, bits, rows_grid[k_index])]
@@ -167,6 +166,10 @@ def _link_mb(bits: np.ndarray, rows: np.ndarray, n_tokens: int, n_kv: int, d: in
     return float(n_kv * (np.sum(bits) * n_tokens / 8 + np.sum(rows) * BF16_ROW_BYTES_PER_D * d) / 1e6)
 
 
+def _links(bits: np.ndarray, rows: np.ndarray, n_tokens: int, n_kv: int, d: int) -> dict[str, float]:
+    return {"link_mb": _link_mb(bits, rows, n_tokens, n_kv, d), "link_mb_1m": _link_mb(bits, rows, ONE_M, n_kv, d)}
+
+
 def _rule_row(name, plan, scan, ranking, budget, own, pair, scan_bits, union_rows, baseline, n_tokens, n_kv, d,
               *, main: bool) -> dict:
     err = ss.rule_errors(plan.selects, own, pair)  # [L, P]
@@ -182,8 +185,7 @@ def _rule_row(name, plan, scan, ranking, budget, own, pair, scan_bits, union_row
            "layers": list(plan.selecting), "selecting": int(selects.sum()),
            "error": float(err.mean()), "error_per_layer": err.mean(-1).tolist(), "ratio": ratio,
            "ratio_se": float(diff.std(ddof=1) / np.sqrt(len(diff)) / base_pos.mean()),
-           "bits": float(bits.mean()), "rows": float(rows.mean()), "link_mb": _link_mb(bits, rows, n_tokens, n_kv, d),
-           "link_mb_1m": _link_mb(bits, rows, ONE_M, n_kv, d)}
+           "bits": float(bits.mean()), "rows": float(rows.mean()), **_links(bits, rows, n_tokens, n_kv, d)}
     if main:
         grid = baseline["row_grid"]
         same_rows = _interp(out["rows"], [g["rows"] for g in grid], [g["error"] for g in grid])
