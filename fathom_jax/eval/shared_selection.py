@@ -30,7 +30,7 @@ def shared_positions(
     budget: int,
     *,
     scale: float,
-    ranking: Ranking = "weight",
+    ranking: Ranking = "mass",
     sink: int = SINK_TOKENS,
     local: int = LOCAL_TOKENS,
 ) -> tuple[Int[Array, "*B S"], Bool[Array, "*B S"]]:

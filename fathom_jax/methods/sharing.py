@@ -13,9 +13,9 @@ At a *selection layer* every query head scores every token with the method's sca
 + top-(k - 36), as without the option; the selection layer also ranks the union of all its heads' (every KV head's)
 choices and cuts it to ``budget`` positions, sink and local window included. Every following non-selection layer,
 all its heads, attends exactly those positions and scans nothing: it moves no plane, runs no selection, and fetches
-``budget`` rows per KV head. How the union is ranked (``rank=``): ``weight`` (a token's largest estimated attention
-weight over the heads, a softmax of the scan's scores per head), ``mass`` (their sum) or ``rank`` (its best rank in
-any head's order: every head's first choice, then every head's second, ...). Measured in
+``budget`` rows per KV head. How the union is ranked (``rank=``): ``mass`` (the default: a token's estimated
+attention weights summed over the heads, each head's a softmax of the scan's scores), ``weight`` (their largest) or
+``rank`` (its best rank in any head's order: every head's first choice, then every head's second, ...). Measured in
 ``results/share_fidelity_*.md`` (``scripts/share_fidelity.py``).
 
 ``share=`` names *model* layer indices and rule words, resolved against the layers that scan (every layer of a
@@ -52,9 +52,10 @@ class SharedSelection:
 
     layers: tuple[int | str, ...]
     budget: int
-    ranking: Ranking = "weight"
+    # mass errs least in every study (results/share_fidelity_*.md: geometric means 1-4% below weight's, 1-7% below rank's)
+    ranking: Ranking = "mass"
 
-    spec_syntax: ClassVar[str] = "METHOD@share=LAYERS@budget=POSITIONS[@rank=weight|mass|rank]"
+    spec_syntax: ClassVar[str] = "METHOD@share=LAYERS@budget=POSITIONS[@rank=mass|weight|rank]"
 
     def __post_init__(self):
         if isinstance(self.layers, (str, int)) or not isinstance(self.layers, tuple) or not self.layers:
@@ -77,13 +78,13 @@ class SharedSelection:
     @property
     def spec(self) -> str:
         """The suffix :func:`parse_spec` reads back (after a method spec)."""
-        rank = "" if self.ranking == "weight" else f"@rank={self.ranking}"
+        rank = "" if self.ranking == "mass" else f"@rank={self.ranking}"
         return f"@share={','.join(map(str, self.layers))}@budget={self.budget}{rank}"
 
     @property
     def label(self) -> str:
         return f"shared {','.join(map(str, self.layers))} / {self.budget}" + (
-            "" if self.ranking == "weight" else f" ({self.ranking})")
+            "" if self.ranking == "mass" else f" ({self.ranking})")
 
     def resolve(self, n_layers: int, scanning_layers: Sequence[int] | None = None) -> tuple[int, ...]:
         """The model layers that select, in increasing order. ``scanning_layers``: the layers that hold the whole
@@ -196,7 +197,7 @@ def parse_option(text: str, spec: str | None = None) -> SharedSelection:
         budget = int(options["budget"])
     except ValueError:
         raise ValueError(f"{spec!r}: budget must be an integer count of positions, got {options['budget']!r}") from None
-    return SharedSelection(tuple(terms), budget, options.get("rank", "weight"))
+    return SharedSelection(tuple(terms), budget, options.get("rank", "mass"))
 
 
 def parse_spec(spec: str) -> tuple[ScanMethod, SharedSelection | None]:

@@ -17,10 +17,10 @@ def test_parse_round_trip():
     method, sharing = parse_spec("fathom:48@share=0,2,mid@budget=256")
     assert method == methods.Fathom(48)
     assert sharing == SharedSelection((0, 2, "mid"), 256)
-    assert sharing.ranking == "weight" and hash(sharing) == hash(SharedSelection((0, 2, "mid"), 256))
+    assert sharing.ranking == "mass" and hash(sharing) == hash(SharedSelection((0, 2, "mid"), 256))
     assert parse_spec(method.spec + sharing.spec) == (method, sharing)
-    ranked = parse_spec("sparq:8@share=every4@budget=512@rank=mass")[1]
-    assert ranked == SharedSelection(("every4",), 512, "mass") and ranked.spec.endswith("@rank=mass")
+    ranked = parse_spec("sparq:8@share=every4@budget=512@rank=weight")[1]
+    assert ranked == SharedSelection(("every4",), 512, "weight") and ranked.spec.endswith("@rank=weight")
     assert parse_spec("fathom:48") == (methods.Fathom(48), None)
 
 
