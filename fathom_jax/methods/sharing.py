@@ -52,7 +52,8 @@ class SharedSelection:
 
     layers: tuple[int | str, ...]
     budget: int
-    # mass errs least in every study (results/share_fidelity_*.md: geometric means 1-4% below weight's, 1-7% below rank's)
+    # mass errs least in every study (results/share_fidelity_*.md: geometric means 1-4% below weight's, 1-7% below
+    # rank's)
     ranking: Ranking = "mass"
 
     spec_syntax: ClassVar[str] = "METHOD@share=LAYERS@budget=POSITIONS[@rank=mass|weight|rank]"
