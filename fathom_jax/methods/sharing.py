@@ -204,7 +204,7 @@ def parse_option(text: str, spec: str | None = None) -> SharedSelection:
 def parse_spec(spec: str) -> tuple[ScanMethod, SharedSelection | None]:
     """A method spec with or without the sharing suffix: ``("fathom:48@share=0,mid@budget=256")`` ->
     ``(Fathom(48), SharedSelection((0, "mid"), 256))``; no ``@``: ``(method, None)``."""
-    from fathom_jax.methods import parse  # the registry imports every method module, this one among them
+    from fathom_jax.methods import parse  # here, so that the package may re-export this module without a cycle
 
     if not isinstance(spec, str):
         raise ValueError(f"method spec must be a string, got {spec!r}")
