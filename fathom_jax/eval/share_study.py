@@ -99,8 +99,7 @@ def layer_scores(method: ScanMethod, q: Float[Array, "P Hkv G D"], keys: Float[A
     attention_errors_many` selects from, bit for bit."""
     score = MethodScore(method)
     _, data = score.program()
-    static = MethodScore(dataclasses.replace(method, **{name: 0 for name in data}))  # one program for every budget
-    return _scores(data, q, keys, calib if method.needs_calibration else None, positions, static)
+    return _scores(data, q, keys, calib if method.needs_calibration else None, positions, score)
 
 
 @functools.partial(jax.jit, static_argnames=("budgets",))
