@@ -12,9 +12,7 @@ least as good is a candidate) or every stored middle token passed. Otherwise the
 selection must come from elsewhere (the decode step's second path, over written scores).
 
 One program per (group, head): the k'-th largest key by a bitwise search over the candidates held in registers,
-ties broken by the smallest positions (the same search on negated positions), compaction by prefix sums. It also
-returns the head's next threshold: the key of its ``rank x k'``-th best candidate when it has that many (else
-``T``), a seed for the next decode step.
+ties broken by the smallest positions (the same search on negated positions), compaction by prefix sums.
 
 Output ``selected i32 [R, G, k + 1]``: per head its ``k`` positions in slots ``0 .. k - 1`` (sink, local window,
 then the middle in no particular order; ``-1`` where fewer), the last column scratch.
@@ -36,11 +34,11 @@ KERNEL_NAME = "candidate_topk"
 INT_MAX = 2**31 - 1
 
 
-def _kernel(count_ref, pos_ref, score_ref, len_ref, key_ref, stop_ref, *rest, k, sink, local, rank, extra):
+def _kernel(count_ref, pos_ref, score_ref, len_ref, key_ref, stop_ref, *rest, k, sink, local, extra):
     if extra:
-        epos_ref, escore_ref, sel_ref, failed_ref, seed_ref = rest
+        epos_ref, escore_ref, sel_ref, failed_ref = rest
     else:
-        sel_ref, failed_ref, seed_ref = rest
+        sel_ref, failed_ref = rest
     r, h = pl.program_id(0), pl.program_id(1)
     capacity = pos_ref.shape[-1] - 1
     kp = k - sink - local
@@ -86,9 +84,7 @@ def _kernel(count_ref, pos_ref, score_ref, len_ref, key_ref, stop_ref, *rest, k,
         inside = s < start + size
         plgpu.store(sel_ref.at[r, h, jnp.where(inside, s, k)], jnp.where(inside, fixed(s - start), -1), mask=inside)
 
-    seed = bitwise_kth(key, [ok & (x >= threshold) for ok, x in zip(valid, key)], rank * kp)
     failed_ref[r, h] = failed.astype(jnp.int32)
-    seed_ref[r, h] = jnp.maximum(seed, threshold)
 
 
 def _windows(length, sink, local):
@@ -103,22 +99,21 @@ def _windows(length, sink, local):
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("k", "sink", "local", "rank", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("k", "sink", "local", "interpret", "num_warps"))
 def _candidate_topk_pallas(count, position, score, length, threshold, stop, extra_position, extra_score, *, k, sink,
-                           local, rank, interpret, num_warps):
+                           local, interpret, num_warps):
     r, g = position.shape[:2]
     extra = extra_position is not None
     inputs = (count, position, score, length, threshold, stop) + ((extra_position, extra_score) if extra else ())
     return pl.pallas_call(
-        functools.partial(_kernel, k=k, sink=sink, local=local, rank=rank, extra=extra),
-        out_shape=(jax.ShapeDtypeStruct((r, g, k + 1), jnp.int32), jax.ShapeDtypeStruct((r, g), jnp.int32),
-                   jax.ShapeDtypeStruct((r, g), jnp.int32)),
+        functools.partial(_kernel, k=k, sink=sink, local=local, extra=extra),
+        out_shape=(jax.ShapeDtypeStruct((r, g, k + 1), jnp.int32), jax.ShapeDtypeStruct((r, g), jnp.int32)),
         grid=(r, g), in_specs=[B.any_spec()] * len(inputs), interpret=interpret, name=KERNEL_NAME,
         compiler_params=B.compiler_params(num_warps),
     )(*inputs)
 
 
-def _validate(count, position, score, length, threshold, stop, extra_position, extra_score, k, sink, local, rank):
+def _validate(count, position, score, length, threshold, stop, extra_position, extra_score, k, sink, local):
     B.check_array("count", count, ndim=2, dtypes=(jnp.int32,))
     B.check_array("position", position, ndim=3, dtypes=(jnp.int32,))
     B.check_array("score", score, ndim=3, dtypes=(jnp.float32,))
@@ -143,14 +138,12 @@ def _validate(count, position, score, length, threshold, stop, extra_position, e
                              f"{r, g}, got {extra_position.shape}, {extra_score.shape}")
     if sink < 0 or local < 0 or k <= sink + local:
         raise ValueError(f"need k > sink + local >= 0, got k={k}, sink={sink}, local={local}")
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
 
 
 def candidate_topk_reference(count, position, score, length, threshold, stop, extra_position=None, extra_score=None,
-                             *, k: int, sink: int, local: int, rank: int = 4):
+                             *, k: int, sink: int, local: int):
     """Plain jnp: the candidates ranked by one sort on (key descending, position ascending)."""
-    _validate(count, position, score, length, threshold, stop, extra_position, extra_score, k, sink, local, rank)
+    _validate(count, position, score, length, threshold, stop, extra_position, extra_score, k, sink, local)
     r, g, width = position.shape
     capacity, kp = width - 1, k - sink - local
     count = count[:, :g]
@@ -175,23 +168,20 @@ def candidate_topk_reference(count, position, score, length, threshold, stop, ex
                                 jnp.full((r, g, 1), -1, jnp.int32)], axis=-1)
     complete = count == jnp.maximum(stop - sink, 0)[:, None]
     failed = (count > capacity) | ((reached < kp) & ~complete)
-    reaching = jnp.sort(jnp.where(valid & (key >= threshold[..., None]), key, INT_MIN), axis=-1)[..., ::-1]
-    m = rank * kp
-    seed = reaching[..., m - 1] if reaching.shape[-1] >= m else jnp.full((r, g), INT_MIN, jnp.int32)
-    return selected, failed.astype(jnp.int32), jnp.maximum(seed, threshold)
+    return selected, failed.astype(jnp.int32)
 
 
 def candidate_topk(count, position, score, length, threshold, stop, extra_position=None, extra_score=None, *, k: int,
-                   sink: int, local: int, rank: int = 4, implementation: B.Implementation | None = None,
-                   num_warps: int = 8, interpret: bool | None = None):
-    """``(selected i32 [R, G, k + 1], failed i32 [R, G], seed i32 [R, G])`` of the candidates (``count [R, Gp]``,
+                   sink: int, local: int, implementation: B.Implementation | None = None, num_warps: int = 8,
+                   interpret: bool | None = None):
+    """``(selected i32 [R, G, k + 1], failed i32 [R, G])`` of the candidates (``count [R, Gp]``,
     ``position / score [R, G, capacity + 1]``, as :class:`pallas_kernels.scan_select.Candidates` holds them) of
     groups of ``length [R]`` scanned with thresholds ``threshold [R, G]`` (keys) over ``[sink, stop [R])``, and the
     ``extra`` middle candidates ``extra_position [R, E]`` / ``extra_score [R, G, E]`` (see the module docstring)."""
     implementation = B.resolve_implementation(implementation)
     args = (count, position, score, jnp.asarray(length, jnp.int32), threshold, stop, extra_position, extra_score)
     if implementation == "xla":
-        return candidate_topk_reference(*args, k=k, sink=sink, local=local, rank=rank)
-    _validate(*args, k, sink, local, rank)
-    return _candidate_topk_pallas(*args, k=k, sink=sink, local=local, rank=rank,
-                                  interpret=B.resolve_interpret(interpret), num_warps=num_warps)
+        return candidate_topk_reference(*args, k=k, sink=sink, local=local)
+    _validate(*args, k, sink, local)
+    return _candidate_topk_pallas(*args, k=k, sink=sink, local=local, interpret=B.resolve_interpret(interpret),
+                                  num_warps=num_warps)

@@ -149,11 +149,10 @@ def row_cache_fields(cache, link_gbps: float, scan_bytes: float) -> dict:
 
 def selection_fields(cache, attn, steps: int) -> dict:
     """How often the threshold selection's candidates could not prove a group's selection (the second path ran):
-    ``second_path`` of the ``selections`` a row's ``steps`` made (layers x groups each), from the cache's seeds."""
-    if cache.seeds is None or not attn.run.keeps_seeds:
+    ``second_path`` of the ``selections`` a row's ``steps`` made (layers x groups each), from the cache's counts."""
+    if cache.second_path is None or not attn.run.thresholds:
         return {}
-    fallbacks = cache.seeds.fallbacks
-    return {"second_path": int(jnp.sum(fallbacks)), "selections": steps * fallbacks.size}
+    return {"second_path": int(jnp.sum(cache.second_path)), "selections": steps * cache.second_path.size}
 
 
 def launch_fields(attn, q, key, value, cache, hlo_path=None) -> dict:

@@ -1,6 +1,7 @@
 """scripts/threshold_seeds.py's simulation against the library's own decisions, step by step: the candidates a scan
-keeps (built here by brute force), :func:`pallas_kernels.candidate_topk.candidate_topk_reference`'s ``failed`` and
-seed, and on the second path :func:`fathom_jax.select.kth_largest_middle`."""
+keeps (built here by brute force), :func:`pallas_kernels.candidate_topk.candidate_topk_reference`'s ``failed``, the
+next seed (by hand: the library no longer seeds from the previous step) and on the second path
+:func:`fathom_jax.select.kth_largest_middle`."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -53,15 +54,23 @@ def reference(scores, lengths, k, rank, slack, coupled):
             position[0, h, :len(kept)], score[0, h, :len(kept)] = kept, scores[t, h, kept]
         extra_position = newest + np.arange(BLOCK_TOKENS, dtype=np.int32)
         extra_score = scores[t][:, np.minimum(extra_position, n - 1)]
-        _, failed, seed = candidate_topk_reference(
+        _, failed = candidate_topk_reference(
             jnp.asarray(count), jnp.asarray(position), jnp.asarray(score), jnp.asarray([length], jnp.int32),
             threshold, jnp.asarray([stop], jnp.int32), jnp.asarray(extra_position[None]),
-            jnp.asarray(extra_score[None]), k=k, sink=SINK, local=LOCAL, rank=rank)
+            jnp.asarray(extra_score[None]), k=k, sink=SINK, local=LOCAL)
         fail = np.asarray(failed[0]) > 0
+        seed = np.zeros((1, heads), np.int32)
+        extra_ok = (extra_position >= SINK) & (extra_position < length - LOCAL)
+        for h in range(heads):  # the (rank k')-th best candidate reaching the threshold, never below it
+            held = np.concatenate([keys[h, position[0, h, :min(count[0, h], capacity)]],
+                                   np.asarray(sortable_key(jnp.asarray(extra_score[h])))[extra_ok]])
+            reaching = np.sort(held[held >= int(threshold[0, h])])[::-1]
+            best = reaching[rank * kp - 1] if len(reaching) >= rank * kp else INT_MIN
+            seed[0, h] = max(int(best), int(threshold[0, h]))
         go = np.full(heads, fail.any()) if coupled else fail
         scored = kth_largest_middle(s[None], jnp.asarray([length]), rank * kp, sink=SINK, local=LOCAL,
                                     implementation="xla")
-        threshold = jnp.where(jnp.asarray(go)[None], scored, seed)
+        threshold = jnp.where(jnp.asarray(go)[None], scored, jnp.asarray(seed))
         second.append(go)
         failed_all.append(fail)
     return np.asarray(second), np.asarray(failed_all)

@@ -223,9 +223,9 @@ class ResolvedStep:
         return dict(self.compiler_options)
 
     @property
-    def keeps_seeds(self) -> bool:
-        """Whether a cache stepped this way keeps selection seeds (:class:`~fathom_jax.decode.selection.SelectionSeeds`):
-        with threshold selection on the kernels."""
+    def thresholds(self) -> bool:
+        """Whether steps select by thresholds (:class:`~fathom_jax.decode.selection.ThresholdSelection`, on the
+        kernels)."""
         return isinstance(self.selection, ThresholdSelection) and self.implementation == "triton"
 
 

@@ -217,7 +217,7 @@ class SparseAttention:
         """
         options = dict(rows=self.rows, shared_kv=shared_kv, **self._row_cache(shape),
                        session_calibration=_session_template(shape.head_dim) if self.session else None,
-                       seed_heads=self.seed_heads(shape))
+                       second_path=self.counts_second_path)
         parts = self.cache_parts(shape.layers)
         if self.placement.in_host_memory:
             shards = self.placement.num_shards
@@ -235,11 +235,10 @@ class SparseAttention:
                              "the cache shape must give its query heads per KV head (CacheShape.query_heads)")
         return dict(row_cache=shape.query_heads * self.k, row_cache_mode="last")
 
-    def seed_heads(self, shape: CacheShape) -> int:
-        """Query heads per group of the threshold selection's seeds a cache of ``shape`` keeps (0: none): with
-        ``StepConfig(selection="threshold")``, a method that selects, and a shape that gives its query heads."""
-        keeps = self.step.selection == "threshold" and not self.method.selects_all
-        return shape.query_heads if keeps else 0
+    @property
+    def counts_second_path(self) -> bool:
+        """Whether the cache counts the steps whose threshold selection took its sorted second path."""
+        return self.step.selection == "threshold" and not self.method.selects_all
 
     def attend_prompt(self, cache: SparseCache, layer, q, keys, values, lengths):
         """The prompt's dense causal attention at ``layer``, and the cache with its rows written
@@ -317,10 +316,9 @@ class SparseAttention:
         new = NewToken(position=position, key=key32, value=value, blocks=blocks)
         view = CacheView(index=KeyIndex(index.length[layer], index.parts, tuple(views)), kv=cache.kv,
                          length=position + 1, calib=calib, layer=layer, kv_layer=0 if cache.shared_kv else layer,
-                         new=new, row_cache=cache.row_cache, layout=cache.layout,  # the row cache is read in place
-                         seeds=None if cache.seeds is None else jax.tree.map(lambda a: a[layer], cache.seeds))
-        out, _, fill, seeds = sparse_attention_step(self.method, q, view, ctx)
-        update = LayerUpdate(key=key, value=value, blocks=blocks, rows=fill, seeds=seeds)
+                         new=new, row_cache=cache.row_cache, layout=cache.layout)  # the row cache is read in place
+        out, _, fill, second_path = sparse_attention_step(self.method, q, view, ctx)
+        update = LayerUpdate(key=key, value=value, blocks=blocks, rows=fill, second_path=second_path)
         if ctx.run.in_place:
             # This layer's K/V row and newest blocks go to host memory now: the write kernels depend only on the new
             # key, so they run beside this layer's plane transfers instead of as one serial burst of scattered writes

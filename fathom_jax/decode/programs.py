@@ -69,8 +69,7 @@ def _flush_fn(attn, cache):
 def cache_shape(cache: SparseCache) -> CacheShape:
     """The shape of the caches like ``cache`` (what :meth:`SparseAttention.bind` takes)."""
     return CacheShape(layers=cache.n_layers, batch=cache.batch, kv_heads=cache.groups // cache.batch,
-                      capacity=cache.capacity, head_dim=cache.head_dim, dtype=cache.layout.dtype,
-                      query_heads=0 if cache.seeds is None else cache.seeds.threshold.shape[-1])
+                      capacity=cache.capacity, head_dim=cache.head_dim, dtype=cache.layout.dtype)
 
 
 def cache_from_dense(kv, lengths, attn: SparseAttention) -> tuple[SparseCache, SparseAttention]:

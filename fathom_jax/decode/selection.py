@@ -5,14 +5,17 @@ scores, ties to the smaller position; the group's union laid out in increasing p
 
 * :class:`SortedSelection`: the read writes every position's score, the newest block is patched in, the top-k
   kernels (``lax.top_k`` in the reference) pick each head's tokens and one sort lays out the union.
-* :class:`ThresholdSelection`: for a plane read on the kernels, the scan keeps only the tokens whose score reaches
-  each head's threshold (:mod:`pallas_kernels.scan_select`: no score array), the exact top-k among those candidates
-  and the newest block (:mod:`pallas_kernels.candidate_topk`) and the union (:mod:`pallas_kernels.group_union`)
-  are two small kernels. The thresholds are the previous step's (:class:`SelectionSeeds`, in the cache): each head's
-  ``rank x k'``-th best candidate. Where a group's candidates cannot prove its selection (too few reached the
-  threshold, or more than the list holds), the chunk takes the sorted path instead (``lax.cond``; counted per group
-  in the seeds' ``fallbacks``) and its thresholds are set from the written scores. Other reads (landmarks, Quest, the
-  oracle), the reference implementation and caches without seeds select the sorted way.
+* :class:`ThresholdSelection`: for a plane read on the kernels, no score array. A sampled scan of every s-th token
+  gives each query head a threshold that about ``rank x k'`` tokens reach (k' = k - sink - local); the scan keeps
+  only the tokens reaching it (:mod:`pallas_kernels.scan_select`), and the exact top-k among those candidates and the
+  newest block (:mod:`pallas_kernels.candidate_topk`) and the union (:mod:`pallas_kernels.group_union`) are two small
+  kernels. Where a group's candidates cannot prove a head's selection (fewer than k' reached the threshold, or more
+  than the list holds) the chunk takes the sorted path instead (``lax.cond``), counted per layer and group in the
+  cache's ``second_path``. Other reads (landmarks, Quest, the oracle) and the reference implementation select the
+  sorted way.
+
+A threshold from the previous step's candidates instead of a sample failed on 6-29% of head-steps at k = 128 on real
+decodes, the sample on none of 168,000 (``results/threshold_seeds_*.md``, ``results/threshold_rules_*.md``).
 """
 
 from __future__ import annotations
@@ -22,43 +25,22 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Int
 
 from fathom_jax import scan as scan_lib
 from fathom_jax import store as store_lib
 from fathom_jax.format import BLOCK_TOKENS
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead
-from fathom_jax.select import group_union, kth_largest_middle, select_topk
+from fathom_jax.select import group_union, select_topk
 from pallas_kernels import candidate_topk as candidate_lib
 from pallas_kernels import group_union as union_lib
 from pallas_kernels.topk_radix import INT_MIN
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SelectionSeeds:
-    """What a threshold selection keeps between steps, per group (a cache's leaves are stacked ``[L, R, ...]``).
-
-    ``threshold [R, G]``: each query head's threshold as an order-preserving score key stored with its sign bit
-    flipped, so that zeros (a new cache) mean the lowest key (every token a candidate); ``fallbacks [R]``: the steps
-    in which the group's candidates could not prove its selection (the sorted path ran)."""
-
-    threshold: Int[Array, "R G"]
-    fallbacks: Int[Array, "R"]
-
-    def keys(self) -> jax.Array:
-        return self.threshold ^ jnp.int32(INT_MIN)
-
-    @staticmethod
-    def stored(keys) -> jax.Array:
-        return keys ^ jnp.int32(INT_MIN)
 
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """A chunk's selection before its rows are fetched: the union ``slots [Rc, S]`` (-1 where masked), which head
     attends which slot (``member``), ``done`` (an array the chunk's scan produced: what a later fetch may wait for),
-    and the chunk's next ``seeds`` (None without seeds)."""
+    and ``second_path [Rc]`` (1 where the group's candidates failed and the sorted path ran; None: no threshold)."""
 
     q: jax.Array
     bits: jax.Array
@@ -67,7 +49,7 @@ class Selection:
     done: jax.Array
     group_start: int
     new: object
-    seeds: SelectionSeeds | None = None
+    second_path: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,27 +60,23 @@ class SortedSelection:
         scores = _patched(read.scores(source), read, view.new)
         slots, member = _sorted(scores, view.length, ctx)
         return Selection(q=q, bits=read.bits, slots=slots, member=member, done=scores, group_start=group_start,
-                         new=view.new, seeds=view.seeds)
+                         new=view.new)
 
 
 @dataclasses.dataclass(frozen=True)
 class ThresholdSelection:
-    """Candidates above each head's threshold, the exact top-k among them (see the module docstring).
+    """Candidates above each head's threshold from a sample of this step, the exact top-k among them (see the module
+    docstring).
 
-    ``seed``: where each head's threshold comes from: ``"sample"`` (this step's own: the ``m``-th best of every
-    ``stride``-th middle token, scored by a sampled scan, ``m x stride ~ rank x k'``, ``m >= samples``) or
-    ``"previous"`` (the previous step's ``rank x k'``-th best candidate, kept in the cache's seeds).
-    ``rank``: a step expects about ``rank x k'`` candidates a head (k' = k - sink - local); ``slack``: the list holds
-    ``slack x rank x k'`` of them (rounded up to a power of two) before it overflows."""
+    ``rank``: a step expects about ``rank x k'`` candidates a head: the threshold is the ``m``-th best of every
+    ``stride``-th middle token with ``m x stride ~ rank x k'`` and ``m >= samples`` (:meth:`sampling`); ``slack``: the
+    list holds ``slack x rank x k'`` candidates (rounded up to a power of two) before it overflows."""
 
-    seed: str = "sample"
     rank: int = 4
     slack: int = 4
     samples: int = 32
 
     def __post_init__(self):
-        if self.seed not in ("sample", "previous"):
-            raise ValueError(f"threshold selection seed must be 'sample' or 'previous', got {self.seed!r}")
         for name in ("rank", "slack", "samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -116,49 +94,38 @@ class ThresholdSelection:
         return -(-self.rank * kp // stride), stride
 
     def select(self, read, q, source, view, ctx, group_start: int) -> Selection:
-        if not (isinstance(read, PlaneRead) and view.seeds is not None and view.layer is not None
-                and ctx.run.implementation == "triton"):
+        if not (isinstance(read, PlaneRead) and view.layer is not None and ctx.run.implementation == "triton"):
             return SortedSelection().select(read, q, source, view, ctx, group_start)
         reader = source.reader
         operands = source.plane_operands(read)
         kp = ctx.k - ctx.sink - ctx.local
         newest = view.length if view.new is None else view.new.position // BLOCK_TOKENS * BLOCK_TOKENS
         stop = jnp.minimum(view.length - ctx.local, newest)
-        if self.seed == "sample":
-            m, stride = self.sampling(kp)
-            threshold = operands.sample_threshold(reader, stop, start=ctx.sink, m=m, stride=stride, shift=read.shift)
-            # where the whole middle fits the list, every token is a candidate (and the selection complete)
-            fits = (stop - ctx.sink <= self.capacity(kp))[:, None]
-            threshold = jnp.where(fits, jnp.int32(INT_MIN), threshold)
-        else:
-            threshold = view.seeds.keys()
+        m, stride = self.sampling(kp)
+        threshold = operands.sample_threshold(reader, stop, start=ctx.sink, m=m, stride=stride, shift=read.shift)
+        # where the whole middle fits the list, every token is a candidate (and the selection complete)
+        fits = (stop - ctx.sink <= self.capacity(kp))[:, None]
+        threshold = jnp.where(fits, jnp.int32(INT_MIN), threshold)
         candidates = operands.candidates(reader, threshold, stop, start=ctx.sink, capacity=self.capacity(kp),
                                          shift=read.shift)
         extra = (None, None)
         if view.new is not None:  # the newest block, scored from its fresh data
             extra = (newest[:, None] + jnp.arange(BLOCK_TOKENS, dtype=jnp.int32), read.scores(NewestBlock(view.new)))
-        selected, failed, seed = candidate_lib.candidate_topk(
+        selected, failed = candidate_lib.candidate_topk(
             candidates.count, candidates.position, candidates.score, view.length, threshold, stop, *extra, k=ctx.k,
-            sink=ctx.sink, local=ctx.local, rank=self.rank, implementation=reader.implementation)
+            sink=ctx.sink, local=ctx.local, implementation=reader.implementation)
 
         def by_candidates():
             slots, member = union_lib.group_union(selected, k=ctx.k, implementation=reader.implementation)
-            return slots, member > 0, seed
+            return slots, member > 0
 
         def by_scores():  # the second path: every score written (from the same staged planes)
-            scores = _patched(_shifted(operands.scores(reader), read), read, view.new)
-            slots, member = _sorted(scores, view.length, ctx)
-            if self.seed != "previous":
-                return slots, member, threshold
-            keys = kth_largest_middle(scores, view.length, self.rank * kp, sink=ctx.sink, local=ctx.local,
-                                      implementation=reader.implementation)
-            return slots, member, keys
+            return _sorted(_patched(_shifted(operands.scores(reader), read), read, view.new), view.length, ctx)
 
-        slots, member, seed = jax.lax.cond(jnp.any(failed > 0), by_scores, by_candidates)
-        kept = SelectionSeeds.stored(seed) if self.seed == "previous" else view.seeds.threshold
-        seeds = SelectionSeeds(kept, view.seeds.fallbacks + jnp.any(failed > 0, axis=-1).astype(jnp.int32))
+        slots, member = jax.lax.cond(jnp.any(failed > 0), by_scores, by_candidates)
         return Selection(q=q, bits=read.bits, slots=slots, member=member, done=candidates.count,
-                         group_start=group_start, new=view.new, seeds=seeds)
+                         group_start=group_start, new=view.new,
+                         second_path=jnp.any(failed > 0, axis=-1).astype(jnp.int32))
 
 
 def _shifted(scores, read):

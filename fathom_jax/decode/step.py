@@ -1,10 +1,10 @@
 """One sparse-attention step of one layer: plan -> read -> scan -> select -> union -> fetch -> attend.
 
-    out = sparse_attention_step(method, q, view, ctx)      # StepResult(out [R, G, Dh], bits [R], fill, seeds)
+    out = sparse_attention_step(method, q, view, ctx)      # StepResult(out [R, G, Dh], bits [R], fill, second_path)
 
 Written once, for every scan method and placement: the decoder's sparse attention (:mod:`fathom_jax.decode.hook`)
 calls it per layer inside its layer scan. ``view`` (:class:`CacheView`) is what the layer reads (its index, K/V rows,
-lengths, the new token, the selection's seeds); ``ctx`` (:class:`StepContext`) is how: ``k``, the sink and local
+lengths, the new token); ``ctx`` (:class:`StepContext`) is how: ``k``, the sink and local
 window, and the resolved step (:class:`~fathom_jax.decode.config.ResolvedStep`) with its read strategy (index in HBM,
 staged from host, read in place from host), selection strategy (sorted, or by thresholds:
 :mod:`fathom_jax.decode.selection`) and fetch strategy (with or without a row cache).
@@ -43,7 +43,7 @@ from fathom_jax.calibrate import Calibration
 from fathom_jax.decode.config import ResolvedStep
 from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
 from fathom_jax.index import KeyIndex
-from fathom_jax.decode.selection import Selection, SelectionSeeds
+from fathom_jax.decode.selection import Selection
 from fathom_jax.methods.base import ScanMethod
 from fathom_jax.rows.layout import RowLayout
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend
@@ -74,8 +74,7 @@ class CacheView:
     ``[L, R, C, W]`` read at ``kv_layer`` (default ``layer``; 0 for a row buffer shared by every layer), or
     ``[R, C, W]`` without a layer, stored as ``layout`` says (static; None: ``W = 2 Dh`` rows in ``kv``'s dtype); ``length``: valid tokens per group, the new one included; ``calib``: the
     layer's statistics per group; ``new``: the token the stored cache does not hold yet; ``row_cache``: slots
-    stacked like ``kv`` (read at ``layer``), with a :class:`~fathom_jax.decode.fetches.CachedRowFetch`; ``seeds``:
-    the layer's :class:`~fathom_jax.decode.selection.SelectionSeeds` per group (None: the cache keeps none).
+    stacked like ``kv`` (read at ``layer``), with a :class:`~fathom_jax.decode.fetches.CachedRowFetch`.
     """
 
     index: KeyIndex
@@ -86,7 +85,6 @@ class CacheView:
     kv_layer: Int[Array, ""] | None = None
     new: NewToken | None = None
     row_cache: RowCache | None = None
-    seeds: SelectionSeeds | None = None
     layout: RowLayout | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
@@ -114,13 +112,13 @@ class StepResult(NamedTuple):
     out: Float[Array, "R G Dh"]
     bits: Float[Array, "R"]
     fill: RowFill | None = None  # what to store in the row-cache slots (None without a row cache)
-    seeds: SelectionSeeds | None = None  # the selection's seeds for the next step (None without seeds)
+    second_path: Int[Array, "R"] | None = None  # 1 where the threshold selection took its second path (None: none)
 
 
 def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext
                           ) -> StepResult:
     """Sparse attention of the ``G`` query heads of every group (dense attention for a method that selects every
-    row: :func:`dense_attention_step`); returns the output, bits per token read, the row-cache fill and the next seeds."""
+    row: :func:`dense_attention_step`); returns the output, bits per token read, the row-cache fill and the second-path flags."""
     if method.selects_all:
         return dense_attention_step(method, q, view, ctx)
     groups = q.shape[0]
@@ -135,10 +133,9 @@ def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Ca
     bulk = view.index.bulk()
     outs, staged, pending = [], None, None
     for start in range(0, groups, size):
-        chunk_read, chunk_q, chunk_index, chunk_length, chunk_new, chunk_seeds = _groups(
-            (read, q, view.index, view.length, view.new, view.seeds), (False, False, bulk, False, False, False), start,
-            size)
-        chunk = dataclasses.replace(view, index=chunk_index, length=chunk_length, new=chunk_new, seeds=chunk_seeds)
+        chunk_read, chunk_q, chunk_index, chunk_length, chunk_new = _groups(
+            (read, q, view.index, view.length, view.new), (False, False, bulk, False, False), start, size)
+        chunk = dataclasses.replace(view, index=chunk_index, length=chunk_length, new=chunk_new)
         selection, staged = _select(chunk_read, chunk_q, chunk, ctx, start, after=staged)
         if pending is not None:  # the next-to-last chunk's fetch waits for the last chunk's scan
             last = start + size == groups
@@ -161,7 +158,7 @@ def dense_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Cac
     mask = jnp.arange(keys.shape[-2]) < view.length[:, None, None]
     out = attend(q, keys, values, jnp.broadcast_to(mask, q.shape[:-1] + keys.shape[-2:-1]))
     bits = jnp.full(q.shape[:1], method.fixed_bits_per_token(q.shape[-1]), jnp.float32)
-    return StepResult(out, bits, None, view.seeds)
+    return StepResult(out, bits, None)
 
 
 def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=None):
@@ -176,7 +173,7 @@ def _fetch_attend(sel: Selection, view: CacheView, ctx: StepContext, after=None)
     """Fetch a selection's rows (after ``after``: arrays the fetch waits for and never reads) and attend."""
     chunk = dataclasses.replace(view, new=sel.new)
     out, fill = ctx.run.fetcher.attend(sel.q, sel.slots, sel.member, chunk, group_start=sel.group_start, after=after)
-    return StepResult(out, sel.bits, fill, sel.seeds)
+    return StepResult(out, sel.bits, fill, sel.second_path)
 
 
 def _groups(trees, bulk_masks, start: int, size: int):

@@ -1,8 +1,6 @@
-"""The threshold selection decodes the sorted selection's bits: seeded steps, overflowing and starved candidate lists
-(the second path), offloaded caches; the seeds live in the cache and count the second path; the step runs the three
-kernels once a chunk and the top-k kernels only inside the second path."""
-
-import dataclasses
+"""The threshold selection decodes the sorted selection's bits: sampled thresholds, overflowing and starved candidate
+lists (the second path, counted in the cache), offloaded caches; the step runs its kernels once a chunk and the top-k
+kernels only inside the second path."""
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +10,11 @@ from flax import nnx
 
 from fathom_jax import decode
 from fathom_jax.decode import StepConfig
-from fathom_jax.decode.selection import SelectionSeeds, ThresholdSelection
+from fathom_jax.decode.reads import ScanOperands
+from fathom_jax.decode.selection import ThresholdSelection
 from fathom_jax.models import generation
 from fathom_jax.placement import Placement
-from pallas_kernels import candidate_topk, group_union, scan_select
+from pallas_kernels import candidate_topk, group_union, scan_select, sparse_attend
 from pallas_kernels.topk_radix import INT_MIN
 from tests.support import jaxpr_pallas_calls
 
@@ -26,14 +25,11 @@ LENGTHS = np.array([256, 200])
 CAPACITY = 320
 
 
-def decode_run(model, attn, seeds=None):
-    """Logits of the prefill and each forced step, and the final cache; ``seeds``: every step's thresholds (keys)."""
+def decode_run(model, attn):
+    """Logits of the prefill and each forced step, and the final cache."""
     logits, cache, attn = generation.prefill(model, PROMPT, LENGTHS, attn, CAPACITY)
     out = [np.asarray(logits)]
     for t in range(TOKENS.shape[1]):
-        if seeds is not None:
-            cache = dataclasses.replace(cache, seeds=dataclasses.replace(
-                cache.seeds, threshold=jnp.full_like(cache.seeds.threshold, SelectionSeeds.stored(jnp.int32(seeds)))))
         _, logits, cache = generation.decode_step(model, TOKENS[:, t], cache, attn)
         out.append(np.asarray(logits))
     return np.stack(out), cache
@@ -51,40 +47,26 @@ def sorted_run(tiny_model):
 
 def test_threshold_selection_decodes_the_sorted_bits(tiny_model, sorted_run):
     """Thresholds from this step's sample select from their candidates: the same logits, bit for bit, and the same
-    cache (but the seeds, which only this one keeps)."""
+    cache (but the second-path counts, which only this one keeps)."""
     want, want_cache = sorted_run
-    assert want_cache.seeds is None
+    assert want_cache.second_path is None
     got, cache = decode_run(tiny_model, hook(StepConfig()))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    fallbacks = np.asarray(cache.seeds.fallbacks)
-    assert fallbacks.sum() <= fallbacks.size * TOKENS.shape[1] // 4  # most steps select from their candidates
+    assert int(cache.second_path.sum()) == 0  # the sample's thresholds held on every step
     assert jax.tree.map(np.array_equal, cache.index, want_cache.index) == jax.tree.map(lambda _: True, cache.index)
 
 
-def test_previous_step_thresholds_decode_the_sorted_bits(tiny_model, sorted_run):
-    """Thresholds seeded by the previous step: the first step (no threshold yet, more candidates than the list
-    holds) and starved ones take the second path; the same bits."""
+@pytest.mark.parametrize("threshold", [2**31 - 1, INT_MIN], ids=["starved", "overflow"])
+def test_second_path_decodes_the_sorted_bits(tiny_model, sorted_run, monkeypatch, threshold):
+    """Thresholds that no token reaches, or that every token does (more candidates than the list holds): every step
+    takes the second path, counted per layer and group, and decodes the same bits."""
     want, _ = sorted_run
-    got, cache = decode_run(tiny_model, hook(StepConfig(threshold=ThresholdSelection(seed="previous"))))
+    monkeypatch.setattr(ScanOperands, "sample_threshold",
+                        lambda self, reader, stop, **kw: jnp.full((stop.shape[0], self.queries.shape[1]), threshold,
+                                                                  jnp.int32))
+    got, cache = decode_run(tiny_model, hook(StepConfig(threshold=ThresholdSelection(slack=1))))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    fallbacks = np.asarray(cache.seeds.fallbacks)
-    assert fallbacks.min() >= 1 and fallbacks.sum() <= fallbacks.size * TOKENS.shape[1] // 2
-    assert np.all(np.asarray(cache.seeds.keys()) > INT_MIN)  # each head's threshold set from its scores
-
-
-@pytest.mark.parametrize("case", ["starved", "overflow"])
-def test_second_path_decodes_the_sorted_bits(tiny_model, sorted_run, case):
-    """Thresholds (the previous step's) above every score, so no candidate reaches them, or a list of 4 slots: steps
-    take the second path, counted, and decode the same bits."""
-    want, _ = sorted_run
-    if case == "starved":
-        got, cache = decode_run(tiny_model, hook(StepConfig(threshold=ThresholdSelection(seed="previous"))),
-                                seeds=2**31 - 1)
-    else:
-        got, cache = decode_run(tiny_model, hook(StepConfig(threshold=ThresholdSelection(seed="previous", rank=1,
-                                                                                         slack=1))))
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    assert np.all(np.asarray(cache.seeds.fallbacks) >= (TOKENS.shape[1] if case == "starved" else 1))
+    assert np.all(np.asarray(cache.second_path) == TOKENS.shape[1])
 
 
 def test_offloaded_tiers_with_threshold_selection(tiny_model):
@@ -94,20 +76,21 @@ def test_offloaded_tiers_with_threshold_selection(tiny_model):
     want, _ = decode_run(tiny_model, hook(StepConfig(selection="sorted"), placement))
     got, cache = decode_run(tiny_model, hook(StepConfig(), placement))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    fallbacks = np.asarray(cache.seeds.fallbacks)
-    assert fallbacks.sum() <= fallbacks.size * TOKENS.shape[1] // 2
+    assert int(cache.second_path.sum()) == 0
 
 
 def test_step_kernels_once_a_chunk(tiny_model):
-    """In the step's program: the scan that selects, the top-k among candidates and the union once per chunk of each
-    layer; the plane scan and the top-k kernels only inside the second path's branch."""
+    """In the step's program, once per chunk of each layer: the sampled scan and its radix select, the scan that
+    selects, the top-k among candidates, the union and the attention kernel; the plane scan and the top-k kernels
+    only inside the second path's branch."""
     for chunks in (1, 2):
         attn = hook(StepConfig(pipeline=chunks), Placement("pinned_host"))
         _, cache, attn = generation.prefill(tiny_model, PROMPT, LENGTHS, attn, CAPACITY)
         _, params = nnx.split(tiny_model)
         jaxpr = generation.decode_step_program(tiny_model, cache, attn).trace(
             params, jnp.asarray(TOKENS[:, 0]), None, cache=cache).jaxpr
-        for name in (scan_select.KERNEL_NAME, candidate_topk.KERNEL_NAME, group_union.KERNEL_NAME):
+        for name in (scan_select.SAMPLE_NAME, "kth_largest", scan_select.KERNEL_NAME, candidate_topk.KERNEL_NAME,
+                     group_union.KERNEL_NAME, sparse_attend.KERNEL_NAME):
             assert len(jaxpr_pallas_calls(jaxpr, name)) == chunks, (name, chunks)
         conds = [e for e in _equations(jaxpr.jaxpr, skip=("pallas_call",)) if e.primitive.name == "cond"
                  and any(jaxpr_pallas_calls(b, group_union.KERNEL_NAME) for b in e.params["branches"])]
