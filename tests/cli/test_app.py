@@ -9,7 +9,7 @@ import pytest
 
 from fathom_jax.cli import app as cli
 from fathom_jax.cli import args as cli_args
-from fathom_jax.cli import model_commands
+from fathom_jax.cli import generate_command
 from fathom_jax.models import hub
 from fathom_jax.models.config import LlamaConfig
 
@@ -69,7 +69,6 @@ BAD_ARGUMENTS = [
     (["generate", "x", "--mesh", "0"], "argument --mesh: expected an integer >= 1"),
     # "2 cpu device(s)" here, "2 gpu device(s)" on the two-GPU machine
     (["generate", "x", "--mesh", "64"], "argument --mesh: 64 devices asked for, 2 "),
-    (["generate", "x", "--mesh", "2"], "argument --mesh: the model's 3 KV heads do not split evenly over 2 devices"),
     (["generate", "x", "--coordinator", "host0", "--num-processes", "2", "--process-id", "0"],
      "argument --coordinator / --num-processes / --process-id: coordinator must be host:port"),
     (["generate", "x", "--process-id", "-1"], "argument --process-id: expected an integer >= 0"),
@@ -88,8 +87,8 @@ BAD_ARGUMENTS = [
     (["sweep", "--context", "10"], "argument --context: 10 tokens cannot hold the default k"),
     (["sweep", "--context", "9000"], "--context 9000 asks for 9000 tokens, more than the model's 8192 positions"),
     (["generate", "x", "--method", "fathom_tuned"],
-     "argument --method: fathom_tuned reads per-(layer, KV head) budgets from a tuned calibration, which generate "
-     "cannot load (fathom tune"),
+     "argument --method: fathom_tuned reads per-(layer, KV head) budgets from a tuned calibration, which generate's "
+     "session or corpus statistics are not (fathom tune"),
     (["generate", "x", "--method", "fathom_bits:55:observed"],
      "argument --method: fathom_bits:55:observed: the observed error model needs the calibration keys' plane errors"),
     (["agreement", "--k-fraction", "0.001"], "argument --k-fraction: 0.001 of --context 4096 is k = 4 tokens per query "
@@ -121,11 +120,11 @@ def test_generate_joins_the_job_before_jax_starts_its_devices(capsys, no_work, m
     from fathom_jax import distributed
 
     order = []
-    monkeypatch.setattr(distributed, "initialize", lambda *a: order.append(("join", *a)) or False)
+    monkeypatch.setattr(distributed, "initialize", lambda *a, **k: order.append(("join", *a)) or False)
     monkeypatch.setattr(cli_args, "check_backend", lambda: order.append(("backend",)))
     code, _, err = run(capsys, "generate", "x", "--coordinator", "host0:1234", "--num-processes", "2",
-                       "--process-id", "1", "--mesh", "2")
-    assert code == 2 and "the model's 3 KV heads do not split evenly over 2 devices" in err, err  # stops after both
+                       "--process-id", "1", "--mesh", "64")
+    assert code == 2 and "argument --mesh: 64 devices asked for, 2 " in err, err  # stops after both
     assert order == [("join", "host0:1234", 2, 1), ("backend",)]
     order.clear()
     code, _, err = run(capsys, "generate", "", "--coordinator", "host0:1234", "--num-processes", "2")
@@ -169,7 +168,7 @@ def test_help_shows_defaults_budget_guidance_and_version(capsys):
         cli.main(["generate", "--help"])
     assert exit_.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for want in ("the text to continue", "tokens to generate (default: 32)", "(default: 128)", "(default: dense)",
+    for want in ("the text to continue", "tokens to generate (for each prompt) (default: 32)", "(default: 128)", "(default: dense)",
                  "choosing a scan budget", "sparq:8 = 34", "D = 128: sparq:16 = 68", "--model"):
         assert want in text, want
     with pytest.raises(SystemExit):
@@ -351,7 +350,7 @@ def test_generate_on_gemma3_sizes_and_prints_what_its_global_layers_hold(capsys,
     monkeypatch.setattr(hub, "load_tokenizer", lambda source=None: CharTokenizer())
     monkeypatch.setattr(hub, "load_model", lambda source=None: (model, CharTokenizer(), CFG))
     seen = {}
-    monkeypatch.setattr(model_commands, "check_memory", lambda need, what, skip: seen.update(need=need))
+    monkeypatch.setattr(generate_command, "check_memory", lambda need, what, skip: seen.update(need=need))
     monkeypatch.setattr(models, "generate", lambda model, prompt, n, *, capacity, attention_fn=None: seen.update(
         attn=attention_fn) or jnp.zeros((n,), jnp.int32))
     code, _, err = run(capsys, "generate", "x" * 60, "--model", "gemma3-270m", "--method", "fathom:16", "--k", "40",
