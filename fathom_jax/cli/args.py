@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -95,6 +96,32 @@ def method_spec(text: str):
 
 
 K_TYPE = positive_int(MIN_K, " (every query head keeps 4 sink + 32 local tokens)")
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a finite number in (0, 1] (``inf`` and ``nan`` parse as floats, and overflowed later)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"expected a fraction of the context in (0, 1], got {text!r}")
+    return value
+
+
+def untuned_error(method, statistics: str) -> str | None:
+    """Why ``method`` cannot run on ``statistics`` that are no tuned calibration (None: it can): ``fathom_tuned``
+    reads tuned budgets, ``:observed`` the calibration keys' plane errors (``methods.needs_tuned_calibration``)."""
+    from fathom_jax.methods import FathomTuned, needs_tuned_calibration
+
+    needs = needs_tuned_calibration(method)
+    if needs is None:
+        return None
+    if isinstance(method, FathomTuned):
+        return (f"{method.spec} reads {needs}, which {statistics} are not (fathom tune makes one; fathom sweep "
+                "measures tuned budgets); here use a flat budget in bits as read, e.g. fathom_bits:55")
+    return (f"{method.spec}: it reads {needs}, which {statistics} do not hold; drop ':observed' "
+            f"({method.spec.replace(':observed', '')})")
 
 
 class Distinct(argparse.Action):

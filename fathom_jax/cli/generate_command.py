@@ -20,7 +20,7 @@ import time
 
 from fathom_jax.cli.args import (BUDGET_GUIDE, K_TYPE, UsageError, add_model_arguments, check_memory, check_method,
                                  check_positions, describe_state, method_spec, param_count, peak_bytes, positive_int,
-                                 sparse_summary, state_bytes)
+                                 sparse_summary, state_bytes, untuned_error)
 
 NEEDS_TUNED_CALIBRATION = ("fathom_tuned",)  # reads budgets tuned per (layer, KV head): generate has none to load
 
@@ -86,19 +86,6 @@ def generate_method(text: str):
     if message:
         raise argparse.ArgumentTypeError(message)
     return method
-
-
-def untuned_error(method, statistics: str) -> str | None:
-    """Why ``method`` cannot run on ``statistics`` that hold no tuned calibration (None: it can): ``fathom_tuned``
-    reads tuned budgets, ``:observed`` the calibration keys' plane errors."""
-    if method.name in NEEDS_TUNED_CALIBRATION:
-        return (f"{method.spec} reads per-(layer, KV head) budgets from a tuned calibration, which {statistics} are "
-                "not (fathom tune makes one; fathom sweep measures tuned budgets); here use a flat budget in bits as "
-                "read, e.g. fathom_bits:55")
-    if getattr(method, "importance", None) == "observed":
-        return (f"{method.spec}: the observed error model needs the calibration keys' plane errors, which "
-                f"{statistics} do not hold; drop ':observed' ({method.spec.replace(':observed', '')})")
-    return None
 
 
 def _generate_specs(methods) -> str:

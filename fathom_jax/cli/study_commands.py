@@ -18,7 +18,8 @@ import os
 import time
 
 from fathom_jax.cli.args import (Distinct, UsageError, add_model_arguments, check_memory, check_out_dir, check_positions,
-                                 model_slug, model_title, peak_bytes, positive_int, run_metadata)
+                                 fraction, model_slug, model_title, peak_bytes, positive_int, run_metadata,
+                                 untuned_error)
 from fathom_jax.eval import downstream as ds
 from fathom_jax.eval import resume
 from fathom_jax.eval import ruler as ruler_lib
@@ -93,7 +94,7 @@ def register(subparsers) -> None:
                    help="tokens of cache: session + steps (a multiple of 64, at most the model's positions)")
     p.add_argument("--sessions", type=positive_int(2, " (a standard error needs two)"), default=40,
                    help="code sessions")
-    p.add_argument("--k-fraction", type=float, nargs="+", default=[0.02, 0.005], action=Distinct,
+    p.add_argument("--k-fraction", type=fraction, nargs="+", default=[0.02, 0.005], action=Distinct,
                    help=f"selection sizes as fractions of the context (k = fraction x context: at least {ds.MIN_K})")
     p.add_argument("--steps", type=positive_int(1), default=64, help="tokens each method decodes")
     p.add_argument("--methods", nargs="+", default=None, help=method_help + "; default: as for fathom ruler")
@@ -164,6 +165,20 @@ def _model_config(args: argparse.Namespace):
 
 
 def _methods(args: argparse.Namespace, head_dim: int) -> tuple[str, ...]:
+    """``--methods`` (or the default set), each checked against the model and the statistics these commands have."""
+    from fathom_jax import methods
+
+    for spec in args.methods or ():
+        if spec.strip().lower() == "dense":
+            continue
+        try:
+            method = methods.parse(spec)
+            method.validate(head_dim)
+        except ValueError as err:
+            raise UsageError(f"argument --methods: {err}") from None
+        message = untuned_error(method, f"{args.command}'s corpus or session statistics")
+        if message:
+            raise UsageError(f"argument --methods: {message}")
     return tuple(args.methods) if args.methods else ds.default_methods(head_dim)
 
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fathom_jax import calibrate as cal
+from fathom_jax import methods as methods_lib
 from fathom_jax.checks import reraise
 from fathom_jax.eval import agreement as agreement_lib
 from fathom_jax.eval import downstream as ds
@@ -105,6 +106,10 @@ def check_common(config, max_context: int, head_dim: int) -> None:
     methods = ds.parse_methods(config.methods)
     for m in methods:
         m.validate(head_dim)
+        needs = methods_lib.needs_tuned_calibration(m)
+        if needs:  # it failed after the model loaded and calibrated: 34-59 s later on the CPU
+            raise ValueError(f"{m.spec} reads {needs}; the sweeps calibrate with corpus or session statistics, which "
+                             "hold none")
     if not any(m.name == "exact" for m in methods):
         raise ValueError("the methods must include exact (the top-k oracle every scan is compared with)")
     from fathom_jax.rows.layout import row_format

@@ -90,7 +90,22 @@ BAD_ARGUMENTS = [
      "argument --method: fathom_tuned reads per-(layer, KV head) budgets from a tuned calibration, which generate's "
      "session or corpus statistics are not (fathom tune"),
     (["generate", "x", "--method", "fathom_bits:55:observed"],
-     "argument --method: fathom_bits:55:observed: the observed error model needs the calibration keys' plane errors"),
+     "argument --method: fathom_bits:55:observed: it reads the calibration keys' plane errors (the observed error "
+     "model), which generate's session or corpus statistics do not hold; drop ':observed' (fathom_bits:55)"),
+    # ruler and agreement have no tuned calibration either: refused before the model loads (they failed 34-59 s later)
+    (["ruler", "--methods", "dense", "exact", "fathom_tuned"],
+     "argument --methods: fathom_tuned reads per-(layer, KV head) budgets from a tuned calibration, which ruler's "
+     "corpus or session statistics are not"),
+    (["agreement", "--methods", "dense", "exact", "sparq:16", "fathom_bits:55:observed"],
+     "argument --methods: fathom_bits:55:observed: it reads the calibration keys' plane errors (the observed error "
+     "model), which agreement's corpus or session statistics do not hold"),
+    (["ruler", "--methods", "dense", "exact", "fathom:999"], "argument --methods: Fathom 999: budget must lie in"),
+    (["agreement", "--k-fraction", "inf"], "argument --k-fraction: expected a fraction of the context in (0, 1], got "
+                                           "'inf'"),
+    (["agreement", "--k-fraction", "nan"], "argument --k-fraction: expected a fraction of the context in (0, 1], got "
+                                           "'nan'"),
+    (["agreement", "--k-fraction", "0"], "argument --k-fraction: expected a fraction of the context in (0, 1]"),
+    (["agreement", "--k-fraction", "1.5"], "argument --k-fraction: expected a fraction of the context in (0, 1]"),
     (["agreement", "--k-fraction", "0.001"], "argument --k-fraction: 0.001 of --context 4096 is k = 4 tokens per query "
                                              "head, fewer than 16 (below 128 a selection keeps k/8 sinks and a k/4 "
                                              "local window); use a fraction of at least 0.004 at this context"),

@@ -88,7 +88,7 @@ def run(capsys, *argv):
     (["ruler", "--methods", "dense", "fathom:48"], "must include exact"),
     (["ruler", "--methods", "exact", "fathom:999"], "Fathom 999: budget must lie in [0, 256]"),
     (["agreement", "--baseline", "loki:8"], "the baseline 'loki:8' is not among the methods"),
-    (["agreement", "--k-fraction", "1.5"], "k fractions must lie in (0, 1]"),
+    (["agreement", "--k-fraction", "1.5"], "argument --k-fraction: expected a fraction of the context in (0, 1]"),
     (["agreement", "--sessions", "1"], "expected an integer >= 2"),
     (["agreement", "--steps", "4000", "--context", "4096"], "steps must lie in [1, context / 2]"),
     (["agreement", "--rows", "k8c64v8"], "K scales per block of tokens"),

@@ -132,3 +132,15 @@ def test_repeated_values_are_refused_before_any_work(capsys, argv, message):
     code = cli.main(argv)
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("spec", ["fathom_tuned", "fathom_bits:55:observed", "fathom_tuned:observed"])
+def test_methods_that_need_a_tuned_calibration_are_refused_by_the_checks(spec):
+    """The sweeps calibrate with corpus or session statistics: a method that reads tuned budgets or plane errors
+    failed after the model had loaded; the checks every run starts with (and the CLI runs first) refuse it."""
+    from fathom_jax.eval import sweeps
+
+    with pytest.raises(ValueError, match=f"{spec} reads .*; the sweeps calibrate with corpus or session statistics"):
+        sweeps.check_ruler(sweeps.RulerConfig(methods=("dense", "exact", spec)))
+    with pytest.raises(ValueError, match="the sweeps calibrate with corpus or session statistics"):
+        sweeps.check_agreement(sweeps.AgreementConfig(methods=("dense", "exact", "sparq:16", spec)))
