@@ -101,7 +101,8 @@ def _sweep(args: argparse.Namespace) -> int:
         for context, cfg in zip(args.context, configs):
             prefix = sweep_prefix(args, context)
             # compared as the study records it: budgets left to the defaults resolved at the model's head_dim
-            if args.resume and resume.finished(prefix + ".json", cfg.recorded(config.head_dim)):
+            said = lambda line: print(f"[sweep] --resume: {line}", flush=True)  # noqa: E731
+            if args.resume and resume.finished(prefix + ".json", cfg.recorded(config.head_dim), said):
                 done.append(prefix + ".json")
                 print(f"[sweep] --resume: {prefix}.json holds this context's study already; skipped", flush=True)
                 continue

@@ -239,7 +239,8 @@ def _run(kind: str, configs, args, run) -> int:
     todo, written, running = [], [], []
     for config in configs:  # the saved runs are read (and checked against the arguments) before the model loads
         prefix = os.path.join(args.out, f"{kind}_{model_slug(args.model)}_{_label(config.context)}")
-        if args.resume and resume.finished(prefix + ".json", dataclasses.asdict(config)):
+        said = lambda line: print(f"[{kind}] --resume: {line}", flush=True)  # noqa: E731
+        if args.resume and resume.finished(prefix + ".json", dataclasses.asdict(config), said):
             print(f"[{kind}] --resume: {prefix}.json holds this configuration's results already; skipped", flush=True)
             continue
         log = resume.UnitLog(prefix + ".partial.jsonl", {"kind": kind, "config": dataclasses.asdict(config)},

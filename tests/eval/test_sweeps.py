@@ -121,6 +121,14 @@ def test_interrupted_study_sweep_resumes_without_running_a_finished_context(caps
     assert [results(out, c) for c in ("512tok", "1k")] == want
     calls.clear()
     assert cli.main([*SWEEP_ARGV, "--out", str(out), "--resume"]) == 0 and calls == []
+    # a damaged results file is computed again, and said so in one line
+    damaged = out / "fidelity_smollm2_1k_16pos.json"
+    damaged.write_text(damaged.read_text()[:40])
+    capsys.readouterr()
+    assert cli.main([*SWEEP_ARGV, "--out", str(out), "--resume"]) == 0 and calls == [1024]
+    said = [line for line in capsys.readouterr().out.splitlines() if "damaged" in line]
+    assert len(said) == 1 and said[0].startswith(f"[sweep] --resume: {damaged} is damaged (JSONDecodeError: ")
+    assert said[0].endswith("computing it again, to overwrite it") and results(out, "1k") == want[1]
 
 
 @pytest.mark.parametrize("argv, message", [
