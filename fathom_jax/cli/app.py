@@ -31,6 +31,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "fathom_jax.cli.generate_command",    # generate
     "fathom_jax.cli.study_commands",      # the evaluations: ruler, agreement, tune, ...
     "fathom_jax.cli.row_formats_command",  # row-formats
+    "fathom_jax.cli.compare_command",     # compare
 )
 
 

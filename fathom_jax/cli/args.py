@@ -22,6 +22,11 @@ from fathom_jax.models.sizing import available_bytes, cache_layers, param_count,
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+# Where the commands write unless --out says otherwise: a folder git ignores (.gitignore), so that a run never
+# overwrites a committed file nor makes later results record their commit as -dirty. results/ holds the committed
+# runs (--out results replaces one; `fathom compare` compares a run with it).
+RUNS = "runs"
+NO_JAX = ("fetch-model", "compare")  # commands that never start JAX's backend
 MIN_K = 36  # every query head keeps 4 sink + 32 local tokens (fathom_jax.select)
 GiB = 1024**3
 MiB = 1024**2
@@ -146,7 +151,7 @@ def running(command: str):
     said = lambda: f"\n[{command}] interrupted: it writes its results only when it ends, so nothing was saved"  # noqa: E731
     with interrupt.handled(), interrupt.reporting(said):
         try:
-            if command == "fetch-model":
+            if command in NO_JAX:
                 yield
                 return
             check_backend()
@@ -192,6 +197,19 @@ def check_out_dir(path: str, argument: str = "--out") -> str:
     except OSError as err:
         raise UsageError(f"argument {argument}: cannot write to {path!r} ({err.strerror or err})") from None
     return path
+
+
+def compare_with_committed(command: str, written: str) -> None:
+    """One line, where results file ``written`` has a committed twin (``results/`` of this checkout, same name): whether
+    it measures what the committed one does (``fathom_jax.eval.compare``), and the command that compares them."""
+    from fathom_jax.eval import compare
+
+    twin = compare.committed_twin(written)
+    if twin is None:
+        return
+    a, b = os.path.relpath(written), os.path.relpath(twin)
+    print(f"[{command}] {compare.files(a, b).line()}; again: fathom compare {shlex.quote(a)} {shlex.quote(b)}",
+          flush=True)
 
 
 def check_method(method, head_dim: int, argument: str = "--method") -> None:

@@ -6,9 +6,9 @@ import argparse
 import os
 import time
 
-from fathom_jax.cli.args import (BUDGET_GUIDE, K_TYPE, Distinct, UsageError, add_model_arguments, check_memory,
-                                 check_out_dir, check_positions, model_slug, model_title, peak_bytes, positive_int,
-                                 run_metadata)
+from fathom_jax.cli.args import (BUDGET_GUIDE, K_TYPE, RUNS, Distinct, UsageError, add_model_arguments, check_memory,
+                                 check_out_dir, check_positions, compare_with_committed, model_slug, model_title,
+                                 peak_bytes, positive_int, run_metadata)
 
 
 SWEEP_TIME = """\
@@ -41,7 +41,8 @@ def register(subparsers) -> None:
                    help="decode positions at the end of each window (the paper: 128)")
     p.add_argument("--k", type=K_TYPE, nargs="+", default=None, action=Distinct,
                    help="selection sizes, tokens per query head (default: 128, 256 and 2%% of the context)")
-    p.add_argument("--out", default="results", help="folder for fidelity_<model>_<context>k*.json/.md/.png")
+    p.add_argument("--out", default=RUNS, help="folder for fidelity_<model>_<context>k*.json/.md/.png (ignored by git; "
+                                               "--out results replaces a committed study)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--resume", action="store_true",
                    help="skip the contexts whose results files an earlier run of the same study wrote")
@@ -54,6 +55,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     from fathom_jax.calibrate import SKIP_TOKENS
     from fathom_jax.eval import fidelity as fid
+    from fathom_jax.eval.fidelity_run import compiles_pending
     from fathom_jax.eval import resume, study, texts
     from fathom_jax.models import capture_qkv, hub
     from fathom_jax.models.tokenizer import encode_prompt
@@ -76,6 +78,8 @@ def _sweep(args: argparse.Namespace) -> int:
                 f"the {context}-token window before the first one; calibration needs at least {min_prefix} "
                 f"(use --positions <= {max(context - min_prefix, 0)} or a longer --context)")
         configs.append(cfg)
+    print(f"[sweep] reading {model_title(args.model)}'s metadata and tokenizer to check the arguments, then the two "
+          "texts", flush=True)
     config = hub.model_config(args.model)
     for context in args.context:
         check_positions(context, config, args.allow_long_context, f"--context {context} asks for")
@@ -96,8 +100,10 @@ def _sweep(args: argparse.Namespace) -> int:
     saved = lambda: f"finished contexts in {', '.join(done)}" if done else "no context had finished"  # noqa: E731
     # The study's programs compile in the background from here on, while the model loads and runs.
     with resume.stop_on_interrupt("sweep", saved, args.argv), study.compiling_ahead(configs, config):
-        model, _, _ = hub.load_model(args.model)
         model_name = model_title(args.model)
+        print(f"[sweep] compiling the study's programs in the background ({compiles_pending()} to go); loading "
+              f"{model_name}", flush=True)
+        model, _, _ = hub.load_model(args.model)
         for context, cfg in zip(args.context, configs):
             prefix = sweep_prefix(args, context)
             # compared as the study records it: budgets left to the defaults resolved at the model's head_dim
@@ -120,6 +126,7 @@ def _sweep(args: argparse.Namespace) -> int:
             done.append(prefix + ".json")
             print(study.render_markdown(res))
             print(f"[sweep] wrote {', '.join(paths)}")
+            compare_with_committed("sweep", prefix + ".json")
     print(f"[sweep] done in {time.time() - t0:.0f} s")
     return 0
 

@@ -17,9 +17,9 @@ import math
 import os
 import time
 
-from fathom_jax.cli.args import (Distinct, UsageError, add_model_arguments, check_memory, check_out_dir, check_positions,
-                                 fraction, model_slug, model_title, peak_bytes, positive_int, run_metadata,
-                                 untuned_error)
+from fathom_jax.cli.args import (RUNS, Distinct, UsageError, add_model_arguments, check_memory, check_out_dir,
+                                 check_positions, compare_with_committed, fraction, model_slug, model_title, peak_bytes,
+                                 positive_int, run_metadata, untuned_error)
 from fathom_jax.eval import downstream as ds
 from fathom_jax.eval import resume
 from fathom_jax.eval import ruler as ruler_lib
@@ -117,7 +117,8 @@ def register(subparsers) -> None:
     p.add_argument("--positions", type=positive_int(1), default=128,
                    help="positions of the capture measured, spread over its second half")
     p.add_argument("--k", type=positive_int(36), default=128, help="selection size the error is measured at")
-    p.add_argument("--out", default="calibrations", help="folder for tuned_<model>_<context>_mean<M> checkpoints")
+    p.add_argument("--out", default=os.path.join(RUNS, "calibrations"),
+                   help="folder for tuned_<model>_<context>_mean<M> checkpoints (ignored by git)")
     p.add_argument("--force", action="store_true", help="overwrite existing checkpoints")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_model_arguments(p)
@@ -150,7 +151,8 @@ def _common(p) -> None:
                    help="K/V row formats every scan decodes with, each a branch of its own: model (the model's dtype) "
                         "or a format with per-token scales, e.g. k8v8; the exact top-k oracle always decodes with the "
                         "model's rows too, the reference of every comparison")
-    p.add_argument("--out", default="results", help="folder for the results files")
+    p.add_argument("--out", default=RUNS, help="folder for the results files (ignored by git; --out results replaces "
+                                               "a committed one)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run: skip the contexts whose results files exist for the same "
@@ -158,9 +160,11 @@ def _common(p) -> None:
 
 
 def _model_config(args: argparse.Namespace):
-    """The model's config, read from its metadata (no weights loaded)."""
+    """The model's config, read from its metadata (no weights loaded; SmolLM2's GGUF takes seconds to read, said
+    first: the command printed nothing for half a minute)."""
     from fathom_jax.models import hub
 
+    print(f"[{args.command}] reading {model_title(args.model)}'s metadata to check the arguments", flush=True)
     return hub.model_config(args.model)
 
 
@@ -252,6 +256,8 @@ def _run(kind: str, configs, args, run) -> int:
         return ", ".join(held + [f"{p}.json written" for p in written]) or "nothing had finished"
 
     with resume.stop_on_interrupt(kind, saved, args.argv):
+        if todo:
+            print(f"[{kind}] loading {model_title(args.model)}", flush=True)
         model, tokenizer, _ = hub.load_model(args.model) if todo else (None, None, None)
         meta = {"model": model_title(args.model), **run_metadata(args)}
         for config, prefix, log in todo:
@@ -262,6 +268,7 @@ def _run(kind: str, configs, args, run) -> int:
             written.append(prefix)
             print(downstream_report.render_markdown(res))
             print(f"[{kind}] wrote {', '.join(paths)}")
+            compare_with_committed(kind, prefix + ".json")
     print(f"[{kind}] done in {time.time() - t0:.0f} s")
     return 0
 

@@ -232,6 +232,96 @@ def test_sweep_records_the_run_in_its_results(capsys, monkeypatch, tmp_path):
     json.dumps(meta)  # the record is plain JSON
 
 
+def test_the_main_job_writes_into_runs_and_compares_with_the_committed_file(capsys, monkeypatch, tmp_path):
+    """The README's main job (``fathom sweep --positions 64``) overwrote the committed results/fidelity_smollm2_4k_64pos.*;
+    now it writes runs/ of the working folder and says whether its numbers are the committed file's (the study stands
+    in: it writes the committed JSON with another run record)."""
+    import shutil
+
+    from fathom_jax.eval import compare, study
+
+    tiny = LlamaConfig(vocab=97, hidden=8, intermediate=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8)
+    monkeypatch.setattr(hub, "model_config", lambda source=None: tiny)
+    monkeypatch.setattr(hub, "load_tokenizer", lambda source=None: CharTokenizer())
+    monkeypatch.setattr(hub, "load_model", lambda source=None: (None, CharTokenizer(), tiny))
+    import fathom_jax.models as models
+    import numpy as np
+
+    monkeypatch.setattr(models, "capture_qkv", lambda model, ids: {x: np.zeros((1, 1, len(ids), 8), np.float32)
+                                                                   for x in "qkv"})
+    committed = os.path.join(compare.COMMITTED, "fidelity_smollm2_4k_64pos.json")
+    monkeypatch.setattr(study, "run_study", lambda *a, meta, progress: {"meta": dict(meta), "rows": []})
+    monkeypatch.setattr(study, "compile_ahead", lambda *a, **k: None)
+    monkeypatch.setattr(study, "render_markdown", lambda res: "")
+    monkeypatch.setattr(study, "write_report", lambda res, prefix: [shutil.copy(committed, prefix + ".json")])
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "sweep", "--positions", "64", "--quiet", "--no-memory-check")
+    assert code == 0, err
+    assert (tmp_path / "runs" / "fidelity_smollm2_4k_64pos.json").is_file()
+    twin = os.path.relpath(committed)
+    line = next(line for line in out.splitlines() if "fathom compare" in line)
+    assert line.startswith(f"[sweep] runs/fidelity_smollm2_4k_64pos.json measures what {twin} does: its ")
+    assert line.endswith(f"; again: fathom compare runs/fidelity_smollm2_4k_64pos.json {twin}")
+
+
+def test_the_sweep_says_what_it_does_before_each_slow_step(capsys, monkeypatch, tmp_path):
+    """It printed nothing for 12-15 s (the GGUF's metadata, the tokenizer, the texts, the model): each step is said
+    as it starts, the first before the model's metadata is read."""
+    from fathom_jax.eval import study
+
+    seen = []
+    tiny = LlamaConfig(vocab=97, hidden=8, intermediate=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8)
+
+    def step(name, value):
+        def fn(*a, **k):
+            seen.append((name, capsys.readouterr().out))
+            return value
+        return fn
+
+    import fathom_jax.models as models
+    import numpy as np
+
+    monkeypatch.setattr(hub, "model_config", step("metadata", tiny))
+    monkeypatch.setattr(hub, "load_tokenizer", lambda source=None: CharTokenizer())
+    monkeypatch.setattr(hub, "load_model", step("load", (None, CharTokenizer(), tiny)))
+    monkeypatch.setattr(models, "capture_qkv", lambda model, ids: {x: np.zeros((1, 1, len(ids), 8), np.float32)
+                                                                   for x in "qkv"})
+    monkeypatch.setattr(study, "run_study", step("study", {"meta": {}, "rows": []}))
+    monkeypatch.setattr(study, "compile_ahead", lambda *a, **k: None)
+    monkeypatch.setattr(study, "render_markdown", lambda res: "")
+    monkeypatch.setattr(study, "write_report", lambda res, prefix: [prefix])
+    code, _, err = run(capsys, "sweep", "--context", "300", "--positions", "64", "--out", str(tmp_path), "--quiet",
+                       "--no-memory-check")
+    assert code == 0, err
+    said = dict(seen)
+    assert said["metadata"].startswith("[sweep] reading SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)'s "
+                                       "metadata and tokenizer"), said
+    assert said["load"].startswith("[sweep] compiling the study's programs in the background (0 to go); loading "
+                                   "SmolLM2-135M-Instruct"), said
+    assert said["study"].startswith("[sweep] capturing q/k/v over 300 tokens of each text"), said
+
+
+def test_the_study_says_how_far_its_statistics_and_references_are():
+    """The study's bar sat at 0/2040 for two minutes while the statistics and dense references computed: its phase
+    counts them as they finish."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fathom_jax.eval import study
+
+    phases, gates = [], [threading.Event() for _ in range(3)]
+    bar = types.SimpleNamespace(phase=phases.append)
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(gate.wait) for gate in gates]
+        counting = threading.Thread(target=study._count_down, args=(bar, futures))
+        counting.start()
+        for gate in gates:
+            gate.set()
+        counting.join(timeout=30)
+    assert phases[0] == "calibration statistics and dense attention, 0 of 3 done"
+    assert phases[-1] == "calibration statistics and dense attention, done" and len(phases) <= 5, phases
+
+
 @pytest.fixture(scope="module")
 def tiny_hf_model(tmp_path_factory):
     """A tiny random Llama in HF layout with a word-level tokenizer.json (no downloads)."""
