@@ -29,12 +29,17 @@ for arg in "$@"; do
   esac
 done
 
-PY312=${PY312:-/root/.pyenv/versions/3.12.1/bin/python3.12}
-PY311=${PY311:-/root/.pyenv/versions/3.11.7/bin/python3.11}
-command -v "$PY312" >/dev/null || PY312=python3.12
-command -v "$PY311" >/dev/null || PY311=python3.11
+# The interpreters: python3.12 (and python3.11 for the oracle) on the PATH, or the paths in PY312 / PY311.
+PY312=${PY312:-python3.12}
+PY311=${PY311:-python3.11}
+need_python() {  # $1: the interpreter, $2: its version, $3: the variable that names another
+  command -v "$1" >/dev/null && return
+  echo "setup_env.sh: $1 not found: install Python $2 (python$2 on the PATH), or set $3=/path/to/python$2" >&2
+  exit 2
+}
 
 if [ ! -x .venv/bin/python ]; then
+  need_python "$PY312" 3.12 PY312
   echo "[setup] creating .venv with $PY312"
   "$PY312" -m venv .venv
 fi
@@ -55,7 +60,7 @@ if [ "$WITH_ORACLE" = 1 ]; then
     echo "[setup] oracle venv .venv-ref is up to date"
   else
     echo "[setup] creating oracle venv .venv-ref with $PY311"
-    [ -x .venv-ref/bin/python ] || "$PY311" -m venv .venv-ref
+    [ -x .venv-ref/bin/python ] || { need_python "$PY311" 3.11 PY311; "$PY311" -m venv .venv-ref; }
     .venv-ref/bin/python -m pip install -q "${ORACLE_PKGS[@]}"
   fi
 fi

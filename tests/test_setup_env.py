@@ -67,3 +67,24 @@ def test_extras_change_reinstalls(sandbox):
     setup()
     calls = setup("--gpu")
     assert len(pip_installs(calls, ".venv")) == 1 and "[test,gpu]" in pip_installs(calls, ".venv")[0]
+
+
+def test_python_comes_from_the_path_or_the_variable_never_one_users_home(tmp_path):
+    """The script defaulted to a pyenv path under one user's home; now python3.12 on the PATH (or PY312), and where
+    there is none, one line saying what to install or set (before creating anything)."""
+    script = (REPO / "scripts" / "setup_env.sh").read_text()
+    assert "/root/" not in script and ".pyenv" not in script and "/home/" not in script
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "setup_env.sh", tmp_path / "scripts")
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    bin_dir = tmp_path / "bin"  # a PATH with what the script needs before Python, and no python3.12
+    bin_dir.mkdir()
+    for tool in ("dirname", "cat", "cksum"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    env = {k: v for k, v in os.environ.items() if k not in ("PY312", "PY311")}
+    env["PATH"] = str(bin_dir)
+    run = subprocess.run([shutil.which("bash"), "scripts/setup_env.sh"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 2 and not (tmp_path / ".venv").exists(), run.stderr
+    assert run.stderr == ("setup_env.sh: python3.12 not found: install Python 3.12 (python3.12 on the PATH), or set "
+                          "PY312=/path/to/python3.12\n")

@@ -277,10 +277,19 @@ def check_memory(need: int, what: str, skip: bool) -> None:
         raise UsageError(message)
 
 
+MODEL_HELP = ("a bundled model ({names}: scripts/setup_env.sh or fathom fetch-model downloads and caches it), a local "
+              "HF safetensors directory (config.json, tokenizer.json, *.safetensors) or a Llama-architecture or Gemma 3 "
+              "GGUF file; default: smollm2 (SmolLM2-135M-Instruct)")
+
+
+def model_help() -> str:
+    from fathom_jax.models.hub import KNOWN_MODELS
+
+    return MODEL_HELP.format(names=", ".join(KNOWN_MODELS))
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="a local HF safetensors directory (config.json, tokenizer.json, *.safetensors) or a "
-                        "Llama-architecture GGUF file; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--allow-long-context", action="store_true",
                    help="run past the model's max_position_embeddings (its output there is untrained)")
     p.add_argument("--no-memory-check", action="store_true",

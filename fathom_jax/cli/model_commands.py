@@ -11,12 +11,14 @@ from fathom_jax.cli.args import (BUDGET_GUIDE, K_TYPE, RUNS, Distinct, UsageErro
                                  peak_bytes, positive_int, run_metadata)
 
 
+# How long, in --help: numbers from committed results files (tests/cli/test_app.py checks them against the files).
 SWEEP_TIME = """\
 how long, with the model cached (the study compiles while the model loads; its ETA starts at the first finished
-layer, compile time shown apart):
-  on the 2-core CPU machine: 212 s at --context 4096 and 384 s at 8192 with the 128 positions, capture included
-  (results/fidelity_smollm2_{4k,8k}.json, wall_seconds); --positions 64 at 4096 tokens 104-171 s in six runs
-  (4bb7b34:results/logs/cpu_timings_2026-11-30.txt, in git history). Not measured on a GPU.
+layer, compile time shown apart), on a 2-core, 23.5 GiB CPU VM:
+  297 s at --context 4096 and 590 s at 8192 with the 128 positions, capture included
+  (results/fidelity_smollm2_{4k,8k}.json, meta.wall_seconds); the main job (--positions 64 at 4096 tokens)
+  138 s on an idle VM (results/fidelity_smollm2_4k_64pos.json), and its later runs from fresh clones with their
+  machine's load in results/cpu_timings.md. Not measured on a GPU.
   Ctrl-C stops with one line; --resume skips the contexts whose results files are already written."""
 
 
@@ -33,7 +35,8 @@ def register(subparsers) -> None:
 
     p = sub.add_parser("sweep", help="attention error vs scan bits for every method on a real model and real text",
                        description="The error-vs-bits study: calibrate on Python's documentation prose, evaluate "
-                                   "every scan method on standard-library code, write results/*.json/.md/.png.",
+                                   "every scan method on standard-library code, write <out>/*.json/.md/.png (--out: runs/) and "
+                                   "compare them with the committed results/ file of the same name.",
                        epilog=SWEEP_TIME + "\n\n" + BUDGET_GUIDE)
     p.add_argument("--context", type=positive_int(1), nargs="+", default=[4096], action=Distinct,
                    help="window length(s) in tokens")

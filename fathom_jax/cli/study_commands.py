@@ -1,9 +1,9 @@
 """``fathom ruler`` and ``fathom agreement``: the downstream sweeps on a real model from the command line.
 
-    fathom ruler --context 4096 --k 64 128 --per-task 8       # results/ruler_smollm2_4k.{json,md,png}
-    fathom agreement --context 4096 --sessions 40             # results/agreement_smollm2_4k.{json,md,png}
-    fathom tune --context 4096 --mean 37 55                   # calibrations/tuned_smollm2_4k_mean{37,55} (orbax)
-    fathom ruler --model gemma3-270m --context 8192           # results/ruler_gemma3_8k.{json,md,png}
+    fathom ruler --context 4096 --k 64 128 --per-task 8       # runs/ruler_smollm2_4k.{json,md,png}
+    fathom agreement --context 4096 --sessions 40             # runs/agreement_smollm2_4k.{json,md,png}
+    fathom tune --context 4096 --mean 37 55                   # runs/calibrations/tuned_smollm2_4k_mean{37,55} (orbax)
+    fathom ruler --model gemma3-270m --context 8192           # runs/ruler_gemma3_8k.{json,md,png}
 
 :func:`register` adds the subcommands to an ``argparse`` subparsers object. Every argument is checked
 before the model loads; a bad one is a :class:`~fathom_jax.cli.args.UsageError` (one line, exit 2).
@@ -18,8 +18,8 @@ import os
 import time
 
 from fathom_jax.cli.args import (RUNS, Distinct, UsageError, add_model_arguments, check_memory, check_out_dir,
-                                 check_positions, compare_with_committed, fraction, model_slug, model_title, peak_bytes,
-                                 positive_int, run_metadata, untuned_error)
+                                 check_positions, compare_with_committed, fraction, model_help, model_slug, model_title,
+                                 peak_bytes, positive_int, run_metadata, untuned_error)
 from fathom_jax.eval import downstream as ds
 from fathom_jax.eval import resume
 from fathom_jax.eval import ruler as ruler_lib
@@ -37,23 +37,20 @@ Ctrl-C stops a run with one line saying what was saved: every finished decode (b
 from there, to the results an uninterrupted run writes. The progress bar's ETA starts at the first finished
 decode and leaves compile time out (shown apart, with the programs still to compile added)."""
 
+# How long, in --help: numbers from committed results files (tests/cli/test_app.py checks them against the files).
 RULER_TIME = """\
-How long, at the defaults (11 methods = 21 branches, 48 prompts per context, batch 2):
-  on an H200: 472 s at --context 4096 and 556 s at 8192 (results/ruler_smollm2_{4k,8k}.json, wall_s; batch
-  8 and 4, two other sweeps sharing the GPU);
-  on the 2-core CPU machine: hours per context. Not run to the end there: agreement's 420 decodes of 64
-  tokens had an ETA of 7 h under load (fathom agreement --help); ruler's 504 decodes of up to 40 tokens
-  should take about as long (an estimate from that run, not a measurement).
+How long, at the defaults (11 methods = 21 branches, 48 prompts per context, batch 2: 504 decodes):
+  on an H200 machine (16 cores, 125.9 GiB): 472 s at --context 4096 and 556 s at 8192
+  (results/ruler_smollm2_{4k,8k}.json, meta.wall_s; batch 8 and 4, two other sweeps sharing the GPU);
+  on a 2-core CPU: no run to the end is recorded; plan on hours per context.
 
 """ + _LONG_RUN.format(kind="ruler")
 
 AGREEMENT_TIME = """\
 How long, at the defaults (11 methods = 21 branches, 40 sessions, batch 2: 420 decodes of 64 tokens):
-  on an H200: 487 s at --context 4096 (results/agreement_smollm2_4k.json, wall_s; batch 8, two other sweeps
-  sharing the GPU);
-  on the 2-core CPU machine: about 7 hours per context, by the ETA after 26 of the 420 decodes of a run that
-  other jobs loaded (load average 10-18; 2026-12-01): decodes took 36-127 s, a batch's prefill 128-236 s,
-  and each method's first decode 15-40 s more to compile. Not run to the end there.
+  on an H200 machine (16 cores, 125.9 GiB): 487 s at --context 4096 (results/agreement_smollm2_4k.json,
+  meta.wall_s; batch 8, two other sweeps sharing the GPU);
+  on a 2-core CPU: no run to the end is recorded; plan on hours per context.
 
 """ + _LONG_RUN.format(kind="agreement")
 
@@ -67,7 +64,7 @@ def register(subparsers) -> None:
         "ruler", help="RULER-style tasks on a real model, every method decoding from one dense prefill",
         description="RULER-style retrieval and tracking tasks (paper 5.5) on SmolLM2-135M-Instruct (or --model) with "
                     "a haystack of Python's documentation prose; one dense prefill per sample, greedy decoding "
-                    "branched per method; writes results/ruler_<model>_<context>.json/.md/.png.",
+                    "branched per method; writes <out>/ruler_<model>_<context>.json/.md/.png (--out: runs/).",
         epilog=RULER_TIME)
     p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096], action=Distinct,
                    help=f"tokens of cache: prompt + {sweeps.RESERVED} (a multiple of 64, at most the model's positions: "
@@ -88,7 +85,7 @@ def register(subparsers) -> None:
         "agreement", help="step agreement with exact top-k on standard-library code sessions",
         description="Step agreement (paper 5.6): every method decodes the next tokens of real code sessions from "
                     "one dense prefill; the score is the word-level sequence-match ratio against the exact top-k "
-                    "step. Writes results/agreement_<model>_<context>.json/.md/.png.",
+                    "step. Writes <out>/agreement_<model>_<context>.json/.md/.png (--out: runs/).",
         epilog=AGREEMENT_TIME)
     p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096], action=Distinct,
                    help="tokens of cache: session + steps (a multiple of 64, at most the model's positions)")
@@ -139,8 +136,7 @@ def tuning_grid_text(head_dim: int = 64) -> str:
 
 
 def _common(p) -> None:
-    p.add_argument("--model", default=None,
-                   help="a known model (smollm2, gemma3-270m), a local HF directory or a GGUF file; default: SmolLM2")
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--batch", type=positive_int(1), default=2, help="samples prefilled and decoded together")
     p.add_argument("--calibration", choices=sweeps.CALIBRATIONS, default="corpus",
                    help="statistics for Fathom, Double Sparsity and Loki: a capture of the pydoc prose (corpus) "

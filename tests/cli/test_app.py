@@ -3,6 +3,7 @@ weights are loaded or activations captured; results files record the run that wr
 
 import json
 import os
+import re
 import types
 
 import pytest
@@ -198,6 +199,34 @@ def test_help_shows_defaults_budget_guidance_and_version(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--version"])
     assert capsys.readouterr().out.startswith("fathom-jax ")
+
+
+# What each command's --help says a committed run took: (command, results file, its meta field, the help's words).
+HELP_TIMES = [
+    ("sweep", "fidelity_smollm2_4k.json", "wall_seconds", "{} s at --context 4096"),
+    ("sweep", "fidelity_smollm2_8k.json", "wall_seconds", "and {} s at 8192 with the 128 positions"),
+    ("sweep", "fidelity_smollm2_4k_64pos.json", "wall_seconds", "{} s on an idle VM"),
+    ("ruler", "ruler_smollm2_4k.json", "wall_s", "{} s at --context 4096"),
+    ("ruler", "ruler_smollm2_8k.json", "wall_s", "and {} s at 8192"),
+    ("agreement", "agreement_smollm2_4k.json", "wall_s", "{} s at --context 4096"),
+]
+
+
+@pytest.mark.parametrize("command, name, field, words", HELP_TIMES, ids=[f"{c}-{n}" for c, n, _, _ in HELP_TIMES])
+def test_help_times_are_the_committed_runs_with_their_machine(capsys, command, name, field, words):
+    """The help quoted 212 s and 384 s where the committed files say 297 s and 590 s, and a run log kept only in git
+    history: every number is a committed file's, beside that file's machine size."""
+    from fathom_jax.eval import compare
+
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    meta = json.loads(open(os.path.join(compare.COMMITTED, name)).read())["meta"]
+    assert words.format(round(meta[field])) in text, (words, meta[field])
+    host = meta["host"]
+    size = f"2-core, {host['memory_gib']} GiB" if host["cpus"] == 2 else f"{host['cpus']} cores, {host['memory_gib']} GiB"
+    assert size in text, size
+    assert not re.search(r"\b[0-9a-f]{7}:results/", text), "a file in git history only"
 
 
 def test_sweep_records_the_run_in_its_results(capsys, monkeypatch, tmp_path):
