@@ -87,10 +87,10 @@ def _cluster_detected() -> bool:
 
 
 def is_initialized() -> bool:
-    """Whether ``jax.distributed`` is initialized in this process."""
+    """Whether ``jax.distributed`` is initialized in this process (joined: not a connect still waiting)."""
     from jax._src import distributed as state
 
-    return state.global_state.client is not None
+    return state.global_state.client is not None and not join_pending()
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None, *,
@@ -105,11 +105,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     without every process, :class:`JoinError`; Ctrl-C while waiting, ``KeyboardInterrupt`` (module docstring: after
     either, end the process).
     """
-    if is_initialized():
-        return jax.process_count() > 1
-    if join_pending():
+    if join_pending():  # (its client is set already: before is_initialized)
         raise JoinError("an earlier distributed.initialize of this process is still waiting for the job's other "
                         "processes (it timed out or was interrupted): end this process and start it again")
+    if is_initialized():
+        return jax.process_count() > 1
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
     num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)

@@ -100,6 +100,28 @@ def test_a_slurm_job_of_several_tasks_is_detected(no_job, monkeypatch, tasks, jo
     assert distributed._cluster_detected() is job
 
 
+def test_a_join_still_waiting_is_not_initialized_and_refuses_a_second_join(monkeypatch):
+    """After a join timed out or was interrupted, JAX's connect still waits on its thread (its client already set):
+    this process is not joined, and joining again fails at once (the CLI ends the process instead)."""
+    import threading
+
+    from jax._src import distributed as jax_distributed
+
+    release = threading.Event()
+    waiting = threading.Thread(target=release.wait, daemon=True)
+    waiting.start()
+    monkeypatch.setattr(distributed, "_connecting", waiting)
+    monkeypatch.setattr(jax_distributed.global_state, "client", object())
+    try:
+        assert distributed.join_pending() and not distributed.is_initialized()
+        with pytest.raises(distributed.JoinError, match="still waiting for the job's other processes"):
+            distributed.initialize("127.0.0.1:1234", 2, 0)
+    finally:
+        release.set()
+        waiting.join()
+    assert not distributed.join_pending()
+
+
 def _fake_devices(processes: int, per_process: int):
     return [types.SimpleNamespace(id=p * per_process + i, process_index=p)
             for p in range(processes) for i in range(per_process)]
