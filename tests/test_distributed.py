@@ -364,9 +364,17 @@ def test_a_missing_partner_ends_in_one_line_naming_the_coordinator(tmp_path):
         assert job.ended[i] < 3 + 30, job.ended  # the timeout, and the interpreter's start on a loaded machine
 
 
-def test_ctrl_c_while_waiting_for_the_other_processes_stops_at_once(tmp_path):
-    """JAX's connect ignores SIGINT; the wait for it does not: exit status 130 within a second or two of Ctrl-C."""
-    job = Launch([], tmp_path, commands=[_as_process(readme_launch()[0], _free_port())], envs=[_cli_env()])
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_while_waiting_for_the_other_processes_stops_at_once(tmp_path, inherited):
+    """JAX's connect ignores SIGINT; the wait for it does not: exit status 130 within a second or two of Ctrl-C, also
+    where the process started with SIGINT ignored (as under a pytest-xdist worker: the command installs its handler
+    before it waits, as every command does)."""
+    disposition = "SIG_DFL" if inherited == "default" else "SIG_IGN"
+    command = _as_process(readme_launch()[0], _free_port())
+    # the disposition set, then the command exec'd (an ignored signal stays ignored across exec)
+    wrapped = [sys.executable, "-c", f"import os, signal, sys; signal.signal(signal.SIGINT, signal.{disposition}); "
+               "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])", *command[1:]]
+    job = Launch([], tmp_path, commands=[wrapped], envs=[_cli_env()])
     deadline = time.monotonic() + DEADLINE_S
     while "joining the job" not in job.stderr(0):
         assert time.monotonic() < deadline and job.procs[0].poll() is None, job.report()

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         args.argv, prog = argv, f"fathom {args.command}"
         if getattr(args, "join", None) is not None:  # a command run by several processes joins them before JAX
             try:                                      # starts its devices (running's backend check does)
-                args.join(args)
+                with interrupt.handled():             # Ctrl-C, as in every command (even if SIGINT came ignored)
+                    args.join(args)
             except KeyboardInterrupt:
                 print(f"\n[{args.command}] interrupted while joining the job's other processes; nothing ran",
                       file=sys.stderr)
