@@ -199,6 +199,11 @@ def test_help_shows_defaults_budget_guidance_and_version(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--version"])
     assert capsys.readouterr().out.startswith("fathom-jax ")
+    for command in ("generate", "sweep", "ruler", "agreement", "tune", "row-formats"):  # the bundled models, by name
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "a bundled model (smollm2, gemma3-270m:" in text and "embedded" not in text, command
 
 
 # What each command's --help says a committed run took: (command, results file, its meta field, the help's words).
