@@ -334,7 +334,9 @@ def test_the_readme_launch_runs_as_written(tmp_path, monkeypatch, capsys, smollm
     monkeypatch.chdir(ROOT)
     job_flags = {"--mesh", "--coordinator", "--num-processes", "--process-id"}
     alone = [a for i, a in enumerate(launch[0][1:]) if a not in job_flags and launch[0][i] not in job_flags]
-    assert app.main(alone) == 0
+    # (the memory check left out of this reference only: with the two processes and a loaded machine beside it, it
+    # once found 1.0 GiB available and refused)
+    assert app.main([*alone, "--no-memory-check"]) == 0
     want = capsys.readouterr().out
     assert job.wait(DEADLINE_S) == [0, 0], job.report()
     assert want.count("--- ") == 2 and want in job.stdout(0), (want, job.stdout(0))  # both prompts' continuations
