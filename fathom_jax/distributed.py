@@ -3,6 +3,7 @@
     from fathom_jax import distributed
     distributed.initialize()                          # from the environment (below), or a no-op for one process
     distributed.initialize("10.0.0.1:1234", 2, 0)     # or given: coordinator, process count, this process's id
+    distributed.initialize(..., join_timeout_s=60, waiting=print)   # say what it waits for; give up after 60 s
     mesh = distributed.global_mesh()                  # every device of every process, one axis
 
 :func:`initialize` takes the coordinator address, process count and process id from its arguments, else from
@@ -10,6 +11,13 @@
 detection fills in (SLURM: ``srun`` sets ``SLURM_NTASKS``, ``SLURM_PROCID``, ...; Open MPI; Kubernetes). With none of
 the three set, a SLURM job step or Open MPI launch of more than one process still joins; otherwise it does nothing
 and the program runs as one process. On CPUs the cross-process collectives are gloo's (TCP).
+
+Joining waits for every process of the job, ``join_timeout_s`` at most (:data:`JOIN_TIMEOUT_S`), in a way Ctrl-C
+ends: JAX's own connect blocks in C++ (no ``KeyboardInterrupt`` reaches it) and, when its deadline passes, aborts
+the process with a C++ stack trace ("another task died"). So the connect runs on a thread of its own, under a JAX
+deadline well past ours, while the calling thread waits: Ctrl-C raises ``KeyboardInterrupt`` there, and at our
+deadline :class:`JoinError` names the coordinator. Either way the connect still waits on its thread: the process
+cannot join again and should end (``os._exit``, as the ``fathom`` program does; :func:`join_pending` says so).
 
 Every process runs the same program on the same inputs (a multi-controller program): it builds the same global
 mesh, places only its own shards of the cache (:func:`put`, :func:`zeros`: arrays made shard by shard, never a
@@ -21,6 +29,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -33,7 +44,13 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 # A process that stops sending heartbeats is declared dead after this long and every other process fails with an
 # error (JAX's default; 30 s declared a live process dead on a 2-core machine loaded 15-fold).
 HEARTBEAT_TIMEOUT_S = 100
-INIT_TIMEOUT_S = 300  # how long a process waits for the others to join
+JOIN_TIMEOUT_S = 120  # how long a process waits for the others to join before it gives up (one line, no abort)
+_JAX_EXTRA_S = 600  # JAX's own connect deadline lies this far past ours: it would abort the process (module doc)
+_POLL_S = 0.1  # how often the waiting thread looks up (a Ctrl-C lands within this)
+
+
+class JoinError(RuntimeError):
+    """The job's processes did not all join within the timeout (the message names the coordinator)."""
 
 
 def _env_int(name: str) -> int | None:
@@ -70,20 +87,27 @@ def _cluster_detected() -> bool:
 
 
 def is_initialized() -> bool:
-    """Whether ``jax.distributed`` is initialized in this process."""
+    """Whether ``jax.distributed`` is initialized in this process (joined: not a connect still waiting)."""
     from jax._src import distributed as state
 
-    return state.global_state.client is not None
+    return state.global_state.client is not None and not join_pending()
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None, *,
-               heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S, init_timeout_s: int = INIT_TIMEOUT_S) -> bool:
+               heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S, join_timeout_s: float = JOIN_TIMEOUT_S,
+               waiting: Callable[[str], None] | None = None) -> bool:
     """Join the job's processes (``jax.distributed.initialize``); returns whether this is a multi-process run.
 
     ``coordinator`` (``host:port`` of process 0), ``num_processes`` and ``process_id`` default to the environment
     (module docstring). With none of them set and no cluster detected: one process, nothing to do. Call it before
-    anything else touches JAX's devices. Calling it again after a successful call does nothing.
+    anything else touches JAX's devices. Calling it again after a successful call does nothing. ``waiting`` is
+    called with one line saying what the process waits for, before it waits; past ``join_timeout_s`` seconds
+    without every process, :class:`JoinError`; Ctrl-C while waiting, ``KeyboardInterrupt`` (module docstring: after
+    either, end the process).
     """
+    if join_pending():  # (its client is set already: before is_initialized)
+        raise JoinError("an earlier distributed.initialize of this process is still waiting for the job's other "
+                        "processes (it timed out or was interrupted): end this process and start it again")
     if is_initialized():
         return jax.process_count() > 1
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
@@ -98,15 +122,66 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise ValueError(f"process_id must lie in [0, num_processes) = [0, {num_processes}), got {process_id!r}")
     if coordinator is not None and ":" not in coordinator:
         raise ValueError(f"coordinator must be host:port (process 0's address), got {coordinator!r}")
+    if not join_timeout_s > 0:
+        raise ValueError(f"join_timeout_s must be > 0 seconds, got {join_timeout_s!r}")
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
         raise RuntimeError("distributed.initialize must run before anything uses JAX's devices (call it first)")
     # gloo: XLA:CPU's cross-process collectives over TCP (GPUs use NCCL; this setting touches only the CPU client)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=init_timeout_s,
-                               heartbeat_timeout_seconds=heartbeat_timeout_s)
+    if waiting is not None:
+        where = coordinator or "the launcher's"
+        waiting(f"{_who(process_id, num_processes)}: joining the job at coordinator {where}, waiting up to "
+                f"{join_timeout_s:g} s for every process (Ctrl-C stops)")
+    _connect(coordinator, num_processes, process_id, heartbeat_timeout_s, join_timeout_s)
     return jax.process_count() > 1
+
+
+def _who(process_id, num_processes) -> str:
+    return (f"process {process_id if process_id is not None else '?'} of "
+            f"{num_processes if num_processes is not None else '?'}")
+
+
+_connecting: threading.Thread | None = None  # the connect thread of this process, once started
+
+
+def join_pending() -> bool:
+    """Whether a :func:`initialize` of this process timed out or was interrupted while its connect still waits (the
+    process should end with ``os._exit``: an interpreter exit would wait on that call)."""
+    return _connecting is not None and _connecting.is_alive()
+
+
+def _connect(coordinator, num_processes, process_id, heartbeat_timeout_s: int, join_timeout_s: float) -> None:
+    """``jax.distributed.initialize`` on a thread of its own, waited for here (Ctrl-C lands here) up to
+    ``join_timeout_s`` (module docstring)."""
+    global _connecting
+    failed: list[BaseException] = []
+
+    def connect():
+        try:
+            jax.distributed.initialize(coordinator, num_processes, process_id,
+                                       initialization_timeout=int(join_timeout_s) + _JAX_EXTRA_S,
+                                       heartbeat_timeout_seconds=heartbeat_timeout_s)
+        except BaseException as err:  # raised again on the waiting thread
+            failed.append(err)
+
+    _connecting = threading.Thread(target=connect, name="fathom-distributed-join", daemon=True)
+    _connecting.start()
+    deadline = time.monotonic() + join_timeout_s
+    while _connecting.is_alive() and time.monotonic() < deadline:
+        _connecting.join(_POLL_S)
+    if failed:
+        raise failed[0]
+    if _connecting.is_alive():
+        from jax._src import distributed as state
+
+        s = state.global_state
+        where = s.coordinator_address or coordinator
+        role = " (this process runs the coordinator)" if s.process_id == 0 else ""
+        raise JoinError(f"{_who(s.process_id, s.num_processes or num_processes)}: the job's other processes did not "
+                        f"join at coordinator {where}{role} within {join_timeout_s:g} s; start every process of the "
+                        "job with the same command (each its own process id), or give them longer to start")
 
 
 def describe() -> str:

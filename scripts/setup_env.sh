@@ -29,12 +29,31 @@ for arg in "$@"; do
   esac
 done
 
-PY312=${PY312:-/root/.pyenv/versions/3.12.1/bin/python3.12}
-PY311=${PY311:-/root/.pyenv/versions/3.11.7/bin/python3.11}
-command -v "$PY312" >/dev/null || PY312=python3.12
-command -v "$PY311" >/dev/null || PY311=python3.11
+# The interpreters: the path in PY312 (PY311 for the oracle) if set, else python3.12 (python3.11) on the PATH if it
+# runs (a pyenv shim may not: pyenv answers "command not found" where 3.12 is installed but not selected), else the
+# newest 3.12 (3.11) that pyenv has installed.
+runs_python() {  # $1: an interpreter, $2: the version it must be (3.12)
+  "$1" -c "import sys; sys.exit(sys.version_info[:2] != ($2))" 2>/dev/null
+}
+find_python() {  # $1: version (3.12), $2: PY312 or PY311 (the variable's name); prints the interpreter
+  local want=$1 given=${!2:-} py version
+  if [ -n "$given" ]; then
+    runs_python "$given" "${want/./, }" && { echo "$given"; return; }
+    echo "setup_env.sh: $2=$given does not run Python $want" >&2
+    exit 2
+  fi
+  runs_python "python$want" "${want/./, }" && { echo "python$want"; return; }
+  if command -v pyenv >/dev/null; then
+    version=$(pyenv versions --bare 2>/dev/null | grep -E "^${want/./\\.}(\\.[0-9]+)?$" | sort -V | tail -1)
+    py=$([ -n "$version" ] && PYENV_VERSION=$version pyenv which "python$want" 2>/dev/null)
+    [ -n "$py" ] && runs_python "$py" "${want/./, }" && { echo "$py"; return; }
+  fi
+  echo "setup_env.sh: no Python $want found: install it (python$want on the PATH), or set $2=/path/to/python$want" >&2
+  exit 2
+}
 
 if [ ! -x .venv/bin/python ]; then
+  PY312=$(find_python 3.12 PY312) || exit 2
   echo "[setup] creating .venv with $PY312"
   "$PY312" -m venv .venv
 fi
@@ -54,8 +73,8 @@ if [ "$WITH_ORACLE" = 1 ]; then
   if .venv-ref/bin/python -c "import torch, transformers, accelerate, gguf, safetensors, numpy" 2>/dev/null; then
     echo "[setup] oracle venv .venv-ref is up to date"
   else
-    echo "[setup] creating oracle venv .venv-ref with $PY311"
-    [ -x .venv-ref/bin/python ] || "$PY311" -m venv .venv-ref
+    echo "[setup] creating oracle venv .venv-ref"
+    [ -x .venv-ref/bin/python ] || { PY311=$(find_python 3.11 PY311) || exit 2; "$PY311" -m venv .venv-ref; }
     .venv-ref/bin/python -m pip install -q "${ORACLE_PKGS[@]}"
   fi
 fi

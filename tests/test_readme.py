@@ -40,6 +40,28 @@ def test_two_setup_commands_and_ci_runs_the_test_one():
     assert ci[-1] == tests, "the CI script must run exactly the README's test command"
 
 
+def timing_rows() -> list[list[str]]:
+    """The rows of results/cpu_timings.md's table: date, commit, command, wall, CPU, outcome."""
+    lines = (REPO / "results" / "cpu_timings.md").read_text().splitlines()
+    return [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if re.match(r"\| 20\d\d-", line)]
+
+
+def test_quick_start_times_are_the_last_recorded_fresh_clone_runs():
+    """The README said 955 tests and 2 min 26 s while 983 ran and the sweep alone took 4 min 13 s: its numbers are
+    the last runs results/cpu_timings.md records (the main job's and the test command's), on the machine it names."""
+    quick = " ".join(README.split("## Quick start", 1)[1].split("\n## ", 1)[0].split())
+    rows = timing_rows()
+    main = [r for r in rows if "main job" in r[2]][-1]
+    tests = [r for r in rows if "the README's test command" in r[2]][-1]
+    clock = lambda cell: re.match(r"(\d+ min \d+ s)", cell).group(1)  # noqa: E731
+    assert f"the main job took {clock(main[3])} with the set-up already run" in quick, main
+    passed = re.search(r"(\d+) passed", tests[5]).group(1)
+    assert f"the test command ran {passed} CPU tests in {clock(tests[3])}" in quick, tests
+    cores, memory = re.search(r"(\d+)-core, ([\d.]+) GiB VM", quick).groups()  # the machine, as the rows name it
+    for row in (main, tests):
+        assert f"{cores} cores, {memory} GiB" in row[0], row
+
+
 def test_readme_speaks_to_a_stranger():
     """No paths of the machine that wrote it, no commit ids in the quick start's timings, and the design notes speak
     of this repository only."""
@@ -142,6 +164,8 @@ def test_python_examples_run_as_written(checkpoints, smollm2_first_layers, capsy
     assert namespace["approx"].shape == (1, 2, 4, 1000)  # n-wide, not capacity-wide
     assert namespace["out"].shape == (1, 2, 4, 64) and bool(np.all(np.isfinite(namespace["out"])))
     assert namespace["ids"].shape == (8,) and namespace["qwen_config"].family == "qwen3"
+    # under a plain jax.jit a failed check is JAX's runtime error; checks.reraise gives the CheckError, as the README says
+    assert namespace["message"].startswith("build_store: keys contains 1 NaN or inf value(s)")
     assert capsys.readouterr().out.strip(), "the sparse decoding example prints its continuation"
 
 

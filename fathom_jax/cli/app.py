@@ -27,9 +27,11 @@ from fathom_jax.eval import interrupt
 # (ValueError, OSError, RuntimeError) through to :func:`main` (one line, exit 1). A command that may run as one
 # process of several (``generate``) also sets ``join``: :func:`main` calls it before anything starts JAX's devices.
 COMMAND_MODULES: tuple[str, ...] = (
-    "fathom_jax.cli.model_commands",      # fetch-model, sweep, generate
+    "fathom_jax.cli.model_commands",      # fetch-model, sweep
+    "fathom_jax.cli.generate_command",    # generate
     "fathom_jax.cli.study_commands",      # the evaluations: ruler, agreement, tune, ...
     "fathom_jax.cli.row_formats_command",  # row-formats
+    "fathom_jax.cli.compare_command",     # compare
 )
 
 
@@ -54,7 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         args.argv, prog = argv, f"fathom {args.command}"
         if getattr(args, "join", None) is not None:  # a command run by several processes joins them before JAX
-            args.join(args)                           # starts its devices (running's backend check does)
+            try:                                      # starts its devices (running's backend check does)
+                with interrupt.handled():             # Ctrl-C, as in every command (even if SIGINT came ignored)
+                    args.join(args)
+            except KeyboardInterrupt:
+                print(f"\n[{args.command}] interrupted while joining the job's other processes; nothing ran",
+                      file=sys.stderr)
+                return interrupt.EXIT_INTERRUPTED
         with running(args.command):
             return args.func(args)
     except UsageError as err:
@@ -77,13 +85,15 @@ def _one_line(err: BaseException) -> str:
 
 def run(argv: list[str] | None = None) -> None:
     """The ``fathom`` program: :func:`main`, then exit. After an interrupted command (status 130, what was saved
-    already said) it ends at once: the interpreter's exit would wait for worker and compile threads to finish what
-    they had queued."""
+    already said), or one whose processes never all joined, it ends at once: the interpreter's exit would wait for
+    worker and compile threads to finish what they had queued, or for JAX's connect (``distributed.join_pending``)."""
+    from fathom_jax import distributed
+
     try:
         code = main(argv)
     except SystemExit as stop:
         code = stop.code
-    if code == interrupt.EXIT_INTERRUPTED:
+    if code == interrupt.EXIT_INTERRUPTED or distributed.join_pending():
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(code)

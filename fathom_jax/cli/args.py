@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -21,6 +22,11 @@ from fathom_jax.models.sizing import available_bytes, cache_layers, param_count,
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+# Where the commands write unless --out says otherwise: a folder git ignores (.gitignore), so that a run never
+# overwrites a committed file nor makes later results record their commit as -dirty. results/ holds the committed
+# runs (--out results replaces one; `fathom compare` compares a run with it).
+RUNS = "runs"
+NO_JAX = ("fetch-model", "compare")  # commands that never start JAX's backend
 MIN_K = 36  # every query head keeps 4 sink + 32 local tokens (fathom_jax.select)
 GiB = 1024**3
 MiB = 1024**2
@@ -97,6 +103,32 @@ def method_spec(text: str):
 K_TYPE = positive_int(MIN_K, " (every query head keeps 4 sink + 32 local tokens)")
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a finite number in (0, 1] (``inf`` and ``nan`` parse as floats, and overflowed later)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"expected a fraction of the context in (0, 1], got {text!r}")
+    return value
+
+
+def untuned_error(method, statistics: str) -> str | None:
+    """Why ``method`` cannot run on ``statistics`` that are no tuned calibration (None: it can): ``fathom_tuned``
+    reads tuned budgets, ``:observed`` the calibration keys' plane errors (``methods.needs_tuned_calibration``)."""
+    from fathom_jax.methods import FathomTuned, needs_tuned_calibration
+
+    needs = needs_tuned_calibration(method)
+    if needs is None:
+        return None
+    if isinstance(method, FathomTuned):
+        return (f"{method.spec} reads {needs}, which {statistics} are not (fathom tune makes one; fathom sweep "
+                "measures tuned budgets); here use a flat budget in bits as read, e.g. fathom_bits:55")
+    return (f"{method.spec}: it reads {needs}, which {statistics} do not hold; drop ':observed' "
+            f"({method.spec.replace(':observed', '')})")
+
+
 class Distinct(argparse.Action):
     """``nargs="+"`` values each given once: ``--context 256 256`` would run one study twice into the same files."""
 
@@ -119,7 +151,7 @@ def running(command: str):
     said = lambda: f"\n[{command}] interrupted: it writes its results only when it ends, so nothing was saved"  # noqa: E731
     with interrupt.handled(), interrupt.reporting(said):
         try:
-            if command == "fetch-model":
+            if command in NO_JAX:
                 yield
                 return
             check_backend()
@@ -165,6 +197,19 @@ def check_out_dir(path: str, argument: str = "--out") -> str:
     except OSError as err:
         raise UsageError(f"argument {argument}: cannot write to {path!r} ({err.strerror or err})") from None
     return path
+
+
+def compare_with_committed(command: str, written: str) -> None:
+    """One line, where results file ``written`` has a committed twin (``results/`` of this checkout, same name): whether
+    it measures what the committed one does (``fathom_jax.eval.compare``), and the command that compares them."""
+    from fathom_jax.eval import compare
+
+    twin = compare.committed_twin(written)
+    if twin is None:
+        return
+    a, b = os.path.relpath(written), os.path.relpath(twin)
+    print(f"[{command}] {compare.files(a, b).line()}; again: fathom compare {shlex.quote(a)} {shlex.quote(b)}",
+          flush=True)
 
 
 def check_method(method, head_dim: int, argument: str = "--method") -> None:
@@ -232,10 +277,19 @@ def check_memory(need: int, what: str, skip: bool) -> None:
         raise UsageError(message)
 
 
+MODEL_HELP = ("a bundled model ({names}: scripts/setup_env.sh or fathom fetch-model downloads and caches it), a local "
+              "HF safetensors directory (config.json, tokenizer.json, *.safetensors) or a Llama-architecture or Gemma 3 "
+              "GGUF file; default: smollm2 (SmolLM2-135M-Instruct)")
+
+
+def model_help() -> str:
+    from fathom_jax.models.hub import KNOWN_MODELS
+
+    return MODEL_HELP.format(names=", ".join(KNOWN_MODELS))
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="a local HF safetensors directory (config.json, tokenizer.json, *.safetensors) or a "
-                        "Llama-architecture GGUF file; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--allow-long-context", action="store_true",
                    help="run past the model's max_position_embeddings (its output there is untrained)")
     p.add_argument("--no-memory-check", action="store_true",

@@ -9,8 +9,8 @@ import os
 
 import jax.numpy as jnp
 
-from fathom_jax.cli.args import (K_TYPE, UsageError, add_model_arguments, check_memory, check_out_dir, peak_bytes,
-                                 positive_int, run_metadata)
+from fathom_jax.cli.args import (K_TYPE, RUNS, UsageError, add_model_arguments, check_memory, check_out_dir,
+                                 compare_with_committed, peak_bytes, positive_int, run_metadata)
 from fathom_jax.eval import fidelity as fid
 from fathom_jax.eval.row_study import OPEN, RowStudyConfig, check_config, run_meta, run_row_study
 from fathom_jax.rows import formats as row_formats
@@ -27,7 +27,7 @@ def register(subparsers) -> None:
     p.add_argument("--formats", nargs="+", default=list(row_formats.STUDY_FORMATS),
                    help="row formats: " + row_formats.SPEC_SYNTAX)
     p.add_argument("--methods", nargs="+", default=[], help="method specs (default: every flat row of the study)")
-    p.add_argument("--out", default="results", help="folder for the results files")
+    p.add_argument("--out", default=RUNS, help="folder for the results files (ignored by git)")
     p.add_argument("--prefix", default="row_formats_smollm2", help="results file names: <prefix>.json/.md/.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_model_arguments(p)
@@ -72,4 +72,5 @@ def run_command(args) -> int:
     paths = row_report.write_report(results, os.path.join(args.out, args.prefix))
     print(row_report.render_markdown(results))
     print(f"[row-formats] wrote {', '.join(paths)}")
+    compare_with_committed("row-formats", os.path.join(args.out, args.prefix) + ".json")
     return 0

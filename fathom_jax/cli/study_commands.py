@@ -1,9 +1,9 @@
 """``fathom ruler`` and ``fathom agreement``: the downstream sweeps on a real model from the command line.
 
-    fathom ruler --context 4096 --k 64 128 --per-task 8       # results/ruler_smollm2_4k.{json,md,png}
-    fathom agreement --context 4096 --sessions 40             # results/agreement_smollm2_4k.{json,md,png}
-    fathom tune --context 4096 --mean 37 55                   # calibrations/tuned_smollm2_4k_mean{37,55} (orbax)
-    fathom ruler --model gemma3-270m --context 8192           # results/ruler_gemma3_8k.{json,md,png}
+    fathom ruler --context 4096 --k 64 128 --per-task 8       # runs/ruler_smollm2_4k.{json,md,png}
+    fathom agreement --context 4096 --sessions 40             # runs/agreement_smollm2_4k.{json,md,png}
+    fathom tune --context 4096 --mean 37 55                   # runs/calibrations/tuned_smollm2_4k_mean{37,55} (orbax)
+    fathom ruler --model gemma3-270m --context 8192           # runs/ruler_gemma3_8k.{json,md,png}
 
 :func:`register` adds the subcommands to an ``argparse`` subparsers object. Every argument is checked
 before the model loads; a bad one is a :class:`~fathom_jax.cli.args.UsageError` (one line, exit 2).
@@ -17,8 +17,9 @@ import math
 import os
 import time
 
-from fathom_jax.cli.args import (Distinct, UsageError, add_model_arguments, check_memory, check_out_dir, check_positions,
-                                 model_slug, model_title, peak_bytes, positive_int, run_metadata)
+from fathom_jax.cli.args import (RUNS, Distinct, UsageError, add_model_arguments, check_memory, check_out_dir,
+                                 check_positions, compare_with_committed, fraction, model_help, model_slug, model_title,
+                                 peak_bytes, positive_int, run_metadata, untuned_error)
 from fathom_jax.eval import downstream as ds
 from fathom_jax.eval import resume
 from fathom_jax.eval import ruler as ruler_lib
@@ -36,23 +37,20 @@ Ctrl-C stops a run with one line saying what was saved: every finished decode (b
 from there, to the results an uninterrupted run writes. The progress bar's ETA starts at the first finished
 decode and leaves compile time out (shown apart, with the programs still to compile added)."""
 
+# How long, in --help: numbers from committed results files (tests/cli/test_app.py checks them against the files).
 RULER_TIME = """\
-How long, at the defaults (11 methods = 21 branches, 48 prompts per context, batch 2):
-  on an H200: 472 s at --context 4096 and 556 s at 8192 (results/ruler_smollm2_{4k,8k}.json, wall_s; batch
-  8 and 4, two other sweeps sharing the GPU);
-  on the 2-core CPU machine: hours per context. Not run to the end there: agreement's 420 decodes of 64
-  tokens had an ETA of 7 h under load (fathom agreement --help); ruler's 504 decodes of up to 40 tokens
-  should take about as long (an estimate from that run, not a measurement).
+How long, at the defaults (11 methods = 21 branches, 48 prompts per context, batch 2: 504 decodes):
+  on an H200 machine (16 cores, 125.9 GiB): 472 s at --context 4096 and 556 s at 8192
+  (results/ruler_smollm2_{4k,8k}.json, meta.wall_s; batch 8 and 4, two other sweeps sharing the GPU);
+  on a 2-core CPU: no run to the end is recorded; plan on hours per context.
 
 """ + _LONG_RUN.format(kind="ruler")
 
 AGREEMENT_TIME = """\
 How long, at the defaults (11 methods = 21 branches, 40 sessions, batch 2: 420 decodes of 64 tokens):
-  on an H200: 487 s at --context 4096 (results/agreement_smollm2_4k.json, wall_s; batch 8, two other sweeps
-  sharing the GPU);
-  on the 2-core CPU machine: about 7 hours per context, by the ETA after 26 of the 420 decodes of a run that
-  other jobs loaded (load average 10-18; 2026-12-01): decodes took 36-127 s, a batch's prefill 128-236 s,
-  and each method's first decode 15-40 s more to compile. Not run to the end there.
+  on an H200 machine (16 cores, 125.9 GiB): 487 s at --context 4096 (results/agreement_smollm2_4k.json,
+  meta.wall_s; batch 8, two other sweeps sharing the GPU);
+  on a 2-core CPU: no run to the end is recorded; plan on hours per context.
 
 """ + _LONG_RUN.format(kind="agreement")
 
@@ -66,7 +64,7 @@ def register(subparsers) -> None:
         "ruler", help="RULER-style tasks on a real model, every method decoding from one dense prefill",
         description="RULER-style retrieval and tracking tasks (paper 5.5) on SmolLM2-135M-Instruct (or --model) with "
                     "a haystack of Python's documentation prose; one dense prefill per sample, greedy decoding "
-                    "branched per method; writes results/ruler_<model>_<context>.json/.md/.png.",
+                    "branched per method; writes <out>/ruler_<model>_<context>.json/.md/.png (--out: runs/).",
         epilog=RULER_TIME)
     p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096], action=Distinct,
                    help=f"tokens of cache: prompt + {sweeps.RESERVED} (a multiple of 64, at most the model's positions: "
@@ -87,13 +85,13 @@ def register(subparsers) -> None:
         "agreement", help="step agreement with exact top-k on standard-library code sessions",
         description="Step agreement (paper 5.6): every method decodes the next tokens of real code sessions from "
                     "one dense prefill; the score is the word-level sequence-match ratio against the exact top-k "
-                    "step. Writes results/agreement_<model>_<context>.json/.md/.png.",
+                    "step. Writes <out>/agreement_<model>_<context>.json/.md/.png (--out: runs/).",
         epilog=AGREEMENT_TIME)
     p.add_argument("--context", type=positive_int(512), nargs="+", default=[4096], action=Distinct,
                    help="tokens of cache: session + steps (a multiple of 64, at most the model's positions)")
     p.add_argument("--sessions", type=positive_int(2, " (a standard error needs two)"), default=40,
                    help="code sessions")
-    p.add_argument("--k-fraction", type=float, nargs="+", default=[0.02, 0.005], action=Distinct,
+    p.add_argument("--k-fraction", type=fraction, nargs="+", default=[0.02, 0.005], action=Distinct,
                    help=f"selection sizes as fractions of the context (k = fraction x context: at least {ds.MIN_K})")
     p.add_argument("--steps", type=positive_int(1), default=64, help="tokens each method decodes")
     p.add_argument("--methods", nargs="+", default=None, help=method_help + "; default: as for fathom ruler")
@@ -116,7 +114,8 @@ def register(subparsers) -> None:
     p.add_argument("--positions", type=positive_int(1), default=128,
                    help="positions of the capture measured, spread over its second half")
     p.add_argument("--k", type=positive_int(36), default=128, help="selection size the error is measured at")
-    p.add_argument("--out", default="calibrations", help="folder for tuned_<model>_<context>_mean<M> checkpoints")
+    p.add_argument("--out", default=os.path.join(RUNS, "calibrations"),
+                   help="folder for tuned_<model>_<context>_mean<M> checkpoints (ignored by git)")
     p.add_argument("--force", action="store_true", help="overwrite existing checkpoints")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_model_arguments(p)
@@ -137,8 +136,7 @@ def tuning_grid_text(head_dim: int = 64) -> str:
 
 
 def _common(p) -> None:
-    p.add_argument("--model", default=None,
-                   help="a known model (smollm2, gemma3-270m), a local HF directory or a GGUF file; default: SmolLM2")
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--batch", type=positive_int(1), default=2, help="samples prefilled and decoded together")
     p.add_argument("--calibration", choices=sweeps.CALIBRATIONS, default="corpus",
                    help="statistics for Fathom, Double Sparsity and Loki: a capture of the pydoc prose (corpus) "
@@ -149,7 +147,8 @@ def _common(p) -> None:
                    help="K/V row formats every scan decodes with, each a branch of its own: model (the model's dtype) "
                         "or a format with per-token scales, e.g. k8v8; the exact top-k oracle always decodes with the "
                         "model's rows too, the reference of every comparison")
-    p.add_argument("--out", default="results", help="folder for the results files")
+    p.add_argument("--out", default=RUNS, help="folder for the results files (ignored by git; --out results replaces "
+                                               "a committed one)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run: skip the contexts whose results files exist for the same "
@@ -157,13 +156,29 @@ def _common(p) -> None:
 
 
 def _model_config(args: argparse.Namespace):
-    """The model's config, read from its metadata (no weights loaded)."""
+    """The model's config, read from its metadata (no weights loaded; SmolLM2's GGUF takes seconds to read, said
+    first: the command printed nothing for half a minute)."""
     from fathom_jax.models import hub
 
+    print(f"[{args.command}] reading {model_title(args.model)}'s metadata to check the arguments", flush=True)
     return hub.model_config(args.model)
 
 
 def _methods(args: argparse.Namespace, head_dim: int) -> tuple[str, ...]:
+    """``--methods`` (or the default set), each checked against the model and the statistics these commands have."""
+    from fathom_jax import methods
+
+    for spec in args.methods or ():
+        if spec.strip().lower() == "dense":
+            continue
+        try:
+            method = methods.parse(spec)
+            method.validate(head_dim)
+        except ValueError as err:
+            raise UsageError(f"argument --methods: {err}") from None
+        message = untuned_error(method, f"{args.command}'s corpus or session statistics")
+        if message:
+            raise UsageError(f"argument --methods: {message}")
     return tuple(args.methods) if args.methods else ds.default_methods(head_dim)
 
 
@@ -224,7 +239,8 @@ def _run(kind: str, configs, args, run) -> int:
     todo, written, running = [], [], []
     for config in configs:  # the saved runs are read (and checked against the arguments) before the model loads
         prefix = os.path.join(args.out, f"{kind}_{model_slug(args.model)}_{_label(config.context)}")
-        if args.resume and resume.finished(prefix + ".json", dataclasses.asdict(config)):
+        said = lambda line: print(f"[{kind}] --resume: {line}", flush=True)  # noqa: E731
+        if args.resume and resume.finished(prefix + ".json", dataclasses.asdict(config), said):
             print(f"[{kind}] --resume: {prefix}.json holds this configuration's results already; skipped", flush=True)
             continue
         log = resume.UnitLog(prefix + ".partial.jsonl", {"kind": kind, "config": dataclasses.asdict(config)},
@@ -236,6 +252,8 @@ def _run(kind: str, configs, args, run) -> int:
         return ", ".join(held + [f"{p}.json written" for p in written]) or "nothing had finished"
 
     with resume.stop_on_interrupt(kind, saved, args.argv):
+        if todo:
+            print(f"[{kind}] loading {model_title(args.model)}", flush=True)
         model, tokenizer, _ = hub.load_model(args.model) if todo else (None, None, None)
         meta = {"model": model_title(args.model), **run_metadata(args)}
         for config, prefix, log in todo:
@@ -246,6 +264,7 @@ def _run(kind: str, configs, args, run) -> int:
             written.append(prefix)
             print(downstream_report.render_markdown(res))
             print(f"[{kind}] wrote {', '.join(paths)}")
+            compare_with_committed(kind, prefix + ".json")
     print(f"[{kind}] done in {time.time() - t0:.0f} s")
     return 0
 

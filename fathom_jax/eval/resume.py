@@ -81,14 +81,29 @@ def _difference(got: dict | None, want: dict) -> str:
     return ", ".join(f"{k}: {got.get(k)!r} there, {want.get(k)!r} now" for k in keys)
 
 
-def finished(path: str, config: dict) -> bool:
-    """Whether the results file ``path`` exists and was written for ``config`` (its ``meta.config``)."""
+def finished(path: str, config: dict, say: Callable[[str], None] | None = None) -> bool:
+    """Whether the results file ``path`` exists and was written for ``config`` (its ``meta.config``). Where it exists
+    but is damaged or holds another configuration, ``say`` gets one line: this run computes it again (a damaged file
+    was recomputed silently)."""
+    if not os.path.exists(path):
+        return False
     try:
         with open(path) as f:
-            meta = json.load(f).get("meta", {})
-    except (OSError, ValueError):
+            meta = json.load(f)["meta"]
+        recorded = meta.get("config")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        if say is not None:
+            why = " ".join(str(err).split())[:120] or type(err).__name__
+            say(f"{path} is damaged ({type(err).__name__}: {why}); computing it again, to overwrite it")
         return False
-    return meta.get("config") == json.loads(json.dumps(config))
+    want = json.loads(json.dumps(config))
+    if recorded == want:
+        return True
+    if say is not None:
+        got = recorded if isinstance(recorded, dict) else {}
+        say(f"{path} holds results of another configuration ({_difference({'config': got}, {'config': want})}); "
+            "computing this one, to overwrite it")
+    return False
 
 
 @contextlib.contextmanager

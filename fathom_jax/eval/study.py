@@ -27,7 +27,7 @@ import dataclasses
 import datetime
 import platform
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
 import jax
@@ -231,6 +231,15 @@ def compile_ahead(config: StudyConfig, n_layers: int, n_heads: int, n_kv_heads: 
                       config.positions)
 
 
+def _count_down(bar: Progress, futures: list) -> None:
+    """The bar's phase while the statistics and dense references compute: how many of them are done."""
+    pending = set(futures)
+    while pending:
+        bar.phase(f"calibration statistics and dense attention, {len(futures) - len(pending)} of {len(futures)} done")
+        _, pending = wait(pending, return_when=FIRST_COMPLETED)
+    bar.phase("calibration statistics and dense attention, done")
+
+
 def _compiling() -> str:
     """What the study's bar says it waits for: its first units wait for their programs to compile."""
     n = compiles_pending()
@@ -324,6 +333,9 @@ def run_study(
         if session_grid:
             pos = alloc.session_positions(prefill, config.session_tuning_positions)
             tunings.append(("session", eval_capture, session_grid, pos, pool.submit(fid.dense_references, eval_capture, pos)))
+        if bar:  # a minute or two on 2 CPU cores before the first layer: say how far it is
+            _count_down(bar, [f for f in (corpus, plane_error, session, eval_refs, calib_refs) if f is not None]
+                        + [t[-1] for t in tunings])
         corpus, session, eval_refs = corpus.result(), session.result(), eval_refs.result()
         calib_refs = calib_refs and calib_refs.result()
     if bar:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fathom_jax import calibrate as cal
+from fathom_jax import methods as methods_lib
 from fathom_jax.checks import reraise
 from fathom_jax.eval import agreement as agreement_lib
 from fathom_jax.eval import downstream as ds
@@ -105,6 +106,10 @@ def check_common(config, max_context: int, head_dim: int) -> None:
     methods = ds.parse_methods(config.methods)
     for m in methods:
         m.validate(head_dim)
+        needs = methods_lib.needs_tuned_calibration(m)
+        if needs:  # it failed after the model loaded and calibrated: 34-59 s later on the CPU
+            raise ValueError(f"{m.spec} reads {needs}; the sweeps calibrate with corpus or session statistics, which "
+                             "hold none")
     if not any(m.name == "exact" for m in methods):
         raise ValueError("the methods must include exact (the top-k oracle every scan is compared with)")
     from fathom_jax.rows.layout import row_format
@@ -173,11 +178,17 @@ def method_bits(methods, capture, calib) -> dict[str, float]:
     return {m.spec: ds.read_bits(m, capture, calib) for m in methods}
 
 
-def _setup(config, model, tokenizer):
+def _setup(config, model, tokenizer, progress: bool):
     """What both sweeps start from: the methods, the corpus calibration and its provenance, and the bits
-    each method reads on the calibration text."""
+    each method reads on the calibration text (each step said as it starts, with ``progress``: half a minute on the
+    CPU before the first decode, which ran silent)."""
+    kind = "ruler" if isinstance(config, RulerConfig) else "agreement"
+    say = (lambda text: print(f"[{kind}] {text}", flush=True)) if progress else (lambda text: None)
     methods = ds.parse_methods(config.methods)
+    say(f"capturing q/k/v over {config.calib_tokens} tokens of the pydoc prose (the corpus statistics and every "
+        "method's bits per token)")
     calib, capture, calib_info = corpus_calibration(model, tokenizer, config.calib_tokens)
+    say(f"measuring the bits per token of {len(methods)} methods on it; then the prompts")
     return methods, calib, calib_info, method_bits(methods, capture, calib)
 
 
@@ -294,7 +305,7 @@ def run_ruler(config: RulerConfig, model, tokenizer, *, progress: bool = True, m
 
     check_ruler(config, model.config.max_position_embeddings, model.config.head_dim)
     t_start = time.time()
-    methods, calib, calib_info, bits = _setup(config, model, tokenizer)
+    methods, calib, calib_info, bits = _setup(config, model, tokenizer, progress)
     sentences, hay_info = texts.prose_sentences()
     hay_info = {**hay_info, "tokens": ruler_lib.haystack_tokens(tokenizer, sentences)}
     start = _bos(tokenizer)
@@ -330,7 +341,7 @@ def run_agreement(config: AgreementConfig, model, tokenizer, *, progress: bool =
     :func:`run_ruler`'s."""
     check_agreement(config, model.config.max_position_embeddings, model.config.head_dim)
     t_start = time.time()
-    methods, calib, calib_info, bits = _setup(config, model, tokenizer)
+    methods, calib, calib_info, bits = _setup(config, model, tokenizer, progress)
     start = _bos(tokenizer)
     sessions, session_info = agreement_lib.make_sessions(tokenizer, config.sessions, config.prompt_tokens - len(start),
                                                          config.steps)

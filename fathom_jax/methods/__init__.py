@@ -22,7 +22,7 @@ from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead, Read, ScanMet
 from fathom_jax.methods.double_sparsity import DoubleSparsity
 from fathom_jax.methods.exact import Dense, Exact
 from fathom_jax.methods.fathom import Fathom, FathomKLT
-from fathom_jax.methods.fathom_bits import FathomBits, FathomTuned
+from fathom_jax.methods.fathom_bits import FathomBits, FathomTuned, needs_tuned_calibration
 from fathom_jax.methods.landmark import Landmark
 from fathom_jax.methods.loki import Loki
 from fathom_jax.methods.quest import Quest
@@ -108,5 +108,5 @@ __all__ = [
     "REGISTRY", "ScanMethod", "PlaneRead", "BlockRead", "KeyRead", "Read",
     "Fathom", "FathomKLT", "FathomBits", "FathomTuned", "SparQ", "SparQUnion", "DoubleSparsity", "Loki", "Thumbnail",
     "Full4", "Landmark", "Quest", "Exact", "Dense", "parse", "parts_of", "spec_help", "describe", "fathom_budgets",
-    "paper_methods",
+    "paper_methods", "needs_tuned_calibration",
 ]

@@ -162,3 +162,14 @@ class FathomTuned(FathomBits):
             raise ValueError(f"{self.label}: needs calibration with tuned budgets "
                              "(fathom_jax.eval.tuning.tune_budgets, or fathom_jax.calibrate.tuned(calib, budget=...))")
         return budget
+
+
+def needs_tuned_calibration(method) -> str | None:
+    """What ``method`` reads that only a tuned calibration (:class:`~fathom_jax.calibrate.TunedCalibration`) holds,
+    and plain statistics lack: tuned budgets (``fathom_tuned``), the calibration keys' plane errors (``:observed``);
+    None for a method that runs on any calibration."""
+    if isinstance(method, FathomTuned):
+        return "per-(layer, KV head) budgets from a tuned calibration"
+    if isinstance(method, FathomBits) and method.importance == "observed":
+        return "the calibration keys' plane errors (the observed error model)"
+    return None

@@ -3,13 +3,14 @@ weights are loaded or activations captured; results files record the run that wr
 
 import json
 import os
+import re
 import types
 
 import pytest
 
 from fathom_jax.cli import app as cli
 from fathom_jax.cli import args as cli_args
-from fathom_jax.cli import model_commands
+from fathom_jax.cli import generate_command
 from fathom_jax.models import hub
 from fathom_jax.models.config import LlamaConfig
 
@@ -69,7 +70,6 @@ BAD_ARGUMENTS = [
     (["generate", "x", "--mesh", "0"], "argument --mesh: expected an integer >= 1"),
     # "2 cpu device(s)" here, "2 gpu device(s)" on the two-GPU machine
     (["generate", "x", "--mesh", "64"], "argument --mesh: 64 devices asked for, 2 "),
-    (["generate", "x", "--mesh", "2"], "argument --mesh: the model's 3 KV heads do not split evenly over 2 devices"),
     (["generate", "x", "--coordinator", "host0", "--num-processes", "2", "--process-id", "0"],
      "argument --coordinator / --num-processes / --process-id: coordinator must be host:port"),
     (["generate", "x", "--process-id", "-1"], "argument --process-id: expected an integer >= 0"),
@@ -88,10 +88,25 @@ BAD_ARGUMENTS = [
     (["sweep", "--context", "10"], "argument --context: 10 tokens cannot hold the default k"),
     (["sweep", "--context", "9000"], "--context 9000 asks for 9000 tokens, more than the model's 8192 positions"),
     (["generate", "x", "--method", "fathom_tuned"],
-     "argument --method: fathom_tuned reads per-(layer, KV head) budgets from a tuned calibration, which generate "
-     "cannot load (fathom tune"),
+     "argument --method: fathom_tuned reads per-(layer, KV head) budgets from a tuned calibration, which generate's "
+     "session or corpus statistics are not (fathom tune"),
     (["generate", "x", "--method", "fathom_bits:55:observed"],
-     "argument --method: fathom_bits:55:observed: the observed error model needs the calibration keys' plane errors"),
+     "argument --method: fathom_bits:55:observed: it reads the calibration keys' plane errors (the observed error "
+     "model), which generate's session or corpus statistics do not hold; drop ':observed' (fathom_bits:55)"),
+    # ruler and agreement have no tuned calibration either: refused before the model loads (they failed 34-59 s later)
+    (["ruler", "--methods", "dense", "exact", "fathom_tuned"],
+     "argument --methods: fathom_tuned reads per-(layer, KV head) budgets from a tuned calibration, which ruler's "
+     "corpus or session statistics are not"),
+    (["agreement", "--methods", "dense", "exact", "sparq:16", "fathom_bits:55:observed"],
+     "argument --methods: fathom_bits:55:observed: it reads the calibration keys' plane errors (the observed error "
+     "model), which agreement's corpus or session statistics do not hold"),
+    (["ruler", "--methods", "dense", "exact", "fathom:999"], "argument --methods: Fathom 999: budget must lie in"),
+    (["agreement", "--k-fraction", "inf"], "argument --k-fraction: expected a fraction of the context in (0, 1], got "
+                                           "'inf'"),
+    (["agreement", "--k-fraction", "nan"], "argument --k-fraction: expected a fraction of the context in (0, 1], got "
+                                           "'nan'"),
+    (["agreement", "--k-fraction", "0"], "argument --k-fraction: expected a fraction of the context in (0, 1]"),
+    (["agreement", "--k-fraction", "1.5"], "argument --k-fraction: expected a fraction of the context in (0, 1]"),
     (["agreement", "--k-fraction", "0.001"], "argument --k-fraction: 0.001 of --context 4096 is k = 4 tokens per query "
                                              "head, fewer than 16 (below 128 a selection keeps k/8 sinks and a k/4 "
                                              "local window); use a fraction of at least 0.004 at this context"),
@@ -121,11 +136,11 @@ def test_generate_joins_the_job_before_jax_starts_its_devices(capsys, no_work, m
     from fathom_jax import distributed
 
     order = []
-    monkeypatch.setattr(distributed, "initialize", lambda *a: order.append(("join", *a)) or False)
+    monkeypatch.setattr(distributed, "initialize", lambda *a, **k: order.append(("join", *a)) or False)
     monkeypatch.setattr(cli_args, "check_backend", lambda: order.append(("backend",)))
     code, _, err = run(capsys, "generate", "x", "--coordinator", "host0:1234", "--num-processes", "2",
-                       "--process-id", "1", "--mesh", "2")
-    assert code == 2 and "the model's 3 KV heads do not split evenly over 2 devices" in err, err  # stops after both
+                       "--process-id", "1", "--mesh", "64")
+    assert code == 2 and "argument --mesh: 64 devices asked for, 2 " in err, err  # stops after both
     assert order == [("join", "host0:1234", 2, 1), ("backend",)]
     order.clear()
     code, _, err = run(capsys, "generate", "", "--coordinator", "host0:1234", "--num-processes", "2")
@@ -169,7 +184,7 @@ def test_help_shows_defaults_budget_guidance_and_version(capsys):
         cli.main(["generate", "--help"])
     assert exit_.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for want in ("the text to continue", "tokens to generate (default: 32)", "(default: 128)", "(default: dense)",
+    for want in ("the text to continue", "tokens to generate (for each prompt) (default: 32)", "(default: 128)", "(default: dense)",
                  "choosing a scan budget", "sparq:8 = 34", "D = 128: sparq:16 = 68", "--model"):
         assert want in text, want
     with pytest.raises(SystemExit):
@@ -184,6 +199,39 @@ def test_help_shows_defaults_budget_guidance_and_version(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--version"])
     assert capsys.readouterr().out.startswith("fathom-jax ")
+    for command in ("generate", "sweep", "ruler", "agreement", "tune", "row-formats"):  # the bundled models, by name
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "a bundled model (smollm2, gemma3-270m:" in text and "embedded" not in text, command
+
+
+# What each command's --help says a committed run took: (command, results file, its meta field, the help's words).
+HELP_TIMES = [
+    ("sweep", "fidelity_smollm2_4k.json", "wall_seconds", "{} s at --context 4096"),
+    ("sweep", "fidelity_smollm2_8k.json", "wall_seconds", "and {} s at 8192 with the 128 positions"),
+    ("sweep", "fidelity_smollm2_4k_64pos.json", "wall_seconds", "{} s on an idle VM"),
+    ("ruler", "ruler_smollm2_4k.json", "wall_s", "{} s at --context 4096"),
+    ("ruler", "ruler_smollm2_8k.json", "wall_s", "and {} s at 8192"),
+    ("agreement", "agreement_smollm2_4k.json", "wall_s", "{} s at --context 4096"),
+]
+
+
+@pytest.mark.parametrize("command, name, field, words", HELP_TIMES, ids=[f"{c}-{n}" for c, n, _, _ in HELP_TIMES])
+def test_help_times_are_the_committed_runs_with_their_machine(capsys, command, name, field, words):
+    """The help quoted 212 s and 384 s where the committed files say 297 s and 590 s, and a run log kept only in git
+    history: every number is a committed file's, beside that file's machine size."""
+    from fathom_jax.eval import compare
+
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    meta = json.loads(open(os.path.join(compare.COMMITTED, name)).read())["meta"]
+    assert words.format(round(meta[field])) in text, (words, meta[field])
+    host = meta["host"]
+    size = f"2-core, {host['memory_gib']} GiB" if host["cpus"] == 2 else f"{host['cpus']} cores, {host['memory_gib']} GiB"
+    assert size in text, size
+    assert not re.search(r"\b[0-9a-f]{7}:results/", text), "a file in git history only"
 
 
 def test_sweep_records_the_run_in_its_results(capsys, monkeypatch, tmp_path):
@@ -216,6 +264,96 @@ def test_sweep_records_the_run_in_its_results(capsys, monkeypatch, tmp_path):
     assert meta["wall_seconds"] >= 0 and meta["host"]["cpus"] >= 1 and "commit" in meta
     assert captured["prefix"] == os.path.join(str(tmp_path), "fidelity_smollm2_300tok_64pos")
     json.dumps(meta)  # the record is plain JSON
+
+
+def test_the_main_job_writes_into_runs_and_compares_with_the_committed_file(capsys, monkeypatch, tmp_path):
+    """The README's main job (``fathom sweep --positions 64``) overwrote the committed results/fidelity_smollm2_4k_64pos.*;
+    now it writes runs/ of the working folder and says whether its numbers are the committed file's (the study stands
+    in: it writes the committed JSON with another run record)."""
+    import shutil
+
+    from fathom_jax.eval import compare, study
+
+    tiny = LlamaConfig(vocab=97, hidden=8, intermediate=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8)
+    monkeypatch.setattr(hub, "model_config", lambda source=None: tiny)
+    monkeypatch.setattr(hub, "load_tokenizer", lambda source=None: CharTokenizer())
+    monkeypatch.setattr(hub, "load_model", lambda source=None: (None, CharTokenizer(), tiny))
+    import fathom_jax.models as models
+    import numpy as np
+
+    monkeypatch.setattr(models, "capture_qkv", lambda model, ids: {x: np.zeros((1, 1, len(ids), 8), np.float32)
+                                                                   for x in "qkv"})
+    committed = os.path.join(compare.COMMITTED, "fidelity_smollm2_4k_64pos.json")
+    monkeypatch.setattr(study, "run_study", lambda *a, meta, progress: {"meta": dict(meta), "rows": []})
+    monkeypatch.setattr(study, "compile_ahead", lambda *a, **k: None)
+    monkeypatch.setattr(study, "render_markdown", lambda res: "")
+    monkeypatch.setattr(study, "write_report", lambda res, prefix: [shutil.copy(committed, prefix + ".json")])
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "sweep", "--positions", "64", "--quiet", "--no-memory-check")
+    assert code == 0, err
+    assert (tmp_path / "runs" / "fidelity_smollm2_4k_64pos.json").is_file()
+    twin = os.path.relpath(committed)
+    line = next(line for line in out.splitlines() if "fathom compare" in line)
+    assert line.startswith(f"[sweep] runs/fidelity_smollm2_4k_64pos.json measures what {twin} does: its ")
+    assert line.endswith(f"; again: fathom compare runs/fidelity_smollm2_4k_64pos.json {twin}")
+
+
+def test_the_sweep_says_what_it_does_before_each_slow_step(capsys, monkeypatch, tmp_path):
+    """It printed nothing for 12-15 s (the GGUF's metadata, the tokenizer, the texts, the model): each step is said
+    as it starts, the first before the model's metadata is read."""
+    from fathom_jax.eval import study
+
+    seen = []
+    tiny = LlamaConfig(vocab=97, hidden=8, intermediate=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8)
+
+    def step(name, value):
+        def fn(*a, **k):
+            seen.append((name, capsys.readouterr().out))
+            return value
+        return fn
+
+    import fathom_jax.models as models
+    import numpy as np
+
+    monkeypatch.setattr(hub, "model_config", step("metadata", tiny))
+    monkeypatch.setattr(hub, "load_tokenizer", lambda source=None: CharTokenizer())
+    monkeypatch.setattr(hub, "load_model", step("load", (None, CharTokenizer(), tiny)))
+    monkeypatch.setattr(models, "capture_qkv", lambda model, ids: {x: np.zeros((1, 1, len(ids), 8), np.float32)
+                                                                   for x in "qkv"})
+    monkeypatch.setattr(study, "run_study", step("study", {"meta": {}, "rows": []}))
+    monkeypatch.setattr(study, "compile_ahead", lambda *a, **k: None)
+    monkeypatch.setattr(study, "render_markdown", lambda res: "")
+    monkeypatch.setattr(study, "write_report", lambda res, prefix: [prefix])
+    code, _, err = run(capsys, "sweep", "--context", "300", "--positions", "64", "--out", str(tmp_path), "--quiet",
+                       "--no-memory-check")
+    assert code == 0, err
+    said = dict(seen)
+    assert said["metadata"].startswith("[sweep] reading SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)'s "
+                                       "metadata and tokenizer"), said
+    assert said["load"].startswith("[sweep] compiling the study's programs in the background (0 to go); loading "
+                                   "SmolLM2-135M-Instruct"), said
+    assert said["study"].startswith("[sweep] capturing q/k/v over 300 tokens of each text"), said
+
+
+def test_the_study_says_how_far_its_statistics_and_references_are():
+    """The study's bar sat at 0/2040 for two minutes while the statistics and dense references computed: its phase
+    counts them as they finish."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fathom_jax.eval import study
+
+    phases, gates = [], [threading.Event() for _ in range(3)]
+    bar = types.SimpleNamespace(phase=phases.append)
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(gate.wait) for gate in gates]
+        counting = threading.Thread(target=study._count_down, args=(bar, futures))
+        counting.start()
+        for gate in gates:
+            gate.set()
+        counting.join(timeout=30)
+    assert phases[0] == "calibration statistics and dense attention, 0 of 3 done"
+    assert phases[-1] == "calibration statistics and dense attention, done" and len(phases) <= 5, phases
 
 
 @pytest.fixture(scope="module")
@@ -351,7 +489,7 @@ def test_generate_on_gemma3_sizes_and_prints_what_its_global_layers_hold(capsys,
     monkeypatch.setattr(hub, "load_tokenizer", lambda source=None: CharTokenizer())
     monkeypatch.setattr(hub, "load_model", lambda source=None: (model, CharTokenizer(), CFG))
     seen = {}
-    monkeypatch.setattr(model_commands, "check_memory", lambda need, what, skip: seen.update(need=need))
+    monkeypatch.setattr(generate_command, "check_memory", lambda need, what, skip: seen.update(need=need))
     monkeypatch.setattr(models, "generate", lambda model, prompt, n, *, capacity, attention_fn=None: seen.update(
         attn=attention_fn) or jnp.zeros((n,), jnp.int32))
     code, _, err = run(capsys, "generate", "x" * 60, "--model", "gemma3-270m", "--method", "fathom:16", "--k", "40",

@@ -46,3 +46,21 @@ def test_an_interrupted_command_without_a_log_says_so_and_exits_130(capsys):
     assert stop.value.code == 130
     assert capsys.readouterr().err.strip() == ("[tune] interrupted: it writes its results only when it ends, so "
                                                "nothing was saved")
+
+
+def test_every_command_writes_into_a_folder_git_ignores_unless_told(tmp_path):
+    """The main job overwrote the committed results/fidelity_smollm2_4k_64pos.* and every later result recorded its
+    commit as -dirty: each command's --out defaults to runs/ (or a folder in it), which .gitignore names."""
+    import argparse
+
+    from fathom_jax.cli import app
+    from fathom_jax.cli.args import RUNS
+
+    sub = next(a for a in app.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    outs = {name: next((a.default for a in p._actions if a.dest == "out"), None) for name, p in sub.choices.items()}
+    writing = {name: out for name, out in outs.items() if out is not None}
+    assert set(writing) >= {"sweep", "ruler", "agreement", "tune", "row-formats"}, outs
+    assert all(out == RUNS or out.startswith(RUNS + "/") for out in writing.values()), writing
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, ".gitignore")) as f:
+        assert f"/{RUNS}/" in f.read().split(), ".gitignore does not name runs/"

@@ -51,3 +51,20 @@ def test_interrupt_is_one_line_naming_what_was_saved_and_the_resume_command(caps
     err = capsys.readouterr().err.strip()
     assert err == ("[ruler] interrupted: 3 decodes in x.jsonl; to continue where it stopped, run: "
                    "fathom ruler --context 512 --resume")
+
+
+def test_a_damaged_or_other_results_file_is_recomputed_and_said_so(tmp_path):
+    """``--resume`` recomputed a context whose saved JSON was damaged without a word; now one line says why."""
+    path, config = tmp_path / "fidelity.json", {"context": 512, "ks": [64]}
+    said = []
+    assert not resume.finished(str(path), config, said.append) and said == []  # nothing saved: nothing to say
+    path.write_text(json.dumps({"meta": {"config": config}, "rows": []}))
+    assert resume.finished(str(path), config, said.append) and said == []
+    for damaged in ('{"meta": {"config": {"context": 5', "[1, 2]", "{}"):
+        path.write_text(damaged)
+        assert not resume.finished(str(path), config, said.append)
+        assert len(said) == 1 and said.pop().startswith(f"{path} is damaged (")
+    path.write_text(json.dumps({"meta": {"config": {**config, "context": 1024}}}))
+    assert not resume.finished(str(path), config, said.append)
+    assert said == [f"{path} holds results of another configuration (context: 1024 there, 512 now); computing this "
+                    "one, to overwrite it"]

@@ -121,6 +121,14 @@ def test_interrupted_study_sweep_resumes_without_running_a_finished_context(caps
     assert [results(out, c) for c in ("512tok", "1k")] == want
     calls.clear()
     assert cli.main([*SWEEP_ARGV, "--out", str(out), "--resume"]) == 0 and calls == []
+    # a damaged results file is computed again, and said so in one line
+    damaged = out / "fidelity_smollm2_1k_16pos.json"
+    damaged.write_text(damaged.read_text()[:40])
+    capsys.readouterr()
+    assert cli.main([*SWEEP_ARGV, "--out", str(out), "--resume"]) == 0 and calls == [1024]
+    said = [line for line in capsys.readouterr().out.splitlines() if "damaged" in line]
+    assert len(said) == 1 and said[0].startswith(f"[sweep] --resume: {damaged} is damaged (JSONDecodeError: ")
+    assert said[0].endswith("computing it again, to overwrite it") and results(out, "1k") == want[1]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -132,3 +140,15 @@ def test_repeated_values_are_refused_before_any_work(capsys, argv, message):
     code = cli.main(argv)
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("spec", ["fathom_tuned", "fathom_bits:55:observed", "fathom_tuned:observed"])
+def test_methods_that_need_a_tuned_calibration_are_refused_by_the_checks(spec):
+    """The sweeps calibrate with corpus or session statistics: a method that reads tuned budgets or plane errors
+    failed after the model had loaded; the checks every run starts with (and the CLI runs first) refuse it."""
+    from fathom_jax.eval import sweeps
+
+    with pytest.raises(ValueError, match=f"{spec} reads .*; the sweeps calibrate with corpus or session statistics"):
+        sweeps.check_ruler(sweeps.RulerConfig(methods=("dense", "exact", spec)))
+    with pytest.raises(ValueError, match="the sweeps calibrate with corpus or session statistics"):
+        sweeps.check_agreement(sweeps.AgreementConfig(methods=("dense", "exact", "sparq:16", spec)))
