@@ -294,16 +294,18 @@ def test_ragged_batch_decodes_like_each_sequence_alone(model, calib):
 
 
 def test_pallas_kernels_decode_like_the_reference(model):
-    """implementation="triton" (plane scan, top-k, row fetch, cache write; interpreted on CPU) == "xla"."""
+    """implementation="triton" (the scans, the selection, row fetch, attention, cache write; interpreted on CPU) ==
+    "xla"; with XLA's attention, whose sums the reference's equal, the same index bit for bit."""
     ref = decode.from_spec("fathom:16", k=40, implementation="xla")
     pal = dataclasses.replace(ref, implementation="triton")
     want, want_cache, _ = sparse_forced(model, LONG, LONG[:, :3], ref, capacity=72)
-    got, got_cache, _ = sparse_forced(model, LONG, LONG[:, :3], pal, capacity=72)
-    close(got[:2], want[:2], 1e-4)  # prefill and the first step
-    # Compiled for the GPU, the plane scan sums in another order than the XLA dot, so a near-tied token
-    # can swap in or out of a later step's top-k (seen on the H200: 2.5e-4 of the logit scale).
-    close(got, want, 1e-4 if jax.default_backend() == "cpu" else 1e-3)
-    assert (np.argmax(got, -1) == np.argmax(want, -1)).all()
+    for step in (StepConfig(), StepConfig(attention="xla")):
+        got, got_cache, _ = sparse_forced(model, LONG, LONG[:, :3], dataclasses.replace(pal, step=step), capacity=72)
+        close(got[:2], want[:2], 1e-4)  # prefill and the first step
+        # Compiled for the GPU, the plane scan sums in another order than the XLA dot, so a near-tied token
+        # can swap in or out of a later step's top-k (seen on the H200: 2.5e-4 of the logit scale).
+        close(got, want, 1e-4 if jax.default_backend() == "cpu" else 1e-3)
+        assert (np.argmax(got, -1) == np.argmax(want, -1)).all()
     assert_trees_bitwise_equal(got_cache.index, want_cache.index)  # the kernels write the same bits
     with pytest.raises(ValueError, match="implementation"):
         dataclasses.replace(ref, implementation="cuda")
