@@ -49,10 +49,10 @@ from typing import Literal, get_args
 import jax
 
 from fathom_jax.decode.fetches import CachedRowFetch, RowFetch
-from fathom_jax.decode.reads import DeviceRead, DirectRead, IndexRead, StagedRead, TieredRead
+from fathom_jax.decode.reads import IndexRead, index_read
 from fathom_jax.decode.selection import SortedSelection, ThresholdSelection
 from fathom_jax.placement import Placement
-from fathom_jax.placement.residency import all_resident
+from fathom_jax.index.plane_stacking import stacking
 from pallas_kernels.plane_scan import PlaneScanConfig
 from pallas_kernels.topk import TopkConfig
 
@@ -158,31 +158,16 @@ class StepConfig:
             raise ValueError(f"step pipeline={self.pipeline} must divide the {groups // placement.num_shards} groups "
                              "(batch x KV heads) of each device; use a divisor of it")
         host = placement.in_host_memory
-        resident = placement.resident(layers)
-        tiered = placement.offloaded and (any(resident) or placement.warm_planes > 0)
-        staged = placement.offloaded and (self.read == "staged" or tiered)
-        reader: IndexRead
-        if implementation == "xla":  # XLA reads device memory only
-            reader = DeviceRead("xla")
-        elif not placement.offloaded:
-            reader = DeviceRead(implementation)
-        elif all_resident(resident):  # every plane in HBM, scanned in place; other bulk arrays staged from the host
-            reader = DirectRead(implementation)
-        elif tiered:  # resident planes: the tiered gather (the read mode is about host-only planes)
-            reader = TieredRead(implementation, _programs(self.gather_programs, host))
-        elif staged:
-            reader = StagedRead(implementation, _programs(self.gather_programs, host))
-        else:
-            reader = DirectRead(implementation)
-        reader = dataclasses.replace(reader, scan=self.scan)
+        stack = stacking(placement.resident(layers), placement.warm_planes)
+        reader = index_read(stack, offloaded=placement.offloaded, implementation=implementation, mode=self.read,
+                            programs=_programs(self.gather_programs, host), scan=self.scan)
         fetch_programs = _programs(self.fetch_programs, host)
         # the offloaded layout's rows are fetched first (on a CPU, device memory stands in for the host: the same path)
         fetcher = (CachedRowFetch if self.row_cache else RowFetch)(implementation, fetch_programs,
                                                                    in_host=placement.offloaded,
                                                                    kernel=self.attention == "kernel")
-        options = (CONCURRENT_KERNELS if staged and self.pipeline != 1 else {}) | dict(self.xla_options)
-        planes_cross = not (tiered and all_resident(resident))  # else the index is all in HBM, the rows are not
-        chunks = self._chunks(groups // placement.num_shards, capacity, host and staged, planes_cross)
+        options = (CONCURRENT_KERNELS if reader.stages and self.pipeline != 1 else {}) | dict(self.xla_options)
+        chunks = self._chunks(groups // placement.num_shards, capacity, host and reader.stages, stack.crosses_link)
         selection = SortedSelection() if self.selection == "sorted" else (self.threshold or ThresholdSelection())
         return ResolvedStep(reader=reader, fetcher=fetcher, selection=selection, chunks=chunks,
                             implementation=implementation, index_writes=self.index_writes, in_place=host,

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from fathom_jax import scan as scan_lib
 from fathom_jax import store as store_lib
+from fathom_jax.index.plane_stacking import OneTier, TwoTiers
 from fathom_jax.methods.base import BlockRead, KeyRead, PlaneRead
 from pallas_kernels import backend
 from pallas_kernels.operands import ResidentPlanes, RunList, StorePlanes
@@ -36,6 +37,22 @@ from pallas_kernels.scan_select import Candidates, sample_threshold, scan_select
 from pallas_kernels.tier_gather import tier_gather
 
 
+def index_read(stack: OneTier | TwoTiers, *, offloaded: bool, implementation: backend.Implementation,
+               mode: str = "staged", programs: int = 0, scan: PlaneScanConfig | None = None) -> "IndexRead":
+    """The read of a cache whose planes are stacked as ``stack`` (:mod:`fathom_jax.index.plane_stacking`): the one
+    place a stacking picks its read. ``mode`` (``"staged"`` or ``"direct"``) says how planes that only host memory
+    holds are read; ``programs`` is the gathers' persistent programs (0: one per copied chunk of a run)."""
+    if implementation == "xla" or not offloaded:  # XLA reads device memory only
+        return DeviceRead(implementation, scan=scan)
+    if isinstance(stack, TwoTiers):  # the read mode is about host-only planes: resident ones are read in place
+        return TieredRead(implementation, programs, scan=scan)
+    if stack.in_hbm:
+        return DirectRead(implementation, scan=scan, planes_in_hbm=True)
+    if mode == "staged":
+        return StagedRead(implementation, programs, scan=scan)
+    return DirectRead(implementation, scan=scan)
+
+
 @dataclasses.dataclass(frozen=True)
 class IndexRead:
     """The base of the read strategies: ``implementation`` runs the kernels (``"triton"``) or the reference; ``scan``
@@ -43,6 +60,11 @@ class IndexRead:
 
     implementation: backend.Implementation = "xla"
     scan: PlaneScanConfig | None = dataclasses.field(default=None, kw_only=True)
+
+    @property
+    def stages(self) -> bool:
+        """Whether a step's reads copy bytes from host memory to HBM that pipelined chunks can overlap."""
+        return False
 
     def source(self, view, *, group_start: int = 0, after=None) -> "StepSource":
         """The source a read of ``view``'s groups (from ``group_start`` of the stacked cache) scores; ``after``:
@@ -112,6 +134,7 @@ class StagedRead(_HostRead):
     a run), then the plane scan reads them there."""
 
     programs: int = 0
+    stages = True
 
     def _plane_operands(self, read, store, length, layer, group_start, after):
         runs = read.runs()
@@ -122,7 +145,14 @@ class StagedRead(_HostRead):
 
 @dataclasses.dataclass(frozen=True)
 class DirectRead(_HostRead):
-    """The plane scan reads the planes in place as it computes (host memory, or HBM with every plane resident)."""
+    """The plane scan reads the planes in place as it computes: in host memory, or (``planes_in_hbm``) in HBM with
+    every plane resident, where only other bulk arrays and the rows are staged."""
+
+    planes_in_hbm: bool = False
+
+    @property
+    def stages(self) -> bool:
+        return self.planes_in_hbm
 
     def _plane_operands(self, read, store, length, layer, group_start, after):
         return _in_place(read, store, length, layer, group_start), None
@@ -134,6 +164,7 @@ class TieredRead(_HostRead):
     programs of the tiered gather; 0: one per copied chunk of a run)."""
 
     programs: int = 0
+    stages = True
 
     def _plane_operands(self, read, store, length, layer, group_start, after):
         runs = read.runs()

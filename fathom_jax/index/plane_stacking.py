@@ -83,6 +83,11 @@ class OneTier:
 
     in_hbm: bool = False
 
+    @property
+    def crosses_link(self) -> bool:
+        """Whether a scan of an offloaded cache moves plane bytes over the link (not with every plane in HBM)."""
+        return not self.in_hbm
+
     def bulk(self, data):
         where = "device" if self.in_hbm else True
         return dataclasses.replace(_small_like(data, False), planes=where, scales=where)
@@ -134,6 +139,8 @@ class TwoTiers:
 
     resident: tuple[int, ...]
     warm: int = 0
+
+    crosses_link = True  # some layer keeps a plane in host memory (all four resident everywhere is one tier in HBM)
 
     def bulk(self, data):
         warm = {} if self.warm == 0 else {"warm": "device", "warm_map": "device"}  # kernels read both at a group offset

@@ -23,11 +23,6 @@ from fathom_jax import format as fmt
 from fathom_jax.format import BLOCK_TOKENS, N_PLANES
 
 
-def all_resident(resident: tuple[int, ...]) -> bool:
-    """Every plane of every layer in device memory: no plane of the index crosses the link."""
-    return all(p == N_PLANES for p in resident)
-
-
 def plane_bytes(*, groups: int, capacity: int, head_dim: int) -> int:
     """Bytes of one plane of every channel of one layer (the unit a layer's resident planes grow by)."""
     return groups * head_dim * fmt.plane_words(fmt.round_capacity(capacity)) * 4

@@ -113,13 +113,21 @@ def test_reads_and_fetches_are_chosen_once():
     from unittest import mock
 
     from fathom_jax.decode.fetches import CachedRowFetch, RowFetch
-    from fathom_jax.decode.reads import DeviceRead, DirectRead, StagedRead
+    from fathom_jax.decode.reads import DeviceRead, DirectRead, StagedRead, TieredRead
 
     host = Placement("pinned_host")
     assert resolve(StepConfig(), Placement()).reader == DeviceRead("triton")
     assert resolve(StepConfig(), host, implementation="xla").reader == DeviceRead("xla")
     assert resolve(StepConfig(), host).reader == StagedRead("triton", 0)
     assert resolve(StepConfig(read="direct"), host).reader == DirectRead("triton")
+    # the stacking picks the read: resident or warm planes read in place beside a tiered gather (whatever the read
+    # mode: it is about host-only planes), every plane resident scanned in place with nothing gathered
+    for placement in (Placement("pinned_host", resident_planes=1), Placement("pinned_host", warm_planes=8)):
+        for mode in ("staged", "direct"):
+            assert resolve(StepConfig(read=mode), placement).reader == TieredRead("triton", 0)
+    in_hbm = resolve(StepConfig(), Placement("pinned_host", resident_planes=4)).reader
+    assert in_hbm == DirectRead("triton", planes_in_hbm=True) and in_hbm.stages
+    assert not DirectRead("triton").stages and StagedRead("triton").stages and not DeviceRead("triton").stages
     assert type(resolve(StepConfig(), host).fetcher) is RowFetch
     assert type(resolve(StepConfig(row_cache=8), host).fetcher) is CachedRowFetch
     assert not resolve(StepConfig(), host).in_place  # device memory here: functional writes
