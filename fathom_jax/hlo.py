@@ -118,10 +118,12 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 def kernel_launches(hlo_text: str) -> dict:
     """The kernels a compiled GPU program launches, where they run: ``{"entry": n, "loops": [{"body": name,
-    "kernels": n, "branches": [[n, ...], ...]}, ...]}``. A loop's ``kernels`` run once an iteration (a decode step's
-    layer scan: once a layer); ``branches`` lists, per conditional in its body, the kernels of each branch (only one
-    of which runs). Fusions, custom calls (the Pallas kernels, cuBLAS), sorts, copies and collectives count one each;
-    a called computation counts as its instructions."""
+    "kernels": n, "branches": [[n, ...], ...], "captured": n, "triton_outside": n}, ...]}``. A loop's ``kernels`` run
+    once an iteration (a decode step's layer scan: once a layer); ``branches`` lists, per conditional in its body, the
+    kernels of each branch (only one of which runs). Fusions, custom calls (the Pallas kernels, cuBLAS), sorts, copies
+    and collectives count one each; a called computation counts as its instructions. ``captured``: the body's kernels
+    inside XLA's command buffers (computations ``command_buffer*``, launched as one CUDA graph), and
+    ``triton_outside`` its Pallas Triton kernels launched one by one beside them."""
     instructions = hlo_instructions(hlo_text)
     by_computation: dict[str, list[dict]] = {}
     for inst in instructions:
@@ -132,26 +134,35 @@ def kernel_launches(hlo_text: str) -> dict:
         if m:
             lines[m.group(1)] = line
 
-    def count(computation: str, loops: list) -> tuple[int, list]:
-        kernels, branches = 0, []
+    def count(computation: str, loops: list, captured: bool = False) -> tuple[int, list, int, int]:
+        kernels, branches, in_buffers, triton_outside = 0, [], 0, 0
         for inst in by_computation.get(computation, []):
             line = lines.get(inst["name"], "")
             called = dict((kind, name) for kind, name in _CALLED.findall(line))
             if inst["opcode"] == "while":
-                inner, inner_branches = count(called["body"], loops)
-                loops.append({"body": called["body"], "kernels": inner, "branches": inner_branches})
+                inner, inner_branches, inner_captured, inner_triton = count(called["body"], loops)
+                loops.append({"body": called["body"], "kernels": inner, "branches": inner_branches,
+                              "captured": inner_captured, "triton_outside": inner_triton})
             elif inst["opcode"] == "conditional":
                 names = _BRANCHES.search(line)
                 names = ([n.strip().lstrip("%") for n in names.group(1).split(",")] if names else
                          [called[k] for k in ("false_computation", "true_computation") if k in called])
-                branches.append([count(name, loops)[0] for name in names])
+                branches.append([count(name, loops, captured)[0] for name in names])
             elif inst["opcode"] == "call":
-                inner, inner_branches = count(called["to_apply"], loops)
+                buffer = captured or called["to_apply"].startswith(_COMMAND_BUFFER)
+                inner, inner_branches, inner_captured, inner_triton = count(called["to_apply"], loops, buffer)
                 kernels, branches = kernels + inner, branches + inner_branches
+                in_buffers, triton_outside = in_buffers + inner_captured, triton_outside + inner_triton
             elif inst["opcode"] not in _NO_LAUNCH:
                 kernels += 1
-        return kernels, branches
+                in_buffers += captured
+                triton_outside += not captured and _TRITON in line
+        return kernels, branches, in_buffers, triton_outside
 
     loops: list = []
-    entry, entry_branches = count("ENTRY", loops)
+    entry, entry_branches, _, _ = count("ENTRY", loops)
     return {"entry": entry, "entry_branches": entry_branches, "loops": loops}
+
+
+_COMMAND_BUFFER = "command_buffer"  # XLA's command buffer scheduling outlines each captured run into one
+_TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'

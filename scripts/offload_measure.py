@@ -158,7 +158,9 @@ def selection_fields(cache, attn, steps: int) -> dict:
 def launch_fields(attn, q, key, value, cache, hlo_path=None) -> dict:
     """The kernels the attention-only step's compiled program launches a layer (on a GPU; none elsewhere): ``launches``
     in the layer loop's body outside any branch, ``launches_first`` / ``launches_second`` the threshold selection's
-    branches (its candidates' path, and the sorted second path), from :func:`fathom_jax.hlo.kernel_launches`."""
+    branches (its candidates' path, and the sorted second path), ``launches_captured`` those of the body inside XLA's
+    command buffers and ``triton_uncaptured`` its Pallas kernels outside them, from
+    :func:`fathom_jax.hlo.kernel_launches`."""
     if jax.default_backend() != "gpu":
         return {}
     program = attn.program(decode.programs._attention_fn, cache)  # noqa: SLF001 (the step attention_step runs)
@@ -170,7 +172,8 @@ def launch_fields(attn, q, key, value, cache, hlo_path=None) -> dict:
     if not found["loops"]:
         return {}
     layer = max(found["loops"], key=lambda loop: loop["kernels"])  # the layer scan's body
-    out = {"launches": layer["kernels"] + len(layer["branches"]), "launches_entry": found["entry"]}
+    out = {"launches": layer["kernels"] + len(layer["branches"]), "launches_entry": found["entry"],
+           "launches_captured": layer["captured"], "triton_uncaptured": layer["triton_outside"]}
     if layer["branches"]:
         out["launches_first"] = sum(b[0] for b in layer["branches"])
         out["launches_second"] = sum(b[-1] for b in layer["branches"])

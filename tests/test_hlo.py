@@ -264,3 +264,46 @@ def test_kernel_launches_counts_by_where_they_run():
     (loop,) = got["loops"]
     # fusion, triton kernel, the called cuBLAS gemm, the predicate's fusion; the branches apart (fast, slow)
     assert loop["body"] == "body" and loop["kernels"] == 4 and loop["branches"] == [[1, 3]]
+
+
+# The same loop after XLA's command buffer scheduling: the first fusion and the Pallas kernel outlined into one
+# command buffer (a CUDA graph), a second Pallas kernel launched by itself beside it.
+_CAPTURED_HLO = """
+HloModule step
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(f32[4]{0} %p)
+}
+
+%command_buffer (v: f32[4]) -> f32[4] {
+  %v.1 = f32[4]{0} parameter(0)
+  %f.1 = f32[4]{0} fusion(f32[4]{0} %v.1), kind=kLoop, calls=%fused_a
+  ROOT %k = f32[4]{0} custom-call(f32[4]{0} %f.1), custom_call_target="__gpu$xla.gpu.triton"
+}
+
+%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s.1 = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element((s32[], f32[4]{0}) %s.1), index=0
+  %v = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %s.1), index=1
+  %cb = f32[4]{0} call(f32[4]{0} %v), to_apply=%command_buffer
+  %k.2 = f32[4]{0} custom-call(f32[4]{0} %cb), custom_call_target="__gpu$xla.gpu.triton"
+  ROOT %r = (s32[], f32[4]{0}) tuple(s32[] %i, f32[4]{0} %k.2)
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %init = (s32[], f32[4]{0}) tuple(s32[] %zero, f32[4]{0} %a)
+  %w = (s32[], f32[4]{0}) while((s32[], f32[4]{0}) %init), condition=%cond_c, body=%body
+  ROOT %out = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %w), index=1
+}
+"""
+
+
+def test_kernel_launches_say_which_kernels_command_buffers_capture():
+    """Kernels inside a ``command_buffer`` computation launch as one graph; a Pallas kernel outside one launches by
+    itself (JAX issue 27988: Triton custom calls were left out of command buffers by default)."""
+    (loop,) = kernel_launches(_CAPTURED_HLO)["loops"]
+    assert loop["kernels"] == 3 and loop["captured"] == 2 and loop["triton_outside"] == 1
+    (plain,) = kernel_launches(_LAUNCH_HLO)["loops"]
+    assert plain["captured"] == 0 and plain["triton_outside"] == 1  # the branches' kernels are counted apart
