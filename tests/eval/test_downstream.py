@@ -65,7 +65,7 @@ def tiny_gemma3(monkeypatch, smollm2_tokenizer):
     from flax import nnx
 
     from fathom_jax.models.gemma3 import Gemma3ForCausalLM
-    from fathom_jax.models.gemma3_config import Gemma3Config
+    from fathom_jax.models.gemma3.config import Gemma3Config
     config = Gemma3Config(vocab=49152, hidden=64, intermediate=96, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=128,
                           sliding_window=128, sliding_window_pattern=3, query_pre_attn_scalar=128.0)
     model = Gemma3ForCausalLM(config, rngs=nnx.Rngs(0))

@@ -16,8 +16,8 @@ from fathom_jax.models import DenseCache, generation, softmax_attention
 from fathom_jax.models import gemma3 as G
 from fathom_jax.models.capture import causal_attention
 from fathom_jax.models.config import RopeScaling
-from fathom_jax.models.gemma3_config import Gemma3Config
-from fathom_jax.models.gemma3_windows import window_attention
+from fathom_jax.models.gemma3.config import Gemma3Config
+from fathom_jax.models.gemma3.windows import window_attention
 
 from tests.support import forced_logits
 
@@ -199,7 +199,8 @@ def test_embedding_scale_is_rounded_to_the_model_dtype(model):
 
 
 def test_hf_tiny_logit_and_greedy_parity(tiny_checkpoints):
-    from fathom_jax.models import gemma3_loading, hub
+    from fathom_jax.models import hub
+    from fathom_jax.models.gemma3 import loading as gemma3_loading
 
     path = os.path.join(tiny_checkpoints, "gemma3")
     ref = np.load(os.path.join(path, "ref.npz"))

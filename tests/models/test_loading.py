@@ -11,8 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from fathom_jax.models import LlamaForCausalLM, generate
 from fathom_jax.models.config import LlamaConfig
-from fathom_jax.models.loading import (
-    MissingTensorError,
+from fathom_jax.models.llama.loading import (
     config_from_gguf,
     gguf_name_map,
     hf_name_map,
@@ -21,6 +20,7 @@ from fathom_jax.models.loading import (
     permute_rope_rows,
     unpermute_rope_rows,
 )
+from fathom_jax.models.loading import MissingTensorError
 
 from tests.support import forced_logits
 
