@@ -97,7 +97,7 @@ def run(capsys, *argv):
 ])
 def test_bad_arguments_are_one_line_and_exit_2_before_the_model_loads(capsys, monkeypatch, argv, message):
     from fathom_jax.models import hub
-    from tests.cli.test_app import SMOL
+    from tests.support import SMOL
 
     def work(*a, **kw):
         raise AssertionError("the command loaded the model before checking its arguments")
