@@ -1,4 +1,5 @@
-"""Guards on compiled programs: no copy of a host-resident (``pinned_host``) array, no copy of a layer's weights.
+"""Reading compiled programs' HLO text: guards (no copy of a host-resident array, no copy of a layer's weights) and
+the instructions and kernel launches a program runs.
 
 No Pallas GPU lowering documents host-memory operands; on JAX 0.11.2 the Triton backend reads them in
 place (the ``S(5)`` host parameters go straight into the kernels' custom calls). A JAX or XLA upgrade that
@@ -11,6 +12,10 @@ fusion cannot read such a slice in place, so XLA copies it first (386 MB per Qwe
 ``results/decode_step_h200.md``); :data:`fathom_jax.models.generation.WEIGHT_GEMM_OPTIONS` makes the GEMMs cuBLAS calls
 under XLA's dynamic-slice fusion, which read the slice where it lies. :func:`device_copies` lists the copies and
 dynamic slices a compiled program still runs, so a test catches an XLA that drops that fusion.
+
+Under both: :func:`hlo_instructions` (every instruction with its bytes, computation and JAX source line) and
+:func:`running_instructions` (those that run as work of their own). :func:`kernel_launches` counts the kernels a GPU
+program launches, in its entry and per loop iteration and branch (``scripts/offload_measure.py``'s launches a layer).
 """
 
 from __future__ import annotations

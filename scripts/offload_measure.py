@@ -163,7 +163,7 @@ def launch_fields(attn, q, key, value, cache, hlo_path=None) -> dict:
     :func:`fathom_jax.hlo.kernel_launches`."""
     if jax.default_backend() != "gpu":
         return {}
-    program = attn.program(decode.programs._attention_fn, cache)  # noqa: SLF001 (the step attention_step runs)
+    program = decode.programs.attention_program(attn, cache)
     text = program.lower(q, key, value, cache=cache).compile().as_text()
     if hlo_path:
         with open(hlo_path, "w") as f:

@@ -7,10 +7,13 @@ holds functions.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fathom_jax import calibrate as C
 from fathom_jax import index as I
 from fathom_jax import methods as M
+from fathom_jax.models.config import LlamaConfig, RopeScaling
+from fathom_jax.models.gemma3.config import Gemma3Config
 
 
 def forced_logits(model, tokens, capacity: int | None = None, attention=None):
@@ -245,3 +248,96 @@ def bench_offload_rows(tmp_path, monkeypatch, tag: str, *args: str):
         res = json.load(f)
     assert not res["errors"], res["errors"]
     return res, cfg
+
+
+# Marks of a test that needs a CUDA GPU
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
+
+
+def corpus_calibration(model, seed):
+    """A calibration from the q/k/v ``model`` captures over 64 random tokens (``seed``)."""
+    from fathom_jax.models import capture_qkv
+
+    cap = capture_qkv(model, np.random.default_rng(seed).integers(0, 97, 64))
+    return C.calibrate(cap["k"], cap["q"])
+
+
+def sparse_forced(model, prompt, tokens, attn, capacity=48, lengths=None):
+    """Teacher forcing through ``attn`` (tests/decode/test_hook.py's capacity 48 by default): the prefill of
+    ``prompt`` [B, T], then decode steps fed ``tokens`` [B, steps]: (logits [steps + 1, B, V], final cache, hook
+    after prefill)."""
+    from fathom_jax.models import generation
+
+    lengths = np.full(prompt.shape[0], prompt.shape[1]) if lengths is None else lengths
+    logits, cache, attn = generation.prefill(model, prompt, lengths, attn, capacity)
+    out = [np.asarray(logits)]
+    for t in range(tokens.shape[1]):
+        _, logits, cache = generation.decode_step(model, tokens[:, t], cache, attn)
+        out.append(np.asarray(logits))
+    return np.stack(out), cache, attn
+
+
+# A tiny Gemma 3 (tests/models/test_gemma3.py's): two blocks of (2 local, 1 global) layers; window 4 < its 13 tokens;
+# 4 query heads over 2 KV heads; query_pre_attn_scalar != head_dim, softcapped logits, linear RoPE scaling on the
+# global layers. (The tail of local layers after the last global one is in test_gemma3.py's transformers parity case.)
+TINY_GEMMA3 = Gemma3Config(vocab=97, hidden=32, intermediate=48, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=8,
+                           sliding_window=4, sliding_window_pattern=3, query_pre_attn_scalar=6.0,
+                           final_logit_softcapping=8.0, rope_scaling=RopeScaling("linear", 2.0))
+
+
+# SmolLM2-135M's shape: what argument checks need from a model (its metadata), without loading it.
+SMOL = LlamaConfig(vocab=49152, hidden=576, intermediate=1536, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                   tie_word_embeddings=True, max_position_embeddings=8192)
+
+
+class CharTokenizer:
+    """One token per character: prompt lengths are easy to control."""
+
+    def encode(self, text):
+        return [ord(c) % 97 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def write_hf_checkpoint(path, seed=0):
+    """A tiny random Llama written in HF layout by our own name map (no transformers needed)."""
+    import json
+    import os
+
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from fathom_jax.models import LlamaConfig, LlamaForCausalLM
+    from fathom_jax.models.llama.loading import hf_name_map
+
+    cfg = LlamaConfig(vocab=50, hidden=16, intermediate=24, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4)
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed))
+    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+          "rope_theta": 10000.0, "tie_word_embeddings": False}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    tensors = {}
+    for p, var in nnx.to_flat_state(nnx.state(model)):
+        spec = hf_name_map(cfg)[tuple(p)]
+        a = np.asarray(var.get_value())
+        for i, layer_a in enumerate(a if p[0] == "layers" else [a]):
+            tensors[spec.name.format(i=i)] = np.ascontiguousarray(spec.transform(layer_a))  # T is self-inverse
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return model, cfg
+
+
+def scores_sequence(steps=40, heads=3, n=448, seed=0):
+    """Scores [P, H, n] of drifting heads whose scale and offset jump now and then (both failures occur)."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal((heads, n))
+    out = []
+    scale, offset = np.ones(heads), np.zeros(heads)
+    for _ in range(steps):
+        base = 0.9 * base + np.sqrt(1 - 0.81) * rng.standard_normal(base.shape)
+        jump = rng.random(heads) < 0.25
+        scale = np.where(jump, rng.uniform(0.3, 3.0, heads), scale)
+        offset = np.where(jump, rng.normal(0, 1.5, heads), offset)
+        out.append(scale[:, None] * base + offset[:, None])
+    return np.asarray(out, np.float32)

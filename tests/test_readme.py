@@ -104,7 +104,7 @@ def _write_hf(path: pathlib.Path, config, hf: dict, seed: int) -> None:
     from tokenizers import models as tok_models, pre_tokenizers
 
     from fathom_jax.models import LlamaForCausalLM
-    from fathom_jax.models.loading import hf_name_map
+    from fathom_jax.models.llama.loading import hf_name_map
 
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(hf))

@@ -12,7 +12,7 @@ from fathom_jax.decode.selection import ThresholdSelection
 from pallas_kernels.topk_radix import INT_MIN, sortable_key
 from scripts import threshold_rules as tr
 from scripts import threshold_seeds
-from tests.test_threshold_seeds import scores_sequence
+from tests.support import scores_sequence
 
 SINK, LOCAL, BLOCK = 4, 8, 64
 

@@ -13,23 +13,9 @@ from fathom_jax.select import kth_largest_middle
 from pallas_kernels.candidate_topk import candidate_topk_reference
 from pallas_kernels.topk_radix import INT_MIN, sortable_key
 from scripts import threshold_seeds
+from tests.support import scores_sequence
 
 SINK, LOCAL = 4, 8
-
-
-def scores_sequence(steps=40, heads=3, n=448, seed=0):
-    """Scores [P, H, n] of drifting heads whose scale and offset jump now and then (both failures occur)."""
-    rng = np.random.default_rng(seed)
-    base = rng.standard_normal((heads, n))
-    out = []
-    scale, offset = np.ones(heads), np.zeros(heads)
-    for _ in range(steps):
-        base = 0.9 * base + np.sqrt(1 - 0.81) * rng.standard_normal(base.shape)
-        jump = rng.random(heads) < 0.25
-        scale = np.where(jump, rng.uniform(0.3, 3.0, heads), scale)
-        offset = np.where(jump, rng.normal(0, 1.5, heads), offset)
-        out.append(scale[:, None] * base + offset[:, None])
-    return np.asarray(out, np.float32)
 
 
 def reference(scores, lengths, k, rank, slack, coupled):

@@ -18,7 +18,7 @@ import importlib
 import os
 import sys
 
-from fathom_jax.cli.args import EXIT_FAILURE, EXIT_USAGE, UsageError, _Parser, positive_int, running  # noqa: F401
+from fathom_jax.cli.args import EXIT_FAILURE, EXIT_USAGE, Parser, UsageError, positive_int, running  # noqa: F401
 from fathom_jax.eval import interrupt
 
 # Every subcommand of ``fathom``, registered here and nowhere else: each module exposes ``register(subparsers)``.
@@ -38,7 +38,7 @@ COMMAND_MODULES: tuple[str, ...] = (
 def build_parser() -> argparse.ArgumentParser:
     from fathom_jax import __version__
 
-    parser = _Parser(prog="fathom", description=__doc__)
+    parser = Parser(prog="fathom", description=__doc__)
     parser.set_defaults(debug=False)
     parser.add_argument("--version", action="version", version=f"fathom-jax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

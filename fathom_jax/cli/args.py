@@ -58,7 +58,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
         return super()._get_help_string(action)
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block) and ``--debug`` on every (sub)command."""
 
     def __init__(self, *args, **kwargs):

@@ -9,16 +9,21 @@
 
 One decode step's data flow, file by file:
 
-* ``hook.py``: :class:`SparseAttention`, the models' ``CacheAttention`` protocol: per layer it adds the new token to
-  every index part (its newest block, in device memory) and builds the layer's :class:`~fathom_jax.decode.step.
-  CacheView`, runs the step, and (in host memory) writes the token's row and blocks in place inside the layer scan;
-* ``step.py``: the step itself: plan (the method), read (``reads.py``), select and union (``fathom_jax.select``),
-  fetch (``fetches.py``), attend; in pipelined chunks where the resolved configuration says so;
-* ``config.py``: :class:`StepConfig` (how a step runs), resolved once per cache shape into the strategies;
-* ``cache.py`` / ``writes.py`` / ``row_cache.py``: the stacked cache, its writes, the optional row cache;
-* ``rows.py``: how the cache stores each token's K/V row (the model dtype, or a compressed row format);
-* ``programs.py``: the compiled programs over a placed cache (donation, in-place host writes), the attention-only
-  benchmark step, flush, and a sparse cache from a dense prefill.
+* ``hook.py``: :class:`SparseAttention`, the models' ``CacheAttention`` protocol (and :func:`from_spec`): per layer it
+  adds the new token to every index part (its newest block, in device memory) and builds the layer's
+  :class:`~fathom_jax.decode.step.CacheView`, runs the step, and (in host memory) writes the token's row and blocks in
+  place inside the layer scan;
+* ``step.py``: the step itself: plan (the method), read (``reads.py``), select (``selection.py``: the threshold or the
+  sorted strategy, and the group's union), fetch (``fetches.py``), attend; in pipelined chunks where the resolved
+  configuration says so;
+* ``config.py``: :class:`StepConfig` (how a step runs), resolved once per cache shape into the strategies
+  (:class:`ResolvedStep`);
+* ``cache.py`` / ``writes.py`` / ``row_cache.py``: the stacked :class:`SparseCache` and its allocation, its writes
+  (prefill, new token, commit, flush), the optional row cache; how it stores each token's K/V row is
+  :class:`~fathom_jax.rows.layout.RowLayout` (``fathom_jax.rows``), where it lives a
+  :class:`~fathom_jax.placement.Placement`;
+* ``cache_program.py`` / ``programs.py``: how a compiled program over a placed cache is made (donation, in-place host
+  writes), and the programs: the attention-only benchmark step, flush, a sparse cache from a dense prefill.
 """
 
 from fathom_jax.decode.cache import LayerUpdate, SparseCache, cache_bytes

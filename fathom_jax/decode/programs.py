@@ -49,7 +49,13 @@ def attention_step(q: Float[Array, "L R G D"], key: Float[Array, "L R D"], value
                    cache: SparseCache, attn: SparseAttention):
     """The attention part of one decode step for every layer (one program): ``(outputs [L, R, G, D], cache)``; the
     cache is donated. ``attn`` is bound to the cache (:meth:`SparseAttention.bind`)."""
-    return attn.program(_attention_fn, cache)(q, key, value, cache=cache)
+    return attention_program(attn, cache)(q, key, value, cache=cache)
+
+
+def attention_program(attn: SparseAttention, cache: SparseCache):
+    """The program :func:`attention_step` runs, ``program(q, key, value, cache=cache)`` (to lower it and read its
+    HLO: ``scripts/offload_measure.py``)."""
+    return attn.program(_attention_fn, cache)
 
 
 def _attention_fn(attn, q, key, value, cache):

@@ -17,10 +17,13 @@ Files by role: ``decoder.py`` (the :class:`Decoder` protocol the drivers use, wh
 implements it outside this package), ``cache.py`` (the dense KV cache and its decode attention function),
 ``generation.py`` (the greedy step and its drivers: ``generate``, ``prefill``, ``decode_step``, ``decode_loop``),
 ``capture.py`` (q/k/v capture: the prompt through an attention that records them), ``config.py`` (frozen configs,
-``from_hf_config``), ``layers.py`` (RMSNorm, RoPE, attention projections, MLP), ``llama.py`` (the Llama family),
-``gemma3*.py`` (Gemma 3: interleaved sliding-window and global layers, the windows in ring buffers),
-``prompt_attention.py`` (a prompt's causal attention), ``guards.py`` / ``sizing.py`` (argument checks, memory
-sizing), ``loading.py`` / ``hub.py`` / ``tokenizer.py`` (weights and tokenizers). Nothing here imports the sparse code.
+``from_hf_config``), ``layers.py`` (RMSNorm, RoPE, attention projections, MLP), ``prompt_attention.py`` (a prompt's
+causal attention), ``guards.py`` / ``sizing.py`` (argument checks, memory sizing), ``loading.py`` (what every
+family's weight loading shares: the safetensors and GGUF sources, ``build_model``), ``hub.py`` / ``tokenizer.py``
+(known models, loading by checkpoint; tokenizers). The families are packages: ``llama/`` (the Llama family: its
+model and loading) and ``gemma3/`` (Gemma 3: interleaved sliding-window and global layers, the windows in ring
+buffers), each a record in ``families.py``, the registry the loader, the tokenizer and the sizing read. Nothing
+here imports the sparse code.
 """
 
 import importlib
@@ -32,11 +35,11 @@ _EXPORTS = {
     "CaptureAttention": "capture", "capture_qkv": "capture",
     "LlamaConfig": "config", "RopeScaling": "config",
     "Decoder": "decoder", "LayerwiseDecoder": "decoder",
-    "Gemma3ForCausalLM": "gemma3", "Gemma3Config": "gemma3_config",
+    "Gemma3ForCausalLM": "gemma3.model", "Gemma3Config": "gemma3.config",
     "decode_loop": "generation", "decode_step": "generation", "generate": "generation", "prefill": "generation",
     "fetch_model": "hub", "load_model": "hub", "load_smollm2": "hub", "load_tokenizer": "hub", "model_config": "hub",
-    "LlamaForCausalLM": "llama",
-    "MissingTensorError": "loading", "load_gguf": "loading", "load_hf_checkpoint": "loading",
+    "LlamaForCausalLM": "llama.model",
+    "MissingTensorError": "loading", "load_gguf": "llama.loading", "load_hf_checkpoint": "llama.loading",
     "Tokenizer": "tokenizer",
 }
 

@@ -203,27 +203,17 @@ def load_tokenizer(source: str | os.PathLike | None = None):
     return loading.hf_tokenizer(path) if os.path.isdir(path) else from_gguf(loading.open_gguf(path))
 
 
-def _loader(path: str):
-    """The module that loads ``path``: ``gemma3_loading`` for a Gemma 3 checkpoint or GGUF, else ``loading``
-    (the Llama family, which names what it cannot load)."""
-    from fathom_jax.models import gemma3_loading, loading
-
-    if os.path.isdir(path):
-        return gemma3_loading if gemma3_loading.is_hf_gemma3(path) else loading
-    return gemma3_loading if gemma3_loading.gguf_architecture(loading.open_gguf(path)) == "gemma3" else loading
-
-
 def load_model(source: str | os.PathLike | None = None, *, dtype="float32"):
     """``(model, tokenizer, config)`` from ``source``: None or a known name (``"smollm2"``, ``"gemma3-270m"``,
     fetched on first use), a HF safetensors directory (config.json, tokenizer.json,
-    model.safetensors[.index.json]) or a Llama / Gemma 3 GGUF file. The model is a
-    :class:`~fathom_jax.models.LlamaForCausalLM` or, for Gemma 3, a
-    :class:`~fathom_jax.models.gemma3.Gemma3ForCausalLM`."""
-    from fathom_jax.models import loading
+    model.safetensors[.index.json]) or a Llama / Gemma 3 GGUF file. The model is its family's (the registry,
+    ``families.py``, tells it from the checkpoint): a :class:`~fathom_jax.models.LlamaForCausalLM` or, for Gemma 3,
+    a :class:`~fathom_jax.models.gemma3.Gemma3ForCausalLM`."""
+    from fathom_jax.models import families, loading
     from fathom_jax.models.tokenizer import from_gguf
 
     path = resolve(source)
-    loader = _loader(path)
+    loader = families.for_checkpoint(path).loading()
     if os.path.isdir(path):
         model, config = loader.load_hf_checkpoint(path, dtype=dtype)
         return model, loading.hf_tokenizer(path), config
@@ -234,12 +224,12 @@ def load_model(source: str | os.PathLike | None = None, *, dtype="float32"):
 
 def model_config(source: str | os.PathLike | None = None):
     """The config (:class:`~fathom_jax.models.LlamaConfig`, or
-    :class:`~fathom_jax.models.gemma3_config.Gemma3Config`) of ``source`` (as :func:`load_model`), read from its
+    :class:`~fathom_jax.models.gemma3.Gemma3Config`) of ``source`` (as :func:`load_model`), read from its
     metadata alone: no weights are loaded, so arguments can be checked against it first."""
-    from fathom_jax.models import loading
+    from fathom_jax.models import families, loading
 
     path = resolve(source)
-    loader = _loader(path)
+    loader = families.for_checkpoint(path).loading()
     return loader.hf_config(path) if os.path.isdir(path) else loader.config_from_gguf(loading.open_gguf(path))
 
 

@@ -1,10 +1,12 @@
-"""Weight loading: HF safetensors checkpoints and llama.cpp GGUF files -> `LlamaForCausalLM`.
+"""Weight loading shared by the model families: a checkpoint's tensors -> a model's parameters.
 
-Both paths, and Gemma 3's (`gemma3_loading.py`), share `build_model`: the model is created abstractly
-(`nnx.eval_shape`, no random init), then every parameter is filled from a name map `module path ->
-TensorSpec(source name, transform)`. Per-layer source names contain `{i}`; their tensors are stacked on the
-leading layer axis the decoder scans over. A tensor the map needs but the source lacks raises a
-`MissingTensorError` naming it; a shape mismatch raises naming both shapes.
+Every family's loader (``llama/loading.py``, ``gemma3/loading.py``) builds its model with :func:`build_model`: the
+model is created abstractly (``nnx.eval_shape``, no random init), then every parameter is filled from a name map
+``module path -> TensorSpec(source name, transform)``. Per-layer source names contain ``{i}``; their tensors are
+stacked on the leading layer axis the decoder scans over. A tensor the map needs but the source lacks raises a
+:class:`MissingTensorError` naming it; a shape mismatch raises naming both shapes. The sources: a HF safetensors
+directory (:class:`SafetensorsDir`) or a llama.cpp GGUF file (:func:`open_gguf`, :func:`gguf_tensors`); which
+family reads a checkpoint is the registry's (``families.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fathom_jax.models.config import LlamaConfig, RopeScaling, gguf_field
-from fathom_jax.models.llama import LlamaForCausalLM
-
 Path = tuple[str, ...]
 Transform = Callable[[np.ndarray], np.ndarray]
 
@@ -33,11 +32,11 @@ class MissingTensorError(KeyError, ValueError):
         return str(self.args[0])
 
 
-def _identity(a: np.ndarray) -> np.ndarray:
+def identity(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _transpose(a: np.ndarray) -> np.ndarray:
+def transpose(a: np.ndarray) -> np.ndarray:
     # HF/GGUF linear weights are [out, in]; nnx.Linear kernels are [in, out].
     return a.T
 
@@ -45,10 +44,10 @@ def _transpose(a: np.ndarray) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     name: str  # source tensor name; "{i}" is replaced by the layer index for per-layer params
-    transform: Transform = _identity
+    transform: Transform = identity
 
 
-def _resolve_dtype(dtype):
+def resolve_dtype(dtype):
     return jnp.dtype({"bf16": "bfloat16", "f32": "float32"}.get(dtype, dtype))
 
 
@@ -66,7 +65,7 @@ def build_model(
     ``stacks``: each stacked module (parameters on a leading layer axis) -> the model layer index of each of its
     entries, in order; a per-layer source name's ``{i}`` is that index.
     """
-    dtype = _resolve_dtype(dtype)
+    dtype = resolve_dtype(dtype)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: make(dtype=dtype, rngs=nnx.Rngs(0))))
 
     def fetch(name: str) -> np.ndarray:
@@ -99,41 +98,8 @@ def build_model(
     return nnx.merge(graphdef, state)
 
 
-def build_llama(config: LlamaConfig, get_tensor, name_map: dict[Path, TensorSpec], *, dtype="float32",
-                source: str = "checkpoint") -> LlamaForCausalLM:
-    """A Llama-family model filled by :func:`build_model` (its one stack: ``layers``)."""
-    return build_model(functools.partial(LlamaForCausalLM, config), get_tensor, name_map,
-                       {"layers": range(config.n_layers)}, dtype=dtype, source=source)
-
-
-def _module_paths(config: LlamaConfig) -> list[Path]:
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-    return [tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(nnx.state(abstract))]
-
-
 # ---------------------------------------------------------------------------------------------
-# Hugging Face safetensors
-
-
-def hf_name_map(config: LlamaConfig) -> dict[Path, TensorSpec]:
-    """Module path -> HF tensor name. Our module names follow HF's, so the map is mechanical:
-    `kernel` is HF's transposed `weight`, `embedding` is `weight`."""
-    top = {
-        ("embed_tokens", "embedding"): TensorSpec("model.embed_tokens.weight"),
-        ("norm", "weight"): TensorSpec("model.norm.weight"),
-        ("lm_head", "kernel"): TensorSpec("lm_head.weight", _transpose),
-    }
-    out: dict[Path, TensorSpec] = {}
-    for path in _module_paths(config):
-        if path[0] != "layers":
-            out[path] = top[path]
-            continue
-        *mid, leaf = path[1:]
-        hf_leaf = "weight" if leaf == "kernel" else leaf
-        out[path] = TensorSpec(
-            f"model.layers.{{i}}.{'.'.join(mid)}.{hf_leaf}", _transpose if leaf == "kernel" else _identity
-        )
-    return out
+# Sources: HF safetensors directories and llama.cpp GGUF files
 
 
 class SafetensorsDir:
@@ -175,21 +141,6 @@ class SafetensorsDir:
                              "is truncated or damaged") from err
 
 
-def hf_config(path: str | os.PathLike) -> LlamaConfig:
-    """The config of a HF checkpoint directory, with errors that name the file."""
-    path = os.fspath(path)
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"{file} does not exist: a HF checkpoint directory holds config.json and "
-                                "model.safetensors (or a sharded model.safetensors.index.json)")
-    try:
-        return LlamaConfig.from_hf_config(file)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is not valid JSON ({err})") from err
-    except KeyError as err:
-        raise ValueError(f"{file} lacks the field {err} a Llama-family config needs") from err
-
-
 def hf_tokenizer(path: str | os.PathLike):
     """The `tokenizer.json` of a HF checkpoint directory."""
     from fathom_jax.models.tokenizer import from_tokenizer_json
@@ -201,54 +152,6 @@ def hf_tokenizer(path: str | os.PathLike):
         return from_tokenizer_json(file)
     except Exception as err:  # the tokenizers library raises its own exception type
         raise ValueError(f"{file} is not a readable tokenizer ({err})") from err
-
-
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype="float32") -> tuple[LlamaForCausalLM, LlamaConfig]:
-    """Load a HF Llama/Qwen2/Qwen3 checkpoint directory (config.json + safetensors)."""
-    config = hf_config(path)
-    reader = SafetensorsDir(path)
-    model = build_llama(config, reader, hf_name_map(config), dtype=dtype, source=os.fspath(path))
-    return model, config
-
-
-# ---------------------------------------------------------------------------------------------
-# GGUF (llama.cpp), Llama architecture
-
-
-def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's converter order: per head, rows (i, i + D/2) -> (2i, 2i + 1) (interleaved pairs)."""
-    d = w.shape[0] // n_heads
-    return w.reshape(n_heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Inverse of `permute_rope_rows`: back to HF's rotate-half row order."""
-    d = w.shape[0] // n_heads
-    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def gguf_name_map(config: LlamaConfig) -> dict[Path, TensorSpec]:
-    """Module path -> GGUF tensor name (llama.cpp's `blk.N.*` naming) for the Llama architecture."""
-    q_fix = lambda a: unpermute_rope_rows(a, config.n_heads).T  # noqa: E731
-    k_fix = lambda a: unpermute_rope_rows(a, config.n_kv_heads).T  # noqa: E731
-    layer = {
-        ("input_layernorm", "weight"): TensorSpec("blk.{i}.attn_norm.weight"),
-        ("self_attn", "q_proj", "kernel"): TensorSpec("blk.{i}.attn_q.weight", q_fix),
-        ("self_attn", "k_proj", "kernel"): TensorSpec("blk.{i}.attn_k.weight", k_fix),
-        ("self_attn", "v_proj", "kernel"): TensorSpec("blk.{i}.attn_v.weight", _transpose),
-        ("self_attn", "o_proj", "kernel"): TensorSpec("blk.{i}.attn_output.weight", _transpose),
-        ("post_attention_layernorm", "weight"): TensorSpec("blk.{i}.ffn_norm.weight"),
-        ("mlp", "gate_proj", "kernel"): TensorSpec("blk.{i}.ffn_gate.weight", _transpose),
-        ("mlp", "up_proj", "kernel"): TensorSpec("blk.{i}.ffn_up.weight", _transpose),
-        ("mlp", "down_proj", "kernel"): TensorSpec("blk.{i}.ffn_down.weight", _transpose),
-    }
-    out = {
-        ("embed_tokens", "embedding"): TensorSpec("token_embd.weight"),
-        ("norm", "weight"): TensorSpec("output_norm.weight"),
-        ("lm_head", "kernel"): TensorSpec("output.weight", _transpose),
-    }
-    out.update({("layers", *k): v for k, v in layer.items()})
-    return out
 
 
 def open_gguf(path: str | os.PathLike):
@@ -275,56 +178,8 @@ def _read_gguf(path: str, size: int, mtime_ns: int):
                          "truncated or not a GGUF model") from err
 
 
-def _gguf_path(reader) -> str:
+def gguf_path(reader) -> str:
     return os.fspath(getattr(getattr(reader, "data", None), "filename", None) or "GGUF file")
-
-
-def config_from_gguf(reader) -> LlamaConfig:
-    """LlamaConfig from GGUF metadata (`general.architecture` must be "llama")."""
-    import gguf
-
-    if not isinstance(reader, gguf.GGUFReader):
-        reader = open_gguf(reader)
-    arch = gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; only 'llama' is supported")
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError("GGUF carries rope_freqs (Llama-3 rope scaling): not supported by the GGUF loader")
-    g = lambda k, d=None: gguf_field(reader, f"llama.{k}", d)  # noqa: E731
-    hidden, n_heads = int(g("embedding_length")), int(g("attention.head_count"))
-    scaling = None
-    if g("rope.scaling.type") not in (None, "none"):
-        if g("rope.scaling.type") != "linear":
-            raise ValueError(f"unsupported GGUF rope scaling {g('rope.scaling.type')!r}")
-        scaling = RopeScaling("linear", float(g("rope.scaling.factor")))
-    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    return LlamaConfig(
-        vocab=int(vocab),
-        hidden=hidden,
-        intermediate=int(g("feed_forward_length")),
-        n_layers=int(g("block_count")),
-        n_heads=n_heads,
-        n_kv_heads=int(g("attention.head_count_kv", n_heads)),
-        head_dim=int(g("attention.key_length", hidden // n_heads)),
-        rope_theta=float(g("rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_word_embeddings="output.weight" not in names,
-        max_position_embeddings=int(g("context_length", 8192)),
-        family="llama",
-    )
-
-
-def load_gguf(path: str | os.PathLike, *, dtype="float32") -> tuple[LlamaForCausalLM, LlamaConfig]:
-    """Load a llama.cpp GGUF (Llama architecture, a path or an open reader); quantized tensors are
-    dequantized to `dtype`."""
-    import gguf
-
-    reader = path if isinstance(path, gguf.GGUFReader) else open_gguf(path)
-    config = config_from_gguf(reader)
-    model = build_llama(config, gguf_tensors(reader), gguf_name_map(config), dtype=dtype, source=_gguf_path(reader))
-    return model, config
 
 
 def gguf_tensors(reader) -> Callable[[str], np.ndarray | None]:
@@ -332,7 +187,7 @@ def gguf_tensors(reader) -> Callable[[str], np.ndarray | None]:
     weight), or None if the file has no such tensor."""
     import gguf
 
-    source = _gguf_path(reader)
+    source = gguf_path(reader)
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str) -> np.ndarray | None:

@@ -4,6 +4,8 @@ share (what a config's weights, caches and prefill take; what the machine has av
 
 from __future__ import annotations
 
+from fathom_jax.models import families
+
 GiB = 1 << 30
 
 
@@ -15,12 +17,10 @@ def param_count(config) -> int:
 
 
 def cache_layers(config) -> tuple[int, int, int]:
-    """``(layers that cache the whole context, layers that cache a window, the window)``: Gemma 3's global and
-    sliding-window layers; every layer of a Llama-family model caches the whole context."""
-    global_layers = getattr(config, "global_layers", None)
-    if global_layers is None:
-        return config.n_layers, 0, 0
-    return len(global_layers), len(config.local_layers), config.sliding_window
+    """``(layers that cache the whole context, layers that cache a window, the window)``, as the config's family
+    (``families.py``) counts them: Gemma 3's global and sliding-window layers; every layer of a Llama-family model
+    caches the whole context."""
+    return families.for_config(config).cache_layers(config)
 
 
 def peak_bytes(config, tokens: int, *, capture_texts: int = 0, batch: int = 1, weights: bool = True,
@@ -37,7 +37,7 @@ def peak_bytes(config, tokens: int, *, capture_texts: int = 0, batch: int = 1, w
 
     full, local, window = cache_layers(config)
     held = 2 * 4 * param_count(config) if weights else 0
-    query_rows = min(tokens, PREFILL_QUERY_CHUNK) if local else tokens
+    query_rows = min(tokens, PREFILL_QUERY_CHUNK) if families.for_config(config).chunked_prefill else tokens
     scores = 3 * 4 * batch * config.n_heads * query_rows * tokens
     if cache is None:
         cache = 2 * 4 * batch * config.n_kv_heads * config.head_dim * (full * tokens + local * window)

@@ -9,6 +9,8 @@ import os
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
+from fathom_jax.models import families
+
 # GGUF token types (llama.cpp's llama_token_type): CONTROL tokens (e.g. <|im_start|>) must be
 # matched whole, before BPE; so must USER_DEFINED ones (Gemma's runs of newlines), which are not special.
 _GGUF_CONTROL = 3
@@ -58,8 +60,9 @@ _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell", "command-r"}
 
 
 def from_gguf(reader) -> Tokenizer:
-    """The tokenizer a GGUF's `tokenizer.ggml.*` fields describe: byte-level BPE ("gpt2"), or Gemma's
-    SentencePiece BPE ("llama" in a gemma/gemma2/gemma3 file)."""
+    """The tokenizer a GGUF's `tokenizer.ggml.*` fields describe: byte-level BPE ("gpt2"), or a family's
+    SentencePiece BPE ("llama"; the family whose ``sentencepiece_architectures`` hold the file's architecture,
+    ``families.py``: Gemma's for a gemma/gemma2/gemma3 file)."""
     import gguf
 
     if not isinstance(reader, gguf.GGUFReader):
@@ -67,13 +70,15 @@ def from_gguf(reader) -> Tokenizer:
     f = reader.fields
     kind = f["tokenizer.ggml.model"].contents()
     arch = f["general.architecture"].contents() if "general.architecture" in f else None
+    family = families.for_sentencepiece(arch)
     if kind == "gpt2":
         tok = _byte_level_bpe(f)
-    elif kind == "llama" and arch in _GEMMA_ARCHS:
-        tok = _gemma_bpe(f)
+    elif kind == "llama" and family is not None:
+        tok = _SENTENCEPIECE[family.sentencepiece](f)
     else:
+        archs = sorted(a for fam in families.FAMILIES for a in fam.sentencepiece_architectures)
         raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (architecture {arch!r}); supported: 'gpt2' "
-                         f"(byte-level BPE), and 'llama' (SentencePiece) for {sorted(_GEMMA_ARCHS)}")
+                         f"(byte-level BPE), and 'llama' (SentencePiece) for {archs}")
     get = lambda k: int(f[k].contents()) if k in f else None  # noqa: E731
     add_bos = bool(f["tokenizer.ggml.add_bos_token"].contents()) if "tokenizer.ggml.add_bos_token" in f else False
     return Tokenizer(tok, get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id"), add_bos)
@@ -95,9 +100,6 @@ def _byte_level_bpe(f) -> tokenizers.Tokenizer:
     control = [t for t, ty in zip(tokens, types, strict=True) if ty == _GGUF_CONTROL]
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in control])
     return tok
-
-
-_GEMMA_ARCHS = {"gemma", "gemma2", "gemma3"}
 
 
 def _gemma_bpe(f) -> tokenizers.Tokenizer:
@@ -137,3 +139,7 @@ def _merges_by_position(tokens: list[str], vocab: dict[str, int]) -> list[tuple[
                 found.append((rank, left, right))
     found.sort(key=lambda m: m[0], reverse=True)  # stable: keeps the longer-left-first order within a token
     return [(left, right) for _, left, right in found]
+
+
+# A family's ``sentencepiece`` -> the builder of its tokenizer from the GGUF's fields
+_SENTENCEPIECE = {"gemma": _gemma_bpe}

@@ -13,21 +13,7 @@ from fathom_jax.cli import args as cli_args
 from fathom_jax.cli import generate_command
 from fathom_jax.models import hub
 from fathom_jax.models.config import LlamaConfig
-
-# SmolLM2-135M's shape: what argument checks need from a model (its metadata), without loading it.
-SMOL = LlamaConfig(vocab=49152, hidden=576, intermediate=1536, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
-                   tie_word_embeddings=True, max_position_embeddings=8192)
-
-
-class CharTokenizer:
-    """One token per character: prompt lengths are easy to control."""
-
-    def encode(self, text):
-        return [ord(c) % 97 for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(97 + i % 26) for i in ids)
-
+from tests.support import SMOL, CharTokenizer
 
 @pytest.fixture
 def no_work(monkeypatch):
@@ -362,10 +348,10 @@ def tiny_hf_model(tmp_path_factory):
     import tokenizers
     from tokenizers import models as tok_models, pre_tokenizers
 
-    from tests.models.test_loading import _write_hf_checkpoint
+    from tests.support import write_hf_checkpoint
 
     path = tmp_path_factory.mktemp("tiny_hf")
-    _write_hf_checkpoint(path)
+    write_hf_checkpoint(path)
     vocab = {f"w{i}": i for i in range(49)} | {"[UNK]": 49}
     tok = tokenizers.Tokenizer(tok_models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -440,7 +426,7 @@ def _gemma_state(spec, batch, capacity, rows=None):
     from fathom_jax import decode
     from fathom_jax.models import gemma3 as G
     from fathom_jax.models.attention import DenseCache
-    from tests.models.test_gemma3 import CFG
+    from tests.support import TINY_GEMMA3 as CFG
 
     model = nnx.eval_shape(lambda: G.Gemma3ForCausalLM(CFG, rngs=nnx.Rngs(0)))  # the state needs no weights
     attention = DenseCache() if spec is None else decode.from_spec(spec, k=40, rows=rows)
@@ -458,7 +444,7 @@ def test_state_bytes_are_the_allocated_state_of_the_global_layers_and_windows(sp
     index), the local layers' windows; byte for byte what the decoder allocates. A Llama model's every layer caches
     the context."""
     from fathom_jax import methods
-    from tests.models.test_gemma3 import CFG
+    from tests.support import TINY_GEMMA3 as CFG
 
     method = None if spec is None else methods.parse(spec)
     want = _gemma_state(spec, 2, 200, rows)
@@ -482,7 +468,7 @@ def test_generate_on_gemma3_sizes_and_prints_what_its_global_layers_hold(capsys,
     from fathom_jax import methods
     from fathom_jax.rows.layout import row_format
     from fathom_jax.models import gemma3 as G
-    from tests.models.test_gemma3 import CFG
+    from tests.support import TINY_GEMMA3 as CFG
 
     model = nnx.eval_shape(lambda: G.Gemma3ForCausalLM(CFG, rngs=nnx.Rngs(0)))  # generate is a stub here
     monkeypatch.setattr(hub, "model_config", lambda source=None: CFG)

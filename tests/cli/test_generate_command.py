@@ -13,7 +13,7 @@ from fathom_jax.cli import app as cli
 from fathom_jax.cli import generate_command as gen
 from fathom_jax.models import hub
 from fathom_jax.models.config import LlamaConfig
-from tests.cli.test_app import CharTokenizer
+from tests.support import CharTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # SmolLM2's attention layout (3 KV heads), tiny: what the batch and the mesh split

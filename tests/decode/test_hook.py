@@ -19,7 +19,8 @@ from fathom_jax.models import generation
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.scan import scan_scores
 from fathom_jax.select import select_topk, sparse_attention
-from tests.support import assert_trees_bitwise_equal, build_index_jit, describe_code_difference
+from tests.support import (ON_GPU, assert_trees_bitwise_equal, build_index_jit, corpus_calibration,
+                           describe_code_difference, sparse_forced)
 
 RNG = np.random.default_rng(7)
 PROMPTS = RNG.integers(0, 97, (2, 2, 24)).astype(np.int32)  # two [B=2, T=24] prompts
@@ -33,40 +34,15 @@ def model(tiny_model):
     return tiny_model
 
 
-def _corpus_calib(model, seed):
-    cap = capture_qkv(model, np.random.default_rng(seed).integers(0, 97, 64))
-    return C.calibrate(cap["k"], cap["q"])
-
-
-@pytest.fixture
-def full_f32_matmuls():
-    """f32 GEMMs at full precision (no TF32 on a GPU) while the test runs. The K rows a test compares come from two
-    programs (the sparse prefill, capture_qkv): with TF32 they differed by 1.6e-4 in run s1 and by 2.3e-3 at layer 2
-    in run v5, after other tests had compiled in the same process (the same cases passed alone, run v6)."""
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
 @pytest.fixture(scope="module")
 def calib(model):
-    return _corpus_calib(model, 1)
+    return corpus_calibration(model, 1)
 
 
 def dense_forced(model, prompt, tokens, attention_fn=softmax_attention, capacity=CAPACITY):
     """Logits [steps + 1, B, V]: the dense prefill's last position, then decode steps fed `tokens`; decode attention
     ``attention_fn`` over the dense cache."""
     return sparse_forced(model, prompt, tokens, DenseCache(attention_fn), capacity)[0]
-
-
-def sparse_forced(model, prompt, tokens, attn, capacity=CAPACITY, lengths=None):
-    """The same through the sparse path: (logits [steps + 1, B, V], final cache, hook after prefill)."""
-    lengths = np.full(prompt.shape[0], prompt.shape[1]) if lengths is None else lengths
-    logits, cache, attn = generation.prefill(model, prompt, lengths, attn, capacity)
-    out = [np.asarray(logits)]
-    for t in range(tokens.shape[1]):
-        _, logits, cache = generation.decode_step(model, tokens[:, t], cache, attn)
-        out.append(np.asarray(logits))
-    return np.stack(out), cache, attn
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +75,6 @@ def test_selecting_every_token_equals_dense(model, calib, dense_run, spec):
 
 # ----------------------------------------------------------------------------------------------
 # The cache after decoding is the cache of all keys, bit for bit (ragged batch, across blocks)
-
-
-ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("spec,writes,memory", [
@@ -322,7 +295,7 @@ def test_generate_is_one_program_and_does_not_recompile(model, calib, dense_run)
     assert out.tolist() == tokens.tolist()  # k >= context: the greedy tokens of dense decode
     size = generation.generate_program()._cache_size()
     generate(model, PROMPTS[1], STEPS + 1, capacity=CAPACITY, attention_fn=attn)
-    other = decode.SparseAttention(M.Fathom(16), k=CAPACITY, calibration=_corpus_calib(model, 2))
+    other = decode.SparseAttention(M.Fathom(16), k=CAPACITY, calibration=corpus_calibration(model, 2))
     generate(model, PROMPTS[1], STEPS + 1, capacity=CAPACITY, attention_fn=other)
     assert generation.generate_program()._cache_size() == size
 

@@ -14,7 +14,7 @@ from fathom_jax.models.attention import CacheShape
 from fathom_jax.placement import Placement
 from fathom_jax.placement.residency import link_bytes, plane_bytes, resident_for_budget
 from fathom_jax.store.tiered import TieredPlaneStore
-from tests.decode.test_hook import ON_GPU
+from tests.support import ON_GPU
 
 LONG = np.random.default_rng(7).integers(0, 97, (2, 60)).astype(np.int32)
 LENGTHS = np.array([60, 45])

@@ -65,7 +65,7 @@ def tiny_gemma3(monkeypatch, smollm2_tokenizer):
     from flax import nnx
 
     from fathom_jax.models.gemma3 import Gemma3ForCausalLM
-    from fathom_jax.models.gemma3_config import Gemma3Config
+    from fathom_jax.models.gemma3.config import Gemma3Config
     config = Gemma3Config(vocab=49152, hidden=64, intermediate=96, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=128,
                           sliding_window=128, sliding_window_pattern=3, query_pre_attn_scalar=128.0)
     model = Gemma3ForCausalLM(config, rngs=nnx.Rngs(0))
@@ -97,7 +97,7 @@ def run(capsys, *argv):
 ])
 def test_bad_arguments_are_one_line_and_exit_2_before_the_model_loads(capsys, monkeypatch, argv, message):
     from fathom_jax.models import hub
-    from tests.cli.test_app import SMOL
+    from tests.support import SMOL
 
     def work(*a, **kw):
         raise AssertionError("the command loaded the model before checking its arguments")

@@ -15,18 +15,11 @@ from fathom_jax import models
 from fathom_jax.models import DenseCache, generation, softmax_attention
 from fathom_jax.models import gemma3 as G
 from fathom_jax.models.capture import causal_attention
-from fathom_jax.models.config import RopeScaling
-from fathom_jax.models.gemma3_config import Gemma3Config
-from fathom_jax.models.gemma3_windows import window_attention
+from fathom_jax.models.gemma3.windows import window_attention
 
+from tests.support import TINY_GEMMA3 as CFG
 from tests.support import forced_logits
 
-# Two blocks of (2 local, 1 global) layers; window 4 < the 13 tokens; 4 query heads over 2 KV heads;
-# query_pre_attn_scalar != head_dim, softcapped logits, linear RoPE scaling on the global layers. (The tail of
-# local layers after the last global one is in the transformers parity case below.)
-CFG = Gemma3Config(vocab=97, hidden=32, intermediate=48, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=8,
-                   sliding_window=4, sliding_window_pattern=3, query_pre_attn_scalar=6.0, final_logit_softcapping=8.0,
-                   rope_scaling=RopeScaling("linear", 2.0))
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 13)).astype(np.int32)
 
 
@@ -199,7 +192,8 @@ def test_embedding_scale_is_rounded_to_the_model_dtype(model):
 
 
 def test_hf_tiny_logit_and_greedy_parity(tiny_checkpoints):
-    from fathom_jax.models import gemma3_loading, hub
+    from fathom_jax.models import hub
+    from fathom_jax.models.gemma3 import loading as gemma3_loading
 
     path = os.path.join(tiny_checkpoints, "gemma3")
     ref = np.load(os.path.join(path, "ref.npz"))

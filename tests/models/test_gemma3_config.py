@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from fathom_jax.models.config import RopeScaling
-from fathom_jax.models.gemma3_config import Gemma3Config, from_hf_dict
+from fathom_jax.models.gemma3.config import Gemma3Config, from_hf_dict
 
 # google/gemma-3-270m's config.json (transformers 4.x layout), abridged.
 HF_270M = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=262144, hidden_size=640,

@@ -14,8 +14,8 @@ from flax import nnx
 from fathom_jax.models import DenseCache, generation
 from fathom_jax.models import MissingTensorError, hub
 from fathom_jax.models.gemma3 import Gemma3ForCausalLM
-from fathom_jax.models.gemma3_config import Gemma3Config
-from fathom_jax.models.gemma3_loading import load_gguf, name_map, stack_layers
+from fathom_jax.models.gemma3.config import Gemma3Config
+from fathom_jax.models.gemma3.loading import load_gguf, name_map, stack_layers
 from fathom_jax.models.generation import generate
 
 from tests.support import forced_logits

@@ -12,7 +12,7 @@ from fathom_jax import decode
 from fathom_jax import models
 from fathom_jax.models import gemma3 as G
 from fathom_jax.models import generation
-from tests.models.test_gemma3 import CFG
+from tests.support import TINY_GEMMA3 as CFG
 from tests.support import forced_logits
 
 PROMPT = np.random.default_rng(5).integers(0, CFG.vocab, (2, 40)).astype(np.int32)

@@ -1,6 +1,5 @@
 """Weight loading, proved by logit parity with HF transformers (run in the oracle venv)."""
 
-import json
 import os
 
 import jax.numpy as jnp
@@ -11,18 +10,17 @@ from safetensors.numpy import load_file, save_file
 
 from fathom_jax.models import LlamaForCausalLM, generate
 from fathom_jax.models.config import LlamaConfig
-from fathom_jax.models.loading import (
-    MissingTensorError,
+from fathom_jax.models.llama.loading import (
     config_from_gguf,
     gguf_name_map,
-    hf_name_map,
     load_gguf,
     load_hf_checkpoint,
     permute_rope_rows,
     unpermute_rope_rows,
 )
+from fathom_jax.models.loading import MissingTensorError
 
-from tests.support import forced_logits
+from tests.support import forced_logits, write_hf_checkpoint
 
 TINY_CASES = ("llama", "llama3", "qwen2", "qwen3")  # the cases tests/oracle/hf_reference.py writes
 
@@ -56,27 +54,8 @@ def test_hf_bf16_load_is_close(tiny_checkpoints):
     assert max_rel_err(logits[0], ref["logits"]) < 5e-2
 
 
-def _write_hf_checkpoint(path, seed=0):
-    """A tiny random Llama written in HF layout by our own name map (no transformers needed)."""
-    cfg = LlamaConfig(vocab=50, hidden=16, intermediate=24, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4)
-    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed))
-    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-          "rope_theta": 10000.0, "tie_word_embeddings": False}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f)
-    tensors = {}
-    for p, var in nnx.to_flat_state(nnx.state(model)):
-        spec = hf_name_map(cfg)[tuple(p)]
-        a = np.asarray(var.get_value())
-        for i, layer_a in enumerate(a if p[0] == "layers" else [a]):
-            tensors[spec.name.format(i=i)] = np.ascontiguousarray(spec.transform(layer_a))  # T is self-inverse
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    return model, cfg
-
-
 def test_hf_layout_roundtrip_without_oracle(tmp_path):
-    model, cfg = _write_hf_checkpoint(tmp_path)
+    model, cfg = write_hf_checkpoint(tmp_path)
     loaded, cfg2 = load_hf_checkpoint(tmp_path)
     assert cfg2 == cfg
     tokens = jnp.arange(10)[None]
@@ -86,7 +65,7 @@ def test_hf_layout_roundtrip_without_oracle(tmp_path):
 
 
 def test_missing_tensor_is_named(tmp_path):
-    _write_hf_checkpoint(tmp_path)
+    write_hf_checkpoint(tmp_path)
     tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
@@ -95,7 +74,7 @@ def test_missing_tensor_is_named(tmp_path):
 
 
 def test_wrong_shape_and_no_weights_file(tmp_path):
-    _write_hf_checkpoint(tmp_path)
+    write_hf_checkpoint(tmp_path)
     tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
     tensors["model.norm.weight"] = np.ones(17, np.float32)
     save_file(tensors, os.path.join(tmp_path, "model.safetensors"))

@@ -17,7 +17,13 @@ from fathom_jax.models.attention import CacheShape
 from fathom_jax.rows import formats as row_formats
 from fathom_jax.scan import scan_scores
 from fathom_jax.select import attend, select_topk, sparse_attention
-from tests.decode.test_hook import LONG, ON_GPU, STEPS, _corpus_calib, full_f32_matmuls, sparse_forced  # noqa: F401
+from tests.support import ON_GPU, corpus_calibration, sparse_forced
+
+# tests/decode/test_hook.py's long prompts (the second draw of its generator) and steps
+_RNG = np.random.default_rng(7)
+_RNG.integers(0, 97, (2, 2, 24))
+LONG = _RNG.integers(0, 97, (2, 60)).astype(np.int32)
+STEPS = 6
 
 SMALL = dict(k=12, sink=2, local=4)
 
@@ -29,7 +35,7 @@ def model(tiny_model):
 
 @pytest.fixture(scope="module")
 def calib(model):
-    return _corpus_calib(model, 1)
+    return corpus_calibration(model, 1)
 
 
 @pytest.mark.parametrize("spec", ["k8v8", "k8v4g32a", "k4g32av4g32a", "k8g32v8a", "bf16"])

@@ -270,7 +270,7 @@ def gemma3():
     from flax import nnx
 
     from fathom_jax.models import gemma3 as G
-    from tests.models.test_gemma3 import CFG
+    from tests.support import TINY_GEMMA3 as CFG
 
     model, attention = G.Gemma3ForCausalLM(CFG, rngs=nnx.Rngs(3)), decode.from_spec("fathom:16", **GEMMA_SPARSE)
     alone = [decode_alone(model, attention, prompt, padded=GEMMA_CAPACITY, capacity=GEMMA_CAPACITY, count=10)

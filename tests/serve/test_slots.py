@@ -79,8 +79,8 @@ def test_a_pinned_host_pool_over_a_mesh_is_refused_by_name(monkeypatch):
 
 
 def test_the_models_own_state_moves_by_its_sequence_axes_and_a_state_without_them_is_refused():
-    from fathom_jax.models.gemma3_windows import Windows
-    from tests.models.test_gemma3 import CFG
+    from fathom_jax.models.gemma3.windows import Windows
+    from tests.support import TINY_GEMMA3 as CFG
 
     rng = np.random.default_rng(0)
     fill = lambda w: jax.tree.map(lambda x: jnp.asarray(rng.integers(0, 100, x.shape).astype(x.dtype)), w)  # noqa: E731

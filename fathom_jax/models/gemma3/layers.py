@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int
 
 from fathom_jax.models import layers
 from fathom_jax.models.config import RopeScaling
-from fathom_jax.models.gemma3_config import Gemma3Config
+from fathom_jax.models.gemma3.config import Gemma3Config
 from fathom_jax.models.layers import MLP, RMSNorm, apply_rope, chunked, linear
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from fathom_jax.models.gemma3_config import Gemma3Config
+from fathom_jax.models.gemma3.config import Gemma3Config
 from fathom_jax.models.prompt_attention import PREFILL_QUERY_CHUNK
 
 

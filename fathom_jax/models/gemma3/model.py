@@ -9,7 +9,7 @@ Layout choices, and why:
   parameters seen as [n_blocks, P - 1], a free reshape) and then runs its global layer; the tail is a second
   scan. Compile time does not grow with depth, and no layer's weights are gathered or copied per step.
 - Each kind has its own attention callback (:meth:`Gemma3ForCausalLM.run_layers`): local layers attend over their
-  window ring buffers (:class:`~fathom_jax.models.gemma3_windows.Windows`, which the model keeps of its own), global
+  window ring buffers (:class:`~fathom_jax.models.gemma3.windows.Windows`, which the model keeps of its own), global
   layers through an attention object with a cache of its own (``attention.py``: dense, sparse, or q/k/v capture),
   which receives the *global* layer ordinal. Both ride in the scans' carry, so that XLA updates them in place.
 """
@@ -26,9 +26,9 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from fathom_jax.models.attention import CacheAttention, CacheShape, PromptAttention
-from fathom_jax.models.gemma3_config import Gemma3Config
-from fathom_jax.models.gemma3_layers import DecoderLayer, global_inv_freq, local_inv_freq
-from fathom_jax.models.gemma3_windows import Gemma3State, Windows
+from fathom_jax.models.gemma3.config import Gemma3Config
+from fathom_jax.models.gemma3.layers import DecoderLayer, global_inv_freq, local_inv_freq
+from fathom_jax.models.gemma3.windows import Gemma3State, Windows
 from fathom_jax.models.layers import RMSNorm
 from fathom_jax.models.prompt_attention import PREFILL_QUERY_CHUNK
 

@@ -1,10 +1,11 @@
 """Gemma 3 weights: llama.cpp GGUF files and HF safetensors checkpoints -> :class:`Gemma3ForCausalLM`.
 
-As for the Llama family (``loading.py``): the model is created abstractly, then every parameter is filled from
-a name map ``module path -> TensorSpec``; per-layer names hold ``{i}``, the model layer index, and each stacked
-module reads its own layers (``local_layers``: the local layers before the last global one, in order;
-``global_layers``; ``tail_layers``). llama.cpp stores every Gemma norm as ``1 + w`` and keeps HF's row order
-(no Q/K permutation: Gemma uses NeoX-style RoPE there); the norms are shifted back in f32, as transformers does.
+As for the Llama family (``llama/loading.py``), over the shared ``models/loading.py``: the model is created
+abstractly, then every parameter is filled from a name map ``module path -> TensorSpec``; per-layer names hold
+``{i}``, the model layer index, and each stacked module reads its own layers (``local_layers``: the local layers
+before the last global one, in order; ``global_layers``; ``tail_layers``). llama.cpp stores every Gemma norm as
+``1 + w`` and keeps HF's row order (no Q/K permutation: Gemma uses NeoX-style RoPE there); the norms are shifted
+back in f32, as transformers does.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import os
 import numpy as np
 
 from fathom_jax.models import loading
-from fathom_jax.models.config import gguf_field
-from fathom_jax.models.gemma3 import Gemma3ForCausalLM
-from fathom_jax.models.gemma3_config import Gemma3Config, config_from_gguf, from_hf_dict
-from fathom_jax.models.loading import (Path, SafetensorsDir, TensorSpec, _gguf_path, _identity, _transpose,
-                                      gguf_tensors, open_gguf)
+from fathom_jax.models.gemma3.config import Gemma3Config, config_from_gguf, from_hf_dict
+from fathom_jax.models.gemma3.model import Gemma3ForCausalLM
+from fathom_jax.models.loading import (Path, SafetensorsDir, TensorSpec, gguf_path, gguf_tensors, identity, open_gguf,
+                                      transpose)
 
 # module path inside a layer -> (HF name inside model.layers.{i}, llama.cpp name inside blk.{i})
 _LAYER = {
@@ -55,14 +55,14 @@ def name_map(config: Gemma3Config, source: str) -> dict[Path, TensorSpec]:
     out: dict[Path, TensorSpec] = {}
     for path, names in _TOP.items():
         shift = source == "gguf" and path[0] == "norm"
-        out[path] = TensorSpec(names[col], _unshift_norm if shift else _identity)
+        out[path] = TensorSpec(names[col], _unshift_norm if shift else identity)
     for stack in _STACKS:
         for sub, names in _LAYER.items():
             prefix = "model.layers.{i}." if source == "hf" else "blk.{i}."
             if sub[-1] == "kernel":
-                transform = _transpose  # [out, in] -> nnx.Linear's [in, out]
+                transform = transpose  # [out, in] -> nnx.Linear's [in, out]
             else:
-                transform = _unshift_norm if source == "gguf" else _identity
+                transform = _unshift_norm if source == "gguf" else identity
             out[(stack, *sub)] = TensorSpec(prefix + names[col], transform)
     return out
 
@@ -81,10 +81,6 @@ def build_model(config: Gemma3Config, get, names: dict[Path, TensorSpec], *, dty
                                dtype=dtype, source=source)
 
 
-def gguf_architecture(reader) -> str | None:
-    return gguf_field(reader, "general.architecture")
-
-
 def load_gguf(path, *, dtype="float32") -> tuple[Gemma3ForCausalLM, Gemma3Config]:
     """A llama.cpp Gemma 3 GGUF (a path or an open ``gguf.GGUFReader``), dequantized to ``dtype``."""
     import gguf
@@ -92,18 +88,8 @@ def load_gguf(path, *, dtype="float32") -> tuple[Gemma3ForCausalLM, Gemma3Config
     reader = path if isinstance(path, gguf.GGUFReader) else open_gguf(path)
     config = config_from_gguf(reader)
     model = build_model(config, gguf_tensors(reader), name_map(config, "gguf"), dtype=dtype,
-                        source=_gguf_path(reader))
+                        source=gguf_path(reader))
     return model, config
-
-
-def is_hf_gemma3(path: str | os.PathLike) -> bool:
-    """Whether the checkpoint directory's config.json is a Gemma 3 text model."""
-    file = os.path.join(os.fspath(path), "config.json")
-    try:
-        with open(file) as f:
-            return json.load(f).get("model_type") == "gemma3_text"
-    except (OSError, ValueError, AttributeError):
-        return False  # let the Llama loader report what is wrong with it
 
 
 def hf_config(path: str | os.PathLike) -> Gemma3Config:

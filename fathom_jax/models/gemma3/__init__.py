@@ -1,0 +1,18 @@
+"""Gemma 3 (text): interleaved sliding-window and global layers. ``config.py`` (:class:`Gemma3Config`), ``layers.py``
+(its norms, attention and block over the Llama family's layers), ``windows.py`` (the sliding windows' ring buffers,
+:class:`Gemma3State`), ``model.py`` (:class:`Gemma3ForCausalLM`), ``loading.py`` (GGUF and HF safetensors weights).
+Its record in the registry is :data:`fathom_jax.models.families.GEMMA3`. Names below are imported on first use."""
+
+import importlib
+
+_EXPORTS = {"Gemma3Config": "config", "Gemma3ForCausalLM": "model", "Gemma3State": "windows", "Windows": "windows"}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+__all__ = sorted(_EXPORTS)
