@@ -27,19 +27,20 @@ def _attention_layers(attn: SparseAttention, q, key, value, cache: SparseCache):
     groups = q.shape[1]
     batch = cache.batch
 
-    def body(previous, xs):
+    def body(carried, xs):
+        previous, carry = carried
         q_l, k_l, v_l, layer = xs
         # Layer l starts after layer l - 1's output, as in the model, where its query is computed from that output.
         # A loop iteration per layer serializes them anyway; unrolled (``StepConfig.layer_unroll``), XLA would
         # otherwise run independent layers side by side, which no decoder can.
         q_l, _ = jax.lax.optimization_barrier((q_l, previous))
         shape = (batch, groups // batch)
-        out, update = attn.attend(cache, layer, q_l.reshape(*shape, *q_l.shape[1:]), k_l.reshape(*shape, -1),
-                                  v_l.reshape(*shape, -1))
+        out, update, carry = attn.attend(cache, layer, q_l.reshape(*shape, *q_l.shape[1:]), k_l.reshape(*shape, -1),
+                                         v_l.reshape(*shape, -1), carry)
         out = out.reshape(q_l.shape)
-        return out.astype(previous.dtype), (out, update)
+        return (out.astype(previous.dtype), carry), (out, update)
 
-    _, (out, updates) = jax.lax.scan(body, jnp.zeros(q.shape[1:], q.dtype),
+    _, (out, updates) = jax.lax.scan(body, (jnp.zeros(q.shape[1:], q.dtype), attn.decode_carry(cache)),
                                      (q, key, value, jnp.arange(cache.n_layers, dtype=jnp.int32)),
                                      unroll=attn.layer_unroll)
     return out, attn.commit(cache, updates)

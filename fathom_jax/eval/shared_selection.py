@@ -1,8 +1,8 @@
 """Selection shared across layers, in plain jnp: the semantics of :class:`~fathom_jax.methods.sharing.SharedSelection`
 at one decode position, which the study measures (:mod:`~fathom_jax.eval.share_study`) and a decode step mirrors.
 
-* :func:`shared_positions`: at a selection layer, the union of every query head's choices (all KV heads) ranked and
-  cut to the budget, sink and local window first;
+* :func:`~fathom_jax.decode.sharing.shared_positions` (the decode step's own): at a selection layer, the union of
+  every query head's choices (all KV heads) ranked and cut to the budget, sink and local window first;
 * :func:`shared_attention`: every head of a sharing layer attends exactly those positions (exact attention over the
   rows, each KV head its own K/V rows at the shared positions);
 * :func:`stack_attention`: one layer stack at one position, the plan deciding per layer which of the two it runs.
@@ -15,73 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from fathom_jax.methods.sharing import RANKINGS, Ranking, SharedSelection, SharingPlan
-from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend_rows, select_topk, sparse_attention
-
-
-def shared_positions(
-    scores: Float[Array, "*B Hkv G n"],
-    length: Int[Array, "*B"] | int,
-    budget: int,
-    *,
-    scale: float,
-    ranking: Ranking = "mass",
-    sink: int = SINK_TOKENS,
-    local: int = LOCAL_TOKENS,
-) -> tuple[Int[Array, "*B S"], Bool[Array, "*B S"]]:
-    """The ``S = budget`` positions a selection layer hands to the layers after it, and a mask of the slots that hold
-    one (all of them unless ``length < budget``), in rank order: the sink and local tokens (in position order),
-    then the rest of the valid positions by ``ranking`` over every head of every KV head, ties to the lower position.
-    A smaller budget's set is a prefix of a larger one's.
-
-    ``ranking``: ``"weight"`` ranks a token by its largest estimated attention weight over the heads (per head, a
-    softmax of ``scale * scores`` over the valid positions), ``"mass"`` by their sum, ``"rank"`` by its best position
-    in any head's own order (every head's first choice, then every head's second, ... ; heads in order within a rank).
-    ``scale``: the attention logit scale (``1 / sqrt(D)``), what makes scores weights.
-    """
-    scores = jnp.asarray(scores)
-    if scores.ndim < 3:
-        raise ValueError(f"shared_positions: scores must be [*B, Hkv, G, n], got shape {list(scores.shape)}")
-    if ranking not in RANKINGS:
-        raise ValueError(f"shared_positions: ranking must be one of {RANKINGS}, got {ranking!r}")
-    n = scores.shape[-1]
-    if not isinstance(budget, (int, np.integer)) or not sink + local < budget <= n:
-        raise ValueError(f"shared_positions: budget must be an int in ({sink + local}, {n}] (past the sink and local "
-                         f"tokens, at most the {n} scored positions), got {budget!r}")
-    batch = scores.shape[:-3]
-    heads = scores.reshape(*batch, -1, n).astype(jnp.float32)  # every query head of every KV head
-    length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), batch)[..., None]
-    pos = jnp.arange(n, dtype=jnp.int32)
-    valid = pos < length
-    forced = valid & ((pos < sink) | (pos >= length - local))
-    heads = jnp.where(jnp.isnan(heads), -jnp.finfo(jnp.float32).max, heads)  # NaN ranks lowest, as in select_topk
-    if ranking == "rank":
-        priority = _best_rank(jnp.where((valid & ~forced)[..., None, :], heads, -jnp.inf), budget)
-    else:
-        logits = jnp.where(valid[..., None, :], heads * scale, -jnp.inf)
-        weights = jnp.exp(logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
-        priority = jnp.max(weights, axis=-2) if ranking == "weight" else jnp.sum(weights, axis=-2)
-    priority = jnp.where(forced, jnp.inf, jnp.where(valid, priority, -jnp.inf))
-    top, idx = jax.lax.top_k(priority, budget)
-    return idx.astype(jnp.int32), top > -jnp.inf
-
-
-def _best_rank(ranked: Float[Array, "*B H n"], depth: int) -> Float[Array, "*B n"]:
-    """Minus each position's best place in the heads' interleaved orders (head h's i-th choice is place ``i * H +
-    h``), over each head's first ``depth`` choices; -inf where no head chose it (or it cannot be chosen)."""
-    *batch, h, n = ranked.shape
-    top, idx = jax.lax.top_k(ranked, depth)  # [*B, H, depth], each head's order
-    place = jnp.arange(depth, dtype=jnp.int32)[None, :] * h + jnp.arange(h, dtype=jnp.int32)[:, None]
-    big = jnp.iinfo(jnp.int32).max
-    place = jnp.where(top > -jnp.inf, place, big)
-    flat_idx, flat_place = idx.reshape(-1, h * depth), jnp.broadcast_to(place, idx.shape).reshape(-1, h * depth)
-    best = jax.vmap(lambda i, p: jnp.full(n, big, jnp.int32).at[i].min(p))(flat_idx, flat_place).reshape(*batch, n)
-    return jnp.where(best < big, -best.astype(jnp.float32), -jnp.inf)
+from fathom_jax.decode.sharing import shared_positions
+from fathom_jax.methods.sharing import SharedSelection, SharingPlan
+from fathom_jax.select import attend_rows, select_topk, sparse_attention
 
 
 def shared_attention(

@@ -4,7 +4,8 @@ A decoder (:mod:`fathom_jax.models.decoder`) knows nothing of how a cache is lai
 attention object for an empty cache, runs each layer of a prompt through :meth:`~PromptAttention.attend_prompt` (the
 prompt's attention at that layer, and the cache with the layer's keys and values written), and in a decode step calls
 :meth:`~CacheAttention.attend` per layer inside its layer scan (the new token's post-RoPE query, key and value; the
-cache does not hold the token yet) and :meth:`~CacheAttention.commit` once after the scan with every layer's update.
+cache does not hold the token yet; a carry it hands from layer to layer, :meth:`~CacheAttention.decode_carry` at the
+first) and :meth:`~CacheAttention.commit` once after the scan with every layer's update.
 Programs that take and return the cache are made by the attention object (:meth:`~CacheAttention.program`), which
 knows how its cache must be donated and placed.
 
@@ -93,8 +94,13 @@ class CacheAttention(PromptAttention, Protocol):
     def positions(self, cache) -> Int[Array, "B"]:
         """Where each sequence's next token goes."""
 
-    def attend(self, cache, layer, q, key, value) -> tuple[Array, Any]:
-        """One layer of a decode step: ``(o [B, Hkv, G, D], this layer's update for commit)``."""
+    def decode_carry(self, cache) -> Any:
+        """What a decode step carries from layer to layer (None: nothing; a selection shared across layers: the
+        positions the last selection layer chose), the first layer's ``carry`` in :meth:`attend`."""
+
+    def attend(self, cache, layer, q, key, value, carry=None) -> tuple[Array, Any, Any]:
+        """One layer of a decode step: ``(o [B, Hkv, G, D], this layer's update for commit, the carry for the next
+        layer)``."""
 
     def commit(self, cache, updates) -> Any:
         """The cache with every layer's update (stacked on a leading layer axis) written."""
@@ -144,11 +150,14 @@ class DenseCache:
     def positions(self, cache: KVCache) -> Int[Array, "B"]:
         return jnp.full(cache.k.shape[1:2], cache.length, jnp.int32)
 
-    def attend(self, cache: KVCache, layer, q, key, value):
+    def decode_carry(self, cache: KVCache) -> None:
+        return None
+
+    def attend(self, cache: KVCache, layer, q, key, value, carry=None):
         at = (0, 0, cache.length, 0)
         k = jax.lax.dynamic_update_slice(cache.k[layer], key[:, :, None].astype(cache.k.dtype), at)
         v = jax.lax.dynamic_update_slice(cache.v[layer], value[:, :, None].astype(cache.v.dtype), at)
-        return self.fn(q, k, v, cache.length + 1, layer), (key, value)
+        return self.fn(q, k, v, cache.length + 1, layer), (key, value), carry
 
     def commit(self, cache: KVCache, updates) -> KVCache:
         keys, values = updates  # [L, B, Hkv, D]

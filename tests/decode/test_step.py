@@ -1,7 +1,6 @@
 """The one sparse step: every method equals the per-head reference; stacked layers, the newest-token patch,
 pipelined chunks, and the pinned_host placement on the GPU (compared like with like)."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,49 +10,37 @@ import pytest
 from fathom_jax import calibrate as C
 from fathom_jax import index as I
 from fathom_jax import methods as M
-from fathom_jax import store as S
-from fathom_jax.decode import CacheView, NewToken, RowLayout, StepConfig, StepContext, sparse_attention_step
-from fathom_jax.index import landmarks
-from fathom_jax.index import page_bounds
+from fathom_jax.decode import (
+    CacheView,
+    sparse_attention_step,
+)
 from fathom_jax.index import parts as P
-from fathom_jax.index.parts import LandmarkBlock, PageBlock, PlaneBlock
 from fathom_jax.placement import Placement
 from fathom_jax.scan import scan_scores
 from fathom_jax.select import select_topk, sparse_attention
+from tests.decode.support import (
+    G,
+    K,
+    R,
+    context,
+    side_by_side,
+    stacked_setting,
+    step_setting,
+)
 
 METHODS = [M.Fathom(20), M.FathomKLT(20), M.SparQ(4), M.SparQUnion(3), M.DoubleSparsity(4), M.Loki(6),
            M.Thumbnail(2), M.Full4(), M.Landmark(), M.Quest(), M.Exact(), M.Dense()]
-R, G, D, N, K = 3, 4, 16, 200, 48
 
 
 @pytest.fixture(scope="module")
 def setting():
-    rng = np.random.default_rng(11)
-    keys = (rng.standard_normal((R, N, D)) * np.exp(rng.normal(size=D))).astype(np.float32)
-    values = rng.standard_normal((R, N, D)).astype(np.float32)
-    q = (rng.standard_normal((R, G, D)) * np.exp(rng.normal(size=D) / 2)).astype(np.float32)
-    lengths = np.array([200, 131, 64], np.int32)
-    calib = C.calibrate_session(jnp.asarray(keys), length=lengths)
-    return keys, values, q, lengths, calib
-
-
-def context(implementation="xla", placement=Placement(), k=K, groups=R, capacity=N, **step):
-    """The step context of a step over ``groups`` groups of a ``capacity``-token cache (the configuration resolved
-    as the decoder resolves it)."""
-    run = StepConfig(**step).resolve(placement, groups=groups, capacity=capacity, implementation=implementation)
-    return StepContext(k=k, run=run)
+    return step_setting()
 
 
 def step(method, q, index, kv, lengths, calib, ctx, **view):
     """``(out, bits)`` of the step over a view of ``index`` and the K/V rows ``kv``."""
     res = sparse_attention_step(method, q, CacheView(index=index, kv=kv, length=lengths, calib=calib, **view), ctx)
     return res.out, res.bits
-
-
-def side_by_side(keys, values):
-    """The cache's layout: each token's key and value in one row ``[..., n, 2 D]``, in the keys' dtype."""
-    keys = jnp.asarray(keys)
-    return RowLayout(keys.shape[-1], keys.dtype).join(keys, jnp.asarray(values))
 
 
 def per_head_reference(method, q, keys, values, lengths, calib, k=K):
@@ -76,37 +63,6 @@ def test_step_equals_per_head_reference(setting, method):
     want = per_head_reference(method, q, keys, values, lengths, calib)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert bits.shape == (R,)
-
-
-def stacked_setting(setting, method):
-    """A stacked two-layer cache, the view of layer 1 with the newest token patched in, and that token."""
-    keys, values, q, lengths, calib = setting
-    prev = lengths - 1
-    parts = method.parts - {P.KEYS}
-    layers = [I.build_index(keys * s, calib, parts, length=prev) for s in (0.5, 1.0)]
-    stacked = jax.tree.map(lambda *x: jnp.stack(x), *layers)
-    kv = lambda x: jnp.stack([jnp.where(jnp.arange(N)[:, None] < prev[:, None, None], x * s, 0) for s in (0.5, 1.0)])  # noqa: E731
-    kv_cache = side_by_side(kv(keys), kv(values))
-    key = keys[np.arange(R), prev]
-    value = values[np.arange(R), prev]
-    blocks, view = {}, {"length": stacked.length[1]}
-    if P.RAW in parts:
-        words, scale, tail = jax.vmap(S.append_block)(stacked["raw"].tail[1], jnp.asarray(prev), jnp.asarray(key))
-        blocks["raw"] = PlaneBlock(words, scale, tail)
-        view["raw"] = dataclasses.replace(stacked["raw"], tail=tail, length=jnp.asarray(lengths))
-    if P.LANDMARKS in parts:
-        mean, ltail = jax.vmap(landmarks.append_block)(stacked["landmarks"].tail[1], jnp.asarray(prev),
-                                                       jnp.asarray(key))
-        blocks["landmarks"] = LandmarkBlock(mean, ltail)
-        view["landmarks"] = P.Landmarks(means=stacked["landmarks"].means, tail=ltail)
-    for part in parts:
-        if isinstance(part, P.PageBounds):
-            bounds, ptail = jax.vmap(page_bounds.append_page)(stacked[part.name].tail[1], jnp.asarray(prev),
-                                                              jnp.asarray(key))
-            blocks[part.name] = PageBlock(bounds, ptail)
-            view[part.name] = P.Pages(bounds=stacked[part.name].bounds, tail=ptail)
-    new = NewToken(position=jnp.asarray(prev), key=jnp.asarray(key), value=jnp.asarray(value), blocks=blocks)
-    return stacked.replace(**view), kv_cache, new
 
 
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
@@ -285,7 +241,7 @@ def test_dense_attention_has_its_own_path(setting):
     keys, values, q, lengths, calib = setting
     view, kv_cache, new = stacked_setting(setting, M.Dense())
     ctx = context("triton", Placement())
-    fn = lambda q: step(M.Dense(), q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]  # noqa: E731
+    fn = lambda q: step(M.Dense(), q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]
     assert count_pallas_calls(fn, q, name="") == 0
     want = per_head_reference(M.Dense(), q, keys, values, lengths, calib)
     np.testing.assert_allclose(np.asarray(fn(q)), np.asarray(want), rtol=2e-5, atol=2e-5)

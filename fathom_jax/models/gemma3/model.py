@@ -103,20 +103,23 @@ class Gemma3ForCausalLM(nnx.Module):
 
     def forward_token(self, attention: CacheAttention, tokens, state: Gemma3State):
         """One decode step: ``(f32 logits [B, V], state)``. The global layers call ``attention.attend(cache, g, q,
-        key, value)`` inside the layer loop (the cache read-only there) and ``attention.commit`` runs once after it."""
+        key, value, carry)`` inside the layer loop (the cache read-only there; the attention's carry rides beside the
+        windows through the local layers) and ``attention.commit`` runs once after it."""
         windows, cache = state.windows, state.cache
         start = windows.length
 
-        def local_attend(i, q, k, v, w):
+        def local_attend(i, q, k, v, carry):
+            w, shared = carry
             o, w = w.attend(i, q, k, v)
-            return o, (w, None)
+            return o, ((w, shared), None)
 
-        def global_attend(g, q, k, v, w):
-            o, update = attention.attend(cache, g, q[:, :, :, 0], k[:, :, 0], v[:, :, 0])
-            return o[:, :, :, None], (w, update)
+        def global_attend(g, q, k, v, carry):
+            w, shared = carry
+            o, update, shared = attention.attend(cache, g, q[:, :, :, 0], k[:, :, 0], v[:, :, 0], shared)
+            return o[:, :, :, None], ((w, shared), update)
 
-        x, windows, _, updates = self.run_layers(self.embed(tokens[:, None]), start[:, None],
-                                                 local_attend, global_attend, windows)
+        x, (windows, _), _, updates = self.run_layers(self.embed(tokens[:, None]), start[:, None], local_attend,
+                                                      global_attend, (windows, attention.decode_carry(cache)))
         state = Gemma3State(dataclasses.replace(windows, length=start + 1), attention.commit(cache, updates))
         return self.logits(self.norm(x[:, 0])), state
 

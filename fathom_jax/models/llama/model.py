@@ -73,12 +73,12 @@ class LlamaForCausalLM(nnx.Module):
 
     def forward_token(self, attention: CacheAttention, tokens, state):
         def attend(layer, q, k, v, carry):
-            o, update = attention.attend(state, layer, q[:, :, :, 0], k[:, :, 0], v[:, :, 0])
+            o, update, carry = attention.attend(state, layer, q[:, :, :, 0], k[:, :, 0], v[:, :, 0], carry)
             return o[:, :, :, None], (carry, update)
 
         positions = attention.positions(state)[:, None]
-        x, _, updates = self.run_layers(self.embed(tokens[:, None]), positions, attend, None,
-                                        unroll=attention.layer_unroll)
+        x, _, updates = self.run_layers(self.embed(tokens[:, None]), positions, attend,
+                                        attention.decode_carry(state), unroll=attention.layer_unroll)
         return self.logits(self.norm(x[:, 0])), attention.commit(state, updates)
 
     def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T E"]:

@@ -1,0 +1,133 @@
+"""Selection shared across layers in a decode step (:mod:`fathom_jax.methods.sharing`): what a selection layer
+publishes and how a sharing layer attends it.
+
+    shared = publish(method, q, view, ctx, sharing, kv_heads)     # at a selection layer, beside its own step
+    result = attend_shared(q, view, ctx, shared, kv_heads)         # at a sharing layer: no plan, scan or selection
+
+The published set is :func:`shared_positions` of the selection layer's scores over every query head of every KV head
+of a sequence: the set the fidelity study measures (:mod:`fathom_jax.eval.shared_selection`). A sharing layer fetches each KV
+head's own rows at those positions (its newest row patched in, as every step does) and every head attends all of
+them. The step's scores at a selection layer come from the sorted path's read of the whole layer (the threshold
+selection never writes them), so a selection layer reads its planes twice; the layers that share read none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from fathom_jax.decode.selection import patch_scores
+from fathom_jax.methods.base import ScanMethod
+from fathom_jax.methods.sharing import RANKINGS, Ranking, SharedSelection
+from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
+
+
+def shared_positions(
+    scores: Float[Array, "*B Hkv G n"],
+    length: Int[Array, "*B"] | int,
+    budget: int,
+    *,
+    scale: float,
+    ranking: Ranking = "mass",
+    sink: int = SINK_TOKENS,
+    local: int = LOCAL_TOKENS,
+) -> tuple[Int[Array, "*B S"], Bool[Array, "*B S"]]:
+    """The ``S = budget`` positions a selection layer hands to the layers after it, and a mask of the slots that hold
+    one (all of them unless ``length < budget``), in rank order: the sink and local tokens (in position order),
+    then the rest of the valid positions by ``ranking`` over every head of every KV head, ties to the lower position.
+    A smaller budget's set is a prefix of a larger one's.
+
+    ``ranking``: ``"weight"`` ranks a token by its largest estimated attention weight over the heads (per head, a
+    softmax of ``scale * scores`` over the valid positions), ``"mass"`` by their sum, ``"rank"`` by its best position
+    in any head's own order (every head's first choice, then every head's second, ... ; heads in order within a rank).
+    ``scale``: the attention logit scale (``1 / sqrt(D)``), what makes scores weights.
+    """
+    scores = jnp.asarray(scores)
+    if scores.ndim < 3:
+        raise ValueError(f"shared_positions: scores must be [*B, Hkv, G, n], got shape {list(scores.shape)}")
+    if ranking not in RANKINGS:
+        raise ValueError(f"shared_positions: ranking must be one of {RANKINGS}, got {ranking!r}")
+    n = scores.shape[-1]
+    if not isinstance(budget, (int, np.integer)) or not sink + local < budget <= n:
+        raise ValueError(f"shared_positions: budget must be an int in ({sink + local}, {n}] (past the sink and local "
+                         f"tokens, at most the {n} scored positions), got {budget!r}")
+    batch = scores.shape[:-3]
+    heads = scores.reshape(*batch, -1, n).astype(jnp.float32)  # every query head of every KV head
+    length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), batch)[..., None]
+    pos = jnp.arange(n, dtype=jnp.int32)
+    valid = pos < length
+    forced = valid & ((pos < sink) | (pos >= length - local))
+    heads = jnp.where(jnp.isnan(heads), -jnp.finfo(jnp.float32).max, heads)  # NaN ranks lowest, as in select_topk
+    if ranking == "rank":
+        priority = _best_rank(jnp.where((valid & ~forced)[..., None, :], heads, -jnp.inf), budget)
+    else:
+        logits = jnp.where(valid[..., None, :], heads * scale, -jnp.inf)
+        weights = jnp.exp(logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+        priority = jnp.max(weights, axis=-2) if ranking == "weight" else jnp.sum(weights, axis=-2)
+    priority = jnp.where(forced, jnp.inf, jnp.where(valid, priority, -jnp.inf))
+    top, idx = jax.lax.top_k(priority, budget)
+    return idx.astype(jnp.int32), top > -jnp.inf
+
+
+def _best_rank(ranked: Float[Array, "*B H n"], depth: int) -> Float[Array, "*B n"]:
+    """Minus each position's best place in the heads' interleaved orders (head h's i-th choice is place ``i * H +
+    h``), over each head's first ``depth`` choices; -inf where no head chose it (or it cannot be chosen)."""
+    *batch, h, n = ranked.shape
+    top, idx = jax.lax.top_k(ranked, depth)  # [*B, H, depth], each head's order
+    place = jnp.arange(depth, dtype=jnp.int32)[None, :] * h + jnp.arange(h, dtype=jnp.int32)[:, None]
+    big = jnp.iinfo(jnp.int32).max
+    place = jnp.where(top > -jnp.inf, place, big)
+    flat_idx, flat_place = idx.reshape(-1, h * depth), jnp.broadcast_to(place, idx.shape).reshape(-1, h * depth)
+    best = jax.vmap(lambda i, p: jnp.full(n, big, jnp.int32).at[i].min(p))(flat_idx, flat_place).reshape(*batch, n)
+    return jnp.where(best < big, -best.astype(jnp.float32), -jnp.inf)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharedSet:
+    """The positions a selection layer hands to the layers after it, per sequence: ``positions [B, S]`` in
+    increasing order, -1 in the slots ``mask`` leaves empty (a context shorter than the budget)."""
+
+    positions: Int[Array, "B S"]
+    mask: Bool[Array, "B S"]
+
+    @classmethod
+    def empty(cls, batch: int, budget: int) -> SharedSet:
+        """Nothing published yet (the carry before the first layer, which always selects)."""
+        return cls(jnp.full((batch, budget), -1, jnp.int32), jnp.zeros((batch, budget), bool))
+
+
+def publish(method: ScanMethod, q: Float[Array, "R G D"], view, ctx, sharing: SharedSelection, kv_heads: int
+            ) -> SharedSet:
+    """The set a selection layer publishes: every stored position's score (the newest block patched in), ranked over
+    all query heads of each sequence's ``kv_heads`` groups and cut to ``sharing.budget``."""
+    q = q.astype(jnp.float32)
+    read = method.read(q, view.index, view.calib, implementation=ctx.run.implementation)
+    scores = read.scores(ctx.run.reader.source(view))
+    if view.new is not None:
+        scores = patch_scores(scores, read, view.new)
+    r, g, n = scores.shape
+    batch = r // kv_heads
+    length = view.length.reshape(batch, kv_heads)[:, 0]
+    positions, mask = shared_positions(scores.reshape(batch, kv_heads, g, n), length, sharing.budget,
+                                       scale=1.0 / np.sqrt(q.shape[-1]), ranking=sharing.ranking,
+                                       sink=ctx.sink, local=ctx.local)
+    # in position order, as a selection's union: the row fetch walks them in order
+    order = jnp.where(mask, positions, jnp.iinfo(jnp.int32).max)
+    order = jnp.sort(order, axis=-1)
+    mask = order < jnp.iinfo(jnp.int32).max
+    return SharedSet(jnp.where(mask, order, -1), mask)
+
+
+def attend_shared(q: Float[Array, "R G D"], view, ctx, shared: SharedSet, kv_heads: int
+                  ) -> tuple[Float[Array, "R G Dh"], object]:
+    """Every head of every group attends its sequence's shared positions (each KV head its own rows there):
+    ``(out, row-cache fill)``."""
+    slots = jnp.repeat(shared.positions, kv_heads, axis=0)  # [R, S]: groups are batch-major
+    member = jnp.broadcast_to(jnp.repeat(shared.mask, kv_heads, axis=0)[:, None, :],
+                              (q.shape[0], q.shape[1], slots.shape[-1]))
+    return ctx.run.fetcher.attend(q.astype(jnp.float32), slots, member, view)
