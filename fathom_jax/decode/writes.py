@@ -112,3 +112,8 @@ def flush(cache: SparseCache, write: Writer) -> SparseCache:
     length = cache.group_length()
     data = tuple(part.flush(write, stacked, length) for part, stacked in zip(cache.index.parts, cache.index.data))
     return dataclasses.replace(cache, index=dataclasses.replace(cache.index, data=data), writes=write.done(cache.writes))
+
+
+def writer(attn) -> Writer:
+    """How ``attn`` (a :class:`~fathom_jax.decode.SparseAttention`) writes its cache: in place in real host memory."""
+    return Writer(attn.placement.in_host_memory, attn.resolved_implementation)
