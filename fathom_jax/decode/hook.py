@@ -132,10 +132,11 @@ class SparseAttention(AttentionSpec):
         this for its own groups."""
         b, hkv, g, d = q.shape
         r = b * hkv
+        step = functools.partial(layer_step, self.method, self.context, writes_lib.writer(self))
         out, update = self.placement.per_group(
-            functools.partial(layer_step, self.method, self.context, writes_lib.writer(self)), q.reshape(r, g, d), key.reshape(r, d), value.reshape(r, d),
-            cache.group_length(), prefill_lib.layer_calibration(self, cache, layer), cache,
-            jnp.asarray(layer, jnp.int32), axes=(0, 0, 0, 0, 0, 1, None), out_axes=0)
+            step, q.reshape(r, g, d), key.reshape(r, d), value.reshape(r, d), cache.group_length(),
+            prefill_lib.layer_calibration(self, cache, layer), cache, jnp.asarray(layer, jnp.int32),
+            axes=(0, 0, 0, 0, 0, 1, None), out_axes=0)
         return out.reshape(b, hkv, g, -1), update
 
     def commit(self, cache: SparseCache, updates: LayerUpdate) -> SparseCache:

@@ -173,9 +173,9 @@ def layer_step(method: ScanMethod, ctx: StepContext, write: writes_lib.Writer, q
         # This layer's K/V row and newest blocks go to host memory now: the write kernels depend only on the new
         # key, so they run beside this layer's plane transfers instead of as one serial burst of scattered writes
         # after the scan (the step reads neither: NewToken patches both in).
-        writes_lib.write_token(cache, jax.tree.map(lambda a: a[None], update), position, layer, write,
-                               ctx.run.index_writes)
-        update = dataclasses.replace(update, written=jnp.concatenate(write.tokens))
+        *_, tokens = writes_lib.write_token(cache, jax.tree.map(lambda a: a[None], update), position, layer, write,
+                                            ctx.run.index_writes)
+        update = dataclasses.replace(update, written=jnp.concatenate(tokens))
     return out, update
 
 
