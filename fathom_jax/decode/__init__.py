@@ -9,11 +9,14 @@
 
 One decode step's data flow, file by file:
 
-* ``hook.py``: :class:`SparseAttention`, the models' ``CacheAttention`` protocol: per layer it adds the new token to
-  every index part (its newest block, in device memory) and builds the layer's :class:`~fathom_jax.decode.step.
-  CacheView`, runs the step, and (in host memory) writes the token's row and blocks in place inside the layer scan;
-* ``step.py``: the step itself: plan (the method), read (``reads.py``), select and union (``fathom_jax.select``),
-  fetch (``fetches.py``), attend; in pipelined chunks where the resolved configuration says so;
+* ``hook.py``: :class:`SparseAttention`, the models' ``CacheAttention`` protocol, delegating to the modules below;
+  its static fields and their checks are ``spec.py``'s :class:`~fathom_jax.decode.spec.AttentionSpec`, its cache
+  allocation, prompt writes and statistics ``prefill.py``'s;
+* ``step.py``: per layer (:func:`~fathom_jax.decode.step.layer_step`) the new token added to every index part (its
+  newest block, in device memory), the layer's :class:`~fathom_jax.decode.step.CacheView`, and (in host memory) the
+  token's row and blocks written in place inside the layer scan; the step itself: plan (the method), read
+  (``reads.py``), select and union (``fathom_jax.select``), fetch (``fetches.py``), attend; in pipelined chunks where
+  the resolved configuration says so;
 * ``config.py``: :class:`StepConfig` (how a step runs), resolved once per cache shape into the strategies;
 * ``cache.py`` / ``writes.py`` / ``row_cache.py``: the stacked cache, its writes, the optional row cache;
 * ``rows.py``: how the cache stores each token's K/V row (the model dtype, or a compressed row format);

@@ -13,6 +13,10 @@ cache (:class:`~fathom_jax.decode.cache.SparseCache`) holds every layer's K/V ro
 ...]``, bulk arrays where the placement puts them, and one length per sequence: a batch of different lengths decodes
 together. How a step runs is the hook's :class:`~fathom_jax.decode.config.StepConfig`, resolved once for a cache's
 shape by :meth:`~SparseAttention.bind` (the drivers do it) into the strategies the step reads.
+
+Only the protocol lives here, so that a feature edits the module that owns it: the static fields and their checks
+are :class:`~fathom_jax.decode.spec.AttentionSpec`'s, the cache's allocation and a prompt's writes and statistics
+:mod:`fathom_jax.decode.prefill`'s, one layer of a step over the cache :func:`~fathom_jax.decode.step.layer_step`.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from fathom_jax.decode import writes as writes_lib
 from fathom_jax.decode.cache import LayerUpdate, SparseCache
 from fathom_jax.decode.cache_program import cache_program
 from fathom_jax.decode.config import ResolvedStep
-from fathom_jax.decode.spec import (AttentionSpec, CalibrationSource, check_calibration, check_calibration_shape,
-                                    parse_spec, static)
+from fathom_jax.decode.spec import CalibrationSource, AttentionSpec, parse_spec, static
+from fathom_jax.decode.spec import check_calibration, check_calibration_shape
 from fathom_jax.decode.step import StepContext, layer_step
 from fathom_jax.format import round_capacity
 from fathom_jax.methods.base import ScanMethod

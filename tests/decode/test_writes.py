@@ -38,7 +38,7 @@ def _cache_and_update(placement):
 
 @pytest.mark.parametrize("placement, writes", [
     (decode.Placement("pinned_host"), 3),  # the K/V row, the planes, the scales
-    (decode.Placement("pinned_host", resident_planes=1, warm_planes=2), 4),  # both tiers in one write, and the warm rows
+    (decode.Placement("pinned_host", resident_planes=1, warm_planes=2), 4),  # the tiers in one write, the warm rows
 ], ids=["one_tier", "two_tiers_warm"])
 def test_in_place_writes_return_their_tokens_in_order(numbered_kernels, placement, writes):
     cache, update, position = _cache_and_update(placement)
