@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fathom_jax import decode, distributed, hlo, planner
+from fathom_jax.decode.prefill import corpus_calibration
 from fathom_jax.models import generation
 from fathom_jax.placement import attach_bulk, split_bulk
 from fathom_jax.store.tiered import warm_choice
@@ -99,7 +100,7 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
     resident, warm = attn.placement.resident(cfg.n_layers), attn.placement.warm_planes
     bits, link_bits, plane0, code = [], [], 0.0, 0.0
     for layer in range(cfg.n_layers):
-        c = attn.corpus_calibration(layer, q.shape[1])
+        c = corpus_calibration(attn, layer, q.shape[1])
         read = method.read(q[layer], None, c) if method.name != "fathom_klt" else None
         bits.append(np.asarray(read.bits))
         depths = np.asarray(getattr(read, "depths", np.zeros((1, 1))))

@@ -9,13 +9,15 @@
 
 One decode step's data flow, file by file:
 
-* ``hook.py``: :class:`SparseAttention`, the models' ``CacheAttention`` protocol (and :func:`from_spec`): per layer it
-  adds the new token to every index part (its newest block, in device memory) and builds the layer's
-  :class:`~fathom_jax.decode.step.CacheView`, runs the step, and (in host memory) writes the token's row and blocks in
-  place inside the layer scan;
-* ``step.py``: the step itself: plan (the method), read (``reads.py``), select (``selection.py``: the threshold or the
-  sorted strategy, and the group's union), fetch (``fetches.py``), attend; in pipelined chunks where the resolved
-  configuration says so;
+* ``hook.py``: :class:`SparseAttention`, the models' ``CacheAttention`` protocol (and :func:`from_spec`), delegating
+  to the modules below; its static fields and their checks are ``spec.py``'s
+  :class:`~fathom_jax.decode.spec.AttentionSpec`, its cache allocation, prompt writes and statistics ``prefill.py``'s;
+* ``step.py``: per layer (:func:`~fathom_jax.decode.step.layer_step`) the new token added to every index part (its
+  newest block, in device memory), the layer's :class:`~fathom_jax.decode.step.CacheView`, and (in host memory) the
+  token's row and blocks written in place inside the layer scan; the step itself: plan (the method), read
+  (``reads.py``), select (``selection.py``: the threshold or the sorted strategy, and the group's union), fetch
+  (``fetches.py``), attend; in pipelined chunks where the resolved configuration says so;
+* ``sharing.py``: a selection shared across layers: what a selection layer publishes, how a sharing layer attends it;
 * ``config.py``: :class:`StepConfig` (how a step runs), resolved once per cache shape into the strategies
   (:class:`ResolvedStep`);
 * ``cache.py`` / ``writes.py`` / ``row_cache.py``: the stacked :class:`SparseCache` and its allocation, its writes
@@ -31,12 +33,13 @@ from fathom_jax.decode.config import ResolvedStep, StepConfig
 from fathom_jax.decode.hook import SparseAttention, from_spec
 from fathom_jax.decode.programs import attention_step, cache_from_dense, cache_shape, flush
 from fathom_jax.decode.row_cache import RowCache, RowFill, commit_rows, empty_row_cache
+from fathom_jax.decode.spec import AttentionSpec
 from fathom_jax.decode.step import CacheView, NewToken, StepContext, StepResult, sparse_attention_step
 from fathom_jax.placement import Placement
 from fathom_jax.rows.layout import RowLayout
 
 __all__ = [
-    "CacheView", "LayerUpdate", "NewToken", "Placement", "ResolvedStep", "RowCache", "RowFill", "RowLayout",
-    "SparseAttention", "SparseCache", "StepConfig", "StepContext", "StepResult", "attention_step", "cache_bytes",
+    "AttentionSpec", "CacheView", "LayerUpdate", "NewToken", "Placement", "ResolvedStep", "RowCache", "RowFill",
+    "RowLayout", "SparseAttention", "SparseCache", "StepConfig", "StepContext", "StepResult", "attention_step", "cache_bytes",
     "cache_from_dense", "cache_shape", "commit_rows", "empty_row_cache", "flush", "from_spec", "sparse_attention_step",
 ]

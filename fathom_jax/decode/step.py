@@ -1,9 +1,11 @@
 """One sparse-attention step of one layer: plan -> read -> scan -> select -> union -> fetch -> attend.
 
     out = sparse_attention_step(method, q, view, ctx)      # StepResult(out [R, G, Dh], bits [R], fill, second_path)
+    out, update = layer_step(method, ctx, write, q, key, value, position, calib, cache, layer)   # over the cache
 
 Written once, for every scan method and placement: the decoder's sparse attention (:mod:`fathom_jax.decode.hook`)
-calls it per layer inside its layer scan. ``view`` (:class:`CacheView`) is what the layer reads (its index, K/V rows,
+calls :func:`layer_step` per layer inside its layer scan, which builds the layer's view of the stacked cache and
+runs the step. ``view`` (:class:`CacheView`) is what the layer reads (its index, K/V rows,
 lengths, the new token); ``ctx`` (:class:`StepContext`) is how: ``k``, the sink and local
 window, and the resolved step (:class:`~fathom_jax.decode.config.ResolvedStep`) with its read strategy (index in HBM,
 staged from host, read in place from host), selection strategy (sorted, or by thresholds:
@@ -40,6 +42,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from fathom_jax.calibrate import Calibration
+from fathom_jax.decode import writes as writes_lib
+from fathom_jax.decode.cache import LayerUpdate, SparseCache
 from fathom_jax.decode.config import ResolvedStep
 from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
 from fathom_jax.index import KeyIndex
@@ -145,6 +149,34 @@ def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Ca
     if len(outs) == 1:
         return outs[0]
     return jax.tree.map(lambda *parts: jnp.concatenate(parts), *outs)
+
+
+def layer_step(method: ScanMethod, ctx: StepContext, write: writes_lib.Writer, q: Float[Array, "R G D"], key: Float[Array, "R D"],
+               value: Float[Array, "R D"], position: Int[Array, "R"], calib: Calibration | None, cache: SparseCache,
+               layer) -> tuple[Float[Array, "R G Dh"], LayerUpdate]:
+    """One layer of a decode step over the stacked cache (what :meth:`SparseAttention.attend
+    <fathom_jax.decode.SparseAttention.attend>` runs per device): the new token in every index part's newest block,
+    the layer's :class:`CacheView`, the step, and where ``ctx.run.in_place`` says so the token's writes."""
+    key, value = writes_lib.materialized(key, value)
+    key32 = key.astype(jnp.float32)
+    index, views, blocks = cache.index, [], {}
+    for part, stacked in zip(index.parts, index.data):
+        view, blocks[part.name] = part.add_token(stacked, layer, position, key32)
+        views.append(view)
+    new = NewToken(position=position, key=key32, value=value, blocks=blocks)
+    view = CacheView(index=KeyIndex(index.length[layer], index.parts, tuple(views)), kv=cache.kv,
+                     length=position + 1, calib=calib, layer=layer, kv_layer=0 if cache.shared_kv else layer,
+                     new=new, row_cache=cache.row_cache, layout=cache.layout)  # the row cache is read in place
+    out, _, fill, second_path = sparse_attention_step(method, q, view, ctx)
+    update = LayerUpdate(key=key, value=value, blocks=blocks, rows=fill, second_path=second_path)
+    if ctx.run.in_place:
+        # This layer's K/V row and newest blocks go to host memory now: the write kernels depend only on the new
+        # key, so they run beside this layer's plane transfers instead of as one serial burst of scattered writes
+        # after the scan (the step reads neither: NewToken patches both in).
+        *_, tokens = writes_lib.write_token(cache, jax.tree.map(lambda a: a[None], update), position, layer, write,
+                                            ctx.run.index_writes)
+        update = dataclasses.replace(update, written=jnp.concatenate(tokens))
+    return out, update
 
 
 def dense_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext

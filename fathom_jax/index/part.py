@@ -12,7 +12,9 @@ from fathom_jax.calibrate import Calibration
 
 # alloc(shape, dtype, bulk) -> a zero array placed where it belongs (fathom_jax.placement.Placement.zeros)
 Alloc = Callable[..., Any]
-# write(dst, src, start, axis, layer) -> dst with src written at start along axis (in place or functionally)
+# write(dst, src, start, axis, layer) -> (dst with src written at start along axis, tokens): written in place (dst
+# itself, and the kernel's completion token in a tuple) or functionally (the new array, no token); the parts' writes
+# return their data and the tokens of every write they made, in order (fathom_jax.decode.writes.Writer)
 Write = Callable[..., Any]
 
 
@@ -81,9 +83,10 @@ class IndexPart(abc.ABC):
         """Zeros for ``layers x groups`` sequences; ``length [L, R]`` is the index's own (shared) length array."""
         raise NotImplementedError(f"index part {self.name!r} has no place in a decode cache")
 
-    def write_layer(self, write: Write, stacked, built, layer, length, *, importance=None) -> Any:
-        """``stacked`` with layer ``layer`` set to ``built`` (a prefill's data for that layer's groups); ``length
-        [L, R]`` is the index's length after it; ``importance [R, D]``: the prompt's (a plane store's warm planes)."""
+    def write_layer(self, write: Write, stacked, built, layer, length, *, importance=None) -> tuple[Any, tuple]:
+        """``(stacked, tokens)`` with layer ``layer`` set to ``built`` (a prefill's data for that layer's groups);
+        ``length [L, R]`` is the index's length after it; ``importance [R, D]``: the prompt's (a plane store's warm
+        planes)."""
         raise NotImplementedError
 
     def add_token(self, stacked, layer, position: Int[Array, "R"], key: Float[Array, "R D"]):
@@ -91,14 +94,16 @@ class IndexPart(abc.ABC):
         leaves still the stacked arrays, stale in the newest block until written) and the newest block."""
         raise NotImplementedError
 
-    def write_token(self, write: Write, stacked, block, position, layer, due) -> Any:
-        """``stacked`` with the newest blocks (``block`` stacked on layers ``layer ..``) written where ``due``."""
+    def write_token(self, write: Write, stacked, block, position, layer, due) -> tuple[Any, tuple]:
+        """``(stacked, tokens)`` with the newest blocks (``block`` stacked on layers ``layer ..``) written where
+        ``due``."""
         raise NotImplementedError
 
     def commit(self, stacked, block, length) -> Any:
         """``stacked`` with every layer's small leaves after a step (``block`` stacked on ``[L]``, ``length [L, R]``)."""
         raise NotImplementedError
 
-    def flush(self, write: Write, stacked, length: Int[Array, "R"]) -> Any:
-        """``stacked`` with anything a step keeps back in device memory written out (nothing by default)."""
-        return stacked
+    def flush(self, write: Write, stacked, length: Int[Array, "R"]) -> tuple[Any, tuple]:
+        """``(stacked, tokens)`` with anything a step keeps back in device memory written out (nothing by
+        default)."""
+        return stacked, ()

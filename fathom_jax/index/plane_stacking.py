@@ -108,10 +108,10 @@ class OneTier:
     def write_layer(self, write, stacked, built, layer, length, importance=None):
         del importance  # no warm planes in one tier
         zero = jnp.zeros(built.length.shape, jnp.int32)
-        put = lambda dst, src, axis: write(dst, src[None], zero, axis, layer)  # noqa: E731
         tail, rotation = _set_small(stacked, built, layer)
-        return PlaneStore(planes=put(stacked.planes, built.planes, 4), scales=put(stacked.scales, built.scales, 3),
-                          tail=tail, length=length, rotation=rotation)
+        planes, tokens = write(stacked.planes, built.planes[None], zero, 4, layer)
+        scales, more = write(stacked.scales, built.scales[None], zero, 3, layer)
+        return PlaneStore(planes=planes, scales=scales, tail=tail, length=length, rotation=rotation), tokens + more
 
     def add_token(self, stacked, layer, position, key):
         tail, rotation, block = add_token(stacked, layer, position, key)
@@ -119,12 +119,13 @@ class OneTier:
                           rotation=rotation), block
 
     def write_blocks(self, write, stacked, words, scale, block, due, layer):
-        """``stacked`` with each group's 64-token block number ``block [R]`` written where ``due`` (words ``[Ls, R, D,
-        4, 2]``, scales ``[Ls, R, D]`` for layers ``layer ..``); elsewhere the block index is past the end and the
-        writes drop out."""
+        """``(stacked, tokens)`` with each group's 64-token block number ``block [R]`` written where ``due`` (words
+        ``[Ls, R, D, 4, 2]``, scales ``[Ls, R, D]`` for layers ``layer ..``); elsewhere the block index is past the
+        end and the writes drop out."""
         block = jnp.where(due, block, stacked.scales.shape[-1])
-        return dataclasses.replace(stacked, planes=write(stacked.planes, words, block * WORDS_PER_BLOCK, 4, layer),
-                                   scales=write(stacked.scales, scale[..., None], block, 3, layer))
+        planes, tokens = write(stacked.planes, words, block * WORDS_PER_BLOCK, 4, layer)
+        scales, more = write(stacked.scales, scale[..., None], block, 3, layer)
+        return dataclasses.replace(stacked, planes=planes, scales=scales), tokens + more
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,30 +178,35 @@ class TwoTiers:
         """Layer ``layer`` prefilled; with warm planes, ``importance [R, D]`` chooses them
         (:func:`~fathom_jax.store.tiered.warm_choice`)."""
         start = jnp.zeros(built.length.shape, jnp.int32)
-        hot, cold = write.tiers(stacked.tiers(layer), built.planes[None], start)
+        (hot, cold), tokens = write.tiers(stacked.tiers(layer), built.planes[None], start)
         tail, rotation = _set_small(stacked, built, layer)
+        scales, more = write(stacked.scales, built.scales[None], start, 3, layer)
         stacked = dataclasses.replace(stacked, hot=hot, cold=cold, tail=tail, length=length, rotation=rotation,
-                                      scales=write(stacked.scales, built.scales[None], start, 3, layer))
+                                      scales=scales)
+        tokens += more
         if not self.warm:
-            return stacked
+            return stacked, tokens
         if importance is None:
             raise ValueError(f"a plane store with warm planes (warm_planes={self.warm}) chooses them from the prompt: "
                              "write_prompt needs its queries")
         resident = jnp.asarray(self.resident, jnp.int32)[layer]
         warm_map = warm_choice(importance, resident, self.warm)[None]  # [1, R, D, 4]
         # written like the other bulk leaves (in place where they live: a program returns no bulk leaf)
-        stacked = dataclasses.replace(stacked, warm_map=write(stacked.warm_map, warm_map, start, 3, layer))
-        return self._write_warm(write, stacked, built.planes[None], start, layer, warm_map)
+        warm_map_data, more = write(stacked.warm_map, warm_map, start, 3, layer)
+        stacked = dataclasses.replace(stacked, warm_map=warm_map_data)
+        stacked, warm_tokens = self._write_warm(write, stacked, built.planes[None], start, layer, warm_map)
+        return stacked, tokens + more + warm_tokens
 
     def _write_warm(self, write, stacked, words, start, layer, warm_map=None):
-        """The warm rows of layers ``layer ..`` from their plane words ``words [Ls, R, D, 4, M]`` at word ``start [R]``
-        (``warm_map [Ls, R, D, 4]``: theirs, by default the store's)."""
+        """``(stacked, tokens)`` with the warm rows of layers ``layer ..`` written from their plane words ``words [Ls,
+        R, D, 4, M]`` at word ``start [R]`` (``warm_map [Ls, R, D, 4]``: theirs, by default the store's)."""
         ls, r, d, _, m = words.shape
         if warm_map is None:
             warm_map = jax.lax.dynamic_slice_in_dim(stacked.warm_map, jnp.asarray(layer, jnp.int32), ls)
         sources, _ = warm_sources(warm_map, self.warm)  # [Ls, R, S]: rows no plane is mapped to copy a harmless one
         rows = jnp.take_along_axis(words.reshape(ls, r, d * N_PLANES, m), sources[..., None], axis=2)
-        return dataclasses.replace(stacked, warm=write(stacked.warm, rows, start, 3, layer))
+        warm, tokens = write(stacked.warm, rows, start, 3, layer)
+        return dataclasses.replace(stacked, warm=warm), tokens
 
     def add_token(self, stacked, layer, position, key):
         tail, rotation, block = add_token(stacked, layer, position, key)
@@ -209,7 +215,10 @@ class TwoTiers:
     def write_blocks(self, write, stacked, words, scale, block, due, layer):
         """As :meth:`OneTier.write_blocks`, each plane to its tier (and to its warm row where it has one)."""
         block = jnp.where(due, block, stacked.scales.shape[-1])
-        hot, cold = write.tiers(stacked.tiers(layer), words, block * WORDS_PER_BLOCK)
-        stacked = dataclasses.replace(stacked, hot=hot, cold=cold,
-                                      scales=write(stacked.scales, scale[..., None], block, 3, layer))
-        return stacked if not self.warm else self._write_warm(write, stacked, words, block * WORDS_PER_BLOCK, layer)
+        (hot, cold), tokens = write.tiers(stacked.tiers(layer), words, block * WORDS_PER_BLOCK)
+        scales, more = write(stacked.scales, scale[..., None], block, 3, layer)
+        stacked = dataclasses.replace(stacked, hot=hot, cold=cold, scales=scales)
+        if not self.warm:
+            return stacked, tokens + more
+        stacked, warm_tokens = self._write_warm(write, stacked, words, block * WORDS_PER_BLOCK, layer)
+        return stacked, tokens + more + warm_tokens

@@ -147,16 +147,16 @@ class BlockRows(IndexPart):
 
     def write_layer(self, write, stacked, built, layer, length, *, importance=None):
         zero = jnp.zeros(built.rows.shape[:1], jnp.int32)
-        rows = write(stacked.rows, built.rows[None], zero, 2, layer)
-        return self._data(rows, stacked.tail.at[layer].set(built.tail))
+        rows, tokens = write(stacked.rows, built.rows[None], zero, 2, layer)
+        return self._data(rows, stacked.tail.at[layer].set(built.tail)), tokens
 
     def add_token(self, stacked, layer, position, key):
         row, tail = jax.vmap(self._append_block)(stacked.tail[layer], position, key)
         return self._data(stacked.rows, tail), self._block(row, tail)
 
     def write_token(self, write, stacked, block, position, layer, due):
-        rows = write(stacked.rows, block.row[:, :, None, :], position // self.tokens, 2, layer)
-        return self._data(rows, stacked.tail)
+        rows, tokens = write(stacked.rows, block.row[:, :, None, :], position // self.tokens, 2, layer)
+        return self._data(rows, stacked.tail), tokens
 
     def commit(self, stacked, block, length):
         return self._data(stacked.rows, block.tail)
