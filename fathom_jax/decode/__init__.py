@@ -31,10 +31,21 @@ One decode step's data flow, file by file:
 from fathom_jax.decode.cache import LayerUpdate, SparseCache, cache_bytes
 from fathom_jax.decode.config import ResolvedStep, StepConfig
 from fathom_jax.decode.hook import SparseAttention, from_spec
-from fathom_jax.decode.programs import attention_step, cache_from_dense, cache_shape, flush
+from fathom_jax.decode.programs import (
+    attention_step,
+    cache_from_dense,
+    cache_shape,
+    flush,
+)
 from fathom_jax.decode.row_cache import RowCache, RowFill, commit_rows, empty_row_cache
 from fathom_jax.decode.spec import AttentionSpec
-from fathom_jax.decode.step import CacheView, NewToken, StepContext, StepResult, sparse_attention_step
+from fathom_jax.decode.step import (
+    CacheView,
+    NewToken,
+    StepContext,
+    StepResult,
+    sparse_attention_step,
+)
 from fathom_jax.placement import Placement
 from fathom_jax.rows.layout import RowLayout
 

@@ -51,8 +51,8 @@ import jax
 from fathom_jax.decode.fetches import CachedRowFetch, RowFetch
 from fathom_jax.decode.reads import IndexRead, index_read
 from fathom_jax.decode.selection import SortedSelection, ThresholdSelection
-from fathom_jax.placement import Placement
 from fathom_jax.index.plane_stacking import stacking
+from fathom_jax.placement import Placement
 from pallas_kernels.plane_scan import PlaneScanConfig
 from pallas_kernels.topk import TopkConfig
 

@@ -35,8 +35,15 @@ from fathom_jax.decode import writes as writes_lib
 from fathom_jax.decode.cache import LayerUpdate, SparseCache
 from fathom_jax.decode.cache_program import cache_program
 from fathom_jax.decode.config import ResolvedStep
-from fathom_jax.decode.spec import CalibrationSource, AttentionSpec, parse_spec, static
-from fathom_jax.decode.spec import check_calibration, check_calibration_shape
+from fathom_jax.decode.sharing import LayerSharing, SharedSet
+from fathom_jax.decode.spec import (
+    AttentionSpec,
+    CalibrationSource,
+    check_calibration,
+    check_calibration_shape,
+    parse_spec,
+    static,
+)
 from fathom_jax.decode.step import StepContext, layer_step
 from fathom_jax.format import round_capacity
 from fathom_jax.methods.base import ScanMethod
@@ -64,6 +71,7 @@ class SparseAttention(AttentionSpec):
 
     calibration: Calibration | None = None
     run: ResolvedStep | None = static(None, kw_only=True)
+    share: LayerSharing | None = static(None, kw_only=True)  # the sharing bound to a cache's layers (bind)
 
     ragged = True  # one length per sequence
     mlp_chunk = PREFILL_MLP_CHUNK
@@ -89,14 +97,15 @@ class SparseAttention(AttentionSpec):
         self.check(shape)
         run = self.step.resolve(self.placement, groups=shape.groups, capacity=round_capacity(shape.capacity),
                                 implementation=self.resolved_implementation, layers=shape.layers)
-        return dataclasses.replace(self, run=run)
+        share = None if self.sharing is None else LayerSharing.bind(self.sharing, shape)
+        return dataclasses.replace(self, run=run, share=share)
 
     @property
     def context(self) -> StepContext:
         if self.run is None:
             raise ValueError("SparseAttention: not bound to a cache shape; use the hook that prefill / "
                              "cache_from_dense returned, or attn.bind(shape)")
-        return StepContext(k=self.k, run=self.run, sink=self.sink, local=self.local)
+        return StepContext(k=self.k, run=self.run, sink=self.sink, local=self.local, share=self.share)
 
     def init_cache(self, shape: CacheShape, *, shared_kv: bool = False) -> SparseCache:
         """An empty cache (zeros) of ``shape.capacity`` tokens per sequence, placed by :attr:`placement`.
@@ -129,19 +138,23 @@ class SparseAttention(AttentionSpec):
     def positions(self, cache: SparseCache):
         return cache.length
 
-    def attend(self, cache: SparseCache, layer, q, key, value):
+    def decode_carry(self, cache: SparseCache) -> SharedSet | None:
+        """The positions a shared selection's last selection layer chose (None without sharing)."""
+        return None if self.share is None else SharedSet.empty(cache.batch, self.share.selection.budget)
+
+    def attend(self, cache: SparseCache, layer, q, key, value, carry=None):
         """Sparse attention of the new token's queries ``q [B, Hkv, G, D]`` at layer ``layer`` (inside the layer
         scan); ``key, value [B, Hkv, D]`` are the new token's post-RoPE key and value, not in the cache yet.
-        Returns the output and what :meth:`commit` writes after the layer scan. Under a mesh each device runs
-        this for its own groups."""
+        Returns the output, what :meth:`commit` writes after the layer scan and the carry (a shared selection's
+        set). Under a mesh each device runs this for its own groups."""
         b, hkv, g, d = q.shape
         r = b * hkv
         step = functools.partial(layer_step, self.method, self.context, writes_lib.writer(self))
-        out, update = self.placement.per_group(
+        out, update, carry = self.placement.per_group(
             step, q.reshape(r, g, d), key.reshape(r, d), value.reshape(r, d), cache.group_length(),
-            prefill_lib.layer_calibration(self, cache, layer), cache, jnp.asarray(layer, jnp.int32),
-            axes=(0, 0, 0, 0, 0, 1, None), out_axes=0)
-        return out.reshape(b, hkv, g, -1), update
+            prefill_lib.layer_calibration(self, cache, layer), cache, jnp.asarray(layer, jnp.int32), carry,
+            axes=(0, 0, 0, 0, 0, 1, None, None), out_axes=0)
+        return out.reshape(b, hkv, g, -1), update, carry
 
     def commit(self, cache: SparseCache, updates: LayerUpdate) -> SparseCache:
         """Write every layer's new K/V row and newest index blocks (``updates`` stacked on [L]) in place.

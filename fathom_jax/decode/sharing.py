@@ -86,6 +86,25 @@ def _best_rank(ranked: Float[Array, "*B H n"], depth: int) -> Float[Array, "*B n
     return jnp.where(best < big, -best.astype(jnp.float32), -jnp.inf)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerSharing:
+    """A bound hook's sharing (static): the option, whether each of the cache's layers selects, and the KV heads of
+    a sequence (its groups share one set)."""
+
+    selection: SharedSelection
+    selects: tuple[bool, ...]
+    kv_heads: int
+
+    @classmethod
+    def bind(cls, selection: SharedSelection, shape) -> "LayerSharing | None":
+        """The sharing of caches of ``shape`` (a :class:`~fathom_jax.models.attention.CacheShape`: its layers are
+        model layers ``shape.layer_ids`` of ``shape.model_layers``); None where every layer selects (today's step)."""
+        plan = selection.plan_layers(shape.model_layers or shape.layers, shape.layer_ids or None)
+        if len(plan.selects) != shape.layers:
+            raise ValueError(f"share: the plan covers {len(plan.selects)} layers, the cache {shape.layers}")
+        return None if plan.every_layer_selects else cls(selection, plan.selects, shape.kv_heads)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SharedSet:

@@ -17,6 +17,8 @@ from fathom_jax.calibrate import SKIP_TOKENS, Calibration
 from fathom_jax.decode.config import StepConfig
 from fathom_jax.index.parts import KEYS
 from fathom_jax.methods.base import ScanMethod
+from fathom_jax.methods.sharing import SharedSelection
+from fathom_jax.methods.sharing import parse_spec as parse_shared
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.placement import Placement
 from fathom_jax.rows.formats import RowFormat
@@ -54,6 +56,7 @@ class AttentionSpec:
     placement: Placement = static(Placement(), kw_only=True)
     step: StepConfig = static(StepConfig(), kw_only=True)
     rows: RowFormat | None = static(None, kw_only=True)
+    sharing: SharedSelection | None = static(None, kw_only=True)
 
     def __post_init__(self):
         # Static fields only: jax rebuilds the subclass from traced (or placeholder) leaves, so arrays are checked
@@ -77,9 +80,26 @@ class AttentionSpec:
         if self.step.row_cache and self.method.selects_all:
             raise ValueError(f"SparseAttention: step row_cache={self.step.row_cache} caches selected rows, "
                              f"and {self.method.label} selects every row (use row_cache=0)")
+        if self.sharing is not None:
+            self._check_sharing()
         if self.calibration_source not in SOURCES:
             raise ValueError(
                 f"SparseAttention: calibration_source must be one of {SOURCES}, got {self.calibration_source!r}")
+
+    def _check_sharing(self) -> None:
+        if not isinstance(self.sharing, SharedSelection):
+            raise TypeError(f"SparseAttention: sharing must be a fathom_jax.methods.sharing.SharedSelection, got "
+                            f"{self.sharing!r}")
+        if self.method.selects_all:
+            raise ValueError(f"SparseAttention: {self.method.label} attends every token; there is no selection "
+                             "to share")
+        self.sharing.validate(self.k)
+        if self.step.row_cache:
+            raise ValueError(f"SparseAttention: a shared selection with step row_cache={self.step.row_cache}: not "
+                             "supported (a sharing layer fetches its budget's rows); use row_cache=0")
+        if self.placement.mesh is not None:
+            raise ValueError("SparseAttention: a shared selection ranks every KV head of a sequence together, and a "
+                             "mesh splits them over devices: not supported yet (use one device)")
 
     # -- description ---------------------------------------------------------------------------
     @property
@@ -96,7 +116,8 @@ class AttentionSpec:
         src = f", {self.calibration_source} calibration" if self.uses_calibration else ""
         where = f", {self.placement.memory}" if self.placement.offloaded else ""
         rows = f", rows {self.rows.spec}" if self.rows is not None else ""
-        return f"{self.method.label}, k={self.k}{src}{where}{rows}"
+        shared = f", {self.sharing.label}" if self.sharing is not None else ""
+        return f"{self.method.label}, k={self.k}{src}{where}{rows}{shared}"
 
     @property
     def resolved_implementation(self) -> backend.Implementation:
@@ -151,6 +172,9 @@ class AttentionSpec:
             raise ValueError(
                 f"SparseAttention: k={self.k} is larger than the KV cache capacity {shape.capacity}; "
                 f"pass capacity >= {self.k} (generate's default sizes the cache to at least k) or a smaller k")
+        if self.sharing is not None:
+            self.sharing.validate(self.k, shape.capacity)
+            self.sharing.resolve(shape.model_layers or shape.layers, shape.layer_ids or None)
 
 
 def check_calibration(spec: AttentionSpec, calibration: Calibration | None) -> None:
@@ -179,7 +203,10 @@ def parse_spec(spec: str | ScanMethod, *, k: int, calibration: Calibration | str
                placement: Placement | str | None = None, **fields) -> dict:
     """The fields of the decode attention for a method spec (:func:`fathom_jax.decode.from_spec` documents the
     arguments), as keyword arguments of :class:`~fathom_jax.decode.SparseAttention`."""
-    method = methods_lib.parse(spec)
+    if isinstance(spec, str) and "@" in spec:
+        method, fields["sharing"] = parse_shared(spec)
+    else:
+        method = methods_lib.parse(spec)
     if fields.get("step", ...) is None:  # None: the default StepConfig
         del fields["step"]
     common = dict(method=method, k=k, placement=Placement.parse(placement), **fields)

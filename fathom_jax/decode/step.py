@@ -42,12 +42,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from fathom_jax.calibrate import Calibration
+from fathom_jax.decode import sharing as sharing_lib
 from fathom_jax.decode import writes as writes_lib
 from fathom_jax.decode.cache import LayerUpdate, SparseCache
 from fathom_jax.decode.config import ResolvedStep
 from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
-from fathom_jax.index import KeyIndex
 from fathom_jax.decode.selection import Selection
+from fathom_jax.decode.sharing import LayerSharing, SharedSet
+from fathom_jax.index import KeyIndex
 from fathom_jax.methods.base import ScanMethod
 from fathom_jax.rows.layout import RowLayout
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend
@@ -110,6 +112,7 @@ class StepContext:
     run: ResolvedStep
     sink: int = SINK_TOKENS
     local: int = LOCAL_TOKENS
+    share: LayerSharing | None = None  # a selection shared across layers (None: every layer selects its own)
 
 
 class StepResult(NamedTuple):
@@ -153,10 +156,12 @@ def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Ca
 
 def layer_step(method: ScanMethod, ctx: StepContext, write: writes_lib.Writer, q: Float[Array, "R G D"], key: Float[Array, "R D"],
                value: Float[Array, "R D"], position: Int[Array, "R"], calib: Calibration | None, cache: SparseCache,
-               layer) -> tuple[Float[Array, "R G Dh"], LayerUpdate]:
+               layer, shared: SharedSet | None = None) -> tuple[Float[Array, "R G Dh"], LayerUpdate, SharedSet | None]:
     """One layer of a decode step over the stacked cache (what :meth:`SparseAttention.attend
     <fathom_jax.decode.SparseAttention.attend>` runs per device): the new token in every index part's newest block,
-    the layer's :class:`CacheView`, the step, and where ``ctx.run.in_place`` says so the token's writes."""
+    the layer's :class:`CacheView`, the step, and where ``ctx.run.in_place`` says so the token's writes. With a
+    shared selection (``ctx.share``) a selection layer also publishes its set and a sharing layer attends ``shared``,
+    the set it returns for the next layer."""
     key, value = writes_lib.materialized(key, value)
     key32 = key.astype(jnp.float32)
     index, views, blocks = cache.index, [], {}
@@ -167,7 +172,10 @@ def layer_step(method: ScanMethod, ctx: StepContext, write: writes_lib.Writer, q
     view = CacheView(index=KeyIndex(index.length[layer], index.parts, tuple(views)), kv=cache.kv,
                      length=position + 1, calib=calib, layer=layer, kv_layer=0 if cache.shared_kv else layer,
                      new=new, row_cache=cache.row_cache, layout=cache.layout)  # the row cache is read in place
-    out, _, fill, second_path = sparse_attention_step(method, q, view, ctx)
+    if ctx.share is None:
+        out, _, fill, second_path = sparse_attention_step(method, q, view, ctx)
+    else:
+        out, fill, second_path, shared = _shared_step(method, q, view, ctx, shared)
     update = LayerUpdate(key=key, value=value, blocks=blocks, rows=fill, second_path=second_path)
     if ctx.run.in_place:
         # This layer's K/V row and newest blocks go to host memory now: the write kernels depend only on the new
@@ -176,7 +184,27 @@ def layer_step(method: ScanMethod, ctx: StepContext, write: writes_lib.Writer, q
         *_, tokens = writes_lib.write_token(cache, jax.tree.map(lambda a: a[None], update), position, layer, write,
                                             ctx.run.index_writes)
         update = dataclasses.replace(update, written=jnp.concatenate(tokens))
-    return out, update
+    return out, update, shared
+
+
+def _shared_step(method: ScanMethod, q, view: CacheView, ctx: StepContext, shared: SharedSet):
+    """A layer of a shared selection, ``(out, fill, second_path, the set for the next layer)``: a selection layer
+    (static plan, traced layer index) runs the step and publishes its set, a sharing layer attends the last one."""
+    share = ctx.share
+
+    def selecting():
+        result = sparse_attention_step(method, q, view, ctx)
+        published = sharing_lib.publish(method, q, view, ctx, share.selection, share.kv_heads)
+        return result.out, result.fill, result.second_path, published
+
+    def following():
+        out, fill = sharing_lib.attend_shared(q, view, ctx, shared, share.kv_heads)
+        # the second-path flags as the selecting branch has them: none taken here
+        flags = jax.eval_shape(selecting)[2]
+        zeros = None if flags is None else jnp.zeros(flags.shape, flags.dtype)
+        return out.astype(jnp.float32), fill, zeros, shared
+
+    return jax.lax.cond(jnp.asarray(share.selects)[view.layer], selecting, following)
 
 
 def dense_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext

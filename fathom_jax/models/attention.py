@@ -33,7 +33,8 @@ from fathom_jax.models.prompt_attention import PREFILL_MLP_CHUNK, prefill_attent
 class CacheShape:
     """The shape of an attention cache: ``layers`` x ``batch`` sequences x ``kv_heads``, ``capacity`` tokens of
     ``head_dim`` channels, rows in ``dtype``; ``query_heads``: the query heads that share each KV head (0: not given,
-    so the cache keeps nothing per query head)."""
+    so the cache keeps nothing per query head); ``layer_ids``: the model layer of each cache layer, of
+    ``model_layers`` (empty, 0: the cache's layers are the model's)."""
 
     layers: int
     batch: int
@@ -42,6 +43,8 @@ class CacheShape:
     head_dim: int
     dtype: Any
     query_heads: int = 0
+    layer_ids: tuple[int, ...] = ()
+    model_layers: int = 0
 
     @property
     def groups(self) -> int:

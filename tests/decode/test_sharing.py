@@ -1,19 +1,27 @@
-"""Selection shared across layers in the step: what a selection layer publishes is the study's set of its scores
-(:func:`~fathom_jax.decode.sharing.shared_positions`), and a sharing layer's attention over it is the study's
-(:func:`~fathom_jax.eval.shared_selection.shared_attention`), newest token included, on the reference and the kernels."""
+"""Selection shared across layers in the decode step: what a selection layer publishes is the study's set of its
+scores (:func:`~fathom_jax.decode.sharing.shared_positions`), a sharing layer's attention over it is the study's
+(:func:`~fathom_jax.eval.shared_selection.shared_attention`), newest token included, on the reference and the
+kernels; through the model's layer scan (Llama and Gemma 3, device and host memory) with every layer selecting it is
+today's step bit for bit."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from fathom_jax import decode
 from fathom_jax import index as I
 from fathom_jax import methods as M
 from fathom_jax.decode import sharing
 from fathom_jax.eval.shared_selection import shared_attention
 from fathom_jax.index import parts as P
 from fathom_jax.methods.sharing import SharedSelection
+from fathom_jax.models import DenseCache
 from fathom_jax.scan import scan_scores
+from fathom_jax.select import dense_attention, select_topk, sparse_attention
 from tests.decode.support import D, N, R, context, stacked_setting, step_setting
+from tests.support import TINY_GEMMA3, sparse_forced
 
 BUDGET = 60
 
@@ -62,3 +70,87 @@ def test_a_sharing_layer_attends_the_published_rows(setting, implementation):
     want = shared_attention(jnp.asarray(q)[:, None], jnp.asarray(keys)[:, None], jnp.asarray(values)[:, None],
                             jnp.asarray(np.maximum(positions, 0)), jnp.asarray(mask))[:, 0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+PROMPT = np.random.default_rng(5).integers(0, 97, (2, 40)).astype(np.int32)
+TOKENS = np.random.default_rng(6).integers(0, 97, (2, 3)).astype(np.int32)
+CAPACITY = 48
+
+
+def test_every_layer_selecting_is_todays_step(tiny_model):
+    """Naming every layer (``all``, or each index) binds no sharing at all: the same bits as the plain method."""
+    plain, _, _ = sparse_forced(tiny_model, PROMPT, TOKENS, decode.from_spec("sparq:4", k=40), CAPACITY)
+    for spec in ("sparq:4@share=all@budget=40", "sparq:4@share=0,1,2@budget=44"):
+        attn = decode.from_spec(spec, k=40)
+        got, _, bound = sparse_forced(tiny_model, PROMPT, TOKENS, attn, CAPACITY)
+        assert bound.share is None and bound.sharing == attn.sharing
+        np.testing.assert_array_equal(got, plain)
+
+
+def test_sharing_layers_attend_the_published_set(tiny_model):
+    """Layer 0 selects and publishes every valid position (budget = capacity); layers 1 and 2 attend them all: the
+    decode equals a dense cache whose layer 0 attends sparq's top-k and the others everything."""
+    method, k = M.SparQ(4), 40
+
+    def mixed(q, keys, values, length, layer):
+        b, hkv, g, d = q.shape
+        q, keys, values = q.reshape(-1, g, d), keys.reshape(b * hkv, -1, d), values.reshape(b * hkv, -1, d)
+        lengths = jnp.full(q.shape[:1], length, jnp.int32)
+
+        def sparse():
+            index = I.build_index(keys, None, method.parts - {P.KEYS}, length=lengths)
+            scores = scan_scores(method, q, index, None, implementation="xla").scores
+            idx, mask = select_topk(scores, lengths, k, implementation="xla")
+            return sparse_attention(q, keys, values, idx, mask)
+
+        out = jax.lax.cond(layer == 0, sparse, lambda: dense_attention(q, keys, values, lengths))
+        return out.reshape(b, hkv, g, d)
+
+    attn = decode.from_spec(f"sparq:4@share=0@budget={CAPACITY}", k=k)
+    got, _, bound = sparse_forced(tiny_model, PROMPT, TOKENS, attn, CAPACITY)
+    assert bound.share.selects == (True, False, False)
+    want, _ = forced_logits_after(tiny_model, PROMPT, TOKENS, DenseCache(mixed), CAPACITY)
+    np.testing.assert_allclose(got[1:], want, rtol=2e-4, atol=2e-4)
+    plain, _, _ = sparse_forced(tiny_model, PROMPT, TOKENS, decode.from_spec("sparq:4", k=k), CAPACITY)
+    assert not np.allclose(got[1:], plain[1:], atol=1e-3)  # the sharing layers attended something else
+
+
+def forced_logits_after(model, prompt, tokens, attention, capacity):
+    """Logits of each forced decode step after ``prompt`` through ``attention``."""
+    from fathom_jax.models import generation
+
+    _, state, attention = generation.prefill(model, prompt, np.full(prompt.shape[0], prompt.shape[1]), attention,
+                                             capacity)
+    out = []
+    for t in range(tokens.shape[1]):
+        _, logits, state = generation.decode_step(model, tokens[:, t], state, attention)
+        out.append(np.asarray(logits))
+    return np.stack(out), state
+
+
+def test_sharing_is_checked_before_any_work(tiny_model):
+    with pytest.raises(ValueError, match="budget=37 must be >= k=40"):
+        decode.from_spec("sparq:4@share=0@budget=37", k=40)  # below k
+    with pytest.raises(ValueError, match="row_cache"):
+        decode.from_spec("sparq:4@share=0@budget=64", k=40, step=decode.StepConfig(row_cache=64))
+    with pytest.raises(ValueError, match="exceeds the context"):
+        sparse_forced(tiny_model, PROMPT, TOKENS, decode.from_spec("sparq:4@share=0@budget=64", k=40), CAPACITY)
+    with pytest.raises(ValueError, match="layer 5 is out of range"):
+        sparse_forced(tiny_model, PROMPT, TOKENS, decode.from_spec("sparq:4@share=0,5@budget=44", k=40), CAPACITY)
+    assert "shared 0 / 44" in decode.from_spec("sparq:4@share=0@budget=44", k=40).label
+
+
+def test_gemma3_shares_among_its_global_layers():
+    """Gemma 3's cache holds its global layers (model layers 2 and 5): a plan names those; a local layer is refused;
+    the offloaded cache on the kernels decodes as the device cache on the reference."""
+    from fathom_jax.models import gemma3 as G
+
+    model = G.Gemma3ForCausalLM(TINY_GEMMA3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="layer 1 does not scan"):
+        sparse_forced(model, PROMPT, TOKENS, decode.from_spec("sparq:4@share=1@budget=44", k=40), CAPACITY)
+    spec = "sparq:4@share=2@budget=44"
+    got, _, bound = sparse_forced(model, PROMPT, TOKENS, decode.from_spec(spec, k=40), CAPACITY)
+    assert bound.share.selects == (True, False)
+    offloaded, _, _ = sparse_forced(model, PROMPT, TOKENS, decode.from_spec(
+        spec, k=40, implementation="triton", placement="pinned_host"), CAPACITY)
+    np.testing.assert_allclose(offloaded, got, rtol=2e-4, atol=2e-4)

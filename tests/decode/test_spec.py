@@ -86,7 +86,7 @@ def test_only_the_corpus_statistics_are_traced_and_every_other_field_is_in_the_t
     assert all(a is b for a, b in zip(leaves, jax.tree.leaves(calib)))
     statics = {f.name for f in dataclasses.fields(attn) if f.metadata.get("static")}
     assert statics == {"method", "k", "calibration_source", "sink", "local", "skip_tokens", "implementation",
-                       "placement", "step", "rows", "run"}
+                       "placement", "step", "rows", "sharing", "run", "share"}
     assert {f.name for f in dataclasses.fields(attn)} - statics == {"calibration"}
     bound = attn.bind(SHAPE)
     assert jax.tree.leaves(bound) == leaves and jax.tree.structure(bound) != treedef  # the resolved step is static

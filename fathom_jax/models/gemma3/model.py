@@ -27,7 +27,11 @@ from jaxtyping import Array, Float, Int
 
 from fathom_jax.models.attention import CacheAttention, CacheShape, PromptAttention
 from fathom_jax.models.gemma3.config import Gemma3Config
-from fathom_jax.models.gemma3.layers import DecoderLayer, global_inv_freq, local_inv_freq
+from fathom_jax.models.gemma3.layers import (
+    DecoderLayer,
+    global_inv_freq,
+    local_inv_freq,
+)
 from fathom_jax.models.gemma3.windows import Gemma3State, Windows
 from fathom_jax.models.layers import RMSNorm
 from fathom_jax.models.prompt_attention import PREFILL_QUERY_CHUNK
@@ -67,7 +71,8 @@ class Gemma3ForCausalLM(nnx.Module):
         """The global layers' cache shape (``layers`` = the number of global layers)."""
         cfg = self.config
         return CacheShape(layers=len(cfg.global_layers), batch=batch, kv_heads=cfg.n_kv_heads, capacity=capacity,
-                          head_dim=cfg.head_dim, dtype=self.dtype, query_heads=cfg.group_size)
+                          head_dim=cfg.head_dim, dtype=self.dtype, query_heads=cfg.group_size,
+                          layer_ids=tuple(cfg.global_layers), model_layers=cfg.n_layers)
 
     def init_state(self, attention: PromptAttention, batch: int, capacity: int) -> Gemma3State:
         return Gemma3State(Windows.init(self.config, batch, self.dtype),
