@@ -82,7 +82,8 @@ def register(subparsers) -> None:
 def generate_method(text: str):
     """``--method`` of generate: :func:`method_spec`, less what needs a tuned calibration (:func:`untuned_error`)."""
     method = method_spec(text)
-    message = None if method == "dense" else untuned_error(method, "generate's session or corpus statistics")
+    base = getattr(method, "method", method)  # a SharedMethod's scan method
+    message = None if method == "dense" else untuned_error(base, "generate's session or corpus statistics")
     if message:
         raise argparse.ArgumentTypeError(message)
     return method
@@ -268,11 +269,18 @@ def _generate(args: argparse.Namespace) -> int:
     mesh = _generate_mesh(args.mesh)
     if mesh is not None:
         padded = mesh_batch(batch, config.n_kv_heads, args.mesh)
-    method = None
+    method = shared = None
     if sparse:
         from fathom_jax import methods
+        from fathom_jax.methods.sharing import SharedMethod
 
         method = methods.Dense() if args.method == "dense" else args.method
+        if isinstance(method, SharedMethod):
+            shared, method = method, method.method
+            try:  # the layers must be the model's: refused before it loads
+                shared.sharing.resolve(config.n_layers, getattr(config, "global_layers", None))
+            except ValueError as err:
+                raise UsageError(f"argument --method: {err}") from None
         check_method(method, config.head_dim)
     tokenizer = hub.load_tokenizer(args.model)
     ids = []
@@ -315,7 +323,7 @@ def _generate(args: argparse.Namespace) -> int:
             cap = capture_qkv(model, jnp.asarray(calib_ids[: args.calib_tokens]))
             calibration = calibrate(cap["k"], cap["q"])
         placement = decode.Placement(args.placement, mesh=mesh)
-        attention_fn = decode.from_spec(method, k=args.k, calibration=calibration,
+        attention_fn = decode.from_spec(shared or method, k=args.k, calibration=calibration,
                                         implementation=args.implementation, placement=placement, step=args.step_config,
                                         rows=args.rows)
         if args.k >= capacity:
@@ -349,6 +357,11 @@ def _generate(args: argparse.Namespace) -> int:
     if sparse:
         summary = sparse_summary(method, args.k, longest + args.max_new_tokens - 1, config.head_dim)
         say(summary.line())
+        if shared is not None:
+            layers = shared.sharing.resolve(config.n_layers, getattr(config, "global_layers", None))
+            say(f"selection shared across layers: layers {', '.join(map(str, layers))} scan and select; the others "
+                f"attend their {shared.sharing.budget} positions and read no index (the bits above are a "
+                "selection layer's)")
     made = batch * args.max_new_tokens
     say(f"{args.max_new_tokens} tokens{f' for each of {batch} prompts' if batch > 1 else ''} in {seconds:.1f} s, "
         f"{made / seconds:.1f} tokens/s (prompt of {longest} tokens{' at most' if batch > 1 else ''}; compile "

@@ -17,7 +17,7 @@ from fathom_jax.calibrate import SKIP_TOKENS, Calibration
 from fathom_jax.decode.config import StepConfig
 from fathom_jax.index.parts import KEYS
 from fathom_jax.methods.base import ScanMethod
-from fathom_jax.methods.sharing import SharedSelection
+from fathom_jax.methods.sharing import SharedMethod, SharedSelection
 from fathom_jax.methods.sharing import parse_spec as parse_shared
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.placement import Placement
@@ -205,6 +205,8 @@ def parse_spec(spec: str | ScanMethod, *, k: int, calibration: Calibration | str
     arguments), as keyword arguments of :class:`~fathom_jax.decode.SparseAttention`."""
     if isinstance(spec, str) and "@" in spec:
         method, fields["sharing"] = parse_shared(spec)
+    elif isinstance(spec, SharedMethod):
+        method, fields["sharing"] = spec.method, spec.sharing
     else:
         method = methods_lib.parse(spec)
     if fields.get("step", ...) is None:  # None: the default StepConfig

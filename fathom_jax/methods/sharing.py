@@ -144,6 +144,23 @@ class SharedSelection:
 
 
 @dataclasses.dataclass(frozen=True)
+class SharedMethod:
+    """A scan method whose selection is shared across layers: what a spec with the ``@share=`` suffix names (the
+    command line's ``--method``; :func:`fathom_jax.decode.from_spec` takes it as it takes a method)."""
+
+    method: ScanMethod
+    sharing: SharedSelection
+
+    @property
+    def spec(self) -> str:
+        return self.method.spec + self.sharing.spec
+
+    @property
+    def label(self) -> str:
+        return f"{self.method.label}, {self.sharing.label}"
+
+
+@dataclasses.dataclass(frozen=True)
 class SharingPlan:
     """Per scanning layer (the hook's index ``i``, model layer ``layers[i]``): whether it selects, and the scanning
     layer whose shared set it attends (itself where it selects)."""

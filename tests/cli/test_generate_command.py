@@ -132,3 +132,17 @@ def test_the_cpu_devices_a_mesh_needs_are_made_before_jax_starts(mesh, processes
                           capture_output=True, text=True, timeout=300)
     assert run_.returncode == 0, run_.stderr
     assert tuple(run_.stdout.splitlines()) == want
+
+
+def test_a_selection_shared_across_layers_reaches_the_attention(capsys, tiny):
+    """``--method METHOD@share=...@budget=B``: the hook shares the selection; a plan the model cannot hold is refused
+    before the model loads."""
+    code, _, err = run(capsys, "generate", "abcdefgh" * 6, "--method", "sparq:4@share=0@budget=44", "--k", "40",
+                       "--max-new-tokens", "2")
+    assert code == 0, err
+    assert tiny["attn"].sharing.budget == 44 and tiny["attn"].method.spec == "sparq:4"
+    assert "selection shared across layers: layers 0 scan and select" in err
+    code, _, err = run(capsys, "generate", "abc", "--method", "sparq:4@share=0,9@budget=44", "--k", "40")
+    assert code == 2 and "layer 9 is out of range" in err and "loading" not in err
+    code, _, err = run(capsys, "generate", "abc", "--method", "sparq:4@share=0@budget=44@rank=best", "--k", "40")
+    assert code == 2 and "ranking must be one of" in err

@@ -81,7 +81,8 @@ def test_pause_save_load_and_churn_change_nothing_bit_for_bit(tiny_model, attent
     assert pool.step_compiles() == compiled <= 1  # joins, leaves, pauses and loads never compiled it again
 
 
-@pytest.mark.parametrize("spec,rows", [("fathom_klt:32", "k8v8")])  # a KLT basis in the session statistics
+# a KLT basis in the session statistics; a selection shared across layers (its carry through the pool's step)
+@pytest.mark.parametrize("spec,rows", [("fathom_klt:32", "k8v8"), ("sparq:4@share=0@budget=44", None)])
 def test_other_methods_and_row_formats_move_between_slots_exactly(tiny_model, spec, rows):
     pool = _pool(tiny_model, decode.from_spec(spec, k=40, rows=rows))
     a, b = pool.add(PROMPTS[0]), pool.add(PROMPTS[1])
