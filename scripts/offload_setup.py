@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fathom_jax import calibrate, decode, methods
+from fathom_jax import calibrate, decode
 from fathom_jax.decode import StepConfig
+from fathom_jax.methods.sharing import parse_spec as parse_shared
 from fathom_jax.models import LlamaForCausalLM
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.rows.layout import row_format
@@ -28,6 +29,8 @@ from scripts.offload_inputs import TODAY_KEYS, KeyModel, drifting_queries  # noq
 METHODS = {  # label -> spec
     "Fathom 48": "fathom:48", "Fathom 64": "fathom:64", "SparQ r=16": "sparq:16",
     "32-channel (SparQ r=32)": "sparq:32", "full 4-bit": "full4",
+    # issue 57: three selection layers (SmolLM2's study: 0, 2 and the middle one), the others attend 4k positions
+    "Fathom 48 shared": "fathom:48@share=0,2,mid@budget=2048",
 }
 AUTHORS_MS = {  # DESIGN.md: the authors' implementation on the same H200 (attention only, 36 layers, batch 1)
     131072: {"Fathom 48": 19.3, "Fathom 64": 21.5, "SparQ r=16": 19.9, "32-channel (SparQ r=32)": 27.3},
@@ -97,14 +100,14 @@ def hook(spec, calib, k, placement, implementation, variant=None, *, shape: Cach
     """The hook of a method spec, bound to a cache of ``shape`` (:func:`cache_shape`; None: unbound); ``variant``:
     StepConfig fields (``topk`` a ``--topk`` entry), on top of ``--read``'s; ``rows``: the K/V row format (None: the
     model dtype; a ``--rows`` entry's ``format``)."""
-    method = methods.parse(spec)
+    method, sharing = parse_shared(spec)
     variant = dict(variant or {})
     variant["topk"] = topk_config(variant.pop("topk", "auto"))
     variant["scan"] = scan_config(variant.pop("scan", "default"))
     variant["xla_options"] = dict(variant.get("xla_options", ()))
     attn = decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
                                   placement=placement, implementation=implementation, step=StepConfig(**variant),
-                                  rows=rows)
+                                  rows=rows, sharing=sharing)
     return attn if shape is None else attn.bind(shape)
 
 
