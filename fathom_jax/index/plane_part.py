@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, ClassVar
+from typing import Callable
 
 from fathom_jax import format as fmt
 from fathom_jax import store as store_lib
@@ -26,7 +26,11 @@ class Planes(IndexPart):
     resident: tuple[int, ...] = ()  # a decode cache's planes [0, p_l) of layer l in device memory (placed)
     warm: int = 0  # and its warm channel planes per layer and group (placed)
 
-    writes_per_token: ClassVar[int] = 2  # plane words and scales
+    @property
+    def writes_per_token(self) -> int:  # type: ignore[override]
+        """Plane words and scales, and in two tiers with warm planes the warm rows: a decode cache keeps one
+        completion token per write, sized at allocation (a count that changed would change the step's signature)."""
+        return 3 if isinstance(self.stacking, TwoTiers) and self.warm else 2
 
     @property
     def kind(self) -> str:

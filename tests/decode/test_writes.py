@@ -46,6 +46,7 @@ def test_in_place_writes_return_their_tokens_in_order(numbered_kernels, placemen
     kv, data, tokens = W.write_token(cache, update, position, 0, writer, "every_step")
     assert kv is cache.kv and all(a is b for a, b in zip(jax.tree.leaves(data), jax.tree.leaves(cache.index.data)))
     assert [int(t[0]) for t in tokens] == list(range(1, writes + 1))  # one token per bulk write
+    assert cache.writes.shape == (writes,)  # allocated as many as a step returns: the step's signature stays
     committed = W.commit(cache, update, position, writer, "every_step")
     np.testing.assert_array_equal(committed.writes, np.arange(len(tokens) + 1, 2 * len(tokens) + 1))
     assert committed.kv is cache.kv
