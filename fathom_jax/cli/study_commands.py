@@ -164,16 +164,21 @@ def _model_config(args: argparse.Namespace):
     return hub.model_config(args.model)
 
 
-def _methods(args: argparse.Namespace, head_dim: int) -> tuple[str, ...]:
-    """``--methods`` (or the default set), each checked against the model and the statistics these commands have."""
-    from fathom_jax import methods
+def _methods(args: argparse.Namespace, model_config) -> tuple[str, ...]:
+    """``--methods`` (or the default set), each checked against the model and the statistics these commands have; a
+    selection shared across layers (``METHOD@share=...``) against the model's layers."""
+    from fathom_jax.methods.sharing import SharedMethod
 
+    head_dim = model_config.head_dim
     for spec in args.methods or ():
         if spec.strip().lower() == "dense":
             continue
         try:
-            method = methods.parse(spec)
+            (method,) = ds.parse_methods([spec])
             method.validate(head_dim)
+            if isinstance(method, SharedMethod):
+                method.sharing.resolve(model_config.n_layers, getattr(model_config, "global_layers", None))
+                method = method.method
         except ValueError as err:
             raise UsageError(f"argument --methods: {err}") from None
         message = untuned_error(method, f"{args.command}'s corpus or session statistics")
@@ -197,7 +202,7 @@ def ruler_configs(args: argparse.Namespace) -> list[sweeps.RulerConfig]:
     """One config per context, every argument checked (before any model is loaded)."""
     model_config = _model_config(args)
     configs = [sweeps.RulerConfig(context=c, ks=tuple(args.k), tasks=tuple(args.tasks), per_task=args.per_task,
-                                  methods=_methods(args, model_config.head_dim), batch=args.batch, seed=args.seed,
+                                  methods=_methods(args, model_config), batch=args.batch, seed=args.seed,
                                   calibration=args.calibration, calib_tokens=args.calib_tokens, rows=tuple(args.rows))
                for c in args.context]
     return _checked(configs, sweeps.check_ruler, args.out, model_config)
@@ -217,7 +222,7 @@ def agreement_configs(args: argparse.Namespace) -> list[sweeps.AgreementConfig]:
                                  f"fewer than {ds.MIN_K} ({ds.SMALL_K}); use a fraction of at least "
                                  f"{math.ceil(ds.MIN_K / c * 1e4) / 1e4:g} at this context")
     configs = [sweeps.AgreementConfig(context=c, sessions=args.sessions, k_fractions=tuple(args.k_fraction),
-                                      steps=args.steps, methods=_methods(args, d), baseline=baseline,
+                                      steps=args.steps, methods=_methods(args, model_config), baseline=baseline,
                                       batch=args.batch, calibration=args.calibration,
                                       calib_tokens=args.calib_tokens, rows=tuple(args.rows))
                for c in args.context]

@@ -32,11 +32,12 @@ from fathom_jax import methods as methods_lib
 from fathom_jax.calibrate import Calibration
 from fathom_jax.index import build_index
 from fathom_jax.methods import ScanMethod
+from fathom_jax.methods.sharing import SharedMethod
+from fathom_jax.methods.sharing import parse_spec as parse_shared
 from fathom_jax.models import generation
 from fathom_jax.models.attention import DenseCache
 from fathom_jax.models.cache import KVCache
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
-
 
 
 def default_methods(head_dim: int) -> tuple[str, ...]:
@@ -100,8 +101,8 @@ class Branch:
 def parse_methods(specs: Sequence[str]) -> tuple[ScanMethod, ...]:
     """Methods from spec strings (``fathom:48``, ``sparq:16``, ``dense``...), with a clear error."""
     out = []
-    for spec in specs:
-        out.append(methods_lib.parse(spec))  # raises ValueError naming the spec and the accepted forms
+    for spec in specs:  # each raises ValueError naming the spec and the accepted forms
+        out.append(SharedMethod(*parse_shared(spec)) if "@" in spec else methods_lib.parse(spec))
     if len(set(out)) != len(out):
         raise ValueError(f"methods are listed twice: {list(specs)}")
     return tuple(out)
@@ -183,9 +184,20 @@ def decode_branch(model, prefill: Prefill, branch: Branch, steps: int,
 # Bits per token and statistics
 
 
-def read_bits(method: ScanMethod, capture, calib: Calibration | None, positions: int = 8) -> float:
+def read_bits(method: ScanMethod | SharedMethod, capture, calib: Calibration | None, positions: int = 8,
+              model_config=None) -> float:
     """Bits per token (per KV head per layer) the method reads, averaged over layers, heads and the last
-    ``positions`` queries of a capture (``fathom_jax.eval.fidelity.Capture``); query-dependent for Fathom."""
+    ``positions`` queries of a capture (``fathom_jax.eval.fidelity.Capture``); query-dependent for Fathom. A selection
+    shared across layers reads at its selection layers only (its plan for ``model_config``), none elsewhere."""
+    if isinstance(method, SharedMethod):
+        if model_config is None:
+            raise ValueError(f"read_bits: {method.spec} needs the model's config (which layers select)")
+        selects = np.asarray(method.sharing.plan(model_config).selects, np.float64)
+        if selects.size != capture.k.shape[0]:
+            raise ValueError(f"read_bits: the plan covers {selects.size} layers, the capture {capture.k.shape[0]}")
+        per_layer = [read_bits(method.method, _layer(capture, i), None if calib is None else jax.tree.map(
+            lambda a, i=i: a[i:i + 1], calib), positions) for i in np.flatnonzero(selects)]
+        return float(np.sum(per_layer) / selects.size)
     d = capture.k.shape[-1]
     fixed = method.fixed_bits_per_token(d)
     if fixed is not None:
@@ -228,3 +240,9 @@ def paired(values, baseline) -> dict:
     mean, se = mean_se(diff)
     return {"mean": mean, "se": se, "wins": int(np.sum(diff > 0)), "ties": int(np.sum(diff == 0)),
             "losses": int(np.sum(diff < 0)), "n": int(diff.size)}
+
+
+def _layer(capture, i: int):
+    """Layer ``i`` of a capture, as a one-layer capture."""
+    return dataclasses.replace(capture, **{f.name: getattr(capture, f.name)[i:i + 1]
+                                            for f in dataclasses.fields(capture)})

@@ -33,6 +33,7 @@ from fathom_jax.eval import downstream as ds
 from fathom_jax.eval import ruler as ruler_lib
 from fathom_jax.eval.progress import Progress
 from fathom_jax.eval.resume import UnitLog
+from fathom_jax.methods.sharing import SharedMethod
 
 SMOLLM2 = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32)"  # the model unless the run's meta names another
 RESERVED = 64  # cache slots past the prompt: the longest generation (40 RULER tokens, 64 agreement tokens)
@@ -106,7 +107,7 @@ def check_common(config, max_context: int, head_dim: int) -> None:
     methods = ds.parse_methods(config.methods)
     for m in methods:
         m.validate(head_dim)
-        needs = methods_lib.needs_tuned_calibration(m)
+        needs = methods_lib.needs_tuned_calibration(m.method if isinstance(m, SharedMethod) else m)
         if needs:  # it failed after the model loaded and calibrated: 34-59 s later on the CPU
             raise ValueError(f"{m.spec} reads {needs}; the sweeps calibrate with corpus or session statistics, which "
                              "hold none")
@@ -174,8 +175,8 @@ def session_calibration(prefill: ds.Prefill, model) -> cal.Calibration:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
 
-def method_bits(methods, capture, calib) -> dict[str, float]:
-    return {m.spec: ds.read_bits(m, capture, calib) for m in methods}
+def method_bits(methods, capture, calib, model_config=None) -> dict[str, float]:
+    return {m.spec: ds.read_bits(m, capture, calib, model_config=model_config) for m in methods}
 
 
 def _setup(config, model, tokenizer, progress: bool):
@@ -189,7 +190,7 @@ def _setup(config, model, tokenizer, progress: bool):
         "method's bits per token)")
     calib, capture, calib_info = corpus_calibration(model, tokenizer, config.calib_tokens)
     say(f"measuring the bits per token of {len(methods)} methods on it; then the prompts")
-    return methods, calib, calib_info, method_bits(methods, capture, calib)
+    return methods, calib, calib_info, method_bits(methods, capture, calib, model.config)
 
 
 def _meta(config, extra: dict | None) -> dict:

@@ -159,6 +159,12 @@ class SharedMethod:
     def label(self) -> str:
         return f"{self.method.label}, {self.sharing.label}"
 
+    def __getattr__(self, name: str):
+        # Everything else is the scan method's (its parts, read, checks): the studies treat it as one.
+        if name.startswith("__") or name in ("method", "sharing"):
+            raise AttributeError(name)
+        return getattr(self.method, name)
+
 
 @dataclasses.dataclass(frozen=True)
 class SharingPlan:
@@ -221,7 +227,9 @@ def parse_option(text: str, spec: str | None = None) -> SharedSelection:
 def parse_spec(spec: str) -> tuple[ScanMethod, SharedSelection | None]:
     """A method spec with or without the sharing suffix: ``("fathom:48@share=0,mid@budget=256")`` ->
     ``(Fathom(48), SharedSelection((0, "mid"), 256))``; no ``@``: ``(method, None)``."""
-    from fathom_jax.methods import parse  # here, so that the package may re-export this module without a cycle
+    from fathom_jax.methods import (
+        parse,  # here, so that the package may re-export this module without a cycle
+    )
 
     if not isinstance(spec, str):
         raise ValueError(f"method spec must be a string, got {spec!r}")

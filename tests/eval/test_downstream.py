@@ -94,6 +94,7 @@ def run(capsys, *argv):
     (["agreement", "--rows", "k8c64v8"], "K scales per block of tokens"),
     (["ruler", "--rows", "k9v9"], "k9v9"),
     (["ruler", "--rows", "K8V8"], "write 'K8V8' as 'k8v8'"),
+    (["agreement", "--methods", "dense", "exact", "fathom:48@share=0,40@budget=512"], "layer 40 is out of range"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2_before_the_model_loads(capsys, monkeypatch, argv, message):
     from fathom_jax.models import hub
@@ -134,16 +135,23 @@ def test_ruler_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_smollm2):
     assert "range of the per-token scans" not in downstream_report.render_markdown(res)
 
 
+SHARED = "fathom:24@share=0@budget=128"
+
+
 def test_agreement_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_smollm2):
     """The scans decode with k8v8 rows (--rows), compared with the exact step on the model's rows; the oracle
-    decodes in both, and Fathom is paired with SparQ in the same rows."""
+    decodes in both, and Fathom is paired with SparQ in the same rows; a selection shared across layers decodes as a
+    branch of its own."""
     code, out, err = run(capsys, "agreement", "--context", "512", "--sessions", "2", "--steps", "8",
                          "--k-fraction", "0.125", "--methods", "dense", "exact", "fathom:24", "sparq:16",
-                         "--rows", "k8v8", "--calib-tokens", "256", "--out", str(tmp_path), "--quiet")
+                         SHARED, "--rows", "k8v8", "--calib-tokens", "256", "--out", str(tmp_path), "--quiet")
     assert code == 0, err
     res = json.loads((tmp_path / "agreement_smollm2_512.json").read_text())
     by_key = {b["key"]: b for b in res["branches"]}
-    assert set(by_key) == {"dense", "exact@64", "exact@64+k8v8", "fathom:24@64+k8v8", "sparq:16@64+k8v8"}
+    assert set(by_key) == {"dense", "exact@64", "exact@64+k8v8", "fathom:24@64+k8v8", "sparq:16@64+k8v8",
+                           f"{SHARED}@64+k8v8"}
+    # a selection shared across layers reads its scan at the selection layer only
+    assert 0 < by_key[f"{SHARED}@64+k8v8"]["bits"] < by_key["fathom:24@64+k8v8"]["bits"]
     assert res["meta"]["ks"] == [64] and res["meta"]["config"]["rows"] == ["k8v8"]
     assert by_key["exact@64"]["agreement"]["64"] == [1.0, 1.0]  # the oracle agrees with itself
     assert by_key["fathom:24@64+k8v8"]["rows"] == "k8v8" and by_key["exact@64"]["rows"] is None
