@@ -94,14 +94,20 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
     """Bytes a step reads: the planned planes + scales of every layer and the selected rows, and of those what crosses
     the link (with resident planes: only the planes below each layer's resident count stay in HBM, with the scales).
     A selected row is what the hook's row layout stores per token (K and V: ``2 Dh`` bf16 values, or a compressed
-    format's words with their scales)."""
+    format's words with their scales). With a selection shared across layers only its selection layers read planes;
+    the others fetch the shared set's rows."""
     method = attn.method
+    selects = attn.share.selects if attn.share is not None else (True,) * cfg.n_layers
     row_bytes = RowLayout.of(attn.rows, cfg.head_dim, jnp.bfloat16).row_bytes
     resident, warm = attn.placement.resident(cfg.n_layers), attn.placement.warm_planes
     bits, link_bits, plane0, code = [], [], 0.0, 0.0
     for layer in range(cfg.n_layers):
         c = corpus_calibration(attn, layer, q.shape[1])
         read = method.read(q[layer], None, c) if method.name != "fathom_klt" else None
+        if not selects[layer]:  # a sharing layer scans nothing
+            bits.append(np.zeros_like(np.asarray(read.bits)))
+            link_bits.append(np.zeros_like(np.asarray(read.bits), np.float64))
+            continue
         bits.append(np.asarray(read.bits))
         depths = np.asarray(getattr(read, "depths", np.zeros((1, 1))))
         plane0, code = plane0 + float((depths > 0).sum()), code + float(depths.sum())
@@ -121,7 +127,9 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
         return {"bits_per_token": float(bits.mean()) * 2, "scan_bytes": kv, "link_scan_bytes": kv, "row_bytes_max": 0.0}
     scan = float(bits.sum() * context / 8)
     link = float(np.sum([b.sum() for b in link_bits]) * context / 8)
-    rows = float(cfg.n_layers * r * min(g * k, context) * row_bytes)  # union upper bound
+    shared = 0 if attn.share is None else attn.share.selection.budget
+    per_layer = [min(g * k, context) if sel else shared for sel in selects]  # a union's upper bound, or the set
+    rows = float(sum(per_layer) * r * row_bytes)
     return {"bits_per_token": float(bits.mean()), "scan_bytes": scan, "link_scan_bytes": link, "row_bytes_max": rows,
             "plane0_share": plane0 / code if code else None}  # of the planned code bits (a plane method's)
 

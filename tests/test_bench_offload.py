@@ -236,3 +236,20 @@ def test_warm_planes_rows_on_cpu(tmp_path, monkeypatch):
     assert "| 1 + 8 warm |" in report and "| 0 + 8 warm |" in report
     with pytest.raises(SystemExit):
         bench_offload.main(["--smoke", "--warm-planes", "-1", "--out", str(tmp_path)])
+
+
+def test_shared_selection_rows_on_cpu(tmp_path, monkeypatch):
+    """A selection shared across layers beside per-layer Fathom in one run: only its selection layer's planes count,
+    over the link too, and its sharing layer fetches the shared set's rows."""
+    from scripts import offload_setup
+
+    monkeypatch.setitem(offload_setup.METHODS, "Fathom 48 shared", "fathom:48@share=0@budget=96")
+    res, _ = bench_offload_rows(tmp_path, monkeypatch, "shared", "--sections", "attn", "--methods",
+                                "Fathom 48,Fathom 48 shared")
+    got = {r["method"]: r for r in res["rows"]}
+    per_layer, shared = got["Fathom 48"], got["Fathom 48 shared"]
+    # of 2 layers layer 0 selects (its plan reads about half the step's bits)
+    assert 0.3 < shared["scan_bytes"] / per_layer["scan_bytes"] < 0.7
+    assert shared["link_scan_bytes"] / shared["scan_bytes"] == per_layer["link_scan_bytes"] / per_layer["scan_bytes"]
+    # rows: layer 1 fetches its 96 shared positions, each layer of the other min(G k, context) = 128
+    assert shared["row_bytes_max"] / per_layer["row_bytes_max"] == (128 + 96) / (2 * 128)
