@@ -1,4 +1,5 @@
-"""Offloaded sparse decoding of a Qwen3-8B-shaped model: results/offload_<tag>.{json,md,png}.
+"""Offloaded sparse decoding of a Qwen3-8B-shaped model: results/offload_<machine>_<tag>.{json,md,png}, <machine> the
+device the run used (``h200``, ``h100``, ``h200x2`` for two, ``cpu``: :func:`scripts.harness.machine_name`).
 
 The K/V cache and the key index of every layer live in ``pinned_host`` memory, stacked by layer; HBM holds
 the weights, the queries and the selected rows. One compiled program per decode step (36 layers under
@@ -11,8 +12,8 @@ variance is the drawn one. Where the host cannot hold every layer's K/V rows (1M
 all layers share one row buffer while each keeps its own planes (``shared_kv`` in the results): the bytes
 a step moves are the same.
 
-    python3 -m scripts.bench_offload --out $OUT                      # the default sections (one H200)
-    python3 -m scripts.bench_offload --mesh 2 --tag h200x2 --out $OUT   # over two GPUs
+    python3 -m scripts.bench_offload --out $OUT                      # the default sections: offload_h200.json on an H200
+    python3 -m scripts.bench_offload --mesh 2 --out $OUT             # over two GPUs: offload_h200x2.json
     JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python3 -m scripts.bench_offload --mesh 2 \
         --out $OUT                                                   # one process per host (fathom_jax.distributed)
     python3 -m scripts.bench_offload --smoke --out /tmp/smoke          # tiny shapes, any backend (CI-size)
@@ -77,121 +78,121 @@ _F48, _F48_32 = '--methods "Fathom 48"', '--methods "Fathom 48,32-channel (SparQ
 _WHILE = "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE"
 PRESETS = harness.presets({
     # results/offload_h200.*, one H200
-    "attn": f"--tag h200_attn --read staged --sections link,attn --contexts 1m,128k {_F4} --share-kv-from 1m "
+    "attn": f"--tag attn --read staged --sections link,attn --contexts 1m,128k {_F4} --share-kv-from 1m "
             "--time-budget 280",
-    "attn-index-writes-1m": f"--tag h200_writes_1m --read staged --sections link,attn --contexts 1m {_F3} "
+    "attn-index-writes-1m": f"--tag writes_1m --read staged --sections link,attn --contexts 1m {_F3} "
                             "--index-writes every_step,full_blocks --share-kv-from 1m --time-budget 140",
-    "attn-index-writes-128k": f"--tag h200_writes_128k --read staged --sections attn,full --contexts 128k "
+    "attn-index-writes-128k": f"--tag writes_128k --read staged --sections attn,full --contexts 128k "
                               f"--full-contexts 128k {_F3} --index-writes every_step,full_blocks --time-budget 90",
-    "direct-reads": "--tag h200_direct --read direct --sections link,attn --contexts 1m,128k --time-budget 280",
-    "contexts-32k-512k": f"--tag h200_32k_512k --read staged {_F4} --sections attn,dense --contexts 512k,128k,32k "
+    "direct-reads": "--tag direct --read direct --sections link,attn --contexts 1m,128k --time-budget 280",
+    "contexts-32k-512k": f"--tag 32k_512k --read staged {_F4} --sections attn,dense --contexts 512k,128k,32k "
                          "--attn-contexts 512k,32k --share-kv-from 512k --time-budget 550",
-    "full-1m": f"--tag h200_full_1m --read staged --sections full,profile --contexts 1m --full-contexts 1m {_F48} "
+    "full-1m": f"--tag full_1m --read staged --sections full,profile --contexts 1m --full-contexts 1m {_F48} "
                "--share-kv-from 1m --time-budget 120",
-    "full-3methods": f"--tag h200_full_3 --read staged {_F3} --sections attn,full,profile,batch,prefill,control,dense "
+    "full-3methods": f"--tag full_3 --read staged {_F3} --sections attn,full,profile,batch,prefill,control,dense "
                      "--contexts 1m,128k --attn-contexts 1m,128k --full-contexts 1m --share-kv-from 1m --time-budget 290",
-    "full-batches": f"--tag h200_batches {_F48} --sections link,attn,attnprofile,full,profile,batch --contexts 1m,128k "
+    "full-batches": f"--tag batches {_F48} --sections link,attn,attnprofile,full,profile,batch --contexts 1m,128k "
                     "--attn-contexts 128k --full-contexts 1m,128k --batches 8,4 --share-kv-from 512k --time-budget 400",
-    "full-batches-128k": f"--tag h200_batches_128k {_F48} --read staged --sections link,full,batch --contexts 128k "
+    "full-batches-128k": f"--tag batches_128k {_F48} --read staged --sections link,full,batch --contexts 128k "
                          "--batches 4,8 --time-budget 320",
-    "full-batch8": f"--tag h200_batch8 --read staged --sections link,full,batch,profile --contexts 128k "
+    "full-batch8": f"--tag batch8 --read staged --sections link,full,batch,profile --contexts 128k "
                    f"--full-contexts 128k --batches 8 {_F48} --fetch-programs auto,132 --share-kv-from 512k "
                    "--time-budget 190",
-    "prefill": f"--tag h200_prefill --read staged {_F48} --sections prefill,batch --contexts 128k --batches 8 "
+    "prefill": f"--tag prefill --read staged {_F48} --sections prefill,batch --contexts 128k --batches 8 "
                "--share-kv-from 512k --time-budget 155",
-    "hbm-control": f"--tag h200_control {_F48} --read staged --sections batch,control --contexts 128k --batches 8,1 "
+    "hbm-control": f"--tag control {_F48} --read staged --sections batch,control --contexts 128k --batches 8,1 "
                    "--time-budget 270",
     # results/pipeline_h200.md (the pipeline rows are in offload_h200 as well)
-    "pipeline-1m": f"--tag h200_pipeline_1m --read staged {_F3} --index-writes every_step,full_blocks "
+    "pipeline-1m": f"--tag pipeline_1m --read staged {_F3} --index-writes every_step,full_blocks "
                    "--pipeline auto,1/0 --sections link,attn,attnprofile --contexts 1m --share-kv-from 1m "
                    "--time-budget 270",
-    "pipeline-128k": f"--tag h200_pipeline_128k --read staged {_F3} --index-writes every_step,full_blocks "
+    "pipeline-128k": f"--tag pipeline_128k --read staged {_F3} --index-writes every_step,full_blocks "
                      "--pipeline auto,1/0 --sections link,attn --contexts 128k --time-budget 220",
-    "pipeline-chunks": f"--tag h200_chunks --read staged {_F48} --index-writes full_blocks "
+    "pipeline-chunks": f"--tag chunks --read staged {_F48} --index-writes full_blocks "
                        "--pipeline 1,1/132,2/132,4/132,8/0,8/132,8/264 --sections link,attn,attnprofile "
                        "--contexts 1m,128k --share-kv-from 1m --time-budget 390",
-    "pipeline-programs": f"--tag h200_programs --read staged {_F48} --index-writes full_blocks "
+    "pipeline-programs": f"--tag programs --read staged {_F48} --index-writes full_blocks "
                          "--pipeline 1,8/132,8/66,8/33,4/66,2/66 --sections link,attn,attnprofile --contexts 1m,128k "
                          "--share-kv-from 1m --time-budget 290",
     # results/decode_step_h200.md (rows merged into offload_h200 too)
-    "topk-fetch-programs": f"--tag h200_topk_fetch --read staged --sections link,attn --contexts 1m {_F48} "
+    "topk-fetch-programs": f"--tag topk_fetch --read staged --sections link,attn --contexts 1m {_F48} "
                            "--fetch-programs auto,0 --topk auto,single --share-kv-from 1m --time-budget 190",
-    "weight-gemms": f"--tag h200_weights --read staged --sections link,full,batch --contexts 128k --full-contexts 128k "
+    "weight-gemms": f"--tag weights --read staged --sections link,full,batch --contexts 128k --full-contexts 128k "
                     f"--batches 8 {_F48} --share-kv-from 512k --time-budget 160 "  # the Triton control, then the default
                     '--xla-options "xla_gpu_enable_triton_gemm=true,xla_gpu_enable_dynamic_slice_fusion=false;none"',
     # results/step_options_h200.md, results/tail_h200.* (traces of layer-unroll-profile)
-    "layer-unroll": f"--tag h200_unroll --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
+    "layer-unroll": f"--tag unroll --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                     "--layer-unroll 1,2,4,6 --time-budget 280",
-    "layer-unroll-profile": f"--tag h200_unroll_profile --read staged --sections attn,attnprofile --contexts 1m,128k "
+    "layer-unroll-profile": f"--tag unroll_profile --read staged --sections attn,attnprofile --contexts 1m,128k "
                             f"{_F48} --share-kv-from 1m --layer-unroll 2,4 --time-budget 220",
-    "layer-unroll-full": f"--tag h200_unroll_full --read staged --sections full --contexts 128k --full-contexts 128k "
+    "layer-unroll-full": f"--tag unroll_full --read staged --sections full --contexts 128k --full-contexts 128k "
                          f"{_F48} --layer-unroll 1,4 --time-budget 220",
-    "command-buffer-loop": f"--tag h200_while --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
+    "command-buffer-loop": f"--tag while --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                            f'--xla-options "{_WHILE};{_WHILE},xla_gpu_command_buffer_unroll_loops=true" --time-budget 220',
-    "chunks-fetch-programs": f"--tag h200_chunks_fetch --read staged --sections attn --contexts 1m,128k {_F48} "
+    "chunks-fetch-programs": f"--tag chunks_fetch --read staged --sections attn --contexts 1m,128k {_F48} "
                              "--share-kv-from 1m --layer-unroll 2 --pipeline auto,4,8 --fetch-programs 66,132 "
                              "--time-budget 400",
-    "topk-programs": f"--tag h200_topk --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
+    "topk-programs": f"--tag topk --read staged --sections attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                      "--topk auto,b8t4,b16t4,b8t8,bautot8 --time-budget 160",
     # results/row_cache_h200/
-    "row-cache-1m": f"--tag h200_row_cache_1m --read staged --sections link,attn --contexts 1m,128k {_F48} "
+    "row-cache-1m": f"--tag row_cache_1m --read staged --sections link,attn --contexts 1m,128k {_F48} "
                     "--share-kv-from 1m --query-drift 0.95 --row-cache 0,16384 --time-budget 190",
-    "row-cache-batch8": f"--tag h200_row_cache_b8 --read staged --sections link,attnbatch,attn,batch,attnprofile "
+    "row-cache-batch8": f"--tag row_cache_b8 --read staged --sections link,attnbatch,attn,batch,attnprofile "
                         f"--contexts 128k --attn-contexts 128k --batches 8 {_F48} --share-kv-from 512k "
                         "--query-drift 0.95 --row-cache 0,16384 --time-budget 390",
     # results/offload_h200_honest_1m.* (issue 45): today's inputs and honest ones, plane 0 or every plane in HBM, the
     # link floor and the all-in-HBM control of each
-    "honest-1m": f"--tag h200_honest_1m --sections link,attn,control --contexts 1m {_F48} --resident-planes 1,4 "
+    "honest-1m": f"--tag honest_1m --sections link,attn,control --contexts 1m {_F48} --resident-planes 1,4 "
                  "--inputs today,honest --share-kv-from 1m --time-budget 290",
     # warm planes (plane_reuse.md: on these keys a set of 27 / 58 channel planes per group, chosen by the planner's
     # gains, misses ~6% / ~11% of Fathom 48's host planes at p = 1 / 0)
-    "warm-1m": f"--tag h200_warm_1m --sections link,attn --contexts 1m {_F48} --resident-planes 0,1 --warm-planes 0,48 "
+    "warm-1m": f"--tag warm_1m --sections link,attn --contexts 1m {_F48} --resident-planes 0,1 --warm-planes 0,48 "
                "--inputs honest --share-kv-from 1m --time-budget 480",
-    "warm-128k-b8": f"--tag h200_warm_128k_b8 --sections link,attnbatch --contexts 128k {_F48} --batches 8 "
+    "warm-128k-b8": f"--tag warm_128k_b8 --sections link,attnbatch --contexts 128k {_F48} --batches 8 "
                     "--rows k8v8 --resident-planes 0,1 --warm-planes 0,48 --share-kv-from none --time-budget 400",
     # results/fetch_order_h200/ (the default fetch order) and results/scan_unroll_h200/ (the default scan)
-    "fathom48": f"--tag h200_f48 --read staged --sections link,attn --contexts 1m,128k {_F48} --share-kv-from 1m "
+    "fathom48": f"--tag f48 --read staged --sections link,attn --contexts 1m,128k {_F48} --share-kv-from 1m "
                 "--time-budget 160",
-    "attn-profile-1m": f"--tag h200_profile_1m --read staged --sections attn,attnprofile --contexts 1m {_F48} "
+    "attn-profile-1m": f"--tag profile_1m --read staged --sections attn,attnprofile --contexts 1m {_F48} "
                        "--share-kv-from 1m --time-budget 140",
     # results/offload_h200.* resident planes (issue 33; the p = 0 rows also re-measure the default step)
-    "tiers-1m": f"--tag h200_tiers_1m --sections link,attn --contexts 1m {_F4} --resident-planes 0,1 "
+    "tiers-1m": f"--tag tiers_1m --sections link,attn --contexts 1m {_F4} --resident-planes 0,1 "
                 "--share-kv-from 1m --time-budget 350",
-    "tiers-128k": f"--tag h200_tiers_128k --sections link,attn --contexts 128k {_F4} --resident-planes 0,1 "
+    "tiers-128k": f"--tag tiers_128k --sections link,attn --contexts 128k {_F4} --resident-planes 0,1 "
                   "--share-kv-from 1m --time-budget 190",
-    "tiers-p24": '--tag h200_tiers_p24 --sections attn --contexts 1m,128k --methods "Fathom 48,Fathom 64" '
+    "tiers-p24": '--tag tiers_p24 --sections attn --contexts 1m,128k --methods "Fathom 48,Fathom 64" '
                  "--resident-planes 2,4 --share-kv-from 1m --time-budget 210",
-    "tiers-profile": f"--tag h200_tiers_profile --sections attn,attnprofile --contexts 1m {_F48} --resident-planes 1 "
+    "tiers-profile": f"--tag tiers_profile --sections attn,attnprofile --contexts 1m {_F48} --resident-planes 1 "
                      "--share-kv-from 1m --time-budget 140",
-    "tiers-chunks": f"--tag h200_tiers_chunks --sections link,attn --contexts 1m {_F48} --resident-planes 1,2,4 "
+    "tiers-chunks": f"--tag tiers_chunks --sections link,attn --contexts 1m {_F48} --resident-planes 1,2,4 "
                     "--pipeline 8,2,1 --share-kv-from 1m --time-budget 420",
     # K/V row formats (issue 32): every layer's (every session's) own rows in 8-bit K and V, beside bf16 rows; the pinned
     # host cap must hold them (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, README). bf16 rows of every layer at 1M (167 GB) do
     # not fit the 128 GiB host: their row, shared by every layer, is the committed baseline (offload_h200). At 128k
     # batch 8, bf16 own rows (175 GB) do not fit either: bf16 is measured shared as the control, after k8v8 (the
     # larger cache first: the allocator's regions, once pinned, are kept).
-    "rows-1m": f"--tag h200_rows_1m --sections link,attn,full --contexts 1m --attn-contexts 1m --full-contexts 1m "
+    "rows-1m": f"--tag rows_1m --sections link,attn,full --contexts 1m --attn-contexts 1m --full-contexts 1m "
                f"{_F48} --rows k8v8 --share-kv-from none --time-budget 200",
-    "rows-1m-tiers": f"--tag h200_rows_1m_tiers --sections link,attn,full --contexts 1m --attn-contexts 1m "
+    "rows-1m-tiers": f"--tag rows_1m_tiers --sections link,attn,full --contexts 1m --attn-contexts 1m "
                      f"--full-contexts 1m {_F48} --rows k8v8 --resident-planes 1 --share-kv-from none --time-budget 200",
-    "rows-128k-batch": f"--tag h200_rows_128k_b8 --sections link,attnbatch,batch --contexts 128k --batches 8 {_F48} "
+    "rows-128k-batch": f"--tag rows_128k_b8 --sections link,attnbatch,batch --contexts 128k --batches 8 {_F48} "
                        "--rows k8v8@none,model@512k --share-kv-from none --time-budget 280",
-    "tiers-batch8": f"--tag h200_tiers_b8 --sections link,attnbatch,batch --contexts 128k --batches 8 {_F48} "
+    "tiers-batch8": f"--tag tiers_b8 --sections link,attnbatch,batch --contexts 128k --batches 8 {_F48} "
                     "--rows k8v8 --resident-planes 1 --pipeline 2,1 --share-kv-from none --time-budget 300",
-    "rows-128k-batches": f"--tag h200_rows_128k_batches --sections link,batch --contexts 128k --batches 8,4,2,1 "
+    "rows-128k-batches": f"--tag rows_128k_batches --sections link,batch --contexts 128k --batches 8,4,2,1 "
                          f"{_F48} --rows k8v8 --resident-planes 0,1 --share-kv-from none --time-budget 540",
     # results/offload_h200x2.*, the two-H200 machine (every layer's own K/V: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, README)
-    "x2-1m-1gpu": f"--tag h200x2_1m_1gpu --mesh 1 --read staged --sections link,attn --contexts 1m {_F48_32} "
+    "x2-1m-1gpu": f"--tag 1m_1gpu --mesh 1 --read staged --sections link,attn --contexts 1m {_F48_32} "
                   "--index-writes every_step,full_blocks --share-kv-from none --time-budget 230",
-    "x2-1m-2gpu": f"--tag h200x2_1m_2gpu --mesh 2 --read staged --sections link,attn --contexts 1m {_F48_32} "
+    "x2-1m-2gpu": f"--tag 1m_2gpu --mesh 2 --read staged --sections link,attn --contexts 1m {_F48_32} "
                   "--index-writes every_step,full_blocks --share-kv-from none --time-budget 310",
-    "x2-512k-1gpu": f"--tag h200x2_512k_1gpu --mesh 1 --sections attn --contexts 512k {_F48} --read staged "
+    "x2-512k-1gpu": f"--tag 512k_1gpu --mesh 1 --sections attn --contexts 512k {_F48} --read staged "
                     "--share-kv-from none --time-budget 210",
-    "x2-512k-2gpu": f"--tag h200x2_512k_2gpu --mesh 2 --sections link,attn --contexts 512k {_F48} --read staged "
+    "x2-512k-2gpu": f"--tag 512k_2gpu --mesh 2 --sections link,attn --contexts 512k {_F48} --read staged "
                     "--share-kv-from none --time-budget 270",
-    "x2-shared-1gpu": f"--tag h200x2_shared_1gpu --mesh 1 --read staged --sections link,attn --contexts 1m,128k {_F48_32} "
+    "x2-shared-1gpu": f"--tag shared_1gpu --mesh 1 --read staged --sections link,attn --contexts 1m,128k {_F48_32} "
                       "--share-kv-from 1m --time-budget 140",
-    "x2-shared-2gpu": f"--tag h200x2_shared_2gpu --mesh 2 --read staged --sections link,attn --contexts 1m,128k "
+    "x2-shared-2gpu": f"--tag shared_2gpu --mesh 2 --read staged --sections link,attn --contexts 1m,128k "
                       f"{_F48_32} --share-kv-from 1m --time-budget 160",
 })
 
@@ -203,7 +204,8 @@ def main(argv=None):
     distributed.initialize()  # one process per host, from the environment (fathom_jax.distributed); else a no-op
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results")
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default=None, help="the run's name: it writes offload_<machine>_<tag>.{json,md,png}, "
+                    "<machine> the device it ran on (h200, h100, h200x2, cpu: scripts.harness.machine_name)")
     ap.add_argument("--contexts", default="32k,128k,512k,1m")
     ap.add_argument("--attn-contexts", default=None, help="contexts of the attention-only section (default --contexts)")
     ap.add_argument("--full-contexts", default=None, help="contexts of the full-step section (default: the largest and 128k)")

@@ -42,7 +42,8 @@ class Run:
         self._statistics = {INPUTS["today"].keys: (self.calib, self.scale)}  # and other --inputs' (drawn once)
         self.model = None  # the random-weight model, made by the first section that needs it
         self.t0 = time.time()
-        self.path = os.path.join(args.out, f"offload_{args.tag}.json")
+        self.name = harness.machine_name() + (f"_{args.tag}" if args.tag else "")  # offload_h200_attn on an H200
+        self.path = os.path.join(args.out, f"offload_{self.name}.json")
         self.res = {"machine": harness.machine(), "command": harness.command("scripts.bench_offload"),
                     "config": vars(args).copy(), "rows": [], "errors": [], "notes": []}
         self.res["config"]["model"] = dataclasses.asdict(args.config)
@@ -275,7 +276,7 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
             return None
         cache = state[1]
         selection = selection_fields(cache, attn, next(steps))
-        hlo_path = os.path.join(args.out, f"{args.tag}_{placement.memory}_{variant_tag(split)}.hlo.txt") if (
+        hlo_path = os.path.join(args.out, f"{run.name}_{placement.memory}_{variant_tag(split)}.hlo.txt") if (
             args.dump_hlo) else None
         launches = launch_fields(attn, queries[0], key, value, cache, hlo_path)
         profile = None

@@ -10,7 +10,7 @@ import pytest
 
 from pallas_kernels.topk import TopkConfig
 from scripts import bench_offload, offload_measure, offload_report, offload_setup
-from tests.support import bench_offload_rows
+from tests.support import bench_offload_rows, offload_file
 
 
 def part(date: str, median: float, notes: list[str], errors: list[dict]) -> dict:
@@ -183,7 +183,7 @@ def test_rows_formats_run_side_by_side_on_cpu(tmp_path, monkeypatch):
         assert r["row_bytes_max"] == 2 * 2 * min(2 * 64, 128) * row_bytes
         assert r["tokens_per_s"] == pytest.approx(1e3 / r["median_ms"])
     assert got["attention", "model"]["host_bytes_per_token"] == 580  # the figure at Dh = 128
-    report = (tmp_path / "offload_rows.md").read_text()
+    report = offload_file(tmp_path, "rows", "md").read_text()
     table = report.split("## K/V row formats")[1].split("\n## ")[0]
     lines = [line for line in table.splitlines() if line.startswith(("| attention", "| full"))]
     assert [line.split(" | ")[4] for line in lines] == ["model", "k8v8"]
@@ -232,7 +232,7 @@ def test_warm_planes_rows_on_cpu(tmp_path, monkeypatch):
     assert got[0, 8]["index_hbm_bytes"] == 2 * 2 * 128 * (words // 2) * 2 + 1 * 2 * 128 * words * 4 + \
         2 * 2 * 8 * words * 4 + 2 * 2 * 128 * 4 * 4  # scales [L, R, D, NB] f16, the hot row, the warm tier, its map
     assert 0 < got[0, 8]["link_scan_bytes"] < got[0, 0]["link_scan_bytes"]
-    report = (tmp_path / "offload_warm.md").read_text()
+    report = offload_file(tmp_path, "warm", "md").read_text()
     assert "| 1 + 8 warm |" in report and "| 0 + 8 warm |" in report
     with pytest.raises(SystemExit):
         bench_offload.main(["--smoke", "--warm-planes", "-1", "--out", str(tmp_path)])
