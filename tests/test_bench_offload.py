@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.topk import TopkConfig
-from scripts import bench_offload, offload_measure, offload_report, offload_setup
+from fathom_jax.decode import StepConfig
+from scripts import bench_offload, offload_measure, offload_report, offload_runs, offload_setup
 from tests.support import bench_offload_rows, offload_file
 
 
@@ -54,58 +55,56 @@ def test_merge_keeps_the_newest_row_and_dates_errors(tmp_path):
     assert notes == ["2 rows of earlier runs superseded by later runs of the same measurement"]
 
 
+def step_configs(**options) -> list[StepConfig]:
+    """The step configurations a run gets from the option flags ``options`` (in order)."""
+    run = offload_runs.OffloadRun()
+    for key, text in options.items():
+        run = run.set(key, text)
+    return list(run.configs)
+
+
 def test_variants_and_their_labels():
     """--index-writes x --pipeline (``--read`` for all): "auto" where a part is not given; every variant a valid step
     configuration."""
-    got = offload_setup.parse_variants("staged", "full_blocks", "auto,1/0,8/66,4")
-    rest = dict(fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0, scan="default",
-                selection="threshold", attention="kernel")
-    assert got == [
-        dict(read="staged", index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
-        dict(read="staged", index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),
-        dict(read="staged", index_writes="full_blocks", pipeline=8, gather_programs=66, **rest),
-        dict(read="staged", index_writes="full_blocks", pipeline=4, gather_programs="auto", **rest)]
+    got = step_configs(read="staged", index_writes="full_blocks", pipeline="auto,1/0,8/66,4")
+    assert got == [StepConfig(index_writes="full_blocks", pipeline=p, gather_programs=g)
+                   for p, g in (("auto", "auto"), (1, 0), (8, 66), (4, "auto"))]
     # the kernels' options: row-fetch programs x top-k x extra XLA option sets
-    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto,0", "auto,single",
-                                       "none;xla_gpu_enable_triton_gemm=false,xla_foo=3")
-    assert len(got) == 8 and {v["fetch_programs"] for v in got} == {"auto", 0}
-    assert {v["xla_options"] for v in got} == {(), (("xla_gpu_enable_triton_gemm", False), ("xla_foo", "3"))}
+    got = step_configs(fetch_programs="auto,0", topk="auto,single",
+                       xla_options="none;xla_gpu_enable_triton_gemm=false,xla_foo=3")
+    assert len(got) == 8 and {v.fetch_programs for v in got} == {"auto", 0}
+    assert {v.xla_options for v in got} == {(), (("xla_foo", "3"), ("xla_gpu_enable_triton_gemm", False))}
     # a value may hold commas (a list of enums); layers per loop iteration: one row each
-    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto",
-                                       "xla_gpu_enable_command_buffer=FUSION,WHILE,xla_foo=3", "1,2")
-    assert [v["layer_unroll"] for v in got] == [1, 2]
-    assert got[0]["xla_options"] == (("xla_gpu_enable_command_buffer", "FUSION,WHILE"), ("xla_foo", "3"))
+    got = step_configs(xla_options="xla_gpu_enable_command_buffer=FUSION,WHILE,xla_foo=3", layer_unroll="1,2")
+    assert [v.layer_unroll for v in got] == [1, 2]
+    assert got[0].xla_options == (("xla_foo", "3"), ("xla_gpu_enable_command_buffer", "FUSION,WHILE"))
     # the selections: one row each
-    got = offload_setup.parse_variants("staged", "every_step", "auto", select="threshold,sorted")
-    assert [v["selection"] for v in got] == ["threshold", "sorted"]
-    with pytest.raises(ValueError, match="--layer-unroll entries"):
-        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "0")
+    assert [v.selection for v in step_configs(select="threshold,sorted")] == ["threshold", "sorted"]
+    with pytest.raises(ValueError, match="--layer-unroll"):
+        step_configs(layer_unroll="0")
     assert "2 layers per loop iteration" in offload_setup.split_text({"layer_unroll": 2}) and offload_setup.split_text({"layer_unroll": 1}) == ""
-    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "0,4096")
-    assert [v["row_cache"] for v in got] == [0, 4096] and offload_setup.split_text({"row_cache": 4096}) == \
-        "row cache 4096 slots"
-    with pytest.raises(ValueError, match="--row-cache entries"):
-        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "-1")
+    assert [v.row_cache for v in step_configs(row_cache="0,4096")] == [0, 4096]
+    assert offload_setup.split_text({"row_cache": 4096}) == "row cache 4096 slots"
+    with pytest.raises(ValueError, match="--row-cache"):
+        step_configs(row_cache="-1")
     with pytest.raises(ValueError, match="--topk entries"):
-        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "sorted")
-    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto", "b8t4,bautot8")
-    assert [v["topk"] for v in got] == ["b8t4", "bautot8"]
+        step_configs(topk="sorted")
+    got = step_configs(topk="b8t4,bautot8")
+    assert [v.topk for v in got] == [TopkConfig(bucket_splits=8, token_splits=4), TopkConfig(bucket_splits="auto",
+                                                                                            token_splits=8)]
     assert offload_setup.topk_config("b8t4") == TopkConfig(bucket_splits=8, token_splits=4)
-    assert offload_setup.topk_config("bautot8") == TopkConfig(bucket_splits="auto", token_splits=8)
     assert [offload_setup.topk_name(offload_setup.topk_config(n)) for n in ("auto", "single", "b8t4", "bautot8")] == \
         ["auto", "single", "b8t4", "bautot8"]
     with pytest.raises(ValueError, match="power of two"):
-        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "b3t4")
+        step_configs(topk="b3t4")
     # the plane scan's arithmetic: one row each; named back from the configuration a bound hook runs
-    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "0",
-                                       "default,f16x2")
-    assert [v["scan"] for v in got] == ["default", "f16x2"]
+    assert [offload_setup.scan_name(v.scan) for v in step_configs(scan="default,f16x2")] == ["default", "f16x2"]
     assert offload_setup.scan_name(offload_setup.scan_config("f16x2")) == "f16x2"
     assert offload_setup.scan_name(None) == "default" and offload_setup.split_text({"scan": "f16x2"}) == "scan f16x2"
     with pytest.raises(ValueError, match="--scan entries"):
-        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "0", "bf16")
+        step_configs(scan="bf16")
     with pytest.raises(ValueError, match="index_writes must be one of"):  # StepConfig checks every variant
-        offload_setup.parse_variants("staged", "sometimes", "auto")
+        step_configs(index_writes="sometimes")
     assert offload_setup.writes_text({"index_writes": "every_step", "scan_writes": True}) == "every_step in scan"
     assert offload_setup.writes_text({}) == "every_step"
     text = offload_setup.split_text  # (rows of the deleted GPU streams option still render)
@@ -202,13 +201,14 @@ def test_rows_formats_run_side_by_side_on_cpu(tmp_path, monkeypatch):
 
 
 def test_rows_entries_and_their_errors(capsys):
-    rows = offload_setup.parse_rows("k8v8@none, model@512k", 1 << 20)
-    assert [(r["name"], r["share_kv_from"]) for r in rows] == [("k8v8", None), ("model", 524288)]
-    assert rows[0]["format"].spec == "k8v8" and rows[1]["format"] is None
-    assert [r["share_kv_from"] for r in offload_setup.parse_rows("model,k8v4g32a", 1 << 20)] == [1 << 20, 1 << 20]
+    run = offload_runs.OffloadRun(share_kv_from=1 << 20)
+    rows = run.set("rows", "k8v8@none, model@512k").row_sets
+    assert [(r.name, r.share_kv_from) for r in rows] == [("k8v8", None), ("model", 524288)]
+    assert rows[0].format.spec == "k8v8" and rows[1].format is None
+    assert [r.share_kv_from for r in run.set("rows", "model,k8v4g32a").row_sets] == [1 << 20, 1 << 20]
     for bad, match in (("k9v8", "unknown row format"), ("k4c64av8", "per block of tokens"), ("model,model", "twice")):
         with pytest.raises(ValueError, match=match):
-            offload_setup.parse_rows(bad, None)
+            run.set("rows", bad)
         with pytest.raises(SystemExit):
             bench_offload.main(["--smoke", "--rows", bad, "--out", "/nonexistent"])
         assert "--rows:" in capsys.readouterr().err
