@@ -168,15 +168,6 @@ def rows_tag(rows) -> str:
     return "" if rows.name == "model" else f" rows {rows.name}"
 
 
-# (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan; the
-# GPU streams, writes after the scan, the two-kernel selection and the chained chunk order are measured options since
-# deleted, kept for their rows)
-SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
-                  "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
-                  "resident_planes": 0, "warm_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union", "order": "xla", "scan": "default",
-                  "select": "sorted", "attention": "xla"}
-
-
 def options_text(options) -> str:
     return ",".join(f"{k}={v}" for k, v in dict(options).items())
 
@@ -194,55 +185,14 @@ def split_fields(attn) -> dict:
 
 
 def variant_tag(split: dict) -> str:
+    """A file-name tag of a row's options (:func:`split_fields`)."""
     return (f"s{split['streams']}_{split['index_writes']}_p{split['pipeline']}_g{split['gather_programs']}"
-            f"_f{split.get('fetch_programs', 0)}_{split.get('topk', 'single')}" + ("_w" if split.get("scan_writes") else "")
-            + ("_x" if split.get("xla_options") else "") + (f"_u{split['layer_unroll']}" if split.get("layer_unroll", 1) > 1 else "")
-            + (f"_c{split['row_cache']}" if split.get("row_cache") else "")
-            + (f"_r{split['rows']}" if split.get("rows", "model") != "model" else "")
-            + (f"_s{split['scan']}" if split.get("scan", "default") != "default" else "")
-            + ("_sorted" if split.get("select", "sorted") == "sorted" else "")
-            + ("_xattn" if split.get("attention", "xla") == "xla" else ""))
-
-
-def writes_text(r: dict) -> str:
-    """A row's index writes, and ``in scan`` where each layer wrote inside the layer scan."""
-    return r.get("index_writes", "every_step") + (" in scan" if r.get("scan_writes") else "")
-
-
-def split_text(r: dict) -> str:
-    """How a row's layer was split: ``""`` (one chunk), ``streams 2``, ``pipeline 8 (gather 132)``, and the kernels'
-    options that differ from the earlier runs' (``fetch 66``: persistent row-fetch programs; ``top-k split``: each
-    row's selections over several programs; ``xla: ...``: extra XLA options)."""
-    if r.get("streams", 1) > 1:
-        text = f"streams {r['streams']}"
-    elif r.get("pipeline", 1) > 1:
-        programs = r.get("gather_programs", 0)
-        text = f"pipeline {r['pipeline']}" + (f" (gather {programs})" if programs else "")
-    else:
-        text = f"gather {r['gather_programs']}" if r.get("gather_programs") else ""
-    extra = ([f"rows {r['rows']}"] if r.get("rows", "model") != "model" else []) + \
-            ([f"resident planes {r['resident_planes']}"] if r.get("resident_planes") else []) + \
-            ([f"warm planes {r['warm_planes']}"] if r.get("warm_planes") else []) + \
-            ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
-            (["top-k split"] if r.get("topk", "single") != "single" else []) + \
-            ([f"scan {r['scan']}"] if r.get("scan", "default") != "default" else []) + \
-            ([f"{r['layer_unroll']} layers per loop iteration"] if r.get("layer_unroll", 1) > 1 else []) + \
-            ([f"row cache {r['row_cache']} slots"] if r.get("row_cache") else []) + \
-            ([f"{r['inputs']} inputs"] if r.get("inputs", "today") != "today" else []) + \
-            ([f"xla: {r['xla_options']}"] if r.get("xla_options") else []) + \
-            ([select_text(r)] if r.get("select", "sorted") != "sorted" else []) + \
-            (["attention kernel"] if r.get("attention", "xla") == "kernel" else []) + \
-            ([f"selection {r['selection']}"] if r.get("selection", "topk_union") != "topk_union" else []) + \
-            ([f"order {r['order']}"] if r.get("order", "xla") != "xla" else [])  # (deleted options' rows)
-    return "; ".join([text] * bool(text) + extra)
-
-
-def select_text(r: dict) -> str:
-    """A threshold-selection row's selection and how often its second path ran."""
-    text = f"{r['select']} selection"
-    if r.get("selections"):
-        text += f" (second path {r['second_path'] / r['selections']:.1%})"
-    return text
+            f"_f{split['fetch_programs']}_{split['topk']}" + ("_w" if split["scan_writes"] else "")
+            + ("_x" if split["xla_options"] else "") + (f"_u{split['layer_unroll']}" if split["layer_unroll"] > 1 else "")
+            + (f"_c{split['row_cache']}" if split["row_cache"] else "")
+            + (f"_r{split['rows']}" if split["rows"] != "model" else "")
+            + (f"_s{split['scan']}" if split["scan"] != "default" else "")
+            + ("_sorted" if split["select"] == "sorted" else "") + ("_xattn" if split["attention"] == "xla" else ""))
 
 
 def random_model(cfg, placement):

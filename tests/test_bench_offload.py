@@ -82,9 +82,9 @@ def test_variants_and_their_labels():
     assert [v.selection for v in step_configs(select="threshold,sorted")] == ["threshold", "sorted"]
     with pytest.raises(ValueError, match="--layer-unroll"):
         step_configs(layer_unroll="0")
-    assert "2 layers per loop iteration" in offload_setup.split_text({"layer_unroll": 2}) and offload_setup.split_text({"layer_unroll": 1}) == ""
+    assert "2 layers per loop iteration" in offload_report.split_text({"layer_unroll": 2}) and offload_report.split_text({"layer_unroll": 1}) == ""
     assert [v.row_cache for v in step_configs(row_cache="0,4096")] == [0, 4096]
-    assert offload_setup.split_text({"row_cache": 4096}) == "row cache 4096 slots"
+    assert offload_report.split_text({"row_cache": 4096}) == "row cache 4096 slots"
     with pytest.raises(ValueError, match="--row-cache"):
         step_configs(row_cache="-1")
     with pytest.raises(ValueError, match="--topk entries"):
@@ -100,14 +100,14 @@ def test_variants_and_their_labels():
     # the plane scan's arithmetic: one row each; named back from the configuration a bound hook runs
     assert [offload_setup.scan_name(v.scan) for v in step_configs(scan="default,f16x2")] == ["default", "f16x2"]
     assert offload_setup.scan_name(offload_setup.scan_config("f16x2")) == "f16x2"
-    assert offload_setup.scan_name(None) == "default" and offload_setup.split_text({"scan": "f16x2"}) == "scan f16x2"
+    assert offload_setup.scan_name(None) == "default" and offload_report.split_text({"scan": "f16x2"}) == "scan f16x2"
     with pytest.raises(ValueError, match="--scan entries"):
         step_configs(scan="bf16")
     with pytest.raises(ValueError, match="index_writes must be one of"):  # StepConfig checks every variant
         step_configs(index_writes="sometimes")
-    assert offload_setup.writes_text({"index_writes": "every_step", "scan_writes": True}) == "every_step in scan"
-    assert offload_setup.writes_text({}) == "every_step"
-    text = offload_setup.split_text  # (rows of the deleted GPU streams option still render)
+    assert offload_report.writes_text({"index_writes": "every_step", "scan_writes": True}) == "every_step in scan"
+    assert offload_report.writes_text({}) == "every_step"
+    text = offload_report.split_text  # (rows of the deleted GPU streams option still render)
     assert text({"streams": 2}) == "streams 2" and text({"pipeline": 8, "gather_programs": 66}) == "pipeline 8 (gather 66)"
     assert text({"pipeline": 1, "gather_programs": 66}) == "gather 66" and text({}) == ""
     assert text({"pipeline": 2, "gather_programs": 66, "fetch_programs": 66, "topk": "auto", "xla_options": "a=1"}) == \
@@ -236,3 +236,22 @@ def test_warm_planes_rows_on_cpu(tmp_path, monkeypatch):
     assert "| 1 + 8 warm |" in report and "| 0 + 8 warm |" in report
     with pytest.raises(SystemExit):
         bench_offload.main(["--smoke", "--warm-planes", "-1", "--out", str(tmp_path)])
+
+
+def test_committed_results_render_through_the_migration(tmp_path):
+    """Every committed offload results file renders through :func:`offload_report.migrate` (old rows upgraded to
+    today's fields, no live defaults in the report): migrating twice changes nothing, and the tables today's report
+    wrote re-render from their JSON bit for bit."""
+    import pathlib
+
+    results = pathlib.Path(__file__).resolve().parents[1] / "results"
+    files = sorted(results.glob("offload_h200*.json"))
+    assert len(files) >= 19
+    for path in files:
+        res = json.load(open(path))
+        once = [offload_report.migrate(r, res["config"]) for r in res["rows"]]
+        assert [offload_report.migrate(r, res["config"]) for r in once] == once
+        assert set(offload_report.OLD_ROW_FIELDS) <= set.intersection(*(set(r) for r in once))
+    for name in ("offload_h200_scan_f16x2_128k", "offload_h200_scan_f16x2_control"):
+        offload_report.write_report(json.load(open(results / f"{name}.json")), str(tmp_path / name))
+        assert (tmp_path / f"{name}.md").read_text() == (results / f"{name}.md").read_text()
