@@ -20,6 +20,7 @@ import gzip
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -104,6 +105,17 @@ def machine() -> dict:
         "cpus": os.cpu_count(), "jax": jax.__version__, "commit": git_commit(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def machine_name(devices=None) -> str:
+    """The machine a run used, as its result files name it: the accelerator's model from the first device's
+    ``device_kind`` (``NVIDIA H200`` -> ``h200``, ``NVIDIA H100 80GB HBM3`` -> ``h100``; ``cpu`` on the CPU), and
+    ``xN`` where the process sees N > 1 devices (``h200x2``)."""
+    devices = jax.devices() if devices is None else devices
+    kind = devices[0].device_kind
+    found = re.search(r"\b([A-Za-z]{1,2}\d{2,4}[A-Za-z]?)\b", kind) if devices[0].platform != "cpu" else None
+    name = found.group(1).lower() if found else re.sub(r"[^a-z0-9]+", "", kind.lower()) or devices[0].platform
+    return name + (f"x{len(devices)}" if len(devices) > 1 else "")
 
 
 def command(module: str, argv: list[str] | None = None) -> str:

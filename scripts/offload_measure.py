@@ -5,7 +5,6 @@ and HBM copy rates, attention-only steps, full decode steps and the prefill."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import os
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fathom_jax import decode, distributed, hlo, planner
+from fathom_jax.decode import StepConfig
 from fathom_jax.decode.prefill import corpus_calibration
 from fathom_jax.models import generation
 from fathom_jax.placement import attach_bulk, split_bulk
@@ -26,7 +26,8 @@ from fathom_jax.rows.layout import RowLayout
 from scripts import harness
 from scripts.offload_report import write_report
 from scripts.offload_inputs import INPUTS, InputSet
-from scripts.offload_setup import (AUTHORS_MS, METHODS, build_cache, cache_shape, default_rows, drifting_queries,
+from scripts.offload_runs import OffloadRun, Rows
+from scripts.offload_setup import (AUTHORS_MS, METHODS, build_cache, cache_shape, drifting_queries,
                                    hook, random_step_inputs, rows_tag, split_fields, synthetic_calibration,
                                    variant_tag, with_row_cache, without_row_cache)
 
@@ -35,19 +36,17 @@ class Run:
     """Results accumulate in one JSON written after every measurement (a run stopped at its time limit keeps
     what it measured); each section is guarded so one failure does not end the run."""
 
-    def __init__(self, args):
-        self.args = args
-        self.cfg = args.config
-        self.calib, self.scale = synthetic_calibration(args.config)  # every row's synthetic statistics and keys
+    def __init__(self, args: OffloadRun, out: str, placement):
+        self.args, self.out, self.placement = args, out, placement  # the run's record, its folder, where caches live
+        self.cfg = args.model
+        self.calib, self.scale = synthetic_calibration(args.model)  # every row's synthetic statistics and keys
         self._statistics = {INPUTS["today"].keys: (self.calib, self.scale)}  # and other --inputs' (drawn once)
         self.model = None  # the random-weight model, made by the first section that needs it
         self.t0 = time.time()
-        self.path = os.path.join(args.out, f"offload_{args.tag}.json")
+        self.name = harness.machine_name() + (f"_{args.tag}" if args.tag else "")  # offload_h200_attn on an H200
+        self.path = os.path.join(out, f"offload_{self.name}.json")
         self.res = {"machine": harness.machine(), "command": harness.command("scripts.bench_offload"),
-                    "config": vars(args).copy(), "rows": [], "errors": [], "notes": []}
-        self.res["config"]["model"] = dataclasses.asdict(args.config)
-        if isinstance(getattr(args, "rows", None), list):  # --rows entries by name (their RowFormat is the name's)
-            self.res["config"]["rows"] = [{"name": r["name"], "share_kv_from": r["share_kv_from"]} for r in args.rows]
+                    "config": args.record() | {"out": out}, "rows": [], "errors": [], "notes": []}
 
     def statistics(self, inputs: InputSet | None):
         """``(calibration, scale)`` of an input set's keys (None: today's)."""
@@ -135,7 +134,7 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
 
 
 def link_section(run: Run):
-    mesh = run.args.placement.mesh  # this process's devices of the mesh (each host measures its own links)
+    mesh = run.placement.mesh  # this process's devices of the mesh (each host measures its own links)
     devices = jax.local_devices()[:1] if mesh is None else [d for d in mesh.devices.flat
                                                             if d.process_index == jax.process_index()]
     run.res["link"] = harness.host_to_device_rate(run.args.link_bytes, devices=devices)
@@ -225,12 +224,12 @@ def _first_cache(run: Run, context, labels, batch, placement, rows, inputs=None)
     """``(placement, rows, shared, cache)``: the defaults filled in and the synthetic cache of the first method (the
     others' rows read it too), its K/V row buffer shared by every layer where ``rows`` says so; keys of ``inputs``."""
     args = run.args
-    placement = placement or args.placement
-    rows = rows or default_rows(args)
-    shared = rows["share_kv_from"] is not None and batch * context >= rows["share_kv_from"]
+    placement = placement or run.placement
+    rows = rows or Rows(None, args.share_kv_from)
+    shared = rows.share_kv_from is not None and batch * context >= rows.share_kv_from
     calib, scale = run.statistics(inputs)
     first = hook(METHODS[labels[0]], calib, args.k, placement, args.implementation,
-                 shape=cache_shape(run.cfg, batch, context), rows=rows["format"])
+                 shape=cache_shape(run.cfg, batch, context), rows=rows.format)
     queries = random_step_inputs(run.cfg, batch)[0] if placement.warm_planes else None  # warm planes: the step's
     return placement, rows, shared, build_cache(first, run.cfg, scale, context=context, batch=batch,
                                                 shared_kv=shared, queries=queries)
@@ -255,15 +254,14 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
     queries = drifting_queries(q, drift) if drift is not None else [q]
     # the HBM control runs each scan configuration and selection with the step's other defaults (its options are the
     # offload's)
-    variants = args.variants if placement.offloaded else [
-        {"scan": scan, "selection": select} for scan, select in dict.fromkeys(
-            (v.get("scan", "default"), v.get("selection", "threshold")) for v in args.variants)]
+    variants = args.configs if placement.offloaded else list(dict.fromkeys(
+        StepConfig(scan=c.scan, selection=c.selection) for c in args.configs))
     for label, variant in ((m, v) for m in labels for v in variants):
         if run.left() < 30:
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
             break
         attn = hook(METHODS[label], calib, args.k, placement, args.implementation, variant,
-                    shape=cache_shape(cfg, batch, context), rows=rows["format"])
+                    shape=cache_shape(cfg, batch, context), rows=rows.format)
         split = split_fields(attn)
         cache = with_row_cache(attach_bulk(jax.tree.map(jnp.copy, start), without_row_cache(cache), bulk), attn)
         steps = itertools.count()
@@ -283,12 +281,12 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
             return None
         cache = state[1]
         selection = selection_fields(cache, attn, next(steps))
-        hlo_path = os.path.join(args.out, f"{args.tag}_{placement.memory}_{variant_tag(split)}.hlo.txt") if (
+        hlo_path = os.path.join(run.out, f"{run.name}_{placement.memory}_{variant_tag(split)}.hlo.txt") if (
             args.dump_hlo) else None
         launches = launch_fields(attn, queries[0], key, value, cache, hlo_path)
         profile = None
         if "attnprofile" in args.sections:
-            trace = os.path.join(args.out, "traces", f"attn_{context}_{label.split()[0]}_{batch}_{placement.memory}_{variant_tag(split)}")
+            trace = os.path.join(run.out, "traces", f"attn_{context}_{label.split()[0]}_{batch}_{placement.memory}_{variant_tag(split)}")
             try:
                 profile, state = harness.profile_breakdown(call, state, trace)
                 cache = state[1]
@@ -324,9 +322,9 @@ def full_rows(run: Run, context, labels, *, batch=1, profile=False, placement=No
     bulk = cache.bulk()
     start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])  # every row from `context` tokens (see attention_rows)
     tokens = jnp.zeros((batch,), jnp.int32)
-    for label, variant in ((m, v) for m in labels for v in args.variants):
+    for label, variant in ((m, v) for m in labels for v in args.configs):
         attn = hook(METHODS[label], calib, args.k, placement, args.implementation, variant,
-                    shape=cache_shape(cfg, batch, context), rows=rows["format"])
+                    shape=cache_shape(cfg, batch, context), rows=rows.format)
         split = split_fields(attn)
         cache = with_row_cache(attach_bulk(jax.tree.map(jnp.copy, start), without_row_cache(cache), bulk), attn)
 
@@ -349,7 +347,7 @@ def full_rows(run: Run, context, labels, *, batch=1, profile=False, placement=No
                **nbytes, **row_cache_fields(cache, link_rate(run), nbytes["scan_bytes"]),
                **host_fields(cache, placement), "tokens_per_s": batch / (r["median_ms"] * 1e-3)}
         if profile:
-            trace = os.path.join(args.out, "traces", f"full_{context}_{label.split()[0]}_{batch}_{variant_tag(split)}")
+            trace = os.path.join(run.out, "traces", f"full_{context}_{label.split()[0]}_{batch}_{variant_tag(split)}")
             try:
                 bd, state = harness.profile_breakdown(call, state, trace)
                 cache = state[1]
@@ -364,7 +362,7 @@ def full_rows(run: Run, context, labels, *, batch=1, profile=False, placement=No
 def prefill_section(run: Run, context):
     args = run.args
     model, cfg = run.model, run.cfg
-    attn = hook("fathom:48", run.calib, args.k, args.placement, args.implementation, {"read": args.read})
+    attn = hook("fathom:48", run.calib, args.k, run.placement, args.implementation, StepConfig(read=args.read))
     prompt = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab, (1, context)), jnp.int32)
     lengths = jnp.full((1,), context, jnp.int32)
     times = []
@@ -386,4 +384,4 @@ def prefill_section(run: Run, context):
         jax.block_until_ready(build(keys))
     index_s = (time.time() - t) / 3 * cfg.n_layers
     run.add({"kind": "prefill", "context": context, "first_s": times[0], "prefill_s": times[1],
-             "index_build_s": index_s, "index_share": index_s / times[1], "memory": args.placement.memory})
+             "index_build_s": index_s, "index_share": index_s / times[1], "memory": run.placement.memory})

@@ -9,7 +9,77 @@ import math
 
 from scripts import harness
 from scripts.offload_inputs import inputs_lines
-from scripts.offload_setup import AUTHORS_MS, SPLIT_DEFAULTS, split_text, writes_text
+from scripts.offload_setup import AUTHORS_MS
+
+
+# What a row measured before an option existed ran: its fields as today's rows record them. Before 2026-12-01 every
+# layer's writes came after the scan; the GPU streams, writes after the scan, the two-kernel selection and the chained
+# chunk order are measured options since deleted, kept for their rows.
+OLD_ROW_FIELDS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
+                  "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
+                  "resident_planes": 0, "warm_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union",
+                  "order": "xla", "scan": "default", "select": "sorted", "attention": "xla"}
+
+
+def migrate(row: dict, config: dict | None = None) -> dict:
+    """An old results row upgraded to today's fields (a new dict; a row of today's runs comes back equal): every
+    option it predates set to what it ran (:data:`OLD_ROW_FIELDS`), a full step's weight GEMMs ``copied`` (before
+    2026-12-01), its read mode from its run's ``config`` where the row recorded none, and its profile's first name of
+    the plane scan's category renamed. Every reader of results rows (the report, ``--merge``) reads them through this."""
+    out = OLD_ROW_FIELDS | row
+    if out.get("kind") == "full":
+        out.setdefault("weight_gemms", "copied")
+    if config is not None and "read" not in out:
+        out["read"] = config.get("read")
+    prof = out.get("profile", {}).get("ms_per_step", {})
+    if "scan (reads host planes)" in prof:  # the category's first name; staged runs' scan reads HBM
+        prof = dict(prof)
+        prof["plane scan kernel"] = prof.pop("scan (reads host planes)")
+        out["profile"] = out["profile"] | {"ms_per_step": prof}
+    return out
+
+
+def writes_text(r: dict) -> str:
+    """A row's index writes, and ``in scan`` where each layer wrote inside the layer scan."""
+    r = migrate(r)
+    return r["index_writes"] + (" in scan" if r["scan_writes"] else "")
+
+
+def split_text(r: dict) -> str:
+    """How a row's layer was split: ``""`` (one chunk), ``streams 2``, ``pipeline 8 (gather 132)``, and the kernels'
+    options that differ from the earlier runs' (``fetch 66``: persistent row-fetch programs; ``top-k split``: each
+    row's selections over several programs; ``xla: ...``: extra XLA options)."""
+    r = migrate(r)
+    if r["streams"] > 1:
+        text = f"streams {r['streams']}"
+    elif r["pipeline"] > 1:
+        programs = r["gather_programs"]
+        text = f"pipeline {r['pipeline']}" + (f" (gather {programs})" if programs else "")
+    else:
+        text = f"gather {r['gather_programs']}" if r["gather_programs"] else ""
+    extra = ([f"rows {r['rows']}"] if r["rows"] != "model" else []) + \
+            ([f"resident planes {r['resident_planes']}"] if r["resident_planes"] else []) + \
+            ([f"warm planes {r['warm_planes']}"] if r["warm_planes"] else []) + \
+            ([f"fetch {r['fetch_programs']}"] if r["fetch_programs"] else []) + \
+            (["top-k split"] if r["topk"] != "single" else []) + \
+            ([f"scan {r['scan']}"] if r["scan"] != "default" else []) + \
+            ([f"{r['layer_unroll']} layers per loop iteration"] if r["layer_unroll"] > 1 else []) + \
+            ([f"row cache {r['row_cache']} slots"] if r["row_cache"] else []) + \
+            ([f"{r['inputs']} inputs"] if r["inputs"] != "today" else []) + \
+            ([f"xla: {r['xla_options']}"] if r["xla_options"] else []) + \
+            ([select_text(r)] if r["select"] != "sorted" else []) + \
+            (["attention kernel"] if r["attention"] == "kernel" else []) + \
+            ([f"selection {r['selection']}"] if r["selection"] != "topk_union" else []) + \
+            ([f"order {r['order']}"] if r["order"] != "xla" else [])  # (deleted options' rows)
+    return "; ".join([text] * bool(text) + extra)
+
+
+def select_text(r: dict) -> str:
+    """A threshold-selection row's selection and how often its second path ran."""
+    text = f"{r['select']} selection"
+    if r.get("selections"):
+        text += f" (second path {r['second_path'] / r['selections']:.1%})"
+    return text
 
 
 def merge(paths, out_prefix):
@@ -20,13 +90,9 @@ def merge(paths, out_prefix):
     res = dict(parts[0])
     res["runs"] = [run for p in parts for run in (p.get("runs") or [{"command": p["command"], "machine": p["machine"],
                                                                    "wall_seconds": p.get("wall_seconds")}])]
-    for p in parts:  # each run's read mode and mesh travel with its rows
-        for row in p.get("rows", []):
-            prof = row.get("profile", {}).get("ms_per_step", {})
-            if "scan (reads host planes)" in prof:  # the category's first name; staged runs' scan reads HBM
-                prof["plane scan kernel"] = prof.pop("scan (reads host planes)")
-            row.setdefault("read", p["config"].get("read"))
-            row.setdefault("run_date", p["machine"]["date"])
+    for p in parts:  # each row upgraded to today's fields; its run's read mode and date travel with it
+        p["rows"] = [migrate(row, p["config"]) | {"run_date": row.get("run_date", p["machine"]["date"])}
+                     for row in p.get("rows", [])]
     for p in parts:  # an error names the run it came from (a later run may have measured that section)
         for err in p.get("errors", []):
             err.setdefault("run_date", p["machine"]["date"])
@@ -35,12 +101,8 @@ def merge(paths, out_prefix):
     # A later run of the same measurement (same kind, method, shapes, placement) supersedes an earlier one.
     latest: dict[tuple, dict] = {}
     for row in (x for p in parts for x in p.get("rows", [])):
-        for name, value in SPLIT_DEFAULTS.items():  # runs before an option existed ran its default
-            row.setdefault(name, value)
-        if row["kind"] == "full":  # full steps before 2026-12-01 copied each layer's weights out of the stacks
-            row.setdefault("weight_gemms", "copied")
         key = tuple(str(row.get(f)) for f in ("kind", "method", "context", "batch", "memory", "read", "mesh",
-                                              *SPLIT_DEFAULTS, "shared_kv", "tag", "weight_gemms"))
+                                              *OLD_ROW_FIELDS, "shared_kv", "tag", "weight_gemms"))
         if key not in latest or row["run_date"] >= latest[key]["run_date"]:
             older = latest.get(key)
             if older is not None and "profile" in older and "profile" not in row:  # the newest profile stays, dated
@@ -191,7 +253,7 @@ def write_report(res: dict, prefix: str) -> None:
         lines += ["Runs merged: " + "; ".join(f"`{r['command']}` ({r['machine']['date']})" for r in res["runs"]), ""]
     for entry in res.get("links", [])[1:]:
         lines += [f"Link in `{entry['command'][:60]}...`: " + ", ".join(f"{k} {v['GBps']:.1f} GB/s" for k, v in entry["link"].items()), ""]
-    rows = res["rows"]
+    rows = [migrate(r, res["config"]) for r in res["rows"]]
     att = [r for r in rows if r["kind"] == "attention"]
     if att:
         lines += ["## Attention-only step (36 layers; ms per step, median [min, max])", "",

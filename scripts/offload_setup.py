@@ -1,10 +1,9 @@
 """What the offload benchmark (``scripts/bench_offload.py``) sets up before it times anything: the methods it
 measures (labels to specs, the authors' times beside them), the synthetic calibration and caches (keys with log-normal
-channel scales, written layer by layer through the prefill path), the hook of a method spec with a step's options, the
-step inputs (random queries, and queries drifting step to step for the row cache), the random-weight model, and the
-options a row varies: ``--rows`` entries, the ``--index-writes`` / ``--pipeline`` / ``--topk`` / ... lists as
-:class:`fathom_jax.decode.StepConfig` fields, and each row's option fields, tags and labels (the defaults of rows
-measured before an option existed)."""
+channel scales, written layer by layer through the prefill path), the hook of a method spec with a step configuration,
+the step inputs (random queries, and queries drifting step to step for the row cache), the random-weight model, the
+``topk`` / ``scan`` entries a run names its kernels' configurations by, and each row's option fields, tags and labels
+(the defaults of rows measured before an option existed). The run's record and its presets: ``offload_runs.py``."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from fathom_jax.decode import StepConfig
 from fathom_jax.methods.sharing import parse_spec as parse_shared
 from fathom_jax.models import LlamaForCausalLM
 from fathom_jax.models.attention import CacheShape
-from fathom_jax.rows.layout import row_format
 from pallas_kernels.plane_scan import PlaneScanConfig
 from pallas_kernels.topk import TopkConfig
 from scripts.offload_inputs import TODAY_KEYS, KeyModel, drifting_queries  # noqa: F401 (drifting_queries: re-exported)
@@ -29,9 +27,11 @@ from scripts.offload_inputs import TODAY_KEYS, KeyModel, drifting_queries  # noq
 METHODS = {  # label -> spec
     "Fathom 48": "fathom:48", "Fathom 64": "fathom:64", "SparQ r=16": "sparq:16",
     "32-channel (SparQ r=32)": "sparq:32", "full 4-bit": "full4",
-    # issue 57: three selection layers (SmolLM2's study: 0, 2 and the middle one), the others attend 4k positions
+    # issue 57: three selection layers (SmolLM2's study: 0, 2 and the middle one), the others attend 2048 positions
     "Fathom 48 shared": "fathom:48@share=0,2,mid@budget=2048",
 }
+# what a run measures unless it names its methods: the paper's (a shared selection only where asked for)
+DEFAULT_METHODS = tuple(label for label, spec in METHODS.items() if "@" not in spec)
 AUTHORS_MS = {  # DESIGN.md: the authors' implementation on the same H200 (attention only, 36 layers, batch 1)
     131072: {"Fathom 48": 19.3, "Fathom 64": 21.5, "SparQ r=16": 19.9, "32-channel (SparQ r=32)": 27.3},
     1 << 20: {"Fathom 48": 104.8, "Fathom 64": 120.6, "SparQ r=16": 106.4, "32-channel (SparQ r=32)": 161.1},
@@ -96,17 +96,13 @@ def topk_name(config: TopkConfig | None) -> str:
     return "single" if config == SINGLE_TOPK else f"b{config.bucket_splits}t{config.token_splits}"
 
 
-def hook(spec, calib, k, placement, implementation, variant=None, *, shape: CacheShape | None = None, rows=None):
-    """The hook of a method spec, bound to a cache of ``shape`` (:func:`cache_shape`; None: unbound); ``variant``:
-    StepConfig fields (``topk`` a ``--topk`` entry), on top of ``--read``'s; ``rows``: the K/V row format (None: the
-    model dtype; a ``--rows`` entry's ``format``)."""
+def hook(spec, calib, k, placement, implementation, step: StepConfig | None = None, *, shape: CacheShape | None = None,
+         rows=None):
+    """The hook of a method spec, bound to a cache of ``shape`` (:func:`cache_shape`; None: unbound), running ``step``
+    (None: the defaults); ``rows``: the K/V row format (None: the model dtype)."""
     method, sharing = parse_shared(spec)
-    variant = dict(variant or {})
-    variant["topk"] = topk_config(variant.pop("topk", "auto"))
-    variant["scan"] = scan_config(variant.pop("scan", "default"))
-    variant["xla_options"] = dict(variant.get("xla_options", ()))
     attn = decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
-                                  placement=placement, implementation=implementation, step=StepConfig(**variant),
+                                  placement=placement, implementation=implementation, step=step or StepConfig(),
                                   rows=rows, sharing=sharing)
     return attn if shape is None else attn.bind(shape)
 
@@ -168,46 +164,10 @@ def with_row_cache(cache, attn):
                                            dtype=cache.layout.storage_dtype)
     return dataclasses.replace(cache, row_cache=row_cache)
 
-def parse_rows(text: str, share_kv_from: int | None) -> list[dict]:
-    """``--rows`` entries, one set of rows each: ``FORMAT`` or ``FORMAT@SHARE`` (FORMAT: ``model`` for rows in the
-    model dtype, or a row format with per-token scales such as ``k8v8``, :func:`fathom_jax.rows.layout.row_format`;
-    SHARE: this format's ``--share-kv-from``, a context or ``none``). Each: ``name`` (``model`` or the format's spec),
-    ``format`` (None or the RowFormat), ``share_kv_from`` (None: every layer its own rows)."""
-    out = []
-    for entry in (e.strip() for e in text.split(",")):
-        if not entry:
-            continue
-        spec, at, share = entry.partition("@")
-        fmt = row_format(spec)  # ValueError on an unknown spec or a format with per-block scales
-        share_from = share_kv_from
-        if at:
-            share_from = None if share.strip().lower() in ("", "none") else parse_ctx(share.strip())
-        out.append({"name": "model" if fmt is None else fmt.spec, "format": fmt, "share_kv_from": share_from})
-    if not out:
-        raise ValueError("no row format given")
-    names = [r["name"] for r in out]
-    if len(set(names)) != len(names):
-        raise ValueError(f"a row format is given twice: {names}")
-    return out
-
-
-def default_rows(args) -> dict:
-    """The ``--rows`` entry of the model dtype with the run's ``--share-kv-from`` (sections that take no ``--rows``)."""
-    return {"name": "model", "format": None, "share_kv_from": args.share_kv_from}
-
-
-def rows_tag(rows: dict) -> str:
-    """A section name's suffix naming a row format (none for the model dtype)."""
-    return "" if rows["name"] == "model" else f" rows {rows['name']}"
-
-
-# (rows of runs before an option existed ran these; before 2026-12-01 every layer's writes came after the scan; the
-# GPU streams, writes after the scan, the two-kernel selection and the chained chunk order are measured options since
-# deleted, kept for their rows)
-SPLIT_DEFAULTS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
-                  "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
-                  "resident_planes": 0, "warm_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union", "order": "xla", "scan": "default",
-                  "select": "sorted", "attention": "xla"}
+def rows_tag(rows) -> str:
+    """A section name's suffix naming a row format (an :class:`~scripts.offload_runs.Rows`; none for the model
+    dtype)."""
+    return "" if rows.name == "model" else f" rows {rows.name}"
 
 
 def options_text(options) -> str:
@@ -227,93 +187,14 @@ def split_fields(attn) -> dict:
 
 
 def variant_tag(split: dict) -> str:
+    """A file-name tag of a row's options (:func:`split_fields`)."""
     return (f"s{split['streams']}_{split['index_writes']}_p{split['pipeline']}_g{split['gather_programs']}"
-            f"_f{split.get('fetch_programs', 0)}_{split.get('topk', 'single')}" + ("_w" if split.get("scan_writes") else "")
-            + ("_x" if split.get("xla_options") else "") + (f"_u{split['layer_unroll']}" if split.get("layer_unroll", 1) > 1 else "")
-            + (f"_c{split['row_cache']}" if split.get("row_cache") else "")
-            + (f"_r{split['rows']}" if split.get("rows", "model") != "model" else "")
-            + (f"_s{split['scan']}" if split.get("scan", "default") != "default" else "")
-            + ("_sorted" if split.get("select", "sorted") == "sorted" else "")
-            + ("_xattn" if split.get("attention", "xla") == "xla" else ""))
-
-
-def writes_text(r: dict) -> str:
-    """A row's index writes, and ``in scan`` where each layer wrote inside the layer scan."""
-    return r.get("index_writes", "every_step") + (" in scan" if r.get("scan_writes") else "")
-
-
-def split_text(r: dict) -> str:
-    """How a row's layer was split: ``""`` (one chunk), ``streams 2``, ``pipeline 8 (gather 132)``, and the kernels'
-    options that differ from the earlier runs' (``fetch 66``: persistent row-fetch programs; ``top-k split``: each
-    row's selections over several programs; ``xla: ...``: extra XLA options)."""
-    if r.get("streams", 1) > 1:
-        text = f"streams {r['streams']}"
-    elif r.get("pipeline", 1) > 1:
-        programs = r.get("gather_programs", 0)
-        text = f"pipeline {r['pipeline']}" + (f" (gather {programs})" if programs else "")
-    else:
-        text = f"gather {r['gather_programs']}" if r.get("gather_programs") else ""
-    extra = ([f"rows {r['rows']}"] if r.get("rows", "model") != "model" else []) + \
-            ([f"resident planes {r['resident_planes']}"] if r.get("resident_planes") else []) + \
-            ([f"warm planes {r['warm_planes']}"] if r.get("warm_planes") else []) + \
-            ([f"fetch {r['fetch_programs']}"] if r.get("fetch_programs") else []) + \
-            (["top-k split"] if r.get("topk", "single") != "single" else []) + \
-            ([f"scan {r['scan']}"] if r.get("scan", "default") != "default" else []) + \
-            ([f"{r['layer_unroll']} layers per loop iteration"] if r.get("layer_unroll", 1) > 1 else []) + \
-            ([f"row cache {r['row_cache']} slots"] if r.get("row_cache") else []) + \
-            ([f"{r['inputs']} inputs"] if r.get("inputs", "today") != "today" else []) + \
-            ([f"xla: {r['xla_options']}"] if r.get("xla_options") else []) + \
-            ([select_text(r)] if r.get("select", "sorted") != "sorted" else []) + \
-            (["attention kernel"] if r.get("attention", "xla") == "kernel" else []) + \
-            ([f"selection {r['selection']}"] if r.get("selection", "topk_union") != "topk_union" else []) + \
-            ([f"order {r['order']}"] if r.get("order", "xla") != "xla" else [])  # (deleted options' rows)
-    return "; ".join([text] * bool(text) + extra)
-
-
-def select_text(r: dict) -> str:
-    """A threshold-selection row's selection and how often its second path ran."""
-    text = f"{r['select']} selection"
-    if r.get("selections"):
-        text += f" (second path {r['second_path'] / r['selections']:.1%})"
-    return text
-
-
-def parse_variants(read: str, index_writes: str, pipeline: str, fetch: str = "auto", topk: str = "auto",
-                   xla: str = "none", unroll: str = "1", row_cache: str = "0", scan: str = "default",
-                   select: str = "threshold", attention: str = "kernel") -> list[dict]:
-    """Every combination of the step configurations the lists give (one row each): ``--index-writes``,
-    ``--pipeline`` (entries ``auto``, ``N`` or ``N/P``: N chunks, P persistent gather programs, "auto" where not
-    given), ``--fetch-programs``, ``--topk``, ``--xla-options``, ``--layer-unroll``, ``--row-cache``, ``--scan``,
-    ``--select``; ``--read`` for all. Each is a set of :class:`fathom_jax.decode.StepConfig` fields, checked here."""
-    pipes = []
-    for item in pipeline.split(","):
-        n, _, programs = item.partition("/")
-        pipes.append((n if n == "auto" else int(n), "auto" if programs in ("", "auto") else int(programs)))
-    out = [dict(read=read, index_writes=w, pipeline=n, gather_programs=g) for w in index_writes.split(",")
-           for n, g in pipes]
-    fetches = [x if x == "auto" else int(x) for x in fetch.split(",")]
-    for name in topk.split(","):
-        topk_config(name)  # a bad entry fails here, before anything runs
-    for name in scan.split(","):
-        scan_config(name)
-    option_sets = []
-    for item in xla.split(";"):  # "none" or name=value,name=value (a value may hold commas: a list of enums)
-        pairs = {} if item in ("", "none") else dict(kv.split("=", 1) for kv in re.split(r",(?=xla_)", item))
-        option_sets.append(tuple((k, {"true": True, "false": False}.get(v.lower(), v)) for k, v in pairs.items()))
-    unrolls = [int(u) for u in unroll.split(",")]
-    if any(u < 1 for u in unrolls):
-        raise ValueError(f"--layer-unroll entries are ints >= 1, got {unroll!r}")
-    slots = [c if c == "last" else int(c) for c in row_cache.split(",")]
-    if any(c != "last" and c < 0 for c in slots):
-        raise ValueError(f"--row-cache entries are ints >= 0 (0: no row cache), got {row_cache!r}")
-    out = [v | {"fetch_programs": f, "topk": t, "xla_options": x, "layer_unroll": u, "row_cache": c, "scan": sc,
-                "selection": se, "attention": at}
-           for f in fetches for t in topk.split(",") for x in option_sets for u in unrolls for c in slots
-           for sc in scan.split(",") for se in select.split(",") for at in attention.split(",") for v in out]
-    for v in out:  # a bad entry fails here, before anything runs
-        StepConfig(**(v | {"topk": topk_config(v["topk"]), "scan": scan_config(v["scan"]),
-                           "xla_options": dict(v["xla_options"])}))
-    return list({tuple(v.items()): v for v in out}.values())
+            f"_f{split['fetch_programs']}_{split['topk']}" + ("_w" if split["scan_writes"] else "")
+            + ("_x" if split["xla_options"] else "") + (f"_u{split['layer_unroll']}" if split["layer_unroll"] > 1 else "")
+            + (f"_c{split['row_cache']}" if split["row_cache"] else "")
+            + (f"_r{split['rows']}" if split["rows"] != "model" else "")
+            + (f"_s{split['scan']}" if split["scan"] != "default" else "")
+            + ("_sorted" if split["select"] == "sorted" else "") + ("_xattn" if split["attention"] == "xla" else ""))
 
 
 def random_model(cfg, placement):

@@ -244,10 +244,18 @@ def bench_offload_rows(tmp_path, monkeypatch, tag: str, *args: str):
     bench_offload.main(["--smoke", "--implementation", "xla", "--out", str(tmp_path), "--tag", tag, "--contexts", "128",
                         "--methods", "Fathom 48", "--k", "64", "--steps", "1", "--repeats", "1",
                         "--share-kv-from", "none", *args])
-    with open(tmp_path / f"offload_{tag}.json") as f:
+    with open(offload_file(tmp_path, tag, "json")) as f:
         res = json.load(f)
     assert not res["errors"], res["errors"]
     return res, cfg
+
+
+def offload_file(folder, tag: str, ext: str):
+    """The file ``scripts.bench_offload --tag TAG`` writes into ``folder`` on this machine: ``offload_cpu_TAG.EXT`` on
+    the CPU (the prefix names the device the run used)."""
+    from scripts import harness
+
+    return folder / f"offload_{harness.machine_name()}_{tag}.{ext}"
 
 
 # Marks of a test that needs a CUDA GPU

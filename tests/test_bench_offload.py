@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.topk import TopkConfig
-from scripts import bench_offload, offload_measure, offload_report, offload_setup
-from tests.support import bench_offload_rows
+from fathom_jax.decode import StepConfig
+from scripts import bench_offload, offload_measure, offload_report, offload_runs, offload_setup
+from tests.support import bench_offload_rows, offload_file
 
 
 def part(date: str, median: float, notes: list[str], errors: list[dict]) -> dict:
@@ -54,61 +55,59 @@ def test_merge_keeps_the_newest_row_and_dates_errors(tmp_path):
     assert notes == ["2 rows of earlier runs superseded by later runs of the same measurement"]
 
 
+def step_configs(**options) -> list[StepConfig]:
+    """The step configurations a run gets from the option flags ``options`` (in order)."""
+    run = offload_runs.OffloadRun()
+    for key, text in options.items():
+        run = run.set(key, text)
+    return list(run.configs)
+
+
 def test_variants_and_their_labels():
     """--index-writes x --pipeline (``--read`` for all): "auto" where a part is not given; every variant a valid step
     configuration."""
-    got = offload_setup.parse_variants("staged", "full_blocks", "auto,1/0,8/66,4")
-    rest = dict(fetch_programs="auto", topk="auto", xla_options=(), layer_unroll=1, row_cache=0, scan="default",
-                selection="threshold", attention="kernel")
-    assert got == [
-        dict(read="staged", index_writes="full_blocks", pipeline="auto", gather_programs="auto", **rest),
-        dict(read="staged", index_writes="full_blocks", pipeline=1, gather_programs=0, **rest),
-        dict(read="staged", index_writes="full_blocks", pipeline=8, gather_programs=66, **rest),
-        dict(read="staged", index_writes="full_blocks", pipeline=4, gather_programs="auto", **rest)]
+    got = step_configs(read="staged", index_writes="full_blocks", pipeline="auto,1/0,8/66,4")
+    assert got == [StepConfig(index_writes="full_blocks", pipeline=p, gather_programs=g)
+                   for p, g in (("auto", "auto"), (1, 0), (8, 66), (4, "auto"))]
     # the kernels' options: row-fetch programs x top-k x extra XLA option sets
-    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto,0", "auto,single",
-                                       "none;xla_gpu_enable_triton_gemm=false,xla_foo=3")
-    assert len(got) == 8 and {v["fetch_programs"] for v in got} == {"auto", 0}
-    assert {v["xla_options"] for v in got} == {(), (("xla_gpu_enable_triton_gemm", False), ("xla_foo", "3"))}
+    got = step_configs(fetch_programs="auto,0", topk="auto,single",
+                       xla_options="none;xla_gpu_enable_triton_gemm=false,xla_foo=3")
+    assert len(got) == 8 and {v.fetch_programs for v in got} == {"auto", 0}
+    assert {v.xla_options for v in got} == {(), (("xla_foo", "3"), ("xla_gpu_enable_triton_gemm", False))}
     # a value may hold commas (a list of enums); layers per loop iteration: one row each
-    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto",
-                                       "xla_gpu_enable_command_buffer=FUSION,WHILE,xla_foo=3", "1,2")
-    assert [v["layer_unroll"] for v in got] == [1, 2]
-    assert got[0]["xla_options"] == (("xla_gpu_enable_command_buffer", "FUSION,WHILE"), ("xla_foo", "3"))
+    got = step_configs(xla_options="xla_gpu_enable_command_buffer=FUSION,WHILE,xla_foo=3", layer_unroll="1,2")
+    assert [v.layer_unroll for v in got] == [1, 2]
+    assert got[0].xla_options == (("xla_foo", "3"), ("xla_gpu_enable_command_buffer", "FUSION,WHILE"))
     # the selections: one row each
-    got = offload_setup.parse_variants("staged", "every_step", "auto", select="threshold,sorted")
-    assert [v["selection"] for v in got] == ["threshold", "sorted"]
-    with pytest.raises(ValueError, match="--layer-unroll entries"):
-        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "0")
-    assert "2 layers per loop iteration" in offload_setup.split_text({"layer_unroll": 2}) and offload_setup.split_text({"layer_unroll": 1}) == ""
-    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "0,4096")
-    assert [v["row_cache"] for v in got] == [0, 4096] and offload_setup.split_text({"row_cache": 4096}) == \
-        "row cache 4096 slots"
-    with pytest.raises(ValueError, match="--row-cache entries"):
-        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "-1")
+    assert [v.selection for v in step_configs(select="threshold,sorted")] == ["threshold", "sorted"]
+    with pytest.raises(ValueError, match="--layer-unroll"):
+        step_configs(layer_unroll="0")
+    assert "2 layers per loop iteration" in offload_report.split_text({"layer_unroll": 2}) and offload_report.split_text({"layer_unroll": 1}) == ""
+    assert [v.row_cache for v in step_configs(row_cache="0,4096")] == [0, 4096]
+    assert offload_report.split_text({"row_cache": 4096}) == "row cache 4096 slots"
+    with pytest.raises(ValueError, match="--row-cache"):
+        step_configs(row_cache="-1")
     with pytest.raises(ValueError, match="--topk entries"):
-        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "sorted")
-    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto", "b8t4,bautot8")
-    assert [v["topk"] for v in got] == ["b8t4", "bautot8"]
+        step_configs(topk="sorted")
+    got = step_configs(topk="b8t4,bautot8")
+    assert [v.topk for v in got] == [TopkConfig(bucket_splits=8, token_splits=4), TopkConfig(bucket_splits="auto",
+                                                                                            token_splits=8)]
     assert offload_setup.topk_config("b8t4") == TopkConfig(bucket_splits=8, token_splits=4)
-    assert offload_setup.topk_config("bautot8") == TopkConfig(bucket_splits="auto", token_splits=8)
     assert [offload_setup.topk_name(offload_setup.topk_config(n)) for n in ("auto", "single", "b8t4", "bautot8")] == \
         ["auto", "single", "b8t4", "bautot8"]
     with pytest.raises(ValueError, match="power of two"):
-        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "b3t4")
+        step_configs(topk="b3t4")
     # the plane scan's arithmetic: one row each; named back from the configuration a bound hook runs
-    got = offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "0",
-                                       "default,f16x2")
-    assert [v["scan"] for v in got] == ["default", "f16x2"]
+    assert [offload_setup.scan_name(v.scan) for v in step_configs(scan="default,f16x2")] == ["default", "f16x2"]
     assert offload_setup.scan_name(offload_setup.scan_config("f16x2")) == "f16x2"
-    assert offload_setup.scan_name(None) == "default" and offload_setup.split_text({"scan": "f16x2"}) == "scan f16x2"
+    assert offload_setup.scan_name(None) == "default" and offload_report.split_text({"scan": "f16x2"}) == "scan f16x2"
     with pytest.raises(ValueError, match="--scan entries"):
-        offload_setup.parse_variants("staged", "every_step", "auto", "auto", "auto", "none", "1", "0", "bf16")
+        step_configs(scan="bf16")
     with pytest.raises(ValueError, match="index_writes must be one of"):  # StepConfig checks every variant
-        offload_setup.parse_variants("staged", "sometimes", "auto")
-    assert offload_setup.writes_text({"index_writes": "every_step", "scan_writes": True}) == "every_step in scan"
-    assert offload_setup.writes_text({}) == "every_step"
-    text = offload_setup.split_text  # (rows of the deleted GPU streams option still render)
+        step_configs(index_writes="sometimes")
+    assert offload_report.writes_text({"index_writes": "every_step", "scan_writes": True}) == "every_step in scan"
+    assert offload_report.writes_text({}) == "every_step"
+    text = offload_report.split_text  # (rows of the deleted GPU streams option still render)
     assert text({"streams": 2}) == "streams 2" and text({"pipeline": 8, "gather_programs": 66}) == "pipeline 8 (gather 66)"
     assert text({"pipeline": 1, "gather_programs": 66}) == "gather 66" and text({}) == ""
     assert text({"pipeline": 2, "gather_programs": 66, "fetch_programs": 66, "topk": "auto", "xla_options": "a=1"}) == \
@@ -183,7 +182,7 @@ def test_rows_formats_run_side_by_side_on_cpu(tmp_path, monkeypatch):
         assert r["row_bytes_max"] == 2 * 2 * min(2 * 64, 128) * row_bytes
         assert r["tokens_per_s"] == pytest.approx(1e3 / r["median_ms"])
     assert got["attention", "model"]["host_bytes_per_token"] == 580  # the issue's figure at Dh = 128
-    report = (tmp_path / "offload_rows.md").read_text()
+    report = offload_file(tmp_path, "rows", "md").read_text()
     table = report.split("## K/V row formats")[1].split("\n## ")[0]
     lines = [line for line in table.splitlines() if line.startswith(("| attention", "| full"))]
     assert [line.split(" | ")[4] for line in lines] == ["model", "k8v8"]
@@ -202,13 +201,14 @@ def test_rows_formats_run_side_by_side_on_cpu(tmp_path, monkeypatch):
 
 
 def test_rows_entries_and_their_errors(capsys):
-    rows = offload_setup.parse_rows("k8v8@none, model@512k", 1 << 20)
-    assert [(r["name"], r["share_kv_from"]) for r in rows] == [("k8v8", None), ("model", 524288)]
-    assert rows[0]["format"].spec == "k8v8" and rows[1]["format"] is None
-    assert [r["share_kv_from"] for r in offload_setup.parse_rows("model,k8v4g32a", 1 << 20)] == [1 << 20, 1 << 20]
+    run = offload_runs.OffloadRun(share_kv_from=1 << 20)
+    rows = run.set("rows", "k8v8@none, model@512k").row_sets
+    assert [(r.name, r.share_kv_from) for r in rows] == [("k8v8", None), ("model", 524288)]
+    assert rows[0].format.spec == "k8v8" and rows[1].format is None
+    assert [r.share_kv_from for r in run.set("rows", "model,k8v4g32a").row_sets] == [1 << 20, 1 << 20]
     for bad, match in (("k9v8", "unknown row format"), ("k4c64av8", "per block of tokens"), ("model,model", "twice")):
         with pytest.raises(ValueError, match=match):
-            offload_setup.parse_rows(bad, None)
+            run.set("rows", bad)
         with pytest.raises(SystemExit):
             bench_offload.main(["--smoke", "--rows", bad, "--out", "/nonexistent"])
         assert "--rows:" in capsys.readouterr().err
@@ -232,7 +232,7 @@ def test_warm_planes_rows_on_cpu(tmp_path, monkeypatch):
     assert got[0, 8]["index_hbm_bytes"] == 2 * 2 * 128 * (words // 2) * 2 + 1 * 2 * 128 * words * 4 + \
         2 * 2 * 8 * words * 4 + 2 * 2 * 128 * 4 * 4  # scales [L, R, D, NB] f16, the hot row, the warm tier, its map
     assert 0 < got[0, 8]["link_scan_bytes"] < got[0, 0]["link_scan_bytes"]
-    report = (tmp_path / "offload_warm.md").read_text()
+    report = offload_file(tmp_path, "warm", "md").read_text()
     assert "| 1 + 8 warm |" in report and "| 0 + 8 warm |" in report
     with pytest.raises(SystemExit):
         bench_offload.main(["--smoke", "--warm-planes", "-1", "--out", str(tmp_path)])
@@ -253,3 +253,22 @@ def test_shared_selection_rows_on_cpu(tmp_path, monkeypatch):
     assert shared["link_scan_bytes"] / shared["scan_bytes"] == per_layer["link_scan_bytes"] / per_layer["scan_bytes"]
     # rows: layer 1 fetches its 96 shared positions, each layer of the other min(G k, context) = 128
     assert shared["row_bytes_max"] / per_layer["row_bytes_max"] == (128 + 96) / (2 * 128)
+
+
+def test_committed_results_render_through_the_migration(tmp_path):
+    """Every committed offload results file renders through :func:`offload_report.migrate` (old rows upgraded to
+    today's fields, no live defaults in the report): migrating twice changes nothing, and the tables today's report
+    wrote re-render from their JSON bit for bit."""
+    import pathlib
+
+    results = pathlib.Path(__file__).resolve().parents[1] / "results"
+    files = sorted(results.glob("offload_h200*.json"))
+    assert len(files) >= 19
+    for path in files:
+        res = json.load(open(path))
+        once = [offload_report.migrate(r, res["config"]) for r in res["rows"]]
+        assert [offload_report.migrate(r, res["config"]) for r in once] == once
+        assert set(offload_report.OLD_ROW_FIELDS) <= set.intersection(*(set(r) for r in once))
+    for name in ("offload_h200_scan_f16x2_128k", "offload_h200_scan_f16x2_control"):
+        offload_report.write_report(json.load(open(results / f"{name}.json")), str(tmp_path / name))
+        assert (tmp_path / f"{name}.md").read_text() == (results / f"{name}.md").read_text()

@@ -84,3 +84,16 @@ def test_a_preset_comes_first_so_the_command_line_overrides_it():
 def test_a_bad_preset_is_one_clear_line(argv, message):
     with pytest.raises(SystemExit, match=message):
         harness.expand_preset(argv, PRESETS)
+
+
+def test_machine_name_says_which_device_ran():
+    """Result files carry the machine a run used (``offload_h100_attn`` on an H100), not a hard-coded one."""
+    from types import SimpleNamespace
+
+    def devices(kind, n=1, platform="gpu"):
+        return [SimpleNamespace(device_kind=kind, platform=platform)] * n
+
+    assert harness.machine_name(devices("NVIDIA H200")) == "h200"
+    assert harness.machine_name(devices("NVIDIA H100 80GB HBM3")) == "h100"
+    assert harness.machine_name(devices("NVIDIA H200", 2)) == "h200x2"
+    assert harness.machine_name(devices("cpu", platform="cpu")) == "cpu"

@@ -9,7 +9,7 @@ import pytest
 from fathom_jax.methods import Fathom
 from fathom_jax.placement.plane_reads import plane_reads
 from scripts import bench_offload, offload_inputs, offload_setup
-from tests.support import bench_offload_rows
+from tests.support import bench_offload_rows, offload_file
 
 # Fathom 32 / 48 / 64's plane-0 share of the code bits: SmolLM2's real keys at 8k (session statistics, the paper's
 # budgets scaled to D = 64) and the benchmark's keys before issue 45 (results/plane_shares.md).
@@ -75,7 +75,7 @@ def test_inputs_run_side_by_side_on_cpu(tmp_path, monkeypatch):
         today, honest = got[memory, "today"], got[memory, "honest"]
         assert today["query_drift"] is None and honest["query_drift"] == offload_inputs.HONEST_DRIFT
         assert honest["plane0_share"] < today["plane0_share"] - 0.05
-    report = (tmp_path / "offload_inputs.md").read_text()
+    report = offload_file(tmp_path, "inputs", "md").read_text()
     table = report.split("## Today's inputs against honest ones")[1].split("\n## ")[0]
     lines = [line for line in table.splitlines() if line.startswith("| Fathom 48")]
     assert [line.split(" | ")[4] for line in lines] == ["today", "honest"]

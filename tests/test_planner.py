@@ -146,8 +146,8 @@ def test_budget_out_of_range_under_jit(budget, appendix_importance):
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_bisection_never_exceeds_the_budget_at_the_water_line(jit):
-    """Seven real SmolLM2 groups (tests/data, from scripts/planner_smollm2.py's protocol) where the final water
-    line sits within float rounding of a breakpoint: re-evaluating the depths there read 33 code bits at a
+    """Seven real SmolLM2 groups (tests/data, from the protocol of scripts/planner_smollm2.py, at d270401) where the
+    final water line sits within float rounding of a breakpoint: re-evaluating the depths there read 33 code bits at a
     budget of 32. The plan is the last accepted trial's, so it fits the budget, and it is the exact allocation."""
     import pathlib
 
