@@ -44,17 +44,22 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+def lazy_exports(package: str, exports: dict[str, str], namespace: dict):
+    """``(__getattr__, __dir__)`` of a package whose names ``exports`` maps to the modules of ``package`` defining
+    them: each imported on first use and kept in the package's ``namespace`` (this package and the families')."""
+
+    def getattr_(name: str):
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        namespace[name] = value
+        return value
+
+    return getattr_, lambda: sorted(set(namespace) | set(exports))
 
 
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 __all__ = sorted(_EXPORTS)

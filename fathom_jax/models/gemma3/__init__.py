@@ -3,16 +3,12 @@
 :class:`Gemma3State`), ``model.py`` (:class:`Gemma3ForCausalLM`), ``loading.py`` (GGUF and HF safetensors weights).
 Its record in the registry is :data:`fathom_jax.models.families.GEMMA3`. Names below are imported on first use."""
 
-import importlib
+from fathom_jax.models import lazy_exports
 
 _EXPORTS = {"Gemma3Config": "config", "Gemma3ForCausalLM": "model", "Gemma3State": "windows", "Windows": "windows"}
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 __all__ = sorted(_EXPORTS)

@@ -3,16 +3,12 @@
 layers, which Gemma 3 builds on, are the package's shared ``config.py`` and ``layers.py``; its record in the
 registry is :data:`fathom_jax.models.families.LLAMA`. Names below are imported on first use."""
 
-import importlib
+from fathom_jax.models import lazy_exports
 
 _EXPORTS = {"LlamaForCausalLM": "model"}
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 __all__ = sorted(_EXPORTS)
