@@ -1,7 +1,7 @@
 """Selection shared across layers in a decode step (:mod:`fathom_jax.methods.sharing`): what a selection layer
 publishes and how a sharing layer attends it.
 
-    shared = publish(method, q, view, ctx, sharing, kv_heads)     # at a selection layer, beside its own step
+    shared = publish(read, q, view, ctx, sharing, kv_heads)       # at a selection layer, from its own step's read
     result = attend_shared(q, view, ctx, shared, kv_heads)         # at a sharing layer: no plan, scan or selection
 
 The published set is :func:`shared_positions` of the selection layer's scores over every query head of every KV head
@@ -21,7 +21,6 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from fathom_jax.decode.selection import patch_scores
-from fathom_jax.methods.base import ScanMethod
 from fathom_jax.methods.sharing import RANKINGS, Ranking, SharedSelection
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
 
@@ -120,12 +119,10 @@ class SharedSet:
         return cls(jnp.full((batch, budget), -1, jnp.int32), jnp.zeros((batch, budget), bool))
 
 
-def publish(method: ScanMethod, q: Float[Array, "R G D"], view, ctx, sharing: SharedSelection, kv_heads: int
-            ) -> SharedSet:
-    """The set a selection layer publishes: every stored position's score (the newest block patched in), ranked over
-    all query heads of each sequence's ``kv_heads`` groups and cut to ``sharing.budget``."""
-    q = q.astype(jnp.float32)
-    read = method.read(q, view.index, view.calib, implementation=ctx.run.implementation)
+def publish(read, q: Float[Array, "R G D"], view, ctx, sharing: SharedSelection, kv_heads: int) -> SharedSet:
+    """The set a selection layer publishes from its method's ``read`` of the queries ``q`` (the plan its own step
+    ran): every stored position's score (the newest block patched in), ranked over all query heads of each
+    sequence's ``kv_heads`` groups and cut to ``sharing.budget``."""
     scores = read.scores(ctx.run.reader.source(view))
     if view.new is not None:
         scores = patch_scores(scores, read, view.new)

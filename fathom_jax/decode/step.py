@@ -128,14 +128,18 @@ def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Ca
     row: :func:`dense_attention_step`); returns the output, bits per token read, the row-cache fill and the second-path flags."""
     if method.selects_all:
         return dense_attention_step(method, q, view, ctx)
+    q = q.astype(jnp.float32)
+    return _read_step(method.read(q, view.index, view.calib, implementation=ctx.run.implementation), q, view, ctx)
+
+
+def _read_step(read, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext) -> StepResult:
+    """:func:`sparse_attention_step` of a method's ``read`` of the f32 queries ``q`` (planned once)."""
     groups = q.shape[0]
     if view.row_cache is not None:
         check_row_cache(view.row_cache, groups, view.kv, stacked=view.layer is not None)
     chunks = ctx.run.chunks if view.layer is not None else 1
     if groups % chunks:
         raise ValueError(f"step pipeline={chunks} must divide the {groups} groups (batch x KV heads) of the step")
-    q = q.astype(jnp.float32)
-    read = method.read(q, view.index, view.calib, implementation=ctx.run.implementation)
     size = groups // chunks
     bulk = view.index.bulk()
     outs, staged, pending = [], None, None
@@ -191,18 +195,21 @@ def _shared_step(method: ScanMethod, q, view: CacheView, ctx: StepContext, share
     """A layer of a shared selection, ``(out, fill, second_path, the set for the next layer)``: a selection layer
     (static plan, traced layer index) runs the step and publishes its set, a sharing layer attends the last one."""
     share = ctx.share
+    q = q.astype(jnp.float32)
+    # Both branches flag second paths per group (a sorted step has none; the commit adds them only where the cache
+    # counts them).
+    none_taken = jnp.zeros(q.shape[:1], jnp.int32)
 
     def selecting():
-        result = sparse_attention_step(method, q, view, ctx)
-        published = sharing_lib.publish(method, q, view, ctx, share.selection, share.kv_heads)
-        return result.out, result.fill, result.second_path, published
+        read = method.read(q, view.index, view.calib, implementation=ctx.run.implementation)
+        result = _read_step(read, q, view, ctx)
+        published = sharing_lib.publish(read, q, view, ctx, share.selection, share.kv_heads)
+        flags = none_taken if result.second_path is None else result.second_path.astype(jnp.int32)
+        return result.out, result.fill, flags, published
 
     def following():
         out, fill = sharing_lib.attend_shared(q, view, ctx, shared, share.kv_heads)
-        # the second-path flags as the selecting branch has them: none taken here
-        flags = jax.eval_shape(selecting)[2]
-        zeros = None if flags is None else jnp.zeros(flags.shape, flags.dtype)
-        return out.astype(jnp.float32), fill, zeros, shared
+        return out.astype(jnp.float32), fill, none_taken, shared
 
     return jax.lax.cond(jnp.asarray(share.selects)[view.layer], selecting, following)
 

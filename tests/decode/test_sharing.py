@@ -40,7 +40,8 @@ def test_a_selection_layer_publishes_the_studys_set(setting, ranking):
     from fathom_jax.decode import CacheView
 
     layer = CacheView(index=view, kv=kv_cache, length=jnp.asarray(lengths), calib=calib, layer=jnp.int32(1), new=new)
-    got = sharing.publish(method, jnp.asarray(q), layer, ctx, SharedSelection((0,), BUDGET, ranking), kv_heads=1)
+    read = method.read(jnp.asarray(q), view, calib, implementation="xla")
+    got = sharing.publish(read, jnp.asarray(q), layer, ctx, SharedSelection((0,), BUDGET, ranking), kv_heads=1)
     index = I.build_index(keys, calib, method.parts - {P.KEYS}, length=lengths)
     scores = scan_scores(method, jnp.asarray(q), index, calib, implementation="xla").scores
     want, mask = sharing.shared_positions(scores[:, None], jnp.asarray(lengths), BUDGET, scale=1 / np.sqrt(D),
