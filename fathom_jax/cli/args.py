@@ -91,15 +91,12 @@ def positive_int(minimum: int = 1, why: str = "") -> Callable[[str], int]:
 def method_spec(text: str):
     """An argparse type: ``dense`` or a scan method spec (fathom_jax.methods.parse), with or without a selection
     shared across layers (``fathom:48@share=0,2@budget=512``: a fathom_jax.methods.sharing.SharedMethod)."""
-    from fathom_jax import methods
     from fathom_jax.methods import sharing
 
     if text.strip().lower() == "dense":
         return "dense"
     try:
-        if "@" in text:
-            return sharing.SharedMethod(*sharing.parse_spec(text))
-        return methods.parse(text)
+        return sharing.parse_method(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 

@@ -279,7 +279,7 @@ def _generate(args: argparse.Namespace) -> int:
         if isinstance(method, SharedMethod):
             shared, method = method, method.method
             try:  # the layers must be the model's: refused before it loads
-                shared.sharing.resolve(config.n_layers, getattr(config, "global_layers", None))
+                selecting = shared.sharing.plan(config).selecting
             except ValueError as err:
                 raise UsageError(f"argument --method: {err}") from None
         check_method(method, config.head_dim)
@@ -359,8 +359,7 @@ def _generate(args: argparse.Namespace) -> int:
         summary = sparse_summary(method, args.k, longest + args.max_new_tokens - 1, config.head_dim)
         say(summary.line())
         if shared is not None:
-            layers = shared.sharing.resolve(config.n_layers, getattr(config, "global_layers", None))
-            say(f"selection shared across layers: layers {', '.join(map(str, layers))} scan and select; the others "
+            say(f"selection shared across layers: layers {', '.join(map(str, selecting))} scan and select; the others "
                 f"attend their {shared.sharing.budget} positions and read no index (the bits above are a "
                 "selection layer's)")
     made = batch * args.max_new_tokens

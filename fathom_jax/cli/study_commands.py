@@ -177,7 +177,7 @@ def _methods(args: argparse.Namespace, model_config) -> tuple[str, ...]:
             (method,) = ds.parse_methods([spec])
             method.validate(head_dim)
             if isinstance(method, SharedMethod):
-                method.sharing.resolve(model_config.n_layers, getattr(model_config, "global_layers", None))
+                method.sharing.plan(model_config)  # its layers must be the model's
                 method = method.method
         except ValueError as err:
             raise UsageError(f"argument --methods: {err}") from None

@@ -33,7 +33,7 @@ from fathom_jax.calibrate import Calibration
 from fathom_jax.index import build_index
 from fathom_jax.methods import ScanMethod
 from fathom_jax.methods.sharing import SharedMethod
-from fathom_jax.methods.sharing import parse_spec as parse_shared
+from fathom_jax.methods.sharing import parse_method
 from fathom_jax.models import generation
 from fathom_jax.models.attention import DenseCache
 from fathom_jax.models.cache import KVCache
@@ -102,7 +102,7 @@ def parse_methods(specs: Sequence[str]) -> tuple[ScanMethod, ...]:
     """Methods from spec strings (``fathom:48``, ``sparq:16``, ``dense``...), with a clear error."""
     out = []
     for spec in specs:  # each raises ValueError naming the spec and the accepted forms
-        out.append(SharedMethod(*parse_shared(spec)) if "@" in spec else methods_lib.parse(spec))
+        out.append(parse_method(spec))
     if len(set(out)) != len(out):
         raise ValueError(f"methods are listed twice: {list(specs)}")
     return tuple(out)
@@ -189,22 +189,32 @@ def read_bits(method: ScanMethod | SharedMethod, capture, calib: Calibration | N
     """Bits per token (per KV head per layer) the method reads, averaged over layers, heads and the last
     ``positions`` queries of a capture (``fathom_jax.eval.fidelity.Capture``); query-dependent for Fathom. A selection
     shared across layers reads at its selection layers only (its plan for ``model_config``), none elsewhere."""
+    n_layers = capture.k.shape[0]
+    layers = range(n_layers)
+    scan = method
     if isinstance(method, SharedMethod):
         if model_config is None:
             raise ValueError(f"read_bits: {method.spec} needs the model's config (which layers select)")
-        selects = np.asarray(method.sharing.plan(model_config).selects, np.float64)
-        if selects.size != capture.k.shape[0]:
-            raise ValueError(f"read_bits: the plan covers {selects.size} layers, the capture {capture.k.shape[0]}")
-        per_layer = [read_bits(method.method, _layer(capture, i), None if calib is None else jax.tree.map(
-            lambda a, i=i: a[i:i + 1], calib), positions) for i in np.flatnonzero(selects)]
-        return float(np.sum(per_layer) / selects.size)
+        selects = method.sharing.plan(model_config).selects
+        if len(selects) != n_layers:
+            raise ValueError(f"read_bits: the plan covers {len(selects)} layers, the capture {n_layers}")
+        layers, scan = np.flatnonzero(selects), method.method
     d = capture.k.shape[-1]
-    fixed = method.fixed_bits_per_token(d)
+    fixed = scan.fixed_bits_per_token(d)
+    if fixed is None and isinstance(scan, methods_lib.Exact):  # exact and dense read the keys
+        fixed = fmt.key_bits_per_token(d)
     if fixed is not None:
-        return float(fixed)
-    if isinstance(method, methods_lib.Exact):  # exact and dense read the keys
-        return fmt.key_bits_per_token(d)
-    n_layers, n_heads, n_tokens, _ = capture.q.shape
+        return float(fixed) if scan is method else float(fixed) * len(layers) / n_layers
+    out = _layer_bits(scan, capture, calib, positions, layers)
+    if scan is method:
+        return float(np.mean(out))
+    return float(np.sum([np.mean(b) for b in out]) / n_layers)
+
+
+def _layer_bits(method: ScanMethod, capture, calib, positions: int, layers) -> list[np.ndarray]:
+    """The bits per token a plan reads at each of ``layers`` (an array over the capture's last queries and heads)."""
+    d = capture.k.shape[-1]
+    _, n_heads, n_tokens, _ = capture.q.shape
     n_kv = capture.k.shape[1]
     window = min(n_tokens, fmt.BLOCK_TOKENS)
 
@@ -214,12 +224,12 @@ def read_bits(method: ScanMethod | SharedMethod, capture, calib: Calibration | N
         return jax.vmap(lambda q_p: method.read(q_p, index, c).bits)(q)
 
     out = []
-    for layer in range(n_layers):
+    for layer in layers:
         q = jnp.asarray(capture.q[layer][:, n_tokens - positions:])  # [H, P, D]
         q = jnp.moveaxis(q.reshape(n_kv, n_heads // n_kv, positions, d), 2, 0)
-        c = None if calib is None else jax.tree.map(lambda a: a[layer], calib)
+        c = None if calib is None else jax.tree.map(lambda a, layer=layer: a[layer], calib)
         out.append(np.asarray(layer_bits(q, jnp.asarray(capture.k[layer][:, :window]), c)))
-    return float(np.mean(out))
+    return out
 
 
 def mean_se(values) -> tuple[float, float]:
@@ -240,9 +250,3 @@ def paired(values, baseline) -> dict:
     mean, se = mean_se(diff)
     return {"mean": mean, "se": se, "wins": int(np.sum(diff > 0)), "ties": int(np.sum(diff == 0)),
             "losses": int(np.sum(diff < 0)), "n": int(diff.size)}
-
-
-def _layer(capture, i: int):
-    """Layer ``i`` of a capture, as a one-layer capture."""
-    return dataclasses.replace(capture, **{f.name: getattr(capture, f.name)[i:i + 1]
-                                            for f in dataclasses.fields(capture)})

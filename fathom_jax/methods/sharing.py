@@ -224,6 +224,13 @@ def parse_option(text: str, spec: str | None = None) -> SharedSelection:
     return SharedSelection(tuple(terms), budget, options.get("rank", "mass"))
 
 
+def parse_method(spec: str) -> "ScanMethod | SharedMethod":
+    """A method spec as the command lines take it: with the sharing suffix a :class:`SharedMethod`, else the scan
+    method."""
+    method, sharing = parse_spec(spec)
+    return method if sharing is None else SharedMethod(method, sharing)
+
+
 def parse_spec(spec: str) -> tuple[ScanMethod, SharedSelection | None]:
     """A method spec with or without the sharing suffix: ``("fathom:48@share=0,mid@budget=256")`` ->
     ``(Fathom(48), SharedSelection((0, "mid"), 256))``; no ``@``: ``(method, None)``."""
