@@ -17,8 +17,7 @@ from fathom_jax.calibrate import SKIP_TOKENS, Calibration
 from fathom_jax.decode.config import StepConfig
 from fathom_jax.index.parts import KEYS
 from fathom_jax.methods.base import ScanMethod
-from fathom_jax.methods.sharing import SharedMethod, SharedSelection
-from fathom_jax.methods.sharing import parse_spec as parse_shared
+from fathom_jax.methods.sharing import SharedMethod, SharedSelection, parse_method
 from fathom_jax.models.attention import CacheShape
 from fathom_jax.placement import Placement
 from fathom_jax.rows.formats import RowFormat
@@ -203,12 +202,10 @@ def parse_spec(spec: str | ScanMethod, *, k: int, calibration: Calibration | str
                placement: Placement | str | None = None, **fields) -> dict:
     """The fields of the decode attention for a method spec (:func:`fathom_jax.decode.from_spec` documents the
     arguments), as keyword arguments of :class:`~fathom_jax.decode.SparseAttention`."""
-    if isinstance(spec, str) and "@" in spec:
-        method, fields["sharing"] = parse_shared(spec)
-    elif isinstance(spec, SharedMethod):
-        method, fields["sharing"] = spec.method, spec.sharing
-    else:
-        method = methods_lib.parse(spec)
+    method = parse_method(spec) if isinstance(spec, str) else spec if isinstance(spec, SharedMethod) else (
+        methods_lib.parse(spec))
+    if isinstance(method, SharedMethod):
+        method, fields["sharing"] = method.method, method.sharing
     if fields.get("step", ...) is None:  # None: the default StepConfig
         del fields["step"]
     common = dict(method=method, k=k, placement=Placement.parse(placement), **fields)
