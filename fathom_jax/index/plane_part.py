@@ -28,9 +28,7 @@ class Planes(IndexPart):
 
     @property
     def writes_per_token(self) -> int:  # type: ignore[override]
-        """Plane words and scales, and in two tiers with warm planes the warm rows: a decode cache keeps one
-        completion token per write, sized at allocation (a count that changed would change the step's signature)."""
-        return 3 if isinstance(self.stacking, TwoTiers) and self.warm else 2
+        return self.stacking.writes_per_token
 
     @property
     def kind(self) -> str:

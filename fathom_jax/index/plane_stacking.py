@@ -82,6 +82,7 @@ class OneTier:
     """Channel-major planes ``[L, R, D, 4, W]``, where the placement puts bulk leaves or (``in_hbm``) in HBM."""
 
     in_hbm: bool = False
+    writes_per_token = 2  # plane words and scales (a decode cache holds a completion token per in-place write)
 
     @property
     def crosses_link(self) -> bool:
@@ -142,6 +143,12 @@ class TwoTiers:
     warm: int = 0
 
     crosses_link = True  # some layer keeps a plane in host memory (all four resident everywhere is one tier in HBM)
+
+    @property
+    def writes_per_token(self) -> int:
+        """Both tiers in one write and the scales, and the warm rows where there are some: a decode cache allocates a
+        completion token per write (a count that changed would change the step's signature)."""
+        return 3 if self.warm else 2
 
     def bulk(self, data):
         warm = {} if self.warm == 0 else {"warm": "device", "warm_map": "device"}  # kernels read both at a group offset
