@@ -195,10 +195,12 @@ def attend_rows(
     """Per-head softmax attention, f32: q [*B, G, D] over its own key and value rows [*B, G, m, D] (or rows
     [*B, 1, m, D] shared by the G heads) where ``mask``."""
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
-    logits = jnp.einsum("...gd,...gmd->...gm", q.astype(jnp.float32), keys.astype(jnp.float32)) * scale
+    # full f32 products: on GPU the default precision would round the operands to TF32
+    logits = jnp.einsum("...gd,...gmd->...gm", q.astype(jnp.float32), keys.astype(jnp.float32),
+                        precision="highest") * scale
     weights = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1, where=mask)
     weights = jnp.where(mask, weights, 0.0)
-    return jnp.einsum("...gm,...gmd->...gd", weights, values.astype(jnp.float32))
+    return jnp.einsum("...gm,...gmd->...gd", weights, values.astype(jnp.float32), precision="highest")
 
 
 def sparse_attention(

@@ -252,10 +252,10 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
     bulk = cache.bulk()
     start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])
     queries = drifting_queries(q, drift) if drift is not None else [q]
-    # the HBM control runs each scan configuration and selection with the step's other defaults (its options are the
+    # the HBM control runs each scan configuration, selection and attention with the step's other defaults (its options are the
     # offload's)
     variants = args.configs if placement.offloaded else list(dict.fromkeys(
-        StepConfig(scan=c.scan, selection=c.selection) for c in args.configs))
+        StepConfig(scan=c.scan, selection=c.selection, attention=c.attention) for c in args.configs))
     for label, variant in ((m, v) for m in labels for v in variants):
         if run.left() < 30:
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})

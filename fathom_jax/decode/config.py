@@ -30,7 +30,7 @@ Fields:
 * ``row_cache``: device-memory slots per layer and group for recently fetched K/V rows (0: none), or ``"last"``: the
   previous step's selected rows, kept in its order (:mod:`fathom_jax.decode.row_cache`).
 * ``selection``: how each head's rows are chosen (:mod:`fathom_jax.decode.selection`): ``"threshold"`` (the scan
-  keeps only the tokens above each head's threshold, seeded by the previous step; the exact top-k among them, with
+  keeps only the tokens above each head's threshold, taken from a sample of the same step's scores; the exact top-k among them, with
   the sorted path as a second path) or ``"sorted"`` (every score written, the top-k kernels, the union by a sort);
   ``threshold``: the threshold selection's knobs (a :class:`~fathom_jax.decode.selection.ThresholdSelection`, None:
   its defaults; ``threshold.rank=8`` on the command line).
