@@ -209,30 +209,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("tiny", "smoke", "qwen3-8b"), default="qwen3-8b",
                     help="tiny: f32, 3 layers, head_dim 8; smoke: Qwen3-8B's dtype at 3 layers, head_dim 64")
-    ap.add_argument("--prompt-tokens", type=int, default=32768)
-    ap.add_argument("--slots", type=int, default=4)
-    ap.add_argument("--sessions", type=int, default=8)
+    pool_trace.add_options(ap, prompt_tokens=32768, slots=4, sessions=8, burst=8, method="fathom:48", k=512,
+                           rows="k8v8")
     ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--fixed-steps", type=int, default=16)
-    ap.add_argument("--method", default="fathom:48")
-    ap.add_argument("--k", type=int, default=512)
-    ap.add_argument("--rows", default="k8v8", help="K/V row format (model: the model dtype)")
     ap.add_argument("--placement", choices=("pinned_host", "device"), default="pinned_host",
                     help="where the pool cache's bulk arrays live (pinned_host: device memory where the backend has "
                          "none)")
     ap.add_argument("--resident-planes", type=int, default=None,
                     help="planes of every channel kept in HBM with --placement pinned_host (default 1; 0 in HBM)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--save-dir", default=None, help="where saves go (default: the system's temporary directory)")
     ap.add_argument("--disk-repeats", type=int, default=3,
                     help="plain write + fsync and read-back measurements of one session's bytes in the save directory")
     ap.add_argument("--tag", default=None, help="default <model>_<prompt tokens>_<backend>")
-    ap.add_argument("--out", default="results")
-    args = ap.parse_args(argv)
-    for name in ("prompt_tokens", "slots", "sessions", "rounds", "burst", "fixed_steps", "k", "disk_repeats"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    args = pool_trace.parse(ap, argv, ("prompt_tokens", "slots", "sessions", "rounds", "burst", "fixed_steps", "k",
+                                       "disk_repeats"))
     try:
         placement(args)
     except ValueError as e:

@@ -20,6 +20,33 @@ OLD_ROW_FIELDS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "ga
                   "resident_planes": 0, "warm_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union",
                   "order": "xla", "scan": "default", "select": "sorted", "attention": "xla"}
 
+# The attention-only table's title, notes and columns.
+ATTENTION_HEAD = ["## Attention-only step (36 layers; ms per step, median [min, max])", "",
+                  "read: `direct` = the plane scan reads host memory as it computes; `staged` = the run gather copies the "
+                  "planned runs to HBM first. Link floor: every byte of the planned planes + scales and of the selected "
+                  "rows over the link once at the rate measured in the run.", "",
+                  "`index writes`: `every_step` writes the newest plane block of every layer each step; `full_blocks` only "
+                  "when it fills (once in 64 steps: its cost, the cache write's plane words in the profile, is then "
+                  "spread over 64 steps and the median leaves it out); `in scan`: each layer writes its new K/V row and "
+                  "blocks inside the layer scan, beside its own transfers (the default since 2026-12-01), instead of every "
+                  "layer's after the scan (an option since deleted: measured slower).", "",
+                  "`split`: a layer's groups on several GPU streams (an option since deleted: measured slower), or in "
+                  "pipelined chunks whose plane transfers are "
+                  "chained (the next chunk's transfer beside this chunk's scan, selection and row fetch), with the run "
+                  "gather as that many persistent programs; `selection fused` (a group's selection and union in two "
+                  "kernels, no sort) and `order chained` (each chunk's scan waiting for the previous chunk's rows): "
+                  "options since deleted: measured slower.", "",
+                  "| method | context | batch | mesh | split | index writes | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
+                  "link floor ms | fraction of link | authors' ms | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+# The full-step table's title, notes and columns.
+FULL_HEAD = ["## Full decode step (QKV, sparse attention, o_proj, MLP, lm_head)", "",
+             "`weight GEMMs`: `copied` = Triton GEMMs on copies of each layer's weights sliced out of the stacked "
+             "arrays (before 2026-12-01); `in place` = cuBLAS GEMMs reading the slices in place (XLA's dynamic-slice "
+             "fusion, `models.generation.WEIGHT_GEMM_OPTIONS`).", "",
+             "| method | context | batch | mesh | split | index writes | weight GEMMs | ms | tokens/s | wall / device |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
 
 def migrate(row: dict, config: dict | None = None) -> dict:
     """An old results row upgraded to today's fields (a new dict; a row of today's runs comes back equal): every
@@ -72,6 +99,11 @@ def split_text(r: dict) -> str:
             ([f"selection {r['selection']}"] if r["selection"] != "topk_union" else []) + \
             ([f"order {r['order']}"] if r["order"] != "xla" else [])  # (deleted options' rows)
     return "; ".join([text] * bool(text) + extra)
+
+
+def step_cells(r: dict) -> str:
+    """The first cells of a step table's row: method, context, batch, mesh, split and index writes."""
+    return f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | {writes_text(r)} |"
 
 
 def select_text(r: dict) -> str:
@@ -136,12 +168,11 @@ def merge(paths, out_prefix):
     write_report(res, out_prefix)
 
 
-def mesh_ratio_lines(att: list[dict], default_read) -> list[str]:
+def mesh_ratio_lines(att: list[dict]) -> list[str]:
     """Each step measured on one GPU and on a mesh of several with the same method, shapes and reads, side by side."""
     def key(r):  # chunk counts differ with the groups per device: pipelined pairs with pipelined
-        return (r["method"], r["context"], r["batch"], r["memory"], r.get("read", default_read), r["shared_kv"],
-                r.get("index_writes", "every_step"), r.get("streams", 1), int(r.get("pipeline", 1)) > 1,
-                bool(r.get("scan_writes")), r.get("rows", "model"))
+        return (r["method"], r["context"], r["batch"], r["memory"], r["read"], r["shared_kv"], r["index_writes"],
+                r["streams"], int(r["pipeline"]) > 1, bool(r["scan_writes"]), r["rows"])
 
     single = {key(r): r for r in att if r["mesh"] == 1}
     pairs = [(single[key(r)], r) for r in att if r["mesh"] > 1 and key(r) in single]
@@ -153,7 +184,7 @@ def mesh_ratio_lines(att: list[dict], default_read) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for one, many in sorted(pairs, key=lambda p: (p[1]["context"], p[1]["method"], str(p[1]["shared_kv"]), key(p[1])[6:])):
         lines.append(f"| {many['method']} | {many['context']} | {key(many)[4]} | {many['shared_kv']} | {writes_text(many)} | "
-                     f"{one.get('pipeline', 1)} / {many.get('pipeline', 1)} | {one['median_ms']:.1f} | "
+                     f"{one['pipeline']} / {many['pipeline']} | {one['median_ms']:.1f} | "
                      f"{many['mesh']} | {many['median_ms']:.1f} | {many['median_ms'] / one['median_ms']:.2f} | "
                      f"{many['link_floor_ms']:.1f} | {many['median_ms'] / many['link_floor_ms']:.2f} | "
                      f"{str(one.get('run_date', ''))[:16]} / {str(many.get('run_date', ''))[:16]} |")
@@ -171,7 +202,7 @@ def row_format_lines(rows: list[dict]) -> list[str]:
     def key(r):
         return (r["kind"], r["method"], r["context"], r["batch"])
 
-    compressed = [r for r in rows if r.get("rows", "model") != "model"]
+    compressed = [r for r in rows if r["rows"] != "model"]
     if not compressed:
         return []
     keys = {key(r) for r in compressed}
@@ -187,13 +218,13 @@ def row_format_lines(rows: list[dict]) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
     for r in rows:  # the fastest model-dtype row of each step: the comparison
-        if r.get("rows", "model") == "model" and (key(r) not in base or r["median_ms"] < base[key(r)]["median_ms"]):
+        if r["rows"] == "model" and (key(r) not in base or r["median_ms"] < base[key(r)]["median_ms"]):
             base[key(r)] = r
-    for r in sorted(picked, key=lambda r: key(r) + (r.get("rows", "model") != "model", r.get("rows", "model"),
+    for r in sorted(picked, key=lambda r: key(r) + (r["rows"] != "model", r["rows"],
                                                      str(r.get("run_date", "")))):
         b = base.get(key(r))
         ratio = f"{b['median_ms'] / r['median_ms']:.2f}x" if b is not None and b is not r else ""
-        lines.append(f"| {r['kind']} | {r['method']} | {r['context']} | {r['batch']} | {r.get('rows', 'model')} | "
+        lines.append(f"| {r['kind']} | {r['method']} | {r['context']} | {r['batch']} | {r['rows']} | "
                      f"{r['shared_kv']} | {_cell(r.get('host_bytes_per_token'), '.0f')} | "
                      f"{_cell(r.get('host_bytes_per_token_own'), '.0f')} | "
                      f"{_cell(r.get('row_bytes_per_token'), '.0f')} | "
@@ -206,15 +237,16 @@ def row_format_lines(rows: list[dict]) -> list[str]:
 
 def row_cache_lines(rows: list[dict]) -> list[str]:
     """Rows with drifting queries or a row cache, each beside the row of the same step without a cache."""
-    picked = [r for r in rows if r.get("row_cache") or r.get("query_drift") is not None]
+    rows = [migrate(r) for r in rows]
+    picked = [r for r in rows if r["row_cache"] or r.get("query_drift") is not None]
     if not picked:
         return []
 
     def key(r):
-        return (r["kind"], r["method"], r["context"], r["batch"], r.get("query_drift"), r.get("pipeline", 1),
-                r.get("index_writes"), r.get("rows", "model"), str(r.get("run_date", "")))
+        return (r["kind"], r["method"], r["context"], r["batch"], r.get("query_drift"), r["pipeline"],
+                r["index_writes"], r["rows"], str(r.get("run_date", "")))
 
-    plain = {key(r): r for r in rows if not r.get("row_cache")}
+    plain = {key(r): r for r in rows if not r["row_cache"]}
     lines = ["## Row cache (device-memory copies of the rows recent steps fetched)", "",
              "`drift`: each step's queries are the last step's times the coefficient plus fresh noise (AR(1); none: one "
              "query set repeated, which a row cache would hit every time; full steps: the random model's own queries). "
@@ -223,9 +255,9 @@ def row_cache_lines(rows: list[dict]) -> list[str]:
              "| step | method | context | batch | drift | slots | from slots | rows MB fetched | ms | floor ms (all rows) | "
              "floor ms (rows fetched) | ms / floor (fetched) | vs no cache |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(picked, key=lambda r: key(r) + (r.get("row_cache", 0),)):
+    for r in sorted(picked, key=lambda r: key(r) + (r["row_cache"],)):
         base = plain.get(key(r))
-        slots = r.get("row_cache") or 0
+        slots = r["row_cache"]
         share = f"{100 * r['row_hit_fraction']:.0f}%" if slots else ""
         fetched_mb = r["row_bytes_fetched"] / 1e6 if slots else r.get("row_bytes_max", float("nan")) / 1e6
         floor = r.get("link_floor_fetched_ms") if slots else None
@@ -256,47 +288,23 @@ def write_report(res: dict, prefix: str) -> None:
     rows = [migrate(r, res["config"]) for r in res["rows"]]
     att = [r for r in rows if r["kind"] == "attention"]
     if att:
-        lines += ["## Attention-only step (36 layers; ms per step, median [min, max])", "",
-                  "read: `direct` = the plane scan reads host memory as it computes; `staged` = the run gather copies the "
-                  "planned runs to HBM first. Link floor: every byte of the planned planes + scales and of the selected "
-                  "rows over the link once at the rate measured in the run.", "",
-                  "`index writes`: `every_step` writes the newest plane block of every layer each step; `full_blocks` only "
-                  "when it fills (once in 64 steps: its cost, the cache write's plane words in the profile, is then "
-                  "spread over 64 steps and the median leaves it out); `in scan`: each layer writes its new K/V row and "
-                  "blocks inside the layer scan, beside its own transfers (the default since 2026-12-01), instead of every "
-                  "layer's after the scan (an option since deleted: measured slower).", "",
-                  "`split`: a layer's groups on several GPU streams (an option since deleted: measured slower), or in "
-                  "pipelined chunks whose plane transfers are "
-                  "chained (the next chunk's transfer beside this chunk's scan, selection and row fetch), with the run "
-                  "gather as that many persistent programs; `selection fused` (a group's selection and union in two "
-                  "kernels, no sort) and `order chained` (each chunk's scan waiting for the previous chunk's rows): "
-                  "options since deleted: measured slower.", "",
-                  "| method | context | batch | mesh | split | index writes | memory | read | shared K/V | bits/token | scan MB | rows MB (max) | ms | "
-                  "link floor ms | fraction of link | authors' ms | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(att, key=lambda r: (r["context"], r["method"], r.get("rows", "model"), r.get("read") or "",
-                                            r.get("streams", 1),
-                                            r.get("pipeline", 1), r.get("gather_programs", 0),
-                                            r.get("index_writes", "every_step"), bool(r.get("scan_writes")))):
-            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | {writes_text(r)} | {r['memory']} | {r.get('read', res['config'].get('read'))} | {r['shared_kv']} | "
+        lines += ATTENTION_HEAD
+        for r in sorted(att, key=lambda r: (r["context"], r["method"], r["rows"], r["read"] or "", r["streams"],
+                                            r["pipeline"], r["gather_programs"], r["index_writes"],
+                                            bool(r["scan_writes"]))):
+            lines.append(f"{step_cells(r)} {r['memory']} | {r['read']} | {r['shared_kv']} | "
                          f"{r['bits_per_token']:.1f} | {r['scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
                          f"{r['median_ms']:.2f} [{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['link_floor_ms']:.1f} | "
                          f"{r['fraction_of_link']:.2f} | {r.get('authors_ms') or ''} | {str(r.get('run_date', ''))[:16]} |")
         lines.append("")
-        lines += mesh_ratio_lines(att, res["config"].get("read"))
+        lines += mesh_ratio_lines(att)
     full = [r for r in rows if r["kind"] == "full"]
     if full:
-        lines += ["## Full decode step (QKV, sparse attention, o_proj, MLP, lm_head)", "",
-                  "`weight GEMMs`: `copied` = Triton GEMMs on copies of each layer's weights sliced out of the stacked "
-                  "arrays (before 2026-12-01); `in place` = cuBLAS GEMMs reading the slices in place (XLA's dynamic-slice "
-                  "fusion, `models.generation.WEIGHT_GEMM_OPTIONS`).", "",
-                  "| method | context | batch | mesh | split | index writes | weight GEMMs | ms | tokens/s | wall / device |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"], r.get("rows", "model"),
-                                             r.get("streams", 1),
-                                             r.get("pipeline", 1), r.get("index_writes", "every_step"),
-                                             r.get("weight_gemms", "copied"), str(r.get("run_date")))):
-            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {r['mesh']} | {split_text(r)} | "
-                         f"{writes_text(r)} | {r.get('weight_gemms', 'copied')} | {r['median_ms']:.2f} "
+        lines += FULL_HEAD
+        for r in sorted(full, key=lambda r: (r["context"], r["batch"], r["method"], r["rows"], r["streams"],
+                                             r["pipeline"], r["index_writes"], r["weight_gemms"],
+                                             str(r.get("run_date")))):
+            lines.append(f"{step_cells(r)} {r['weight_gemms']} | {r['median_ms']:.2f} "
                          f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}] | {r['tokens_per_s']:.1f} | "
                          f"{r.get('wall_over_device', float('nan')):.2f} |")
         lines.append("")
@@ -309,8 +317,8 @@ def write_report(res: dict, prefix: str) -> None:
             p = r["profile"]
             what = "full step" if r["kind"] == "full" else f"attention-only step ({r['memory']})"
             what += f", {split_text(r)}" if split_text(r) else ""
-            what += ", plane blocks written when full" if r.get("index_writes") == "full_blocks" else ""
-            what += ", each layer's writes in the layer scan" if r.get("scan_writes") else ""
+            what += ", plane blocks written when full" if r["index_writes"] == "full_blocks" else ""
+            what += ", each layer's writes in the layer scan" if r["scan_writes"] else ""
             if r.get("profile_run_date"):  # profiled in an earlier run of this measurement than the row's median
                 what += f" (profiled in the run of {r['profile_run_date'][:16]}; median above from {r['run_date'][:16]})"
             lines += [f"Profile of the {what}, {r['method']} at {r['context']} (batch {r['batch']}): wall "
@@ -349,7 +357,6 @@ def write_report(res: dict, prefix: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(11, 5.2))
     colors = dict(zip(sorted({r["method"] for r in att}), plt.get_cmap("tab10").colors))
-    default_read = res["config"].get("read")
     for label in sorted(colors):
         # (read, index writes, pipelined, style); GPU-stream rows stay in the table (measured slower)
         for read, writes, pipelined, style in (
@@ -357,10 +364,10 @@ def write_report(res: dict, prefix: str) -> None:
                 ("staged", "full_blocks", False, "D:"), ("staged", "full_blocks", True, "*:"),
                 ("direct", "every_step", False, "o--")):
             pts = sorted((r["context"], r["median_ms"]) for r in att if r["method"] == label and r["batch"] == 1
-                         and r["memory"] == "pinned_host" and r.get("mesh", 1) == 1
-                         and r.get("read", default_read) == read and r.get("streams", 1) == 1
-                         and r.get("index_writes", "every_step") == writes and (r.get("pipeline", 1) > 1) == pipelined
-                         and r.get("rows", "model") == "model")  # compressed rows: their own table
+                         and r["memory"] == "pinned_host" and r["mesh"] == 1
+                         and r["read"] == read and r["streams"] == 1
+                         and r["index_writes"] == writes and (r["pipeline"] > 1) == pipelined
+                         and r["rows"] == "model")  # compressed rows: their own table
             best = {}
             for c, ms in pts:  # of several settings, the fastest at each context
                 best[c] = min(ms, best.get(c, ms))
@@ -402,7 +409,7 @@ def tier_lines(att: list[dict]) -> list[str]:
     rows = _tier_rows(att)
     if not any(r["resident_planes"] for r in rows):
         return []
-    base = {(r["method"], r["context"], r["batch"], r.get("rows", "model")): r for r in rows if not r["resident_planes"]}
+    base = {(r["method"], r["context"], r["batch"], r["rows"]): r for r in rows if not r["resident_planes"]}
     lines = ["## Resident planes", "",
              "`p`: planes [0, p) of every channel, and every block scale, in HBM; planes [p, 4) in pinned host memory "
              "(p = 4: the whole index in HBM); `+ S warm`: S more channel planes per layer and group in HBM, chosen "
@@ -412,12 +419,12 @@ def tier_lines(att: list[dict]) -> list[str]:
              "| method | context | batch | p | index host GB | index HBM GB | link MB (planes) | rows MB (max) | ms | "
              "tokens/s | link floor ms | vs p = 0 | link bytes vs p = 0 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["method"], r["context"], r["batch"], r.get("rows", "model"),
-                                         str(r["resident_planes"]), r.get("warm_planes", 0))):
-        b = base.get((r["method"], r["context"], r["batch"], r.get("rows", "model")))
+    for r in sorted(rows, key=lambda r: (r["method"], r["context"], r["batch"], r["rows"],
+                                         str(r["resident_planes"]), r["warm_planes"])):
+        b = base.get((r["method"], r["context"], r["batch"], r["rows"]))
         speed = f"{b['median_ms'] / r['median_ms']:.2f}x" if b else ""
         share = f"{r['link_scan_bytes'] / b['link_scan_bytes']:.2f}" if b and b["link_scan_bytes"] else ""
-        p = f"{r['resident_planes']}" + (f" + {r['warm_planes']} warm" if r.get("warm_planes") else "")
+        p = f"{r['resident_planes']}" + (f" + {r['warm_planes']} warm" if r["warm_planes"] else "")
         lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | {p} | "
                      f"{r['index_host_bytes'] / 1e9:.2f} | {r['index_hbm_bytes'] / 1e9:.2f} | "
                      f"{r['link_scan_bytes'] / 1e6:.0f} | {r['row_bytes_max'] / 1e6:.0f} | "
@@ -454,8 +461,7 @@ def batch_plot(full: list[dict], path: str, device: str) -> None:
 
     lines: dict[tuple, dict[int, float]] = {}
     for r in full:  # of several settings, the fastest at each batch
-        pts = lines.setdefault((r["method"], r["context"], r.get("rows", "model"), r.get("resident_planes", 0),
-                                r.get("shared_kv")), {})
+        pts = lines.setdefault((r["method"], r["context"], r["rows"], r["resident_planes"], r["shared_kv"]), {})
         pts[r["batch"]] = max(r["tokens_per_s"], pts.get(r["batch"], 0.0))
     lines = {k: v for k, v in lines.items() if len(v) > 1}
     if not lines:

@@ -1,4 +1,4 @@
-"""A churn trace over a session pool and its runner, shared by ``scripts/bench_pool.py`` and ``scripts/soak_pool.py``.
+"""A churn trace over a session pool, its runner and the options of ``scripts/bench_pool.py`` and ``scripts/soak_pool.py``.
 
 A trace is a list of events over sessions numbered 0..n-1 (each with its own prompt): ``add``, ``steps`` (a decode
 burst), ``pause``, ``resume``, ``save`` (a parked session written to disk and dropped from the pool), ``load`` (a saved
@@ -9,6 +9,7 @@ event and sampling memory.
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
@@ -140,3 +141,27 @@ def lone_tokens(pool: SessionPool, prompt, count: int) -> list[int]:
     out = pool.tokens(sid)
     pool.remove(sid)
     return out
+
+
+def add_options(ap: argparse.ArgumentParser, *, prompt_tokens: int, slots: int, sessions: int, burst: int, method: str,
+                k: int, rows: str) -> None:
+    """The options ``bench_pool`` and ``soak_pool`` share (the defaults theirs): the sessions, the pool, the trace's
+    bursts, the method, the rows, the seed, where saves and results go."""
+    for flag, default in (("--prompt-tokens", prompt_tokens), ("--slots", slots), ("--sessions", sessions),
+                          ("--burst", burst)):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--method", default=method)
+    ap.add_argument("--k", type=int, default=k)
+    ap.add_argument("--rows", default=rows, help="K/V row format (model: the model dtype)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-dir", default=None, help="where saves go (default: the system's temporary directory)")
+    ap.add_argument("--out", default="results")
+
+
+def parse(ap: argparse.ArgumentParser, argv, counts: tuple[str, ...]) -> argparse.Namespace:
+    """``ap.parse_args(argv)``, each option named in ``counts`` (a dest) at least 1."""
+    args = ap.parse_args(argv)
+    for name in counts:
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args

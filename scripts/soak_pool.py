@@ -95,21 +95,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
     ap.add_argument("--events", type=int, default=200)
-    ap.add_argument("--sessions", type=int, default=6)
-    ap.add_argument("--slots", type=int, default=3)
-    ap.add_argument("--burst", type=int, default=6)
-    ap.add_argument("--prompt-tokens", type=int, default=1000)
-    ap.add_argument("--method", default="fathom:32")
-    ap.add_argument("--k", type=int, default=128)
-    ap.add_argument("--rows", default="model")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--save-dir", default=None)
+    pool_trace.add_options(ap, prompt_tokens=1000, slots=3, sessions=6, burst=6, method="fathom:32", k=128,
+                           rows="model")
     ap.add_argument("--tag", default=None, help="default <model>_<backend>")
-    ap.add_argument("--out", default="results")
-    args = ap.parse_args(argv)
-    for name in ("events", "sessions", "slots", "burst", "prompt_tokens", "k"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    args = pool_trace.parse(ap, argv, ("events", "sessions", "slots", "burst", "prompt_tokens", "k"))
     rng = np.random.default_rng(args.seed)
     if args.model == "tiny":
         from scripts.bench_pool import build_model

@@ -1,6 +1,6 @@
 """``fathom row-formats``: the attention error each compressed K/V row format adds (:mod:`fathom_jax.eval.row_study`).
 
-``scripts/row_formats_study.py`` runs the same command with its own merge of runs written apart.
+Runs written apart join through :func:`fathom_jax.eval.row_report.merge`.
 """
 
 from __future__ import annotations
