@@ -93,10 +93,12 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
     """Bytes a step reads: the planned planes + scales of every layer and the selected rows, and of those what crosses
     the link (with resident planes: only the planes below each layer's resident count stay in HBM, with the scales).
     A selected row is what the hook's row layout stores per token (K and V: ``2 Dh`` bf16 values, or a compressed
-    format's words with their scales). With a selection shared across layers only its selection layers read planes;
-    the others fetch the shared set's rows."""
+    format's words with their scales). With a selection shared across layers only its selection layers read planes
+    (twice under threshold selection, which writes no scores to publish from); the others fetch the shared set's
+    rows."""
     method = attn.method
     selects = attn.share.selects if attn.share is not None else (True,) * cfg.n_layers
+    passes = 2 if attn.share is not None and attn.step.selection == "threshold" else 1
     row_bytes = RowLayout.of(attn.rows, cfg.head_dim, jnp.bfloat16).row_bytes
     resident, warm = attn.placement.resident(cfg.n_layers), attn.placement.warm_planes
     bits, link_bits, plane0, code = [], [], 0.0, 0.0
@@ -107,7 +109,7 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
             bits.append(np.zeros_like(np.asarray(read.bits)))
             link_bits.append(np.zeros_like(np.asarray(read.bits), np.float64))
             continue
-        bits.append(np.asarray(read.bits))
+        bits.append(passes * np.asarray(read.bits))
         depths = np.asarray(getattr(read, "depths", np.zeros((1, 1))))
         plane0, code = plane0 + float((depths > 0).sum()), code + float(depths.sum())
         if resident[layer] or warm:  # planes below the resident count (and the warm ones) and every scale in HBM
@@ -115,9 +117,9 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
             if warm:  # as the fill chose them: the step's queries are the prompt's (build_cache)
                 importance = planner.importance(q[layer], c.variance)
                 first = first + np.sum(np.asarray(warm_choice(importance, resident[layer], warm)) > 0, axis=-1)
-            link_bits.append(np.maximum(depths - first, 0).sum(-1).astype(np.float64))
+            link_bits.append(passes * np.maximum(depths - first, 0).sum(-1).astype(np.float64))
         else:
-            link_bits.append(np.asarray(read.bits, np.float64))
+            link_bits.append(passes * np.asarray(read.bits, np.float64))
     bits = np.stack(bits)  # [L, R]
     r = q.shape[1]
     g = q.shape[2]

@@ -175,6 +175,20 @@ def _named_calls(jaxpr, name: str):
             yield from _named_calls(sub, name)
 
 
+def jaxpr_equations(jaxpr, skip=()):
+    """Every equation of ``jaxpr`` and the jaxprs nested in it (but inside the ``skip`` primitives')."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name in skip:
+            continue
+        for v in eqn.params.values():
+            for item in (v if isinstance(v, (tuple, list)) else (v,)):
+                if hasattr(item, "eqns"):
+                    yield from jaxpr_equations(item, skip)
+                elif hasattr(item, "jaxpr") and hasattr(item, "consts"):
+                    yield from jaxpr_equations(item.jaxpr, skip)
+
+
 def _subjaxprs(eqn):
     for v in eqn.params.values():
         for item in (v if isinstance(v, (tuple, list)) else (v,)):

@@ -29,10 +29,10 @@ Fields:
 * ``xla_options``: more XLA compiler options for the programs that run a step (``{name: value}``).
 * ``row_cache``: device-memory slots per layer and group for recently fetched K/V rows (0: none), or ``"last"``: the
   previous step's selected rows, kept in its order (:mod:`fathom_jax.decode.row_cache`).
-* ``selection``: how each head's rows are chosen (:mod:`fathom_jax.decode.selection`): ``"threshold"`` (the scan
-  keeps only the tokens above each head's threshold, taken from a sample of the same step's scores; the exact top-k among them, with
-  the sorted path as a second path) or ``"sorted"`` (every score written, the top-k kernels, the union by a sort);
-  ``threshold``: the threshold selection's knobs (a :class:`~fathom_jax.decode.selection.ThresholdSelection`, None:
+* ``selection``: how each head's rows are chosen (:mod:`fathom_jax.decode.selection`): ``"sorted"`` (the default:
+  every score written, the top-k kernels, the union by a sort; measured faster, NOTES.md) or ``"threshold"`` (the
+  scan keeps only the tokens above each head's threshold, taken from a sample of the same step's scores; the exact
+  top-k among them, with the sorted path as a second path); ``threshold``: the threshold selection's knobs (a :class:`~fathom_jax.decode.selection.ThresholdSelection`, None:
   its defaults; ``threshold.rank=8`` on the command line).
 * ``attention``: ``"kernel"`` (the attention kernel reads the selected rows by index, :mod:`pallas_kernels.sparse_attend`)
   or ``"xla"`` (the rows fetched into one array, then attended by XLA).
@@ -78,7 +78,7 @@ class StepConfig:
     layer_unroll: int = 1
     xla_options: tuple = ()
     row_cache: int | Literal["last"] = 0
-    selection: SelectionMode = "threshold"
+    selection: SelectionMode = "sorted"
     threshold: ThresholdSelection | None = None
     attention: AttentionMode = "kernel"
     topk: TopkConfig | None = None

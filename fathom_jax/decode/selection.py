@@ -40,7 +40,9 @@ from pallas_kernels.topk_radix import INT_MIN
 class Selection:
     """A chunk's selection before its rows are fetched: the union ``slots [Rc, S]`` (-1 where masked), which head
     attends which slot (``member``), ``done`` (an array the chunk's scan produced: what a later fetch may wait for),
-    and ``second_path [Rc]`` (1 where the group's candidates failed and the sorted path ran; None: no threshold)."""
+    ``second_path [Rc]`` (1 where the group's candidates failed and the sorted path ran; None: no threshold) and
+    ``scores [Rc, G, n]`` (every position's score, the newest block patched in, where the selection wrote them; None:
+    it wrote none)."""
 
     q: jax.Array
     bits: jax.Array
@@ -50,6 +52,7 @@ class Selection:
     group_start: int
     new: object
     second_path: jax.Array | None = None
+    scores: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,7 @@ class SortedSelection:
         scores = _patched(read.scores(source), read, view.new)
         slots, member = _sorted(scores, view.length, ctx)
         return Selection(q=q, bits=read.bits, slots=slots, member=member, done=scores, group_start=group_start,
-                         new=view.new)
+                         new=view.new, scores=scores)
 
 
 @dataclasses.dataclass(frozen=True)

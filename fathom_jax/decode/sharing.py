@@ -119,13 +119,16 @@ class SharedSet:
         return cls(jnp.full((batch, budget), -1, jnp.int32), jnp.zeros((batch, budget), bool))
 
 
-def publish(read, q: Float[Array, "R G D"], view, ctx, sharing: SharedSelection, kv_heads: int) -> SharedSet:
+def publish(read, q: Float[Array, "R G D"], view, ctx, sharing: SharedSelection, kv_heads: int,
+            scores: Float[Array, "R G n"] | None = None) -> SharedSet:
     """The set a selection layer publishes from its method's ``read`` of the queries ``q`` (the plan its own step
     ran): every stored position's score (the newest block patched in), ranked over all query heads of each
-    sequence's ``kv_heads`` groups and cut to ``sharing.budget``."""
-    scores = read.scores(ctx.run.reader.source(view))
-    if view.new is not None:
-        scores = patch_scores(scores, read, view.new)
+    sequence's ``kv_heads`` groups and cut to ``sharing.budget``. ``scores``: those its step's selection wrote
+    (a sorted selection); None: read them again (the threshold selection writes none: its planes cross twice)."""
+    if scores is None:
+        scores = read.scores(ctx.run.reader.source(view))
+        if view.new is not None:
+            scores = patch_scores(scores, read, view.new)
     r, g, n = scores.shape
     batch = r // kv_heads
     length = view.length.reshape(batch, kv_heads)[:, 0]

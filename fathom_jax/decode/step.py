@@ -1,6 +1,6 @@
 """One sparse-attention step of one layer: plan -> read -> scan -> select -> union -> fetch -> attend.
 
-    out = sparse_attention_step(method, q, view, ctx)      # StepResult(out [R, G, Dh], bits [R], fill, second_path)
+    out = sparse_attention_step(method, q, view, ctx)      # StepResult(out [R, G, Dh], bits [R], fill, second_path, scores)
     out, update = layer_step(method, ctx, write, q, key, value, position, calib, cache, layer)   # over the cache
 
 Written once, for every scan method and placement: the decoder's sparse attention (:mod:`fathom_jax.decode.hook`)
@@ -120,6 +120,7 @@ class StepResult(NamedTuple):
     bits: Float[Array, "R"]
     fill: RowFill | None = None  # what to store in the row-cache slots (None without a row cache)
     second_path: Int[Array, "R"] | None = None  # 1 where the threshold selection took its second path (None: none)
+    scores: Float[Array, "R G n"] | None = None  # every position's score, where asked for and the selection wrote them
 
 
 def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext
@@ -132,8 +133,10 @@ def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Ca
     return _read_step(method.read(q, view.index, view.calib, implementation=ctx.run.implementation), q, view, ctx)
 
 
-def _read_step(read, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext) -> StepResult:
-    """:func:`sparse_attention_step` of a method's ``read`` of the f32 queries ``q`` (planned once)."""
+def _read_step(read, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext, keep_scores: bool = False
+               ) -> StepResult:
+    """:func:`sparse_attention_step` of a method's ``read`` of the f32 queries ``q`` (planned once); with
+    ``keep_scores`` the result keeps every chunk's scores where the selection wrote them (a sorted selection)."""
     groups = q.shape[0]
     if view.row_cache is not None:
         check_row_cache(view.row_cache, groups, view.kv, stacked=view.layer is not None)
@@ -142,7 +145,7 @@ def _read_step(read, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext
         raise ValueError(f"step pipeline={chunks} must divide the {groups} groups (batch x KV heads) of the step")
     size = groups // chunks
     bulk = view.index.bulk()
-    outs, staged, pending = [], None, None
+    outs, scores, staged, pending = [], [], None, None
     for start in range(0, groups, size):
         chunk_read, chunk_q, chunk_index, chunk_length, chunk_new = _groups(
             (read, q, view.index, view.length, view.new), (False, False, bulk, False, False), start, size)
@@ -152,10 +155,12 @@ def _read_step(read, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext
             last = start + size == groups
             outs.append(_fetch_attend(pending, view, ctx, after=selection.done if last else None))
         pending = selection
+        scores.append(selection.scores)
     outs.append(_fetch_attend(pending, view, ctx))
-    if len(outs) == 1:
-        return outs[0]
-    return jax.tree.map(lambda *parts: jnp.concatenate(parts), *outs)
+    out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts), *outs)
+    if keep_scores and all(x is not None for x in scores):
+        out = out._replace(scores=jnp.concatenate(scores) if len(scores) > 1 else scores[0])
+    return out
 
 
 def layer_step(method: ScanMethod, ctx: StepContext, write: writes_lib.Writer, q: Float[Array, "R G D"], key: Float[Array, "R D"],
@@ -177,7 +182,8 @@ def layer_step(method: ScanMethod, ctx: StepContext, write: writes_lib.Writer, q
                      length=position + 1, calib=calib, layer=layer, kv_layer=0 if cache.shared_kv else layer,
                      new=new, row_cache=cache.row_cache, layout=cache.layout)  # the row cache is read in place
     if ctx.share is None:
-        out, _, fill, second_path = sparse_attention_step(method, q, view, ctx)
+        result = sparse_attention_step(method, q, view, ctx)
+        out, fill, second_path = result.out, result.fill, result.second_path
     else:
         out, fill, second_path, shared = _shared_step(method, q, view, ctx, shared)
     update = LayerUpdate(key=key, value=value, blocks=blocks, rows=fill, second_path=second_path)
@@ -202,8 +208,8 @@ def _shared_step(method: ScanMethod, q, view: CacheView, ctx: StepContext, share
 
     def selecting():
         read = method.read(q, view.index, view.calib, implementation=ctx.run.implementation)
-        result = _read_step(read, q, view, ctx)
-        published = sharing_lib.publish(read, q, view, ctx, share.selection, share.kv_heads)
+        result = _read_step(read, q, view, ctx, keep_scores=True)
+        published = sharing_lib.publish(read, q, view, ctx, share.selection, share.kv_heads, scores=result.scores)
         flags = none_taken if result.second_path is None else result.second_path.astype(jnp.int32)
         return result.out, result.fill, flags, published
 

@@ -16,7 +16,7 @@ from fathom_jax.models import generation
 from fathom_jax.placement import Placement
 from pallas_kernels import candidate_topk, group_union, scan_select, sparse_attend
 from pallas_kernels.topk_radix import INT_MIN
-from tests.support import jaxpr_pallas_calls
+from tests.support import jaxpr_equations, jaxpr_pallas_calls
 
 RNG = np.random.default_rng(11)
 PROMPT = RNG.integers(0, 97, (2, 256)).astype(np.int32)
@@ -50,7 +50,7 @@ def test_threshold_selection_decodes_the_sorted_bits(tiny_model, sorted_run):
     cache (but the second-path counts, which only this one keeps)."""
     want, want_cache = sorted_run
     assert want_cache.second_path is None
-    got, cache = decode_run(tiny_model, hook(StepConfig()))
+    got, cache = decode_run(tiny_model, hook(StepConfig(selection="threshold")))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert int(cache.second_path.sum()) == 0  # the sample's thresholds held on every step
     assert jax.tree.map(np.array_equal, cache.index, want_cache.index) == jax.tree.map(lambda _: True, cache.index)
@@ -64,7 +64,7 @@ def test_second_path_decodes_the_sorted_bits(tiny_model, sorted_run, monkeypatch
     monkeypatch.setattr(ScanOperands, "sample_threshold",
                         lambda self, reader, stop, **kw: jnp.full((stop.shape[0], self.queries.shape[1]), threshold,
                                                                   jnp.int32))
-    got, cache = decode_run(tiny_model, hook(StepConfig(threshold=ThresholdSelection(slack=1))))
+    got, cache = decode_run(tiny_model, hook(StepConfig(selection="threshold", threshold=ThresholdSelection(slack=1))))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.all(np.asarray(cache.second_path) == TOKENS.shape[1])
 
@@ -74,7 +74,7 @@ def test_offloaded_tiers_with_threshold_selection(tiny_model):
     same cache selected the sorted way."""
     placement = Placement("pinned_host", resident_planes=1, warm_planes=6)
     want, _ = decode_run(tiny_model, hook(StepConfig(selection="sorted"), placement))
-    got, cache = decode_run(tiny_model, hook(StepConfig(), placement))
+    got, cache = decode_run(tiny_model, hook(StepConfig(selection="threshold"), placement))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert int(cache.second_path.sum()) == 0
 
@@ -84,7 +84,7 @@ def test_step_kernels_once_a_chunk(tiny_model):
     selects, the top-k among candidates, the union and the attention kernel; the plane scan and the top-k kernels
     only inside the second path's branch."""
     for chunks in (1, 2):
-        attn = hook(StepConfig(pipeline=chunks), Placement("pinned_host"))
+        attn = hook(StepConfig(pipeline=chunks, selection="threshold"), Placement("pinned_host"))
         _, cache, attn = generation.prefill(tiny_model, PROMPT, LENGTHS, attn, CAPACITY)
         _, params = nnx.split(tiny_model)
         jaxpr = generation.decode_step_program(tiny_model, cache, attn).trace(
@@ -92,7 +92,7 @@ def test_step_kernels_once_a_chunk(tiny_model):
         for name in (scan_select.SAMPLE_NAME, "kth_largest", scan_select.KERNEL_NAME, candidate_topk.KERNEL_NAME,
                      group_union.KERNEL_NAME, sparse_attend.KERNEL_NAME):
             assert len(jaxpr_pallas_calls(jaxpr, name)) == chunks, (name, chunks)
-        conds = [e for e in _equations(jaxpr.jaxpr, skip=("pallas_call",)) if e.primitive.name == "cond"
+        conds = [e for e in jaxpr_equations(jaxpr.jaxpr, skip=("pallas_call",)) if e.primitive.name == "cond"
                  and any(jaxpr_pallas_calls(b, group_union.KERNEL_NAME) for b in e.params["branches"])]
         assert len(conds) == chunks
         for cond in conds:
@@ -101,19 +101,5 @@ def test_step_kernels_once_a_chunk(tiny_model):
             assert jaxpr_pallas_calls(by_candidates, group_union.KERNEL_NAME)
             assert jaxpr_pallas_calls(by_scores, "fathom_plane_scan")
             assert jaxpr_pallas_calls(by_scores, "topk_select_tokens")
-        outside = [e for e in _equations(jaxpr.jaxpr, skip=("cond", "pallas_call")) if e.primitive.name == "pallas_call"]
+        outside = [e for e in jaxpr_equations(jaxpr.jaxpr, skip=("cond", "pallas_call")) if e.primitive.name == "pallas_call"]
         assert not [e for e in outside if str(e.params["name"]).startswith(("fathom_plane_scan", "topk_"))]
-
-
-def _equations(jaxpr, skip=()):
-    """Every equation of ``jaxpr`` and the jaxprs nested in it (but inside the ``skip`` primitives')."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        if eqn.primitive.name in skip:
-            continue
-        for v in eqn.params.values():
-            for item in (v if isinstance(v, (tuple, list)) else (v,)):
-                if hasattr(item, "eqns"):
-                    yield from _equations(item, skip)
-                elif hasattr(item, "jaxpr") and hasattr(item, "consts"):
-                    yield from _equations(item.jaxpr, skip)

@@ -22,7 +22,8 @@ from fathom_jax.models import DenseCache
 from fathom_jax.scan import scan_scores
 from fathom_jax.select import dense_attention, select_topk, sparse_attention
 from tests.decode.support import D, N, context, stacked_setting, step_setting
-from tests.support import TINY_GEMMA3, sparse_forced
+from pallas_kernels import sparse_attend
+from tests.support import TINY_GEMMA3, jaxpr_equations, jaxpr_pallas_calls, sparse_forced
 
 BUDGET = 60
 
@@ -110,6 +111,29 @@ def test_sharing_layers_attend_the_published_set(tiny_model):
     np.testing.assert_allclose(got[1:], want, rtol=2e-4, atol=2e-4)
     plain, _, _ = sparse_forced(tiny_model, PROMPT, TOKENS, decode.from_spec("sparq:4", k=k), CAPACITY)
     assert not np.allclose(got[1:], plain[1:], atol=1e-3)  # the sharing layers attended something else
+
+
+@pytest.mark.parametrize("selection", ["sorted", "threshold"])
+def test_a_sorted_selection_layer_publishes_from_its_own_scores(tiny_model, selection):
+    """The sorted selection's scores serve the published set: its selection layer runs one plane scan. The threshold
+    selection writes no scores: its layer runs the sampled scan and the scan that selects, then a plane scan to
+    publish (beside the one its second path holds)."""
+    from fathom_jax.models import generation
+
+    attn = decode.from_spec("fathom:16@share=0@budget=44", k=40, implementation="triton",
+                            step=decode.StepConfig(selection=selection))
+    _, cache, attn = generation.prefill(tiny_model, PROMPT, np.full(2, PROMPT.shape[1]), attn, CAPACITY)
+    _, params = nnx.split(tiny_model)
+    jaxpr = generation.decode_step_program(tiny_model, cache, attn).trace(
+        params, jnp.asarray(TOKENS[:, 0]), None, cache=cache).jaxpr
+    conds = [e for e in jaxpr_equations(jaxpr.jaxpr) if e.primitive.name == "cond"
+             and any(jaxpr_pallas_calls(b, sparse_attend.KERNEL_NAME) for b in e.params["branches"])]
+    following, selecting = conds[0].params["branches"]  # lax.cond(selects[layer], selecting, following)
+    assert len(jaxpr_pallas_calls(following, "fathom_plane_scan")) == 0
+    unconditional = [e for e in jaxpr_equations(selecting.jaxpr, skip=("cond", "pallas_call"))
+                     if e.primitive.name == "pallas_call" and str(e.params["name"]).startswith("fathom_plane_scan")]
+    assert len(unconditional) == 1  # sorted: the step's own; threshold: the publish's
+    assert len(jaxpr_pallas_calls(selecting, "fathom_plane_scan")) == (1 if selection == "sorted" else 2)
 
 
 def forced_logits_after(model, prompt, tokens, attention, capacity):
