@@ -20,6 +20,12 @@ The decode step's data flow, module by module:
 ``eval``       the attention-error study and the downstream evaluations
 ``cli``        the ``fathom`` command
 Kernels live in the sibling package ``pallas_kernels``.
+
+The package lazily exports a few names of its floor-0 and floor-1 rooms that a program measuring the library reaches
+for (:data:`_EXPORTS`): the planner's importance and plan, the index format's block and word sizes, a warm plane
+set's choice, the compiled-program readers of ``hlo`` and the multi-host start of ``distributed``. Importing the
+package still loads none of its rooms; the decode hook's own companions (its calibration, placement, row format) are
+``fathom_jax.decode``'s.
 """
 
 import importlib
@@ -30,10 +36,22 @@ _MODULES = ("allocation", "calibrate", "checks", "cli", "decode", "distributed",
             "planner", "rows", "scan", "select", "store", "models", "eval")
 
 
-def __getattr__(name):  # lazy submodules: importing the package loads none of them
+# name -> the module defining it
+_EXPORTS = {
+    "importance": "planner", "plan_bisection": "planner", "plan_exact": "planner",
+    "BLOCK_TOKENS": "format", "WORD_BITS": "format",
+    "warm_choice": "store.tiered",
+    "hlo_instructions": "hlo", "kernel_launches": "hlo",
+    "initialize": "distributed",
+}
+
+
+def __getattr__(name):  # lazy submodules and names: importing the package loads none of them
     if name in _MODULES:
         return importlib.import_module(f"fathom_jax.{name}")
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"fathom_jax.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'fathom_jax' has no attribute {name!r}")
 
 
-__all__ = [*_MODULES, "__version__"]
+__all__ = [*_MODULES, *_EXPORTS, "__version__"]

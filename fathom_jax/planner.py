@@ -8,7 +8,7 @@ by 30 bisection steps on ``log theta``.
 
 Rounding ``log4(g/theta)`` gives channel j its t-th plane exactly when ``g_j 4^-t >= theta / 2``, the
 same order as the marginal gains ``3/4 g_j 4^-(t-1)``. So the bisection reproduces the exact greedy
-integer allocation (``plan_exact``) except for ties; ``scripts/bench_planner.py`` measures both.
+integer allocation (``plan_exact``) except for ties; ``results/planner_cpu.md`` times both.
 
 Everything here is jit- and vmap-friendly: leading axes of ``importance`` (groups, heads, layers,
 batch) broadcast against ``budget``; budgets may be traced (per-layer budgets inside ``lax.scan``).

@@ -58,8 +58,8 @@ import os
 import sys
 import time
 
-from fathom_jax import distributed
-from fathom_jax.placement import Placement, device_mesh
+from fathom_jax import initialize
+from fathom_jax.decode import Placement, device_mesh
 from scripts.offload_measure import Run, attention_rows, full_rows, link_section, prefill_section
 from scripts.offload_report import merge
 from scripts.offload_runs import OPTIONS, PRESETS, QWEN3_8B, SMOKE, OffloadRun  # noqa: F401 (QWEN3_8B: re-exported)
@@ -113,7 +113,7 @@ def build(argv: list[str]) -> tuple[OffloadRun, argparse.Namespace]:
 def main(argv=None):
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--merge":  # --merge OUT_PREFIX IN.json ...
         return merge(sys.argv[3:], sys.argv[2])
-    distributed.initialize()  # one process per host, from the environment (fathom_jax.distributed); else a no-op
+    initialize()  # one process per host, from the environment (fathom_jax.distributed); else a no-op
     spec, args = build(sys.argv[1:] if argv is None else argv)
     try:
         mesh = device_mesh(spec.mesh)

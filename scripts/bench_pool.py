@@ -29,8 +29,8 @@ import numpy as np
 
 from fathom_jax import decode
 from fathom_jax.models import generation
-from fathom_jax.models.config import LlamaConfig
-from fathom_jax.placement import Placement
+from fathom_jax.decode import Placement
+from fathom_jax.models import LlamaConfig
 from fathom_jax.serve import PoolConfig, SessionPool
 from scripts import harness, pool_trace
 

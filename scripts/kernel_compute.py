@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fathom_jax import planner
+from fathom_jax import importance, plan_bisection
 from pallas_kernels import nibble_scan as NS
 from pallas_kernels import plane_scan as PS
 from pallas_kernels import topk as TK
@@ -34,12 +34,12 @@ def scan_inputs(n, *, batch=4, heads=8, groups=4, d=128, seed=0):
 
 def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
     q, planes, scales, length, var = scan_inputs(n)
-    g = planner.importance(q, var)
+    g = importance(q, var)
     bh = 4 * 8
     out = []
     plan_stats = {}
     for budget in budgets:
-        plan = planner.plan_bisection(g, budget)
+        plan = plan_bisection(g, budget)
         runs = PS.active_channels(plan.depths)
         active = float(jnp.mean(jnp.sum(plan.depths > 0, -1)))
         plan_stats[budget] = active
@@ -143,7 +143,7 @@ def scan_chunk_cases(chunks=SCAN_CHUNKS, configs=SCAN_CHUNK_CONFIGS, budget=48):
     for groups, n in chunks:
         q, planes, scales, length, var = scan_inputs(n, batch=1, heads=groups)
         q, planes, scales, length, var = (x[0] for x in (q, planes, scales, length, var))
-        plan = planner.plan_bisection(planner.importance(q, var), budget)
+        plan = plan_bisection(importance(q, var), budget)
         runs = PS.active_channels(plan.depths)
         ch = runs.channels
         staged = StorePlanes(jnp.take_along_axis(planes, ch[..., None, None], 1),
@@ -175,7 +175,7 @@ def check_scans():
     """Kernel == reference on the GPU at a small odd size (fresh random data)."""
     q, planes, scales, length, var = scan_inputs(1984, batch=2, heads=3, seed=7)
     length = jnp.asarray([[1984, 1000, 65], [7, 1984, 1500]], jnp.int32)
-    plan = planner.plan_bisection(planner.importance(q, var), 48)
+    plan = plan_bisection(importance(q, var), 48)
     store, runs = StorePlanes(planes, scales), PS.active_channels(plan.depths)
     b = PS.plane_scan_reference(q, store, length, runs)
     rel = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))

@@ -16,13 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fathom_jax import decode, distributed, hlo, planner
-from fathom_jax.decode import StepConfig
+from fathom_jax import decode, importance, kernel_launches, warm_choice
+from fathom_jax.decode import RowLayout, StepConfig, attach_bulk, build_index, split_bulk
 from fathom_jax.decode.prefill import corpus_calibration
 from fathom_jax.models import generation
-from fathom_jax.placement import attach_bulk, split_bulk
-from fathom_jax.store.tiered import warm_choice
-from fathom_jax.rows.layout import RowLayout
 from scripts import harness
 from scripts.offload_report import write_report
 from scripts.offload_inputs import INPUTS, InputSet
@@ -115,8 +112,8 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
         if resident[layer] or warm:  # planes below the resident count (and the warm ones) and every scale in HBM
             first = resident[layer]
             if warm:  # as the fill chose them: the step's queries are the prompt's (build_cache)
-                importance = planner.importance(q[layer], c.variance)
-                first = first + np.sum(np.asarray(warm_choice(importance, resident[layer], warm)) > 0, axis=-1)
+                gains = importance(q[layer], c.variance)
+                first = first + np.sum(np.asarray(warm_choice(gains, resident[layer], warm)) > 0, axis=-1)
             link_bits.append(passes * np.maximum(depths - first, 0).sum(-1).astype(np.float64))
         else:
             link_bits.append(passes * np.asarray(read.bits, np.float64))
@@ -151,7 +148,7 @@ def row_cache_fields(cache, link_gbps: float, scan_bytes: float) -> dict:
     rc = cache.row_cache
     if rc is None:
         return {}
-    hits, fetched = int(distributed.to_host(rc.hits).sum()), int(distributed.to_host(rc.fetched).sum())
+    hits, fetched = int(jnp.sum(rc.hits)), int(jnp.sum(rc.fetched))  # replicated sums: read on every process
     row_bytes = fetched * cache.layout.row_bytes  # each row: its K and V
     return {"row_hit_fraction": hits / max(1, hits + fetched), "row_bytes_fetched": float(row_bytes),
             "link_floor_fetched_ms": (scan_bytes + row_bytes) / (link_gbps * 1e9) * 1e3}
@@ -170,7 +167,7 @@ def launch_fields(attn, q, key, value, cache, hlo_path=None) -> dict:
     in the layer loop's body outside any branch, ``launches_first`` / ``launches_second`` the threshold selection's
     branches (its candidates' path, and the sorted second path), ``launches_captured`` those of the body inside XLA's
     command buffers and ``triton_uncaptured`` its Pallas kernels outside them, from
-    :func:`fathom_jax.hlo.kernel_launches`."""
+    ``fathom_jax.hlo.kernel_launches``."""
     if jax.default_backend() != "gpu":
         return {}
     program = decode.programs.attention_program(attn, cache)
@@ -178,7 +175,7 @@ def launch_fields(attn, q, key, value, cache, hlo_path=None) -> dict:
     if hlo_path:
         with open(hlo_path, "w") as f:
             f.write(text)
-    found = hlo.kernel_launches(text)
+    found = kernel_launches(text)
     if not found["loops"]:
         return {}
     layer = max(found["loops"], key=lambda loop: loop["kernels"])  # the layer scan's body
@@ -377,8 +374,6 @@ def prefill_section(run: Run, context):
     # the index build alone (one layer's keys, the same shapes), x layers
     r = cfg.n_kv_heads
     keys = jax.random.normal(jax.random.key(1), (r, context, cfg.head_dim), jnp.float32)
-    from fathom_jax.index import build_index
-
     build = jax.jit(lambda k: build_index(k, None, attn.method.parts, capacity=context + 64))
     jax.block_until_ready(build(keys))
     t = time.time()

@@ -15,11 +15,8 @@ from typing import Callable, Literal
 
 import jax.numpy as jnp
 
-from fathom_jax.decode import RowLayout, StepConfig
-from fathom_jax.methods.sharing import parse_spec
+from fathom_jax.decode import Placement, RowLayout, StepConfig, from_spec, row_format
 from fathom_jax.models import LlamaConfig
-from fathom_jax.placement import Placement
-from fathom_jax.rows.layout import row_format
 from scripts.offload_inputs import INPUTS, InputSet, parse_inputs
 from pallas_kernels.topk import TopkConfig
 from scripts.offload_setup import DEFAULT_METHODS, METHODS, SCAN_CONFIGS, SINGLE_TOPK, parse_ctx, scan_config, topk_config
@@ -83,7 +80,7 @@ class OffloadRun:
         if unknown or not self.methods:
             raise ValueError(f"methods: unknown {unknown}; choose from {list(METHODS)}")
         for label in self.methods:
-            parse_spec(METHODS[label])
+            from_spec(METHODS[label], k=self.k)  # the spec parses
         if not self.configs or not all(isinstance(c, StepConfig) for c in self.configs):
             raise TypeError(f"configs must be StepConfigs, got {self.configs!r}")
         for field in ("resident_planes", "warm_planes"):  # each a valid Placement field

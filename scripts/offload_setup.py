@@ -15,11 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fathom_jax import calibrate, decode
+from fathom_jax import decode
 from fathom_jax.decode import StepConfig
-from fathom_jax.methods.sharing import parse_spec as parse_shared
-from fathom_jax.models import LlamaForCausalLM
-from fathom_jax.models.attention import CacheShape
+from fathom_jax.models import CacheShape, LlamaForCausalLM
 from pallas_kernels.plane_scan import PlaneScanConfig
 from pallas_kernels.topk import TopkConfig
 from scripts.offload_inputs import TODAY_KEYS, KeyModel, drifting_queries  # noqa: F401 (drifting_queries: re-exported)
@@ -51,8 +49,10 @@ def synthetic_calibration(cfg, seed=0, keys: KeyModel = TODAY_KEYS):
     shape = (cfg.n_layers, cfg.n_kv_heads)
     scale = keys.draw(rng, shape, cfg.head_dim)
     eye = np.broadcast_to(np.eye(cfg.head_dim, dtype=np.float32), shape + (cfg.head_dim, cfg.head_dim))
-    calib = calibrate.from_arrays(variance=scale**2, mean=np.zeros_like(scale), basis=eye, eigenvalues=scale**2,
-                                  ds_order=np.argsort(-scale, axis=-1), loki_basis=eye)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    calib = decode.Calibration(variance=f32(scale**2), mean=f32(np.zeros_like(scale)), basis=f32(eye),
+                               eigenvalues=f32(scale**2), ds_order=jnp.asarray(np.argsort(-scale, axis=-1), jnp.int32),
+                               loki_basis=f32(eye))
     return calib, scale
 
 
@@ -100,10 +100,8 @@ def hook(spec, calib, k, placement, implementation, step: StepConfig | None = No
          rows=None):
     """The hook of a method spec, bound to a cache of ``shape`` (:func:`cache_shape`; None: unbound), running ``step``
     (None: the defaults); ``rows``: the K/V row format (None: the model dtype)."""
-    method, sharing = parse_shared(spec)
-    attn = decode.SparseAttention(method, k, calibration=calib if method.needs_calibration else None,
-                                  placement=placement, implementation=implementation, step=step or StepConfig(),
-                                  rows=rows, sharing=sharing)
+    attn = decode.from_spec(spec, k=k, calibration=calib, placement=placement, implementation=implementation,
+                            step=step or StepConfig(), rows=rows)
     return attn if shape is None else attn.bind(shape)
 
 

@@ -91,7 +91,7 @@ def render(path: str) -> None:
 def run(args, config: ss.ShareConfig, argv) -> None:
     import jax.numpy as jnp
 
-    from fathom_jax import calibrate as cal
+    from fathom_jax import decode
     from fathom_jax.eval import fidelity as fid
     from fathom_jax.eval import share_report, texts
     from fathom_jax.eval.report import save_report
@@ -110,7 +110,7 @@ def run(args, config: ss.ShareConfig, argv) -> None:
         ids = texts.token_window(encode_prompt(tok, text), args.context)
         captures.append(fid.Capture(**capture_qkv(model, jnp.asarray(ids))))
     eval_cap, calib_cap = captures
-    calib = cal.calibrate(calib_cap.k, calib_cap.q)
+    calib = decode.calibrate(calib_cap.k, calib_cap.q)
     spec = known_model(args.model)
     meta = {"model": spec.title, "calib_text": calib_info, "eval_text": eval_info,
             "command": harness.command("scripts.share_fidelity", argv), "machine": harness.machine()}

@@ -43,11 +43,9 @@ import numpy as np
 
 from fathom_jax import decode
 from fathom_jax.eval import texts
-from fathom_jax.format import BLOCK_TOKENS, WORD_BITS
-from fathom_jax.index import build_index
-from fathom_jax.index.parts import Planes
+from fathom_jax import BLOCK_TOKENS, WORD_BITS
+from fathom_jax.decode import build_index, row_format
 from fathom_jax.models import generation, load_smollm2
-from fathom_jax.rows.layout import row_format
 from scripts import harness
 
 
@@ -110,7 +108,7 @@ def raw_store(index) -> int:
     """The position of the index's plane store of the keys as they are (no rotation): its tail holds each newest
     block's keys in f32."""
     for i, part in enumerate(index.parts):
-        if isinstance(part, Planes) and part.rotation is None:
+        if getattr(part, "rotation", 0) is None:  # a plane store (the one part with a rotation) of raw keys
             return i
     raise ValueError(f"the soak keeps the keys from the raw plane store's tail; this index has parts "
                      f"{[p.name for p in index.parts]} (choose a method that reads raw planes: fathom, sparq, full4)")

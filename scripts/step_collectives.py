@@ -41,9 +41,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from fathom_jax.hlo import hlo_instructions  # noqa: E402
+from fathom_jax import hlo_instructions  # noqa: E402
 from fathom_jax.models import LlamaForCausalLM, generation  # noqa: E402
-from fathom_jax.placement import Placement, device_mesh  # noqa: E402
+from fathom_jax.decode import Placement, device_mesh  # noqa: E402
 from scripts import bench_offload as bench  # noqa: E402
 from scripts import harness  # noqa: E402
 from scripts import offload_setup  # noqa: E402

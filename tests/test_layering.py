@@ -29,6 +29,10 @@ FLOORS: tuple[frozenset[str], ...] = tuple(map(frozenset, (
     {"cli"},
 )))
 MODELS_MAY_IMPORT = {"models", "checks"}  # the decoders know nothing of the sparse code
+# scripts/ measure the library through a small surface: today the package's own names (``fathom_jax``), ``decode``,
+# ``models``, ``eval``, ``serve`` and the kernels (``pallas_kernels``); a name of another room is reached through one
+# of them, or the script is a reason to widen this on purpose
+SCRIPT_ROOMS = 6
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +147,24 @@ def private_violations(source: str, where: str) -> list[str]:
     return out
 
 
+def rooms_of(sources: dict[str, str]) -> set[str]:
+    """The library rooms a set of modules imports, the kernel package counted as one (``pallas_kernels``): scripts
+    importing ``from fathom_jax import decode, planner`` and ``from pallas_kernels import topk`` use
+    ``{"decode", "planner", "pallas_kernels"}``."""
+    out = set()
+    for module, source in sources.items():
+        out |= {r for _, r in rooms_imported(source, module)}
+        out |= {"pallas_kernels" for _, mod, _ in imports(source, module) if mod.split(".")[0] == "pallas_kernels"}
+    return out
+
+
+def too_many_rooms(sources: dict[str, str], limit: int = SCRIPT_ROOMS) -> list[str]:
+    """One message when ``sources`` import more than ``limit`` rooms, e.g. seven modules each importing another room
+    give ``imports 7 rooms (at most 6): checks, decode, eval, fathom_jax, models, pallas_kernels, serve``."""
+    rooms = rooms_of(sources)
+    return [f"imports {len(rooms)} rooms (at most {limit}): {', '.join(sorted(rooms))}"] if len(rooms) > limit else []
+
+
 def is_test_module(module: str) -> bool:
     return module.split(".")[0] == "tests" and module.rpartition(".")[2].startswith("test_")
 
@@ -186,6 +208,12 @@ def test_scripts_and_the_cli_use_public_names():
     assert not [v for p in paths for v in private_violations(p.read_text(), str(p.relative_to(REPO)))]
 
 
+def test_scripts_import_few_rooms():
+    sources = {module_name(p): p.read_text() for p in sorted((REPO / "scripts").rglob("*.py"))}
+    assert len(rooms_of(sources)) > 1  # the count sees the scripts' imports
+    assert not too_many_rooms(sources)
+
+
 def test_no_test_imports_another_test_module():
     sources = {module_name(p): p.read_text() for p in sorted((REPO / "tests").rglob("*.py"))}
     assert not cross_test_imports(sources)
@@ -212,6 +240,13 @@ def test_the_checkers_report_violations():
     assert private_violations("from fathom_jax import decode\nimport fathom_jax.models._x\n\n\n"
                               "p = decode.programs._attention_fn\nq = decode.__name__\n", "x.py") == [
         "x.py:2 imports fathom_jax.models._x", "x.py:5 reads decode.programs._attention_fn"]
+    scripts = {f"scripts.s{i}": f"from fathom_jax import {r}\n" for i, r in enumerate(
+        ("decode", "models", "eval", "serve", "checks", "__version__"))}
+    assert rooms_of(scripts) == {"decode", "models", "eval", "serve", "checks", "fathom_jax"}
+    assert too_many_rooms(scripts) == []
+    scripts["scripts.k"] = "def f():\n    from pallas_kernels.topk import TopkConfig\n"  # lazy: still counted
+    assert too_many_rooms(scripts) == [
+        "imports 7 rooms (at most 6): checks, decode, eval, fathom_jax, models, pallas_kernels, serve"]
     assert cross_test_imports({
         "tests.serve.test_pool": "from tests.models.test_gemma3 import CFG\n",
         "tests.cli.test_x": "from tests.cli import test_app\nfrom tests.support import SMOL\nfrom tests.serve import conftest\n",

@@ -28,6 +28,7 @@ One decode step's data flow, file by file:
   writes), and the programs: the attention-only benchmark step, flush, a sparse cache from a dense prefill.
 """
 
+from fathom_jax.calibrate import Calibration, calibrate
 from fathom_jax.decode.cache import LayerUpdate, SparseCache, cache_bytes
 from fathom_jax.decode.config import ResolvedStep, StepConfig
 from fathom_jax.decode.hook import SparseAttention, from_spec
@@ -46,11 +47,16 @@ from fathom_jax.decode.step import (
     StepResult,
     sparse_attention_step,
 )
-from fathom_jax.placement import Placement
-from fathom_jax.rows.layout import RowLayout
+from fathom_jax.index import build_index
+from fathom_jax.placement import Placement, attach_bulk, device_mesh, split_bulk
+from fathom_jax.rows.layout import RowLayout, row_format
 
 __all__ = [
-    "AttentionSpec", "CacheView", "LayerUpdate", "NewToken", "Placement", "ResolvedStep", "RowCache", "RowFill",
-    "RowLayout", "SparseAttention", "SparseCache", "StepConfig", "StepContext", "StepResult", "attention_step", "cache_bytes",
-    "cache_from_dense", "cache_shape", "commit_rows", "empty_row_cache", "flush", "from_spec", "sparse_attention_step",
+    "AttentionSpec", "CacheView", "LayerUpdate", "NewToken", "ResolvedStep", "RowCache", "RowFill", "SparseAttention",
+    "SparseCache", "StepConfig", "StepContext", "StepResult", "attention_step", "cache_bytes", "cache_from_dense",
+    "cache_shape", "commit_rows", "empty_row_cache", "flush", "from_spec", "sparse_attention_step",
+    # what the hook takes, from the rooms below: its calibration, where its cache lives (and a cache's bulk leaves
+    # apart from its small ones), its row format, the index a prompt's keys give
+    "Calibration", "calibrate", "Placement", "attach_bulk", "device_mesh", "split_bulk", "RowLayout",
+    "row_format", "build_index",
 ]
