@@ -79,16 +79,19 @@ def cache_shape(cache: SparseCache) -> CacheShape:
                       capacity=cache.capacity, head_dim=cache.head_dim, dtype=cache.layout.dtype)
 
 
-def cache_from_dense(kv, lengths, attn: SparseAttention) -> tuple[SparseCache, SparseAttention]:
+def cache_from_dense(kv, lengths, attn: SparseAttention, layer_ids: tuple[int, ...] = (),
+                     model_layers: int = 0) -> tuple[SparseCache, SparseAttention]:
     """A sparse cache built from a dense prefill's :class:`~fathom_jax.models.KVCache` (post-RoPE keys ``[L, B, Hkv,
-    C, D]``), and the hook bound to it.
+    C, D]``), and the hook bound to it. ``layer_ids`` / ``model_layers``: the model layer of each cache layer, as the
+    model's ``cache_shape`` names them (Gemma 3's global layers; a shared selection names model layers), static.
 
     One dense prefill can serve every method: each builds its own index from the same K/V rows (and, if
     session-calibrated, its statistics from the same prompt keys). ``lengths [B]`` are the valid tokens per sequence
     (right-padded prompts). Runs layer by layer in the hook's placement (jit it whole for device memory).
     """
     n_layers, b, hkv, capacity, d = kv.k.shape
-    shape = CacheShape(layers=n_layers, batch=b, kv_heads=hkv, capacity=capacity, head_dim=d, dtype=kv.k.dtype)
+    shape = CacheShape(layers=n_layers, batch=b, kv_heads=hkv, capacity=capacity, head_dim=d, dtype=kv.k.dtype,
+                       layer_ids=tuple(layer_ids), model_layers=model_layers)
     attn = attn.bind(shape)
     cache = attn.init_cache(shape)
     for layer in range(n_layers):

@@ -159,7 +159,7 @@ def dense_prefill(model, prompts: Sequence[Sequence[int]], capacity: int) -> Pre
     return Prefill(kv=kv, lengths=jnp.asarray(lengths), first=generation.first_token(logits), own=own)
 
 
-_cache_from_dense = jax.jit(decode.cache_from_dense)
+_cache_from_dense = jax.jit(decode.cache_from_dense, static_argnames=("layer_ids", "model_layers"))
 
 
 def attention_for(branch: Branch, capacity: int, calibration: Calibration | str | None) -> decode.SparseAttention:
@@ -174,7 +174,9 @@ def decode_branch(model, prefill: Prefill, branch: Branch, steps: int,
                   calibration: Calibration | str | None = "session") -> np.ndarray:
     """Greedy tokens ``[B, steps]`` of one branch from the shared prefill (the first is the prefill's)."""
     attn = attention_for(branch, prefill.capacity, calibration)
-    cache, attn = _cache_from_dense(prefill.kv, prefill.lengths, attn)
+    shape = model.cache_shape(prefill.first.shape[0], prefill.capacity)  # the model layers the cache's are
+    cache, attn = _cache_from_dense(prefill.kv, prefill.lengths, attn, layer_ids=shape.layer_ids,
+                                    model_layers=shape.model_layers)
     own = jax.tree.map(jnp.copy, prefill.own)  # the loop donates its state; every branch starts from the prefill's
     tokens, _ = generation.decode_loop(model, prefill.first, model.join_state(own, cache), attn, steps)
     return np.asarray(tokens)

@@ -175,3 +175,19 @@ def test_gemma3_shares_among_its_global_layers():
     offloaded, _, _ = sparse_forced(model, PROMPT, TOKENS, decode.from_spec(
         spec, k=40, implementation="triton", placement="pinned_host"), CAPACITY)
     np.testing.assert_allclose(offloaded, got, rtol=2e-4, atol=2e-4)
+
+
+def test_a_branch_from_a_dense_prefill_names_model_layers():
+    """The studies' branches (one dense prefill, a sparse cache built from it) take a plan in model layers on Gemma 3
+    (before, the cache built from the prefill numbered its layers 0-1 and refused layer 2): the same tokens as the
+    rule naming it."""
+    from fathom_jax.eval import downstream as D
+    from fathom_jax.methods.sharing import parse_method
+    from fathom_jax.models import gemma3 as G
+
+    model = G.Gemma3ForCausalLM(TINY_GEMMA3, rngs=nnx.Rngs(0))
+    prefill = D.dense_prefill(model, PROMPT.tolist(), CAPACITY)
+    got, want = (D.decode_branch(model, prefill, D.Branch(parse_method(f"sparq:4@share={layers}@budget=44"), 40),
+                                 steps=3, calibration=None) for layers in ("2", "first"))
+    assert got.shape == (2, 3)
+    np.testing.assert_array_equal(got, want)
