@@ -219,7 +219,7 @@ def render_agreement(results: dict) -> str:
         label = e["label"] if e["k"] is None else f"{e['label']}, k={e['k']}"
         bits = "-" if e["kind"] in ("dense", "exact") else f"{e['bits']:.1f}"
         out.append(f"| {label} | {bits} | " + " | ".join(cells) + f" | {_pm(*s['real'], 2)} |")
-    out += ["", "Fathom against SparQ at fewer bits (paired over sessions):", ""]
+    out += ["", f"Each Fathom branch against {base['label']} (paired over sessions):", ""]
     fathoms = [e for e in results["branches"] if e["kind"] == "fathom"]
     by_key = {e["key"]: e for e in results["branches"]}
     for k in ks:

@@ -26,3 +26,16 @@ def test_sessions_are_windows_of_real_code_with_the_next_span(smollm2_path):
         agreement.make_sessions(tokenizer, count=100_000, prompt_tokens=512, steps=32)
     with pytest.raises(ValueError, match="sessions must be >= 1"):
         agreement.make_sessions(tokenizer, count=0, prompt_tokens=512, steps=32)
+
+
+@pytest.mark.parametrize("name", ["agreement_smollm2_4k", "agreement_gemma3_8k", "agreement_gemma3_8k_shared_cpu",
+                                  "ruler_smollm2_4k_shared_cpu"])
+def test_committed_tables_render_from_their_json(name):
+    """A committed step-agreement or RULER table is its JSON rendered by today's report, bit for bit."""
+    import json
+    import pathlib
+
+    from fathom_jax.eval.downstream_report import render_markdown
+
+    results = pathlib.Path(__file__).resolve().parents[2] / "results"
+    assert render_markdown(json.loads((results / f"{name}.json").read_text())) == (results / f"{name}.md").read_text()
