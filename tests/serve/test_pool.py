@@ -158,7 +158,7 @@ def test_the_pool_step_runs_the_methods_kernels(tiny_model):
                        PoolConfig(slots=2, capacity=CAPACITY))
     _, params = nnx.split(tiny_model)
     traced = pool._run.trace(params, np.zeros(2, np.int32), np.array([True, False]), pool._own, cache=pool.cache)
-    for name in ("fathom_scan_select", "sparse_attend", "water_line"):  # rows attended where they lie in HBM
+    for name in ("fathom_plane_scan", "topk_", "sparse_attend", "water_line"):  # rows attended where they lie in HBM
         assert len(jaxpr_pallas_calls(traced.jaxpr, name)) >= 1, name
 
 
