@@ -23,7 +23,7 @@ Kernels live in the sibling package ``pallas_kernels``.
 
 The package lazily exports a few names of its floor-0 and floor-1 rooms that a program measuring the library reaches
 for (:data:`_EXPORTS`): the planner's importance and plan, the index format's block and word sizes, a warm plane
-set's choice, the compiled-program readers of ``hlo`` and the multi-host start of ``distributed``. Importing the
+set's choice, the compiled-program readers of ``hlo`` and the multi-host start and read-back of ``distributed``. Importing the
 package still loads none of its rooms; the decode hook's own companions (its calibration, placement, row format) are
 ``fathom_jax.decode``'s.
 """
@@ -42,7 +42,7 @@ _EXPORTS = {
     "BLOCK_TOKENS": "format", "WORD_BITS": "format",
     "warm_choice": "store.tiered",
     "hlo_instructions": "hlo", "kernel_launches": "hlo",
-    "initialize": "distributed",
+    "initialize": "distributed", "to_host": "distributed",
 }
 
 

@@ -76,6 +76,11 @@ class Calibration:
         """Index the leading axes (e.g. ``calib[layer]`` or ``calib[layer, kv_head]``)."""
         return jax.tree.map(lambda x: x[index], self)
 
+    @staticmethod
+    def from_arrays(**arrays: Any) -> "Calibration":
+        """:func:`from_arrays`: a calibration from arrays set by hand, its shapes checked."""
+        return from_arrays(**arrays)
+
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Calibration))
 

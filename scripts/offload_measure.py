@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fathom_jax import decode, importance, kernel_launches, warm_choice
+from fathom_jax import decode, importance, kernel_launches, to_host, warm_choice
 from fathom_jax.decode import RowLayout, StepConfig, attach_bulk, build_index, split_bulk
 from fathom_jax.decode.prefill import corpus_calibration
 from fathom_jax.models import generation
@@ -148,7 +148,7 @@ def row_cache_fields(cache, link_gbps: float, scan_bytes: float) -> dict:
     rc = cache.row_cache
     if rc is None:
         return {}
-    hits, fetched = int(jnp.sum(rc.hits)), int(jnp.sum(rc.fetched))  # replicated sums: read on every process
+    hits, fetched = int(to_host(rc.hits).sum()), int(to_host(rc.fetched).sum())
     row_bytes = fetched * cache.layout.row_bytes  # each row: its K and V
     return {"row_hit_fraction": hits / max(1, hits + fetched), "row_bytes_fetched": float(row_bytes),
             "link_floor_fetched_ms": (scan_bytes + row_bytes) / (link_gbps * 1e9) * 1e3}
@@ -251,8 +251,8 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
     bulk = cache.bulk()
     start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])
     queries = drifting_queries(q, drift) if drift is not None else [q]
-    # the HBM control runs each scan configuration, selection and attention with the step's other defaults (its options are the
-    # offload's)
+    # the HBM control runs each scan configuration, selection and attention with the step's other defaults (its
+    # options are the offload's)
     variants = args.configs if placement.offloaded else list(dict.fromkeys(
         StepConfig(scan=c.scan, selection=c.selection, attention=c.attention) for c in args.configs))
     for label, variant in ((m, v) for m in labels for v in variants):

@@ -49,10 +49,8 @@ def synthetic_calibration(cfg, seed=0, keys: KeyModel = TODAY_KEYS):
     shape = (cfg.n_layers, cfg.n_kv_heads)
     scale = keys.draw(rng, shape, cfg.head_dim)
     eye = np.broadcast_to(np.eye(cfg.head_dim, dtype=np.float32), shape + (cfg.head_dim, cfg.head_dim))
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    calib = decode.Calibration(variance=f32(scale**2), mean=f32(np.zeros_like(scale)), basis=f32(eye),
-                               eigenvalues=f32(scale**2), ds_order=jnp.asarray(np.argsort(-scale, axis=-1), jnp.int32),
-                               loki_basis=f32(eye))
+    calib = decode.Calibration.from_arrays(variance=scale**2, mean=np.zeros_like(scale), basis=eye,
+                                           eigenvalues=scale**2, ds_order=np.argsort(-scale, axis=-1), loki_basis=eye)
     return calib, scale
 
 

@@ -108,7 +108,7 @@ def raw_store(index) -> int:
     """The position of the index's plane store of the keys as they are (no rotation): its tail holds each newest
     block's keys in f32."""
     for i, part in enumerate(index.parts):
-        if getattr(part, "rotation", 0) is None:  # a plane store (the one part with a rotation) of raw keys
+        if part.kind == "planes" and part.rotation is None:  # the plane store of the keys as they are
             return i
     raise ValueError(f"the soak keeps the keys from the raw plane store's tail; this index has parts "
                      f"{[p.name for p in index.parts]} (choose a method that reads raw planes: fathom, sparq, full4)")

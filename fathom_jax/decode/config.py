@@ -32,8 +32,9 @@ Fields:
 * ``selection``: how each head's rows are chosen (:mod:`fathom_jax.decode.selection`): ``"sorted"`` (the default:
   every score written, the top-k kernels, the union by a sort; measured faster, NOTES.md) or ``"threshold"`` (the
   scan keeps only the tokens above each head's threshold, taken from a sample of the same step's scores; the exact
-  top-k among them, with the sorted path as a second path); ``threshold``: the threshold selection's knobs (a :class:`~fathom_jax.decode.selection.ThresholdSelection`, None:
-  its defaults; ``threshold.rank=8`` on the command line).
+  top-k among them, with the sorted path as a second path); ``threshold``: the threshold selection's knobs (a
+  :class:`~fathom_jax.decode.selection.ThresholdSelection`, None: its defaults; ``threshold.rank=8`` on the command
+  line).
 * ``attention``: ``"kernel"`` (the attention kernel reads the selected rows by index, :mod:`pallas_kernels.sparse_attend`)
   or ``"xla"`` (the rows fetched into one array, then attended by XLA).
 * ``topk``: the top-k kernels' configuration (None: their defaults).

@@ -202,10 +202,10 @@ def parse_spec(spec: str | ScanMethod, *, k: int, calibration: Calibration | str
                placement: Placement | str | None = None, **fields) -> dict:
     """The fields of the decode attention for a method spec (:func:`fathom_jax.decode.from_spec` documents the
     arguments), as keyword arguments of :class:`~fathom_jax.decode.SparseAttention`."""
-    method = parse_method(spec) if isinstance(spec, str) else spec if isinstance(spec, SharedMethod) else (
-        methods_lib.parse(spec))
+    method = parse_method(spec) if isinstance(spec, str) else spec
     if isinstance(method, SharedMethod):
         method, fields["sharing"] = method.method, method.sharing
+    method = methods_lib.parse(method)  # a scan method as given; anything else refused, naming the accepted forms
     if fields.get("step", ...) is None:  # None: the default StepConfig
         del fields["step"]
     common = dict(method=method, k=k, placement=Placement.parse(placement), **fields)

@@ -1,6 +1,6 @@
 """One sparse-attention step of one layer: plan -> read -> scan -> select -> union -> fetch -> attend.
 
-    out = sparse_attention_step(method, q, view, ctx)      # StepResult(out [R, G, Dh], bits [R], fill, second_path, scores)
+    out = sparse_attention_step(method, q, view, ctx)      # StepResult(out [R, G, Dh], bits [R], fill, ...)
     out, update = layer_step(method, ctx, write, q, key, value, position, calib, cache, layer)   # over the cache
 
 Written once, for every scan method and placement: the decoder's sparse attention (:mod:`fathom_jax.decode.hook`)
