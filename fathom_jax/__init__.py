@@ -41,7 +41,7 @@ _EXPORTS = {
     "importance": "planner", "plan_bisection": "planner", "plan_exact": "planner",
     "BLOCK_TOKENS": "format", "WORD_BITS": "format",
     "warm_choice": "store.tiered",
-    "hlo_instructions": "hlo", "kernel_launches": "hlo",
+    "hlo_instructions": "hlo", "kernel_launches": "hlo", "hlo_collectives": "hlo",
     "initialize": "distributed", "to_host": "distributed",
 }
 

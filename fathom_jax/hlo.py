@@ -15,7 +15,9 @@ dynamic slices a compiled program still runs, so a test catches an XLA that drop
 
 Under both: :func:`hlo_instructions` (every instruction with its bytes, computation and JAX source line) and
 :func:`running_instructions` (those that run as work of their own). :func:`kernel_launches` counts the kernels a GPU
-program launches, in its entry and per loop iteration and branch (``scripts/offload_measure.py``'s launches a layer).
+program launches, in its entry and per loop iteration and branch (``scripts/offload_measure.py``'s launches a layer);
+:func:`hlo_collectives` the collectives a sharded program issues, each with how many times one run of the program runs
+it (:func:`trip_counts`; ``scripts/step_collectives.py``).
 """
 
 from __future__ import annotations
@@ -171,3 +173,47 @@ def kernel_launches(hlo_text: str) -> dict:
 
 _COMMAND_BUFFER = "command_buffer"  # XLA's command buffer scheduling outlines each captured run into one
 _TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'
+
+
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all",
+                "collective-broadcast", "ragged-all-to-all")
+_REF = re.compile(r"\b(?:calls|body|condition|to_apply)=%?([\w.\-]+)")
+_REFS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def trip_counts(hlo_text: str) -> dict[str, int]:
+    """How many times one run of the module runs each computation (a while body: its known trip count times its
+    caller's; everything else: its caller's)."""
+    callers: dict[str, list[tuple[str, int]]] = {}
+    computation = None
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and "{" in line:
+            computation = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+            continue
+        trips = _TRIPS.search(line)
+        body = re.search(r"body=%?([\w.\-]+)", line)
+        callees = _REF.findall(line) + [c for group in _REFS.findall(line) for c in re.findall(r"[\w.\-]+", group)]
+        for callee in callees:
+            n = int(trips.group(1)) if trips and body and callee == body.group(1) else 1
+            callers.setdefault(callee, []).append((computation, n))
+    memo: dict[str, int] = {"ENTRY": 1}
+
+    def count(name: str, depth: int = 0) -> int:
+        if name not in memo:
+            memo[name] = 0 if depth > 50 else sum(n * count(c, depth + 1) for c, n in callers.get(name, []))
+        return memo[name]
+
+    return {name: count(name) for name in set(callers) | {"ENTRY"}}
+
+
+def hlo_collectives(hlo_text: str) -> list[dict]:
+    """Every collective of an HLO module (an async pair once, at its ``-done``... or its ``-start`` shape where XLA
+    keeps the pair): opcode, shape, bytes, ``per_step`` (runs per module run: :func:`trip_counts`), its computation and
+    the JAX op and source line it came from."""
+    runs = trip_counts(hlo_text)
+    return [{"opcode": i["opcode"].removesuffix("-done"), "shape": i["shape"], "bytes": i["bytes"],
+             "per_step": runs.get(i["computation"], 1), "computation": i["computation"], "op": i["op"],
+             "source": i["source"]}
+            for i in hlo_instructions(hlo_text)
+            if i["opcode"].startswith(_COLLECTIVES) and not i["opcode"].endswith("-start")]

@@ -17,7 +17,6 @@ This module holds the command line, its presets and the sections driver; ``kerne
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -88,8 +87,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
 
     def save():  # after every section, so a run stopped at its time limit keeps what it measured
-        with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        harness.write_json(os.path.join(args.out, f"{args.name}.json"), res)
         write_report(res, args.out, args.name)
 
     if "scan" in sections:

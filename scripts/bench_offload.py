@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 import time
@@ -126,46 +127,38 @@ def main(argv=None):
     run = Run(spec, args.out, placement)
     run.res["notes"].append(placement.note or f"bulk cache arrays in {placement.memory_kind} memory")
     labels = list(spec.methods)
+    at_128k = 131072 if 131072 in spec.contexts else min(spec.contexts)  # the batch, attnbatch and control sections'
+    tiers = [(p, w) for p in spec.resident_planes for w in spec.warm_planes if not w or p < 4]  # (resident, warm)
+
+    def placed(p, w=0):
+        return dataclasses.replace(placement, resident_planes=p, warm_planes=w)
+
     # Sections run in the order given, so a run cut short by its time budget keeps the ones that matter most.
     for section in spec.sections:
         if section == "link":
             run.guard("link", link_section, run)
         elif section == "attn":
-            for ctx in sorted(spec.attention_contexts, reverse=True):
-                for p, w in ((p, w) for p in spec.resident_planes for w in spec.warm_planes if not w or p < 4):
-                    where = dataclasses.replace(placement, resident_planes=p, warm_planes=w)
-                    for rows, inputs in ((r, i) for r in spec.row_sets for i in spec.inputs):
-                        run.guard(f"attn {ctx} p{p}{f'w{w}' if w else ''}{rows_tag(rows)}{inputs_tag(inputs)}",
-                                  attention_rows, run, ctx, labels, placement=where, rows=rows, inputs=inputs)
+            for ctx, (p, w), rows, inputs in itertools.product(sorted(spec.attention_contexts, reverse=True), tiers,
+                                                                spec.row_sets, spec.inputs):
+                run.guard(f"attn {ctx} p{p}{f'w{w}' if w else ''}{rows_tag(rows)}{inputs_tag(inputs)}", attention_rows,
+                          run, ctx, labels, placement=placed(p, w), rows=rows, inputs=inputs)
         elif section in ("full", "batch", "prefill") and run.model is None:
             run.model = run.guard("model", random_model, spec.model, placement)
         if section == "full" and run.model is not None:
-            for ctx in spec.full_step_contexts:
-                for p in spec.resident_planes:
-                    for rows in spec.row_sets:
-                        run.guard(f"full {ctx} p{p}{rows_tag(rows)}", full_rows, run, ctx,
-                                  labels, profile="profile" in spec.sections and ctx == max(spec.full_step_contexts),
-                                  placement=dataclasses.replace(placement, resident_planes=p), rows=rows)
+            for ctx, p, rows in itertools.product(spec.full_step_contexts, spec.resident_planes, spec.row_sets):
+                run.guard(f"full {ctx} p{p}{rows_tag(rows)}", full_rows, run, ctx, labels, placement=placed(p),
+                          rows=rows, profile="profile" in spec.sections and ctx == max(spec.full_step_contexts))
         elif section == "batch" and run.model is not None:
-            ctx = 131072 if 131072 in spec.contexts else min(spec.contexts)
-            for b in spec.batches:
-                for p in spec.resident_planes:
-                    for rows in spec.row_sets:
-                        run.guard(f"batch {b} p{p}{rows_tag(rows)}", full_rows, run, ctx,
-                                  labels[:1], batch=b, profile="profile" in spec.sections and b == 8,
-                                  placement=dataclasses.replace(placement, resident_planes=p), rows=rows)
+            for b, p, rows in itertools.product(spec.batches, spec.resident_planes, spec.row_sets):
+                run.guard(f"batch {b} p{p}{rows_tag(rows)}", full_rows, run, at_128k, labels[:1], batch=b,
+                          profile="profile" in spec.sections and b == 8, placement=placed(p), rows=rows)
         elif section == "attnbatch":  # attention-only rows of larger batches (the row cache's and tiers' comparison)
-            ctx = 131072 if 131072 in spec.contexts else min(spec.contexts)
-            for b in spec.batches:
-                for p, w in ((p, w) for p in spec.resident_planes for w in spec.warm_planes if not w or p < 4):
-                    where = dataclasses.replace(placement, resident_planes=p, warm_planes=w)
-                    for rows in spec.row_sets:
-                        run.guard(f"attn batch {b} p{p}{f'w{w}' if w else ''}{rows_tag(rows)}", attention_rows, run,
-                                  ctx, labels[:1], batch=b, placement=where, rows=rows)
+            for b, (p, w), rows in itertools.product(spec.batches, tiers, spec.row_sets):
+                run.guard(f"attn batch {b} p{p}{f'w{w}' if w else ''}{rows_tag(rows)}", attention_rows, run, at_128k,
+                          labels[:1], batch=b, placement=placed(p, w), rows=rows)
         elif section == "control":
-            ctx = 131072 if 131072 in spec.contexts else min(spec.contexts)
             for inputs in spec.inputs:
-                run.guard(f"control{inputs_tag(inputs)}", attention_rows, run, ctx, labels,
+                run.guard(f"control{inputs_tag(inputs)}", attention_rows, run, at_128k, labels,
                           placement=Placement("device", mesh=mesh), tag="index and K/V in HBM", inputs=inputs)
         elif section == "dense":
             METHODS.setdefault("dense", "dense")

@@ -25,6 +25,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -37,20 +38,23 @@ def stats(times_ms) -> dict:
             "max_ms": float(np.max(times_ms)), "n": int(times_ms.size)}
 
 
-def timeit(step, x0, *, iters, repeats=5):
-    """ms per iteration of ``x -> step(x)`` run ``iters`` times in one jitted fori_loop."""
-
-    @jax.jit
-    def loop(x):
-        return jax.lax.fori_loop(0, iters, lambda i, c: step(c), x)
-
-    jax.block_until_ready(loop(x0))
+def time_ms(call, repeats: int, per: int = 1, warmup: bool = True) -> dict:
+    """:func:`stats` of ``repeats`` timed runs of ``call()`` (blocked on), ms per ``per`` (calls it makes); one
+    untimed run first with ``warmup``."""
+    if warmup:
+        jax.block_until_ready(call())
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(loop(x0))
-        times.append((time.perf_counter() - t) * 1e3 / iters)
+        jax.block_until_ready(call())
+        times.append((time.perf_counter() - t) * 1e3 / per)
     return stats(times)
+
+
+def timeit(step, x0, *, iters, repeats=5):
+    """ms per iteration of ``x -> step(x)`` run ``iters`` times in one jitted fori_loop."""
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda i, c: step(c), x))
+    return time_ms(lambda: loop(x0), repeats, iters)
 
 
 def timeit_args(step, x0, args, *, reps=20, repeats=5):
@@ -64,13 +68,7 @@ def timeit_args(step, x0, args, *, reps=20, repeats=5):
             x = step(x, *a)
         return x
 
-    jax.block_until_ready(run(x0, *args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(run(x0, *args))
-        times.append((time.perf_counter() - t) * 1e3 / reps)
-    return stats(times)
+    return time_ms(lambda: run(x0, *args), repeats, reps)
 
 
 def timeit_calls(call, state, *, n=5, repeats=3, warmup=2):
@@ -133,34 +131,21 @@ def hbm_copy_rate(nbytes=1 << 30) -> dict:
 
 def put_rate(src, dst, repeats=5) -> dict:
     """``device_put`` of the array ``src`` to the sharding ``dst`` (one warm-up, then ``repeats`` timed): ms and GB/s."""
-    jax.block_until_ready(jax.device_put(src, dst))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(jax.device_put(src, dst))
-        times.append((time.perf_counter() - t) * 1e3)
-    r = stats(times)
+    r = time_ms(lambda: jax.device_put(src, dst), repeats)
     return r | {"GBps": src.nbytes / (r["median_ms"] * 1e-3) / 1e9}
 
 
 def host_to_device_rate(nbytes=2 << 30, devices=None, repeats=5) -> dict:
     """``device_put`` of ``nbytes`` from pinned_host to each device, one at a time and all at once (GB/s)."""
-    devices = devices or jax.devices()
-    out = {}
-    srcs = []
-    for d in devices:
-        src = jax.device_put(np.ones(nbytes // 4, np.float32), jax.sharding.SingleDeviceSharding(d, memory_kind="pinned_host"))
-        srcs.append((d, src))
-    for d, src in srcs:
-        out[f"device{d.id}"] = put_rate(src, jax.sharding.SingleDeviceSharding(d, memory_kind="device"), repeats)
+    def sharding(d, kind):
+        return jax.sharding.SingleDeviceSharding(d, memory_kind=kind)
+
+    srcs = [(d, jax.device_put(np.ones(nbytes // 4, np.float32), sharding(d, "pinned_host")))
+            for d in devices or jax.devices()]
+    out = {f"device{d.id}": put_rate(src, sharding(d, "device"), repeats) for d, src in srcs}
     if len(srcs) > 1:
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            jax.block_until_ready([jax.device_put(s, jax.sharding.SingleDeviceSharding(d, memory_kind="device"))
-                                   for d, s in srcs])
-            times.append((time.perf_counter() - t) * 1e3)
-        out["all"] = {**stats(times), "GBps": len(srcs) * nbytes / (np.median(times) * 1e-3) / 1e9}
+        r = time_ms(lambda: [jax.device_put(s, sharding(d, "device")) for d, s in srcs], repeats, warmup=False)
+        out["all"] = {**r, "GBps": len(srcs) * nbytes / (r["median_ms"] * 1e-3) / 1e9}
     return out
 
 
@@ -228,8 +213,7 @@ def exposed_time(events: list[dict], transfer: str = TRANSFER, key=categorize) -
         edges.append((e["ts"], 1, label, is_transfer))
         edges.append((e["ts"] + e["dur"], -1, label, is_transfer))
     edges.sort(key=lambda x: (x[0], x[1]))
-    running: dict[str, int] = {}
-    out: dict[str, float] = {}
+    running, out = Counter(), Counter()  # kernels running by key; ms by key
     transfer_ms, transfers, last = 0.0, 0, None
     for ts, step, name, is_transfer in edges:
         if last is not None and ts > last:
@@ -239,8 +223,8 @@ def exposed_time(events: list[dict], transfer: str = TRANSFER, key=categorize) -
                 transfer_ms += dt
             else:
                 for c in active or ["idle"]:
-                    out[c] = out.get(c, 0.0) + dt / max(len(active), 1)
-        running[name] = running.get(name, 0) + step
+                    out[c] += dt / max(len(active), 1)
+        running[name] += step
         transfers += step * is_transfer
         last = ts
     return {"transfer_running": transfer_ms, "outside_transfers": dict(sorted(out.items(), key=lambda kv: -kv[1]))}
@@ -298,26 +282,22 @@ def profile_breakdown(call, state, trace_dir: str, *, steps: int = 3, top_kernel
     wall = (time.perf_counter() - t) * 1e3 / steps
     jax.profiler.stop_trace()
     events = device_events(trace_events(trace_dir))
-    per_cat: dict[str, float] = {}
-    per_name: dict[str, list] = {}  # name -> [ms, launches]
+    per_cat, per_name, launches = Counter(), Counter(), Counter()  # ms by category, ms and launches by kernel name
     for e in events:
         name = e.get("name", "")
-        per_cat[categorize(name)] = per_cat.get(categorize(name), 0.0) + e["dur"] / 1e3
-        acc = per_name.setdefault(name, [0.0, 0])
-        acc[0] += e["dur"] / 1e3
-        acc[1] += 1
-    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top_kernels]
+        per_cat[categorize(name)] += e["dur"] / 1e3
+        per_name[name] += e["dur"] / 1e3
+        launches[name] += 1
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:top_kernels]
     busy = sum(per_cat.values()) / steps
-    if events:
-        span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3 / steps
-    else:
-        span = float("nan")
+    span = ((max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3 / steps if events
+            else float("nan"))
     return {"wall_ms_per_step": wall, "device_busy_ms_per_step": busy, "device_span_ms_per_step": span,
             # the span split into: a plane transfer running, and (per category, per kernel) time with none running
             **idle_breakdown(events, steps, top_kernels=top_kernels),
             "ms_per_step": {k: v / steps for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
             "top_kernels": [{"name": n[:160], "category": categorize(n), "ms_per_step": ms / steps,
-                             "launches_per_step": cnt / steps} for n, (ms, cnt) in top],
+                             "launches_per_step": launches[n] / steps} for n, ms in top],
             "launches_per_step": len(events) / steps, "events": len(events),
             # kernels per GPU stream (the trace's thread ids): overlap between streams shows as busy > span
             "streams": {str(tid): sum(1 for e in events if e.get("tid") == tid) / steps
@@ -330,15 +310,6 @@ def write_json(path: str, data) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, default=str)
     os.replace(tmp, path)
-
-
-def write_results(prefix: str, res: dict, report) -> str:
-    """``res`` as ``prefix.json`` and ``report(res)`` (its markdown) as ``prefix.md``; returns the markdown."""
-    write_json(prefix + ".json", res)
-    text = report(res)
-    with open(prefix + ".md", "w") as f:
-        f.write(text)
-    return text
 
 
 def write_soak(res: dict, prefix: str, write_report) -> int:

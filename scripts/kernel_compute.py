@@ -35,31 +35,27 @@ def scan_inputs(n, *, batch=4, heads=8, groups=4, d=128, seed=0):
 def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
     q, planes, scales, length, var = scan_inputs(n)
     g = importance(q, var)
+    store = StorePlanes(planes, scales)
     bh = 4 * 8
     out = []
     plan_stats = {}
+    cfgs = [PS.PlaneScanConfig(), PS.PlaneScanConfig(tile=1024, lanes=32), PS.PlaneScanConfig(tile=512, lanes=8,
+                                                                                              num_warps=2)]
+    if n >= 131072:
+        cfgs.insert(1, PS.PlaneScanConfig(tile=1024, lanes=16, num_warps=2))
+    if tune and n >= 131072:
+        cfgs += [PS.PlaneScanConfig(tile=2048, lanes=32, num_warps=2), PS.PlaneScanConfig(tile=256, lanes=8)]
+    cfgs += F16X2_CONFIGS
     for budget in budgets:
         plan = plan_bisection(g, budget)
         runs = PS.active_channels(plan.depths)
-        active = float(jnp.mean(jnp.sum(plan.depths > 0, -1)))
-        plan_stats[budget] = active
+        active = plan_stats[budget] = float(jnp.mean(jnp.sum(plan.depths > 0, -1)))
         bits = float(jnp.mean(plan.bits_per_token))
         nbytes = bh * n * bits / 8 + bh * 4 * n * 4  # reads (codes + scales) + f32 scores written
-        cfgs = [PS.PlaneScanConfig(), PS.PlaneScanConfig(tile=1024, lanes=32), PS.PlaneScanConfig(tile=512, lanes=8,
-                                                                                                  num_warps=2)]
-        if n >= 131072:
-            cfgs.insert(1, PS.PlaneScanConfig(tile=1024, lanes=16, num_warps=2))
-        if tune and n >= 131072:
-            cfgs += [PS.PlaneScanConfig(tile=2048, lanes=32, num_warps=2), PS.PlaneScanConfig(tile=256, lanes=8)]
-        cfgs += F16X2_CONFIGS
-        store = StorePlanes(planes, scales)
         exact = PS.plane_scan(q, store, length, runs, config=cfgs[0])  # the f32 scores the f16x2 rows are held to
         bound = PS.f16x2_error_bound(q, store, runs)
         for cfg in cfgs:
-            step = lambda c, runs=runs, cfg=cfg: c + 1e-30 * PS.plane_scan(
-                q + c, StorePlanes(planes, scales), length, runs, config=cfg
-            )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
-            r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
+            r = _time_scan(lambda c: PS.plane_scan(q + c, store, length, runs, config=cfg))
             r.update(kernel=f"fathom_{budget}", n=n, **_scan_config_fields(cfg), active_channels=active,
                      bits_per_token=bits, bytes=nbytes)
             if cfg.math != "f32":
@@ -71,28 +67,28 @@ def scan_cases(n, tune=False, budgets=(32, 48, 64), nibble=True):
         ch = jnp.broadcast_to(jnp.arange(r_ch, dtype=jnp.int32), (4, 8, r_ch))
         bits = r_ch * 4 + r_ch * 16 / 64
         nbytes = bh * n * bits / 8 + bh * 4 * n * 4
-        cfgs = [(512, 1)]
-        for tile, warps in cfgs:
-            step = lambda c, ch=ch, tile=tile, warps=warps: c + 1e-30 * NS.nibble_scan(
-                q + c, nib, scales, length, ch, config=NS.NibbleScanConfig(tile=tile, num_warps=warps)
-            )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
-            r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
-            r.update(kernel=name, n=n, variant="nibble", lanes=0, rows=0, tile=tile, num_warps=warps,
-                     bits_per_token=bits, bytes=nbytes)
-            out.append(r)
+        config = NS.NibbleScanConfig(tile=512, num_warps=1)
+        r = _time_scan(lambda c: NS.nibble_scan(q + c, nib, scales, length, ch, config=config))
+        r.update(kernel=name, n=n, variant="nibble", lanes=0, rows=0, tile=config.tile, num_warps=config.num_warps,
+                 bits_per_token=bits, bytes=nbytes)
+        out.append(r)
         if tune and r_ch == 32 and n >= 131072:  # the same scan from the plane store: the plane scan at depth 4
             cfg = PS.PlaneScanConfig(tile=2048, num_warps=2)
-            full = jnp.full(ch.shape, 4, jnp.int32)
-            step = lambda c, ch=ch, cfg=cfg: c + 1e-30 * PS.plane_scan(
-                q + c, StorePlanes(planes, scales), length, RunList(ch, full, sorted=True), config=cfg
-            )[..., :1, :1].sum(axis=(-1, -2))[..., None, None]
-            r = timeit(step, jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
+            full = RunList(ch, jnp.full(ch.shape, 4, jnp.int32), sorted=True)
+            r = _time_scan(lambda c: PS.plane_scan(q + c, store, length, full, config=cfg))
             r.update(kernel="nibble_32_from_planes", n=n, **_scan_config_fields(cfg), bits_per_token=bits, bytes=nbytes)
             out.append(r)
     for r in out:
         r["GBps"] = r["bytes"] / (r["median_ms"] * 1e-3) / 1e9
         r["authors_ms"] = AUTHORS.get(n, {}).get(r["kernel"])
     return out, plan_stats
+
+
+def _time_scan(scan) -> dict:
+    """:func:`timeit` of ``scan(c)`` (the scan of the queries nudged by ``c`` [4, 8, 1, 1]: each iteration's by the
+    last's scores, so that nothing is hoisted)."""
+    return timeit(lambda c: c + 1e-30 * scan(c)[..., :1, :1].sum(axis=(-1, -2))[..., None, None],
+                  jnp.zeros((4, 8, 1, 1), jnp.float32), iters=100)
 
 
 # The packed-f16 scan's launch shapes (a thread owns a word: tile >= 1024).
@@ -191,7 +187,6 @@ def check_scans():
     ch16 = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 3, 16))
     c = NS.nibble_scan(q, nib, scales, length, ch16)
     d = NS.nibble_scan_reference(q, nib, scales, length, ch16)
-    rel = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
     return {**e, "nibble_scan_rel_err": rel(c, d)}
 
 

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +10,7 @@ import numpy as np
 from pallas_kernels import row_fetch as RF
 from pallas_kernels import run_gather as RG
 from pallas_kernels.operands import RunList, StorePlanes
-from scripts.harness import stats, timeit_args
+from scripts.harness import time_ms, timeit_args
 
 GATHER_CONFIGS = ((2048, 4), (1024, 4), (4096, 4), (8192, 4), (2048, 8), (4096, 8), (8192, 8), (16384, 8))  # chunk, warps
 ROWFETCH_CONFIGS = ((32, 4), (16, 4), (64, 4), (64, 8), (128, 8))  # rows per program, warps; --tune tries them all
@@ -21,8 +19,7 @@ ROWORDER_PROGRAMS = (0, 66, 132, 264)
 
 
 def _host(x):
-    dev = jax.devices()[0]
-    return jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
 
 
 def gather_cases(tune=False):
@@ -59,14 +56,9 @@ def gather_cases(tune=False):
                 print(f"run_gather {where:11s} run={run_kb * 1024:7d}B chunk={chunk:5d} w={warps} "
                       f"{r['median_ms']:.3f} ms {r['GBps']:.1f} GB/s", flush=True)
         host = _host(planes_np)
-        dev = jax.devices()[0]
-        ts = []
-        for _ in range(5):
-            t = time.perf_counter()
-            jax.block_until_ready(jax.device_put(host, jax.sharding.SingleDeviceSharding(dev, memory_kind="device")))
-            ts.append((time.perf_counter() - t) * 1e3)
+        to_device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
         r = {"kernel": "device_put", "source": "pinned_host", "run_bytes": run_kb * 1024, "bytes": planes_np.nbytes,
-             "median_ms": float(np.median(ts)), "min_ms": float(np.min(ts)), "max_ms": float(np.max(ts))}
+             **time_ms(lambda: jax.device_put(host, to_device), 5, warmup=False)}
         r["GBps"] = r["bytes"] / (r["median_ms"] * 1e-3) / 1e9
         out.append(r)
         print(f"device_put  pinned_host run={run_kb * 1024:7d}B {r['median_ms']:.3f} ms {r['GBps']:.1f} GB/s", flush=True)
@@ -139,11 +131,8 @@ def rowlayout_cases(sizes=(131072, 1048576), reps=20):
             got = got[0] if b is None else jnp.concatenate([got[0], got[1]], axis=-1)
             ok = bool(jnp.array_equal(got, want))
             r = _time_fresh_rows(a, b, n, bh, s, RF.RowFetchConfig(), reps=reps)
-            nbytes = 2 * bh * s * dh * 2
-            r.update(kernel="row_fetch_layout", layout=layout, source="pinned_host", n=n, rowset="fresh",
-                     slots=bh * s, bytes=nbytes, exact=ok)
-            r["GBps"] = nbytes / (r["median_ms"] * 1e-3) / 1e9
-            out.append(r)
+            out.append(r | {"kernel": "row_fetch_layout", "layout": layout, "source": "pinned_host", "n": n,
+                            "exact": ok})
             print(f"row_fetch layout={layout:11s} n={n:8d} fresh {r['median_ms']:.4f} ms "
                   f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] {r['GBps']:.1f} GB/s exact={ok}", flush=True)
         del layouts, kv_hbm
@@ -165,10 +154,8 @@ def roworder_cases(cases=ROWORDER_CASES, programs=ROWORDER_PROGRAMS):
             cfg = RF.RowFetchConfig(programs=p)
             ok = bool(jnp.array_equal(RF.row_fetch(RF.StoredRows(kv), idx, config=cfg)[0], want))
             r = _time_fresh_rows(kv, None, n, bh, s, cfg)
-            nbytes = bh * s * dh * 2 * 2
-            r.update(kernel="row_fetch_order", source="pinned_host", groups=bh, n=n, programs=p, rowset="fresh",
-                     slots=bh * s, bytes=nbytes, exact=ok, GBps=nbytes / (r["median_ms"] * 1e-3) / 1e9)
-            out.append(r)
+            out.append(r | {"kernel": "row_fetch_order", "source": "pinned_host", "groups": bh, "n": n, "programs": p,
+                            "exact": ok})
             print(f"row_fetch groups={bh:3d} n={n:8d} programs={p:4d} fresh {r['median_ms']:.4f} ms "
                   f"[{r['min_ms']:.4f}, {r['max_ms']:.4f}] {r['GBps']:.1f} GB/s exact={ok}", flush=True)
         del kv
@@ -176,7 +163,8 @@ def roworder_cases(cases=ROWORDER_CASES, programs=ROWORDER_PROGRAMS):
 
 
 def _time_fresh_rows(k_, v_, n, bh, s, cfg, reps=20, repeats=3):
-    """ms per row fetch when each of ``reps`` chained calls fetches its own random sorted row set."""
+    """ms per row fetch when each of ``reps`` chained calls fetches its own random sorted row set of ``bh x s`` rows,
+    and their GB/s (K and V, bf16, Dh = 128)."""
     rng = np.random.default_rng(11)
     sets = jnp.asarray(np.sort(rng.choice(n, (reps, bh, s)), axis=-1), jnp.int32)
 
@@ -188,10 +176,6 @@ def _time_fresh_rows(k_, v_, n, bh, s, cfg, reps=20, repeats=3):
         return c
 
     c0 = jnp.zeros((), jnp.float32)
-    jax.block_until_ready(run(c0, k_, v_, sets))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(run(c0, k_, v_, sets))
-        times.append((time.perf_counter() - t) * 1e3 / reps)
-    return stats(times)
+    r = time_ms(lambda: run(c0, k_, v_, sets), repeats, reps)
+    nbytes = 2 * bh * s * 128 * 2
+    return r | {"rowset": "fresh", "slots": bh * s, "bytes": nbytes, "GBps": nbytes / (r["median_ms"] * 1e-3) / 1e9}

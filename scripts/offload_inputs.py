@@ -2,10 +2,8 @@
 (:class:`KeyModel`), how its queries move from step to step (:func:`drifting_queries`), and the named input sets a run
 measures side by side (``--inputs``): ``today`` (the keys and queries of every committed run before issue 45) and
 ``honest`` (keys whose plane shares and queries whose row reselection match what real decodes measured); what the
-drift is fitted by (:func:`reselected_share`), and the report's table of the two side by side.
-
-    python -m scripts.offload_inputs      # what they are fitted to: results/offload_inputs_cpu.{json,md} (CPU, numpy)
-"""
+drift is fitted by (:func:`reselected_share`; the fit: results/offload_inputs_cpu.md), and the report's table of the
+two side by side."""
 
 from __future__ import annotations
 

@@ -118,8 +118,7 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
         else:
             link_bits.append(passes * np.asarray(read.bits, np.float64))
     bits = np.stack(bits)  # [L, R]
-    r = q.shape[1]
-    g = q.shape[2]
+    r, g = q.shape[1:3]
     if method.name == "dense":  # reads every K and V row, selects nothing
         kv = float(cfg.n_layers * r * context * row_bytes)
         return {"bits_per_token": float(bits.mean()) * 2, "scan_bytes": kv, "link_scan_bytes": kv, "row_bytes_max": 0.0}
@@ -212,11 +211,10 @@ def index_host_bytes(held: dict) -> int:
 
 
 def link_rate(run) -> float:
+    """The link's GB/s measured in the run: every device at once, else the mean of each one's (NaN: not measured)."""
     link = run.res.get("link", {})
-    if "all" in link:
-        return link["all"]["GBps"]
     rates = [v["GBps"] for v in link.values()]
-    return float(np.mean(rates)) if rates else float("nan")
+    return link["all"]["GBps"] if "all" in link else float(np.mean(rates)) if rates else float("nan")
 
 
 def _first_cache(run: Run, context, labels, batch, placement, rows, inputs=None):
@@ -265,10 +263,8 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
         cache = with_row_cache(attach_bulk(jax.tree.map(jnp.copy, start), without_row_cache(cache), bulk), attn)
         steps = itertools.count()
 
-        def call(state, attn=attn, steps=steps):
-            q_t = queries[next(steps) % len(queries)]
-            out, c = decode.attention_step(q_t, key, value, state[1], attn)
-            return out, c
+        def call(state, attn=attn, steps=steps):  # (outputs, cache)
+            return decode.attention_step(queries[next(steps) % len(queries)], key, value, state[1], attn)
 
         try:
             r, state = harness.timeit_calls(call, (None, cache), n=args.steps, repeats=args.repeats)
@@ -292,13 +288,12 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
             except Exception as e:  # noqa: BLE001
                 run.res["errors"].append({"section": "attnprofile", "error": f"{type(e).__name__}: {e}"[:2000]})
         nbytes = step_bytes(attn, cfg, calib, q, context=context, k=args.k)
-        floor_ms = (nbytes["link_scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
+        floor_ms = ((nbytes["link_scan_bytes"] + nbytes["row_bytes_max"]) / (link_rate(run) * 1e9) * 1e3
+                    if placement.offloaded else float("nan"))  # the HBM control: no link traffic
         held = cache.nbytes()
         tiers = {"resident_planes": placement.resident_planes, "warm_planes": placement.warm_planes,
                  "index_host_bytes": float(index_host_bytes(held)),
                  "index_hbm_bytes": float(held.get("planes_hbm", 0))}
-        if not placement.offloaded:  # the HBM control: no link traffic
-            floor_ms = float("nan")
         cached = row_cache_fields(cache, link_rate(run), nbytes["scan_bytes"])
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
                  "mesh": placement.num_shards, **split, **tiers, "shared_kv": shared, "query_drift": drift,
@@ -372,8 +367,7 @@ def prefill_section(run: Run, context):
         times.append(time.time() - t)
         del cache
     # the index build alone (one layer's keys, the same shapes), x layers
-    r = cfg.n_kv_heads
-    keys = jax.random.normal(jax.random.key(1), (r, context, cfg.head_dim), jnp.float32)
+    keys = jax.random.normal(jax.random.key(1), (cfg.n_kv_heads, context, cfg.head_dim), jnp.float32)
     build = jax.jit(lambda k: build_index(k, None, attn.method.parts, capacity=context + 64))
     jax.block_until_ready(build(keys))
     t = time.time()

@@ -125,8 +125,7 @@ def merge(paths, out_prefix):
     for p in parts:  # each row upgraded to today's fields; its run's read mode and date travel with it
         p["rows"] = [migrate(row, p["config"]) | {"run_date": row.get("run_date", p["machine"]["date"])}
                      for row in p.get("rows", [])]
-    for p in parts:  # an error names the run it came from (a later run may have measured that section)
-        for err in p.get("errors", []):
+        for err in p.get("errors", []):  # an error names the run it came from (a later run may have measured it)
             err.setdefault("run_date", p["machine"]["date"])
     res["errors"] = [x for p in parts for x in p.get("errors", [])]
     res["notes"] = list(dict.fromkeys(x for p in parts for x in p.get("notes", [])))  # in order, once each
@@ -149,14 +148,12 @@ def merge(paths, out_prefix):
     res["notes"] = [note for note in res["notes"] if note not in earlier]
     if superseded:
         res["notes"].append(f"{superseded}{tail}")
-    for key in ("link", "hbm_copy"):
-        res[key] = next((p[key] for p in parts if key in p), None) or {}
+    newest = max((p for p in parts if p.get("link")), key=lambda p: p["machine"]["date"], default={})
+    res["link"] = newest.get("link", {})  # floors of the newest rows use the newest link measurement
+    res["hbm_copy"] = next((p["hbm_copy"] for p in parts if "hbm_copy" in p), None) or {}
     res["links"] = [link for p in parts for link in (p.get("links") or ([{"command": p["command"], "link": p["link"]}]
                                                                        if p.get("link") else []))]
     res["command"] = "; ".join(p["command"] for p in parts)
-    latest_link = max((p for p in parts if p.get("link")), key=lambda p: p["machine"]["date"], default=None)
-    if latest_link is not None:  # floors of the newest rows use the newest link measurement
-        res["link"] = latest_link["link"]
     res["machine"] = max((p["machine"] for p in parts), key=lambda m: m["date"])  # the header names the newest run
     link = res["link"].get("all", next(iter(res["link"].values()), {})).get("GBps")
     for row in res["rows"]:  # the link floor of rows measured in a run without the link section
@@ -363,14 +360,12 @@ def write_report(res: dict, prefix: str) -> None:
                 ("staged", "every_step", False, "o-"), ("staged", "every_step", True, "*-"),
                 ("staged", "full_blocks", False, "D:"), ("staged", "full_blocks", True, "*:"),
                 ("direct", "every_step", False, "o--")):
-            pts = sorted((r["context"], r["median_ms"]) for r in att if r["method"] == label and r["batch"] == 1
-                         and r["memory"] == "pinned_host" and r["mesh"] == 1
-                         and r["read"] == read and r["streams"] == 1
-                         and r["index_writes"] == writes and (r["pipeline"] > 1) == pipelined
-                         and r["rows"] == "model")  # compressed rows: their own table
             best = {}
-            for c, ms in pts:  # of several settings, the fastest at each context
-                best[c] = min(ms, best.get(c, ms))
+            want = (label, 1, "pinned_host", 1, read, 1, writes, pipelined, "model")  # compressed rows: their own table
+            for r in att:  # of several settings, the fastest at each context
+                if (r["method"], r["batch"], r["memory"], r["mesh"], r["read"], r["streams"], r["index_writes"],
+                        r["pipeline"] > 1, r["rows"]) == want:
+                    best[r["context"]] = min(r["median_ms"], best.get(r["context"], r["median_ms"]))
             pts = sorted(best.items())
             if pts:
                 extra = (", blocks written when full" if writes == "full_blocks" else "") + (", pipelined" if pipelined else "")
@@ -382,17 +377,19 @@ def write_report(res: dict, prefix: str) -> None:
                     label=f"{label}, authors' implementation")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("attention-only step (ms, 36 layers)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    _save_plot(fig, ax, f"{m['device']}: index + K/V in pinned host memory, one GPU", prefix + ".png")
+    _save_plot(fig, ax, f"{m['device']}: index + K/V in pinned host memory, one GPU", prefix + ".png",
+               "context (tokens)", "attention-only step (ms, 36 layers)", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     tier_plot(att, prefix + "_tiers.png", m["device"])
 
 
-def _save_plot(fig, ax, title: str, path: str) -> None:
+def _save_plot(fig, ax, title: str, path: str, xlabel: str, ylabel: str, **legend) -> None:
+    """The axes labelled, gridded and titled, the legend drawn (``legend``: its placement), the figure saved."""
     import matplotlib.pyplot as plt
 
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, **legend)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -446,12 +443,9 @@ def tier_plot(att: list[dict], path: str, device: str) -> None:
         pts = sorted((r["index_hbm_bytes"] / r["batch"] / 1e9, r["median_ms"]) for r in rows
                      if (r["method"], r["context"]) == (method, context) and isinstance(r["resident_planes"], int))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{method}, {context // 1024}k")
-    ax.set_xlabel("HBM bytes of the index per session (GB)")
-    ax.set_ylabel("attention-only step (ms, 36 layers)")
     ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    _save_plot(fig, ax, f"{device}: resident planes (p = 0, 1, 2, 4)", path)
+    _save_plot(fig, ax, f"{device}: resident planes (p = 0, 1, 2, 4)", path, "HBM bytes of the index per session (GB)",
+               "attention-only step (ms, 36 layers)")
 
 
 def batch_plot(full: list[dict], path: str, device: str) -> None:
@@ -472,8 +466,5 @@ def batch_plot(full: list[dict], path: str, device: str) -> None:
         ax.plot(xs, [pts[x] for x in xs], "o-", label=f"{method}, {context // 1024}k, {rows} rows, p = {p}"
                 + (", shared K/V" if shared else ""))
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch (sessions decoded together)")
-    ax.set_ylabel("tokens per second (full step)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    _save_plot(fig, ax, f"{device}: full decode step against the batch size", path)
+    _save_plot(fig, ax, f"{device}: full decode step against the batch size", path,
+               "batch (sessions decoded together)", "tokens per second (full step)")

@@ -104,9 +104,8 @@ class OffloadRun:
 
     @property
     def full_step_contexts(self) -> tuple[int, ...]:
-        if self.full_contexts:
-            return self.full_contexts
-        return tuple(sorted({max(self.contexts)} | ({128 * K} & set(self.contexts)), reverse=True))
+        largest = {max(self.contexts)} | ({128 * K} & set(self.contexts))
+        return self.full_contexts or tuple(sorted(largest, reverse=True))
 
     @property
     def row_sets(self) -> tuple[Rows, ...]:
@@ -121,11 +120,10 @@ class OffloadRun:
 
     def record(self) -> dict:
         """The run as its results JSON's ``config`` (plain values)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out |= {"read": self.read, "model": dataclasses.asdict(self.model), "configs": [repr(c) for c in self.configs],
-                "rows": [{"name": r.name, "share_kv_from": r.share_kv_from} for r in self.row_sets],
-                "inputs": [i.name for i in self.inputs]}
-        return out
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {
+            "read": self.read, "model": dataclasses.asdict(self.model), "configs": [repr(c) for c in self.configs],
+            "rows": [{"name": r.name, "share_kv_from": r.share_kv_from} for r in self.row_sets],
+            "inputs": [i.name for i in self.inputs]}
 
     def set(self, key: str, text: str) -> "OffloadRun":
         """This run with option ``key`` (a field or a step option of :data:`OPTIONS`, ``-`` or ``_``) set from
@@ -152,20 +150,18 @@ def _items(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in _items(text))
-
-
-def _contexts(text: str) -> tuple[int, ...]:
-    return tuple(parse_ctx(x) for x in _items(text))
+def _each(convert: Callable[[str], object]) -> Callable[[str], tuple]:
+    """A parser of a comma-separated list, each entry by ``convert``."""
+    return lambda text: tuple(convert(x) for x in _items(text))
 
 
 def _context_or_none(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none") else parse_ctx(text.strip())
 
 
-def _auto_or_int(text: str):
-    return text if text == "auto" else int(text)
+def _int_or(word: str) -> Callable[[str], int | str]:
+    """A parser of an int, or of ``word`` itself."""
+    return lambda text: text if text == word else int(text)
 
 
 def parse_rows(text: str) -> tuple[Rows, ...]:
@@ -184,7 +180,7 @@ def _pipelines(text: str) -> list[dict]:
     out = []
     for item in _items(text):  # auto, N or N/P: N chunks, P persistent gather programs ("auto" where not given)
         n, _, programs = item.partition("/")
-        out.append({"pipeline": _auto_or_int(n), "gather_programs": "auto" if programs in ("", "auto") else int(programs)})
+        out.append({"pipeline": _int_or("auto")(n), "gather_programs": _int_or("auto")(programs or "auto")})
     return out
 
 
@@ -208,17 +204,13 @@ def _checked(field: str, convert=lambda x: x, least: int | None = None) -> Calla
     return parse
 
 
-def _row_cache(text: str):
-    return text if text == "last" else int(text)
-
-
 # A step option's parser gives one dict of StepConfig fields per entry (one row each).
 STEP_OPTIONS: dict[str, tuple[Callable[[str], list[dict]], str]] = {
     "read": (_checked("read"), "direct or staged: how an index in host memory is read"),
     "index_writes": (_checked("index_writes"), "every_step and/or full_blocks: when steps write the newest plane block"),
     "pipeline": (_pipelines, "chunks per layer with chained plane transfers: auto, N or N/P with P persistent gather "
                              "programs (1/0 = one chunk, one program per copied chunk of a run)"),
-    "fetch_programs": (_checked("fetch_programs", _auto_or_int),
+    "fetch_programs": (_checked("fetch_programs", _int_or("auto")),
                        "persistent programs of the row fetch: auto or N, 0 = one program per 32 rows"),
     "topk": (_checked("topk", topk_config), "auto (the kernels' defaults), single (one program per row per selection, "
                                             "the top-k before 2026-12-01) and/or bBtT (B programs per row of the bucket "
@@ -226,7 +218,7 @@ STEP_OPTIONS: dict[str, tuple[Callable[[str], list[dict]], str]] = {
     "xla_options": (_xla_options, "extra XLA options of the step programs: none or name=value,... (a ';'-separated "
                                   "list)"),
     "layer_unroll": (_checked("layer_unroll", int, 1), "layers per iteration of the step's layer scan"),
-    "row_cache": (_checked("row_cache", _row_cache, 0), "device-memory row-cache slots per layer and group "
+    "row_cache": (_checked("row_cache", _int_or("last"), 0), "device-memory row-cache slots per layer and group "
                                                         "(StepConfig.row_cache; 0: none)"),
     "scan": (_checked("scan", scan_config), f"plane scan configurations (StepConfig.scan): {', '.join(SCAN_CONFIGS)}"),
     "select": (_checked("selection"), "how a step selects its rows (StepConfig.selection): threshold and/or sorted"),
@@ -234,23 +226,23 @@ STEP_OPTIONS: dict[str, tuple[Callable[[str], list[dict]], str]] = {
 }
 OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "tag": (str, "the run's name: its files are offload_<machine>_<tag> (<machine> the device it ran on)"),
-    "sections": (lambda t: tuple(_items(t)), f"sections, in the order they run: {', '.join(SECTIONS)}"),
-    "contexts": (_contexts, "contexts (32k, 1m, ...)"),
-    "attn_contexts": (_contexts, "contexts of the attention-only section (default: contexts)"),
-    "full_contexts": (_contexts, "contexts of the full-step section (default: the largest and 128k)"),
-    "methods": (lambda t: tuple(_items(t)), f"method labels: {', '.join(METHODS)}"),
+    "sections": (_each(str), f"sections, in the order they run: {', '.join(SECTIONS)}"),
+    "contexts": (_each(parse_ctx), "contexts (32k, 1m, ...)"),
+    "attn_contexts": (_each(parse_ctx), "contexts of the attention-only section (default: contexts)"),
+    "full_contexts": (_each(parse_ctx), "contexts of the full-step section (default: the largest and 128k)"),
+    "methods": (_each(str), f"method labels: {', '.join(METHODS)}"),
     "k": (int, "rows selected per head"),
-    "batches": (_ints, "batch sizes of the batch and attnbatch sections"),
+    "batches": (_each(int), "batch sizes of the batch and attnbatch sections"),
     "mesh": (int, "GPUs in the mesh (the group axis split over them; across processes, of every process)"),
     "share_kv_from": (_context_or_none, "contexts from this size share one K/V row buffer (none: never)"),
     **STEP_OPTIONS,
     "config": (lambda text: [StepConfig.parse(t) for t in text.split(";")],
                "the step configurations as StepConfig.parse reads them ('pipeline=8,read=direct'), a ';'-separated "
                "list: one row each, in place of the run's"),
-    "resident_planes": (_ints, "planes of every channel kept in HBM (Placement.resident_planes): one set of rows each "
-                               "(0: the whole index in host memory; 4: all of it in HBM)"),
-    "warm_planes": (_ints, "channel planes per layer and KV group kept in HBM beside the resident ones "
-                           "(Placement.warm_planes): one set of attention rows each with resident planes 0-3"),
+    "resident_planes": (_each(int), "planes of every channel kept in HBM (Placement.resident_planes): one set of rows "
+                                    "each (0: the whole index in host memory; 4: all of it in HBM)"),
+    "warm_planes": (_each(int), "channel planes per layer and KV group kept in HBM beside the resident ones "
+                                "(Placement.warm_planes): one set of attention rows each with resident planes 0-3"),
     "rows": (parse_rows, "K/V row formats, FORMAT or FORMAT@SHARE: model (bf16) or a format with per-token scales "
                          "(k8v8, ...); SHARE overrides share_kv_from for it: one set of rows each"),
     "inputs": (lambda t: tuple(parse_inputs(t)), "synthetic input sets: today and/or honest (scripts/offload_inputs.py)"),
@@ -282,16 +274,6 @@ def configs(**options) -> tuple[StepConfig, ...]:
 PRESETS: dict[str, Callable[[], OffloadRun]] = {}
 PRESET_RESULTS: dict[str, str | None] = {}  # preset -> the results file its results/README.md row names
 
-
-def preset(name: str, results: str | None):
-    """Registers a preset; ``results``: the results file (as results/README.md names it) the run's row is in, None
-    for one written and not run yet."""
-    def register(fn):
-        PRESETS[name], PRESET_RESULTS[name] = fn, results
-        return fn
-    return register
-
-
 F48 = ("Fathom 48",)
 F48_32 = ("Fathom 48", "32-channel (SparQ r=32)")
 F3 = ("Fathom 48", "SparQ r=16", "32-channel (SparQ r=32)")
@@ -300,296 +282,137 @@ WRITES = configs(index_writes=["every_step", "full_blocks"])
 WHILE = (("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE"),)
 ALL = DEFAULT_METHODS
 LINK_ATTN = ("link", "attn")
+K8V8 = (Rows(row_format("k8v8")),)  # 8-bit K and V rows, shared as the run says
 
 
-def run(tag, sections, contexts, methods=F48, **fields) -> OffloadRun:
-    return OffloadRun(tag=tag, sections=tuple(sections), contexts=tuple(contexts), methods=methods, **fields)
+def preset(name: str, results: str | None, tag: str, sections, contexts, methods=F48, **fields) -> None:
+    """Registers preset ``name``: a function returning its run, ``tag`` (its files: offload_<machine>_<tag>) with
+    ``sections``, ``contexts``, ``methods`` and the other :class:`OffloadRun` ``fields`` (checked when it is called);
+    ``results``: the results file (as results/README.md names it) the run's row is in, None for one written and not
+    run yet."""
+    PRESETS[name] = lambda: OffloadRun(tag=tag, sections=tuple(sections), contexts=tuple(contexts), methods=methods,
+                                       **fields)
+    PRESET_RESULTS[name] = results
 
 
-@preset("attn", "offload_h200")
-def attn():
-    return run("attn", LINK_ATTN, (M, 128 * K), F4, share_kv_from=M, time_budget=280)
+preset("attn", "offload_h200", "attn", LINK_ATTN, (M, 128 * K), F4, share_kv_from=M, time_budget=280)
+preset("attn-index-writes-1m", "offload_h200", "writes_1m", LINK_ATTN, (M,), F3, configs=WRITES, share_kv_from=M,
+       time_budget=140)
+preset("attn-index-writes-128k", "offload_h200", "writes_128k", ("attn", "full"), (128 * K,), F3, configs=WRITES,
+       full_contexts=(128 * K,), time_budget=90)
+preset("direct-reads", "offload_h200", "direct", LINK_ATTN, (M, 128 * K), ALL, configs=configs(read="direct"),
+       time_budget=280)
+preset("contexts-32k-512k", "offload_h200", "32k_512k", ("attn", "dense"), (512 * K, 128 * K, 32 * K), F4,
+       attn_contexts=(512 * K, 32 * K), share_kv_from=512 * K, time_budget=550)
+preset("full-1m", "offload_h200", "full_1m", ("full", "profile"), (M,), full_contexts=(M,), share_kv_from=M,
+       time_budget=120)
+preset("full-3methods", "offload_h200", "full_3", ("attn", "full", "profile", "batch", "prefill", "control", "dense"),
+       (M, 128 * K), F3, attn_contexts=(M, 128 * K), full_contexts=(M,), share_kv_from=M, time_budget=290)
+preset("full-batches", "offload_h200", "batches", ("link", "attn", "attnprofile", "full", "profile", "batch"),
+       (M, 128 * K), attn_contexts=(128 * K,), full_contexts=(M, 128 * K), batches=(8, 4), share_kv_from=512 * K,
+       time_budget=400)
+preset("full-batches-128k", "offload_h200", "batches_128k", ("link", "full", "batch"), (128 * K,), batches=(4, 8),
+       time_budget=320)
+preset("full-batch8", "offload_h200", "batch8", ("link", "full", "batch", "profile"), (128 * K,),
+       configs=configs(fetch_programs=["auto", 132]), full_contexts=(128 * K,), batches=(8,), share_kv_from=512 * K,
+       time_budget=190)
+preset("prefill", "offload_h200", "prefill", ("prefill", "batch"), (128 * K,), batches=(8,), share_kv_from=512 * K,
+       time_budget=155)
+preset("hbm-control", "offload_h200", "control", ("batch", "control"), (128 * K,), batches=(8, 1), time_budget=270)
+preset("pipeline-1m", "offload_h200", "pipeline_1m", ("link", "attn", "attnprofile"), (M,), F3,
+       configs=configs(index_writes=["every_step", "full_blocks"], pipeline=["auto", (1, 0)]), share_kv_from=M,
+       time_budget=270)
+preset("pipeline-128k", "offload_h200", "pipeline_128k", LINK_ATTN, (128 * K,), F3,
+       configs=configs(index_writes=["every_step", "full_blocks"], pipeline=["auto", (1, 0)]), time_budget=220)
+preset("pipeline-chunks", "pipeline_h200", "chunks", ("link", "attn", "attnprofile"), (M, 128 * K),
+       configs=configs(index_writes="full_blocks",
+                       pipeline=[1, (1, 132), (2, 132), (4, 132), (8, 0), (8, 132), (8, 264)]),
+       share_kv_from=M, time_budget=390)
+preset("pipeline-programs", "pipeline_h200", "programs", ("link", "attn", "attnprofile"), (M, 128 * K),
+       configs=configs(index_writes="full_blocks", pipeline=[1, (8, 132), (8, 66), (8, 33), (4, 66), (2, 66)]),
+       share_kv_from=M, time_budget=290)
+preset("topk-fetch-programs", "offload_h200", "topk_fetch", LINK_ATTN, (M,),
+       configs=configs(fetch_programs=["auto", 0], topk=[None, SINGLE_TOPK]), share_kv_from=M, time_budget=190)
+preset("weight-gemms", "offload_h200", "weights", ("link", "full", "batch"), (128 * K,),
+       # the Triton control, then the default
+       configs=configs(xla_options=[(("xla_gpu_enable_triton_gemm", True),
+                                     ("xla_gpu_enable_dynamic_slice_fusion", False)), ()]),
+       full_contexts=(128 * K,), batches=(8,), share_kv_from=512 * K, time_budget=160)
 
+preset("layer-unroll", "step_options_h200", "unroll", ("attn",), (M, 128 * K),
+       configs=configs(layer_unroll=[1, 2, 4, 6]), share_kv_from=M, time_budget=280)
+preset("layer-unroll-profile", "step_options_h200", "unroll_profile", ("attn", "attnprofile"), (M, 128 * K),
+       configs=configs(layer_unroll=[2, 4]), share_kv_from=M, time_budget=220)
+preset("layer-unroll-full", "step_options_h200", "unroll_full", ("full",), (128 * K,),
+       configs=configs(layer_unroll=[1, 4]), full_contexts=(128 * K,), time_budget=220)
+preset("command-buffer-loop", "step_options_h200", "while", ("attn",), (M, 128 * K),
+       configs=configs(xla_options=[WHILE, WHILE + (("xla_gpu_command_buffer_unroll_loops", True),)]), share_kv_from=M,
+       time_budget=220)
+preset("chunks-fetch-programs", "step_options_h200", "chunks_fetch", ("attn",), (M, 128 * K),
+       configs=configs(layer_unroll=2, pipeline=["auto", 4, 8], fetch_programs=[66, 132]), share_kv_from=M,
+       time_budget=400)
+preset("topk-programs", "step_options_h200", "topk", ("attn",), (M, 128 * K),
+       configs=configs(topk=[None, *(TopkConfig(bucket_splits=b, token_splits=t)
+                                     for b, t in ((8, 4), (16, 4), (8, 8), ("auto", 8)))]),
+       share_kv_from=M, time_budget=160)
 
-@preset("attn-index-writes-1m", "offload_h200")
-def attn_index_writes_1m():
-    return run("writes_1m", LINK_ATTN, (M,), F3, configs=WRITES, share_kv_from=M, time_budget=140)
-
-
-@preset("attn-index-writes-128k", "offload_h200")
-def attn_index_writes_128k():
-    return run("writes_128k", ("attn", "full"), (128 * K,), F3, configs=WRITES, full_contexts=(128 * K,),
-               time_budget=90)
-
-
-@preset("direct-reads", "offload_h200")
-def direct_reads():
-    return run("direct", LINK_ATTN, (M, 128 * K), ALL, configs=configs(read="direct"), time_budget=280)
-
-
-@preset("contexts-32k-512k", "offload_h200")
-def contexts_32k_512k():
-    return run("32k_512k", ("attn", "dense"), (512 * K, 128 * K, 32 * K), F4, attn_contexts=(512 * K, 32 * K),
-               share_kv_from=512 * K, time_budget=550)
-
-
-@preset("full-1m", "offload_h200")
-def full_1m():
-    return run("full_1m", ("full", "profile"), (M,), full_contexts=(M,), share_kv_from=M, time_budget=120)
-
-
-@preset("full-3methods", "offload_h200")
-def full_3methods():
-    return run("full_3", ("attn", "full", "profile", "batch", "prefill", "control", "dense"), (M, 128 * K), F3,
-               attn_contexts=(M, 128 * K), full_contexts=(M,), share_kv_from=M, time_budget=290)
-
-
-@preset("full-batches", "offload_h200")
-def full_batches():
-    return run("batches", ("link", "attn", "attnprofile", "full", "profile", "batch"), (M, 128 * K),
-               attn_contexts=(128 * K,), full_contexts=(M, 128 * K), batches=(8, 4), share_kv_from=512 * K,
-               time_budget=400)
-
-
-@preset("full-batches-128k", "offload_h200")
-def full_batches_128k():
-    return run("batches_128k", ("link", "full", "batch"), (128 * K,), batches=(4, 8), time_budget=320)
-
-
-@preset("full-batch8", "offload_h200")
-def full_batch8():
-    return run("batch8", ("link", "full", "batch", "profile"), (128 * K,),
-               configs=configs(fetch_programs=["auto", 132]), full_contexts=(128 * K,), batches=(8,),
-               share_kv_from=512 * K, time_budget=190)
-
-
-@preset("prefill", "offload_h200")
-def prefill():
-    return run("prefill", ("prefill", "batch"), (128 * K,), batches=(8,), share_kv_from=512 * K, time_budget=155)
-
-
-@preset("hbm-control", "offload_h200")
-def hbm_control():
-    return run("control", ("batch", "control"), (128 * K,), batches=(8, 1), time_budget=270)
-
-
-@preset("pipeline-1m", "offload_h200")
-def pipeline_1m():
-    return run("pipeline_1m", ("link", "attn", "attnprofile"), (M,), F3,
-               configs=configs(index_writes=["every_step", "full_blocks"], pipeline=["auto", (1, 0)]),
-               share_kv_from=M, time_budget=270)
-
-
-@preset("pipeline-128k", "offload_h200")
-def pipeline_128k():
-    return run("pipeline_128k", LINK_ATTN, (128 * K,), F3,
-               configs=configs(index_writes=["every_step", "full_blocks"], pipeline=["auto", (1, 0)]),
-               time_budget=220)
-
-
-@preset("pipeline-chunks", "pipeline_h200")
-def pipeline_chunks():
-    return run("chunks", ("link", "attn", "attnprofile"), (M, 128 * K),
-               configs=configs(index_writes="full_blocks",
-                               pipeline=[1, (1, 132), (2, 132), (4, 132), (8, 0), (8, 132), (8, 264)]),
-               share_kv_from=M, time_budget=390)
-
-
-@preset("pipeline-programs", "pipeline_h200")
-def pipeline_programs():
-    return run("programs", ("link", "attn", "attnprofile"), (M, 128 * K),
-               configs=configs(index_writes="full_blocks", pipeline=[1, (8, 132), (8, 66), (8, 33), (4, 66), (2, 66)]),
-               share_kv_from=M, time_budget=290)
-
-
-@preset("topk-fetch-programs", "offload_h200")
-def topk_fetch_programs():
-    return run("topk_fetch", LINK_ATTN, (M,), configs=configs(fetch_programs=["auto", 0], topk=[None, SINGLE_TOPK]),
-               share_kv_from=M, time_budget=190)
-
-
-@preset("weight-gemms", "offload_h200")
-def weight_gemms():
-    return run("weights", ("link", "full", "batch"), (128 * K,),
-               # the Triton control, then the default
-               configs=configs(xla_options=[(("xla_gpu_enable_triton_gemm", True),
-                                             ("xla_gpu_enable_dynamic_slice_fusion", False)), ()]),
-               full_contexts=(128 * K,), batches=(8,), share_kv_from=512 * K, time_budget=160)
-
-
-@preset("layer-unroll", "step_options_h200")
-def layer_unroll():
-    return run("unroll", ("attn",), (M, 128 * K), configs=configs(layer_unroll=[1, 2, 4, 6]), share_kv_from=M,
-               time_budget=280)
-
-
-@preset("layer-unroll-profile", "step_options_h200")
-def layer_unroll_profile():
-    return run("unroll_profile", ("attn", "attnprofile"), (M, 128 * K), configs=configs(layer_unroll=[2, 4]),
-               share_kv_from=M, time_budget=220)
-
-
-@preset("layer-unroll-full", "step_options_h200")
-def layer_unroll_full():
-    return run("unroll_full", ("full",), (128 * K,), configs=configs(layer_unroll=[1, 4]), full_contexts=(128 * K,),
-               time_budget=220)
-
-
-@preset("command-buffer-loop", "step_options_h200")
-def command_buffer_loop():
-    return run("while", ("attn",), (M, 128 * K),
-               configs=configs(xla_options=[WHILE, WHILE + (("xla_gpu_command_buffer_unroll_loops", True),)]),
-               share_kv_from=M, time_budget=220)
-
-
-@preset("chunks-fetch-programs", "step_options_h200")
-def chunks_fetch_programs():
-    return run("chunks_fetch", ("attn",), (M, 128 * K),
-               configs=configs(layer_unroll=2, pipeline=["auto", 4, 8], fetch_programs=[66, 132]), share_kv_from=M,
-               time_budget=400)
-
-
-@preset("topk-programs", "step_options_h200")
-def topk_programs():
-    return run("topk", ("attn",), (M, 128 * K),
-               configs=configs(topk=[None, *(TopkConfig(bucket_splits=b, token_splits=t)
-                                             for b, t in ((8, 4), (16, 4), (8, 8), ("auto", 8)))]),
-               share_kv_from=M, time_budget=160)
-
-
-@preset("row-cache-1m", "row_cache_h200")
-def row_cache_1m():
-    return run("row_cache_1m", LINK_ATTN, (M, 128 * K), configs=configs(row_cache=[0, 16384]), share_kv_from=M,
-               query_drift=0.95, time_budget=190)
-
-
-@preset("row-cache-batch8", "row_cache_h200")
-def row_cache_batch8():
-    return run("row_cache_b8", ("link", "attnbatch", "attn", "batch", "attnprofile"), (128 * K,),
-               configs=configs(row_cache=[0, 16384]), attn_contexts=(128 * K,), batches=(8,), share_kv_from=512 * K,
-               query_drift=0.95, time_budget=390)
-
-
-@preset("honest-1m", "offload_h200_honest_1m")
-def honest_1m():
-    return run("honest_1m", ("link", "attn", "control"), (M,), resident_planes=(1, 4),
-               inputs=(INPUTS["today"], INPUTS["honest"]), share_kv_from=M, time_budget=290)
-
+preset("row-cache-1m", "row_cache_h200", "row_cache_1m", LINK_ATTN, (M, 128 * K), configs=configs(row_cache=[0, 16384]),
+       share_kv_from=M, query_drift=0.95, time_budget=190)
+preset("row-cache-batch8", "row_cache_h200", "row_cache_b8", ("link", "attnbatch", "attn", "batch", "attnprofile"),
+       (128 * K,), configs=configs(row_cache=[0, 16384]), attn_contexts=(128 * K,), batches=(8,), share_kv_from=512 * K,
+       query_drift=0.95, time_budget=390)
+preset("honest-1m", "offload_h200_honest_1m", "honest_1m", ("link", "attn", "control"), (M,), resident_planes=(1, 4),
+       inputs=(INPUTS["today"], INPUTS["honest"]), share_kv_from=M, time_budget=290)
 
 # warm planes (plane_reuse.md: on these keys a set of 27 / 58 channel planes per group, chosen by the planner's gains,
 # misses ~6% / ~11% of Fathom 48's host planes at p = 1 / 0)
-@preset("warm-1m", None)
-def warm_1m():
-    return run("warm_1m", LINK_ATTN, (M,), resident_planes=(0, 1), warm_planes=(0, 48), inputs=(INPUTS["honest"],),
-               share_kv_from=M, time_budget=480)
+preset("warm-1m", None, "warm_1m", LINK_ATTN, (M,), resident_planes=(0, 1), warm_planes=(0, 48),
+       inputs=(INPUTS["honest"],), share_kv_from=M, time_budget=480)
+preset("warm-128k-b8", None, "warm_128k_b8", ("link", "attnbatch"), (128 * K,), batches=(8,), rows=K8V8,
+       resident_planes=(0, 1), warm_planes=(0, 48), share_kv_from=None, time_budget=400)
 
+preset("fathom48", "fetch_order_h200", "f48", LINK_ATTN, (M, 128 * K), share_kv_from=M, time_budget=160)
+preset("attn-profile-1m", "fetch_order_h200", "profile_1m", ("attn", "attnprofile"), (M,), share_kv_from=M,
+       time_budget=140)
 
-@preset("warm-128k-b8", None)
-def warm_128k_b8():
-    return run("warm_128k_b8", ("link", "attnbatch"), (128 * K,), batches=(8,), rows=(Rows(row_format("k8v8")),),
-               resident_planes=(0, 1), warm_planes=(0, 48), share_kv_from=None, time_budget=400)
-
-
-@preset("fathom48", "fetch_order_h200")
-def fathom48():
-    return run("f48", LINK_ATTN, (M, 128 * K), share_kv_from=M, time_budget=160)
-
-
-@preset("attn-profile-1m", "fetch_order_h200")
-def attn_profile_1m():
-    return run("profile_1m", ("attn", "attnprofile"), (M,), share_kv_from=M, time_budget=140)
-
-
-@preset("tiers-1m", "offload_h200")
-def tiers_1m():
-    return run("tiers_1m", LINK_ATTN, (M,), F4, resident_planes=(0, 1), share_kv_from=M, time_budget=350)
-
-
-@preset("tiers-128k", "offload_h200")
-def tiers_128k():
-    return run("tiers_128k", LINK_ATTN, (128 * K,), F4, resident_planes=(0, 1), share_kv_from=M, time_budget=190)
-
-
-@preset("tiers-p24", "offload_h200")
-def tiers_p24():
-    return run("tiers_p24", ("attn",), (M, 128 * K), ("Fathom 48", "Fathom 64"), resident_planes=(2, 4),
-               share_kv_from=M, time_budget=210)
-
-
-@preset("tiers-profile", "offload_h200")
-def tiers_profile():
-    return run("tiers_profile", ("attn", "attnprofile"), (M,), resident_planes=(1,), share_kv_from=M,
-               time_budget=140)
-
-
-@preset("tiers-chunks", "offload_h200_tiers_chunks")
-def tiers_chunks():
-    return run("tiers_chunks", LINK_ATTN, (M,), configs=configs(pipeline=[8, 2, 1]), resident_planes=(1, 2, 4),
-               share_kv_from=M, time_budget=420)
-
+preset("tiers-1m", "offload_h200", "tiers_1m", LINK_ATTN, (M,), F4, resident_planes=(0, 1), share_kv_from=M,
+       time_budget=350)
+preset("tiers-128k", "offload_h200", "tiers_128k", LINK_ATTN, (128 * K,), F4, resident_planes=(0, 1), share_kv_from=M,
+       time_budget=190)
+preset("tiers-p24", "offload_h200", "tiers_p24", ("attn",), (M, 128 * K), ("Fathom 48", "Fathom 64"),
+       resident_planes=(2, 4), share_kv_from=M, time_budget=210)
+preset("tiers-profile", "offload_h200", "tiers_profile", ("attn", "attnprofile"), (M,), resident_planes=(1,),
+       share_kv_from=M, time_budget=140)
+preset("tiers-chunks", "offload_h200_tiers_chunks", "tiers_chunks", LINK_ATTN, (M,),
+       configs=configs(pipeline=[8, 2, 1]), resident_planes=(1, 2, 4), share_kv_from=M, time_budget=420)
 
 # K/V row formats (issue 32): every layer's (every session's) own rows in 8-bit K and V, beside bf16 rows; the pinned
 # host cap must hold them (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, results/README.md). bf16 rows of every layer at 1M
 # (167 GB) do not fit the 128 GiB host: their row, shared by every layer, is the committed baseline (offload_h200). At
 # 128k batch 8, bf16 own rows (175 GB) do not fit either: bf16 is measured shared as the control, after k8v8 (the
 # larger cache first: the allocator's regions, once pinned, are kept).
-@preset("rows-1m", "offload_h200_rows_1m")
-def rows_1m():
-    return run("rows_1m", ("link", "attn", "full"), (M,), attn_contexts=(M,), full_contexts=(M,),
-               rows=(Rows(row_format("k8v8")),), share_kv_from=None, time_budget=200)
-
-
-@preset("rows-1m-tiers", "offload_h200_rows_1m_tiers")
-def rows_1m_tiers():
-    return run("rows_1m_tiers", ("link", "attn", "full"), (M,), attn_contexts=(M,), full_contexts=(M,),
-               rows=(Rows(row_format("k8v8")),), resident_planes=(1,), share_kv_from=None, time_budget=200)
-
-
-@preset("rows-128k-batch", "offload_h200_rows_128k_b8")
-def rows_128k_batch():
-    return run("rows_128k_b8", ("link", "attnbatch", "batch"), (128 * K,), batches=(8,),
-               rows=(Rows(row_format("k8v8"), None), Rows(None, 512 * K)), share_kv_from=None, time_budget=280)
-
-
-@preset("tiers-batch8", "offload_h200_tiers_b8")
-def tiers_batch8():
-    return run("tiers_b8", ("link", "attnbatch", "batch"), (128 * K,), configs=configs(pipeline=[2, 1]),
-               batches=(8,), rows=(Rows(row_format("k8v8")),), resident_planes=(1,), share_kv_from=None,
-               time_budget=300)
-
-
-@preset("rows-128k-batches", "offload_h200_rows_128k_batches")
-def rows_128k_batches():
-    return run("rows_128k_batches", ("link", "batch"), (128 * K,), batches=(8, 4, 2, 1),
-               rows=(Rows(row_format("k8v8")),), resident_planes=(0, 1), share_kv_from=None, time_budget=540)
-
+preset("rows-1m", "offload_h200_rows_1m", "rows_1m", ("link", "attn", "full"), (M,), attn_contexts=(M,),
+       full_contexts=(M,), rows=K8V8, share_kv_from=None, time_budget=200)
+preset("rows-1m-tiers", "offload_h200_rows_1m_tiers", "rows_1m_tiers", ("link", "attn", "full"), (M,),
+       attn_contexts=(M,), full_contexts=(M,), rows=K8V8, resident_planes=(1,), share_kv_from=None, time_budget=200)
+preset("rows-128k-batch", "offload_h200_rows_128k_b8", "rows_128k_b8", ("link", "attnbatch", "batch"), (128 * K,),
+       batches=(8,), rows=(Rows(row_format("k8v8"), None), Rows(None, 512 * K)), share_kv_from=None, time_budget=280)
+preset("tiers-batch8", "offload_h200_tiers_b8", "tiers_b8", ("link", "attnbatch", "batch"), (128 * K,),
+       configs=configs(pipeline=[2, 1]), batches=(8,), rows=K8V8, resident_planes=(1,), share_kv_from=None,
+       time_budget=300)
+preset("rows-128k-batches", "offload_h200_rows_128k_batches", "rows_128k_batches", ("link", "batch"), (128 * K,),
+       batches=(8, 4, 2, 1), rows=K8V8, resident_planes=(0, 1), share_kv_from=None, time_budget=540)
 
 # the two-GPU machine (every layer's own K/V: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, results/README.md)
-@preset("x2-1m-1gpu", "offload_h200x2")
-def x2_1m_1gpu():
-    return run("1m_1gpu", LINK_ATTN, (M,), F48_32, configs=WRITES, mesh=1, share_kv_from=None, time_budget=230)
-
-
-@preset("x2-1m-2gpu", "offload_h200x2")
-def x2_1m_2gpu():
-    return run("1m_2gpu", LINK_ATTN, (M,), F48_32, configs=WRITES, mesh=2, share_kv_from=None, time_budget=310)
-
-
-@preset("x2-512k-1gpu", "offload_h200x2")
-def x2_512k_1gpu():
-    return run("512k_1gpu", ("attn",), (512 * K,), mesh=1, share_kv_from=None, time_budget=210)
-
-
-@preset("x2-512k-2gpu", "offload_h200x2")
-def x2_512k_2gpu():
-    return run("512k_2gpu", LINK_ATTN, (512 * K,), mesh=2, share_kv_from=None, time_budget=270)
-
-
-@preset("x2-shared-1gpu", "offload_h200x2")
-def x2_shared_1gpu():
-    return run("shared_1gpu", LINK_ATTN, (M, 128 * K), F48_32, mesh=1, share_kv_from=M, time_budget=140)
-
-
-@preset("x2-shared-2gpu", "offload_h200x2")
-def x2_shared_2gpu():
-    return run("shared_2gpu", LINK_ATTN, (M, 128 * K), F48_32, mesh=2, share_kv_from=M, time_budget=160)
+preset("x2-1m-1gpu", "offload_h200x2", "1m_1gpu", LINK_ATTN, (M,), F48_32, configs=WRITES, mesh=1, share_kv_from=None,
+       time_budget=230)
+preset("x2-1m-2gpu", "offload_h200x2", "1m_2gpu", LINK_ATTN, (M,), F48_32, configs=WRITES, mesh=2, share_kv_from=None,
+       time_budget=310)
+preset("x2-512k-1gpu", "offload_h200x2", "512k_1gpu", ("attn",), (512 * K,), mesh=1, share_kv_from=None,
+       time_budget=210)
+preset("x2-512k-2gpu", "offload_h200x2", "512k_2gpu", LINK_ATTN, (512 * K,), mesh=2, share_kv_from=None,
+       time_budget=270)
+preset("x2-shared-1gpu", "offload_h200x2", "shared_1gpu", LINK_ATTN, (M, 128 * K), F48_32, mesh=1, share_kv_from=M,
+       time_budget=140)
+preset("x2-shared-2gpu", "offload_h200x2", "shared_2gpu", LINK_ATTN, (M, 128 * K), F48_32, mesh=2, share_kv_from=M,
+       time_budget=160)

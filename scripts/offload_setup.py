@@ -166,10 +166,6 @@ def rows_tag(rows) -> str:
     return "" if rows.name == "model" else f" rows {rows.name}"
 
 
-def options_text(options) -> str:
-    return ",".join(f"{k}={v}" for k, v in dict(options).items())
-
-
 def split_fields(attn) -> dict:
     """The options a row varies (the columns of the report), as the bound hook's resolved step runs them."""
     run = attn.run
@@ -177,9 +173,9 @@ def split_fields(attn) -> dict:
             "gather_programs": getattr(run.reader, "programs", 0), "fetch_programs": run.fetcher.programs,
             "layer_unroll": run.layer_unroll, "row_cache": run.row_cache, "scan_writes": run.in_place,
             "topk": topk_name(run.topk), "scan": scan_name(attn.step.scan),
-            "xla_options": options_text(attn.step.xla_options), "select": attn.step.selection,
-            "attention": attn.step.attention,
-            "read": attn.step.read, "rows": "model" if attn.rows is None else attn.rows.spec}
+            "xla_options": ",".join(f"{k}={v}" for k, v in dict(attn.step.xla_options).items()),
+            "select": attn.step.selection, "attention": attn.step.attention, "read": attn.step.read,
+            "rows": "model" if attn.rows is None else attn.rows.spec}
 
 
 def variant_tag(split: dict) -> str:

@@ -63,13 +63,11 @@ def churn(sessions: int, slots: int, rounds: int, burst: int, seed: int = 0, min
     return events
 
 
-def _device_bytes() -> int | None:
+def memory() -> dict:
+    """Device memory in use (None where the backend reports none) and the bytes of live JAX arrays."""
     stats = jax.local_devices()[0].memory_stats()
-    return None if not stats else int(stats.get("bytes_in_use", 0))
-
-
-def _live_bytes() -> int:
-    return int(sum(x.nbytes for x in jax.live_arrays()))
+    return dict(device_in_use=None if not stats else int(stats.get("bytes_in_use", 0)),
+                live_bytes=int(sum(x.nbytes for x in jax.live_arrays())))
 
 
 def run(pool: SessionPool, events: list[dict], prompts: list, save_dir: str) -> dict:
@@ -97,21 +95,19 @@ def run(pool: SessionPool, events: list[dict], prompts: list, save_dir: str) -> 
         elif op == "save":
             pool.save(ids[i], os.path.join(save_dir, f"session_{i}"))
             saves.append(time.perf_counter() - t0)
-            tokens[i] = pool.tokens(ids[i])
-            pool.remove(ids.pop(i))
         elif op == "load":
             ids[i] = pool.load(os.path.join(save_dir, f"session_{i}"))
             loads.append(time.perf_counter() - t0)
-        elif op == "remove":
+        elif op != "remove":
+            raise ValueError(f"unknown trace event {event!r}")
+        if op in ("save", "remove"):  # the session leaves the pool (a saved one comes back by a load)
             tokens[i] = pool.tokens(ids[i])
             pool.remove(ids.pop(i))
-        else:
-            raise ValueError(f"unknown trace event {event!r}")
         mem = pool.memory()
         timeline.append(dict(op=op, session=i, seconds=time.perf_counter() - t0, at=time.perf_counter() - start,
                              tokens=decoded, steps=event.get("n", 0), parked=mem["host"]["parked"],
                              host_bytes=mem["host"]["pool"] + mem["host"]["parked_bytes"],
-                             hbm_bytes=mem["hbm"]["pool"], device_in_use=_device_bytes(), live_bytes=_live_bytes()))
+                             hbm_bytes=mem["hbm"]["pool"], **memory()))
     for i, sid in ids.items():
         tokens[i] = pool.tokens(sid)
     return dict(tokens=tokens, timeline=timeline, add_s=adds, save_s=saves, load_s=loads,

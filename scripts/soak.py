@@ -79,9 +79,8 @@ def index_matches(cache, attn, host=None) -> tuple[bool, str]:
         got = jax.tree.map(lambda a, layer=layer: a[layer], host.index)
         for part, g, w in zip(got.parts, got.data, want.data):
             g, w = _open_tail(g, int(n[0])), _open_tail(w, int(n[0]))
-            for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
-                if not np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)):
-                    return False, f"layer {layer}, part {part.name}"
+            if not all(map(_same, jax.tree.leaves(g), jax.tree.leaves(w))):
+                return False, f"layer {layer}, part {part.name}"
     return True, ""
 
 

@@ -18,6 +18,7 @@ alone and uninterrupted in the same pool, and checked:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -31,12 +32,6 @@ from fathom_jax.serve import PoolConfig, SessionPool
 from scripts import harness, pool_trace
 
 
-def _memory() -> dict:
-    stats = jax.local_devices()[0].memory_stats()
-    return dict(device_in_use=None if not stats else int(stats.get("bytes_in_use", 0)),
-                live_bytes=int(sum(x.nbytes for x in jax.live_arrays())))
-
-
 def soak(model, prompts: list, args) -> dict:
     attn = decode.from_spec(args.method, k=args.k, rows=None if args.rows == "model" else args.rows)
     capacity = max(p.size for p in prompts) + args.events * args.burst + 64
@@ -45,10 +40,10 @@ def soak(model, prompts: list, args) -> dict:
     t0 = time.time()
     with tempfile.TemporaryDirectory(dir=args.save_dir) as save_dir:
         pool_trace.warm_up(pool, prompts[0], save_dir)
-        before, compiled = _memory(), pool.step_compiles()
+        before, compiled = pool_trace.memory(), pool.step_compiles()
         res = pool_trace.run(pool, events, prompts, save_dir)
-    gc_collect()
-    after = _memory()
+    gc.collect()
+    after = pool_trace.memory()
     trace_s = time.time() - t0
     sessions = []
     for i, got in sorted(res["tokens"].items()):
@@ -65,12 +60,6 @@ def soak(model, prompts: list, args) -> dict:
                 memory_after=after, memory_vs_before=flat,
                 passed=all(s["equal"] for s in sessions) and pool.step_compiles() <= 1 and pool.step_compiles() == compiled
                 and all(v is None or abs(v - 1) <= 0.01 for v in flat.values()))
-
-
-def gc_collect() -> None:
-    import gc
-
-    gc.collect()
 
 
 def write_report(res: dict, prefix: str) -> None:

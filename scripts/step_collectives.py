@@ -15,12 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import sys
-
-
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all",
-               "collective-broadcast", "ragged-all-to-all")
 
 
 def _devices_flag(argv) -> int:
@@ -41,20 +36,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from fathom_jax import hlo_instructions  # noqa: E402
+from fathom_jax import hlo_collectives  # noqa: E402
 from fathom_jax.models import LlamaForCausalLM, generation  # noqa: E402
 from fathom_jax.decode import Placement, device_mesh  # noqa: E402
 from scripts import bench_offload as bench  # noqa: E402
 from scripts import harness  # noqa: E402
 from scripts import offload_setup  # noqa: E402
-
-_REF = re.compile(r"\b(?:calls|body|condition|to_apply)=%?([\w.\-]+)")
-_REFS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def _structs(tree, sharding_of):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding_of(tree))
 
 
 def abstract_step(cfg, placement: Placement, *, context: int, batch: int, method: str, k: int):
@@ -67,50 +54,11 @@ def abstract_step(cfg, placement: Placement, *, context: int, batch: int, method
     shape = offload_setup.cache_shape(cfg, batch, context)
     attn = offload_setup.hook(offload_setup.METHODS[method], calib, k, placement, "xla", shape=shape)
     cache = jax.eval_shape(lambda: attn.init_cache(shape))
-    cache = _structs(cache, lambda c: placement.shardings(c, c.bulk()))
+    cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
+                         placement.shardings(cache, cache.bulk()))
     run = generation.decode_step_program(model, cache, attn)
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep)
     return run.lower(state, tokens, None, cache=cache).compile().as_text()  # None: a Llama keeps no state of its own
-
-
-def trip_counts(text: str) -> dict[str, int]:
-    """How many times one run of the module runs each computation (a while body: its known trip count times its
-    caller's; everything else: its caller's)."""
-    callers: dict[str, list[tuple[str, int]]] = {}
-    computation = None
-    for line in text.splitlines():
-        if line and not line.startswith(" ") and "{" in line:
-            computation = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
-            continue
-        trips = _TRIPS.search(line)
-        body = re.search(r"body=%?([\w.\-]+)", line)
-        callees = _REF.findall(line) + [c for group in _REFS.findall(line) for c in re.findall(r"[\w.\-]+", group)]
-        for callee in callees:
-            n = int(trips.group(1)) if trips and body and callee == body.group(1) else 1
-            callers.setdefault(callee, []).append((computation, n))
-    memo: dict[str, int] = {"ENTRY": 1}
-
-    def count(name: str, depth: int = 0) -> int:
-        if name not in memo:
-            memo[name] = 0 if depth > 50 else sum(n * count(c, depth + 1) for c, n in callers.get(name, []))
-        return memo[name]
-
-    return {name: count(name) for name in set(callers) | {"ENTRY"}}
-
-
-def collectives(text: str) -> list[dict]:
-    """Every collective of an HLO module (an async pair once, at its ``-done``... or its ``-start`` shape where XLA
-    keeps the pair): opcode, shape, bytes, runs per module run, the JAX op."""
-    runs = trip_counts(text)
-    found = []
-    for i in hlo_instructions(text):
-        op = i["opcode"]
-        if not op.startswith(COLLECTIVES) or op.endswith("-start"):
-            continue
-        found.append({"opcode": op.removesuffix("-done"), "shape": i["shape"], "bytes": i["bytes"],
-                      "per_step": runs.get(i["computation"], 1), "computation": i["computation"],
-                      "op": i["op"], "source": i["source"]})
-    return found
 
 
 def write_report(res: dict, prefix: str) -> None:
@@ -155,7 +103,7 @@ def main(argv=None):
         for context in (offload_setup.parse_ctx(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
                 text = abstract_step(cfg, placement, context=context, batch=batch, method=args.method, k=args.k)
-                row = {"devices": devices, "context": context, "batch": batch, "collectives": collectives(text)}
+                row = {"devices": devices, "context": context, "batch": batch, "collectives": hlo_collectives(text)}
                 res["rows"].append(row)
                 print(devices, context, batch, [(c["opcode"], c["shape"], c["per_step"]) for c in row["collectives"]],
                       flush=True)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from fathom_jax import decode
 from fathom_jax.decode import StepConfig
-from fathom_jax.hlo import device_copies, host_array_copies, kernel_launches
+from fathom_jax.hlo import device_copies, hlo_collectives, host_array_copies, kernel_launches, trip_counts
 from fathom_jax.models import generation
 
 SNIPPET = """
@@ -307,3 +307,36 @@ def test_kernel_launches_say_which_kernels_command_buffers_capture():
     assert loop["kernels"] == 3 and loop["captured"] == 2 and loop["triton_outside"] == 1
     (plain,) = kernel_launches(_LAUNCH_HLO)["loops"]
     assert plain["captured"] == 0 and plain["triton_outside"] == 1  # the branches' kernels are counted apart
+
+
+COLLECTIVES = """
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={}, to_apply=%add, metadata={op_name="jit(step)/while/body/psum" source_file="/x/model.py" source_line=7}
+}
+
+%cond (t: (s32[], f32[8])) -> pred[] {
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %n), direction=LT
+}
+
+ENTRY %main (a: f32[8]) -> f32[16] {
+  %w = (s32[], f32[8]) while((s32[], f32[8]) %t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"36"}}
+  %ags = (f32[8]{0}, f32[16]{0}) all-gather-start(f32[8]{0} %a), dimensions={0}
+  ROOT %agd = f32[16]{0} all-gather-done((f32[8]{0}, f32[16]{0}) %ags)
+}
+"""
+
+
+def test_collectives_count_their_runs_per_step():
+    """A collective inside a loop body runs its known trip count times per run of the module, one in the entry once;
+    an async pair counts once, at its ``-done``."""
+    assert trip_counts(COLLECTIVES)["body"] == 36 and trip_counts(COLLECTIVES)["ENTRY"] == 1
+    found = {c["opcode"]: c for c in hlo_collectives(COLLECTIVES)}
+    assert set(found) == {"all-reduce", "all-gather"}
+    assert (found["all-reduce"]["per_step"], found["all-reduce"]["bytes"], found["all-reduce"]["computation"]) == \
+        (36, 32, "body")
+    assert found["all-reduce"]["source"] == "model.py:7" and found["all-reduce"]["op"].endswith("/psum")
+    assert (found["all-gather"]["per_step"], found["all-gather"]["bytes"]) == (1, 64)
