@@ -11,7 +11,8 @@ capture (``chosen N``). See :mod:`fathom_jax.eval.share_run`.
     python -m scripts.share_fidelity --model smollm2 --context 4096
     python -m scripts.share_fidelity --model gemma3-270m --context 8192
 
-writes ``results/share_fidelity_<model>_<context>.{json,md,png}``. Runs on CPU.
+writes ``results/share_fidelity_<model>_<context>.{json,md,png}``. Runs on CPU. ``--tradeoff OFFLOAD_JSON ...``: the
+studies' error beside the benchmark's speed rows (:mod:`fathom_jax.eval.share_tradeoff`).
 """
 
 from __future__ import annotations
@@ -53,9 +54,18 @@ def main(argv=None):
     ap.add_argument("--rankings", nargs="+", default=list(ss.RANKINGS), choices=ss.RANKINGS)
     ap.add_argument("--out", default="results")
     ap.add_argument("--render", metavar="JSON", help="only rebuild the markdown and figure beside a results JSON")
+    ap.add_argument("--tradeoff", nargs="+", metavar="OFFLOAD_JSON", help="only write the trade-off of these offload "
+                                                                          "runs (one machine) and the studies in --out")
     args = ap.parse_args(argv)
     if args.render:
         return render(args.render)
+    if args.tradeoff:
+        from fathom_jax.eval import share_tradeoff
+        from scripts.offload_setup import METHODS
+
+        meta = {"commit": harness.git_commit(), "command": harness.command("scripts.share_fidelity", argv)}
+        return print("wrote", ", ".join(share_tradeoff.write(args.tradeoff, args.out, per_layer="Fathom 48", meta=meta,
+                                                             shared="Fathom 48 shared", spec=METHODS["Fathom 48 shared"])))
     if not 0 < args.positions < args.context or not 0 < args.calib_positions < args.context:
         ap.error(f"--positions and --calib-positions must lie in (0, --context = {args.context})")
     from fathom_jax.models.hub import model_config
