@@ -18,7 +18,6 @@ from jaxtyping import Array, Bool, Float, Int
 from fathom_jax.checks import CheckError, fail_if
 from pallas_kernels import backend
 from pallas_kernels.topk import LOCAL_TOKENS, SINK_TOKENS, TopkConfig, topk_select  # the window is defined there
-from pallas_kernels.topk_radix import INT_MIN, kth_largest, sortable_key
 
 
 def check_k(k: int, n: int, sink: int, local: int) -> None:
@@ -69,24 +68,6 @@ def select_topk(
         return jnp.maximum(idx, 0), idx >= 0
     top, idx = jax.lax.top_k(selection_priority(scores, length, sink=sink, local=local), k)
     return idx.astype(jnp.int32), top > -jnp.inf
-
-
-def kth_largest_middle(scores: Float[Array, "*B G n"], length: Int[Array, "*B"], m: int, *, sink: int = SINK_TOKENS,
-                       local: int = LOCAL_TOKENS, implementation: backend.Implementation | None = None
-                       ) -> Int[Array, "*B G"]:
-    """Per head, the order-preserving key (:func:`pallas_kernels.topk_radix.sortable_key`) of the ``m``-th largest
-    score among the middle positions ``[sink, length - local)`` (the lowest int32 where there are fewer): a threshold
-    that about ``m`` tokens reach. ``"triton"``: the radix-select kernel; ``"xla"``: a sort."""
-    implementation = backend.resolve_implementation(implementation)
-    n = scores.shape[-1]
-    pos = jnp.arange(n, dtype=jnp.int32)
-    middle = (pos >= sink) & (pos < jnp.asarray(length, jnp.int32)[..., None, None] - local)
-    keys = jnp.where(middle, sortable_key(scores), INT_MIN)
-    if m > n:
-        return jnp.full(scores.shape[:-1], INT_MIN, jnp.int32)
-    if implementation == "triton":
-        return kth_largest(keys.reshape(-1, n), k=m, interpret=backend.resolve_interpret(None)).reshape(scores.shape[:-1])
-    return jnp.bitwise_not(jnp.sort(jnp.bitwise_not(keys), axis=-1)[..., m - 1])  # ~ reverses the order exactly
 
 
 def _checked_length(length, batch: tuple[int, ...], n: int) -> Int[Array, "*B"]:

@@ -15,7 +15,7 @@ The active channels come as a fixed-size run list (:class:`~pallas_kernels.opera
 1) with the depth a compile-time constant. The store is a :class:`~pallas_kernels.operands.StorePlanes`.
 
 The kernel (its bodies in :mod:`pallas_kernels.plane_scan_bodies`, its launch in
-:mod:`pallas_kernels.plane_scan_common`, shared with the scan that selects, :mod:`pallas_kernels.scan_select`): one
+:mod:`pallas_kernels.plane_scan_common`): one
 program per (group, tile of tokens), one loop per depth class over the listed channels, in f32 (``PlaneScanConfig.math = "f32"``, exact to f32 rounding) or on pairs of
 tokens in packed f16 (``"f16x2"``: half the arithmetic, scores within :func:`f16x2_error_bound` of the exact ones).
 Planes and scales are read in place through ``memory_space=ANY`` refs, so they may live in ``pinned_host`` memory (a
@@ -99,7 +99,7 @@ def _plane_scan_pallas(q, store: StorePlanes, length, runs: RunList, extra: tupl
     split = WORD_BITS // config.lanes
     out = common.scan_call(
         q, store, length, runs, extra, config=config, interpret=interpret, hot_group_start=hot_group_start,
-        epilogue=bodies.store_scores, tail=(),
+        epilogue=bodies.store_scores,
         out_shape=jax.ShapeDtypeStruct((r, g, store.width * split, config.lanes), jnp.float32),
         name=KERNEL_NAME if config.math == "f32" else f"{KERNEL_NAME}_{config.math}")
     return out.reshape(r, g, store.width * WORD_BITS)

@@ -129,10 +129,9 @@ def _over_depth_classes(bounds_ref, r, body, carry):
 
 def f32_body(qc_ref, ch_ref, bounds_ref, len_ref, layer_ref, planes_ref, scales_ref, *rest, groups: int, elems: int,
              lanes: int, num_words: int, group_start: int, hot_group_start: int | None, interpret: bool,
-             n_resident: int, epilogue, stride: int = 1):
+             n_resident: int, epilogue):
     """``f32`` arithmetic; ``rest``: the ``n_resident`` refs of the resident planes, then the epilogue's refs, which
-    ``epilogue`` (:class:`Tile`) writes from the tile's scores. ``stride`` > 1 scores every ``stride``-th token only
-    (a sample: that share of the arithmetic), the tile's ``tok`` and scores ``[elems, lanes / stride]``."""
+    ``epilogue`` (:class:`Tile`) writes from the tile's scores."""
     del interpret
     resident, tail = rest[:n_resident], rest[n_resident:]
     split = WORD_BITS // lanes
@@ -146,7 +145,7 @@ def f32_body(qc_ref, ch_ref, bounds_ref, len_ref, layer_ref, planes_ref, scales_
     block = e // (BLOCK_TOKENS // lanes)
     part_shift = ((e % split) * lanes).astype(jnp.uint32) if split > 1 else None
     cols = word if split > 1 else pl.ds(e0, elems)
-    computed = range(0, lanes, stride)
+    computed = range(lanes)
     acc = tuple(tuple(jnp.zeros((elems,), jnp.float32) for _ in computed) for _ in range(groups))
     bias = tuple(jnp.zeros((elems,), jnp.float32) for _ in range(groups))
     magic = jnp.full((elems,), _MAGIC, jnp.uint32)
@@ -173,7 +172,7 @@ def f32_body(qc_ref, ch_ref, bounds_ref, len_ref, layer_ref, planes_ref, scales_
 
     acc, bias = _over_depth_classes(bounds_ref, r, body, (acc, bias))
 
-    tok = e[:, None] * lanes + jnp.arange(0, lanes, stride, dtype=jnp.int32)[None, :]
+    tok = e[:, None] * lanes + jnp.arange(lanes, dtype=jnp.int32)[None, :]
     scores = [_stack_lanes([x + bias[h] for x in acc[h]]) for h in range(groups)]
     epilogue(tail, Tile(r=r, e0=e0, elems=elems, tok=tok, emask=emask, length=len_ref[r]), scores)
 

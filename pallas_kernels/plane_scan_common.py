@@ -1,10 +1,6 @@
-"""What the two kernels of the plane scan share: their configuration, the check of their operands, the launch of a
-kernel body (:mod:`pallas_kernels.plane_scan_bodies`) with an epilogue of its own, and the plain-jnp scores both
-references start from.
-
-* :func:`pallas_kernels.plane_scan.plane_scan` writes every token's score;
-* :func:`pallas_kernels.scan_select.scan_select` keeps, per query head, only the tokens whose score reaches a
-  threshold, compacted (the decode step's selection, with no score array).
+"""The plane scan's (:func:`pallas_kernels.plane_scan.plane_scan`) configuration, the check of its operands, the
+launch of a kernel body (:mod:`pallas_kernels.plane_scan_bodies`) with its epilogue, and the plain-jnp scores of its
+reference.
 """
 
 from __future__ import annotations
@@ -113,15 +109,11 @@ def _class_bounds(depths):
 
 
 def scan_call(q, store, length, runs, extra: tuple, *, config, interpret: bool, hot_group_start, epilogue,
-              tail: tuple, out_shape, name: str, aliases: dict | None = None, stride: int = 1,
-              raw_outputs: bool = False):
+              out_shape, name: str):
     """One scan launch over ``q [Rc, G, D]``, the stacked ``store`` at its layer (``i32 [1]``), ``length`` and the
     run list ``runs`` (``[Rc, C]``), grid (group, tile): each program scores its tile and hands the scores to
-    ``epilogue(refs, tile, scores)``, whose refs are ``tail`` (more inputs, all read in place) and then ``out_shape``'s
-    outputs (``aliases``: ``{index into tail: output index}``). ``extra``: the resident planes' operands (their hot
-    tier groups ``hot_group_start ..``). ``stride`` > 1 (f32 arithmetic): every ``stride``-th token scored, a
-    sample. ``raw_outputs``: the outputs passed as raw pointers (``memory_space=ANY``, as an aliased output that
-    atomics update must be)."""
+    ``epilogue(refs, tile, scores)``, whose refs are ``out_shape``'s outputs. ``extra``: the resident planes'
+    operands (their hot tier groups ``hot_group_start ..``)."""
     r, g = q.shape[:2]
     channels, depths = runs.channels, runs.depths
     if not runs.sorted:
@@ -141,22 +133,16 @@ def scan_call(q, store, length, runs, extra: tuple, *, config, interpret: bool, 
         body = bodies.f16x2_body
         inputs = (qc, jnp.sum(jnp.where(depths[:, None, :] > 0, jnp.abs(qc), 0.0).max(axis=1), axis=-1), *inputs[1:])
     else:
-        body = functools.partial(bodies.f32_body, stride=stride)
-    if stride > 1 and (config.math != "f32" or config.lanes % stride):
-        raise ValueError(f"a sampled scan (stride {stride}) runs the f32 arithmetic with lanes divisible by the "
-                         f"stride, got {config}")
+        body = bodies.f32_body
     kernel = functools.partial(body, groups=g, elems=elems, lanes=config.lanes, num_words=store.width,
                                group_start=store.group_start, hot_group_start=hot_group_start, interpret=interpret,
                                n_resident=len(extra), epilogue=epilogue)
-    offset = len(inputs)
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(r, pl.cdiv(store.width * split, elems)),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (offset + len(tail)),
-        **({"out_specs": jax.tree.map(lambda _: pl.BlockSpec(memory_space=pl.ANY), out_shape)} if raw_outputs else {}),
-        input_output_aliases={offset + i: o for i, o in (aliases or {}).items()},
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(inputs),
         interpret=interpret,
         name=name,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-    )(*inputs, *tail)
+    )(*inputs)

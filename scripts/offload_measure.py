@@ -90,12 +90,10 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
     """Bytes a step reads: the planned planes + scales of every layer and the selected rows, and of those what crosses
     the link (with resident planes: only the planes below each layer's resident count stay in HBM, with the scales).
     A selected row is what the hook's row layout stores per token (K and V: ``2 Dh`` bf16 values, or a compressed
-    format's words with their scales). With a selection shared across layers only its selection layers read planes
-    (twice under threshold selection, which writes no scores to publish from); the others fetch the shared set's
-    rows."""
+    format's words with their scales). With a selection shared across layers only its selection layers read planes;
+    the others fetch the shared set's rows."""
     method = attn.method
     selects = attn.share.selects if attn.share is not None else (True,) * cfg.n_layers
-    passes = 2 if attn.share is not None and attn.step.selection == "threshold" else 1
     row_bytes = RowLayout.of(attn.rows, cfg.head_dim, jnp.bfloat16).row_bytes
     resident, warm = attn.placement.resident(cfg.n_layers), attn.placement.warm_planes
     bits, link_bits, plane0, code = [], [], 0.0, 0.0
@@ -106,7 +104,7 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
             bits.append(np.zeros_like(np.asarray(read.bits)))
             link_bits.append(np.zeros_like(np.asarray(read.bits), np.float64))
             continue
-        bits.append(passes * np.asarray(read.bits))
+        bits.append(np.asarray(read.bits))
         depths = np.asarray(getattr(read, "depths", np.zeros((1, 1))))
         plane0, code = plane0 + float((depths > 0).sum()), code + float(depths.sum())
         if resident[layer] or warm:  # planes below the resident count (and the warm ones) and every scale in HBM
@@ -114,9 +112,9 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
             if warm:  # as the fill chose them: the step's queries are the prompt's (build_cache)
                 gains = importance(q[layer], c.variance)
                 first = first + np.sum(np.asarray(warm_choice(gains, resident[layer], warm)) > 0, axis=-1)
-            link_bits.append(passes * np.maximum(depths - first, 0).sum(-1).astype(np.float64))
+            link_bits.append(np.maximum(depths - first, 0).sum(-1).astype(np.float64))
         else:
-            link_bits.append(passes * np.asarray(read.bits, np.float64))
+            link_bits.append(np.asarray(read.bits, np.float64))
     bits = np.stack(bits)  # [L, R]
     r, g = q.shape[1:3]
     if method.name == "dense":  # reads every K and V row, selects nothing
@@ -153,20 +151,12 @@ def row_cache_fields(cache, link_gbps: float, scan_bytes: float) -> dict:
             "link_floor_fetched_ms": (scan_bytes + row_bytes) / (link_gbps * 1e9) * 1e3}
 
 
-def selection_fields(cache, attn, steps: int) -> dict:
-    """How often the threshold selection's candidates could not prove a group's selection (the second path ran):
-    ``second_path`` of the ``selections`` a row's ``steps`` made (layers x groups each), from the cache's counts."""
-    if cache.second_path is None or not attn.run.thresholds:
-        return {}
-    return {"second_path": int(jnp.sum(cache.second_path)), "selections": steps * cache.second_path.size}
-
-
 def launch_fields(attn, q, key, value, cache, hlo_path=None) -> dict:
     """The kernels the attention-only step's compiled program launches a layer (on a GPU; none elsewhere): ``launches``
-    in the layer loop's body outside any branch, ``launches_first`` / ``launches_second`` the threshold selection's
-    branches (its candidates' path, and the sorted second path), ``launches_captured`` those of the body inside XLA's
-    command buffers and ``triton_uncaptured`` its Pallas kernels outside them, from
-    ``fathom_jax.hlo.kernel_launches``."""
+    in the layer loop's body outside any branch, ``launches_first`` / ``launches_second`` those of the body's
+    branches' first and last branch (a shared selection's: the layer that follows, the layer that selects),
+    ``launches_captured`` those of the body inside XLA's command buffers and ``triton_uncaptured`` its Pallas
+    kernels outside them, from ``fathom_jax.hlo.kernel_launches``."""
     if jax.default_backend() != "gpu":
         return {}
     program = decode.programs.attention_program(attn, cache)
@@ -249,10 +239,10 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
     bulk = cache.bulk()
     start = jax.tree.map(jnp.copy, split_bulk(cache, bulk)[0])
     queries = drifting_queries(q, drift) if drift is not None else [q]
-    # the HBM control runs each scan configuration, selection and attention with the step's other defaults (its
-    # options are the offload's)
+    # the HBM control runs each scan configuration and attention with the step's other defaults (its options are the
+    # offload's)
     variants = args.configs if placement.offloaded else list(dict.fromkeys(
-        StepConfig(scan=c.scan, selection=c.selection, attention=c.attention) for c in args.configs))
+        StepConfig(scan=c.scan, attention=c.attention) for c in args.configs))
     for label, variant in ((m, v) for m in labels for v in variants):
         if run.left() < 30:
             run.res["errors"].append({"section": f"attn {label} {context}", "error": "skipped: time budget spent"})
@@ -275,7 +265,6 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
             print(f"[attn {label} {context}] FAILED {e}"[:600], flush=True)
             return None
         cache = state[1]
-        selection = selection_fields(cache, attn, next(steps))
         hlo_path = os.path.join(run.out, f"{run.name}_{placement.memory}_{variant_tag(split)}.hlo.txt") if (
             args.dump_hlo) else None
         launches = launch_fields(attn, queries[0], key, value, cache, hlo_path)
@@ -298,7 +287,7 @@ def attention_rows(run: Run, context, labels, *, batch=1, placement=None, tag=""
         run.add({"kind": "attention", "method": label, "context": context, "batch": batch, "memory": placement.memory,
                  "mesh": placement.num_shards, **split, **tiers, "shared_kv": shared, "query_drift": drift,
                  "inputs": (inputs or INPUTS["today"]).name,
-                 **cached, **host_fields(cache, placement), **selection, **launches,
+                 **cached, **host_fields(cache, placement), **launches,
                  "fill_s": fill_s,
                  "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, **r, **nbytes,
                  "link_floor_ms": floor_ms, "fraction_of_link": floor_ms / r["median_ms"],

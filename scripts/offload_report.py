@@ -13,8 +13,8 @@ from scripts.offload_setup import AUTHORS_MS
 
 
 # What a row measured before an option existed ran: its fields as today's rows record them. Before 2026-12-01 every
-# layer's writes came after the scan; the GPU streams, writes after the scan, the two-kernel selection and the chained
-# chunk order are measured options since deleted, kept for their rows.
+# layer's writes came after the scan; the GPU streams, writes after the scan, the two-kernel selection, the chained
+# chunk order and the threshold selection (``select``) are measured options since deleted, kept for their rows.
 OLD_ROW_FIELDS = {"streams": 1, "index_writes": "every_step", "pipeline": 1, "gather_programs": 0, "scan_writes": False,
                   "fetch_programs": 0, "topk": "single", "xla_options": "", "layer_unroll": 1, "row_cache": 0,
                   "resident_planes": 0, "warm_planes": 0, "rows": "model", "inputs": "today", "selection": "topk_union",
@@ -107,7 +107,7 @@ def step_cells(r: dict) -> str:
 
 
 def select_text(r: dict) -> str:
-    """A threshold-selection row's selection and how often its second path ran."""
+    """A threshold-selection row's selection and how often its second path ran (a deleted option's rows)."""
     text = f"{r['select']} selection"
     if r.get("selections"):
         text += f" (second path {r['second_path'] / r['selections']:.1%})"

@@ -221,7 +221,6 @@ STEP_OPTIONS: dict[str, tuple[Callable[[str], list[dict]], str]] = {
     "row_cache": (_checked("row_cache", _int_or("last"), 0), "device-memory row-cache slots per layer and group "
                                                         "(StepConfig.row_cache; 0: none)"),
     "scan": (_checked("scan", scan_config), f"plane scan configurations (StepConfig.scan): {', '.join(SCAN_CONFIGS)}"),
-    "select": (_checked("selection"), "how a step selects its rows (StepConfig.selection): threshold and/or sorted"),
     "attention": (_checked("attention"), "how a step attends (StepConfig.attention): kernel and/or xla"),
 }
 OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {

@@ -174,7 +174,7 @@ def split_fields(attn) -> dict:
             "layer_unroll": run.layer_unroll, "row_cache": run.row_cache, "scan_writes": run.in_place,
             "topk": topk_name(run.topk), "scan": scan_name(attn.step.scan),
             "xla_options": ",".join(f"{k}={v}" for k, v in dict(attn.step.xla_options).items()),
-            "select": attn.step.selection, "attention": attn.step.attention, "read": attn.step.read,
+            "attention": attn.step.attention, "read": attn.step.read,
             "rows": "model" if attn.rows is None else attn.rows.spec}
 
 
@@ -186,7 +186,7 @@ def variant_tag(split: dict) -> str:
             + (f"_c{split['row_cache']}" if split["row_cache"] else "")
             + (f"_r{split['rows']}" if split["rows"] != "model" else "")
             + (f"_s{split['scan']}" if split["scan"] != "default" else "")
-            + ("_sorted" if split["select"] == "sorted" else "") + ("_xattn" if split["attention"] == "xla" else ""))
+            + ("_xattn" if split["attention"] == "xla" else ""))
 
 
 def random_model(cfg, placement):

@@ -15,7 +15,7 @@ One decode step's data flow, file by file:
 * ``step.py``: per layer (:func:`~fathom_jax.decode.step.layer_step`) the new token added to every index part (its
   newest block, in device memory), the layer's :class:`~fathom_jax.decode.step.CacheView`, and (in host memory) the
   token's row and blocks written in place inside the layer scan; the step itself: plan (the method), read
-  (``reads.py``), select (``selection.py``: the threshold or the sorted strategy, and the group's union), fetch
+  (``reads.py``), select (``selection.py``: the top-k and the group's union), fetch
   (``fetches.py``), attend; in pipelined chunks where the resolved configuration says so;
 * ``sharing.py``: a selection shared across layers: what a selection layer publishes, how a sharing layer attends it;
 * ``config.py``: :class:`StepConfig` (how a step runs), resolved once per cache shape into the strategies

@@ -38,9 +38,7 @@ class SparseCache:
     ``calibration``: the session's own statistics ``[L, R, ...]`` (set by the prefill; None for corpus statistics,
     which the hook holds). In host memory the kernels write the bulk arrays in place; ``writes`` holds the
     completion tokens of the last writes, so the programs that made them return something that depends on them.
-    ``row_cache``: device-memory copies of recently fetched rows (:class:`RowCache`), or None. ``second_path``: per
-    layer and group ``[L, R]``, the steps whose threshold selection took its sorted second path
-    (:mod:`fathom_jax.decode.selection`), or None.
+    ``row_cache``: device-memory copies of recently fetched rows (:class:`RowCache`), or None.
     """
 
     kv: Float[Array, "L R C W"]
@@ -50,15 +48,13 @@ class SparseCache:
     calibration: Calibration | None = None
     writes: Int[Array, "W"] | None = None
     row_cache: RowCache | None = None
-    second_path: Int[Array, "L R"] | None = None
 
     def bulk(self) -> "SparseCache":
         """A tree like this cache of bools: True for the leaves that grow with the context."""
         small = lambda tree: jax.tree.map(lambda _: False, tree)  # noqa: E731
         return SparseCache(kv=True, index=self.index.bulk(), length=False, layout=self.layout,
                            calibration=small(self.calibration),
-                           writes=small(self.writes), row_cache=small(self.row_cache),
-                           second_path=small(self.second_path))
+                           writes=small(self.writes), row_cache=small(self.row_cache))
 
     @property
     def k(self) -> Float[Array, "L R C Dh"]:
@@ -116,14 +112,13 @@ class LayerUpdate:
     """What one decode step changes in one layer (stacked on [L] by the layer scan): the new token's key and value,
     each index part's newest block (:mod:`fathom_jax.index.parts`), the completion tokens of the bulk writes the
     layer already made in place inside the layer scan (None: the commit after the scan makes them), the rows
-    the layer stores in its row-cache slots (None: no row cache) and where its selection took the second path."""
+    the layer stores in its row-cache slots (None: no row cache)."""
 
     key: Float[Array, "R Dh"]
     value: Float[Array, "R Dh"]
     blocks: dict
     written: Array | None = None
     rows: RowFill | None = None
-    second_path: Int[Array, "R"] | None = None
 
 
 def cache_bytes(parts, rows: RowLayout, *, n_layers: int, groups: int, capacity: int, shared_kv: bool = False
@@ -139,15 +134,13 @@ def cache_bytes(parts, rows: RowLayout, *, n_layers: int, groups: int, capacity:
 
 
 def allocate(alloc: Callable[..., Any], parts, shape: CacheShape, *, rows: str | None = None, shared_kv: bool = False,
-             row_cache: int = 0, row_cache_mode: str = "direct", session_calibration=None, second_path: bool = False
-             ) -> SparseCache:
+             row_cache: int = 0, row_cache_mode: str = "direct", session_calibration=None) -> SparseCache:
     """An empty cache of ``shape`` from ``alloc(shape, dtype, bulk=True)`` (zeros where they belong), largest array
     first: XLA's pinned host allocator grows in regions of doubling size, and K/V rows allocated after the planes
     found no region left at 1M tokens. ``rows``: the row format (:class:`~fathom_jax.rows.layout.RowLayout`; None:
     the model dtype). ``row_cache``: slots of a :class:`RowCache` (``row_cache_mode`` its mode).
     ``session_calibration``: a Calibration of one group's shapes, stacked ``[L, R]``
-    here for the session's statistics (None for corpus statistics). ``second_path``: count the steps whose
-    threshold selection took its second path."""
+    here for the session's statistics (None for corpus statistics)."""
     small = lambda dims, dtype: alloc(dims, dtype, bulk=False)  # noqa: E731
     layers, groups, capacity, d = shape.layers, shape.groups, round_capacity(shape.capacity), shape.head_dim
     layout = RowLayout.of(rows, d, shape.dtype)
@@ -168,8 +161,7 @@ def allocate(alloc: Callable[..., Any], parts, shape: CacheShape, *, rows: str |
                                 mode=row_cache_mode,
                                 dtype=layout.storage_dtype)
     return SparseCache(kv=kv, index=KeyIndex(length, parts, data), length=small((shape.batch,), jnp.int32),
-                       layout=layout, calibration=calibration, writes=small((writes,), jnp.int32), row_cache=slots,
-                       second_path=small((layers, groups), jnp.int32) if second_path else None)
+                       layout=layout, calibration=calibration, writes=small((writes,), jnp.int32), row_cache=slots)
 
 
 def bulk_allocations(parts, shape: CacheShape, **options) -> list[int]:

@@ -7,7 +7,8 @@
 Where the cache lives is :class:`~fathom_jax.placement.Placement`; this is how a step over it runs. ``resolve``
 turns both, with the step's groups (per device) and the cache's capacity, into a :class:`ResolvedStep`: the read
 strategy (:mod:`fathom_jax.decode.reads`), the fetch strategy (:mod:`fathom_jax.decode.fetches`), the number of
-pipelined chunks, the program counts and the XLA options, all concrete.
+pipelined chunks, the program counts and the XLA options, all concrete. Every step selects the same way
+(:mod:`fathom_jax.decode.selection`).
 
 Fields:
 
@@ -29,12 +30,6 @@ Fields:
 * ``xla_options``: more XLA compiler options for the programs that run a step (``{name: value}``).
 * ``row_cache``: device-memory slots per layer and group for recently fetched K/V rows (0: none), or ``"last"``: the
   previous step's selected rows, kept in its order (:mod:`fathom_jax.decode.row_cache`).
-* ``selection``: how each head's rows are chosen (:mod:`fathom_jax.decode.selection`): ``"sorted"`` (the default:
-  every score written, the top-k kernels, the union by a sort; measured faster, NOTES.md) or ``"threshold"`` (the
-  scan keeps only the tokens above each head's threshold, taken from a sample of the same step's scores; the exact
-  top-k among them, with the sorted path as a second path); ``threshold``: the threshold selection's knobs (a
-  :class:`~fathom_jax.decode.selection.ThresholdSelection`, None: its defaults; ``threshold.rank=8`` on the command
-  line).
 * ``attention``: ``"kernel"`` (the attention kernel reads the selected rows by index, :mod:`pallas_kernels.sparse_attend`)
   or ``"xla"`` (the rows fetched into one array, then attended by XLA).
 * ``topk``: the top-k kernels' configuration (None: their defaults).
@@ -51,14 +46,12 @@ import jax
 
 from fathom_jax.decode.fetches import CachedRowFetch, RowFetch
 from fathom_jax.decode.reads import IndexRead, index_read
-from fathom_jax.decode.selection import SortedSelection, ThresholdSelection
 from fathom_jax.index.plane_stacking import stacking
 from fathom_jax.placement import Placement
 from pallas_kernels.plane_scan import PlaneScanConfig
 from pallas_kernels.topk import TopkConfig
 
 ReadMode = Literal["direct", "staged"]
-SelectionMode = Literal["threshold", "sorted"]
 AttentionMode = Literal["kernel", "xla"]
 IndexWrites = Literal["every_step", "full_blocks"]
 Auto = Literal["auto"]
@@ -79,8 +72,6 @@ class StepConfig:
     layer_unroll: int = 1
     xla_options: tuple = ()
     row_cache: int | Literal["last"] = 0
-    selection: SelectionMode = "sorted"
-    threshold: ThresholdSelection | None = None
     attention: AttentionMode = "kernel"
     topk: TopkConfig | None = None
     scan: PlaneScanConfig | None = None
@@ -90,11 +81,6 @@ class StepConfig:
             raise ValueError(f"step read must be one of {get_args(ReadMode)}, got {self.read!r}")
         if self.attention not in get_args(AttentionMode):
             raise ValueError(f"step attention must be one of {get_args(AttentionMode)}, got {self.attention!r}")
-        if self.selection not in get_args(SelectionMode):
-            raise ValueError(f"step selection must be one of {get_args(SelectionMode)}, got {self.selection!r}")
-        if self.threshold is not None and not isinstance(self.threshold, ThresholdSelection):
-            raise TypeError("step threshold must be a fathom_jax.decode.selection.ThresholdSelection or None, got "
-                            f"{self.threshold!r}")
         if self.index_writes not in get_args(IndexWrites):
             raise ValueError(f"step index_writes must be one of {get_args(IndexWrites)}, got {self.index_writes!r}")
         for name, least, auto in (("pipeline", 1, True), ("gather_programs", 0, True), ("fetch_programs", 0, True),
@@ -123,7 +109,7 @@ class StepConfig:
         """``"key=value,..."`` (the CLI's ``--step-config``): ints, ``auto``, ``xla_*`` options, topk and plane scan
         fields as ``topk.NAME=value`` / ``scan.NAME=value``; unknown keys and bad values raise ValueError naming
         them."""
-        kernels = {"topk": TopkConfig, "scan": PlaneScanConfig, "threshold": ThresholdSelection}
+        kernels = {"topk": TopkConfig, "scan": PlaneScanConfig}
         fields = {f.name for f in dataclasses.fields(cls)} - {"xla_options", *kernels}
         kwargs: dict = {}
         options: dict = {}
@@ -142,7 +128,7 @@ class StepConfig:
                 kwargs[key] = _literal(value)
             else:
                 raise ValueError(f"step config: unknown key {key!r}; expected one of {sorted(fields)}, xla_*, "
-                                 "topk.*, scan.* or threshold.*")
+                                 "topk.* or scan.*")
         for name, config in kernels.items():
             if nested[name]:
                 try:
@@ -169,8 +155,7 @@ class StepConfig:
                                                                    kernel=self.attention == "kernel")
         options = (CONCURRENT_KERNELS if reader.stages and self.pipeline != 1 else {}) | dict(self.xla_options)
         chunks = self._chunks(groups // placement.num_shards, capacity, host and reader.stages, stack.crosses_link)
-        selection = SortedSelection() if self.selection == "sorted" else (self.threshold or ThresholdSelection())
-        return ResolvedStep(reader=reader, fetcher=fetcher, selection=selection, chunks=chunks,
+        return ResolvedStep(reader=reader, fetcher=fetcher, chunks=chunks,
                             implementation=implementation, index_writes=self.index_writes, in_place=host,
                             layer_unroll=self.layer_unroll, compiler_options=tuple(sorted(options.items())),
                             topk=self.topk, row_cache=self.row_cache)
@@ -194,7 +179,6 @@ class ResolvedStep:
 
     reader: IndexRead
     fetcher: RowFetch
-    selection: SortedSelection | ThresholdSelection
     chunks: int
     implementation: str
     index_writes: str
@@ -207,12 +191,6 @@ class ResolvedStep:
     @property
     def options(self) -> dict:
         return dict(self.compiler_options)
-
-    @property
-    def thresholds(self) -> bool:
-        """Whether steps select by thresholds (:class:`~fathom_jax.decode.selection.ThresholdSelection`, on the
-        kernels)."""
-        return isinstance(self.selection, ThresholdSelection) and self.implementation == "triton"
 
 
 def _programs(value, host: bool) -> int:

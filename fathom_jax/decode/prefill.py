@@ -36,8 +36,7 @@ if TYPE_CHECKING:  # the hook calls these with itself: a type, not an import cyc
 def empty_cache(attn: SparseAttention, shape: CacheShape, *, shared_kv: bool = False) -> SparseCache:
     """See :meth:`SparseAttention.init_cache <fathom_jax.decode.SparseAttention.init_cache>`."""
     options = dict(rows=attn.rows, shared_kv=shared_kv, **_row_cache(attn, shape),
-                   session_calibration=session_template(shape.head_dim) if attn.session else None,
-                   second_path=attn.counts_second_path)
+                   session_calibration=session_template(shape.head_dim) if attn.session else None)
     parts = attn.cache_parts(shape.layers)
     if attn.placement.in_host_memory:
         shards = attn.placement.num_shards

@@ -33,7 +33,6 @@ from pallas_kernels.operands import ResidentPlanes, RunList, StorePlanes
 from pallas_kernels.plane_scan import PlaneScanConfig, plane_scan
 from pallas_kernels.row_fetch import StoredRows, row_fetch
 from pallas_kernels.run_gather import RunGatherConfig, run_gather
-from pallas_kernels.scan_select import Candidates, sample_threshold, scan_select
 from pallas_kernels.tier_gather import tier_gather
 
 
@@ -198,13 +197,6 @@ class StepSource:
                                                         self.group_start, self.after)
         return scores
 
-    def plane_operands(self, read: PlaneRead) -> ScanOperands:
-        """What a plane scan of ``read`` reads, staged where it must be (once: the scores of a second path read the
-        same staged planes); a view stacked at a layer, read by the kernels."""
-        operands, self.staged = self.reader._plane_operands(read, self.view.index[read.part], self.view.length,
-                                                            self.view.layer, self.group_start, self.after)
-        return operands
-
     def block_scores(self, read: BlockRead):
         rows = self.reader.stage(self.view.index[read.part].rows, self.view.layer, groups=self._groups)
         return scan_lib.block_scores(read, rows)
@@ -223,8 +215,7 @@ class StepSource:
 class ScanOperands:
     """What one plane scan of a step reads: ``queries [Rc, G, C]`` (by run-list slot), the planes (a stacked store
     at its layer, or a staged buffer), the run list, the groups' ``length`` and a staged buffer's resident planes.
-    The plane scan writes every score from them (:meth:`scores`); the scan that selects keeps only each head's
-    candidates (:meth:`candidates`), above a threshold a sampled scan may set (:meth:`sample_threshold`)."""
+    The plane scan writes every score from them (:meth:`scores`)."""
 
     queries: jax.Array
     store: StorePlanes
@@ -235,16 +226,6 @@ class ScanOperands:
     def scores(self, reader: IndexRead) -> jax.Array:
         return plane_scan(self.queries, self.store, self.length, self.runs, resident=self.resident,
                           implementation=reader.implementation, config=reader.scan)
-
-    def sample_threshold(self, reader: IndexRead, stop, *, start: int, m: int, stride: int, shift=None) -> jax.Array:
-        return sample_threshold(self.queries, self.store, self.length, self.runs, stop, start=start, m=m,
-                                stride=stride, shift=shift, resident=self.resident,
-                                implementation=reader.implementation, config=reader.scan)
-
-    def candidates(self, reader: IndexRead, threshold, stop, *, start: int, capacity: int, shift=None) -> Candidates:
-        return scan_select(self.queries, self.store, self.length, self.runs, threshold, stop, start=start,
-                           capacity=capacity, shift=shift, resident=self.resident,
-                           implementation=reader.implementation, config=reader.scan)
 
 
 def _staged(read, staged: StorePlanes, runs, length, resident=None) -> ScanOperands:

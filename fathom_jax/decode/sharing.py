@@ -1,14 +1,14 @@
 """Selection shared across layers in a decode step (:mod:`fathom_jax.methods.sharing`): what a selection layer
 publishes and how a sharing layer attends it.
 
-    shared = publish(read, q, view, ctx, sharing, kv_heads)       # at a selection layer, from its own step's read
+    shared = publish(q, view, ctx, sharing, kv_heads, scores)     # at a selection layer, from its own step's scores
     result = attend_shared(q, view, ctx, shared, kv_heads)         # at a sharing layer: no plan, scan or selection
 
 The published set is :func:`shared_positions` of the selection layer's scores over every query head of every KV head
 of a sequence: the set the fidelity study measures (:mod:`fathom_jax.eval.shared_selection`). A sharing layer fetches each KV
 head's own rows at those positions (its newest row patched in, as every step does) and every head attends all of
-them. The step's scores at a selection layer come from the sorted path's read of the whole layer (the threshold
-selection never writes them), so a selection layer reads its planes twice; the layers that share read none.
+them. A selection layer publishes from the scores its own step wrote (one read of its planes); the layers that
+share read none.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from fathom_jax.decode.selection import patch_scores
 from fathom_jax.methods.sharing import RANKINGS, Ranking, SharedSelection
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
 
@@ -119,16 +118,11 @@ class SharedSet:
         return cls(jnp.full((batch, budget), -1, jnp.int32), jnp.zeros((batch, budget), bool))
 
 
-def publish(read, q: Float[Array, "R G D"], view, ctx, sharing: SharedSelection, kv_heads: int,
-            scores: Float[Array, "R G n"] | None = None) -> SharedSet:
-    """The set a selection layer publishes from its method's ``read`` of the queries ``q`` (the plan its own step
-    ran): every stored position's score (the newest block patched in), ranked over all query heads of each
-    sequence's ``kv_heads`` groups and cut to ``sharing.budget``. ``scores``: those its step's selection wrote
-    (a sorted selection); None: read them again (the threshold selection writes none: its planes cross twice)."""
-    if scores is None:
-        scores = read.scores(ctx.run.reader.source(view))
-        if view.new is not None:
-            scores = patch_scores(scores, read, view.new)
+def publish(q: Float[Array, "R G D"], view, ctx, sharing: SharedSelection, kv_heads: int,
+            scores: Float[Array, "R G n"]) -> SharedSet:
+    """The set a selection layer publishes from the ``scores`` its own step's selection wrote for the queries ``q``
+    (every stored position's, the newest block patched in), ranked over all query heads of each sequence's
+    ``kv_heads`` groups and cut to ``sharing.budget``."""
     r, g, n = scores.shape
     batch = r // kv_heads
     length = view.length.reshape(batch, kv_heads)[:, 0]

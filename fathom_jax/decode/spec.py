@@ -134,11 +134,6 @@ class AttentionSpec:
             return self.index_parts
         return frozenset(p.placed(resident, self.placement.warm_planes) for p in self.index_parts)
 
-    @property
-    def counts_second_path(self) -> bool:
-        """Whether the cache counts the steps whose threshold selection took its sorted second path."""
-        return self.step.selection == "threshold" and not self.method.selects_all
-
     def row_layout(self, shape: CacheShape) -> RowLayout:
         """How a cache of ``shape`` stores its K/V rows (checks the format against the head_dim)."""
         return RowLayout.of(self.rows, shape.head_dim, shape.dtype)

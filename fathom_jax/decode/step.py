@@ -8,15 +8,14 @@ calls :func:`layer_step` per layer inside its layer scan, which builds the layer
 runs the step. ``view`` (:class:`CacheView`) is what the layer reads (its index, K/V rows,
 lengths, the new token); ``ctx`` (:class:`StepContext`) is how: ``k``, the sink and local
 window, and the resolved step (:class:`~fathom_jax.decode.config.ResolvedStep`) with its read strategy (index in HBM,
-staged from host, read in place from host), selection strategy (sorted, or by thresholds:
-:mod:`fathom_jax.decode.selection`) and fetch strategy (with or without a row cache).
+staged from host, read in place from host) and fetch strategy (with or without a row cache); the selection is
+:mod:`fathom_jax.decode.selection`.
 
 Per KV group ``r`` (``R = batch x KV heads`` groups, ``G`` query heads each):
 
 1. plan: the method's read for the group's queries (Fathom: importance and depths by the planner);
-2. read + scan: approximate scores of every stored position (the read strategy), or only each head's candidates
-   above its threshold (the threshold selection);
-3. select: per query head 4 sink + 32 local + the top-(k - 36) by approximate score (the selection strategy);
+2. read + scan: approximate scores of every stored position (the read strategy);
+3. select: per query head 4 sink + 32 local + the top-(k - 36) by approximate score;
 4. union: the group's G sets as one fixed-size list (``G k`` slots in position order, duplicates masked);
 5. fetch: the union's K/V rows (the fetch strategy; one copy serves every head of the group);
 6. attend: exact softmax attention of each head over its own k rows.
@@ -47,6 +46,7 @@ from fathom_jax.decode import writes as writes_lib
 from fathom_jax.decode.cache import LayerUpdate, SparseCache
 from fathom_jax.decode.config import ResolvedStep
 from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
+from fathom_jax.decode import selection as selection_lib
 from fathom_jax.decode.selection import Selection
 from fathom_jax.decode.sharing import LayerSharing, SharedSet
 from fathom_jax.index import KeyIndex
@@ -119,14 +119,13 @@ class StepResult(NamedTuple):
     out: Float[Array, "R G Dh"]
     bits: Float[Array, "R"]
     fill: RowFill | None = None  # what to store in the row-cache slots (None without a row cache)
-    second_path: Int[Array, "R"] | None = None  # 1 where the threshold selection took its second path (None: none)
-    scores: Float[Array, "R G n"] | None = None  # every position's score, where asked for and the selection wrote them
+    scores: Float[Array, "R G n"] | None = None  # every position's score, where asked for
 
 
 def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext
                           ) -> StepResult:
     """Sparse attention of the ``G`` query heads of every group (dense attention for a method that selects every
-    row: :func:`dense_attention_step`); returns the output, bits per token read, the row-cache fill and the second-path flags."""
+    row: :func:`dense_attention_step`); returns the output, bits per token read and the row-cache fill."""
     if method.selects_all:
         return dense_attention_step(method, q, view, ctx)
     q = q.astype(jnp.float32)
@@ -136,7 +135,7 @@ def sparse_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Ca
 def _read_step(read, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext, keep_scores: bool = False
                ) -> StepResult:
     """:func:`sparse_attention_step` of a method's ``read`` of the f32 queries ``q`` (planned once); with
-    ``keep_scores`` the result keeps every chunk's scores where the selection wrote them (a sorted selection)."""
+    ``keep_scores`` the result keeps every chunk's scores."""
     groups = q.shape[0]
     if view.row_cache is not None:
         check_row_cache(view.row_cache, groups, view.kv, stacked=view.layer is not None)
@@ -158,7 +157,7 @@ def _read_step(read, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext
         scores.append(selection.scores)
     outs.append(_fetch_attend(pending, view, ctx))
     out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts), *outs)
-    if keep_scores and all(x is not None for x in scores):
+    if keep_scores:
         out = out._replace(scores=jnp.concatenate(scores) if len(scores) > 1 else scores[0])
     return out
 
@@ -183,10 +182,10 @@ def layer_step(method: ScanMethod, ctx: StepContext, write: writes_lib.Writer, q
                      new=new, row_cache=cache.row_cache, layout=cache.layout)  # the row cache is read in place
     if ctx.share is None:
         result = sparse_attention_step(method, q, view, ctx)
-        out, fill, second_path = result.out, result.fill, result.second_path
+        out, fill = result.out, result.fill
     else:
-        out, fill, second_path, shared = _shared_step(method, q, view, ctx, shared)
-    update = LayerUpdate(key=key, value=value, blocks=blocks, rows=fill, second_path=second_path)
+        out, fill, shared = _shared_step(method, q, view, ctx, shared)
+    update = LayerUpdate(key=key, value=value, blocks=blocks, rows=fill)
     if ctx.run.in_place:
         # This layer's K/V row and newest blocks go to host memory now: the write kernels depend only on the new
         # key, so they run beside this layer's plane transfers instead of as one serial burst of scattered writes
@@ -198,24 +197,20 @@ def layer_step(method: ScanMethod, ctx: StepContext, write: writes_lib.Writer, q
 
 
 def _shared_step(method: ScanMethod, q, view: CacheView, ctx: StepContext, shared: SharedSet):
-    """A layer of a shared selection, ``(out, fill, second_path, the set for the next layer)``: a selection layer
-    (static plan, traced layer index) runs the step and publishes its set, a sharing layer attends the last one."""
+    """A layer of a shared selection, ``(out, fill, the set for the next layer)``: a selection layer (static plan,
+    traced layer index) runs the step and publishes its set, a sharing layer attends the last one."""
     share = ctx.share
     q = q.astype(jnp.float32)
-    # Both branches flag second paths per group (a sorted step has none; the commit adds them only where the cache
-    # counts them).
-    none_taken = jnp.zeros(q.shape[:1], jnp.int32)
 
     def selecting():
         read = method.read(q, view.index, view.calib, implementation=ctx.run.implementation)
         result = _read_step(read, q, view, ctx, keep_scores=True)
-        published = sharing_lib.publish(read, q, view, ctx, share.selection, share.kv_heads, scores=result.scores)
-        flags = none_taken if result.second_path is None else result.second_path.astype(jnp.int32)
-        return result.out, result.fill, flags, published
+        published = sharing_lib.publish(q, view, ctx, share.selection, share.kv_heads, result.scores)
+        return result.out, result.fill, published
 
     def following():
         out, fill = sharing_lib.attend_shared(q, view, ctx, shared, share.kv_heads)
-        return out.astype(jnp.float32), fill, none_taken, shared
+        return out.astype(jnp.float32), fill, shared
 
     return jax.lax.cond(jnp.asarray(share.selects)[view.layer], selecting, following)
 
@@ -235,18 +230,18 @@ def dense_attention_step(method: ScanMethod, q: Float[Array, "R G D"], view: Cac
 
 
 def _select(read, q, view: CacheView, ctx: StepContext, group_start: int, after=None):
-    """Execute ``read`` for the view's groups (from ``group_start`` of the stacked cache) and select (the step's
-    selection strategy); returns the :class:`~fathom_jax.decode.selection.Selection` and the staged planes a chained
-    transfer waits for (None where nothing was staged); the plane transfer itself waits for ``after``."""
+    """Execute ``read`` for the view's groups (from ``group_start`` of the stacked cache) and select; returns the
+    :class:`~fathom_jax.decode.selection.Selection` and the staged planes a chained transfer waits for (None where
+    nothing was staged); the plane transfer itself waits for ``after``."""
     source = ctx.run.reader.source(view, group_start=group_start, after=after)
-    return ctx.run.selection.select(read, q, source, view, ctx, group_start), source.staged
+    return selection_lib.select(read, q, source, view, ctx, group_start), source.staged
 
 
 def _fetch_attend(sel: Selection, view: CacheView, ctx: StepContext, after=None) -> StepResult:
     """Fetch a selection's rows (after ``after``: arrays the fetch waits for and never reads) and attend."""
     chunk = dataclasses.replace(view, new=sel.new)
     out, fill = ctx.run.fetcher.attend(sel.q, sel.slots, sel.member, chunk, group_start=sel.group_start, after=after)
-    return StepResult(out, sel.bits, fill, sel.second_path)
+    return StepResult(out, sel.bits, fill)
 
 
 def _groups(trees, bulk_masks, start: int, size: int):

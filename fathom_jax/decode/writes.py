@@ -100,8 +100,7 @@ def write_token(cache: SparseCache, update: LayerUpdate, position, layer, write:
 
 def commit(cache: SparseCache, update: LayerUpdate, position, write: Writer, index_writes: str) -> SparseCache:
     """Every layer's step (``update`` stacked on [L]) into the cache: the bulk writes unless each layer made them
-    in the layer scan (``update.written``), then the small leaves (tails, lengths, row-cache slots, second-path
-    counts)."""
+    in the layer scan (``update.written``), then the small leaves (tails, lengths, row-cache slots)."""
     if update.written is None:
         kv, data, tokens = write_token(cache, update, position, 0, write, index_writes)
         writes = done(tokens, cache.writes)
@@ -111,11 +110,8 @@ def commit(cache: SparseCache, update: LayerUpdate, position, write: Writer, ind
     length = cache.index.length + 1
     data = tuple(part.commit(stacked, update.blocks[part.name], length) for part, stacked in zip(cache.index.parts, data))
     row_cache = cache.row_cache if update.rows is None else commit_rows(cache.row_cache, update.rows)
-    second_path = cache.second_path
-    if second_path is not None and update.second_path is not None:  # every layer's, stacked by the layer scan
-        second_path = second_path + update.second_path
     return dataclasses.replace(cache, kv=kv, index=KeyIndex(length, cache.index.parts, data), length=cache.length + 1,
-                               writes=writes, row_cache=row_cache, second_path=second_path)
+                               writes=writes, row_cache=row_cache)
 
 
 def flush(cache: SparseCache, write: Writer) -> SparseCache:

@@ -15,6 +15,7 @@ from fathom_jax.decode import CacheView
 from fathom_jax import index as I
 from fathom_jax import methods as M
 from fathom_jax.decode import sharing
+from fathom_jax.decode.selection import patch_scores
 from fathom_jax.eval.shared_selection import shared_attention
 from fathom_jax.index import parts as P
 from fathom_jax.methods.sharing import SharedSelection
@@ -41,7 +42,9 @@ def test_a_selection_layer_publishes_the_studys_set(setting, ranking):
     ctx = context()
     layer = CacheView(index=view, kv=kv_cache, length=jnp.asarray(lengths), calib=calib, layer=jnp.int32(1), new=new)
     read = method.read(jnp.asarray(q), view, calib, implementation="xla")
-    got = sharing.publish(read, jnp.asarray(q), layer, ctx, SharedSelection((0,), BUDGET, ranking), kv_heads=1)
+    # the scores the layer's own step writes: every stored position's, the newest block patched in
+    scores = patch_scores(read.scores(ctx.run.reader.source(layer)), read, new)
+    got = sharing.publish(jnp.asarray(q), layer, ctx, SharedSelection((0,), BUDGET, ranking), 1, scores)
     index = I.build_index(keys, calib, method.parts - {P.KEYS}, length=lengths)
     scores = scan_scores(method, jnp.asarray(q), index, calib, implementation="xla").scores
     want, mask = sharing.shared_positions(scores[:, None], jnp.asarray(lengths), BUDGET, scale=1 / np.sqrt(D),
@@ -113,15 +116,11 @@ def test_sharing_layers_attend_the_published_set(tiny_model):
     assert not np.allclose(got[1:], plain[1:], atol=1e-3)  # the sharing layers attended something else
 
 
-@pytest.mark.parametrize("selection", ["sorted", "threshold"])
-def test_a_sorted_selection_layer_publishes_from_its_own_scores(tiny_model, selection):
-    """The sorted selection's scores serve the published set: its selection layer runs one plane scan. The threshold
-    selection writes no scores: its layer runs the sampled scan and the scan that selects, then a plane scan to
-    publish (beside the one its second path holds)."""
+def test_a_selection_layer_publishes_from_its_own_scores(tiny_model):
+    """The step's own scores serve the published set: its selection layer runs one plane scan."""
     from fathom_jax.models import generation
 
-    attn = decode.from_spec("fathom:16@share=0@budget=44", k=40, implementation="triton",
-                            step=decode.StepConfig(selection=selection))
+    attn = decode.from_spec("fathom:16@share=0@budget=44", k=40, implementation="triton")
     _, cache, attn = generation.prefill(tiny_model, PROMPT, np.full(2, PROMPT.shape[1]), attn, CAPACITY)
     _, params = nnx.split(tiny_model)
     jaxpr = generation.decode_step_program(tiny_model, cache, attn).trace(
@@ -132,8 +131,8 @@ def test_a_sorted_selection_layer_publishes_from_its_own_scores(tiny_model, sele
     assert len(jaxpr_pallas_calls(following, "fathom_plane_scan")) == 0
     unconditional = [e for e in jaxpr_equations(selecting.jaxpr, skip=("cond", "pallas_call"))
                      if e.primitive.name == "pallas_call" and str(e.params["name"]).startswith("fathom_plane_scan")]
-    assert len(unconditional) == 1  # sorted: the step's own; threshold: the publish's
-    assert len(jaxpr_pallas_calls(selecting, "fathom_plane_scan")) == (1 if selection == "sorted" else 2)
+    assert len(unconditional) == 1  # the step's own
+    assert len(jaxpr_pallas_calls(selecting, "fathom_plane_scan")) == 1
 
 
 def forced_logits_after(model, prompt, tokens, attention, capacity):

@@ -46,8 +46,7 @@ def test_placement_and_rows_are_parsed_and_the_spec_describes_them():
     assert spec.placement == decode.Placement("pinned_host") and spec.rows.spec == "k8v8"
     assert spec.label == "SparQ r=2, k=64, pinned_host, rows k8v8"
     assert spec.offloaded and not spec.fused and spec.min_capacity == 64 and spec.layer_unroll == 1
-    assert not spec.uses_calibration and not spec.session and not spec.counts_second_path
-    assert AttentionSpec(M.SparQ(2), 64, step=decode.StepConfig(selection="threshold")).counts_second_path
+    assert not spec.uses_calibration and not spec.session
     with pytest.raises(ValueError, match="k=64 is larger than the KV cache capacity 48"):
         spec.check(dataclasses.replace(SHAPE, capacity=48))
 

@@ -207,28 +207,24 @@ def test_scan_config_reaches_the_plane_scan(setting, placement):
 
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
 def test_pipelined_chunk_fetches_wait_for_the_next_chunks_scan(setting, implementation):
-    """In pipelined chunks the next-to-last chunk's row fetch takes the last chunk's scan output (its candidate
-    counts under threshold selection, its scores under sorted selection) as an operand it never reads, so the GPU
-    runs it after that scan, not beside it; the order changes no result."""
+    """In pipelined chunks the next-to-last chunk's row fetch takes the last chunk's scan output (its scores) as an
+    operand it never reads, so the GPU runs it after that scan, not beside it; the order changes no result."""
     from tests.support import pallas_call_eqns
 
     keys, values, q, lengths, calib = setting
     method = M.Fathom(20)
     view, kv_cache, new = stacked_setting(setting, method)
 
-    def run(pipeline, selection="threshold"):
-        ctx = context(
-            implementation, Placement("pinned_host"), pipeline=pipeline, gather_programs=2, selection=selection
-        )
+    def run(pipeline):
+        ctx = context(implementation, Placement("pinned_host"), pipeline=pipeline, gather_programs=2)
         return lambda q: step(method, q, view, kv_cache, jnp.asarray(lengths), calib, ctx, layer=1, new=new)[0]
 
     if implementation == "triton":
-        for selection, dtype in (("threshold", jnp.int32), ("sorted", jnp.float32)):
-            fetches = pallas_call_eqns(run(3, selection), q, name="row_fetch")
-            # operands: index, layer, K/V cache (+ the next chunk's scan output)
-            assert [len(e.invars) for e in fetches] == [3, 4, 3]
-            chained = fetches[1].invars[-1].aval
-            assert chained.shape[:2] == (1, G) and chained.dtype == dtype, selection
+        fetches = pallas_call_eqns(run(3), q, name="row_fetch")
+        # operands: index, layer, K/V cache (+ the next chunk's scan output)
+        assert [len(e.invars) for e in fetches] == [3, 4, 3]
+        chained = fetches[1].invars[-1].aval
+        assert chained.shape[:2] == (1, G) and chained.dtype == jnp.float32
         if jax.default_backend() == "cpu":  # the results: xla here (interpreted, ~20 s), both on the GPU
             return
     np.testing.assert_array_equal(np.asarray(jax.jit(run(3))(q)), np.asarray(jax.jit(run(1))(q)))
