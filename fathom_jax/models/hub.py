@@ -197,10 +197,10 @@ def known_model(source: str | os.PathLike | None) -> ModelFile | None:
 def load_tokenizer(source: str | os.PathLike | None = None):
     """The tokenizer of ``source`` (as :func:`load_model`), without loading weights."""
     from fathom_jax.models import loading
-    from fathom_jax.models.tokenizer import from_gguf
+    from fathom_jax.models.tokenizer import from_gguf, hf_tokenizer
 
     path = resolve(source)
-    return loading.hf_tokenizer(path) if os.path.isdir(path) else from_gguf(loading.open_gguf(path))
+    return hf_tokenizer(path) if os.path.isdir(path) else from_gguf(loading.open_gguf(path))
 
 
 def load_model(source: str | os.PathLike | None = None, *, dtype="float32"):
@@ -210,13 +210,13 @@ def load_model(source: str | os.PathLike | None = None, *, dtype="float32"):
     ``families.py``, tells it from the checkpoint): a :class:`~fathom_jax.models.LlamaForCausalLM` or, for Gemma 3,
     a :class:`~fathom_jax.models.gemma3.Gemma3ForCausalLM`."""
     from fathom_jax.models import families, loading
-    from fathom_jax.models.tokenizer import from_gguf
+    from fathom_jax.models.tokenizer import from_gguf, hf_tokenizer
 
     path = resolve(source)
     loader = families.for_checkpoint(path).loading()
     if os.path.isdir(path):
         model, config = loader.load_hf_checkpoint(path, dtype=dtype)
-        return model, loading.hf_tokenizer(path), config
+        return model, hf_tokenizer(path), config
     reader = loading.open_gguf(path)
     model, config = loader.load_gguf(reader, dtype=dtype)
     return model, from_gguf(reader), config

@@ -141,19 +141,6 @@ class SafetensorsDir:
                              "is truncated or damaged") from err
 
 
-def hf_tokenizer(path: str | os.PathLike):
-    """The `tokenizer.json` of a HF checkpoint directory."""
-    from fathom_jax.models.tokenizer import from_tokenizer_json
-
-    file = os.path.join(os.fspath(path), "tokenizer.json")
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"{file} does not exist: the checkpoint directory needs its tokenizer.json")
-    try:
-        return from_tokenizer_json(file)
-    except Exception as err:  # the tokenizers library raises its own exception type
-        raise ValueError(f"{file} is not a readable tokenizer ({err})") from err
-
-
 def open_gguf(path: str | os.PathLike):
     """A ``gguf.GGUFReader`` over ``path``; a missing, truncated or foreign file raises naming the file.
 

@@ -47,6 +47,17 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return [tokenizer.bos_id, *ids] if getattr(tokenizer, "add_bos", False) else ids
 
 
+def hf_tokenizer(path: str | os.PathLike):
+    """The `tokenizer.json` of a HF checkpoint directory."""
+    file = os.path.join(os.fspath(path), "tokenizer.json")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file} does not exist: the checkpoint directory needs its tokenizer.json")
+    try:
+        return from_tokenizer_json(file)
+    except Exception as err:  # the tokenizers library raises its own exception type
+        raise ValueError(f"{file} is not a readable tokenizer ({err})") from err
+
+
 def from_tokenizer_json(path: str | os.PathLike, bos_id: int | None = None, eos_id: int | None = None) -> Tokenizer:
     """From a `tokenizer.json` file or a directory holding one."""
     path = os.fspath(path)
