@@ -164,7 +164,7 @@ def roworder_cases(cases=ROWORDER_CASES, programs=ROWORDER_PROGRAMS):
 
 def _time_fresh_rows(k_, v_, n, bh, s, cfg, reps=20, repeats=3):
     """ms per row fetch when each of ``reps`` chained calls fetches its own random sorted row set of ``bh x s`` rows,
-    and their GB/s (K and V, bf16, Dh = 128)."""
+    and their GB/s (a row: its bytes in ``k_`` and, where given, ``v_``)."""
     rng = np.random.default_rng(11)
     sets = jnp.asarray(np.sort(rng.choice(n, (reps, bh, s)), axis=-1), jnp.int32)
 
@@ -177,5 +177,5 @@ def _time_fresh_rows(k_, v_, n, bh, s, cfg, reps=20, repeats=3):
 
     c0 = jnp.zeros((), jnp.float32)
     r = time_ms(lambda: run(c0, k_, v_, sets), repeats, reps)
-    nbytes = 2 * bh * s * 128 * 2
+    nbytes = bh * s * sum(x.shape[-1] * x.dtype.itemsize for x in (k_, v_) if x is not None)
     return r | {"rowset": "fresh", "slots": bh * s, "bytes": nbytes, "GBps": nbytes / (r["median_ms"] * 1e-3) / 1e9}

@@ -25,14 +25,13 @@ from fathom_jax.select import group_union, select_topk
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """A chunk's selection before its rows are fetched: the union ``slots [Rc, S]`` (-1 where masked), which head
-    attends which slot (``member``), ``done`` (an array the chunk's scan produced: what a later fetch may wait for)
-    and ``scores [Rc, G, n]`` (every position's score, the newest block patched in)."""
+    attends which slot (``member``) and ``scores [Rc, G, n]`` (every position's score, the newest block patched in:
+    what the chunk's scan produced, so what a later fetch may wait for)."""
 
     q: jax.Array
     bits: jax.Array
     slots: jax.Array
     member: jax.Array
-    done: jax.Array
     group_start: int
     new: object
     scores: jax.Array
@@ -43,7 +42,7 @@ def select(read, q, source, view, ctx, group_start: int) -> Selection:
     ``group_start`` of the stacked cache (see the module docstring)."""
     scores = _patched(read.scores(source), read, view.new)
     slots, member = _sorted(scores, view.length, ctx)
-    return Selection(q=q, bits=read.bits, slots=slots, member=member, done=scores, group_start=group_start,
+    return Selection(q=q, bits=read.bits, slots=slots, member=member, group_start=group_start,
                      new=view.new, scores=scores)
 
 

@@ -41,12 +41,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from fathom_jax.calibrate import Calibration
+from fathom_jax.decode import selection as selection_lib
 from fathom_jax.decode import sharing as sharing_lib
 from fathom_jax.decode import writes as writes_lib
 from fathom_jax.decode.cache import LayerUpdate, SparseCache
 from fathom_jax.decode.config import ResolvedStep
 from fathom_jax.decode.row_cache import RowCache, RowFill, check_row_cache
-from fathom_jax.decode import selection as selection_lib
 from fathom_jax.decode.selection import Selection
 from fathom_jax.decode.sharing import LayerSharing, SharedSet
 from fathom_jax.index import KeyIndex
@@ -152,7 +152,7 @@ def _read_step(read, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext
         selection, staged = _select(chunk_read, chunk_q, chunk, ctx, start, after=staged)
         if pending is not None:  # the next-to-last chunk's fetch waits for the last chunk's scan
             last = start + size == groups
-            outs.append(_fetch_attend(pending, view, ctx, after=selection.done if last else None))
+            outs.append(_fetch_attend(pending, view, ctx, after=selection.scores if last else None))
         pending = selection
         scores.append(selection.scores)
     outs.append(_fetch_attend(pending, view, ctx))

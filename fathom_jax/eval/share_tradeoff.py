@@ -18,15 +18,15 @@ import numpy as np
 from fathom_jax.eval.share_report import TARGET
 
 
-def study_points(studies: list[dict], rules: tuple[str, ...], budget_per_k: int) -> list[dict]:
-    """Each study's error ratio for the first of ``rules`` it ran at budget ``budget_per_k x k`` (its default ranking,
-    ``mass``), with the ratio given the same rows and the same bits."""
+def study_points(studies: list[dict], rules: tuple[str, ...], budget_per_k: int, ranking: str) -> list[dict]:
+    """Each study's error ratio for the first of ``rules`` it ran at budget ``budget_per_k x k`` with ``ranking``, with
+    the ratio given the same rows and the same bits."""
     out = []
     for res in studies:
         base, meta = res["baseline"], res["meta"]
         budget = budget_per_k * base["k"]
         found = {r["rule"]: r for r in res["rules"]
-                 if r["scan"] == base["method"] and r["ranking"] == "mass" and r["budget"] == budget}
+                 if r["scan"] == base["method"] and r["ranking"] == ranking and r["budget"] == budget}
         rule = next((found[name] for name in rules if name in found), None)
         if rule is None:
             continue
@@ -63,10 +63,12 @@ def step_pairs(bench: dict, per_layer: str, shared: str) -> list[dict]:
 def build(benches: list[dict], studies: list[dict], *, per_layer: str, shared: str, spec: str,
           rules: tuple[str, ...] = ("0,2,mid", "first,mid"), meta: dict | None = None) -> dict:
     """The trade-off's results: every benchmark run's pairs of ``per_layer`` and ``shared`` (whose method spec is
-    ``spec``) rows, and the studies' error for the first of ``rules`` each ran at the same budget relative to k."""
+    ``spec``) rows, and the studies' error for the first of ``rules`` each ran at the same budget relative to k and
+    the spec's ranking."""
     from fathom_jax.methods.sharing import parse_spec
 
-    budget = parse_spec(spec)[1].budget
+    sharing = parse_spec(spec)[1]
+    budget = sharing.budget
     ks = {b["config"]["k"] for b in benches}
     if len(ks) != 1 or budget % next(iter(ks)):
         raise ValueError(f"benches: one k that divides the shared budget {budget} expected, got k = {sorted(ks)}")
@@ -74,7 +76,7 @@ def build(benches: list[dict], studies: list[dict], *, per_layer: str, shared: s
     return {"meta": {**(meta or {}), "per_layer": per_layer, "shared": shared, "shared_spec": spec,
                      "rules": list(rules), "budget_per_k": budget_per_k},
             "steps": [p for b in benches for p in step_pairs(b, per_layer, shared)],
-            "errors": study_points(studies, rules, budget_per_k)}
+            "errors": study_points(studies, rules, budget_per_k, sharing.ranking)}
 
 
 def write(bench_paths: list[str], out: str, *, meta: dict, **names) -> list[str]:
