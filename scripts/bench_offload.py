@@ -27,7 +27,7 @@ pipeline=8,2``), which the commands recorded in results/README.md use.
 
 Sections (``--sections``): link, attn, full, profile, batch, control, dense, prefill; ``attnprofile`` adds a
 profiler breakdown (categories and the costliest kernels) to every attention-only row; ``attnbatch``: attention-only
-rows at 128k for each of ``--batches``.
+rows of every method and input set at 128k for each of ``--batches``.
 
 K/V row formats (``--rows model,k8v8``; an entry ``FORMAT@SHARE`` sets that format's ``--share-kv-from``): one set
 of rows each in the attn, attnbatch, full and batch sections, over a cache of its own; each row records its format
@@ -153,9 +153,10 @@ def main(argv=None):
                 run.guard(f"batch {b} p{p}{rows_tag(rows)}", full_rows, run, at_128k, labels[:1], batch=b,
                           profile="profile" in spec.sections and b == 8, placement=placed(p), rows=rows)
         elif section == "attnbatch":  # attention-only rows of larger batches (the row cache's and tiers' comparison)
-            for b, (p, w), rows in itertools.product(spec.batches, tiers, spec.row_sets):
-                run.guard(f"attn batch {b} p{p}{f'w{w}' if w else ''}{rows_tag(rows)}", attention_rows, run, at_128k,
-                          labels[:1], batch=b, placement=placed(p, w), rows=rows)
+            for b, (p, w), rows, inputs in itertools.product(spec.batches, tiers, spec.row_sets, spec.inputs):
+                run.guard(f"attn batch {b} p{p}{f'w{w}' if w else ''}{rows_tag(rows)}{inputs_tag(inputs)}",
+                          attention_rows, run, at_128k, labels, batch=b, placement=placed(p, w), rows=rows,
+                          inputs=inputs)
         elif section == "control":
             for inputs in spec.inputs:
                 run.guard(f"control{inputs_tag(inputs)}", attention_rows, run, at_128k, labels,

@@ -105,7 +105,8 @@ def step_bytes(attn, cfg, calib, q, *, context, k):
             link_bits.append(np.zeros_like(np.asarray(read.bits), np.float64))
             continue
         bits.append(np.asarray(read.bits))
-        depths = np.asarray(getattr(read, "depths", np.zeros((1, 1))))
+        depths = getattr(read, "depths", None)  # None for a method that reads no planes (dense)
+        depths = np.zeros((1, 1)) if depths is None else np.asarray(depths)
         plane0, code = plane0 + float((depths > 0).sum()), code + float(depths.sum())
         if resident[layer] or warm:  # planes below the resident count (and the warm ones) and every scale in HBM
             first = resident[layer]

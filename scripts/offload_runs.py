@@ -365,10 +365,21 @@ preset("honest-1m", "offload_h200_honest_1m", "honest_1m", ("link", "attn", "con
 
 # warm planes (plane_reuse.md: on these keys a set of 27 / 58 channel planes per group, chosen by the planner's gains,
 # misses ~6% / ~11% of Fathom 48's host planes at p = 1 / 0)
-preset("warm-1m", None, "warm_1m", LINK_ATTN, (M,), resident_planes=(0, 1), warm_planes=(0, 48),
+preset("warm-1m", "offload_h100_warm_1m", "warm_1m", LINK_ATTN, (M,), resident_planes=(0, 1), warm_planes=(0, 48),
        inputs=(INPUTS["honest"],), share_kv_from=M, time_budget=480)
 preset("warm-128k-b8", None, "warm_128k_b8", ("link", "attnbatch"), (128 * K,), batches=(8,), rows=K8V8,
        resident_planes=(0, 1), warm_planes=(0, 48), share_kv_from=None, time_budget=400)
+
+# a selection shared across layers (issue 57) beside per-layer Fathom 48: at 128k eight sessions of their own with k8v8
+# rows (the pinned host cap must hold them: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=110); at 1M with k8v8 rows and warm
+# planes, the two ways left to cut what the shared step moves; and the 1M step's kernels by the profiler
+SHARED = ("Fathom 48", "Fathom 48 shared")
+preset("shared-128k-b8", None, "shared_128k", ("link", "attnbatch"), (128 * K,), SHARED, batches=(8,), rows=K8V8,
+       inputs=(INPUTS["honest"],), share_kv_from=None, time_budget=185)
+preset("shared-1m-rows", None, "shared_1m_rows", LINK_ATTN, (M,), SHARED, rows=K8V8, resident_planes=(0, 1),
+       warm_planes=(0, 48), inputs=(INPUTS["honest"],), share_kv_from=M, time_budget=420)
+preset("shared-1m-profile", None, "shared_1m_profile", ("attn", "attnprofile"), (M,), SHARED, resident_planes=(1,),
+       inputs=(INPUTS["honest"],), share_kv_from=M, time_budget=200)
 
 preset("fathom48", "fetch_order_h200", "f48", LINK_ATTN, (M, 128 * K), share_kv_from=M, time_budget=160)
 preset("attn-profile-1m", "fetch_order_h200", "profile_1m", ("attn", "attnprofile"), (M,), share_kv_from=M,

@@ -253,6 +253,19 @@ def test_shared_selection_rows_on_cpu(tmp_path, monkeypatch):
     assert shared["row_bytes_max"] / per_layer["row_bytes_max"] == (128 + 96) / (2 * 128)
 
 
+def test_batch_rows_of_every_method_and_input_set_on_cpu(tmp_path, monkeypatch):
+    """``attnbatch`` measures every method and input set at each batch, as ``attn`` does (issue 57's 128k x 8 row:
+    the shared selection beside per-layer Fathom, honest inputs); ``dense`` runs (its method reads no planes)."""
+    from scripts import offload_setup
+
+    monkeypatch.setitem(offload_setup.METHODS, "Fathom 48 shared", "fathom:48@share=0@budget=96")
+    res, _ = bench_offload_rows(tmp_path, monkeypatch, "batch", "--sections", "attnbatch,dense", "--batches", "2",
+                                "--methods", "Fathom 48,Fathom 48 shared", "--inputs", "today,honest")
+    got = {(r["method"], r["batch"], r["inputs"]) for r in res["rows"] if r["method"] != "dense"}
+    assert got == {(m, 2, i) for m in ("Fathom 48", "Fathom 48 shared") for i in ("today", "honest")}
+    assert [r["batch"] for r in res["rows"] if r["method"] == "dense"] == [1]
+
+
 def test_committed_results_render_through_the_migration(tmp_path):
     """Every committed offload results file renders through :func:`offload_report.migrate` (old rows upgraded to
     today's fields, no live defaults in the report): migrating twice changes nothing, and the tables today's report

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fathom_jax.eval.agreement import step_agreement
 from fathom_jax.eval.downstream import branch_key, mean_se, paired
 from fathom_jax.eval.report import save_report
 
@@ -159,20 +160,61 @@ def plot_ruler(results: dict, path: str) -> None:
 # Step agreement
 
 
+def _with_dense(results: dict) -> dict[str, list[float]]:
+    """Per branch: its step's agreement with the dense step, session by session (empty without a dense branch)."""
+    dense = next((e for e in results["branches"] if e["kind"] == "dense"), None)
+    if dense is None:
+        return {}
+    return {e["key"]: [step_agreement(step, ref) for step, ref in zip(e["generations"], dense["generations"],
+                                                                        strict=True)]
+            for e in results["branches"]}
+
+
 def agreement_summary(results: dict) -> dict:
     """Per branch and k: agreement with the exact top-k step (mean ± s.e.), the paired difference against
-    the baseline, and agreement with the real next span."""
+    the baseline, and agreement with the real next span; where the run decoded dense attention, agreement with the
+    dense step and its paired difference against the baseline (``vs_dense``, ``dense_vs_baseline``)."""
     cfg = results["meta"]["config"]
     by_key = {e["key"]: e for e in results["branches"]}
+    with_dense = _with_dense(results)
     out = {}
     for e in results["branches"]:
         row = {"real": mean_se(e["real"]), "agreement": {}, "vs_baseline": {}}
+        base_key = None
         for k, values in e["agreement"].items():
             row["agreement"][k] = mean_se(values)
             base = by_key.get(branch_key(cfg["baseline"], k, e.get("rows")))
             if base is not None:
                 row["vs_baseline"][k] = paired(values, base["agreement"][k])
+                base_key = base["key"]
+        if with_dense:
+            row["vs_dense"] = mean_se(with_dense[e["key"]])
+            if base_key is not None and e["k"] is not None:
+                row["dense_vs_baseline"] = paired(with_dense[e["key"]], with_dense[base_key])
         out[e["key"]] = row
+    return out
+
+
+def _dense_reference(results: dict, summary: dict, base: dict) -> list[str]:
+    """The table of agreement with the dense step: the exact top-k step is the reference of the main table, but a
+    method attending more than k positions per head (a selection shared across layers attends its whole budget)
+    leans from it toward dense attention, the model as trained."""
+    if "dense" not in summary or "vs_dense" not in summary["dense"]:
+        return []
+    out = ["", "## Agreement with the dense step", "",
+           "The same steps compared with the dense step instead of the exact top-k step: the reference for a method "
+           f"that attends more positions than k per head. Δ: paired against {base['label']} at the same k "
+           "(sessions better / equal / worse).", "",
+           f"| method | bits | agreement with dense | Δ {base['label']} |", "|---|---:|---:|---:|"]
+    for e in _sorted(results["branches"]):
+        if e["kind"] == "dense":
+            continue
+        s = summary[e["key"]]
+        v = s.get("dense_vs_baseline")
+        delta = "-" if v is None or e["spec"] == results["meta"]["config"]["baseline"] else \
+            f"{_signed(v, 2)} ({v['wins']}/{v['ties']}/{v['losses']})"
+        bits = "-" if e["kind"] == "exact" else f"{e['bits']:.1f}"
+        out.append(f"| {e['label']}, k={e['k']} | {bits} | {_pm(*s['vs_dense'], 2)} | {delta} |")
     return out
 
 
@@ -232,6 +274,7 @@ def render_agreement(results: dict) -> str:
                        f"{other['label']} ({other['bits']:.1f} bits) "
                        f"{_pm(*summary[other['key']]['agreement'][k], 2)}: paired {_signed(v, 2)} "
                        f"({v['wins']} better, {v['ties']} equal, {v['losses']} worse)")
+    out += _dense_reference(results, summary, base)
     return "\n".join(out) + "\n"
 
 

@@ -10,6 +10,8 @@ from fathom_jax import cli
 from fathom_jax import methods as M
 from fathom_jax.eval import downstream as ds
 from fathom_jax.eval import downstream_report
+from fathom_jax.eval.agreement import step_agreement
+from fathom_jax.eval.downstream import mean_se
 from tests.eval.conftest import serve
 
 
@@ -161,6 +163,14 @@ def test_agreement_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_smollm2):
     assert report == (tmp_path / "agreement_smollm2_512.md").read_text()
     assert "| exact top-k oracle (k8v8 rows), k=64 |" in report and "- K/V rows: the model dtype, k8v8" in report
     assert "Fathom 24 (k8v8 rows)" in out and "vs SparQ r=16 (k8v8 rows)" in out
+    # every step is also compared with the dense step, session by session, from the generations in the file
+    summary = downstream_report.agreement_summary(res)
+    with_dense = [step_agreement(step, ref) for step, ref in zip(by_key[f"{SHARED}@64+k8v8"]["generations"],
+                                                                 by_key["dense"]["generations"])]
+    assert summary[f"{SHARED}@64+k8v8"]["vs_dense"] == mean_se(with_dense)
+    assert summary["dense"]["vs_dense"] == (1.0, 0.0) and "dense_vs_baseline" not in summary["dense"]
+    assert summary["sparq:16@64+k8v8"]["dense_vs_baseline"]["mean"] == 0.0
+    assert "## Agreement with the dense step" in report
 
 
 def test_gemma3_sweep_decodes_from_its_windows_and_global_cache(capsys, tmp_path, tiny_gemma3):
