@@ -202,9 +202,9 @@ def _dense_reference(results: dict, summary: dict, base: dict) -> list[str]:
     if "dense" not in summary or "vs_dense" not in summary["dense"]:
         return []
     out = ["", "## Agreement with the dense step", "",
-           "The same steps compared with the dense step instead of the exact top-k step: the reference for a method "
-           f"that attends more positions than k per head. Δ: paired against {base['label']} at the same k "
-           "(sessions better / equal / worse).", "",
+           ("The same steps compared with the dense step instead of the exact top-k step: the reference for a method "
+            f"that attends more positions than k per head. Δ: paired against {base['label']} at the same k "
+            "(sessions better / equal / worse)."), "",
            f"| method | bits | agreement with dense | Δ {base['label']} |", "|---|---:|---:|---:|"]
     for e in _sorted(results["branches"]):
         if e["kind"] == "dense":
