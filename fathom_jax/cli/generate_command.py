@@ -257,7 +257,6 @@ def _padded(ids: list[list[int]]):
 def _generate(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from fathom_jax import decode, distributed
     from fathom_jax.models import generate, hub

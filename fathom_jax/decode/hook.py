@@ -101,6 +101,12 @@ class SparseAttention(AttentionSpec):
         return dataclasses.replace(self, run=run, share=share)
 
     @property
+    def layer_kinds(self) -> tuple[bool, ...] | None:
+        """Whether each cache layer selects (True) or attends the shared set (False), with a selection shared across
+        layers; None without one (every layer the same step)."""
+        return None if self.share is None else self.share.selects
+
+    @property
     def context(self) -> StepContext:
         if self.run is None:
             raise ValueError("SparseAttention: not bound to a cache shape; use the hook that prefill / "
@@ -142,14 +148,15 @@ class SparseAttention(AttentionSpec):
         """The positions a shared selection's last selection layer chose (None without sharing)."""
         return None if self.share is None else SharedSet.empty(cache.batch, self.share.selection.budget)
 
-    def attend(self, cache: SparseCache, layer, q, key, value, carry=None):
+    def attend(self, cache: SparseCache, layer, q, key, value, carry=None, kind=None):
         """Sparse attention of the new token's queries ``q [B, Hkv, G, D]`` at layer ``layer`` (inside the layer
         scan); ``key, value [B, Hkv, D]`` are the new token's post-RoPE key and value, not in the cache yet.
         Returns the output, what :meth:`commit` writes after the layer scan and the carry (a shared selection's
-        set). Under a mesh each device runs this for its own groups."""
+        set). ``kind``: ``layer_kinds[layer]`` where the caller knows it (a shared selection's layer then runs its
+        own program, with no branch on the traced layer). Under a mesh each device runs this for its own groups."""
         b, hkv, g, d = q.shape
         r = b * hkv
-        step = functools.partial(layer_step, self.method, self.context, writes_lib.writer(self))
+        step = functools.partial(layer_step, self.method, self.context, writes_lib.writer(self), selects=kind)
         out, update, carry = self.placement.per_group(
             step, q.reshape(r, g, d), key.reshape(r, d), value.reshape(r, d), cache.group_length(),
             prefill_lib.layer_calibration(self, cache, layer), cache, jnp.asarray(layer, jnp.int32), carry,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from fathom_jax.decode.cache import SparseCache
-from fathom_jax.models.attention import CacheShape
+from fathom_jax.models.attention import CacheShape, layer_runs
 
 if TYPE_CHECKING:  # the hook makes its programs here (SparseAttention.program): a type, not an import cycle
     from fathom_jax.decode.hook import SparseAttention
@@ -27,22 +27,28 @@ def _attention_layers(attn: SparseAttention, q, key, value, cache: SparseCache):
     groups = q.shape[1]
     batch = cache.batch
 
-    def body(carried, xs):
-        previous, carry = carried
-        q_l, k_l, v_l, layer = xs
-        # Layer l starts after layer l - 1's output, as in the model, where its query is computed from that output.
-        # A loop iteration per layer serializes them anyway; unrolled (``StepConfig.layer_unroll``), XLA would
-        # otherwise run independent layers side by side, which no decoder can.
-        q_l, _ = jax.lax.optimization_barrier((q_l, previous))
-        shape = (batch, groups // batch)
-        out, update, carry = attn.attend(cache, layer, q_l.reshape(*shape, *q_l.shape[1:]), k_l.reshape(*shape, -1),
-                                         v_l.reshape(*shape, -1), carry)
-        out = out.reshape(q_l.shape)
-        return (out.astype(previous.dtype), carry), (out, update)
+    def body_of(kind):
+        def body(carried, layer):
+            previous, carry = carried
+            q_l, k_l, v_l = (jax.lax.dynamic_index_in_dim(a, layer, 0, False) for a in (q, key, value))
+            # Layer l starts after layer l - 1's output, as in the model, where its query is computed from that
+            # output. A loop iteration per layer serializes them anyway; unrolled (``StepConfig.layer_unroll``), XLA
+            # would otherwise run independent layers side by side, which no decoder can.
+            q_l, _ = jax.lax.optimization_barrier((q_l, previous))
+            shape = (batch, groups // batch)
+            out, update, carry = attn.attend(cache, layer, q_l.reshape(*shape, *q_l.shape[1:]),
+                                             k_l.reshape(*shape, -1), v_l.reshape(*shape, -1), carry, kind=kind)
+            out = out.reshape(q_l.shape)
+            return (out.astype(previous.dtype), carry), (out, update)
+        return body
 
-    _, (out, updates) = jax.lax.scan(body, (jnp.zeros(q.shape[1:], q.dtype), attn.decode_carry(cache)),
-                                     (q, key, value, jnp.arange(cache.n_layers, dtype=jnp.int32)),
-                                     unroll=attn.layer_unroll)
+    # one scan per run of layers of one kind (a shared selection's selecting and sharing layers), as the models run them
+    carried, ys = (jnp.zeros(q.shape[1:], q.dtype), attn.decode_carry(cache)), []
+    for start, stop, kind in layer_runs(attn.layer_kinds, cache.n_layers):
+        carried, run_ys = jax.lax.scan(body_of(kind), carried, jnp.arange(start, stop, dtype=jnp.int32),
+                                       unroll=min(attn.layer_unroll, stop - start))
+        ys.append(run_ys)
+    out, updates = ys[0] if len(ys) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts), *ys)
     return out, attn.commit(cache, updates)
 
 

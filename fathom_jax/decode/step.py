@@ -164,12 +164,14 @@ def _read_step(read, q: Float[Array, "R G D"], view: CacheView, ctx: StepContext
 
 def layer_step(method: ScanMethod, ctx: StepContext, write: writes_lib.Writer, q: Float[Array, "R G D"], key: Float[Array, "R D"],
                value: Float[Array, "R D"], position: Int[Array, "R"], calib: Calibration | None, cache: SparseCache,
-               layer, shared: SharedSet | None = None) -> tuple[Float[Array, "R G Dh"], LayerUpdate, SharedSet | None]:
+               layer, shared: SharedSet | None = None, *, selects: bool | None = None
+               ) -> tuple[Float[Array, "R G Dh"], LayerUpdate, SharedSet | None]:
     """One layer of a decode step over the stacked cache (what :meth:`SparseAttention.attend
     <fathom_jax.decode.SparseAttention.attend>` runs per device): the new token in every index part's newest block,
     the layer's :class:`CacheView`, the step, and where ``ctx.run.in_place`` says so the token's writes. With a
     shared selection (``ctx.share``) a selection layer also publishes its set and a sharing layer attends ``shared``,
-    the set it returns for the next layer."""
+    the set it returns for the next layer; ``selects`` (static) says which this layer is (None: the traced layer
+    decides, by a conditional)."""
     key, value = writes_lib.materialized(key, value)
     key32 = key.astype(jnp.float32)
     index, views, blocks = cache.index, [], {}
@@ -184,7 +186,7 @@ def layer_step(method: ScanMethod, ctx: StepContext, write: writes_lib.Writer, q
         result = sparse_attention_step(method, q, view, ctx)
         out, fill = result.out, result.fill
     else:
-        out, fill, shared = _shared_step(method, q, view, ctx, shared)
+        out, fill, shared = _shared_step(method, q, view, ctx, shared, selects)
     update = LayerUpdate(key=key, value=value, blocks=blocks, rows=fill)
     if ctx.run.in_place:
         # This layer's K/V row and newest blocks go to host memory now: the write kernels depend only on the new
@@ -196,9 +198,11 @@ def layer_step(method: ScanMethod, ctx: StepContext, write: writes_lib.Writer, q
     return out, update, shared
 
 
-def _shared_step(method: ScanMethod, q, view: CacheView, ctx: StepContext, shared: SharedSet):
-    """A layer of a shared selection, ``(out, fill, the set for the next layer)``: a selection layer (static plan,
-    traced layer index) runs the step and publishes its set, a sharing layer attends the last one."""
+def _shared_step(method: ScanMethod, q, view: CacheView, ctx: StepContext, shared: SharedSet,
+                 selects: bool | None):
+    """A layer of a shared selection, ``(out, fill, the set for the next layer)``: a selection layer runs the step
+    and publishes its set, a sharing layer attends the last one; which, ``selects`` says (static), else the traced
+    layer index under ``lax.cond``."""
     share = ctx.share
     q = q.astype(jnp.float32)
 
@@ -212,6 +216,8 @@ def _shared_step(method: ScanMethod, q, view: CacheView, ctx: StepContext, share
         out, fill = sharing_lib.attend_shared(q, view, ctx, shared, share.kv_heads)
         return out.astype(jnp.float32), fill, shared
 
+    if selects is not None:
+        return selecting() if selects else following()
     return jax.lax.cond(jnp.asarray(share.selects)[view.layer], selecting, following)
 
 

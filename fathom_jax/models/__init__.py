@@ -31,6 +31,7 @@ import importlib
 # name -> the module of this package that defines it
 _EXPORTS = {
     "CacheAttention": "attention", "CacheShape": "attention", "DenseCache": "attention", "PromptAttention": "attention",
+    "layer_runs": "attention",
     "AttentionFn": "cache", "KVCache": "cache", "softmax_attention": "cache",
     "CaptureAttention": "capture", "capture_qkv": "capture",
     "LlamaConfig": "config", "RopeScaling": "config",

@@ -51,6 +51,17 @@ class CacheShape:
         return self.batch * self.kv_heads
 
 
+def layer_runs(kinds: tuple | None, layers: int) -> tuple[tuple[int, int, Any], ...]:
+    """``layers`` as runs of consecutive layers of one kind, ``(start, stop, kind)`` in order: one run of every layer
+    where ``kinds`` is None (:attr:`CacheAttention.layer_kinds`)."""
+    if kinds is None:
+        return ((0, layers, None),)
+    if len(kinds) != layers:
+        raise ValueError(f"layer_runs: {len(kinds)} layer kinds for {layers} layers")
+    starts = [i for i in range(layers) if i == 0 or kinds[i] != kinds[i - 1]]
+    return tuple((a, b, kinds[a]) for a, b in zip(starts, [*starts[1:], layers]))
+
+
 @runtime_checkable
 class PromptAttention(Protocol):
     """The attention of a prompt, layer by layer, with a cache of its own (what ``forward_prompt`` drives).
@@ -77,7 +88,11 @@ class CacheAttention(PromptAttention, Protocol):
     ``fused``: a whole generation may be one program (the cache can ride in loop carries); ``ragged``: sequences of
     different lengths decode together; ``min_capacity``: the fewest cache slots it works with; ``layer_unroll``:
     layers per iteration of the decode step's layer scan; ``compiler_options``: XLA options for the programs that run
-    its steps; ``offloaded``: the cache lives in host memory (it sizes itself; no device-memory check applies).
+    its steps; ``offloaded``: the cache lives in host memory (it sizes itself; no device-memory check applies);
+    ``layer_kinds``: per cache layer, a static key of the program :meth:`attend` runs there (None: every layer the
+    same). A decoder scans each run of one kind on its own (:func:`layer_runs`) and passes the kind to :meth:`attend`,
+    which then picks that layer's program by the key instead of branching on the traced layer (a GPU conditional
+    blocks the host on its predicate every time it runs).
     Shapes in a decode step: ``q [B, Hkv, G, D]``, ``key``/``value [B, Hkv, D]``.
     """
 
@@ -87,6 +102,7 @@ class CacheAttention(PromptAttention, Protocol):
     layer_unroll: int
     compiler_options: dict
     offloaded: bool
+    layer_kinds: tuple | None
 
     def bind(self, shape: CacheShape) -> "CacheAttention":
         """This attention for caches of ``shape`` (checked; any configuration resolved once, before tracing)."""
@@ -101,9 +117,9 @@ class CacheAttention(PromptAttention, Protocol):
         """What a decode step carries from layer to layer (None: nothing; a selection shared across layers: the
         positions the last selection layer chose), the first layer's ``carry`` in :meth:`attend`."""
 
-    def attend(self, cache, layer, q, key, value, carry=None) -> tuple[Array, Any, Any]:
+    def attend(self, cache, layer, q, key, value, carry=None, kind=None) -> tuple[Array, Any, Any]:
         """One layer of a decode step: ``(o [B, Hkv, G, D], this layer's update for commit, the carry for the next
-        layer)``."""
+        layer)``; ``kind``: ``layer_kinds[layer]`` where the decoder scans runs of one kind (None: not known)."""
 
     def commit(self, cache, updates) -> Any:
         """The cache with every layer's update (stacked on a leading layer axis) written."""
@@ -125,6 +141,7 @@ class DenseCache:
     min_capacity = 1
     layer_unroll = 1
     offloaded = False
+    layer_kinds = None
     mlp_chunk = PREFILL_MLP_CHUNK
 
     @property
@@ -156,7 +173,7 @@ class DenseCache:
     def decode_carry(self, cache: KVCache) -> None:
         return None
 
-    def attend(self, cache: KVCache, layer, q, key, value, carry=None):
+    def attend(self, cache: KVCache, layer, q, key, value, carry=None, kind=None):
         at = (0, 0, cache.length, 0)
         k = jax.lax.dynamic_update_slice(cache.k[layer], key[:, :, None].astype(cache.k.dtype), at)
         v = jax.lax.dynamic_update_slice(cache.v[layer], value[:, :, None].astype(cache.v.dtype), at)

@@ -60,6 +60,37 @@ def test_layers_per_loop_iteration_change_no_number(tiny_model):
         np.testing.assert_array_equal(have, want)
 
 
+def test_a_shared_selection_branches_on_no_layer(tiny_model):
+    """The attention-only step of a shared selection scans each run of layers of one kind apart (layer_runs): its
+    compiled program has no conditional more than the per-layer step's (on a GPU each would block the host on its
+    predicate, once per layer), and it computes what the layer-by-layer attention does."""
+    import re
+
+    from fathom_jax.decode.programs import attention_program
+
+    cfg = tiny_model.config
+    prompt = np.random.default_rng(3).integers(0, 97, (2, 40)).astype(np.int32)
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((cfg.n_layers, 2 * cfg.n_kv_heads, cfg.group_size, cfg.head_dim)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((2, cfg.n_layers, 2 * cfg.n_kv_heads, cfg.head_dim)), jnp.float32)
+    conditionals = {}
+    for spec in ("fathom:16", "fathom:16@share=0,2@budget=44"):
+        attn = decode.from_spec(spec, k=40, calibration="session", implementation="xla")
+        _, cache, attn = generation.prefill(tiny_model, prompt, np.array([40, 33]), attn, 64)
+        text = attention_program(attn, cache).lower(q, kv[0], kv[1], cache=cache).compile().as_text()
+        conditionals[spec] = len(re.findall(r"\bconditional\(", text))
+    assert conditionals["fathom:16@share=0,2@budget=44"] == conditionals["fathom:16"]
+    by_batch = lambda x: x.reshape(2, cfg.n_kv_heads, *x.shape[1:])  # noqa: E731  [R, ...] -> [B, Hkv, ...]
+    attend = jax.jit(lambda q, key, value, cache, layer, carry: attn.attend(cache, layer, by_batch(q), by_batch(key),
+                                                                              by_batch(value), carry))
+    carry, want = attn.decode_carry(cache), []
+    for layer in range(cfg.n_layers):  # the traced layer's conditional, layer by layer
+        out, _, carry = attend(q[layer], kv[0, layer], kv[1, layer], cache, jnp.int32(layer), carry)
+        want.append(out.reshape(q.shape[1:]))
+    out, _ = decode.attention_step(q, kv[0], kv[1], cache, attn)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jnp.stack(want)))
+
+
 def test_cache_from_dense_prefill_branches_methods_from_one_prefill(tiny_model):
     """A sparse cache built from one dense prefill decodes like the sparse path's own prefill."""
     from fathom_jax.models import DenseCache

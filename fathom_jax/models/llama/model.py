@@ -3,8 +3,9 @@
 
 Layout choices, and why:
 - Layers are built with `nnx.vmap`, so every layer parameter carries a leading [n_layers] axis and
-  the forward pass is one `lax.scan` over layers (:meth:`LlamaForCausalLM.run_layers`): compile time does not
-  grow with depth, and the layer index reaches the attention as a traced int.
+  the forward pass is one `lax.scan` over layers (:meth:`LlamaForCausalLM.run_layers`; a decode step one per run of
+  layers of one attention kind, where the attention names kinds): compile time does not grow with depth, and the
+  layer index reaches the attention as a traced int.
 - Attention is an attention object with a cache of its own (`attention.py`): the dense cache, sparse decoding
   in HBM or host memory, or q/k/v capture. Its cache, holding *post-RoPE* keys, is the whole decode state, and
   rides in the scan carry so that XLA updates it in place.
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from fathom_jax.models.attention import CacheAttention, CacheShape, PromptAttention
+from fathom_jax.models.attention import CacheAttention, CacheShape, PromptAttention, layer_runs
 from fathom_jax.models.config import LlamaConfig
 from fathom_jax.models.layers import DecoderLayer, RMSNorm, linear
 
@@ -63,7 +64,7 @@ class LlamaForCausalLM(nnx.Module):
         return cache
 
     def forward_prompt(self, attention: PromptAttention, prompt, lengths, state):
-        def attend(layer, q, k, v, cache):
+        def attend(layer, q, k, v, cache, kind):
             o, cache = attention.attend_prompt(cache, layer, q, k, v, lengths)
             return o, (cache, None)
 
@@ -72,13 +73,14 @@ class LlamaForCausalLM(nnx.Module):
         return self.last_logits(x, lengths), cache
 
     def forward_token(self, attention: CacheAttention, tokens, state):
-        def attend(layer, q, k, v, carry):
-            o, update, carry = attention.attend(state, layer, q[:, :, :, 0], k[:, :, 0], v[:, :, 0], carry)
+        def attend(layer, q, k, v, carry, kind):
+            o, update, carry = attention.attend(state, layer, q[:, :, :, 0], k[:, :, 0], v[:, :, 0], carry, kind=kind)
             return o[:, :, :, None], (carry, update)
 
         positions = attention.positions(state)[:, None]
         x, _, updates = self.run_layers(self.embed(tokens[:, None]), positions, attend,
-                                        attention.decode_carry(state), unroll=attention.layer_unroll)
+                                        attention.decode_carry(state), unroll=attention.layer_unroll,
+                                        runs=layer_runs(attention.layer_kinds, self.config.n_layers))
         return self.logits(self.norm(x[:, 0])), attention.commit(state, updates)
 
     def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T E"]:
@@ -99,27 +101,38 @@ class LlamaForCausalLM(nnx.Module):
 
     # -- core ----------------------------------------------------------------------------------------------
 
-    def run_layers(self, x, positions, attend, carry, *, unroll: int = 1, mlp_chunk: int | None = None):
+    def run_layers(self, x, positions, attend, carry, *, unroll: int = 1, mlp_chunk: int | None = None,
+                   runs: tuple | None = None):
         """``lax.scan`` of the decoder layers (``unroll`` layers per loop iteration), ``x`` and ``carry`` (e.g. the
         cache) threaded through.
 
-        ``attend(layer, q, k, v, carry) -> (o, (carry, ys))`` with q [B,Hkv,G,T,D], k/v [B,Hkv,T,D] (post-RoPE) and
-        ``layer`` a traced int32; returns ``(x, carry, ys stacked on [n_layers])``. ``mlp_chunk``: tokens per chunk
-        of the MLP (None: all at once).
+        ``attend(layer, q, k, v, carry, kind) -> (o, (carry, ys))`` with q [B,Hkv,G,T,D], k/v [B,Hkv,T,D] (post-RoPE),
+        ``layer`` a traced int32 and ``kind`` its run's (static); returns ``(x, carry, ys stacked on [n_layers])``.
+        ``runs``: ``(start, stop, kind)`` of consecutive layers (:func:`~fathom_jax.models.attention.layer_runs`),
+        one scan each (None: one of every layer). ``mlp_chunk``: tokens per chunk of the MLP (None: all at once).
+
+        The stacked parameters are closed over and indexed by layer, not scanned as ``xs``: a run's scan over a slice
+        of them would copy it.
         """
         cfg = self.config
         graphdef, layer_state = nnx.split(self.layers)
 
-        def body(c, scanned):
-            x, carry = c
-            state, idx = scanned
-            layer = nnx.merge(graphdef, state)
-            x, (carry, ys) = layer(cfg, x, positions, lambda q, k, v: attend(idx, q, k, v, carry), mlp_chunk=mlp_chunk)
-            return (x, carry), ys
+        def body_of(kind):
+            def body(c, idx):
+                x, carry = c
+                layer = nnx.merge(graphdef, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False),
+                                                         layer_state))
+                x, (carry, ys) = layer(cfg, x, positions, lambda q, k, v: attend(idx, q, k, v, carry, kind),
+                                       mlp_chunk=mlp_chunk)
+                return (x, carry), ys
+            return body
 
-        (x, carry), ys = jax.lax.scan(body, (x, carry), (layer_state, jnp.arange(cfg.n_layers, dtype=jnp.int32)),
-                                      unroll=unroll)
-        return x, carry, ys
+        ys = []
+        for start, stop, kind in runs or ((0, cfg.n_layers, None),):
+            (x, carry), run_ys = jax.lax.scan(body_of(kind), (x, carry), jnp.arange(start, stop, dtype=jnp.int32),
+                                              unroll=min(unroll, stop - start))
+            ys.append(run_ys)
+        return x, carry, ys[0] if len(ys) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts), *ys)
 
     def logits(self, h: Float[Array, "... E"]) -> Float[Array, "... V"]:
         out = self.embed_tokens.attend(h) if self.config.tie_word_embeddings else self.lm_head(h)
