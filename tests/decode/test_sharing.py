@@ -177,6 +177,20 @@ def test_gemma3_shares_among_its_global_layers():
     offloaded, _, _ = sparse_forced(model, PROMPT, TOKENS, decode.from_spec(
         spec, k=40, implementation="triton", placement="pinned_host"), CAPACITY)
     np.testing.assert_allclose(offloaded, got, rtol=2e-4, atol=2e-4)
+    # the block scan runs blocks of one global kind apart: no conditional more than the per-layer step's
+    assert decode_step_conds(model, spec) == decode_step_conds(model, "sparq:4")
+
+
+def decode_step_conds(model, spec: str) -> int:
+    """The ``cond`` equations of ``model``'s decode step with the method ``spec`` (nested ones included)."""
+    from fathom_jax.models import generation
+
+    attn = decode.from_spec(spec, k=40)
+    _, state, attn = generation.prefill(model, PROMPT, np.full(2, PROMPT.shape[1]), attn, CAPACITY)
+    own, cache = model.split_state(state)
+    jaxpr = generation.decode_step_program(model, cache, attn).trace(
+        nnx.split(model)[1], jnp.asarray(TOKENS[:, 0]), own, cache=cache).jaxpr
+    return sum(e.primitive.name == "cond" for e in jaxpr_equations(jaxpr.jaxpr))
 
 
 def test_a_branch_from_a_dense_prefill_names_model_layers():

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from fathom_jax.models.attention import CacheAttention, CacheShape, PromptAttention
+from fathom_jax.models.attention import CacheAttention, CacheShape, PromptAttention, layer_runs
 from fathom_jax.models.gemma3.config import Gemma3Config
 from fathom_jax.models.gemma3.layers import (
     DecoderLayer,
@@ -96,7 +96,7 @@ class Gemma3ForCausalLM(nnx.Module):
             o, windows = s.windows.attend(i, q, k, v, lengths)
             return o, (dataclasses.replace(s, windows=windows), None)
 
-        def global_attend(g, q, k, v, s):
+        def global_attend(g, q, k, v, s, kind):
             o, cache = attention.attend_prompt(s.cache, g, q, k, v, lengths)
             return o, (dataclasses.replace(s, cache=cache), None)
 
@@ -118,13 +118,14 @@ class Gemma3ForCausalLM(nnx.Module):
             o, w = w.attend(i, q, k, v)
             return o, ((w, shared), None)
 
-        def global_attend(g, q, k, v, carry):
+        def global_attend(g, q, k, v, carry, kind):
             w, shared = carry
-            o, update, shared = attention.attend(cache, g, q[:, :, :, 0], k[:, :, 0], v[:, :, 0], shared)
+            o, update, shared = attention.attend(cache, g, q[:, :, :, 0], k[:, :, 0], v[:, :, 0], shared, kind=kind)
             return o[:, :, :, None], ((w, shared), update)
 
-        x, (windows, _), _, updates = self.run_layers(self.embed(tokens[:, None]), start[:, None], local_attend,
-                                                      global_attend, (windows, attention.decode_carry(cache)))
+        x, (windows, _), _, updates = self.run_layers(
+            self.embed(tokens[:, None]), start[:, None], local_attend, global_attend,
+            (windows, attention.decode_carry(cache)), runs=layer_runs(attention.layer_kinds, self.config.n_blocks))
         state = Gemma3State(dataclasses.replace(windows, length=start + 1), attention.commit(cache, updates))
         return self.logits(self.norm(x[:, 0])), state
 
@@ -134,15 +135,18 @@ class Gemma3ForCausalLM(nnx.Module):
         # sqrt(hidden) is rounded to the model dtype first, as transformers does (bf16: sqrt(640) -> 25.25).
         return self.embed_tokens(tokens) * jnp.asarray(np.float32(math.sqrt(self.config.hidden))).astype(self.dtype)
 
-    def run_layers(self, x, positions, local_attend, global_attend, carry, *, mlp_chunk: int | None = None):
+    def run_layers(self, x, positions, local_attend, global_attend, carry, *, mlp_chunk: int | None = None,
+                   runs: tuple | None = None):
         """All layers in model order, ``x`` and ``carry`` (e.g. the cache) threaded through; ``mlp_chunk``: tokens
         per chunk of the MLP (None: all at once).
 
-        ``local_attend(i, q, k, v, carry)`` and ``global_attend(g, q, k, v, carry)`` return ``(o, (carry, ys))``
+        ``local_attend(i, q, k, v, carry)`` and ``global_attend(g, q, k, v, carry, kind)`` return ``(o, (carry, ys))``
         with q [B,Hkv,G,T,D] (post-RoPE, times ``config.query_scale``), k/v [B,Hkv,T,D] and o [B,Hkv,G,T,D];
         ``i`` / ``g`` are traced int32 ordinals among the local / global layers (model layer
         ``config.local_layers[i]`` / ``config.global_layers[g]``). Returns ``(x, carry, local ys stacked
-        [n_local, ...], global ys stacked [n_global, ...])``.
+        [n_local, ...], global ys stacked [n_global, ...])``. ``runs``: ``(start, stop, kind)`` of consecutive
+        blocks by their global layer's attention kind (:func:`~fathom_jax.models.attention.layer_runs`), one scan
+        each, the kind handed to ``global_attend`` (None: one scan of every block).
 
         The stacked parameters are closed over and indexed by ordinal, not scanned as ``xs``: a scan over
         blocks would slice (on XLA:CPU, copy) each block's local weights before the inner scan slices them
@@ -170,16 +174,24 @@ class Gemma3ForCausalLM(nnx.Module):
         # local_layers holds the blocks' local layers back to back: block g's are [g * p1, (g + 1) * p1).
         block_local = local_body(stacked(self.local_layers), 0) if p1 else None
 
-        def block_body(c, g):
-            ys_local = None
-            if p1:
-                c, ys_local = jax.lax.scan(block_local, c, g * p1 + jnp.arange(p1, dtype=jnp.int32))
-            x, carry = c
-            x, (carry, ys) = global_at(g)(
-                cfg, x, positions, global_freq, lambda q, k, v: global_attend(g, q, k, v, carry), mlp_chunk=mlp_chunk)
-            return (x, carry), (ys_local, ys)
+        def block_body_of(kind):
+            def block_body(c, g):
+                ys_local = None
+                if p1:
+                    c, ys_local = jax.lax.scan(block_local, c, g * p1 + jnp.arange(p1, dtype=jnp.int32))
+                x, carry = c
+                x, (carry, ys) = global_at(g)(cfg, x, positions, global_freq,
+                                              lambda q, k, v: global_attend(g, q, k, v, carry, kind), mlp_chunk=mlp_chunk)
+                return (x, carry), (ys_local, ys)
+            return block_body
 
-        (x, carry), (ys_local, ys_global) = jax.lax.scan(block_body, (x, carry), jnp.arange(nb, dtype=jnp.int32))
+        # one scan per run of blocks whose global layers are of one attention kind (one run: every block)
+        c, ys = (x, carry), []
+        for first, stop, kind in runs or ((0, nb, None),):
+            c, run_ys = jax.lax.scan(block_body_of(kind), c, jnp.arange(first, stop, dtype=jnp.int32))
+            ys.append(run_ys)
+        (x, carry), (ys_local, ys_global) = c, ys[0] if len(ys) == 1 else jax.tree.map(
+            lambda *parts: jnp.concatenate(parts), *ys)
         ys_local = jax.tree.map(lambda a: a.reshape(nb * p1, *a.shape[2:]), ys_local) if p1 else None
         if cfg.n_tail:
             tail = local_body(stacked(self.tail_layers), nb * p1)
