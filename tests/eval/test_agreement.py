@@ -29,7 +29,8 @@ def test_sessions_are_windows_of_real_code_with_the_next_span(smollm2_path):
 
 
 @pytest.mark.parametrize("name", ["agreement_smollm2_4k", "agreement_gemma3_8k", "agreement_gemma3_8k_shared_cpu",
-                                  "agreement_smollm2_8k_shared_cpu", "agreement_smollm2_4k_k8v8",
+                                  "agreement_smollm2_8k_shared_cpu", "agreement_smollm2_8k_shared_wide_cpu",
+                                  "agreement_smollm2_4k_k8v8",
                                   "ruler_smollm2_4k_shared_cpu", "ruler_gemma3_8k_shared_cpu"])
 def test_committed_tables_render_from_their_json(name):
     """A committed step-agreement or RULER table is its JSON rendered by today's report, bit for bit."""
