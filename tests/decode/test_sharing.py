@@ -24,7 +24,7 @@ from fathom_jax.scan import scan_scores
 from fathom_jax.select import dense_attention, select_topk, sparse_attention
 from tests.decode.support import D, N, context, stacked_setting, step_setting
 from pallas_kernels import sparse_attend
-from tests.support import TINY_GEMMA3, jaxpr_equations, jaxpr_pallas_calls, sparse_forced
+from tests.support import ON_GPU, TINY_GEMMA3, jaxpr_equations, jaxpr_pallas_calls, sparse_forced
 
 BUDGET = 60
 
@@ -136,6 +136,19 @@ def test_a_selection_layer_publishes_from_its_own_scores(tiny_model):
     selecting, following = (e.params["jaxpr"] for e in runs)
     assert len(jaxpr_pallas_calls(following, "fathom_plane_scan")) == 0
     assert len(jaxpr_pallas_calls(selecting, "fathom_plane_scan")) == 1  # the step's own
+
+
+@pytest.mark.parametrize("placement", [pytest.param("pinned_host", marks=ON_GPU, id="gpu-pinned_host"),
+                                       pytest.param("device", marks=ON_GPU, id="gpu-device")])
+def test_the_kernels_decode_a_shared_selection_as_the_reference(tiny_model, placement):
+    """Natively, Fathom's shared selection on the kernels (layers 0 and 2 select, layer 1 attends layer 0's set: three
+    runs of the layer scan), its cache in host or device memory, decodes as the reference in device memory."""
+    spec = "fathom:16@share=0,2@budget=44"
+    want, _, _ = sparse_forced(tiny_model, PROMPT, TOKENS, decode.from_spec(spec, k=40), CAPACITY)
+    got, _, bound = sparse_forced(tiny_model, PROMPT, TOKENS, decode.from_spec(
+        spec, k=40, implementation="triton", placement=placement), CAPACITY)
+    assert bound.layer_kinds == (True, False, True)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
 
 
 def forced_logits_after(model, prompt, tokens, attention, capacity):
