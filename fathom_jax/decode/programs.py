@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from fathom_jax.decode.cache import SparseCache
-from fathom_jax.models.attention import CacheShape, layer_runs
+from fathom_jax.models.attention import CacheShape, layer_runs, scan_runs
 
 if TYPE_CHECKING:  # the hook makes its programs here (SparseAttention.program): a type, not an import cycle
     from fathom_jax.decode.hook import SparseAttention
@@ -43,12 +43,8 @@ def _attention_layers(attn: SparseAttention, q, key, value, cache: SparseCache):
         return body
 
     # one scan per run of layers of one kind (a shared selection's selecting and sharing layers), as the models run them
-    carried, ys = (jnp.zeros(q.shape[1:], q.dtype), attn.decode_carry(cache)), []
-    for start, stop, kind in layer_runs(attn.layer_kinds, cache.n_layers):
-        carried, run_ys = jax.lax.scan(body_of(kind), carried, jnp.arange(start, stop, dtype=jnp.int32),
-                                       unroll=min(attn.layer_unroll, stop - start))
-        ys.append(run_ys)
-    out, updates = ys[0] if len(ys) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts), *ys)
+    _, (out, updates) = scan_runs(body_of, (jnp.zeros(q.shape[1:], q.dtype), attn.decode_carry(cache)),
+                                  layer_runs(attn.layer_kinds, cache.n_layers), unroll=attn.layer_unroll)
     return out, attn.commit(cache, updates)
 
 

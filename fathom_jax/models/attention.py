@@ -62,6 +62,18 @@ def layer_runs(kinds: tuple | None, layers: int) -> tuple[tuple[int, int, Any], 
     return tuple((a, b, kinds[a]) for a, b in zip(starts, [*starts[1:], layers]))
 
 
+def scan_runs(body_of: Callable, carry, runs: tuple, *, unroll: int = 1):
+    """``lax.scan`` of ``body_of(kind)`` over each run's layer indices in turn (``runs`` as :func:`layer_runs` gives
+    them; ``unroll`` layers per loop iteration), the carry threaded through: ``(carry, ys stacked over every run's
+    layers in order)``."""
+    ys = []
+    for start, stop, kind in runs:
+        carry, run_ys = jax.lax.scan(body_of(kind), carry, jnp.arange(start, stop, dtype=jnp.int32),
+                                     unroll=min(unroll, stop - start))
+        ys.append(run_ys)
+    return carry, ys[0] if len(ys) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts), *ys)
+
+
 @runtime_checkable
 class PromptAttention(Protocol):
     """The attention of a prompt, layer by layer, with a cache of its own (what ``forward_prompt`` drives).

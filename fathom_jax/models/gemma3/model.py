@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from fathom_jax.models.attention import CacheAttention, CacheShape, PromptAttention, layer_runs
+from fathom_jax.models.attention import CacheAttention, CacheShape, PromptAttention, layer_runs, scan_runs
 from fathom_jax.models.gemma3.config import Gemma3Config
 from fathom_jax.models.gemma3.layers import (
     DecoderLayer,
@@ -186,12 +186,7 @@ class Gemma3ForCausalLM(nnx.Module):
             return block_body
 
         # one scan per run of blocks whose global layers are of one attention kind (one run: every block)
-        c, ys = (x, carry), []
-        for first, stop, kind in runs or ((0, nb, None),):
-            c, run_ys = jax.lax.scan(block_body_of(kind), c, jnp.arange(first, stop, dtype=jnp.int32))
-            ys.append(run_ys)
-        (x, carry), (ys_local, ys_global) = c, ys[0] if len(ys) == 1 else jax.tree.map(
-            lambda *parts: jnp.concatenate(parts), *ys)
+        (x, carry), (ys_local, ys_global) = scan_runs(block_body_of, (x, carry), runs or layer_runs(None, nb))
         ys_local = jax.tree.map(lambda a: a.reshape(nb * p1, *a.shape[2:]), ys_local) if p1 else None
         if cfg.n_tail:
             tail = local_body(stacked(self.tail_layers), nb * p1)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from fathom_jax.models.attention import CacheAttention, CacheShape, PromptAttention, layer_runs
+from fathom_jax.models.attention import CacheAttention, CacheShape, PromptAttention, layer_runs, scan_runs
 from fathom_jax.models.config import LlamaConfig
 from fathom_jax.models.layers import DecoderLayer, RMSNorm, linear
 
@@ -127,12 +127,8 @@ class LlamaForCausalLM(nnx.Module):
                 return (x, carry), ys
             return body
 
-        ys = []
-        for start, stop, kind in runs or ((0, cfg.n_layers, None),):
-            (x, carry), run_ys = jax.lax.scan(body_of(kind), (x, carry), jnp.arange(start, stop, dtype=jnp.int32),
-                                              unroll=min(unroll, stop - start))
-            ys.append(run_ys)
-        return x, carry, ys[0] if len(ys) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts), *ys)
+        (x, carry), ys = scan_runs(body_of, (x, carry), runs or layer_runs(None, cfg.n_layers), unroll=unroll)
+        return x, carry, ys
 
     def logits(self, h: Float[Array, "... E"]) -> Float[Array, "... V"]:
         out = self.embed_tokens.attend(h) if self.config.tie_word_embeddings else self.lm_head(h)
