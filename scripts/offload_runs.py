@@ -378,7 +378,8 @@ preset("shared-128k-b8", None, "shared_128k", ("link", "attnbatch"), (128 * K,),
        inputs=(INPUTS["honest"],), share_kv_from=None, time_budget=185)
 preset("shared-1m-rows", None, "shared_1m_rows", LINK_ATTN, (M,), SHARED, rows=K8V8, resident_planes=(0, 1),
        warm_planes=(0, 48), inputs=(INPUTS["honest"],), share_kv_from=M, time_budget=420)
-preset("shared-1m-profile", None, "shared_1m_profile", ("attn", "attnprofile"), (M,), SHARED, resident_planes=(1,),
+preset("shared-1m-profile", None, "shared_1m_profile", ("attn", "attnprofile"), (M,),
+       (*SHARED, "Fathom 48 shared top-k"), resident_planes=(1,),
        inputs=(INPUTS["honest"],), share_kv_from=M, time_budget=200)
 
 preset("fathom48", "fetch_order_h200", "f48", LINK_ATTN, (M, 128 * K), share_kv_from=M, time_budget=160)

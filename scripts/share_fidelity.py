@@ -51,6 +51,8 @@ def main(argv=None):
     ap.add_argument("--rules", nargs="+", default=list(DEFAULT_RULES), help="share= values")
     ap.add_argument("--chosen", type=_ints, default=(2, 3, 4, 6, 8), help="selection layer counts chosen on the "
                                                                            "calibration capture")
+    ap.add_argument("--attend", default="all", choices=ss.ATTENDING, help="what a sharing layer's heads attend of "
+                    "the set: all of it, or each its exact top k (files: share_fidelity_<model>_<context>_topk)")
     ap.add_argument("--rankings", nargs="+", default=list(ss.RANKINGS), choices=ss.RANKINGS)
     ap.add_argument("--out", default="results")
     ap.add_argument("--render", metavar="JSON", help="only rebuild the markdown and figure beside a results JSON")
@@ -75,7 +77,7 @@ def main(argv=None):
     try:  # every argument checked before the model loads
         config = ss.ShareConfig(method=method, k=args.k, budgets=args.budgets, rankings=tuple(args.rankings),
                                 rules=tuple(args.rules), chosen_counts=args.chosen, positions=args.positions,
-                                calib_positions=args.calib_positions,
+                                calib_positions=args.calib_positions, attending=args.attend,
                                 row_ks=tuple(sorted({args.k, *args.row_ks})))
     except ValueError as err:
         ap.error(str(err))
@@ -128,7 +130,8 @@ def run(args, config: ss.ShareConfig, argv) -> None:
                           scanning_layers=captured_layers(cfg), meta=meta)
     res["meta"]["wall_seconds_with_captures"] = round(time.time() - t0, 1)
     size = f"{args.context // 1024}k" if args.context % 1024 == 0 else f"{args.context}tok"
-    prefix = os.path.join(args.out, f"share_fidelity_{spec.slug}_{size}")
+    suffix = "" if args.attend == "all" else f"_{args.attend}"
+    prefix = os.path.join(args.out, f"share_fidelity_{spec.slug}_{size}{suffix}")
     markdown = share_report.render_markdown(res)
     print(markdown)
     print("wrote", ", ".join(save_report(res, prefix, markdown, share_report.plot)))

@@ -2,12 +2,12 @@
 publishes and how a sharing layer attends it.
 
     shared = publish(q, view, ctx, sharing, kv_heads, scores)     # at a selection layer, from its own step's scores
-    result = attend_shared(q, view, ctx, shared, kv_heads)         # at a sharing layer: no plan, scan or selection
+    result = attend_shared(q, view, ctx, shared, sharing, kv_heads)  # at a sharing layer: no plan, scan or selection
 
 The published set is :func:`shared_positions` of the selection layer's scores over every query head of every KV head
 of a sequence: the set the fidelity study measures (:mod:`fathom_jax.eval.shared_selection`). A sharing layer fetches each KV
 head's own rows at those positions (its newest row patched in, as every step does) and every head attends all of
-them. A selection layer publishes from the scores its own step wrote (one read of its planes); the layers that
+them, or (``attend=topk``) each head its own top k of them by exact score, ranked from the fetched keys. A selection layer publishes from the scores its own step wrote (one read of its planes); the layers that
 share read none.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from fathom_jax.methods.sharing import RANKINGS, Ranking, SharedSelection
-from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
+from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend
 
 
 def shared_positions(
@@ -136,11 +136,32 @@ def publish(q: Float[Array, "R G D"], view, ctx, sharing: SharedSelection, kv_he
     return SharedSet(jnp.where(mask, order, -1), mask)
 
 
-def attend_shared(q: Float[Array, "R G D"], view, ctx, shared: SharedSet, kv_heads: int
+def attend_shared(q: Float[Array, "R G D"], view, ctx, shared: SharedSet, sharing: SharedSelection, kv_heads: int
                   ) -> tuple[Float[Array, "R G Dh"], object]:
-    """Every head of every group attends its sequence's shared positions (each KV head its own rows there):
-    ``(out, row-cache fill)``."""
+    """Every head of every group attends its sequence's shared positions (each KV head its own rows there), or with
+    ``sharing.attending == "topk"`` its own top ``ctx.k`` of them: ``(out, row-cache fill)``."""
+    q = q.astype(jnp.float32)
     slots = jnp.repeat(shared.positions, kv_heads, axis=0)  # [R, S]: groups are batch-major
     member = jnp.broadcast_to(jnp.repeat(shared.mask, kv_heads, axis=0)[:, None, :],
                               (q.shape[0], q.shape[1], slots.shape[-1]))
-    return ctx.run.fetcher.attend(q.astype(jnp.float32), slots, member, view)
+    if sharing.attending == "all":
+        return ctx.run.fetcher.attend(q, slots, member, view)
+    rows, fill = ctx.run.fetcher.fetch(slots, view)  # fetched once: ranked, then attended
+    keys, values = view.rows.split(rows)
+    member = head_topk(q, keys, slots, member, view.length, ctx.k, sink=ctx.sink, local=ctx.local)
+    return attend(q, keys, values, member), fill
+
+
+def head_topk(q: Float[Array, "R G D"], keys: Float[Array, "R S D"], slots: Int[Array, "R S"],
+              member: Bool[Array, "R G S"], length: Int[Array, "R"], k: int, *, sink: int, local: int
+              ) -> Bool[Array, "R G S"]:
+    """Each head's own ``k`` slots of ``member`` by exact score ``q . key``: the sink and local window first (as a
+    selection's), then the highest scores, ties to the lower slot."""
+    scores = jnp.einsum("rgd,rsd->rgs", q, keys.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    forced = (slots < sink) | (slots >= (length - local)[:, None])
+    ranked = jnp.where(forced[:, None, :], jnp.inf, jnp.where(jnp.isnan(scores), -jnp.finfo(jnp.float32).max, scores))
+    ranked = jnp.where(member, ranked, -jnp.inf)
+    _, top = jax.lax.top_k(ranked, min(k, slots.shape[-1]))
+    chosen = jnp.zeros(member.shape, bool).at[
+        jnp.arange(member.shape[0])[:, None, None], jnp.arange(member.shape[1])[None, :, None], top].set(True)
+    return chosen & member

@@ -213,7 +213,7 @@ def _shared_step(method: ScanMethod, q, view: CacheView, ctx: StepContext, share
         return result.out, result.fill, published
 
     def following():
-        out, fill = sharing_lib.attend_shared(q, view, ctx, shared, share.kv_heads)
+        out, fill = sharing_lib.attend_shared(q, view, ctx, shared, share.selection, share.kv_heads)
         return out.astype(jnp.float32), fill, shared
 
     if selects is not None:

@@ -3,7 +3,8 @@
 The capture, calibration, decode positions, dense references and metric are the study's (:mod:`~fathom_jax.eval.
 fidelity`): at each of the window's last positions, every scanning layer and head, ``||o - o_dense|| / ||o_dense||``
 with each layer's own captured queries. A selection layer's error is per-layer Fathom's (it attends its own top-k);
-a sharing layer's is that of attending a selection layer's shared set (:mod:`~fathom_jax.eval.shared_selection`).
+a sharing layer's is that of attending a selection layer's shared set (:mod:`~fathom_jax.eval.shared_selection`: all
+of it, or with ``attending="topk"`` each head its exact top k).
 Since a layer's error depends only on which layer's set it attends, one matrix answers every rule: ``pair[s, l]``,
 layer l attending layer s's set (s < l), for every ranking and budget (one ranking per selection layer and position
 serves every budget: a smaller budget's set is a prefix). A rule's per-layer errors are read off it
@@ -33,7 +34,7 @@ from fathom_jax.eval.scoring import MethodScore
 from fathom_jax.eval.shared_selection import shared_attention, shared_positions
 from fathom_jax.index import build_index, unpack_index
 from fathom_jax.methods import Fathom, ScanMethod, parse
-from fathom_jax.methods.sharing import RANKINGS, SharedSelection
+from fathom_jax.methods.sharing import ATTENDING, RANKINGS, SharedSelection
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
 
 
@@ -54,6 +55,7 @@ class ShareConfig:
     row_ks: tuple[int, ...] = (64, 96, 128, 192, 256, 384, 512, 768, 1024)  # per-layer k's measured for equal rows
     bits_fractions: tuple[float, ...] = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4)  # of the budget
     reference: str | None = "exact"  # the oracle's scores shared: what sharing costs with no scan error
+    attending: str = "all"  # what a sharing layer's heads attend of the set (SharedSelection.attending)
 
     def __post_init__(self):
         method = parse(self.method)
@@ -63,6 +65,8 @@ class ShareConfig:
             SharedSelection(("first",), budget).validate(self.k)
         if any(r not in RANKINGS for r in self.rankings) or not self.rankings:
             raise ValueError(f"ShareConfig: rankings must be among {RANKINGS}, got {self.rankings}")
+        if self.attending not in ATTENDING:
+            raise ValueError(f"ShareConfig: attending must be one of {ATTENDING}, got {self.attending!r}")
         if self.k not in self.row_ks:
             raise ValueError(f"ShareConfig: row_ks {self.row_ks} must hold k = {self.k}")
 
@@ -102,17 +106,20 @@ def layer_scores(method: ScanMethod, q: Float[Array, "P Hkv G D"], keys: Float[A
     return _scores(data, q, keys, calib if method.needs_calibration else None, positions, score)
 
 
-@functools.partial(jax.jit, static_argnames=("budgets",))
-def _pair_errors(q, keys, values, refs, shared, mask, budgets):
-    """``[P, B]``: layer errors (mean over heads) when it attends ``shared [P, Bmax]``'s first ``b`` positions."""
+@functools.partial(jax.jit, static_argnames=("budgets", "k"))
+def _pair_errors(q, keys, values, refs, shared, mask, positions, budgets, k):
+    """``[P, B]``: layer errors (mean over heads) when it attends ``shared [P, Bmax]``'s first ``b`` positions (each
+    head its exact top ``k`` of them where ``k`` is not None)."""
 
     def one(args):
-        q_p, idx, m, ref = args
+        q_p, idx, m, ref, p = args
         ref_norm = jnp.maximum(jnp.linalg.norm(ref, axis=-1), 1e-30)
-        return jnp.stack([jnp.mean(jnp.linalg.norm(shared_attention(q_p, keys, values, idx[:b], m[:b]) - ref,
-                                                   axis=-1) / ref_norm) for b in budgets])
+        topk = None if k is None else (k, p + 1)
+        return jnp.stack([jnp.mean(jnp.linalg.norm(
+            shared_attention(q_p, keys, values, idx[:b], m[:b], topk=topk) - ref, axis=-1) / ref_norm)
+            for b in budgets])
 
-    return jax.lax.map(one, (q, shared, mask, refs))
+    return jax.lax.map(one, (q, shared, mask, refs, positions))
 
 
 _select = jax.jit(select_topk, static_argnums=2)
@@ -155,7 +162,7 @@ def measure(method: ScanMethod, capture: fid.Capture, calib, positions: np.ndarr
             shared[r, s] = np.where(ok, order, -1)
             for layer in range(s + 1, n_layers):
                 errs = _pair_errors(queries[layer], capture.k[layer], capture.v[layer], refs.outputs[layer], order,
-                                    ok, budgets)
+                                    ok, pos, budgets, config.k if config.attending == "topk" else None)
                 pair[r, :, s, layer] = np.asarray(errs).T
         log(f"[share] {method.label}: layer {s} selected and shared with {n_layers - 1 - s} later layers "
             f"({time.time() - t0:.1f} s)")

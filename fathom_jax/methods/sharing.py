@@ -4,6 +4,7 @@ A method spec takes the option as a suffix, options joined by ``@`` (shell-safe:
 
     fathom:48@share=0,2,mid@budget=256               # layers 0, 2 and the middle scanning layer select
     sparq:8@share=every4@budget=512@rank=rank        # every 4th scanning layer, the union ranked by head rank
+    fathom:48@share=0,2,mid@budget=1024@attend=topk  # each sharing head attends its own top k of the set
 
     method, sharing = sharing.parse_spec("fathom:48@share=0,mid@budget=256")
     plan = sharing.plan(model_config)                # or sharing.plan_layers(n_layers, scanning_layers)
@@ -15,7 +16,10 @@ choices and cuts it to ``budget`` positions, sink and local window included. Eve
 all its heads, attends exactly those positions and scans nothing: it moves no plane, runs no selection, and fetches
 ``budget`` rows per KV head. How the union is ranked (``rank=``): ``mass`` (the default: a token's estimated
 attention weights summed over the heads, each head's a softmax of the scan's scores), ``weight`` (their largest) or
-``rank`` (its best rank in any head's order: every head's first choice, then every head's second, ...). Measured in
+``rank`` (its best rank in any head's order: every head's first choice, then every head's second, ...). How a
+sharing layer's heads attend the set (``attend=``): ``all`` (the default: every head the whole set) or ``topk`` (each
+head its own top k of the set by exact score, sink and local window forced as a selection's: the rows it fetches
+are the same, it attends what an exact top-k head would where the set holds it). Measured in
 ``results/share_fidelity_*.md`` (``scripts/share_fidelity.py``).
 
 ``share=`` names *model* layer indices and rule words, resolved against the layers that scan (every layer of a
@@ -37,6 +41,8 @@ from fathom_jax.methods.base import ScanMethod
 
 Ranking = Literal["weight", "mass", "rank"]
 RANKINGS: tuple[str, ...] = ("weight", "mass", "rank")
+Attending = Literal["all", "topk"]
+ATTENDING: tuple[str, ...] = ("all", "topk")
 # The forced tokens every selection keeps (pallas_kernels.topk's SINK_TOKENS + LOCAL_TOKENS); a shared set holds them
 # too, so a budget must leave room past them. Not imported: this module stays free of jax and the kernels.
 FORCED_TOKENS = 4 + 32
@@ -47,16 +53,18 @@ _EVERY = re.compile(r"every([1-9][0-9]*)$")
 class SharedSelection:
     """Which layers select (``layers``: model layer indices and rule words ``first``, ``mid``, ``everyN``, ``all``),
     how many positions the layers after each attend (``budget``, sink and local window included: the rows fetched per
-    KV head at a sharing layer) and how the selection layer's union is ranked (``ranking``). Frozen and hashable: a
-    static argument of a compiled step."""
+    KV head at a sharing layer), how the selection layer's union is ranked (``ranking``) and what a sharing layer's
+    heads attend of it (``attending``: ``all`` of it, or each head its ``topk`` by exact score). Frozen and hashable:
+    a static argument of a compiled step."""
 
     layers: tuple[int | str, ...]
     budget: int
     # mass errs least in every study (results/share_fidelity_*.md: geometric means 1-4% below weight's, 1-7% below
     # rank's)
     ranking: Ranking = "mass"
+    attending: Attending = "all"
 
-    spec_syntax: ClassVar[str] = "METHOD@share=LAYERS@budget=POSITIONS[@rank=mass|weight|rank]"
+    spec_syntax: ClassVar[str] = "METHOD@share=LAYERS@budget=POSITIONS[@rank=mass|weight|rank][@attend=all|topk]"
 
     def __post_init__(self):
         if isinstance(self.layers, (str, int)) or not isinstance(self.layers, tuple) or not self.layers:
@@ -75,17 +83,20 @@ class SharedSelection:
                              f"attends, the {FORCED_TOKENS} sink and local tokens included), got {self.budget!r}")
         if self.ranking not in RANKINGS:
             raise ValueError(f"SharedSelection: ranking must be one of {RANKINGS}, got {self.ranking!r}")
+        if self.attending not in ATTENDING:
+            raise ValueError(f"SharedSelection: attending must be one of {ATTENDING}, got {self.attending!r}")
 
     @property
     def spec(self) -> str:
         """The suffix :func:`parse_spec` reads back (after a method spec)."""
         rank = "" if self.ranking == "mass" else f"@rank={self.ranking}"
-        return f"@share={','.join(map(str, self.layers))}@budget={self.budget}{rank}"
+        attend = "" if self.attending == "all" else f"@attend={self.attending}"
+        return f"@share={','.join(map(str, self.layers))}@budget={self.budget}{rank}{attend}"
 
     @property
     def label(self) -> str:
-        return f"shared {','.join(map(str, self.layers))} / {self.budget}" + (
-            "" if self.ranking == "mass" else f" ({self.ranking})")
+        notes = ([self.ranking] if self.ranking != "mass" else []) + (["top-k"] if self.attending == "topk" else [])
+        return f"shared {','.join(map(str, self.layers))} / {self.budget}" + (f" ({', '.join(notes)})" if notes else "")
 
     def resolve(self, n_layers: int, scanning_layers: Sequence[int] | None = None) -> tuple[int, ...]:
         """The model layers that select, in increasing order. ``scanning_layers``: the layers that hold the whole
@@ -195,7 +206,8 @@ def _scanning(n_layers: int, scanning_layers: Sequence[int] | None) -> tuple[int
 
 
 def parse_option(text: str, spec: str | None = None) -> SharedSelection:
-    """A :class:`SharedSelection` from the options after a method spec: ``share=0,2,mid@budget=256[@rank=mass]``."""
+    """A :class:`SharedSelection` from the options after a method spec:
+    ``share=0,2,mid@budget=256[@rank=mass][@attend=topk]``."""
     spec = spec or text
     options: dict[str, str] = {}
     for item in text.split("@"):
@@ -203,8 +215,9 @@ def parse_option(text: str, spec: str | None = None) -> SharedSelection:
         if not eq or not value.strip():
             raise ValueError(f"bad sharing option {item!r} in {spec!r}: expected key=value "
                              f"({SharedSelection.spec_syntax})")
-        if key not in ("share", "budget", "rank"):
-            raise ValueError(f"unknown sharing option {key!r} in {spec!r}; expected share=, budget= and rank=")
+        if key not in ("share", "budget", "rank", "attend"):
+            raise ValueError(f"unknown sharing option {key!r} in {spec!r}; expected share=, budget=, rank= and "
+                             "attend=")
         if key in options:
             raise ValueError(f"sharing option {key}= given twice in {spec!r}")
         options[key] = value.strip()
@@ -221,7 +234,7 @@ def parse_option(text: str, spec: str | None = None) -> SharedSelection:
         budget = int(options["budget"])
     except ValueError:
         raise ValueError(f"{spec!r}: budget must be an integer count of positions, got {options['budget']!r}") from None
-    return SharedSelection(tuple(terms), budget, options.get("rank", "mass"))
+    return SharedSelection(tuple(terms), budget, options.get("rank", "mass"), options.get("attend", "all"))
 
 
 def parse_method(spec: str) -> "ScanMethod | SharedMethod":

@@ -55,9 +55,11 @@ def test_a_selection_layer_publishes_the_studys_set(setting, ranking):
     assert np.all((np.asarray(got.positions) < lengths[:, None])[np.asarray(got.mask)])  # valid positions only
 
 
+@pytest.mark.parametrize("attending", ["all", "topk"])
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
-def test_a_sharing_layer_attends_the_published_rows(setting, implementation):
-    """Every head attends each position of its sequence's set, the newest token's row patched in."""
+def test_a_sharing_layer_attends_the_published_rows(setting, implementation, attending):
+    """Every head attends each position of its sequence's set (``topk``: its own exact top k of them), the newest
+    token's row patched in."""
     keys, values, q, lengths, calib = setting
     view, kv_cache, new = stacked_setting(setting, M.Fathom(20))
     rng = np.random.default_rng(3)
@@ -67,9 +69,12 @@ def test_a_sharing_layer_attends_the_published_rows(setting, implementation):
     mask[2, :10] = False  # a shorter set
     shared = sharing.SharedSet(jnp.asarray(np.where(mask, positions, -1)), jnp.asarray(mask))
     layer = CacheView(index=view, kv=kv_cache, length=jnp.asarray(lengths), calib=calib, layer=jnp.int32(1), new=new)
-    got, _ = sharing.attend_shared(jnp.asarray(q), layer, context(implementation), shared, kv_heads=1)
+    ctx = context(implementation)
+    got, _ = sharing.attend_shared(jnp.asarray(q), layer, ctx, shared, SharedSelection((0,), BUDGET,
+                                                                                      attending=attending), kv_heads=1)
+    topk = (ctx.k, jnp.asarray(lengths)) if attending == "topk" else None
     want = shared_attention(jnp.asarray(q)[:, None], jnp.asarray(keys)[:, None], jnp.asarray(values)[:, None],
-                            jnp.asarray(np.maximum(positions, 0)), jnp.asarray(mask))[:, 0]
+                            jnp.asarray(np.maximum(positions, 0)), jnp.asarray(mask), topk=topk)[:, 0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
@@ -116,6 +121,32 @@ def test_sharing_layers_attend_the_published_set(tiny_model):
     assert not np.allclose(got[1:], plain[1:], atol=1e-3)  # the sharing layers attended something else
 
 
+def test_topk_sharing_layers_attend_each_heads_exact_top_k(tiny_model):
+    """With ``attend=topk`` and the whole context shared (budget = capacity), a sharing head attends its exact top k
+    of every position: the decode equals a dense cache whose layer 0 attends sparq's top-k and the others the exact
+    top-k (the oracle's)."""
+    method, k = M.SparQ(4), 40
+
+    def mixed(q, keys, values, length, layer):
+        b, hkv, g, d = q.shape
+        q, keys, values = q.reshape(-1, g, d), keys.reshape(b * hkv, -1, d), values.reshape(b * hkv, -1, d)
+        lengths = jnp.full(q.shape[:1], length, jnp.int32)
+        index = I.build_index(keys, None, method.parts - {P.KEYS}, length=lengths)
+        approx = scan_scores(method, q, index, None, implementation="xla").scores[..., : keys.shape[-2]]
+        exact = jnp.einsum("rgd,rnd->rgn", q, keys, precision=jax.lax.Precision.HIGHEST)
+        idx, mask = select_topk(jnp.where(layer == 0, approx, exact), lengths, k, implementation="xla")
+        return sparse_attention(q, keys, values, idx, mask).reshape(b, hkv, g, d)
+
+    attn = decode.from_spec(f"sparq:4@share=0@budget={CAPACITY}@attend=topk", k=k)
+    got, _, bound = sparse_forced(tiny_model, PROMPT, TOKENS, attn, CAPACITY)
+    assert bound.share.selects == (True, False, False)
+    want, _ = forced_logits_after(tiny_model, PROMPT, TOKENS, DenseCache(mixed), CAPACITY)
+    np.testing.assert_allclose(got[1:], want, rtol=2e-4, atol=2e-4)
+    every, _, _ = sparse_forced(tiny_model, PROMPT, TOKENS, decode.from_spec(
+        f"sparq:4@share=0@budget={CAPACITY}", k=k), CAPACITY)
+    assert not np.allclose(got[1:], every[1:], atol=1e-3)  # k of the set, not all of it
+
+
 def test_a_selection_layer_publishes_from_its_own_scores(tiny_model):
     """The step's own scores serve the published set: its selection layer runs one plane scan. The decode step scans
     each run of layers of one kind apart (layer 0 selects, layers 1 and 2 share), so no conditional branches on the
@@ -140,10 +171,11 @@ def test_a_selection_layer_publishes_from_its_own_scores(tiny_model):
 
 @pytest.mark.parametrize("placement", [pytest.param("pinned_host", marks=ON_GPU, id="gpu-pinned_host"),
                                        pytest.param("device", marks=ON_GPU, id="gpu-device")])
-def test_the_kernels_decode_a_shared_selection_as_the_reference(tiny_model, placement):
+@pytest.mark.parametrize("attending", ["", "@attend=topk"])
+def test_the_kernels_decode_a_shared_selection_as_the_reference(tiny_model, placement, attending):
     """Natively, Fathom's shared selection on the kernels (layers 0 and 2 select, layer 1 attends layer 0's set: three
     runs of the layer scan), its cache in host or device memory, decodes as the reference in device memory."""
-    spec = "fathom:16@share=0,2@budget=44"
+    spec = "fathom:16@share=0,2@budget=44" + attending
     want, _, _ = sparse_forced(tiny_model, PROMPT, TOKENS, decode.from_spec(spec, k=40), CAPACITY)
     got, _, bound = sparse_forced(tiny_model, PROMPT, TOKENS, decode.from_spec(
         spec, k=40, implementation="triton", placement=placement), CAPACITY)
