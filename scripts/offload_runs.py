@@ -372,15 +372,19 @@ preset("warm-128k-b8", None, "warm_128k_b8", ("link", "attnbatch"), (128 * K,), 
 
 # a selection shared across layers (issue 57) beside per-layer Fathom 48: at 128k eight sessions of their own with k8v8
 # rows (the pinned host cap must hold them: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=110); at 1M with k8v8 rows and warm
-# planes, the two ways left to cut what the shared step moves; and the 1M step's kernels by the profiler
+# planes, the two ways left to cut what the shared step moves; the 1M step's kernels by the profiler; and at 1M every
+# cut at once (k8v8 rows, plane 0 in HBM, a budget of 1024 beside 2048, index blocks written when full)
 SHARED = ("Fathom 48", "Fathom 48 shared")
-preset("shared-128k-b8", None, "shared_128k", ("link", "attnbatch"), (128 * K,), SHARED, batches=(8,), rows=K8V8,
-       inputs=(INPUTS["honest"],), share_kv_from=None, time_budget=185)
-preset("shared-1m-rows", None, "shared_1m_rows", LINK_ATTN, (M,), SHARED, rows=K8V8, resident_planes=(0, 1),
-       warm_planes=(0, 48), inputs=(INPUTS["honest"],), share_kv_from=M, time_budget=420)
-preset("shared-1m-profile", None, "shared_1m_profile", ("attn", "attnprofile"), (M,),
-       (*SHARED, "Fathom 48 shared top-k"), resident_planes=(1,),
-       inputs=(INPUTS["honest"],), share_kv_from=M, time_budget=200)
+preset("shared-128k-b8", "offload_h100_shared_128k", "shared_128k", ("link", "attnbatch"), (128 * K,), SHARED,
+       batches=(8,), rows=K8V8, inputs=(INPUTS["honest"],), share_kv_from=None, time_budget=185)
+preset("shared-1m-rows", "offload_h100_shared_1m_rows", "shared_1m_rows", LINK_ATTN, (M,), SHARED, rows=K8V8,
+       resident_planes=(0, 1), warm_planes=(0, 48), inputs=(INPUTS["honest"],), share_kv_from=M, time_budget=420)
+preset("shared-1m-profile", "offload_h100_shared_1m_profile", "shared_1m_profile", ("attn", "attnprofile"), (M,),
+       (*SHARED, "Fathom 48 shared top-k"), resident_planes=(1,), inputs=(INPUTS["honest"],), share_kv_from=M,
+       time_budget=200)
+preset("shared-1m-cuts", None, "shared_1m_cuts", LINK_ATTN, (M,),
+       ("Fathom 48", "Fathom 48 shared top-k", "Fathom 48 shared 1024 top-k"), configs=WRITES, rows=K8V8,
+       resident_planes=(1,), inputs=(INPUTS["honest"],), share_kv_from=M, time_budget=330)
 
 preset("fathom48", "fetch_order_h200", "f48", LINK_ATTN, (M, 128 * K), share_kv_from=M, time_budget=160)
 preset("attn-profile-1m", "fetch_order_h200", "profile_1m", ("attn", "attnprofile"), (M,), share_kv_from=M,

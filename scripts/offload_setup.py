@@ -26,8 +26,10 @@ METHODS = {  # label -> spec
     "Fathom 48": "fathom:48", "Fathom 64": "fathom:64", "SparQ r=16": "sparq:16",
     "32-channel (SparQ r=32)": "sparq:32", "full 4-bit": "full4",
     # issue 57: three selection layers (SmolLM2's study: 0, 2 and the middle one), the others attend 2048 positions
+    # (top-k: each head its own exact top k of them)
     "Fathom 48 shared": "fathom:48@share=0,2,mid@budget=2048",
     "Fathom 48 shared top-k": "fathom:48@share=0,2,mid@budget=2048@attend=topk",
+    "Fathom 48 shared 1024 top-k": "fathom:48@share=0,2,mid@budget=1024@attend=topk",
 }
 # what a run measures unless it names its methods: the paper's (a shared selection only where asked for)
 DEFAULT_METHODS = tuple(label for label, spec in METHODS.items() if "@" not in spec)

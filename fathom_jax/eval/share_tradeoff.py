@@ -56,7 +56,8 @@ def step_pairs(bench: dict, per_layer: str, shared: str) -> list[dict]:
         out.append({**{f: a[f] for f in key}, "machine": bench["machine"]["device"], "commit": bench["machine"]["commit"],
                     "command": bench.get("command"), **sides,
                     "time_ratio": b["median_ms"] / a["median_ms"],
-                    "plane_ratio": b["link_scan_bytes"] / a["link_scan_bytes"]})
+                    # None where neither moves a plane (every plane read resident or warm)
+                    "plane_ratio": b["link_scan_bytes"] / a["link_scan_bytes"] if a["link_scan_bytes"] else None})
     return out
 
 
@@ -117,10 +118,11 @@ def render_markdown(res: dict) -> str:
              "per-layer plane MB | shared plane MB | plane ratio | row MB (both) |", "|---|" + "---|" * 10]
     for p in res["steps"]:
         a, b = p["per_layer"], p["shared"]
-        lines.append(f"| {p['machine']} | {_size(p['context'])} x {p['batch']} | {p['rows']} | {p['resident_planes']} "
+        planes = "n/a" if p["plane_ratio"] is None else f"1/{1 / p['plane_ratio']:.1f}"
+        lines.append(f"| {p['machine']} | {_size(p['context'])} x {p['batch']} | {p['rows']} | {_placement(p)} "
                      f"| {a['ms']:.2f} [{a['min_ms']:.2f}, {a['max_ms']:.2f}] | {b['ms']:.2f} [{b['min_ms']:.2f}, "
                      f"{b['max_ms']:.2f}] | {p['time_ratio']:.2f} | {a['plane_mb']:.0f} | {b['plane_mb']:.0f} | "
-                     f"1/{1 / p['plane_ratio']:.1f} | {a['row_mb']:.0f} / {b['row_mb']:.0f} |")
+                     f"{planes} | {a['row_mb']:.0f} / {b['row_mb']:.0f} |")
     lines += ["", "## Error (the studies' protocol, against per-layer selection at the same k)", "",
               "| model, context | scan, k | rule (layers) | budget | error ratio | given the same rows | given the same "
               "bits | bits / token (per-layer) |", "|---|" + "---|" * 7]
@@ -133,6 +135,12 @@ def render_markdown(res: dict) -> str:
                      f"({e['bits_per_layer']:.1f}) |")
     lines += ["", "Bold: within the issue's +15%.", ""]
     return "\n".join(lines) + "\n"
+
+
+def _placement(p: dict) -> str:
+    """Planes in HBM: ``p`` resident, and warm planes per layer and group where there are any."""
+    warm = p.get("warm_planes") or 0
+    return f"{p['resident_planes']}" + (f" + {warm} warm" if warm else "")
 
 
 def _cell(x) -> str:
@@ -157,12 +165,11 @@ def plot(res: dict, path: str) -> None:
         for p in res["steps"]:
             x0, x1 = x_of(p["per_layer"]), x_of(p["shared"])
             name = f"{p['machine'].split()[1] if ' ' in p['machine'] else p['machine']} {_size(p['context'])} x " \
-                   f"{p['batch']}, p = {p['resident_planes']}"
+                   f"{p['batch']}, {p['rows']}, p = {_placement(p)}"
             ax.annotate("", (x1, mean), (x0, 1.0), arrowprops={"arrowstyle": "->", "color": "0.6"})
             ax.plot([x0], [1.0], "ko", ms=5)
             ax.errorbar([x1], [mean], yerr=[[mean - spread[0]], [spread[1] - mean]], fmt="s", ms=5, capsize=3,
                         label=name)
-            ax.annotate(name, (x0, 1.0), fontsize=7, xytext=(3, -10), textcoords="offset points")
         ax.axhline(TARGET, color="r", ls=":", lw=1, label="+15%")
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))

@@ -106,7 +106,10 @@ def test_groups_split_into_chunks_equal_one_chunk(setting, method, implementatio
     (one, bits1), (three, bits3) = run(pipeline=1), run(**PIPELINE)
     with pytest.raises(ValueError, match="pipeline=2 must divide the 3 groups"):
         run(pipeline=2)
-    np.testing.assert_array_equal(np.asarray(three), np.asarray(one))
+    if implementation == "xla":
+        np.testing.assert_array_equal(np.asarray(three), np.asarray(one))
+    else:  # natively XLA fuses the chunks' glue by their shapes: the same selection, sums within an ulp or two
+        np.testing.assert_allclose(np.asarray(three), np.asarray(one), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(bits3), np.asarray(bits1))
 
 

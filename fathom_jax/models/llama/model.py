@@ -111,23 +111,31 @@ class LlamaForCausalLM(nnx.Module):
         ``runs``: ``(start, stop, kind)`` of consecutive layers (:func:`~fathom_jax.models.attention.layer_runs`),
         one scan each (None: one of every layer). ``mlp_chunk``: tokens per chunk of the MLP (None: all at once).
 
-        The stacked parameters are closed over and indexed by layer, not scanned as ``xs``: a run's scan over a slice
-        of them would copy it.
+        One run scans the stacked parameters as ``xs``: XLA on a GPU reads each layer's weights in place (closed over
+        and indexed instead, the compiled per-layer step copied two weight slices a layer). Several runs close over
+        them and index them by layer: a run's scan over a static slice of them would copy the whole run every step.
         """
         cfg = self.config
         graphdef, layer_state = nnx.split(self.layers)
 
-        def body_of(kind):
-            def body(c, idx):
-                x, carry = c
-                layer = nnx.merge(graphdef, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False),
-                                                         layer_state))
-                x, (carry, ys) = layer(cfg, x, positions, lambda q, k, v: attend(idx, q, k, v, carry, kind),
-                                       mlp_chunk=mlp_chunk)
-                return (x, carry), ys
-            return body
+        def layer_step(c, idx, state, kind):
+            x, carry = c
+            x, (carry, ys) = nnx.merge(graphdef, state)(
+                cfg, x, positions, lambda q, k, v: attend(idx, q, k, v, carry, kind), mlp_chunk=mlp_chunk)
+            return (x, carry), ys
 
-        (x, carry), ys = scan_runs(body_of, (x, carry), runs or layer_runs(None, cfg.n_layers), unroll=unroll)
+        runs = runs or layer_runs(None, cfg.n_layers)
+        if len(runs) == 1:
+            (_, _, kind), = runs
+            (x, carry), ys = jax.lax.scan(lambda c, s: layer_step(c, s[1], s[0], kind), (x, carry),
+                                          (layer_state, jnp.arange(cfg.n_layers, dtype=jnp.int32)), unroll=unroll)
+            return x, carry, ys
+
+        def body_of(kind):
+            return lambda c, idx: layer_step(
+                c, idx, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False), layer_state), kind)
+
+        (x, carry), ys = scan_runs(body_of, (x, carry), runs, unroll=unroll)
         return x, carry, ys
 
     def logits(self, h: Float[Array, "... E"]) -> Float[Array, "... V"]:
