@@ -406,7 +406,8 @@ def tier_lines(att: list[dict]) -> list[str]:
     rows = _tier_rows(att)
     if not any(r["resident_planes"] for r in rows):
         return []
-    base = {(r["method"], r["context"], r["batch"], r["rows"]): r for r in rows if not r["resident_planes"]}
+    base = {(r["method"], r["context"], r["batch"], r["rows"]): r for r in rows
+            if not r["resident_planes"] and not r.get("warm_planes")}
     lines = ["## Resident planes", "",
              "`p`: planes [0, p) of every channel, and every block scale, in HBM; planes [p, 4) in pinned host memory "
              "(p = 4: the whole index in HBM); `+ S warm`: S more channel planes per layer and group in HBM, chosen "

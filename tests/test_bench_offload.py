@@ -138,6 +138,18 @@ def test_row_cache_report_puts_each_row_beside_the_step_without_a_cache():
     assert offload_report.row_cache_lines([rows[2]]) == []
 
 
+def test_resident_planes_table_compares_with_the_host_index_without_warm_planes():
+    """``vs p = 0`` divides by the step with every plane on the host and none warm, whatever order the rows come in."""
+    base = dict(kind="attention", method="Fathom 48", context=1 << 20, batch=1, rows="k8v8", memory="pinned_host",
+                index_host_bytes=2e10, index_hbm_bytes=0, row_bytes_max=1.5e8, min_ms=0, max_ms=0, link_floor_ms=2.0)
+    rows = [dict(base, resident_planes=0, warm_planes=0, median_ms=60.0, link_scan_bytes=2e9),
+            dict(base, resident_planes=0, warm_planes=48, median_ms=30.0, link_scan_bytes=0),
+            dict(base, resident_planes=1, warm_planes=0, median_ms=40.0, link_scan_bytes=6e8)]
+    table = [line for line in offload_report.tier_lines(rows[::-1]) if line.startswith("| Fathom 48")]
+    assert [line.split("|")[-3:-1] for line in table] == [[" 1.00x ", " 1.00 "], [" 2.00x ", " 0.00 "],
+                                                          [" 1.50x ", " 0.30 "]]
+
+
 def test_merge_keeps_an_older_profile_dated_when_the_newer_run_has_none(tmp_path):
     """A newer median of a measurement without a profile keeps the older run's breakdown, which the report dates."""
     old = part("2026-11-29T10:00:00+00:00", 22.0, [], [])
