@@ -40,7 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=positive_int(1), default=32, help="tokens to generate (for each prompt)")
     p.add_argument("--method", type=generate_method, default="dense",
                    help="dense, or a scan: " + _generate_specs(methods) + "; a scan may share its selection across "
-                   "layers: METHOD@share=LAYERS@budget=POSITIONS (e.g. fathom:48@share=0,2,mid@budget=512)")
+                   "layers: METHOD@share=LAYERS@budget=POSITIONS[@rank=mass|weight|rank][@attend=all|topk] (e.g. "
+                   "fathom:48@share=0,2,mid@budget=512; attend=topk: each sharing head its own exact top k of the set)")
     p.add_argument("--k", type=K_TYPE, default=128,
                    help="tokens attended per query head (4 sink + 32 local + top-scoring rest)")
     p.add_argument("--calibration", choices=["session", "corpus"], default="session",

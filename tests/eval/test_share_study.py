@@ -86,3 +86,23 @@ def test_share_study_end_to_end(tmp_path):
     assert "## Every rule" in share_report.render_markdown(res)
     share_report.plot(res, str(tmp_path / "share.png"))
     assert (tmp_path / "share.png").stat().st_size > 0
+
+
+def test_topk_pair_errors_over_every_position_are_the_exact_top_ks():
+    """The study's ``attending="topk"``: a set of every position attended top k per head errs as the oracle does."""
+    from fathom_jax.select import select_topk, sparse_attention
+
+    rng = np.random.default_rng(4)
+    n, pos = 256, np.array([200, 255], np.int32)
+    q = jnp.asarray(rng.standard_normal((2, 1, 2, D)), jnp.float32)  # [P, Hkv, G, D]
+    keys, values = (jnp.asarray(rng.standard_normal((1, n, D)), jnp.float32) for _ in range(2))
+    refs = jnp.asarray(rng.standard_normal((2, 1, 2, D)), jnp.float32)
+    shared = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (2, n))
+    got = ss._pair_errors(q, keys, values, refs, shared, shared < jnp.asarray(pos + 1)[:, None], jnp.asarray(pos),
+                          (n,), 40)
+    for p in range(2):
+        scores = jnp.einsum("hgd,hnd->hgn", q[p], keys, precision=jax.lax.Precision.HIGHEST)
+        idx, mask = select_topk(scores, jnp.full((1,), pos[p] + 1), 40, implementation="xla")
+        o = sparse_attention(q[p], keys, values, idx, mask)
+        want = jnp.mean(jnp.linalg.norm(o - refs[p], axis=-1) / jnp.linalg.norm(refs[p], axis=-1))
+        np.testing.assert_allclose(got[p, 0], want, rtol=1e-5)

@@ -92,3 +92,32 @@ def test_shared_attention_matches_per_head_sparse_attention(stack):
                                                                                      (2, HKV, G, 100))
     np.testing.assert_allclose(shared_attention(q[1], k[1], v[1], idx, mask),
                                sparse_attention(q[1], k[1], v[1], *per_head), rtol=1e-6, atol=1e-6)
+
+
+def _exact_top_k(q, keys, values, length, k):
+    """Each head's exact top k of every valid position (sink and local forced): the oracle's step."""
+    scores = jnp.einsum("bhgd,bhnd->bhgn", q, keys, precision=jax.lax.Precision.HIGHEST)
+    idx, mask = select_topk(scores, jnp.broadcast_to(length[:, None], scores.shape[:2]), k, implementation="xla")
+    return sparse_attention(q, keys, values, idx, mask)
+
+
+def test_topk_over_every_position_is_the_exact_top_k(stack):
+    """``attend=topk`` over a set holding every valid position attends each head's exact top k: the oracle's step."""
+    q, k, v, _, length = stack
+    every = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (2, N))
+    out = shared_attention(q[1], k[1], v[1], every, every < length[:, None], topk=(40, length))
+    np.testing.assert_allclose(out, _exact_top_k(q[1], k[1], v[1], length, 40), rtol=1e-6, atol=1e-6)
+
+
+def test_topk_attends_only_the_set(stack):
+    """Each head attends its top k of the set's positions only: rows outside the set change nothing, rows inside do;
+    a set of k positions (sink and local among them) attends all of them."""
+    q, k, v, scores, length = stack
+    idx, mask = shared_positions(scores[0], length, 100, scale=0.25)
+    out = shared_attention(q[1], k[1], v[1], idx, mask, topk=(40, length))
+    outside = jnp.ones((2, N), bool).at[jnp.arange(2)[:, None], idx].set(False)
+    noisy = jnp.where(outside[:, None, :, None], 100.0, k[1])
+    np.testing.assert_array_equal(shared_attention(q[1], noisy, v[1], idx, mask, topk=(40, length)), out)
+    small_idx, small_mask = shared_positions(scores[0], length, 40, scale=0.25)
+    np.testing.assert_allclose(shared_attention(q[1], k[1], v[1], small_idx, small_mask, topk=(40, length)),
+                               shared_attention(q[1], k[1], v[1], small_idx, small_mask), rtol=1e-6, atol=1e-6)

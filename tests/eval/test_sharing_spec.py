@@ -22,6 +22,11 @@ def test_parse_round_trip():
     ranked = parse_spec("sparq:8@share=every4@budget=512@rank=weight")[1]
     assert ranked == SharedSelection(("every4",), 512, "weight") and ranked.spec.endswith("@rank=weight")
     assert parse_spec("fathom:48") == (methods.Fathom(48), None)
+    topk = parse_spec("fathom:48@share=0,mid@budget=1024@rank=rank@attend=topk")[1]
+    assert topk == SharedSelection((0, "mid"), 1024, "rank", "topk")
+    assert parse_option(topk.spec.removeprefix("@")) == topk and topk.spec.endswith("@rank=rank@attend=topk")
+    assert topk.label == "shared 0,mid / 1024 (rank, top-k)"
+    assert SharedSelection((0,), 256, attending="all").spec == "@share=0@budget=256"  # the default is not spelled
 
 
 @pytest.mark.parametrize("rule, layers", [
@@ -56,6 +61,7 @@ def test_plan_maps_each_layer_to_its_selection_layer():
     ("fathom:48@share=0@budget=256@budget=512", r"budget= given twice"),
     ("fathom:48@share=0@budget=256@layers=1", r"unknown sharing option 'layers'"),
     ("fathom:48@share=0@budget=256@rank=best", r"ranking must be one of"),
+    ("fathom:48@share=0@budget=256@attend=some", r"attending must be one of \('all', 'topk'\)"),
     ("fathom:48@share=0,,mid@budget=256", r"empty layer between commas"),
     ("fathom:48@share=0,middle@budget=256", r"unknown layer rule 'middle'"),
     ("fathom:48@share=0@budget", r"expected key=value"),
