@@ -33,6 +33,8 @@ def render_markdown(res: dict) -> str:
     where = f"{m['host']} ({m['backend']}, {m['cpus']} cores), commit {m['commit']}" if isinstance(m, dict) else m
     cfg = meta["config"]
     best = best_ranking(res)
+    topk = ("; each sharing head attends only its own top-k of the set by exact score (`attend=topk`)"
+            if cfg.get("attending", "all") == "topk" else "")
     lines = [f"# Selection shared across layers: {meta['model'].split(' (')[0]}, {meta['context']} tokens", "",
              f"{meta['date']}, {where}, JAX {meta['jax']}; command `{meta.get('command')}`; "
              f"{meta.get('wall_seconds_with_captures', meta['wall_seconds'])} s with the captures. "
@@ -45,9 +47,7 @@ def render_markdown(res: dict) -> str:
              f"Rules: selection layers scan with {base['method']} and attend their own top-k = {base['k']} per head "
              "(sink 4 + local 32 included); every layer after one, up to the next, attends that layer's shared set "
              "with every head: the union of its heads' choices ranked and cut to the budget (positions, sink and "
-             "local included)"
-             + ("; each sharing head attends only its own top-k of the set by exact score (`attend=topk`)"
-                if cfg.get("attending", "all") == "topk" else "") + ". `chosen N`: the N selection layers with the least error on the calibration capture "
+             f"local included){topk}. `chosen N`: the N selection layers with the least error on the calibration capture "
              f"({cfg['calib_positions']} positions; a dynamic program over the pair errors). Rows: rows fetched per KV "
              "head per step (mean over layers); bits: scan bits per token per KV head per step (mean over layers; "
              "a sharing layer reads none); link MB: planes and bf16 rows one step moves at this context, every "

@@ -34,7 +34,7 @@ from fathom_jax.eval.scoring import MethodScore
 from fathom_jax.eval.shared_selection import shared_attention, shared_positions
 from fathom_jax.index import build_index, unpack_index
 from fathom_jax.methods import Fathom, ScanMethod, parse
-from fathom_jax.methods.sharing import ATTENDING, RANKINGS, SharedSelection
+from fathom_jax.methods.sharing import ATTENDING, RANKINGS, Attending, SharedSelection
 from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS
 
 
@@ -55,7 +55,7 @@ class ShareConfig:
     row_ks: tuple[int, ...] = (64, 96, 128, 192, 256, 384, 512, 768, 1024)  # per-layer k's measured for equal rows
     bits_fractions: tuple[float, ...] = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4)  # of the budget
     reference: str | None = "exact"  # the oracle's scores shared: what sharing costs with no scan error
-    attending: str = "all"  # what a sharing layer's heads attend of the set (SharedSelection.attending)
+    attending: Attending = "all"  # what a sharing layer's heads attend of the set (SharedSelection.attending)
 
     def __post_init__(self):
         method = parse(self.method)

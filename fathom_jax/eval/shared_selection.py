@@ -23,7 +23,13 @@ from jaxtyping import Array, Bool, Float, Int
 
 from fathom_jax.decode.sharing import shared_positions
 from fathom_jax.methods.sharing import SharedSelection, SharingPlan
-from fathom_jax.select import LOCAL_TOKENS, SINK_TOKENS, attend_rows, select_topk, sparse_attention
+from fathom_jax.select import (
+    LOCAL_TOKENS,
+    SINK_TOKENS,
+    attend_rows,
+    select_topk,
+    sparse_attention,
+)
 
 
 def shared_attention(
@@ -56,7 +62,7 @@ def _shared_topk_attention(q, keys, values, positions, mask, k: int, length, *, 
     """Each head's exact top ``k`` among the shared positions: every position's exact score, those outside the set
     at -inf, then today's selection and sparse attention over them (the decode step ranks its fetched rows
     instead)."""
-    *batch, hkv, g, _ = q.shape
+    *batch, hkv, _, _ = q.shape
     n = keys.shape[-2]
     scores = jnp.einsum("...hgd,...hnd->...hgn", q.astype(jnp.float32), keys.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
